@@ -1,0 +1,494 @@
+"""Stage 2: syntax tree → bound plan. Builds the model, traces it with torch.export, resolves names.
+
+Names (DESIGN §3): parameters and buffers by state-dict name, inputs by forward() argument name,
+`output` / `output.logits` / `output[0]` for the output or a part of it, `blocks.3.attn()` for a
+submodule's output; `*` matches one name segment. Each layout written in the file is checked against
+the tensor it names (rank, divisibility, no P on parameters and inputs) and bound to a graph node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib
+import inspect
+import io
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .diagnostics import CompileError, DiagnosticSink, Span
+from .layouts import B, Layout, Mesh, Placement
+from .syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float": torch.float32, "float64": torch.float64, "double": torch.float64,
+    "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A layout the user wrote, bound to a tensor; it always stands (DESIGN §4)."""
+
+    layout: Layout
+    entry: LayoutEntry
+
+
+@dataclass
+class BoundPlan:
+    par: ParFile
+    mesh: Mesh
+    exported: torch.export.ExportedProgram
+    tensors: dict[str, TensorInfo]  # graph node name → global shape and dtype
+    parameters: dict[str, str]  # placeholder → state-dict name
+    buffers: dict[str, str]  # placeholder → state-dict name (buffers and lifted constants)
+    inputs: dict[str, str]  # placeholder → forward() argument name
+    outputs: list[tuple[str, str]]  # flat outputs: (path such as "output[0]", graph node name)
+    pins: dict[str, Pin]  # graph node name → user layout (params, buffers, inputs, submodule outputs)
+    output_pins: dict[int, Pin]  # flat output index → user layout
+    module_paths: dict[str, str] = field(default_factory=dict)  # node name → module path it came from
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.exported.graph_module.graph
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model loading
+
+
+@contextlib.contextmanager
+def import_paths(*paths: str):
+    """The .par file's folder and the working directory are importable while the model is built."""
+    added = [p for p in paths if p not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for p in added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(p)
+
+
+def par_import_paths(par_path: str) -> tuple[str, ...]:
+    return (os.path.dirname(os.path.abspath(par_path)), os.getcwd())
+
+
+def load_factory(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = None):
+    """The model factory named by `model module:callable(...)`, or None with a diagnostic."""
+    with import_paths(*par_import_paths(par_path)):
+        try:
+            module = importlib.import_module(decl.module)
+        except Exception as error:  # the user's module: any failure is their error to read
+            if sink is None:
+                raise
+            sink.error("E020", f"cannot import model module `{decl.module}`", decl.span,
+                       f"{type(error).__name__}: {error}")
+            return None
+    factory = getattr(module, decl.factory, None)
+    if not callable(factory):
+        if sink is None:
+            raise AttributeError(f"{decl.module} has no callable {decl.factory}")
+        candidates = [n for n in dir(module) if callable(getattr(module, n, None)) and not n.startswith("_")]
+        notes = [f"did you mean `{m}`?" for m in difflib.get_close_matches(decl.factory, candidates, 1)]
+        sink.error("E021", f"module `{decl.module}` has no callable `{decl.factory}`", decl.factory_span, *notes)
+        return None
+    return factory
+
+
+def build_model(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = None) -> torch.nn.Module | None:
+    factory = load_factory(decl, par_path, sink)
+    if factory is None:
+        return None
+    with import_paths(*par_import_paths(par_path)):
+        try:
+            model = factory(**dict(decl.kwargs))
+        except Exception as error:
+            if sink is None:
+                raise
+            sink.error("E022", f"`{decl.text}` raised {type(error).__name__}", decl.span, str(error))
+            return None
+    if not isinstance(model, torch.nn.Module):
+        if sink is None:
+            raise TypeError(f"{decl.text} returned {type(model).__name__}, not an nn.Module")
+        sink.error("E022", f"`{decl.text}` returned {type(model).__name__}, not an nn.Module", decl.span)
+        return None
+    return model
+
+
+def make_inputs(decls: tuple[InputDecl, ...], generator: torch.Generator) -> list[torch.Tensor]:
+    """Example inputs from the `input` declarations: normal floats, uniform integers in their range."""
+    tensors = []
+    for decl in decls:
+        dtype = DTYPES[decl.dtype]
+        if dtype.is_floating_point:
+            tensors.append(torch.randn(decl.shape, generator=generator).to(dtype))
+        elif dtype == torch.bool:
+            tensors.append(torch.randint(0, 2, decl.shape, generator=generator).bool())
+        else:
+            low, high = decl.value_range
+            tensors.append(torch.randint(low, high, decl.shape, generator=generator, dtype=dtype))
+    return tensors
+
+
+def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticSink) -> bool:
+    ok = True
+    for decl in par.inputs:
+        dtype = DTYPES.get(decl.dtype)
+        if dtype is None:
+            notes = [f"did you mean `{m}`?" for m in difflib.get_close_matches(decl.dtype, DTYPES, 1)]
+            sink.error("E030", f"unknown dtype `{decl.dtype}`", decl.dtype_span, *notes)
+            ok = False
+        elif dtype.is_floating_point and decl.value_range is not None:
+            sink.error("E031", f"input `{decl.name}` is {decl.dtype}: a value range is for integer inputs",
+                       decl.range_span)
+            ok = False
+        elif not dtype.is_floating_point and dtype != torch.bool:
+            if decl.value_range is None:
+                sink.error("E032", f"integer input `{decl.name}` needs a value range",
+                           decl.dtype_span, f"write `{decl.name} : {decl.dtype}[...] in [0, N)`")
+                ok = False
+            elif decl.value_range[0] >= decl.value_range[1]:
+                sink.error("E033", f"value range [{decl.value_range[0]}, {decl.value_range[1]}) is empty",
+                           decl.range_span)
+                ok = False
+    if model is None:
+        return False
+    parameters = [
+        p for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    names = [p.name for p in parameters]
+    for position, decl in enumerate(par.inputs):
+        if position >= len(names):
+            sink.error("E034", f"`forward` takes {len(names)} argument(s); input `{decl.name}` is one too many",
+                       decl.span, f"forward({', '.join(names)})")
+            ok = False
+        elif decl.name != names[position]:
+            sink.error("E034", f"input {position + 1} is `{decl.name}` but forward's argument {position + 1} "
+                       f"is `{names[position]}`", decl.span, f"forward({', '.join(names)})")
+            ok = False
+    for missing in parameters[len(par.inputs):]:
+        if missing.default is inspect.Parameter.empty:
+            span = par.inputs[-1].span if par.inputs else par.model.span
+            sink.error("E034", f"forward's argument `{missing.name}` has no default and no `input` declaration",
+                       span, f"forward({', '.join(names)})")
+            ok = False
+    return ok
+
+
+def trace(model: torch.nn.Module, example_inputs: list[torch.Tensor]) -> torch.export.ExportedProgram:
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return torch.export.export(model, tuple(example_inputs), strict=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layouts as written → Layout
+
+
+def layout_from_syntax(syntax: LayoutSyntax, mesh: Mesh, sink: DiagnosticSink) -> Layout | None:
+    def placement(p) -> Placement:
+        return Placement("S", p.dim) if p.kind == "S" else Placement(p.kind)
+
+    if syntax.form == "bare":
+        if mesh.ndim != 1:
+            sink.error("E050", f"a layout on the {mesh.ndim}-axis mesh ({mesh}) needs one value per axis",
+                       syntax.span, "write `[S(0), B]` or `S(0) @ axis`")
+            return None
+        return Layout((placement(syntax.placements[0]),))
+    if syntax.form == "list":
+        if len(syntax.placements) != mesh.ndim:
+            sink.error("E050", f"{len(syntax.placements)} value(s) for a {mesh.ndim}-axis mesh ({mesh})",
+                       syntax.span)
+            return None
+        return Layout(tuple(placement(p) for p in syntax.placements))
+    placements = [B] * mesh.ndim
+    seen: dict[str, Span] = {}
+    ok = True
+    for p, (axis, axis_span) in zip(syntax.placements, syntax.axis_names):
+        if axis not in mesh.axis_names:
+            sink.error("E051", f"unknown mesh axis `{axis}`", axis_span, f"the mesh has {mesh}")
+            ok = False
+        elif axis in seen:
+            sink.error("E052", f"mesh axis `{axis}` named twice in one layout", axis_span,
+                       f"first named at column {seen[axis].column}")
+            ok = False
+        else:
+            seen[axis] = axis_span
+            placements[mesh.axis_index(axis)] = placement(p)
+    return Layout(tuple(placements)) if ok else None
+
+
+def check_layout_fits(layout: Layout, entry: LayoutEntry, name: str, info: TensorInfo, mesh: Mesh,
+                      sink: DiagnosticSink) -> Layout | None:
+    """Normalise negative split dims, then check range and divisibility against the tensor."""
+    rank = len(info.shape)
+    normalized = []
+    placement_spans = _placement_spans(entry.layout, mesh)
+    ok = True
+    for axis, p in enumerate(layout.placements):
+        if p.is_split:
+            dim = p.dim + rank if p.dim < 0 else p.dim
+            if not 0 <= dim < rank:
+                sink.error("E053", f"S({p.dim}) is out of range for `{name}` of rank {rank} "
+                           f"(shape {list(info.shape)})", placement_spans[axis])
+                ok = False
+                normalized.append(p)
+                continue
+            normalized.append(Placement("S", dim))
+        else:
+            normalized.append(p)
+    if not ok:
+        return None
+    result = Layout(tuple(normalized))
+    for dim in result.indivisible_dims(info.shape, mesh):
+        axes = result.axes_splitting(dim)
+        by = " × ".join(f"{mesh.axis_names[a]} = {mesh.axis_sizes[a]}" for a in axes)
+        sink.error("E054", f"dim {dim} of `{name}` has size {info.shape[dim]}, not divisible by {by}",
+                   placement_spans[axes[-1]], f"shape {list(info.shape)}")
+        ok = False
+    return result if ok else None
+
+
+def _placement_spans(syntax: LayoutSyntax, mesh: Mesh) -> list[Span]:
+    """The span of the value written for each mesh axis (the whole layout where it was left implicit)."""
+    if syntax.form == "bare":
+        return [syntax.placements[0].span]
+    if syntax.form == "list":
+        return [p.span for p in syntax.placements]
+    spans = [syntax.span] * mesh.ndim
+    for p, (axis, _) in zip(syntax.placements, syntax.axis_names):
+        if axis in mesh.axis_names:
+            spans[mesh.axis_index(axis)] = p.span
+    return spans
+
+
+# ---------------------------------------------------------------------------------------------------
+# Names
+
+
+@dataclass(frozen=True)
+class _Named:
+    kind: str  # parameter, buffer, input, output, module output
+    name: str  # as the user writes it
+    node: str | None  # graph node it denotes (None: not a single tensor)
+    output_index: int | None = None
+    problem: str | None = None  # why it does not denote one tensor
+
+
+def _output_path(path) -> str:
+    text = "output"
+    for key in path:
+        if isinstance(key, pytree.SequenceKey):
+            text += f"[{key.idx}]"
+        elif isinstance(key, pytree.MappingKey):
+            text += f".{key.key}" if isinstance(key.key, str) and key.key.isidentifier() else f"[{key.key!r}]"
+        elif isinstance(key, pytree.GetAttrKey):
+            text += f".{key.name}"
+        else:
+            text += f"[{key}]"
+    return text
+
+
+def _flat_outputs(exported: torch.export.ExportedProgram) -> list[tuple[str, str | None]]:
+    """(path, graph node) per flat output, in the order the graph returns them."""
+    spec = exported.call_spec.out_spec
+    leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]
+    output_node = next(n for n in exported.graph.nodes if n.op == "output")
+    flat_nodes = output_node.args[0]
+    result = []
+    for path, index in leaves:
+        node = flat_nodes[index]
+        result.append((_output_path(path), node.name if isinstance(node, torch.fx.Node) else None))
+    return result
+
+
+def _module_outputs(exported: torch.export.ExportedProgram) -> dict[str, list[list[str]]]:
+    """Module path → its calls, each the list of nodes computed inside the call and used outside it."""
+    calls: dict[str, dict[str, list[torch.fx.Node]]] = {}
+    call_of: dict[torch.fx.Node, set[str]] = {}
+    for node in exported.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        keys = set()
+        for key, (path, _) in stack.items():
+            if path:
+                calls.setdefault(path, {}).setdefault(key, []).append(node)
+                keys.add(key)
+        call_of[node] = keys
+    result: dict[str, list[list[str]]] = {}
+    for path, by_call in calls.items():
+        result[path] = []
+        for key, nodes in by_call.items():
+            outside = [n for n in nodes if any(key not in call_of.get(u, set()) for u in n.users)]
+            result[path].append([n.name for n in outside])
+    return result
+
+
+def _name_table(exported: torch.export.ExportedProgram, inputs: dict[str, str],
+                parameters: dict[str, str], buffers: dict[str, str]) -> list[_Named]:
+    table = [_Named("parameter", name, node) for node, name in parameters.items()]
+    table += [_Named("buffer", name, node) for node, name in buffers.items()]
+    table += [_Named("input", name, node) for node, name in inputs.items()]
+    for index, (path, node) in enumerate(_flat_outputs(exported)):
+        problem = None if node is not None else "is not a tensor"
+        table.append(_Named("output", path, node, index, problem))
+    for path, calls in _module_outputs(exported).items():
+        if len(calls) != 1:
+            table.append(_Named("module output", f"{path}()", None,
+                                problem=f"is called {len(calls)} times; name one call's result by what "
+                                "consumes it"))
+        elif len(calls[0]) != 1:
+            table.append(_Named("module output", f"{path}()", None,
+                                problem=f"returns {len(calls[0])} tensors ({', '.join(calls[0][:4])})"))
+        else:
+            table.append(_Named("module output", f"{path}()", calls[0][0]))
+    return table
+
+
+def _pattern(target: str) -> re.Pattern:
+    parts = re.split(r"(\*)", target)
+    return re.compile("".join("[^.\\[\\]()]+" if p == "*" else re.escape(p) for p in parts))
+
+
+def _resolve(entry: LayoutEntry, table: list[_Named], sink: DiagnosticSink) -> list[_Named]:
+    target = entry.target
+    pattern = _pattern(target)
+    matches = [n for n in table if pattern.fullmatch(n.name)]
+    if target == "output" or (not matches and target.startswith("output")):
+        # `output` and `output.x` name every flat output below them.
+        matches = [n for n in table if n.kind == "output" and
+                   (n.name == target or n.name.startswith(target + ".") or n.name.startswith(target + "["))]
+    if not matches:
+        names = sorted({n.name for n in table})
+        close = difflib.get_close_matches(target, names, 3)
+        notes = ["did you mean " + " or ".join(f"`{m}`" for m in close) + "?"] if close else []
+        what = "matches no tensor" if "*" in target else "is not a parameter, buffer, input, output or submodule"
+        sink.error("E040", f"`{target}` {what}", entry.target_span, *notes)
+        return []
+    if "*" not in target and len({n.kind for n in matches}) > 1:
+        kinds = " and ".join(sorted({f"a {n.kind}" for n in matches}))
+        sink.error("E041", f"`{target}` is ambiguous: it names {kinds}", entry.target_span)
+        return []
+    problems = [n for n in matches if n.problem]
+    for named in problems:
+        sink.error("E044", f"`{named.name}` {named.problem}", entry.target_span)
+    return [n for n in matches if not n.problem]
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_mesh(par: ParFile, sink: DiagnosticSink) -> Mesh | None:
+    seen: dict[str, int] = {}
+    ok = True
+    for axis in par.mesh.axes:
+        if axis.name in seen:
+            sink.error("E010", f"mesh axis `{axis.name}` named twice", axis.span,
+                       f"first named at column {seen[axis.name]}")
+            ok = False
+        seen.setdefault(axis.name, axis.span.column)
+        if axis.size < 1:
+            sink.error("E011", f"mesh axis `{axis.name}` has size {axis.size}", axis.span)
+            ok = False
+    if not ok:
+        return None
+    return Mesh(tuple(a.name for a in par.mesh.axes), tuple(a.size for a in par.mesh.axes))
+
+
+def bind(par: ParFile) -> BoundPlan:
+    """Build and trace the model, then bind every layout the file writes to a tensor of the graph."""
+    sink = DiagnosticSink(par.source)
+    mesh = _check_mesh(par, sink)
+    written = [(entry, layout_from_syntax(entry.layout, mesh, sink) if mesh else None) for entry in par.layouts]
+    model = build_model(par.model, par.source.path, sink)
+    if not _check_inputs(par, model, sink):
+        sink.raise_if_any()
+    # A bad mesh does not stop tracing: names are still checked, so one run reports more.
+
+    example = make_inputs(par.inputs, torch.Generator().manual_seed(0))
+    try:
+        with import_paths(*par_import_paths(par.source.path)):
+            exported = trace(model, example)
+    except Exception as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        span = par.inputs[0].span if par.inputs else par.model.span
+        shapes = ", ".join(f"{d.name}: {d.dtype}{list(d.shape)}" for d in par.inputs)
+        sink.error("E035", f"`{par.model.text}` cannot be traced with inputs ({shapes})", span,
+                   f"{type(error).__name__}: {message}")
+        sink.raise_if_any()
+
+    signature = exported.graph_signature
+    parameters = dict(signature.inputs_to_parameters)
+    buffers = dict(signature.inputs_to_buffers)
+    buffers.update(getattr(signature, "inputs_to_lifted_tensor_constants", {}) or {})
+    user_inputs = [s.arg.name for s in signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    inputs = {placeholder: decl.name for placeholder, decl in zip(user_inputs, par.inputs)}
+
+    tensors: dict[str, TensorInfo] = {}
+    module_paths: dict[str, str] = {}
+    for node in exported.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            tensors[node.name] = TensorInfo(tuple(int(s) for s in value.shape), value.dtype)
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack:
+            module_paths[node.name] = list(stack.values())[-1][0]
+
+    table = _name_table(exported, inputs, parameters, buffers)
+    outputs = [(path, node) for path, node in _flat_outputs(exported)]
+    pins: dict[str, Pin] = {}
+    output_pins: dict[int, Pin] = {}
+    for entry, layout in written:
+        for named in _resolve(entry, table, sink):
+            if layout is None or mesh is None:
+                continue
+            info = tensors.get(named.node)
+            if info is None:
+                sink.error("E044", f"`{named.name}` is not a tensor", entry.target_span)
+                continue
+            fitted = check_layout_fits(layout, entry, named.name, info, mesh, sink)
+            if fitted is None:
+                continue
+            if fitted.has_partial and named.kind in ("parameter", "buffer", "input"):
+                axis = next(a for a, p in enumerate(fitted.placements) if p.kind == "P")
+                article = "an" if named.kind[0] in "aeiou" else "a"
+                sink.error("E055", f"`{named.name}` is {article} {named.kind}: it cannot be a partial sum",
+                           _placement_spans(entry.layout, mesh)[axis],
+                           "a partial sum is the result of a computation; parameters and inputs are B or S(d)")
+                continue
+            pin = Pin(fitted, entry)
+            store, key = (output_pins, named.output_index) if named.kind == "output" else (pins, named.node)
+            previous = store.get(key)
+            if previous is not None and previous.layout != fitted:
+                sink.error("E043", f"`{named.name}` is given two layouts: {previous.layout.render(mesh)} and "
+                           f"{fitted.render(mesh)}", entry.span,
+                           f"first given on line {previous.entry.span.line}: `{previous.entry.target}`")
+                continue
+            store.setdefault(key, pin)
+    sink.raise_if_any()
+    return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
+                     module_paths)

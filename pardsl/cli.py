@@ -1,0 +1,166 @@
+"""The `pardsl` command: check, compile and run .par files.
+
+Exit codes: 0 clean (and, for `run`, equivalent to serial), 1 errors in the user's input (or a run that
+differs from serial), 2 bad command-line usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .diagnostics import CompileError
+
+EXIT_OK, EXIT_INPUT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own exit code is 2 as well; keep the message short
+        self.print_usage(sys.stderr)
+        print(f"pardsl: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _arguments() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pardsl", description="A declarative model-parallel compiler for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    check = commands.add_parser("check", help="parse, bind and type-check a .par file")
+    check.add_argument("file")
+    check.add_argument("--json", action="store_true", help="print diagnostics as one JSON object")
+
+    compile_ = commands.add_parser("compile", help="write the SPMD module and plan.json")
+    compile_.add_argument("file")
+    compile_.add_argument("-o", "--output", required=True, metavar="DIR")
+    compile_.add_argument("--json", action="store_true")
+
+    run = commands.add_parser("run", help="run on N local ranks and check against the serial model")
+    run.add_argument("file")
+    run.add_argument("--nproc", type=int, required=True, metavar="N")
+    run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--steps", type=int, default=1, metavar="K")
+    run.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                     help="collective timeout per rank (a hang fails instead of blocking)")
+    run.add_argument("--json", action="store_true")
+    run.add_argument("-o", "--output", metavar="DIR", help="also write the module and plan.json here")
+    return parser
+
+
+def _report_errors(error: CompileError, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"ok": False, "errors": [d.to_json() for d in error.diagnostics]}, indent=2))
+    else:
+        print(error.render(), file=sys.stderr)
+        count = len(error.diagnostics)
+        print(f"\n{count} error{'s' if count != 1 else ''}", file=sys.stderr)
+    return EXIT_INPUT_ERROR
+
+
+def _print_notes(compiled) -> None:
+    for note in compiled.program.notes:
+        print(note.render(compiled.par.source), file=sys.stderr)
+
+
+def _summary(compiled) -> str:
+    from .lowering import format_bytes, named_layout
+
+    program = compiled.program
+    lines = [f"{program.source_path}: mesh {program.mesh} ({program.mesh.size} ranks), model {program.model}"]
+    width = max([len(p.name) for p in program.parameters + program.inputs] + [len(o.path) for o in program.outputs] + [8])
+    for slot in program.inputs + program.parameters:
+        lines.append(f"  {slot.kind:<9} {slot.name:<{width}}  {named_layout(slot.layout, program.mesh):<18} "
+                     f"{list(slot.shape)} local {list(slot.local_shape)}")
+    for out in program.outputs:
+        lines.append(f"  {'output':<9} {out.path:<{width}}  {named_layout(out.layout, program.mesh):<18} "
+                     f"{list(out.shape)} local {list(out.local_shape)}")
+    counts, totals = program.collective_counts(), program.collective_bytes()
+    for phase in ("forward", "backward"):
+        parts = [f"{n} {k.replace('_', '-')}" for k, n in counts[phase].items() if n]
+        lines.append(f"  {phase:<9} {', '.join(parts) or 'no collectives'} ({format_bytes(totals[phase])} per rank)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments().parse_args(argv)
+    from .compiler import compile_file, plan_json, write_outputs
+
+    try:
+        compiled = compile_file(args.file)
+    except FileNotFoundError as error:
+        print(f"pardsl: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except CompileError as error:
+        return _report_errors(error, args.json)
+
+    if args.command == "check":
+        if args.json:
+            print(json.dumps({"ok": True, "errors": [], "notes": [n.to_json() for n in compiled.program.notes]}))
+        else:
+            _print_notes(compiled)
+            print(f"{args.file}: ok")
+        return EXIT_OK
+
+    if args.command == "compile":
+        module_path, plan_path = write_outputs(compiled, args.output)
+        if args.json:
+            print(json.dumps({"ok": True, "module": module_path, "plan": plan_path, **plan_json(compiled)}, indent=2))
+        else:
+            _print_notes(compiled)
+            print(_summary(compiled))
+            print(f"wrote {module_path} and {plan_path}")
+        return EXIT_OK
+
+    # run
+    from .execution import job_for, launch, resolve_backend
+
+    mesh = compiled.program.mesh
+    if args.nproc != mesh.size:
+        span = compiled.par.mesh.span
+        from .diagnostics import Diagnostic, Span
+
+        error = CompileError([Diagnostic("E012", f"the mesh ({mesh}) has {mesh.size} ranks but --nproc is "
+                                         f"{args.nproc}", Span(span.line, span.column, span.line, span.column + 4))],
+                             compiled.par.source)
+        return _report_errors(error, args.json)
+    if args.output:
+        write_outputs(compiled, args.output)
+    if args.steps < 1:
+        print("pardsl: error: --steps must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    backend = resolve_backend(args.backend)
+    if backend == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < args.nproc:
+            print(f"pardsl: error: --backend nccl needs {args.nproc} CUDA devices; this machine has "
+                  f"{torch.cuda.device_count()}", file=sys.stderr)
+            return EXIT_USAGE
+    job = job_for(compiled, seed=args.seed, steps=args.steps, backend=backend, timeout_s=args.timeout)
+    try:
+        report = launch(job)
+    except Exception as error:  # a rank failed: say which and why, without the launcher's traceback
+        failures = getattr(error, "failures", None)
+        detail = "; ".join(f"rank {r}: {f.message}" for r, f in failures.items()) if failures else str(error)
+        print(f"pardsl: run failed: {detail.strip()[:2000]}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    report["compile_s"] = sum(compiled.seconds.values())
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_notes(compiled)
+        print(_summary(compiled))
+        verdict = "equivalent to serial" if report["ok"] else "DIFFERS from serial"
+        print(f"ran {report['steps']} step(s) on {report['world_size']} ranks ({report['backend']}): {verdict}")
+        print(f"  max |compiled - serial|: output {report['max_abs_err']['output']:.3g}, "
+              f"gradients {report['max_abs_err']['grad']:.3g}")
+        for phase in ("forward", "backward"):
+            parts = [f"{n} {k.replace('_', '-')}" for k, n in report["collectives"][phase].items() if n]
+            print(f"  {phase} collectives (measured): {', '.join(parts) or 'none'}, {report['bytes'][phase]} bytes")
+        print(f"  step time: compiled {report['step_ms']['compiled']:.2f} ms, serial {report['step_ms']['serial']:.2f} ms")
+    return EXIT_OK if report["ok"] else EXIT_INPUT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Stage 5: lowered program → Python source of one SPMD module, rendered from `codegen/module.py.j2`.
+
+The output is deterministic: the same program gives the same bytes (no timestamps, no paths other than
+the one the user gave, dict orders fixed by the graph).
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+
+import jinja2
+
+from . import __version__
+from .lowering import LoweredProgram, format_bytes, named_layout
+
+_COMMENT_COLUMN = 72
+
+
+@functools.cache
+def _template() -> jinja2.Template:
+    text = resources.files("pardsl.templates").joinpath("module.py.j2").read_text()
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                             undefined=jinja2.StrictUndefined, autoescape=False)
+    return env.from_string(text)
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _summary(counts: dict[str, int], total: int) -> str:
+    parts = [f"{n} {kind.replace('_', '-')}" for kind, n in counts.items() if n]
+    return (", ".join(parts) + f" ({format_bytes(total)} per rank)") if parts else "none"
+
+
+def _slot(slot, mesh) -> dict:
+    local = "" if tuple(slot.local_shape) == tuple(slot.shape) else f" local {list(slot.local_shape)}"
+    return {
+        "name": getattr(slot, "name", None) or getattr(slot, "path", ""),
+        "var": slot.var,
+        "layout_key": repr(slot.layout.key()) if len(slot.layout.key()) != 1 else f"({slot.layout.key()[0]!r},)",
+        "shape": _shape(slot.shape),
+        "local_shape": _shape(slot.local_shape),
+        "dtype": getattr(slot, "dtype", ""),
+        "requires_grad": getattr(slot, "requires_grad", True),
+        "comment": f"{named_layout(slot.layout, mesh)}  {list(slot.shape)}{local}",
+    }
+
+
+def render(program: LoweredProgram) -> str:
+    mesh = program.mesh
+    lines = []
+    for statement in program.statements:
+        code = f"{statement.target} = {statement.expr}"
+        lines.append(f"{code.ljust(_COMMENT_COLUMN)}  # {statement.comment}")
+    counts = program.collective_counts()
+    totals = program.collective_bytes()
+    outputs = []
+    for output in program.outputs:
+        slot = _slot(output, mesh)
+        slot["path"] = output.path
+        outputs.append(slot)
+    return _template().render(
+        version=__version__,
+        source=program.source_path,
+        model=program.model,
+        mesh=str(mesh),
+        world_size=mesh.size,
+        mesh_dict="{" + ", ".join(f"{n!r}: {s}" for n, s in zip(mesh.axis_names, mesh.axis_sizes)) + "}",
+        forward_summary=_summary(counts["forward"], totals["forward"]),
+        backward_summary=_summary(counts["backward"], totals["backward"]),
+        parameters=[_slot(p, mesh) for p in program.parameters],
+        buffers=[_slot(b, mesh) for b in program.buffers],
+        inputs=[_slot(i, mesh) for i in program.inputs],
+        outputs=outputs,
+        lines=lines,
+    )

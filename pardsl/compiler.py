@@ -1,0 +1,103 @@
+"""The pipeline, one direction: text → syntax tree → bound plan → typed graph → lowered program → code.
+
+Each stage is a function of the previous stage's result (syntax.parse, binding.bind, inference.infer,
+lowering.lower, codegen.render); this module only chains them and writes what `pardsl compile` emits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from . import __version__
+from .binding import BoundPlan, bind
+from .codegen import render
+from .inference import TypedGraph, infer
+from .lowering import LoweredProgram, named_layout
+from .syntax import ParFile, parse, parse_file
+
+MODULE_FILE = "pardsl_module.py"
+PLAN_FILE = "plan.json"
+
+
+@dataclass
+class Compiled:
+    par: ParFile
+    bound: BoundPlan
+    typed: TypedGraph
+    program: LoweredProgram
+    source: str  # the generated module
+    seconds: dict[str, float]  # per stage
+
+    def plan(self) -> dict:
+        return plan_json(self)
+
+
+def compile_par(par: ParFile) -> Compiled:
+    seconds = {}
+    start = time.perf_counter()
+    bound = bind(par)
+    seconds["bind+export"] = time.perf_counter() - start
+    start = time.perf_counter()
+    typed = infer(bound)
+    seconds["infer"] = time.perf_counter() - start
+    start = time.perf_counter()
+    program = lower(typed)
+    seconds["lower"] = time.perf_counter() - start
+    start = time.perf_counter()
+    source = render(program)
+    seconds["codegen"] = time.perf_counter() - start
+    return Compiled(par, bound, typed, program, source, seconds)
+
+
+def lower(typed: TypedGraph) -> LoweredProgram:
+    from .lowering import lower as lower_typed
+
+    return lower_typed(typed)
+
+
+def compile_file(path: str) -> Compiled:
+    return compile_par(parse_file(path))
+
+
+def compile_text(text: str, path: str = "<string>") -> Compiled:
+    return compile_par(parse(text, path))
+
+
+def plan_json(compiled: Compiled) -> dict:
+    program = compiled.program
+    mesh = program.mesh
+    return {
+        "pardsl": __version__,
+        "source": program.source_path,
+        "model": program.model,
+        "mesh": dict(zip(mesh.axis_names, mesh.axis_sizes)),
+        "world_size": mesh.size,
+        "parameters": {p.name: {"layout": named_layout(p.layout, mesh), "shape": list(p.shape),
+                                "local_shape": list(p.local_shape)} for p in program.parameters},
+        "buffers": {b.name: {"layout": named_layout(b.layout, mesh), "shape": list(b.shape),
+                             "local_shape": list(b.local_shape)} for b in program.buffers},
+        "inputs": {i.name: {"layout": named_layout(i.layout, mesh), "shape": list(i.shape),
+                            "local_shape": list(i.local_shape)} for i in program.inputs},
+        "outputs": {o.path: {"layout": named_layout(o.layout, mesh), "shape": list(o.shape),
+                             "local_shape": list(o.local_shape)} for o in program.outputs},
+        "tensors": program.values,
+        "collectives": [c.to_json() for c in program.collectives],
+        "collective_counts": program.collective_counts(),
+        "bytes": program.collective_bytes(),
+        "notes": [n.to_json() for n in program.notes],
+    }
+
+
+def write_outputs(compiled: Compiled, out_dir: str) -> tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    module_path = os.path.join(out_dir, MODULE_FILE)
+    plan_path = os.path.join(out_dir, PLAN_FILE)
+    with open(module_path, "w", encoding="utf-8") as handle:
+        handle.write(compiled.source)
+    with open(plan_path, "w", encoding="utf-8") as handle:
+        json.dump(plan_json(compiled), handle, indent=2, sort_keys=False)
+        handle.write("\n")
+    return module_path, plan_path

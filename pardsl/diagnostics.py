@@ -1,0 +1,135 @@
+"""Diagnostics: errors in the user's .par file, reported as FILE:LINE:COL with the line and a caret.
+
+Every stage reports mistakes in the user's input as `Diagnostic`s and raises `CompileError` with all
+of them at once, so one run shows every problem it can find. The CLI prints them; nothing the user can
+write ends in a Python traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Every error code pardsl reports, with a one-line title. Codes are stable: tests and users match on them.
+ERROR_CODES: dict[str, str] = {
+    "E001": "syntax error",
+    "E002": "unexpected character",
+    "E003": "declaration given twice",
+    "E004": "required declaration missing",
+    "E010": "mesh axis named twice",
+    "E011": "mesh axis size must be at least 1",
+    "E012": "mesh size does not match the world size",
+    "E020": "model module cannot be imported",
+    "E021": "model factory not found in its module",
+    "E022": "model factory failed or did not return an nn.Module",
+    "E030": "unknown dtype",
+    "E031": "value range on a floating-point input",
+    "E032": "integer input without a value range",
+    "E033": "empty value range",
+    "E034": "inputs do not match the model's forward() arguments",
+    "E035": "the model cannot be traced with the declared inputs",
+    "E040": "unknown name",
+    "E041": "ambiguous name",
+    "E043": "tensor given two layouts",
+    "E044": "name does not denote a tensor",
+    "E050": "layout has the wrong number of mesh axes",
+    "E051": "unknown mesh axis",
+    "E052": "mesh axis named twice in one layout",
+    "E053": "split dimension out of range",
+    "E054": "split dimension not divisible by the mesh axes splitting it",
+    "E055": "partial sum (P) on a parameter, buffer or input",
+    "E060": "operation not supported",
+}
+
+
+@dataclass(frozen=True)
+class Span:
+    """A region of the .par file, 1-based lines and columns, end exclusive."""
+
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+
+    @staticmethod
+    def point(line: int, column: int) -> "Span":
+        return Span(line, column, line, column + 1)
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    code: str
+    message: str
+    span: Span | None
+    notes: tuple[str, ...] = ()
+    severity: str = "error"
+
+    def render(self, source: "SourceFile") -> str:
+        where = f"{source.path}:{self.span.line}:{self.span.column}" if self.span else str(source.path)
+        lines = [f"{where}: {self.severity}[{self.code}]: {self.message}"]
+        if self.span is not None and 1 <= self.span.line <= len(source.lines):
+            text = source.lines[self.span.line - 1]
+            gutter = f"{self.span.line:>4} | "
+            width = (
+                self.span.end_column - self.span.column
+                if self.span.end_line == self.span.line
+                else len(text) - self.span.column + 1
+            )
+            lines.append(gutter + text)
+            lines.append(" " * (len(gutter) - 2) + "| " + " " * (self.span.column - 1) + "^" * max(1, width))
+        lines.extend(f"     = note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "code": self.code,
+            "severity": self.severity,
+            "message": self.message,
+            "line": self.span.line if self.span else None,
+            "column": self.span.column if self.span else None,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str
+    text: str
+    lines: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "lines", tuple(self.text.splitlines()))
+
+
+class CompileError(Exception):
+    """Mistakes in the user's input: carries every diagnostic found, never a traceback for the user."""
+
+    def __init__(self, diagnostics: list[Diagnostic], source: SourceFile | None = None):
+        assert diagnostics, "a CompileError needs at least one diagnostic"
+        self.diagnostics = list(diagnostics)
+        self.source = source
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        if self.source is None:
+            return "\n".join(f"error[{d.code}]: {d.message}" for d in self.diagnostics)
+        return "\n\n".join(d.render(self.source) for d in self.diagnostics)
+
+    @property
+    def codes(self) -> list[str]:
+        return [d.code for d in self.diagnostics]
+
+
+class DiagnosticSink:
+    """Collects diagnostics during one stage; `raise_if_any` ends the stage with all of them."""
+
+    def __init__(self, source: SourceFile):
+        self.source = source
+        self.diagnostics: list[Diagnostic] = []
+
+    def error(self, code: str, message: str, span: Span | None, *notes: str) -> None:
+        assert code in ERROR_CODES, code
+        self.diagnostics.append(Diagnostic(code, message, span, tuple(notes)))
+
+    def raise_if_any(self) -> None:
+        if self.diagnostics:
+            raise CompileError(self.diagnostics, self.source)

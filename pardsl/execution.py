@@ -1,0 +1,223 @@
+"""Running a compiled module on N ranks and checking it against the serial model (DESIGN §6).
+
+`RankJob` is everything one rank needs: the generated source, how to build the model, the inputs. Each
+rank builds the serial reference from the same factory and seed, loads its shards of the same weights,
+and runs `steps` training steps (forward, backward with a fixed random output gradient, SGD) on both,
+comparing its local outputs and gradients with its shards of the serial ones at every step.
+
+`launch` runs the ranks with torch's elastic launcher; `pardsl.pool.WorkerPool` runs the same
+`run_rank` on long-lived workers for the test suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import statistics
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .layouts import Layout, Mesh
+from .syntax import InputDecl, ModelDecl
+
+
+@dataclass(frozen=True)
+class RankJob:
+    module_source: str
+    module_name: str
+    mesh: Mesh
+    model: ModelDecl
+    par_path: str
+    inputs: tuple[InputDecl, ...]
+    seed: int = 0
+    steps: int = 1
+    lr: float = 0.01
+    backend: str = "gloo"
+    sys_path: tuple[str, ...] = ()
+    timeout_s: float = 120.0
+    tolerance: float = 1e-4
+
+
+def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", timeout_s: float = 120.0) -> RankJob:
+    from .binding import par_import_paths
+
+    par = compiled.par
+    return RankJob(compiled.source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
+                   par.inputs, seed, steps, backend=backend, sys_path=par_import_paths(par.source.path),
+                   timeout_s=timeout_s)
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def _load_module(job: RankJob) -> types.ModuleType:
+    module = types.ModuleType(job.module_name)
+    module.__file__ = f"<pardsl:{job.module_name}>"
+    exec(compile(job.module_source, module.__file__, "exec"), module.__dict__)
+    return module
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def run_rank(job: RankJob) -> dict:
+    """One rank's part: build, shard, run `steps` steps of compiled and serial, compare. Needs the
+    process group initialised (any world size equal to the mesh size)."""
+    from .binding import build_model, import_paths, make_inputs
+    from .runtime import Runtime
+
+    for path in job.sys_path:
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    device = torch.device("cpu")
+    if job.backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        torch.cuda.set_device(device)
+    rt = Runtime(job.mesh, device)
+    module = _load_module(job)
+
+    torch.manual_seed(job.seed)
+    with import_paths(*job.sys_path):
+        serial = build_model(job.model, job.par_path).to(device)
+    compiled = module.CompiledModule(rt)
+    compiled.load_full_state_dict(serial.state_dict())
+    full_inputs = [t.to(device) for t in make_inputs(job.inputs, torch.Generator().manual_seed(job.seed + 1))]
+    local_inputs = compiled.shard_inputs(*full_inputs)
+    serial_params = dict(serial.named_parameters())
+    compiled_params = {name: getattr(compiled, attr) for name, (attr, _, _) in module.PARAMETERS.items()}
+    layouts = {name: layout for name, (_, layout, _) in module.PARAMETERS.items()}
+    serial_opt = torch.optim.SGD(serial.parameters(), lr=job.lr)
+    compiled_opt = torch.optim.SGD(compiled.parameters(), lr=job.lr)
+
+    grad_generator = torch.Generator().manual_seed(job.seed + 2)
+    output_grads = None
+    errors = {"output": 0.0, "grad": 0.0}
+    worst = {"output": None, "grad": None}
+    compiled_ms, serial_ms, counts = [], [], None
+
+    def note(kind: str, what: str, err: float) -> None:
+        if worst[kind] is None or err > errors[kind]:
+            errors[kind], worst[kind] = err, what
+
+    for _ in range(job.steps):
+        start = time.perf_counter()
+        serial_out = torch.utils._pytree.tree_leaves(serial(*full_inputs))
+        if output_grads is None:
+            output_grads = [torch.randn(o.shape, generator=grad_generator).to(device, o.dtype) for o in serial_out]
+        serial_opt.zero_grad(set_to_none=True)
+        torch.autograd.backward([o for o in serial_out if o.requires_grad],
+                                [g for o, g in zip(serial_out, output_grads) if o.requires_grad])
+        _sync(device)
+        serial_ms.append((time.perf_counter() - start) * 1000)
+
+        rt.counter.reset()
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        compiled_opt.zero_grad(set_to_none=True)
+        local_out = compiled(*local_inputs)
+        # The gradient of an S output is its shard; of a B or P output, the full gradient (DESIGN §2).
+        seeds = [g if Layout.from_key(layout).has_partial else rt.shard(g, layout)
+                 for g, (_, layout, _) in zip(output_grads, module.OUTPUTS)]
+        pairs = [(o, s) for o, s in zip(local_out, seeds) if o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs])
+        _sync(device)
+        compiled_ms.append((time.perf_counter() - start) * 1000)
+        counts = rt.counter.summary()
+
+        for index, (out, expected, (path, layout, _)) in enumerate(zip(local_out, serial_out, module.OUTPUTS)):
+            if Layout.from_key(layout).has_partial:
+                note("output", path, _max_err(rt.unshard(out, layout), expected))
+            else:
+                note("output", path, _max_err(out, rt.shard(expected.detach(), layout)))
+        for name, param in compiled_params.items():
+            expected = serial_params[name].grad
+            got = param.grad
+            if expected is None and got is None:
+                continue
+            if expected is None or got is None:
+                note("grad", name, float("inf"))
+                continue
+            note("grad", name, _max_err(got, rt.shard(expected, layouts[name])))
+        serial_opt.step()
+        compiled_opt.step()
+
+    return {
+        "rank": dist.get_rank() if dist.is_initialized() else 0,
+        "max_abs_err": errors,
+        "worst": worst,
+        "step_ms": {"compiled": statistics.median(compiled_ms), "serial": statistics.median(serial_ms)},
+        **counts,
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def combine(results: list[dict], job: RankJob) -> dict:
+    """One report from every rank's: worst errors over ranks; rank 0's counts and times."""
+    first = min(results, key=lambda r: r["rank"])
+    output_err = max(r["max_abs_err"]["output"] for r in results)
+    grad_err = max(r["max_abs_err"]["grad"] for r in results)
+    ok = output_err <= job.tolerance and grad_err <= job.tolerance
+    worst = {k: max(results, key=lambda r: r["max_abs_err"][k])["worst"][k] for k in ("output", "grad")}
+    return {
+        "ok": ok,
+        "world_size": job.mesh.size,
+        "mesh": dict(zip(job.mesh.axis_names, job.mesh.axis_sizes)),
+        "backend": job.backend,
+        "steps": job.steps,
+        "max_abs_err": {"output": output_err, "grad": grad_err},
+        "worst": worst,
+        "collectives": first["collectives"],
+        "bytes": first["bytes"],
+        "step_ms": first["step_ms"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch's elastic launcher
+
+
+def _elastic_entry(job: RankJob) -> dict:
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.mesh.size))
+    dist.init_process_group(job.backend, timeout=datetime.timedelta(seconds=job.timeout_s))
+    try:
+        return run_rank(job)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(job: RankJob) -> dict:
+    """Run `job` on mesh.size local processes with torch.distributed's elastic launcher."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.mesh.size)))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=job.mesh.size, run_id=f"pardsl-{os.getpid()}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+        start_method="spawn",
+    )
+    results = elastic_launch(config, _elastic_entry)(job)
+    return combine([results[rank] for rank in sorted(results)], job)

@@ -1,0 +1,203 @@
+"""Stage 3: bound plan → typed graph. Every tensor gets a layout; the ones not written are inferred.
+
+Inference runs one mesh axis at a time (nd-SBP as the product of one-axis signatures, as OneFlow does),
+in graph order, greedily: each op takes the legal signature whose cost is least (OneFlow's min-copy-cost
+pass). The cost of a signature is the bytes per rank it makes the program move:
+
+- converting each operand from the layout it has to the one the signature needs (forward, and backward
+  where the operand needs a gradient);
+- the one backward all-reduce of a broadcast value that sharded computation consumes (DESIGN §2), once
+  per value;
+- converting the result to the layout the user wrote for it, if any.
+
+What the user wrote always stands: a pinned tensor keeps its layout, and where an op needs another one a
+conversion is inserted (and reported by the lowering). Parameters and buffers the file leaves out are
+free: the first op that consumes one chooses its layout, preferring B on ties. Inputs left out are B.
+Outputs left out keep their inferred layout, except that a partial sum is finished (P → B).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .binding import BoundPlan, TensorInfo
+from .diagnostics import DiagnosticSink
+from .layouts import B, P, Layout, Mesh, Placement, collective_bytes
+from .oprules import DimSpec, dim_spec, op_name, rule_for, signatures, tensor_operands
+
+
+@dataclass(frozen=True)
+class TypedNode:
+    name: str
+    op: str
+    spec: DimSpec
+    operands: tuple[str, ...]  # tensor operand node names, in rule order
+    operand_layouts: tuple[Layout, ...]  # the layout each operand must have for this op
+    op_layout: Layout  # the layout the op computes
+    value_layout: Layout  # the layout the name holds (the user's, if pinned)
+
+
+@dataclass
+class TypedGraph:
+    bound: BoundPlan
+    nodes: dict[str, TypedNode]  # op nodes, graph order
+    placeholder_layouts: dict[str, Layout]  # parameters, buffers, inputs
+    output_layouts: list[Layout]  # per flat output
+    requires_grad: set[str]
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.bound.mesh
+
+    def layout_of(self, name: str) -> Layout:
+        return self.placeholder_layouts[name] if name in self.placeholder_layouts else self.nodes[name].value_layout
+
+    def info(self, name: str) -> TensorInfo:
+        return self.bound.tensors[name]
+
+
+_STEP = {("P", "B"): "all_reduce", ("P", "S"): "reduce_scatter", ("S", "B"): "all_gather",
+         ("S", "S"): "all_to_all", ("S", "P"): "all_gather"}
+_BACKWARD = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
+
+
+def _one_axis_cost(source: Placement, target: Placement, local_bytes: int, n: int, with_backward: bool) -> int:
+    if source == target:
+        return 0
+    if source.kind == "B" and target.kind == "S":  # a local slice; its adjoint gathers the gradient
+        return collective_bytes("all_gather", local_bytes // n, n) if with_backward else 0
+    kind = _STEP.get((source.kind, target.kind))
+    if kind is None:  # B → P is local
+        return 0
+    cost = collective_bytes(kind, local_bytes, n)
+    if with_backward and kind in _BACKWARD:
+        cost += collective_bytes(_BACKWARD[kind], local_bytes // n if kind == "reduce_scatter" else local_bytes, n)
+    return cost
+
+
+def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
+    specs: dict[str, DimSpec] = {}
+    unsupported: dict[str, list[str]] = {}
+    for node in bound.graph.nodes:
+        if node.op != "call_function":
+            continue
+        rule = rule_for(node)
+        if rule is None or not isinstance(node.meta.get("val"), torch.Tensor):
+            where = bound.module_paths.get(node.name) or "the model's own forward()"
+            unsupported.setdefault(op_name(node), []).append(where)
+            continue
+        specs[node.name] = dim_spec(node, rule)
+    for op, places in unsupported.items():
+        sink.error("E060", f"operation `{op}` is not supported", bound.par.model.span,
+                   f"used in {', '.join(sorted(set(places))[:3])}",
+                   "pardsl knows the ops listed in pardsl/oprules.py (RULES)")
+    return specs
+
+
+def infer(bound: BoundPlan) -> TypedGraph:
+    sink = DiagnosticSink(bound.par.source)
+    specs = _check_ops(bound, sink)
+    sink.raise_if_any()
+
+    mesh = bound.mesh
+    graph_nodes = [n for n in bound.graph.nodes if n.op == "call_function"]
+    placeholders = [n.name for n in bound.graph.nodes if n.op == "placeholder"]
+    operands = {n.name: tuple(o.name for o in tensor_operands(n)) for n in graph_nodes}
+
+    requires_grad = {name for name in bound.parameters if bound.tensors[name].is_float}
+    for node in graph_nodes:
+        if bound.tensors[node.name].is_float and any(o in requires_grad for o in operands[node.name]):
+            requires_grad.add(node.name)
+
+    # Per name, the placements decided so far, one per axis processed.
+    value: dict[str, list[Placement]] = {name: [] for name in placeholders}
+    op_out: dict[str, list[Placement]] = {n.name: [] for n in graph_nodes}
+    value.update({n.name: [] for n in graph_nodes})
+    needs: dict[str, list[list[Placement]]] = {n.name: [[] for _ in operands[n.name]] for n in graph_nodes}
+
+    for axis in range(mesh.ndim):
+        n = mesh.axis_sizes[axis]
+
+        def layout_with(name: str, placement: Placement) -> Layout:
+            decided = value[name][:axis] if len(value[name]) > axis else value[name]
+            return Layout(tuple(decided[:axis]) + (placement,) + (B,) * (mesh.ndim - axis - 1))
+
+        def local_bytes(name: str, placement: Placement) -> int:
+            info = bound.tensors[name]
+            return math.prod(layout_with(name, placement).local_shape(info.shape, mesh)) * info.itemsize
+
+        free: set[str] = set()
+        for name in placeholders:
+            pin = bound.pins.get(name)
+            if pin is not None:
+                value[name].append(pin.layout.placements[axis])
+            elif name in bound.inputs:
+                value[name].append(B)
+            else:
+                free.add(name)
+        synced: set[str] = set()  # broadcast values whose backward all-reduce is already counted
+
+        for node in graph_nodes:
+            spec = specs[node.name]
+            names = operands[node.name]
+            pin = bound.pins.get(node.name)
+            best_key, best = None, None
+            for index, signature in enumerate(signatures(spec)):
+                if any(not layout_with(o, req if req != P or o not in free else B).fits(bound.tensors[o].shape, mesh)
+                       for o, req in zip(names, signature.operands)):
+                    continue
+                if not layout_with(node.name, signature.output).fits(bound.tensors[node.name].shape, mesh):
+                    continue
+                cost, sharded_free = 0, 0
+                sharded_compute = signature.output != B
+                for o, req in zip(names, signature.operands):
+                    grad = o in requires_grad
+                    if o in free:
+                        sharded_free += req.is_split
+                        taken = B if req == P else req
+                    else:
+                        taken = value[o][axis]
+                        cost += _one_axis_cost(taken, req, local_bytes(o, taken), n, grad)
+                    if req == B and taken == B and sharded_compute and grad and o not in synced:
+                        cost += collective_bytes("all_reduce", local_bytes(o, B), n)
+                if pin is not None:
+                    target = pin.layout.placements[axis]
+                    cost += _one_axis_cost(signature.output, target, local_bytes(node.name, signature.output), n,
+                                           node.name in requires_grad)
+                key = (cost, sharded_free, index)
+                if best_key is None or key < best_key:
+                    best_key, best = key, signature
+            assert best is not None, f"no legal signature for {node.name}"  # all-B always fits
+            for slot, (o, req) in enumerate(zip(names, best.operands)):
+                if o in free:
+                    value[o].append(B if req == P else req)
+                    free.discard(o)
+                if req == B and best.output != B:
+                    synced.add(o)
+                needs[node.name][slot].append(req)
+            op_out[node.name].append(best.output)
+            value[node.name].append(pin.layout.placements[axis] if pin is not None else best.output)
+        for name in free:  # parameters no op consumes
+            value[name].append(B)
+
+    nodes = {
+        n.name: TypedNode(
+            n.name, op_name(n), specs[n.name], operands[n.name],
+            tuple(Layout(tuple(p)) for p in needs[n.name]),
+            Layout(tuple(op_out[n.name])), Layout(tuple(value[n.name])),
+        )
+        for n in graph_nodes
+    }
+    placeholder_layouts = {name: Layout(tuple(value[name])) for name in placeholders}
+    output_layouts = []
+    for index, (_, node_name) in enumerate(bound.outputs):
+        pin = bound.output_pins.get(index)
+        if pin is not None:
+            output_layouts.append(pin.layout)
+        else:
+            produced = Layout(tuple(value[node_name])) if node_name else Layout.broadcast(mesh)
+            output_layouts.append(Layout(tuple(B if p == P else p for p in produced.placements)))
+    return TypedGraph(bound, nodes, placeholder_layouts, output_layouts, requires_grad)

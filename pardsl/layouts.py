@@ -1,0 +1,257 @@
+"""Layouts (SBP, DESIGN §1): one placement per mesh axis, local shapes, and the conversions between them.
+
+A dim split by several axes is chunked by those axes in mesh order, the first axis outermost: on a
+`dp = 2, tp = 2` mesh, `[S(0), S(0)]` gives rank (i, j) chunk `2 * i + j` of dim 0. A conversion on one
+axis is a plain collective only when that axis is the innermost one splitting the dims it touches, so a
+multi-axis conversion is a sequence of one-axis steps in a legal order; `plan_conversion` finds the
+cheapest such sequence.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True, order=True)
+class Placement:
+    kind: str  # "S" split, "B" broadcast, "P" partial sum
+    dim: int = -1  # the split dim, for "S"
+
+    def __post_init__(self):
+        assert self.kind in ("S", "B", "P") and (self.kind == "S") == (self.dim >= 0), self
+
+    @property
+    def is_split(self) -> bool:
+        return self.kind == "S"
+
+    def __str__(self) -> str:
+        return f"S({self.dim})" if self.kind == "S" else self.kind
+
+    @staticmethod
+    def parse(text: str) -> "Placement":
+        text = text.strip()
+        if text in ("B", "P"):
+            return Placement(text)
+        if text.startswith("S(") and text.endswith(")"):
+            return Placement("S", int(text[2:-1]))
+        raise ValueError(f"not a placement: {text!r}")
+
+
+B = Placement("B")
+P = Placement("P")
+
+
+def S(dim: int) -> Placement:
+    return Placement("S", dim)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.axis_sizes)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.axis_names)
+
+    def axis_index(self, name: str) -> int:
+        return self.axis_names.index(name)
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n} = {s}" for n, s in zip(self.axis_names, self.axis_sizes))
+
+    def coordinates(self, rank: int) -> tuple[int, ...]:
+        """Row-major: the last axis varies fastest."""
+        coords = []
+        for size in reversed(self.axis_sizes):
+            coords.append(rank % size)
+            rank //= size
+        return tuple(reversed(coords))
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    placements: tuple[Placement, ...]
+
+    @staticmethod
+    def broadcast(mesh: Mesh) -> "Layout":
+        return Layout((B,) * mesh.ndim)
+
+    def with_axis(self, axis: int, placement: Placement) -> "Layout":
+        return Layout(self.placements[:axis] + (placement,) + self.placements[axis + 1 :])
+
+    @property
+    def has_partial(self) -> bool:
+        return any(p.kind == "P" for p in self.placements)
+
+    def axes_splitting(self, dim: int) -> tuple[int, ...]:
+        return tuple(a for a, p in enumerate(self.placements) if p.kind == "S" and p.dim == dim)
+
+    def split_factor(self, dim: int, mesh: Mesh) -> int:
+        return math.prod(mesh.axis_sizes[a] for a in self.axes_splitting(dim))
+
+    def local_shape(self, shape: Iterable[int], mesh: Mesh) -> tuple[int, ...]:
+        return tuple(size // self.split_factor(d, mesh) for d, size in enumerate(shape))
+
+    def indivisible_dims(self, shape: tuple[int, ...], mesh: Mesh) -> list[int]:
+        return [d for d, size in enumerate(shape) if size % self.split_factor(d, mesh)]
+
+    def out_of_range_dims(self, rank: int) -> list[int]:
+        return [p.dim for p in self.placements if p.kind == "S" and p.dim >= rank]
+
+    def fits(self, shape: tuple[int, ...], mesh: Mesh) -> bool:
+        return not self.out_of_range_dims(len(shape)) and not self.indivisible_dims(shape, mesh)
+
+    def innermost_splitter(self, dim: int) -> int | None:
+        axes = self.axes_splitting(dim)
+        return axes[-1] if axes else None
+
+    def render(self, mesh: Mesh) -> str:
+        """`S(0)` on a one-axis mesh; `S(0)@dp, S(1)@tp` (B axes left out) on a larger one."""
+        if mesh.ndim == 1:
+            return str(self.placements[0])
+        named = [f"{p}@{mesh.axis_names[a]}" for a, p in enumerate(self.placements) if p != B]
+        return ", ".join(named) if named else "B"
+
+    def key(self) -> tuple[str, ...]:
+        """Plain strings, as the generated module and plan.json carry them."""
+        return tuple(str(p) for p in self.placements)
+
+    @staticmethod
+    def from_key(key: Iterable[str]) -> "Layout":
+        return Layout(tuple(Placement.parse(p) for p in key))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Conversions
+
+
+@dataclass(frozen=True)
+class ConversionStep:
+    """One collective (or local op) on one mesh axis, with its forward and backward bytes per rank."""
+
+    kind: str  # all_reduce, reduce_scatter, all_gather, all_to_all, split, to_partial
+    axis: int
+    source: Layout
+    target: Layout
+    src_dim: int | None  # the dim the source is split on (all_gather, all_to_all)
+    dst_dim: int | None  # the dim the target is split on (reduce_scatter, all_to_all, split)
+    forward_bytes: int
+    backward_bytes: int
+
+
+# What each one-axis conversion is (DESIGN §1), keyed by (from kind, to kind).
+_STEP_KIND = {
+    ("P", "B"): "all_reduce",
+    ("P", "S"): "reduce_scatter",
+    ("S", "B"): "all_gather",
+    ("S", "S"): "all_to_all",
+    ("B", "S"): "split",
+    ("B", "P"): "to_partial",
+}
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def collective_bytes(kind: str, local_bytes: int, n: int) -> int:
+    """Bytes each rank sends for a collective over n ranks whose local input is local_bytes."""
+    if n == 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * local_bytes * (n - 1) // n
+    if kind == "all_gather":
+        return local_bytes * (n - 1)
+    if kind in ("reduce_scatter", "all_to_all"):
+        return local_bytes * (n - 1) // n
+    return 0  # split, to_partial: local
+
+
+_BACKWARD_OF = {
+    "all_reduce": None,  # identity
+    "reduce_scatter": "all_gather",
+    "all_gather": None,  # slice; becomes a reduce-scatter when the gathered value's consumers are sharded
+    "all_to_all": "all_to_all",
+    "split": "all_gather",
+    "to_partial": None,
+}
+
+
+def _one_axis_step(
+    layout: Layout, axis: int, placement: Placement, shape: tuple[int, ...], itemsize: int, mesh: Mesh
+) -> ConversionStep | None:
+    current = layout.placements[axis]
+    kind = _STEP_KIND.get((current.kind, placement.kind))
+    if kind is None or current == placement:
+        return None
+    target = layout.with_axis(axis, placement)
+    # Only the innermost axis splitting a dim can gather or scatter it with one plain collective.
+    if current.is_split and layout.innermost_splitter(current.dim) != axis:
+        return None
+    if placement.is_split and (target.innermost_splitter(placement.dim) != axis or not target.fits(shape, mesh)):
+        return None
+    local_bytes = math.prod(layout.local_shape(shape, mesh)) * itemsize
+    n = mesh.axis_sizes[axis]
+    forward = collective_bytes(kind, local_bytes, n)
+    backward_kind = _BACKWARD_OF[kind]
+    backward_input = math.prod(target.local_shape(shape, mesh)) * itemsize
+    backward = collective_bytes(backward_kind, backward_input, n) if backward_kind else 0
+    return ConversionStep(
+        kind,
+        axis,
+        layout,
+        target,
+        current.dim if current.is_split else None,
+        placement.dim if placement.is_split else None,
+        forward,
+        backward,
+    )
+
+
+def plan_conversion(
+    source: Layout,
+    target: Layout,
+    shape: tuple[int, ...],
+    itemsize: int,
+    mesh: Mesh,
+    with_backward: bool = True,
+) -> list[ConversionStep]:
+    """The cheapest legal sequence of one-axis steps from source to target (Dijkstra over layouts).
+
+    Cost is bytes per rank, forward plus backward when the value needs a gradient; ties go to fewer
+    steps. Every layout reaches every other (gather innermost-first to all-B, then split outermost-first),
+    so a plan always exists.
+    """
+    if source == target:
+        return []
+    candidates = [B, P] + [S(d) for d in range(len(shape))]
+    # Entries: (cost, steps, layout, push order, path); layouts are ordered, so ties are deterministic.
+    frontier: list[tuple[int, int, Layout, int, list[ConversionStep]]] = [(0, 0, source, 0, [])]
+    pushed = 0
+    settled: set[Layout] = set()
+    while frontier:
+        cost, steps, layout, _, path = heapq.heappop(frontier)
+        if layout == target:
+            return path
+        if layout in settled:
+            continue
+        settled.add(layout)
+        for axis in range(mesh.ndim):
+            for placement in candidates:
+                step = _one_axis_step(layout, axis, placement, shape, itemsize, mesh)
+                if step is None or step.target in settled:
+                    continue
+                step_cost = step.forward_bytes + (step.backward_bytes if with_backward else 0)
+                pushed += 1
+                heapq.heappush(frontier, (cost + step_cost, steps + 1, step.target, pushed, path + [step]))
+    raise AssertionError(f"no conversion from {source} to {target} for shape {shape}")  # unreachable
+
+
+def conversion_cost(steps: list[ConversionStep], with_backward: bool = True) -> int:
+    return sum(s.forward_bytes + (s.backward_bytes if with_backward else 0) for s in steps)

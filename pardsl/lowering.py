@@ -1,0 +1,422 @@
+"""Stage 4: typed graph → lowered program: straight-line statements with collectives and local shapes.
+
+Every conversion between layouts becomes calls of the runtime's autograd collectives, one mesh axis at a
+time in the cheapest legal order (`layouts.plan_conversion`). Gradients follow DESIGN §2:
+
+- each conversion's adjoint is built into its runtime function;
+- a value that is B on an axis and feeds computation sharded on that axis (its consumer's result is S or
+  P there) gets a partial gradient from each such consumer. Those consumers read it through one
+  `grad_all_reduce` (Megatron's f: identity forward, all-reduce backward), once per value and not once
+  per consumer;
+- when the value was just all-gathered on that axis and every use of it is sharded there, the all-gather's
+  adjoint becomes a reduce-scatter instead (Megatron-SP's g), and no all-reduce is needed.
+
+A conversion is computed once per (value, layout) and shared by every consumer that needs it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .diagnostics import Diagnostic
+from .inference import TypedGraph
+from .layouts import COLLECTIVE_KINDS, B, P, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
+from .oprules import RULES, tensor_operands
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all
+    axis: str
+    phase: str  # forward | backward
+    bytes: int  # per rank
+    value: str  # the variable it moves
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "axis": self.axis, "phase": self.phase, "bytes": self.bytes,
+                "value": self.value, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Statement:
+    target: str
+    expr: str
+    comment: str
+    collectives: tuple[Collective, ...] = ()
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """A parameter, buffer or input of the generated module."""
+
+    name: str  # state-dict name or forward() argument
+    var: str  # how the forward refers to it
+    kind: str  # parameter, buffer, input
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
+    layout: Layout
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class OutputSlot:
+    path: str
+    var: str
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    layout: Layout
+
+
+@dataclass
+class LoweredProgram:
+    mesh: Mesh
+    source_path: str
+    model: str
+    parameters: list[TensorSlot]
+    buffers: list[TensorSlot]
+    inputs: list[TensorSlot]
+    statements: list[Statement]
+    outputs: list[OutputSlot]
+    values: dict[str, dict]  # every graph tensor: layout, global and local shape (for plan.json)
+    notes: list[Diagnostic] = field(default_factory=list)
+
+    @property
+    def collectives(self) -> list[Collective]:
+        return [c for s in self.statements for c in s.collectives]
+
+    def collective_counts(self) -> dict[str, dict[str, int]]:
+        counts = {phase: {kind: 0 for kind in COLLECTIVE_KINDS} for phase in ("forward", "backward")}
+        for c in self.collectives:
+            counts[c.phase][c.kind] += 1
+        return counts
+
+    def collective_bytes(self) -> dict[str, int]:
+        totals = {"forward": 0, "backward": 0}
+        for c in self.collectives:
+            totals[c.phase] += c.bytes
+        return totals
+
+
+def named_layout(layout: Layout, mesh: Mesh) -> str:
+    """`S(1)@tp`, `P@dp, S(0)@tp`, `B`: every non-B placement with its axis."""
+    parts = [f"{p}@{mesh.axis_names[a]}" for a, p in enumerate(layout.placements) if p != B]
+    return ", ".join(parts) if parts else "B"
+
+
+def format_bytes(count: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
+
+
+def _attr_name(name: str, taken: set[str]) -> str:
+    base = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    if base[0].isdigit() or hasattr(torch.nn.Module, base) or base in ("rt", "forward"):
+        base = "p_" + base
+    attr, k = base, 1
+    while attr in taken:
+        k += 1
+        attr = f"{base}_{k}"
+    taken.add(attr)
+    return attr
+
+
+def _tag(layout: Layout) -> str:
+    return "_".join(str(p).replace("(", "").replace(")", "") for p in layout.placements)
+
+
+def _render(value) -> str:
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, torch.memory_format):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_render(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
+        return f"float('{value}')"
+    return repr(value)
+
+
+@dataclass
+class _Use:
+    node: str
+    slot: int
+    partial_axes: frozenset[int]  # axes where this use gives a partial gradient
+
+
+class _Lowerer:
+    def __init__(self, typed: TypedGraph):
+        self.typed = typed
+        self.bound = typed.bound
+        self.mesh = typed.mesh
+        self.statements: list[Statement] = []
+        self.notes: list[Diagnostic] = []
+        self.var: dict[str, str] = {}  # graph name → variable holding its value layout
+        self.emitted: set[str] = set()
+        self.conversion_var: dict[tuple[str, Layout], str] = {}
+        self.conversion_steps: dict[str, list[ConversionStep]] = {}
+        self.uses: dict[str, list[_Use]] = {}  # conversion variable → its uses
+        self.grad_wrapper: dict[tuple[str, frozenset[int]], str] = {}
+        self.reduce_scatter_backward: set[tuple[str, int]] = set()  # (variable, axis)
+
+    # -- names ---------------------------------------------------------------------------------------
+
+    def _base(self, name: str) -> str:
+        var = self.var[name]
+        return var.removeprefix("self.")
+
+    def _conversion_target(self, name: str, layout: Layout) -> str:
+        """The variable that will hold `name` in `layout` (computed once, however many consumers)."""
+        if layout == self.typed.layout_of(name):
+            return self.var[name]
+        key = (name, layout)
+        if key not in self.conversion_var:
+            info = self.typed.info(name)
+            steps = plan_conversion(self.typed.layout_of(name), layout, info.shape, info.itemsize, self.mesh,
+                                    with_backward=name in self.typed.requires_grad)
+            var = f"{self._base(name)}__{_tag(layout)}"
+            self.conversion_var[key] = var
+            self.conversion_steps[var] = steps
+        return self.conversion_var[key]
+
+    # -- pass 1: who needs what ----------------------------------------------------------------------
+
+    def plan_uses(self) -> None:
+        for node in self.typed.nodes.values():
+            for slot, (operand, needed) in enumerate(zip(node.operands, node.operand_layouts)):
+                var = self._conversion_target(operand, needed)
+                partial = frozenset(
+                    a for a in range(self.mesh.ndim)
+                    if needed.placements[a] == B and node.op_layout.placements[a] != B
+                    and operand in self.typed.requires_grad
+                )
+                self.uses.setdefault(var, []).append(_Use(node.name, slot, partial))
+        for (_, node_name), layout in zip(self.bound.outputs, self.typed.output_layouts):
+            if node_name is not None:
+                var = self._conversion_target(node_name, layout)
+                self.uses.setdefault(var, []).append(_Use("output", -1, frozenset()))
+
+        for var, uses in self.uses.items():
+            partial_axes = frozenset().union(*(u.partial_axes for u in uses))
+            if not partial_axes:
+                continue
+            every_use_partial = {a for a in partial_axes if all(a in u.partial_axes for u in uses)}
+            steps = self.conversion_steps.get(var, [])
+            for a in every_use_partial:
+                last_on_axis = [s for s in steps if s.axis == a][-1:]
+                if last_on_axis and last_on_axis[0].kind == "all_gather":
+                    self.reduce_scatter_backward.add((var, a))
+            for use in uses:
+                use.partial_axes = frozenset(a for a in use.partial_axes if (var, a) not in self.reduce_scatter_backward)
+
+    # -- pass 2: statements --------------------------------------------------------------------------
+
+    def emit(self, target: str, expr: str, comment: str, collectives: tuple[Collective, ...] = ()) -> None:
+        self.statements.append(Statement(target, expr, comment, collectives))
+
+    def _value_comment(self, layout: Layout, shape: tuple[int, ...]) -> str:
+        local = layout.local_shape(shape, self.mesh)
+        text = f"{named_layout(layout, self.mesh)}  {list(shape)}"
+        return text + (f" local {list(local)}" if local != tuple(shape) else "")
+
+    def _ensure(self, name: str, layout: Layout, reason: str) -> str:
+        """Emit the conversion of `name` to `layout` if not yet emitted; return its variable."""
+        var = self._conversion_target(name, layout)
+        if var in self.emitted:
+            return var
+        self.emitted.add(var)
+        steps = self.conversion_steps[var]
+        pin = self.bound.pins.get(name)
+        self._emit_steps(steps, self.var[name], var, reason,
+                         {a for (v, a) in self.reduce_scatter_backward if v == var})
+        if pin is not None and steps:
+            moved = sum(s.forward_bytes for s in steps)
+            self.notes.append(Diagnostic(
+                "N001", f"`{pin.entry.target}` is {pin.layout.render(self.mesh)} as written; {reason} needs "
+                f"{layout.render(self.mesh)}: inserted {', '.join(s.kind for s in steps)} "
+                f"({format_bytes(moved)} forward)", pin.entry.span, severity="note"))
+        return var
+
+    def _step_call(self, step: ConversionStep, source: str, axis: str, target: str, reason: str,
+                   rs_backward: bool) -> tuple[str, tuple[Collective, ...]]:
+        fwd, bwd = [], []
+        if step.kind == "all_reduce":
+            expr = f'rt.all_reduce({source}, "{axis}")'
+            fwd.append("all_reduce")
+        elif step.kind == "reduce_scatter":
+            expr = f'rt.reduce_scatter({source}, "{axis}", dim={step.dst_dim})'
+            fwd.append("reduce_scatter")
+            bwd.append(("all_gather", step.backward_bytes))
+        elif step.kind == "all_gather":
+            mode = "reduce_scatter" if rs_backward else "slice"
+            expr = f'rt.all_gather({source}, "{axis}", dim={step.src_dim}, backward="{mode}")'
+            fwd.append("all_gather")
+            if rs_backward:
+                bwd.append(("reduce_scatter", step.forward_bytes // self.mesh.axis_sizes[step.axis]))
+        elif step.kind == "all_to_all":
+            expr = f'rt.all_to_all({source}, "{axis}", split_dim={step.dst_dim}, concat_dim={step.src_dim})'
+            fwd.append("all_to_all")
+            bwd.append(("all_to_all", step.backward_bytes))
+        elif step.kind == "split":
+            expr = f'rt.split({source}, "{axis}", dim={step.dst_dim})'
+            bwd.append(("all_gather", step.backward_bytes))
+        else:  # to_partial
+            expr = f'rt.to_partial({source}, "{axis}")'
+        collectives = tuple(Collective(k, axis, "forward", step.forward_bytes, target, reason) for k in fwd)
+        collectives += tuple(Collective(k, axis, "backward", b, target, reason) for k, b in bwd)
+        return expr, collectives
+
+    def _operand(self, node_name: str, slot: int, name: str, layout: Layout, reason: str) -> str:
+        var = self._ensure(name, layout, reason)
+        use = next(u for u in self.uses[var] if u.node == node_name and u.slot == slot)
+        if not use.partial_axes:
+            return var
+        key = (var, use.partial_axes)
+        if key not in self.grad_wrapper:
+            axes = [self.mesh.axis_names[a] for a in sorted(use.partial_axes)]
+            groups = {frozenset(u.partial_axes) for u in self.uses[var] if u.partial_axes}
+            wrapper = f"{var.removeprefix('self.')}__f" + ("" if len(groups) == 1 else "_" + "_".join(axes))
+            self.grad_wrapper[key] = wrapper
+            info = self.typed.info(name)
+            local = math.prod(layout.local_shape(info.shape, self.mesh)) * info.itemsize
+            collectives = tuple(
+                Collective("all_reduce", axis, "backward",
+                           collective_bytes("all_reduce", local, self.mesh.axis_sizes[self.mesh.axis_index(axis)]),
+                           wrapper, "gradient of a broadcast value read by sharded computation")
+                for axis in axes
+            )
+            args = ", ".join(f'"{a}"' for a in axes)
+            consumers = sum(1 for u in self.uses[var] if u.partial_axes == use.partial_axes)
+            self.emit(wrapper, f"rt.grad_all_reduce({var}, {args})",
+                      f"B read by {consumers} sharded consumer(s): all-reduce its gradient once "
+                      f"({format_bytes(collectives[0].bytes)}, backward)", collectives)
+        return self.grad_wrapper[key]
+
+    def lower_node(self, name: str) -> None:
+        typed_node = self.typed.nodes[name]
+        fx_node = self._fx[name]
+        rule = RULES[typed_node.op]
+        where = self.bound.module_paths.get(name)
+        reason = f"{typed_node.op.removeprefix('aten.')} {name}" + (f" in {where}" if where else "")
+        operand_vars = [
+            self._operand(name, slot, operand, layout, reason)
+            for slot, (operand, layout) in enumerate(zip(typed_node.operands, typed_node.operand_layouts))
+        ]
+        info = self.typed.info(name)
+        local_out = typed_node.op_layout.local_shape(info.shape, self.mesh)
+        tensor_nodes = iter(operand_vars)
+
+        def arg(value):
+            if isinstance(value, torch.fx.Node):
+                return next(tensor_nodes)
+            if isinstance(value, (list, tuple)) and any(isinstance(v, torch.fx.Node) for v in value):
+                inner = ", ".join(arg(v) for v in value)
+                return f"[{inner}]"
+            return _render(value)
+
+        args = [arg(a) for a in fx_node.args]
+        if rule.shape_arg is not None and rule.shape_arg < len(args):
+            args[rule.shape_arg] = _render(list(local_out))
+        kwargs = [f"{k}={arg(v)}" for k, v in fx_node.kwargs.items()]
+        expr = f"{typed_node.op}({', '.join(args + kwargs)})"
+        self.emit(name, expr, self._value_comment(typed_node.op_layout, info.shape))
+        if rule.mean:
+            self._rescale_mean(typed_node, fx_node, name)
+        if typed_node.value_layout == typed_node.op_layout:
+            self.var[name] = name
+        else:
+            self.var[name], pinned_var = name, self.var[name]
+        if typed_node.value_layout != typed_node.op_layout:
+            self._convert_op_result(name, pinned_var)
+        self.emitted.add(self.var[name])
+
+    def _convert_op_result(self, name: str, pinned_var: str) -> None:
+        """The op computed `op_layout`; the user wrote another layout for its result: convert at once."""
+        typed_node = self.typed.nodes[name]
+        pin = self.bound.pins[name]
+        info = self.typed.info(name)
+        steps = plan_conversion(typed_node.op_layout, typed_node.value_layout, info.shape, info.itemsize,
+                                self.mesh, with_backward=name in self.typed.requires_grad)
+        self._emit_steps(steps, name, pinned_var, f"`{pin.entry.target}` written as "
+                         f"{pin.layout.render(self.mesh)}", set())
+        self.var[name] = pinned_var
+
+    def _emit_steps(self, steps: list[ConversionStep], source: str, final: str, reason: str,
+                    reduce_scatter_axes: set[int]) -> None:
+        current = source
+        for index, step in enumerate(steps):
+            target = final if index == len(steps) - 1 else f"{final}_{index + 1}"
+            axis = self.mesh.axis_names[step.axis]
+            last_on_axis = all(later.axis != step.axis for later in steps[index + 1:])
+            rs_backward = step.kind == "all_gather" and step.axis in reduce_scatter_axes and last_on_axis
+            expr, collectives = self._step_call(step, current, axis, target, reason, rs_backward)
+            arrow = f"{step.source.placements[step.axis]}→{step.target.placements[step.axis]}@{axis}"
+            what = ", ".join(f"{c.kind.replace('_', '-')} {format_bytes(c.bytes)} ({c.phase})" for c in collectives)
+            self.emit(target, expr, f"{arrow}: {what or 'local'} — {reason}", collectives)
+            current = target
+
+    def _rescale_mean(self, typed_node, fx_node, name: str) -> None:
+        operand_layout = typed_node.operand_layouts[0]
+        info = self.typed.info(typed_node.operands[0])
+        rank = len(info.shape)
+        dims = fx_node.args[1] if len(fx_node.args) > 1 and fx_node.args[1] else list(range(rank))
+        factor = math.prod(operand_layout.split_factor(d % rank, self.mesh) for d in dims)
+        if factor > 1:
+            self.emit(name, f"aten.div.Tensor({name}, {factor})",
+                      f"a mean over dims split {factor} ways: each rank's share, summed over ranks, is the mean")
+
+    def lower(self) -> LoweredProgram:
+        bound, typed, mesh = self.bound, self.typed, self.mesh
+        self._fx = {n.name: n for n in bound.graph.nodes}
+        taken: set[str] = set()
+        parameters, buffers, inputs = [], [], []
+        for placeholder in (n.name for n in bound.graph.nodes if n.op == "placeholder"):
+            info = typed.info(placeholder)
+            layout = typed.placeholder_layouts[placeholder]
+            local = layout.local_shape(info.shape, mesh)
+            if placeholder in bound.inputs:
+                name = bound.inputs[placeholder]
+                self.var[placeholder] = name
+                inputs.append(TensorSlot(name, name, "input", info.shape, local, str(info.dtype), layout))
+            else:
+                is_param = placeholder in bound.parameters
+                name = bound.parameters[placeholder] if is_param else bound.buffers[placeholder]
+                attr = _attr_name(name, taken)
+                self.var[placeholder] = f"self.{attr}"
+                slot = TensorSlot(name, attr, "parameter" if is_param else "buffer", info.shape, local,
+                                  str(info.dtype), layout, placeholder in typed.requires_grad)
+                (parameters if is_param else buffers).append(slot)
+            self.emitted.add(self.var[placeholder])
+        for name, node in self.typed.nodes.items():
+            pinned_elsewhere = node.value_layout != node.op_layout
+            self.var[name] = f"{name}__{_tag(node.value_layout)}" if pinned_elsewhere else name
+        self.plan_uses()
+        for name in self.typed.nodes:
+            self.lower_node(name)
+        outputs = []
+        for (path, node_name), layout in zip(bound.outputs, typed.output_layouts):
+            info = typed.info(node_name)
+            var = self._ensure(node_name, layout, f"`{path}` is {named_layout(layout, mesh)}")
+            outputs.append(OutputSlot(path, var, info.shape, layout.local_shape(info.shape, mesh), layout))
+        values = {}
+        for name, info in bound.tensors.items():
+            layout = typed.layout_of(name)
+            values[name] = {
+                "layout": named_layout(layout, mesh),
+                "shape": list(info.shape),
+                "local_shape": list(layout.local_shape(info.shape, mesh)),
+                "dtype": str(info.dtype).removeprefix("torch."),
+            }
+        return LoweredProgram(mesh, bound.par.source.path, bound.par.model.text, parameters, buffers, inputs,
+                              self.statements, outputs, values, self.notes)
+
+
+def lower(typed: TypedGraph) -> LoweredProgram:
+    return _Lowerer(typed).lower()

@@ -1,0 +1,340 @@
+"""Op rules as data (DESIGN §4).
+
+Each supported ATen op is one row of `RULES`: a spec family and its parameters. The family turns the row
+and the node's concrete shapes into a `DimSpec`: a letter for every dim of every tensor operand and of
+the output, einsum style (`"...k,nk,n->...n"` is all there is to say about linear). From a DimSpec the
+legal one-axis signatures follow mechanically (`signatures`):
+
+- everything B → B;
+- a letter kept in the output split → every operand having it split there, the others B;
+- a contracted letter (in operands, not in the output) split → output P, operands without it B;
+- partial sums pass through linear ops only: `sum` ops (add, sub, views, reductions) take P in all
+  operands together; `product` ops (mul, matmul) take P in one linear operand, the others B.
+
+Letters in `unsplittable` (the dim of a softmax, the normalised dims of layer_norm, dims a reshape
+merges or splits non-contiguously) are never split. Addend operands (the bias of linear/addmm) follow
+the output: S where they have the letter, B where they broadcast, P where the output is P, so a
+row-parallel bias is added once.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .layouts import B, P, Placement, S
+
+Letters = tuple  # one letter (str) or None (a broadcast dim of size 1) per dim
+
+
+@dataclass(frozen=True)
+class Rule:
+    family: str  # einsum, matmul, elementwise, reduce, normalize, reshape, permute
+    spec: str = ""  # einsum spec, for the einsum family
+    linear: str = "none"  # none | sum | product
+    linear_operands: tuple[int, ...] = (0, 1)  # for product: operands the op is linear in
+    addends: tuple[int, ...] = ()  # operands added to the result (bias)
+    dim_arg: int | None = None  # softmax dim / reduce dims / normalized_shape argument position
+    keepdim_arg: int | None = None
+    shape_arg: int | None = None  # argument holding a global shape, rewritten to the local one
+    mean: bool = False  # a mean over split dims is rescaled: local mean × local count / global count
+    unsplittable_reduce: bool = False  # reductions that are not sums (amax): reduced dims not split
+
+
+def _elementwise(linear: str = "none", **kw) -> Rule:
+    return Rule("elementwise", linear=linear, **kw)
+
+
+_UNARY = ["relu", "gelu", "silu", "tanh", "sigmoid", "exp", "log", "rsqrt", "sqrt", "abs", "sin", "cos",
+          "reciprocal", "erf", "log1p", "expm1", "softplus", "hardtanh", "leaky_relu", "elu", "square"]
+
+RULES: dict[str, Rule] = {
+    # matrix products
+    "aten.linear.default": Rule("einsum", "...k,nk,n->...n", linear="product", addends=(2,)),
+    "aten.addmm.default": Rule("einsum", "n,mk,kn->mn", linear="product", linear_operands=(1, 2), addends=(0,)),
+    "aten.mm.default": Rule("einsum", "mk,kn->mn", linear="product"),
+    "aten.bmm.default": Rule("einsum", "bmk,bkn->bmn", linear="product"),
+    "aten.matmul.default": Rule("matmul", linear="product"),
+    # elementwise arithmetic (broadcasting; scalars allowed)
+    "aten.add.Tensor": _elementwise("sum"),
+    "aten.sub.Tensor": _elementwise("sum"),
+    "aten.mul.Tensor": _elementwise("product"),
+    "aten.div.Tensor": _elementwise("product", linear_operands=(0,)),
+    "aten.neg.default": _elementwise("sum"),
+    "aten.pow.Tensor_Scalar": _elementwise(),
+    "aten.clone.default": _elementwise("sum"),
+    "aten.contiguous.default": _elementwise("sum"),
+    "aten.alias.default": _elementwise("sum"),
+    "aten.detach.default": _elementwise("sum"),
+    **{f"aten.{name}.default": _elementwise() for name in _UNARY},
+    # reductions
+    "aten.sum.dim_IntList": Rule("reduce", linear="sum", dim_arg=1, keepdim_arg=2),
+    "aten.sum.default": Rule("reduce", linear="sum"),
+    "aten.mean.dim": Rule("reduce", linear="sum", dim_arg=1, keepdim_arg=2, mean=True),
+    "aten.mean.default": Rule("reduce", linear="sum", mean=True),
+    "aten.amax.default": Rule("reduce", dim_arg=1, keepdim_arg=2, unsplittable_reduce=True),
+    # normalisation over a dim that must be whole on every rank
+    "aten.softmax.int": Rule("normalize", dim_arg=1),
+    "aten._softmax.default": Rule("normalize", dim_arg=1),
+    "aten.log_softmax.int": Rule("normalize", dim_arg=1),
+    "aten._log_softmax.default": Rule("normalize", dim_arg=1),
+    "aten.layer_norm.default": Rule("normalize", dim_arg=1),
+    # views
+    "aten.view.default": Rule("reshape", linear="sum", shape_arg=1),
+    "aten.reshape.default": Rule("reshape", linear="sum", shape_arg=1),
+    "aten._unsafe_view.default": Rule("reshape", linear="sum", shape_arg=1),
+    "aten.flatten.using_ints": Rule("reshape", linear="sum"),
+    "aten.unflatten.int": Rule("reshape", linear="sum", shape_arg=2),
+    "aten.unsqueeze.default": Rule("reshape", linear="sum"),
+    "aten.squeeze.dim": Rule("reshape", linear="sum"),
+    "aten.squeeze.dims": Rule("reshape", linear="sum"),
+    "aten.squeeze.default": Rule("reshape", linear="sum"),
+    "aten.transpose.int": Rule("permute", linear="sum"),
+    "aten.permute.default": Rule("permute", linear="sum"),
+    "aten.t.default": Rule("permute", linear="sum"),
+}
+
+
+@dataclass(frozen=True)
+class DimSpec:
+    """A rule instantiated for one node: letters per operand dim and per output dim."""
+
+    operands: tuple[Letters, ...]
+    output: Letters
+    linear: str
+    linear_operands: tuple[int, ...]
+    addends: tuple[int, ...]
+    unsplittable: frozenset[str] = frozenset()
+    contractible: bool = True  # a split contracted letter gives P (sum-like contraction)
+    affine: bool = False  # a non-tensor scalar is added: P cannot pass (x + 1 over P adds n)
+
+    def letters(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for letters in (*self.operands, self.output):
+            for letter in letters:
+                if letter is not None:
+                    seen.setdefault(letter)
+        return list(seen)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One axis: the placement each operand must have, and the output's."""
+
+    operands: tuple[Placement, ...]
+    output: Placement
+    split_letter: str | None = None  # which letter is split, if any
+
+
+def tensor_operands(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Tensor operands in argument order (flattened through lists), as rules number them."""
+    flat, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def op_name(node: torch.fx.Node) -> str:
+    return f"aten.{node.target._schema.name.split('::')[-1]}.{node.target._overloadname}" \
+        if hasattr(node.target, "_schema") else str(node.target)
+
+
+def rule_for(node: torch.fx.Node) -> Rule | None:
+    return RULES.get(op_name(node))
+
+
+def _shape(node: torch.fx.Node) -> tuple[int, ...]:
+    return tuple(int(s) for s in node.meta["val"].shape)
+
+
+def _arg(node: torch.fx.Node, position: int, name: str, default: Any = None) -> Any:
+    if position < len(node.args):
+        return node.args[position]
+    return node.kwargs.get(name, default)
+
+
+_LETTERS = string.ascii_lowercase + string.ascii_uppercase
+
+
+def _broadcast_letters(shapes: list[tuple[int, ...]], out_shape: tuple[int, ...], fresh: str) -> list[Letters]:
+    """Right-aligned broadcasting: an operand dim of size 1 against a larger output dim gets None."""
+    out_letters = tuple(fresh[i] for i in range(len(out_shape)))
+    result = []
+    for shape in shapes:
+        offset = len(out_shape) - len(shape)
+        result.append(tuple(
+            None if (size == 1 and out_shape[offset + i] != 1) else out_letters[offset + i]
+            for i, size in enumerate(shape)
+        ))
+    return result
+
+
+def _einsum(spec: str, shapes: list[tuple[int, ...]], out_shape: tuple[int, ...]) -> tuple[list[Letters], Letters]:
+    inputs, output = spec.split("->")
+    terms = inputs.split(",")
+    terms = terms[: len(shapes)]  # optional trailing operands (a bias left out)
+    batch_rank = len(out_shape) - len(output.replace("...", ""))
+    batch = _LETTERS[-batch_rank:] if batch_rank > 0 else ""
+    operand_letters = []
+    batch_shapes = []
+    for term, shape in zip(terms, shapes):
+        if "..." in term:
+            explicit = len(term) - 3
+            batch_shapes.append(shape[: len(shape) - explicit])
+        else:
+            batch_shapes.append(None)
+    out_batch_shape = out_shape[:batch_rank]
+    for term, shape, batch_shape in zip(terms, shapes, batch_shapes):
+        if batch_shape is None:
+            operand_letters.append(tuple(term))
+            continue
+        [broadcast] = _broadcast_letters([batch_shape], out_batch_shape, batch)
+        operand_letters.append(broadcast + tuple(term.replace("...", "")))
+    return operand_letters, tuple(batch) + tuple(output.replace("...", ""))
+
+
+def _matmul_spec(a_rank: int, b_rank: int) -> str:
+    """torch.matmul's cases: 1-D operands lose their dim in the output; batch dims broadcast."""
+    a = "...mk" if a_rank >= 2 else "k"
+    b = "...kn" if b_rank >= 2 else "k"
+    out = "..." + ("m" if a_rank >= 2 else "") + ("n" if b_rank >= 2 else "")
+    return f"{a},{b}->{out}"
+
+
+def _reshape_letters(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> tuple[Letters, Letters, set[str]]:
+    """Group dims whose products match; only the leading dims of a group carry a split across it."""
+    in_letters: list[str | None] = [None] * len(in_shape)
+    out_letters: list[str | None] = [None] * len(out_shape)
+    unsplittable: set[str] = set()
+    letters = iter(_LETTERS)
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        # size-1 dims carry nothing
+        if i < len(in_shape) and in_shape[i] == 1:
+            i += 1
+            continue
+        if j < len(out_shape) and out_shape[j] == 1:
+            j += 1
+            continue
+        if i >= len(in_shape) or j >= len(out_shape):
+            break
+        group_in, group_out = [i], [j]
+        prod_in, prod_out = in_shape[i], out_shape[j]
+        i, j = i + 1, j + 1
+        while prod_in != prod_out:
+            if prod_in < prod_out:
+                group_in.append(i)
+                prod_in *= in_shape[i]
+                i += 1
+            else:
+                group_out.append(j)
+                prod_out *= out_shape[j]
+                j += 1
+        # Chunks of a group's leading dim are contiguous blocks of the flattened group, on both sides,
+        # so the leading dims share a letter; divisibility of each side is checked by Layout.fits.
+        lead = next(letters)
+        in_letters[group_in[0]] = lead
+        out_letters[group_out[0]] = lead
+        for k in group_in[1:]:
+            in_letters[k] = next(letters)
+            unsplittable.add(in_letters[k])
+        for k in group_out[1:]:
+            out_letters[k] = next(letters)
+            unsplittable.add(out_letters[k])
+    return tuple(in_letters), tuple(out_letters), unsplittable
+
+
+def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
+    operands = tensor_operands(node)
+    shapes = [_shape(o) for o in operands]
+    out_shape = _shape(node)
+    unsplittable: set[str] = set()
+    contractible = True
+    affine = False
+    fresh = _LETTERS
+
+    if rule.family in ("einsum", "matmul"):
+        spec = rule.spec if rule.family == "einsum" else _matmul_spec(len(shapes[0]), len(shapes[1]))
+        operand_letters, output = _einsum(spec, shapes, out_shape)
+    elif rule.family == "elementwise":
+        operand_letters = _broadcast_letters(shapes, out_shape, fresh)
+        output = tuple(fresh[: len(out_shape)])
+        scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        affine = rule.linear == "sum" and bool(scalars) and any(s != 0 for s in scalars)
+    elif rule.family == "reduce":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        dims = _arg(node, rule.dim_arg, "dim") if rule.dim_arg is not None else None
+        rank = len(shapes[0])
+        reduced = set(range(rank)) if dims in (None, []) else {d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+        keepdim = bool(_arg(node, rule.keepdim_arg, "keepdim", False)) if rule.keepdim_arg is not None else False
+        output = tuple(None if d in reduced else in_letters[d] for d in range(rank)) if keepdim else \
+            tuple(in_letters[d] for d in range(rank) if d not in reduced)
+        operand_letters = [in_letters]
+        if rule.unsplittable_reduce:
+            unsplittable |= {in_letters[d] for d in reduced}
+    elif rule.family == "normalize":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        rank = len(shapes[0])
+        arg = _arg(node, rule.dim_arg, "dim")
+        if isinstance(arg, (list, tuple)):  # layer_norm's normalized_shape: the trailing dims
+            normalized = list(range(rank - len(arg), rank))
+        else:
+            normalized = [arg % rank]
+        unsplittable |= {in_letters[d] for d in normalized}
+        trailing = tuple(in_letters[d] for d in normalized)
+        operand_letters = [in_letters] + [trailing for _ in shapes[1:]]
+        output = in_letters
+    elif rule.family == "reshape":
+        in_letters, output, unsplittable = _reshape_letters(shapes[0], out_shape)
+        operand_letters = [in_letters]
+        contractible = False
+    elif rule.family == "permute":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        rank = len(shapes[0])
+        if op_name(node) == "aten.transpose.int":
+            d0, d1 = node.args[1] % rank, node.args[2] % rank
+            order = list(range(rank))
+            order[d0], order[d1] = order[d1], order[d0]
+        elif op_name(node) == "aten.t.default":
+            order = list(reversed(range(rank)))
+        else:
+            order = [d % rank for d in node.args[1]]
+        operand_letters = [in_letters]
+        output = tuple(in_letters[d] for d in order)
+    else:  # pragma: no cover - RULES only names the families above
+        raise AssertionError(rule.family)
+
+    return DimSpec(tuple(operand_letters), tuple(output), rule.linear, rule.linear_operands,
+                   tuple(a for a in rule.addends if a < len(operands)), frozenset(unsplittable),
+                   contractible, affine)
+
+
+def _placement_for(letters: Letters, letter: str) -> Placement:
+    return S(letters.index(letter)) if letter in letters else B
+
+
+def signatures(spec: DimSpec) -> list[Signature]:
+    """Every legal one-axis signature of the op, cheapest-looking first (all-B, splits, partials)."""
+    n = len(spec.operands)
+    result = [Signature((B,) * n, B)]
+    splittable = [l for l in spec.letters() if l not in spec.unsplittable]
+    for letter in splittable:
+        if letter in spec.output:
+            operands = tuple(_placement_for(letters, letter) for letters in spec.operands)
+            result.append(Signature(operands, S(spec.output.index(letter)), letter))
+    for letter in splittable:
+        if letter not in spec.output and spec.contractible and spec.linear != "none":
+            operands = tuple(
+                P if i in spec.addends else _placement_for(letters, letter)
+                for i, letters in enumerate(spec.operands)
+            )
+            result.append(Signature(operands, P, letter))
+    if spec.linear == "sum" and not spec.affine:
+        result.append(Signature((P,) * n, P))
+    elif spec.linear == "product":
+        for i in spec.linear_operands:
+            if i < n:
+                operands = tuple(P if (j == i or j in spec.addends) else B for j in range(n))
+                result.append(Signature(operands, P))
+    return result

@@ -1,0 +1,276 @@
+"""What a generated module calls at run time: collectives as autograd functions, per mesh axis.
+
+Each conversion of DESIGN §1 is one `torch.autograd.Function` whose backward is its adjoint, over the
+process group of one mesh axis (from `torch.distributed.device_mesh`). There is no per-op dispatch: the
+generated forward calls ATen ops directly and these functions only where the layouts change.
+
+The runtime counts every collective it issues, per phase (forward, backward), with the bytes each rank
+sends, so tests and users can assert communication exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .layouts import COLLECTIVE_KINDS, Layout, Mesh, collective_bytes
+
+PHASES = ("forward", "backward")
+
+
+@dataclass
+class CommCounter:
+    counts: dict[str, Counter] = field(default_factory=lambda: {p: Counter() for p in PHASES})
+    bytes: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
+
+    def record(self, phase: str, kind: str, nbytes: int) -> None:
+        self.counts[phase][kind] += 1
+        self.bytes[phase] += nbytes
+
+    def reset(self) -> None:
+        for phase in PHASES:
+            self.counts[phase].clear()
+            self.bytes[phase] = 0
+
+    def summary(self) -> dict:
+        return {
+            "collectives": {p: {k: self.counts[p][k] for k in COLLECTIVE_KINDS} for p in PHASES},
+            "bytes": dict(self.bytes),
+        }
+
+
+_MESH_CACHE: dict[tuple, object] = {}
+
+
+def _device_mesh(mesh: Mesh, device_type: str):
+    """One DeviceMesh per mesh shape and process (creating groups is collective; reuse them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (mesh.axis_names, mesh.axis_sizes, device_type, id(dist.distributed_c10d._get_default_group()))
+    if key not in _MESH_CACHE:
+        _MESH_CACHE[key] = init_device_mesh(device_type, mesh.axis_sizes, mesh_dim_names=mesh.axis_names)
+    return _MESH_CACHE[key]
+
+
+class Runtime:
+    """The mesh of one rank: its coordinates, the process group of each axis, and the collectives."""
+
+    def __init__(self, mesh: Mesh, device: torch.device | str | None = None):
+        self.mesh = mesh
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.counter = CommCounter()
+        self.groups: dict[str, object] = {}
+        self.coordinate: dict[str, int] = {name: 0 for name in mesh.axis_names}
+        self.size = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        if mesh.size > 1 or (dist.is_available() and dist.is_initialized()):
+            if not dist.is_initialized():
+                raise RuntimeError(f"a mesh of {mesh.size} ranks needs torch.distributed to be initialized")
+            if dist.get_world_size() != mesh.size:
+                raise RuntimeError(f"the mesh ({mesh}) has {mesh.size} ranks but the world has "
+                                   f"{dist.get_world_size()}")
+            device_mesh = _device_mesh(mesh, self.device.type)
+            for name in mesh.axis_names:
+                self.groups[name] = device_mesh.get_group(name)
+                self.coordinate[name] = device_mesh.get_local_rank(name)
+
+    # -- collectives the generated code calls ---------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        return _AllReduce.apply(x, self, axis)
+
+    def all_gather(self, x: torch.Tensor, axis: str, dim: int, backward: str = "slice") -> torch.Tensor:
+        return _AllGather.apply(x, self, axis, dim, backward)
+
+    def reduce_scatter(self, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        return _ReduceScatter.apply(x, self, axis, dim)
+
+    def all_to_all(self, x: torch.Tensor, axis: str, split_dim: int, concat_dim: int) -> torch.Tensor:
+        return _AllToAll.apply(x, self, axis, split_dim, concat_dim)
+
+    def split(self, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        return _Split.apply(x, self, axis, dim)
+
+    def to_partial(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        return _ToPartial.apply(x, self, axis)
+
+    def grad_all_reduce(self, x: torch.Tensor, *axes: str) -> torch.Tensor:
+        return _GradAllReduce.apply(x, self, axes)
+
+    # -- the primitives, counted ----------------------------------------------------------------------
+
+    def _all_reduce(self, x: torch.Tensor, axis: str, phase: str) -> torch.Tensor:
+        n = self.size[axis]
+        if n == 1:
+            return x
+        out = x.contiguous().clone()
+        self.counter.record(phase, "all_reduce", collective_bytes("all_reduce", _nbytes(x), n))
+        dist.all_reduce(out, group=self.groups[axis])
+        return out
+
+    def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str) -> torch.Tensor:
+        n = self.size[axis]
+        if n == 1:
+            return x
+        moved = x.movedim(dim, 0).contiguous()
+        out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+        self.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(x), n))
+        dist.all_gather_single(out, moved, group=self.groups[axis])
+        return out.movedim(0, dim)
+
+    def _reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, phase: str) -> torch.Tensor:
+        n = self.size[axis]
+        if n == 1:
+            return x
+        moved = x.movedim(dim, 0).contiguous()
+        out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+        self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", _nbytes(x), n))
+        dist.reduce_scatter_single(out, moved, group=self.groups[axis])
+        return out.movedim(0, dim)
+
+    def _all_to_all(self, x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, phase: str) -> torch.Tensor:
+        n = self.size[axis]
+        if n == 1:
+            return x
+        send = torch.stack(x.chunk(n, dim=split_dim)).contiguous()
+        received = torch.empty_like(send)
+        self.counter.record(phase, "all_to_all", collective_bytes("all_to_all", _nbytes(x), n))
+        dist.all_to_all_single(received, send, group=self.groups[axis])
+        return torch.cat(received.unbind(0), dim=concat_dim)
+
+    def _slice(self, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        return x.chunk(self.size[axis], dim=dim)[self.coordinate[axis]].contiguous()
+
+    # -- host side: shards of full tensors, and full tensors from shards -----------------------------
+
+    def shard(self, full: torch.Tensor, layout: Layout | tuple[str, ...]) -> torch.Tensor:
+        """This rank's local value of a full tensor (B: all of it, S(d): its chunk, P: on coordinate 0)."""
+        layout = layout if isinstance(layout, Layout) else Layout.from_key(layout)
+        local = full
+        for axis, placement in zip(self.mesh.axis_names, layout.placements):
+            if placement.kind == "S":
+                local = local.chunk(self.size[axis], dim=placement.dim)[self.coordinate[axis]]
+            elif placement.kind == "P" and self.coordinate[axis] != 0:
+                local = torch.zeros_like(local)
+        return local.contiguous()
+
+    def unshard(self, local: torch.Tensor, layout: Layout | tuple[str, ...]) -> torch.Tensor:
+        """The full tensor from every rank's local value; collective, and not counted."""
+        layout = layout if isinstance(layout, Layout) else Layout.from_key(layout)
+        full = local.detach()
+        for axis_index in reversed(range(self.mesh.ndim)):  # innermost axis first
+            axis, placement = self.mesh.axis_names[axis_index], layout.placements[axis_index]
+            if self.size[axis] == 1:
+                continue
+            if placement.kind == "P":
+                full = full.contiguous().clone()
+                dist.all_reduce(full, group=self.groups[axis])
+            elif placement.kind == "S":
+                parts = [torch.empty_like(full) for _ in range(self.size[axis])]
+                dist.all_gather(parts, full.contiguous(), group=self.groups[axis])
+                full = torch.cat(parts, dim=placement.dim)
+        return full
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+class _AllReduce(torch.autograd.Function):
+    """P → B. Backward: identity (the gradient of a P value is the full gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, rt, axis):
+        return rt._all_reduce(x, axis, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    """S(d) → B. Backward: take this rank's slice of the full gradient, or reduce-scatter a partial one."""
+
+    @staticmethod
+    def forward(ctx, x, rt, axis, dim, backward):
+        ctx.rt, ctx.axis, ctx.dim, ctx.mode = rt, axis, dim, backward
+        return rt._all_gather(x, axis, dim, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.mode == "reduce_scatter":
+            return ctx.rt._reduce_scatter(grad, ctx.axis, ctx.dim, "backward"), None, None, None, None
+        return ctx.rt._slice(grad, ctx.axis, ctx.dim), None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """P → S(d). Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, rt, axis, dim):
+        ctx.rt, ctx.axis, ctx.dim = rt, axis, dim
+        return rt._reduce_scatter(x, axis, dim, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.rt._all_gather(grad, ctx.axis, ctx.dim, "backward"), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """S(concat_dim) → S(split_dim). Backward: the all-to-all back."""
+
+    @staticmethod
+    def forward(ctx, x, rt, axis, split_dim, concat_dim):
+        ctx.rt, ctx.axis, ctx.split_dim, ctx.concat_dim = rt, axis, split_dim, concat_dim
+        return rt._all_to_all(x, axis, split_dim, concat_dim, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.rt._all_to_all(grad, ctx.axis, ctx.concat_dim, ctx.split_dim, "backward"), None, None, None, None
+
+
+class _Split(torch.autograd.Function):
+    """B → S(d): a local slice. Backward: all-gather, so the B value's gradient is full on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, rt, axis, dim):
+        ctx.rt, ctx.axis, ctx.dim = rt, axis, dim
+        return rt._slice(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.rt._all_gather(grad.contiguous(), ctx.axis, ctx.dim, "backward"), None, None, None
+
+
+class _ToPartial(torch.autograd.Function):
+    """B → P: the value on coordinate 0, zeros elsewhere. Backward: identity (P's gradient is full)."""
+
+    @staticmethod
+    def forward(ctx, x, rt, axis):
+        return x.clone() if rt.coordinate[axis] == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    """Megatron's f: identity forward; backward all-reduces the partial gradients of a B value."""
+
+    @staticmethod
+    def forward(ctx, x, rt, axes):
+        ctx.rt, ctx.axes = rt, axes
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        for axis in ctx.axes:
+            grad = ctx.rt._all_reduce(grad, axis, "backward")
+        return grad, None, None
+
+
+def local_numel(shape: tuple[int, ...], layout: Layout, mesh: Mesh) -> int:
+    return math.prod(layout.local_shape(shape, mesh))

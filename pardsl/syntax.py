@@ -1,0 +1,337 @@
+"""Stage 1: .par text → syntax tree. Every node carries the span it came from.
+
+The grammar is `grammar/par.lark` (shipped as `pardsl.grammar`). Parsing recovers from syntax errors
+line by line, so one run reports every malformed line rather than only the first.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import lark
+from lark import Transformer, v_args
+
+from .diagnostics import CompileError, DiagnosticSink, SourceFile, Span
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    name: str
+    size: int
+    span: Span
+
+
+@dataclass(frozen=True)
+class MeshDecl:
+    axes: tuple[MeshAxis, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class ModelDecl:
+    module: str
+    factory: str
+    kwargs: tuple[tuple[str, Any], ...]
+    span: Span
+    factory_span: Span
+
+    @property
+    def text(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs)
+        return f"{self.module}:{self.factory}({args})"
+
+
+@dataclass(frozen=True)
+class InputDecl:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    value_range: tuple[int, int] | None
+    span: Span
+    dtype_span: Span
+    range_span: Span | None
+
+
+@dataclass(frozen=True)
+class PlacementSyntax:
+    kind: str  # "S", "B" or "P"
+    dim: int | None
+    span: Span
+
+
+@dataclass(frozen=True)
+class LayoutSyntax:
+    """`bare` (one value), `list` (one value per axis) or `named` (value @ axis, others B)."""
+
+    form: str
+    placements: tuple[PlacementSyntax, ...]
+    axis_names: tuple[tuple[str, Span], ...]  # only for the `named` form
+    span: Span
+
+
+@dataclass(frozen=True)
+class LayoutEntry:
+    target: str
+    layout: LayoutSyntax
+    span: Span
+    target_span: Span
+
+
+@dataclass(frozen=True)
+class ParFile:
+    source: SourceFile
+    meshes: tuple[MeshDecl, ...]
+    models: tuple[ModelDecl, ...]
+    inputs: tuple[InputDecl, ...]
+    layouts: tuple[LayoutEntry, ...]
+
+    @property
+    def mesh(self) -> MeshDecl:
+        return self.meshes[0]
+
+    @property
+    def model(self) -> ModelDecl:
+        return self.models[0]
+
+
+def _span(meta) -> Span:
+    return Span(meta.line, meta.column, meta.end_line, meta.end_column)
+
+
+def _token_span(token: lark.Token) -> Span:
+    return Span(token.line, token.column, token.end_line, token.end_column)
+
+
+@v_args(meta=True)
+class _ToSyntaxTree(Transformer):
+    def start(self, meta, statements):
+        return statements
+
+    def mesh_axis(self, meta, children):
+        name, size = children
+        return MeshAxis(str(name), int(size), _span(meta))
+
+    def mesh_decl(self, meta, axes):
+        return MeshDecl(tuple(axes), _span(meta))
+
+    def module_path(self, meta, names):
+        return ".".join(str(n) for n in names)
+
+    def call_args(self, meta, kwargs):
+        return tuple(k for k in kwargs if k is not None)
+
+    def kwarg(self, meta, children):
+        name, value = children
+        return (str(name), value)
+
+    def number(self, meta, children):
+        text = str(children[0])
+        return float(text) if any(c in text for c in ".eE") else int(text)
+
+    def string(self, meta, children):
+        return str(children[0])[1:-1].encode("utf-8").decode("unicode_escape")
+
+    def true(self, meta, children):
+        return True
+
+    def false(self, meta, children):
+        return False
+
+    def none(self, meta, children):
+        return None
+
+    def list(self, meta, children):
+        return [c for c in children if c is not None] if children != [None] else []
+
+    def tuple(self, meta, children):
+        return tuple(c for c in children if c is not None) if children != [None] else ()
+
+    def model_decl(self, meta, children):
+        module, factory = children[0], children[1]
+        kwargs = children[2] if len(children) > 2 else ()
+        return ModelDecl(module, str(factory), kwargs, _span(meta), _token_span(factory))
+
+    def value_range(self, meta, children):
+        return (int(children[0]), int(children[1]), _span(meta))
+
+    def input_decl(self, meta, children):
+        name, dtype, *rest = children
+        value_range = rest.pop() if rest and isinstance(rest[-1], tuple) else None
+        dims = tuple(int(d) for d in rest if d is not None)
+        return InputDecl(
+            str(name),
+            str(dtype),
+            dims,
+            value_range[:2] if value_range else None,
+            _span(meta),
+            _token_span(dtype),
+            value_range[2] if value_range else None,
+        )
+
+    def split(self, meta, children):
+        return PlacementSyntax("S", int(children[0]), _span(meta))
+
+    def broadcast(self, meta, children):
+        return PlacementSyntax("B", None, _span(meta))
+
+    def partial(self, meta, children):
+        return PlacementSyntax("P", None, _span(meta))
+
+    def bare_layout(self, meta, children):
+        return LayoutSyntax("bare", (children[0],), (), _span(meta))
+
+    def axis_list_layout(self, meta, children):
+        return LayoutSyntax("list", tuple(children), (), _span(meta))
+
+    def axis_placement(self, meta, children):
+        placement, axis = children
+        return (placement, (str(axis), _token_span(axis)))
+
+    def named_axes_layout(self, meta, children):
+        return LayoutSyntax(
+            "named", tuple(p for p, _ in children), tuple(a for _, a in children), _span(meta)
+        )
+
+    def layout_entry(self, meta, children):
+        target, layout = children
+        return LayoutEntry(str(target), layout, _span(meta), _token_span(target))
+
+    def layout_block(self, meta, entries):
+        return list(entries)
+
+
+@functools.cache
+def _parser() -> lark.Lark:
+    grammar = resources.files("pardsl.grammar").joinpath("par.lark").read_text()
+    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+_TOKEN_NAMES = {
+    "_NL": "end of line",
+    "$END": "end of file",
+    "NAME": "a name",
+    "TARGET": "a tensor name",
+    "INT": "an integer",
+    "SIGNED_INT": "an integer",
+    "SIGNED_NUMBER": "a number",
+    "STRING": "a string",
+}
+
+
+def _describe_expected(expected: set[str]) -> str:
+    names = set()
+    for terminal in expected:
+        if terminal in _TOKEN_NAMES:
+            names.add(_TOKEN_NAMES[terminal])
+            continue
+        try:
+            pattern = _parser().get_terminal(terminal).pattern
+        except KeyError:
+            names.add(terminal)
+            continue
+        names.add(f"'{pattern.value}'" if pattern.type == "str" else terminal.lower())
+    return ", ".join(sorted(names))
+
+
+def _describe_token(token: lark.Token) -> str:
+    if token.type == "_NL":
+        return "end of line"
+    if token.type == "$END":
+        return "end of file"
+    return repr(str(token))
+
+
+_MAX_SYNTAX_ERRORS = 20
+
+
+def _parse_recovering(source: SourceFile, sink: DiagnosticSink):
+    """Parse; on a syntax error, report it, neutralise that line and parse again.
+
+    Blanking the bad line (keeping a `layout {` opener so the block's entries still parse as entries)
+    resynchronises at the next line, so each malformed line is reported once and nothing cascades.
+    """
+    lines = list(source.lines)
+    while True:
+        try:
+            return _parser().parse("\n".join(lines) + "\n")
+        except lark.exceptions.UnexpectedInput as error:
+            line, column, message, notes = _describe_error(error, lines)
+            sink.error("E002" if isinstance(error, lark.exceptions.UnexpectedCharacters) else "E001",
+                       message, Span.point(line, column), *notes)
+            if token_at_end(error) or not lines[line - 1].strip() or len(sink.diagnostics) >= _MAX_SYNTAX_ERRORS:
+                return None
+            lines[line - 1] = "layout {" if lines[line - 1].lstrip().startswith("layout") else ""
+
+
+def token_at_end(error: lark.exceptions.UnexpectedInput) -> bool:
+    token = getattr(error, "token", None)
+    return token is not None and token.type == "$END"
+
+
+def _describe_error(error: lark.exceptions.UnexpectedInput, lines: list[str]):
+    if isinstance(error, lark.exceptions.UnexpectedCharacters):
+        return error.line, error.column, f"unexpected character {error.char!r}", ()
+    token = getattr(error, "token", None)
+    expected = getattr(error, "accepts", None) or getattr(error, "expected", None) or set()
+    notes = (f"expected {_describe_expected(expected)}",) if expected else ()
+    if token is None or token.type == "$END" or token.line is None:
+        # Point just past the last non-blank line: that is where something is missing.
+        last = max((i for i, text in enumerate(lines, 1) if text.strip()), default=1)
+        return last, len(lines[last - 1].rstrip()) + 1 if lines else 1, "unexpected end of file", notes
+    return token.line, token.column, f"unexpected {_describe_token(token)}", notes
+
+
+def parse(text: str, path: str = "<string>") -> ParFile:
+    """Parse .par text. Raises CompileError listing every syntax error found (one per line)."""
+    source = SourceFile(path, text)
+    sink = DiagnosticSink(source)
+    statements = _parse_recovering(source, sink)
+    sink.raise_if_any()
+
+    meshes, models, inputs, layouts = [], [], [], []
+    for statement in _ToSyntaxTree().transform(statements):
+        if isinstance(statement, MeshDecl):
+            meshes.append(statement)
+        elif isinstance(statement, ModelDecl):
+            models.append(statement)
+        elif isinstance(statement, InputDecl):
+            inputs.append(statement)
+        else:
+            layouts.extend(statement)
+    par = ParFile(source, tuple(meshes), tuple(models), tuple(inputs), tuple(layouts))
+    _check_declarations(par, sink)
+    sink.raise_if_any()
+    return par
+
+
+def _check_declarations(par: ParFile, sink: DiagnosticSink) -> None:
+    for kind, decls in (("mesh", par.meshes), ("model", par.models)):
+        if not decls:
+            sink.error("E004", f"no `{kind}` declaration", Span.point(1, 1), f"add a `{kind}` line")
+        for duplicate in decls[1:]:
+            sink.error(
+                "E003",
+                f"`{kind}` declared twice",
+                duplicate.span,
+                f"first declared on line {decls[0].span.line}",
+            )
+    seen: dict[str, InputDecl] = {}
+    for decl in par.inputs:
+        if decl.name in seen:
+            sink.error(
+                "E003", f"input `{decl.name}` declared twice", decl.span,
+                f"first declared on line {seen[decl.name].span.line}",
+            )
+        seen.setdefault(decl.name, decl)
+
+
+def parse_file(path: str) -> ParFile:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as error:
+        raise FileNotFoundError(f"cannot read {path}: {error.strerror}") from None
+    return parse(text, path)
