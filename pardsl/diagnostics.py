@@ -132,4 +132,5 @@ class DiagnosticSink:
 
     def raise_if_any(self) -> None:
         if self.diagnostics:
-            raise CompileError(self.diagnostics, self.source)
+            in_file_order = sorted(self.diagnostics, key=lambda d: (d.span.line, d.span.column) if d.span else (0, 0))
+            raise CompileError(in_file_order, self.source)

@@ -2,13 +2,15 @@
 
 Inference runs one mesh axis at a time (nd-SBP as the product of one-axis signatures, as OneFlow does),
 in graph order, greedily: each op takes the legal signature whose cost is least (OneFlow's min-copy-cost
-pass). The cost of a signature is the bytes per rank it makes the program move:
+pass). The cost of a signature is compared in this order:
 
-- converting each operand from the layout it has to the one the signature needs (forward, and backward
-  where the operand needs a gradient);
-- the one backward all-reduce of a broadcast value that sharded computation consumes (DESIGN §2), once
-  per value;
-- converting the result to the layout the user wrote for it, if any.
+1. forward bytes per rank: converting operands from the layouts they have to the ones the signature
+   needs, and the result to the layout the user wrote for it. Layouts flow through ops and are converted
+   only where an op cannot take them as they are (GSPMD's propagation), so `x : S(0)` with replicated
+   weights gives data parallelism, not a gather of x into replicated compute;
+2. backward bytes per rank: the adjoints of those conversions, and the one all-reduce of the gradient of
+   a broadcast value that sharded computation consumes (DESIGN §2), once per value;
+3. local compute (elements of the result on one rank): sharded work wins ties.
 
 What the user wrote always stands: a pinned tensor keeps its layout, and where an op needs another one a
 conversion is inserted (and reported by the lowering). Parameters and buffers the file leaves out are
@@ -151,23 +153,24 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     continue
                 if not layout_with(node.name, signature.output).fits(bound.tensors[node.name].shape, mesh):
                     continue
-                cost, sharded_free = 0, 0
+                forward, backward = 0, 0
                 sharded_compute = signature.output != B
+                conversions = []
                 for o, req in zip(names, signature.operands):
                     grad = o in requires_grad
-                    if o in free:
-                        sharded_free += req.is_split
-                        taken = B if req == P else req
-                    else:
-                        taken = value[o][axis]
-                        cost += _one_axis_cost(taken, req, local_bytes(o, taken), n, grad)
+                    taken = (B if req == P else req) if o in free else value[o][axis]
+                    conversions.append((o, taken, req, grad))
                     if req == B and taken == B and sharded_compute and grad and o not in synced:
-                        cost += collective_bytes("all_reduce", local_bytes(o, B), n)
+                        backward += collective_bytes("all_reduce", local_bytes(o, B), n)
                 if pin is not None:
-                    target = pin.layout.placements[axis]
-                    cost += _one_axis_cost(signature.output, target, local_bytes(node.name, signature.output), n,
-                                           node.name in requires_grad)
-                key = (cost, sharded_free, index)
+                    conversions.append((node.name, signature.output, pin.layout.placements[axis],
+                                        node.name in requires_grad))
+                for name, source, target, grad in conversions:
+                    size = local_bytes(name, source)
+                    forward += _one_axis_cost(source, target, size, n, False)
+                    backward += _one_axis_cost(source, target, size, n, grad) - _one_axis_cost(source, target, size, n, False)
+                compute = local_bytes(node.name, signature.output)
+                key = (forward, backward, compute, index)
                 if best_key is None or key < best_key:
                     best_key, best = key, signature
             assert best is not None, f"no legal signature for {node.name}"  # all-B always fits

@@ -18,10 +18,10 @@ from typing import Iterable
 @dataclass(frozen=True, order=True)
 class Placement:
     kind: str  # "S" split, "B" broadcast, "P" partial sum
-    dim: int = -1  # the split dim, for "S"
+    dim: int | None = None  # the split dim, for "S" (negative only as written, before binding)
 
     def __post_init__(self):
-        assert self.kind in ("S", "B", "P") and (self.kind == "S") == (self.dim >= 0), self
+        assert self.kind in ("S", "B", "P") and (self.kind == "S") == (self.dim is not None), self
 
     @property
     def is_split(self) -> bool:

@@ -1,0 +1,25 @@
+# make demo: install, compile the Megatron MLP example, run it on 2 CPU ranks and check it against serial.
+# make test: install, run the whole test suite.
+PYTHON ?= python3
+PIP    := $(PYTHON) -m pip
+# The CPU build of torch, pinned: an unpinned torch pulls gigabytes of CUDA packages.
+TORCH  := torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+install:
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet -e ".[test]"
+
+demo: install
+	$(PYTHON) -m pardsl.cli compile examples/mlp.par -o out/mlp
+	$(PYTHON) -m pardsl.cli run examples/mlp.par --nproc 2 --steps 3
+
+test: install
+	$(PYTHON) -m pytest -q
+
+bench: install
+	$(PYTHON) benchmarks/compile_and_step.py
+
+clean:
+	rm -rf out build dist *.egg-info .pytest_cache .hypothesis

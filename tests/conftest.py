@@ -1,0 +1,49 @@
+import os
+import sys
+
+import pytest
+
+from pardsl.compiler import compile_text
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+_POOLS = {}
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """Gloo worker pools by world size, started on first use and once per session."""
+    from pardsl.pool import WorkerPool
+
+    def get(world_size: int) -> WorkerPool:
+        pool = _POOLS.get(world_size)
+        if pool is None or pool.broken:
+            pool = _POOLS[world_size] = WorkerPool(world_size, timeout_s=60)
+        return pool
+
+    yield get
+    for pool in _POOLS.values():
+        pool.close()
+
+
+@pytest.fixture
+def compile_par(tmp_path):
+    """Compile .par text written to a file in a temporary folder (so spans and paths are real)."""
+    def compile_(text: str, name: str = "model.par"):
+        path = tmp_path / name
+        path.write_text(text)
+        cwd = os.getcwd()
+        os.chdir(REPO)
+        try:
+            return compile_text(text, str(path))
+        finally:
+            os.chdir(cwd)
+    return compile_
+
+
+def run_on(pools, compiled, steps: int = 2, seed: int = 0) -> dict:
+    from pardsl.execution import job_for
+
+    return pools(compiled.program.mesh.size).run(job_for(compiled, seed=seed, steps=steps, timeout_s=60))

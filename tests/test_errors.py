@@ -1,0 +1,143 @@
+"""Malformed and ill-typed .par files: every error has a code, a line and a column, and all are reported."""
+
+import subprocess
+import sys
+
+import pytest
+
+from pardsl.diagnostics import ERROR_CODES, CompileError
+
+MLP = "mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
+MESH2 = "mesh dp = 2, tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
+
+
+def layout(*entries, head=MLP):
+    return head + "layout {\n" + "".join(f"  {e}\n" for e in entries) + "}\n"
+
+
+CASES = [
+    # (id, text, [(code, line, column), ...])
+    ("syntax-missing-int", "mesh tp = \nmodel m:f\n", [("E001", 1, 11)]),
+    ("syntax-bad-placement", layout("x : Q"), [("E001", 5, 7)]),
+    ("syntax-split-needs-int", layout("x : S(a)"), [("E001", 5, 9)]),
+    ("syntax-unclosed-block", MLP + "layout {\n  x : B\n", [("E001", 5, 8)]),
+    ("syntax-bad-char", "mesh tp = 2 %\nmodel m:f\n", [("E002", 1, 13)]),
+    ("syntax-two-lines", "mesh tp = 2\nmodel m:f(\ninput x float32[2]\n", [("E001", 2, 11), ("E001", 3, 9)]),
+    ("mesh-twice", "mesh tp = 2\nmesh dp = 2\nmodel m:f\n", [("E003", 2, 1)]),
+    ("model-twice", "mesh tp = 2\nmodel m:f\nmodel m:g\n", [("E003", 3, 1)]),
+    ("input-twice", MLP + "input x : float32[4, 16]\n", [("E003", 4, 1)]),
+    ("no-model", "mesh tp = 2\n", [("E004", 1, 1)]),
+    ("no-mesh", "model m:f\n", [("E004", 1, 1)]),
+    ("axis-twice", "mesh tp = 2, tp = 2\nmodel examples.models:MLP()\ninput x : float32[4, 256]\n", [("E010", 1, 14)]),
+    ("axis-size-zero", "mesh tp = 0\nmodel examples.models:MLP()\ninput x : float32[4, 256]\n", [("E011", 1, 6)]),
+    ("module-missing", "mesh tp = 2\nmodel no_such_module:MLP()\n", [("E020", 2, 1)]),
+    ("factory-missing", "mesh tp = 2\nmodel examples.models:MPL()\n", [("E021", 2, 23)]),
+    ("factory-raises", "mesh tp = 2\nmodel tests.zoo:broken(a=1)\n", [("E022", 2, 1)]),
+    ("factory-not-module", "mesh tp = 2\nmodel tests.zoo:not_a_module\n", [("E022", 2, 1)]),
+    ("unknown-dtype", "mesh tp = 2\nmodel examples.models:MLP()\ninput x : flaot32[4, 256]\n", [("E030", 3, 11)]),
+    ("range-on-float", "mesh tp = 2\nmodel examples.models:MLP()\ninput x : float32[4, 256] in [0, 4)\n", [("E031", 3, 27)]),
+    ("int-without-range", "mesh tp = 2\nmodel examples.models:MLP()\ninput x : int64[4, 256]\n", [("E032", 3, 11)]),
+    ("empty-range", "mesh tp = 2\nmodel examples.models:MLP()\ninput x : int64[4, 256] in [3, 3)\n", [("E033", 3, 25)]),
+    ("input-name-mismatch", "mesh tp = 2\nmodel examples.models:MLP()\ninput y : float32[4, 256]\n", [("E034", 3, 1)]),
+    ("input-missing", "mesh tp = 2\nmodel examples.models:MLP()\n", [("E034", 2, 1)]),
+    ("too-many-inputs", MLP + "input z : float32[4]\n", [("E034", 4, 1)]),
+    ("shapes-do-not-fit", "mesh tp = 2\nmodel examples.models:MLP(d_model=16)\ninput x : float32[4, 15]\n", [("E035", 3, 1)]),
+    ("unknown-name", layout("fc3.weight : S(0)"), [("E040", 5, 3)]),
+    ("wildcard-matches-nothing", layout("*.gamma : B"), [("E040", 5, 3)]),
+    ("unknown-output-part", layout("output.logits : B"), [("E040", 5, 3)]),
+    ("two-layouts", layout("fc1.weight : S(0)", "*.weight : B"), [("E043", 6, 3)]),
+    ("too-many-axis-values", layout("x : [B, B]"), [("E050", 5, 7)]),
+    ("bare-on-2d-mesh", layout("x : B", head=MESH2), [("E050", 5, 7)]),
+    ("unknown-axis", layout("x : S(0) @ pp", head=MESH2), [("E051", 5, 14)]),
+    ("axis-named-twice", layout("fc1.weight : S(0) @ tp, S(1) @ tp", head=MESH2), [("E052", 5, 34)]),
+    ("split-out-of-range", layout("fc1.weight : S(2)"), [("E053", 5, 16)]),
+    ("split-negative-out-of-range", layout("fc1.bias : S(-2)"), [("E053", 5, 14)]),
+    ("not-divisible", "mesh tp = 3\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
+                      "layout {\n  fc1.weight : S(0)\n}\n", [("E054", 5, 16)]),
+    ("not-divisible-by-product", layout("x : S(0) @ dp, S(0) @ tp", head=MESH2.replace("[4, 16]", "[6, 16]")),
+     [("E054", 5, 18)]),
+    ("partial-parameter", layout("fc1.weight : P"), [("E055", 5, 16)]),
+    ("partial-input", layout("x : P"), [("E055", 5, 7)]),
+    ("partial-on-axis-of-input", layout("x : [B, P]", head=MESH2), [("E055", 5, 11)]),
+    ("unsupported-op", "mesh tp = 2\nmodel tests.test_errors:Unsupported()\ninput x : float32[4, 8]\n", [("E060", 2, 1)]),
+    ("module-called-twice", "mesh tp = 2\nmodel tests.test_errors:Twice()\ninput x : float32[4, 8]\n"
+                            "layout {\n  lin() : B\n}\n", [("E044", 5, 3)]),
+]
+
+
+class Unsupported(__import__("torch").nn.Module):
+    def forward(self, x):
+        return __import__("torch").cumsum(x, dim=0)
+
+
+class Twice(__import__("torch").nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = __import__("torch").nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(self.lin(x))
+
+
+@pytest.mark.parametrize("text, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_error_code_line_and_column(compile_par, text, expected):
+    with pytest.raises(CompileError) as caught:
+        compile_par(text)
+    got = [(d.code, d.span.line, d.span.column) for d in caught.value.diagnostics]
+    assert got == expected, caught.value.render()
+
+
+def test_at_least_25_distinct_cases_and_codes():
+    assert len(CASES) >= 25
+    codes = {code for _, _, expected in CASES for code, _, _ in expected}
+    assert len(codes) >= 25
+    assert codes <= set(ERROR_CODES)
+
+
+def test_several_errors_in_one_run(compile_par):
+    text = layout("x : P", "fc1.weight : S(2)", "fc3.weight : S(1)", "fc2.weight : [S(0), B]")
+    with pytest.raises(CompileError) as caught:
+        compile_par(text)
+    assert [(d.code, d.span.line) for d in caught.value.diagnostics] == [
+        ("E055", 5), ("E053", 6), ("E040", 7), ("E050", 8)]
+
+
+def test_rendered_diagnostic_has_file_line_column_source_and_caret(compile_par, tmp_path):
+    with pytest.raises(CompileError) as caught:
+        compile_par(layout("fc1.weight : S(2)"), name="bad.par")
+    rendered = caught.value.render()
+    assert f"{tmp_path / 'bad.par'}:5:16: error[E053]: S(2) is out of range for `fc1.weight` of rank 2" in rendered
+    assert "   5 |   fc1.weight : S(2)\n     |                ^^^^" in rendered
+
+
+def test_unknown_name_suggests_the_closest(compile_par):
+    with pytest.raises(CompileError) as caught:
+        compile_par(layout("fc1.wieght : S(0)"))
+    assert caught.value.diagnostics[0].notes[0].startswith("did you mean `fc1.weight`")
+
+
+@pytest.mark.parametrize("text, code", [(CASES[0][1], "E001"), (layout("x : P"), "E055"),
+                                        ("mesh tp = 2\nmodel no_such_module:MLP()\n", "E020")])
+def test_cli_reports_without_traceback_and_exits_1(tmp_path, text, code):
+    path = tmp_path / "bad.par"
+    path.write_text(text)
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "check", str(path)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1
+    assert f"error[{code}]" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_cli_usage_errors_exit_2(tmp_path):
+    for argv in (["check"], ["frobnicate"], ["check", str(tmp_path / "missing.par")],
+                 ["run", "examples/mlp.par", "--nproc", "two"]):
+        result = subprocess.run([sys.executable, "-m", "pardsl.cli", *argv], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, argv
+        assert "Traceback" not in result.stderr
+
+
+def test_run_with_the_wrong_world_size_is_E012(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/mlp.par", "--nproc", "3"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "examples/mlp.par:2:1: error[E012]: the mesh (tp = 2) has 2 ranks but --nproc is 3" in result.stderr

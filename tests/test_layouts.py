@@ -1,0 +1,67 @@
+import pytest
+
+from pardsl.layouts import B, P, S, Layout, Mesh, plan_conversion
+
+TP = Mesh(("tp",), (4,))
+MESH2 = Mesh(("dp", "tp"), (2, 2))
+
+
+def test_local_shape_and_divisibility():
+    assert Layout((S(1),)).local_shape((16, 1024), TP) == (16, 256)
+    assert Layout((S(0), S(0))).local_shape((8, 6), MESH2) == (2, 6)
+    assert Layout((S(0), S(1))).local_shape((8, 6), MESH2) == (4, 3)
+    assert Layout((S(0),)).indivisible_dims((6, 4), TP) == [0]
+    assert not Layout((S(0), S(0))).fits((6, 4), MESH2)  # 6 is not divisible by 2 × 2
+    assert Layout((S(2),)).out_of_range_dims(2) == [2]
+
+
+@pytest.mark.parametrize("source, target, kind, forward_bytes, backward_bytes", [
+    # DESIGN §1: T = 4096 bytes of global tensor ([32, 32] float32) over n = 4 ranks
+    (P, B, "all_reduce", 2 * 4096 * 3 // 4, 0),
+    (P, S(0), "reduce_scatter", 4096 * 3 // 4, 4096 * 3 // 4),
+    (S(0), B, "all_gather", 4096 * 3 // 4, 0),
+    (S(0), S(1), "all_to_all", 4096 * 3 // 16, 4096 * 3 // 16),
+    (B, S(0), "split", 0, 4096 * 3 // 4),
+    (B, P, "to_partial", 0, 0),
+])
+def test_one_axis_conversions_move_the_bytes_of_the_design_table(source, target, kind, forward_bytes, backward_bytes):
+    [step] = plan_conversion(Layout((source,)), Layout((target,)), (32, 32), 4, TP)
+    assert (step.kind, step.forward_bytes, step.backward_bytes) == (kind, forward_bytes, backward_bytes)
+
+
+def test_nested_split_gathers_the_inner_axis_first():
+    steps = plan_conversion(Layout((S(0), S(0))), Layout((B, B)), (8, 8), 4, MESH2)
+    assert [(s.kind, MESH2.axis_names[s.axis]) for s in steps] == [("all_gather", "tp"), ("all_gather", "dp")]
+
+
+def test_nested_split_splits_the_outer_axis_first():
+    steps = plan_conversion(Layout((B, B)), Layout((S(0), S(0))), (8, 8), 4, MESH2)
+    assert [(s.kind, MESH2.axis_names[s.axis]) for s in steps] == [("split", "dp"), ("split", "tp")]
+
+
+def test_cheapest_order_reduces_before_gathering():
+    # P over dp on a tensor split over tp: all-reduce the small shard first, then gather.
+    steps = plan_conversion(Layout((P, S(1))), Layout((B, B)), (8, 8), 4, MESH2)
+    assert [s.kind for s in steps] == ["all_reduce", "all_gather"]
+    assert sum(s.forward_bytes for s in steps) == 128 + 128
+
+
+def test_every_pair_of_one_axis_layouts_has_a_plan():
+    placements = [B, P, S(0), S(1)]
+    for a in placements:
+        for b in placements:
+            for c in placements:
+                for d in placements:
+                    source, target = Layout((a, b)), Layout((c, d))
+                    steps = plan_conversion(source, target, (8, 8), 4, MESH2)
+                    layout = source
+                    for step in steps:
+                        assert step.source == layout
+                        layout = step.target
+                    assert layout == target
+
+
+def test_render_and_keys():
+    assert Layout((S(0),)).render(TP) == "S(0)"
+    assert Layout((S(0), B)).render(MESH2) == "S(0)@dp"
+    assert Layout.from_key(("S(1)", "P")) == Layout((S(1), P))

@@ -1,0 +1,89 @@
+import torch
+from torch import nn
+
+from pardsl.layouts import B, P, S
+from pardsl.oprules import RULES, dim_spec, op_name, rule_for, signatures
+
+
+def _nodes(module, *inputs):
+    exported = torch.export.export(module, inputs)
+    return {n.name: n for n in exported.graph.nodes if n.op == "call_function"}
+
+
+def _sigs(node):
+    return {(tuple(str(p) for p in s.operands), str(s.output)) for s in signatures(dim_spec(node, rule_for(node)))}
+
+
+def test_linear_signatures_column_row_and_partial():
+    node = _nodes(nn.Linear(8, 4), torch.randn(2, 8))["linear"]
+    sigs = _sigs(node)
+    assert (("B", "B", "B"), "B") in sigs
+    assert (("S(0)", "B", "B"), "S(0)") in sigs                 # batch split (data parallel)
+    assert (("B", "S(0)", "S(0)"), "S(1)") in sigs              # column parallel
+    assert (("S(1)", "S(1)", "P"), "P") in sigs                 # row parallel: the bias is added once
+    assert (("P", "B", "P"), "P") in sigs                       # partial input through a linear op
+    assert not any(out == "P" and ops[2] == "B" for ops, out in sigs)
+
+
+def test_affine_add_does_not_pass_partial_sums():
+    class AddOne(nn.Module):
+        def forward(self, x, y):
+            return x + 1.0, x + y, x * 3.0
+
+    nodes = _nodes(AddOne(), torch.randn(4, 4), torch.randn(4, 4))
+    assert not any(out == "P" for _, out in _sigs(nodes["add"]))
+    assert (("P", "P"), "P") in _sigs(nodes["add_1"])
+    assert (("P",), "P") in _sigs(nodes["mul"])
+
+
+def test_softmax_dim_and_layer_norm_dims_are_never_split():
+    class Norms(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(8)
+
+        def forward(self, x):
+            return torch.softmax(x, dim=1), self.ln(x)
+
+    nodes = _nodes(Norms(), torch.randn(4, 8))
+    assert {out for _, out in _sigs(nodes["softmax"])} == {"B", "S(0)"}
+    assert {out for _, out in _sigs(nodes["layer_norm"])} == {"B", "S(0)"}
+
+
+def test_view_maps_a_split_through_merged_and_split_dims():
+    class Heads(nn.Module):
+        def forward(self, x):
+            return x.view(2, 3, 4, 8).reshape(2, 3, 32)
+
+    nodes = _nodes(Heads(), torch.randn(2, 3, 32))
+    view = {(ops, out) for ops, out in _sigs(nodes["view"])}
+    assert (("S(2)",), "S(2)") in view          # hidden split → heads split
+    assert not any(out == "S(3)" for _, out in view)  # the inner dim of a split group cannot carry it
+    assert (("P",), "P") in view
+
+
+def test_broadcast_operand_takes_B_on_the_broadcast_dim():
+    class Scale(nn.Module):
+        def forward(self, x, s):
+            return x * s
+
+    node = _nodes(Scale(), torch.randn(4, 8), torch.randn(8))["mul"]
+    assert (("S(0)", "B"), "S(0)") in _sigs(node)
+    assert (("S(1)", "S(0)"), "S(1)") in _sigs(node)
+
+
+def test_mean_over_a_split_dim_gives_a_partial_sum():
+    class Mean(nn.Module):
+        def forward(self, x):
+            return x.mean(dim=1)
+
+    node = _nodes(Mean(), torch.randn(4, 8))["mean"]
+    assert (("S(1)",), "P") in _sigs(node)
+    assert RULES[op_name(node)].mean
+
+
+def test_rules_are_data():
+    # Every rule is a row of one table; families are few.
+    assert {r.family for r in RULES.values()} == {"einsum", "matmul", "elementwise", "reduce", "normalize",
+                                                  "reshape", "permute"}
+    assert RULES["aten.linear.default"].spec == "...k,nk,n->...n"

@@ -1,0 +1,89 @@
+"""Models the tests compile: small, configurable, written as ordinary nn.Modules."""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ACTIVATIONS = {
+    "relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "none": lambda x: x,
+}
+
+
+class Stack(nn.Module):
+    """Linear layers `widths[i] -> widths[i+1]`, each with an activation, optionally a bias, a residual add
+    (where the widths match) and an elementwise tail (`scale`: * 0.5, `square`: x * x, `shift`: + 1)."""
+
+    def __init__(self, widths, acts, biases, residual, tails):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Linear(a, b, bias=bias) for a, b, bias in zip(widths[:-1], widths[1:], biases)
+        )
+        self.acts, self.residual, self.tails = list(acts), list(residual), list(tails)
+
+    def forward(self, x):
+        for layer, act, res, tail in zip(self.layers, self.acts, self.residual, self.tails):
+            h = ACTIVATIONS[act](layer(x))
+            if res and h.shape == x.shape:
+                h = h + x
+            if tail == "scale":
+                h = h * 0.5
+            elif tail == "square":
+                h = h * h
+            elif tail == "shift":
+                h = h + 1.0
+            x = h
+        return x
+
+
+class TwoHeads(nn.Module):
+    """One trunk read by two heads: a broadcast value with several sharded consumers; a tuple output."""
+
+    def __init__(self, d=16, h=32):
+        super().__init__()
+        self.trunk = nn.Linear(d, d)
+        self.left = nn.Linear(d, h)
+        self.right = nn.Linear(d, h)
+        self.mix = nn.Linear(h, d)
+
+    def forward(self, x):
+        t = torch.tanh(self.trunk(x))
+        return self.mix(torch.relu(self.left(t)) * self.right(t)), t.sum(dim=-1)
+
+
+class Shapes(nn.Module):
+    """Views, transposes, softmax, layer_norm, mean and sum: the shape-changing op families."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.proj = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q = self.proj(x).view(b, s, self.heads, d // self.heads).transpose(1, 2)   # b h s e
+        scores = torch.softmax(q @ q.transpose(-1, -2) / 2.0, dim=-1)              # b h s s
+        ctx = (scores @ q).transpose(1, 2).reshape(b, s, d)
+        y = self.out(self.norm(ctx + x))
+        return y, y.mean(dim=1), torch.log_softmax(y, dim=-1).sum()
+
+
+class DictOut(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.enc = nn.Linear(d, d)
+        self.register_buffer("scale", torch.full((d,), 2.0))
+
+    def forward(self, x, y):
+        h = self.enc(x) * self.scale
+        return {"logits": h, "aux": (h + y,)}
+
+
+def broken(**kwargs):
+    raise ValueError("this factory always fails")
+
+
+def not_a_module():
+    return 42
