@@ -42,7 +42,7 @@ class RankJob:
     backend: str = "gloo"
     sys_path: tuple[str, ...] = ()
     timeout_s: float = 120.0
-    tolerance: float = 1e-4
+    tolerance: float = 1e-4  # relative to the tensor's magnitude: |compiled - serial| <= tol * max(1, max|serial|)
 
 
 def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", timeout_s: float = 120.0) -> RankJob:
@@ -107,12 +107,16 @@ def run_rank(job: RankJob) -> dict:
     grad_generator = torch.Generator().manual_seed(job.seed + 2)
     output_grads = None
     errors = {"output": 0.0, "grad": 0.0}
+    relative = {"output": 0.0, "grad": 0.0}
     worst = {"output": None, "grad": None}
     compiled_ms, serial_ms, counts = [], [], None
 
-    def note(kind: str, what: str, err: float) -> None:
-        if worst[kind] is None or err > errors[kind]:
-            errors[kind], worst[kind] = err, what
+    def note(kind: str, what: str, got: torch.Tensor | None, expected: torch.Tensor | None) -> None:
+        err = float("inf") if got is None or expected is None else _max_err(got, expected)
+        scale = max(1.0, expected.detach().abs().max().item()) if expected is not None and expected.numel() else 1.0
+        errors[kind] = max(errors[kind], err)
+        if worst[kind] is None or err / scale > relative[kind]:
+            relative[kind], worst[kind] = err / scale, what
 
     for _ in range(job.steps):
         start = time.perf_counter()
@@ -143,24 +147,21 @@ def run_rank(job: RankJob) -> dict:
 
         for index, (out, expected, (path, layout, _)) in enumerate(zip(local_out, serial_out, module.OUTPUTS)):
             if Layout.from_key(layout).has_partial:
-                note("output", path, _max_err(rt.unshard(out, layout), expected))
+                note("output", path, rt.unshard(out, layout), expected)
             else:
-                note("output", path, _max_err(out, rt.shard(expected.detach(), layout)))
+                note("output", path, out, rt.shard(expected.detach(), layout))
         for name, param in compiled_params.items():
             expected = serial_params[name].grad
-            got = param.grad
-            if expected is None and got is None:
+            if expected is None and param.grad is None:
                 continue
-            if expected is None or got is None:
-                note("grad", name, float("inf"))
-                continue
-            note("grad", name, _max_err(got, rt.shard(expected, layouts[name])))
+            note("grad", name, param.grad, None if expected is None else rt.shard(expected, layouts[name]))
         serial_opt.step()
         compiled_opt.step()
 
     return {
         "rank": dist.get_rank() if dist.is_initialized() else 0,
         "max_abs_err": errors,
+        "max_rel_err": relative,
         "worst": worst,
         "step_ms": {"compiled": statistics.median(compiled_ms), "serial": statistics.median(serial_ms)},
         **counts,
@@ -177,8 +178,9 @@ def combine(results: list[dict], job: RankJob) -> dict:
     first = min(results, key=lambda r: r["rank"])
     output_err = max(r["max_abs_err"]["output"] for r in results)
     grad_err = max(r["max_abs_err"]["grad"] for r in results)
-    ok = output_err <= job.tolerance and grad_err <= job.tolerance
-    worst = {k: max(results, key=lambda r: r["max_abs_err"][k])["worst"][k] for k in ("output", "grad")}
+    relative = {k: max(r["max_rel_err"][k] for r in results) for k in ("output", "grad")}
+    ok = all(err <= job.tolerance for err in relative.values())
+    worst = {k: max(results, key=lambda r: r["max_rel_err"][k])["worst"][k] for k in ("output", "grad")}
     return {
         "ok": ok,
         "world_size": job.mesh.size,
@@ -186,6 +188,7 @@ def combine(results: list[dict], job: RankJob) -> dict:
         "backend": job.backend,
         "steps": job.steps,
         "max_abs_err": {"output": output_err, "grad": grad_err},
+        "max_rel_err": relative,
         "worst": worst,
         "collectives": first["collectives"],
         "bytes": first["bytes"],

@@ -235,7 +235,7 @@ class _Lowerer:
         steps = self.conversion_steps[var]
         pin = self.bound.pins.get(name)
         self._emit_steps(steps, self.var[name], var, reason,
-                         {a for (v, a) in self.reduce_scatter_backward if v == var})
+                         {a for (v, a) in self.reduce_scatter_backward if v == var}, name in self.typed.requires_grad)
         if pin is not None and steps:
             moved = sum(s.forward_bytes for s in steps)
             self.notes.append(Diagnostic(
@@ -245,7 +245,7 @@ class _Lowerer:
         return var
 
     def _step_call(self, step: ConversionStep, source: str, axis: str, target: str, reason: str,
-                   rs_backward: bool) -> tuple[str, tuple[Collective, ...]]:
+                   rs_backward: bool, needs_grad: bool) -> tuple[str, tuple[Collective, ...]]:
         fwd, bwd = [], []
         if step.kind == "all_reduce":
             expr = f'rt.all_reduce({source}, "{axis}")'
@@ -259,7 +259,7 @@ class _Lowerer:
             expr = f'rt.all_gather({source}, "{axis}", dim={step.src_dim}, backward="{mode}")'
             fwd.append("all_gather")
             if rs_backward:
-                bwd.append(("reduce_scatter", step.forward_bytes // self.mesh.axis_sizes[step.axis]))
+                bwd.append(("reduce_scatter", step.forward_bytes))  # T(n-1)/n both ways
         elif step.kind == "all_to_all":
             expr = f'rt.all_to_all({source}, "{axis}", split_dim={step.dst_dim}, concat_dim={step.src_dim})'
             fwd.append("all_to_all")
@@ -269,8 +269,11 @@ class _Lowerer:
             bwd.append(("all_gather", step.backward_bytes))
         else:  # to_partial
             expr = f'rt.to_partial({source}, "{axis}")'
+        if self.mesh.axis_sizes[step.axis] == 1:  # every layout is the same on one rank: nothing moves
+            return expr, ()
         collectives = tuple(Collective(k, axis, "forward", step.forward_bytes, target, reason) for k in fwd)
-        collectives += tuple(Collective(k, axis, "backward", b, target, reason) for k, b in bwd)
+        if needs_grad:  # autograd runs no adjoint for a value that needs no gradient
+            collectives += tuple(Collective(k, axis, "backward", b, target, reason) for k, b in bwd)
         return expr, collectives
 
     def _operand(self, node_name: str, slot: int, name: str, layout: Layout, reason: str) -> str:
@@ -290,13 +293,14 @@ class _Lowerer:
                 Collective("all_reduce", axis, "backward",
                            collective_bytes("all_reduce", local, self.mesh.axis_sizes[self.mesh.axis_index(axis)]),
                            wrapper, "gradient of a broadcast value read by sharded computation")
-                for axis in axes
+                for axis in axes if self.mesh.axis_sizes[self.mesh.axis_index(axis)] > 1
             )
             args = ", ".join(f'"{a}"' for a in axes)
             consumers = sum(1 for u in self.uses[var] if u.partial_axes == use.partial_axes)
+            moved = format_bytes(sum(c.bytes for c in collectives))
             self.emit(wrapper, f"rt.grad_all_reduce({var}, {args})",
                       f"B read by {consumers} sharded consumer(s): all-reduce its gradient once "
-                      f"({format_bytes(collectives[0].bytes)}, backward)", collectives)
+                      f"({moved}, backward)", collectives)
         return self.grad_wrapper[key]
 
     def lower_node(self, name: str) -> None:
@@ -337,6 +341,15 @@ class _Lowerer:
             self._convert_op_result(name, pinned_var)
         self.emitted.add(self.var[name])
 
+    def _intermediate_name(self, final: str, layout: Layout) -> str:
+        """A step on the way to `final`, named by its own layout unless a conversion already uses that name."""
+        name = f"{final.rsplit('__', 1)[0].removeprefix('self.')}__{_tag(layout)}"
+        taken = set(self.conversion_var.values()) | self.emitted | set(self.var.values())
+        while name in taken:
+            name += "_"
+        self.emitted.add(name)
+        return name
+
     def _convert_op_result(self, name: str, pinned_var: str) -> None:
         """The op computed `op_layout`; the user wrote another layout for its result: convert at once."""
         typed_node = self.typed.nodes[name]
@@ -345,18 +358,18 @@ class _Lowerer:
         steps = plan_conversion(typed_node.op_layout, typed_node.value_layout, info.shape, info.itemsize,
                                 self.mesh, with_backward=name in self.typed.requires_grad)
         self._emit_steps(steps, name, pinned_var, f"`{pin.entry.target}` written as "
-                         f"{pin.layout.render(self.mesh)}", set())
+                         f"{pin.layout.render(self.mesh)}", set(), name in self.typed.requires_grad)
         self.var[name] = pinned_var
 
     def _emit_steps(self, steps: list[ConversionStep], source: str, final: str, reason: str,
-                    reduce_scatter_axes: set[int]) -> None:
+                    reduce_scatter_axes: set[int], needs_grad: bool) -> None:
         current = source
         for index, step in enumerate(steps):
-            target = final if index == len(steps) - 1 else f"{final}_{index + 1}"
+            target = final if index == len(steps) - 1 else self._intermediate_name(final, step.target)
             axis = self.mesh.axis_names[step.axis]
             last_on_axis = all(later.axis != step.axis for later in steps[index + 1:])
             rs_backward = step.kind == "all_gather" and step.axis in reduce_scatter_axes and last_on_axis
-            expr, collectives = self._step_call(step, current, axis, target, reason, rs_backward)
+            expr, collectives = self._step_call(step, current, axis, target, reason, rs_backward, needs_grad)
             arrow = f"{step.source.placements[step.axis]}→{step.target.placements[step.axis]}@{axis}"
             what = ", ".join(f"{c.kind.replace('_', '-')} {format_bytes(c.bytes)} ({c.phase})" for c in collectives)
             self.emit(target, expr, f"{arrow}: {what or 'local'} — {reason}", collectives)

@@ -1,0 +1,120 @@
+"""Inference, lowering and code generation: layouts chosen, collectives planned, code emitted."""
+
+import json
+import re
+
+from pardsl.compiler import compile_file, write_outputs
+from pardsl.layouts import B, P, S, Layout
+
+MLP_HEAD = "mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
+
+
+def _counts(compiled, phase):
+    return {k: v for k, v in compiled.program.collective_counts()[phase].items() if v}
+
+
+def test_megatron_mlp_plan_is_one_all_reduce_forward_none_backward():
+    compiled = compile_file("examples/mlp.par")
+    assert _counts(compiled, "forward") == {"all_reduce": 1}
+    assert _counts(compiled, "backward") == {}
+    assert compiled.program.collective_bytes()["forward"] == 16 * 256 * 4  # 2T(n-1)/n with n = 2
+
+
+def test_data_parallel_plan_is_one_all_reduce_per_parameter_backward():
+    compiled = compile_file("examples/mlp_dp.par")
+    assert _counts(compiled, "forward") == {}
+    assert _counts(compiled, "backward") == {"all_reduce": 4}
+    reduced = {c.value for c in compiled.program.collectives}
+    assert reduced == {"fc1_weight__f", "fc1_bias__f", "fc2_weight__f", "fc2_bias__f"}
+
+
+def test_inference_completes_the_megatron_plan_from_one_layout(compile_par):
+    compiled = compile_par(MLP_HEAD + "layout {\n  fc1.weight : S(0)\n  output : B\n}\n")
+    layouts = {p.name: p.layout for p in compiled.program.parameters}
+    assert layouts == {"fc1.weight": Layout((S(0),)), "fc1.bias": Layout((S(0),)),
+                       "fc2.weight": Layout((S(1),)), "fc2.bias": Layout((B,))}
+    assert _counts(compiled, "forward") == {"all_reduce": 1}
+    assert compiled.typed.nodes["linear_1"].op_layout == Layout((P,))
+
+
+def test_what_the_user_wrote_stands_and_the_conversion_is_reported(compile_par):
+    # x split on its features cannot feed a column-parallel fc1 as it is: one of them is converted.
+    compiled = compile_par(MLP_HEAD + "layout {\n  x : S(1)\n  fc1.weight : S(0)\n}\n")
+    layouts = {p.name: p.layout for p in compiled.program.parameters}
+    assert layouts["fc1.weight"] == Layout((S(0),))
+    assert compiled.program.inputs[0].layout == Layout((S(1),))
+    [note] = compiled.program.notes
+    assert note.code == "N001" and note.span.line in (5, 6) and "as written" in note.message
+
+
+def test_row_parallel_bias_is_added_once():
+    source = compile_file("examples/mlp.par").source
+    assert 'fc2_bias__P = rt.to_partial(self.fc2_bias, "tp")' in source
+    assert "aten.linear.default(gelu, self.fc2_weight, fc2_bias__P)" in source
+
+
+TWO_HEADS = ("mesh tp = 2\nmodel tests.zoo:TwoHeads(d=8, h=16)\ninput x : float32[4, 8]\n"
+             "layout {\n  left.weight : S(0)\n  right.weight : S(0)\n  left.bias : S(0)\n"
+             "  right.bias : S(0)\n  mix.weight : S(1)\n  output : B\n%s}\n")
+
+
+def test_broadcast_value_with_several_sharded_consumers_is_all_reduced_once(compile_par):
+    compiled = compile_par(TWO_HEADS % "  trunk.weight : B\n  trunk.bias : B\n")
+    backward = [c for c in compiled.program.collectives if c.phase == "backward"]
+    tanh_grads = [c for c in backward if c.value.startswith("tanh")]
+    assert len(tanh_grads) == 1 and tanh_grads[0].kind == "all_reduce"
+    assert compiled.source.count("rt.grad_all_reduce(tanh") == 1
+    assert "aten.linear.default(tanh__f, self.left_weight" in compiled.source
+    assert "aten.linear.default(tanh__f, self.right_weight" in compiled.source
+
+
+def test_gathered_value_read_only_by_sharded_consumers_reduce_scatters_its_gradient(compile_par):
+    compiled = compile_par(TWO_HEADS % "  trunk.weight : S(0)\n  trunk.bias : S(0)\n")
+    tanh = [c for c in compiled.program.collectives if c.value.startswith("tanh")]
+    assert [(c.kind, c.phase) for c in tanh] == [("all_gather", "forward"), ("reduce_scatter", "backward")]
+    assert "grad_all_reduce(tanh" not in compiled.source
+
+
+def test_views_get_local_shapes(compile_par):
+    compiled = compile_par("mesh tp = 2\nmodel tests.zoo:Shapes(d=16, heads=4)\ninput x : float32[2, 4, 16]\n"
+                           "layout {\n  proj.weight : S(0)\n  proj.bias : S(0)\n}\n")
+    view = next(s for s in compiled.program.statements if s.target == "view")
+    assert view.expr == "aten.view.default(linear, [2, 4, 2, 4])"  # 4 heads over 2 ranks
+    assert "S(2)@tp  [2, 4, 4, 4] local [2, 4, 2, 4]" in view.comment
+
+
+def test_compiling_twice_gives_identical_bytes(tmp_path):
+    first, second = compile_file("examples/mlp.par"), compile_file("examples/mlp.par")
+    assert first.source == second.source
+    write_outputs(first, str(tmp_path / "a"))
+    write_outputs(second, str(tmp_path / "b"))
+    for name in ("pardsl_module.py", "plan.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_generated_module_is_annotated_and_valid_python():
+    source = compile_file("examples/mlp.par").source
+    compile(source, "pardsl_module.py", "exec")
+    forward = source[source.index("def forward"):]
+    for line in forward.splitlines()[3:-1]:
+        assert "  # " in line, line  # every statement says its layout or why it communicates
+    assert re.search(r"rt\.all_reduce\(linear_1, \"tp\"\) +# P→B@tp: all-reduce 16\.0 KiB \(forward\)", source)
+    assert "S(1)@tp  [16, 1024] local [16, 512]" in source
+
+
+def test_plan_json_lists_every_tensor_and_collective(tmp_path):
+    compiled = compile_file("examples/mlp.par")
+    _, plan_path = write_outputs(compiled, str(tmp_path))
+    plan = json.loads(open(plan_path).read())
+    assert plan["mesh"] == {"tp": 2} and plan["world_size"] == 2
+    assert plan["parameters"]["fc2.weight"] == {"layout": "S(1)@tp", "shape": [256, 1024], "local_shape": [256, 512]}
+    assert plan["tensors"]["linear_1"]["layout"] == "P@tp"
+    assert plan["collectives"] == [{"kind": "all_reduce", "axis": "tp", "phase": "forward", "bytes": 16384,
+                                    "value": "linear_1__B", "reason": "`output` is B"}]
+    assert plan["collective_counts"]["backward"]["all_reduce"] == 0
+
+
+def test_mean_over_a_split_dim_is_rescaled(compile_par):
+    compiled = compile_par("mesh tp = 2\nmodel tests.zoo:Shapes(d=16, heads=4)\ninput x : float32[2, 4, 16]\n"
+                           "layout {\n  out() : S(1)\n}\n")
+    assert any(s.target == "mean" and s.expr == "aten.div.Tensor(mean, 2)" for s in compiled.program.statements)
