@@ -16,6 +16,7 @@ import io
 import os
 import re
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,7 @@ class BoundPlan:
     pins: dict[str, Pin]  # graph node name → user layout (params, buffers, inputs, submodule outputs)
     output_pins: dict[int, Pin]  # flat output index → user layout
     module_paths: dict[str, str] = field(default_factory=dict)  # node name → module path it came from
+    seconds: dict[str, float] = field(default_factory=dict)  # model build, export, name binding
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -422,14 +424,17 @@ def _check_mesh(par: ParFile, sink: DiagnosticSink) -> Mesh | None:
 def bind(par: ParFile) -> BoundPlan:
     """Build and trace the model, then bind every layout the file writes to a tensor of the graph."""
     sink = DiagnosticSink(par.source)
+    clock = time.perf_counter()
     mesh = _check_mesh(par, sink)
     written = [(entry, layout_from_syntax(entry.layout, mesh, sink) if mesh else None) for entry in par.layouts]
     model = build_model(par.model, par.source.path, sink)
+    seconds = {"build": time.perf_counter() - clock}
     if not _check_inputs(par, model, sink):
         sink.raise_if_any()
     # A bad mesh does not stop tracing: names are still checked, so one run reports more.
 
     example = make_inputs(par.inputs, torch.Generator().manual_seed(0))
+    clock = time.perf_counter()
     try:
         with import_paths(*par_import_paths(par.source.path)):
             exported = trace(model, example)
@@ -441,6 +446,8 @@ def bind(par: ParFile) -> BoundPlan:
                    f"{type(error).__name__}: {message}")
         sink.raise_if_any()
 
+    seconds["export"] = time.perf_counter() - clock
+    clock = time.perf_counter()
     signature = exported.graph_signature
     parameters = dict(signature.inputs_to_parameters)
     buffers = dict(signature.inputs_to_buffers)
@@ -490,5 +497,6 @@ def bind(par: ParFile) -> BoundPlan:
                 continue
             store.setdefault(key, pin)
     sink.raise_if_any()
+    seconds["bind"] = time.perf_counter() - clock
     return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
-                     module_paths)
+                     module_paths, seconds)

@@ -15,7 +15,7 @@ from . import __version__
 from .binding import BoundPlan, bind
 from .codegen import render
 from .inference import TypedGraph, infer
-from .lowering import LoweredProgram, named_layout
+from .lowering import LoweredProgram, lower, named_layout
 from .syntax import ParFile, parse, parse_file
 
 MODULE_FILE = "pardsl_module.py"
@@ -29,17 +29,16 @@ class Compiled:
     typed: TypedGraph
     program: LoweredProgram
     source: str  # the generated module
-    seconds: dict[str, float]  # per stage
+    seconds: dict[str, float]  # per stage: build, export, bind, infer, lower, codegen
 
-    def plan(self) -> dict:
-        return plan_json(self)
+    @property
+    def seconds_after_export(self) -> float:
+        return sum(v for k, v in self.seconds.items() if k not in ("build", "export"))
 
 
 def compile_par(par: ParFile) -> Compiled:
-    seconds = {}
-    start = time.perf_counter()
     bound = bind(par)
-    seconds["bind+export"] = time.perf_counter() - start
+    seconds = dict(bound.seconds)
     start = time.perf_counter()
     typed = infer(bound)
     seconds["infer"] = time.perf_counter() - start
@@ -50,12 +49,6 @@ def compile_par(par: ParFile) -> Compiled:
     source = render(program)
     seconds["codegen"] = time.perf_counter() - start
     return Compiled(par, bound, typed, program, source, seconds)
-
-
-def lower(typed: TypedGraph) -> LoweredProgram:
-    from .lowering import lower as lower_typed
-
-    return lower_typed(typed)
 
 
 def compile_file(path: str) -> Compiled:

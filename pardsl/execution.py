@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import os
 import statistics
 import sys
@@ -45,12 +46,13 @@ class RankJob:
     tolerance: float = 1e-4  # relative to the tensor's magnitude: |compiled - serial| <= tol * max(1, max|serial|)
 
 
-def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", timeout_s: float = 120.0) -> RankJob:
+def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", timeout_s: float = 120.0,
+            lr: float = 0.01) -> RankJob:
     from .binding import par_import_paths
 
     par = compiled.par
     return RankJob(compiled.source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
-                   par.inputs, seed, steps, backend=backend, sys_path=par_import_paths(par.source.path),
+                   par.inputs, seed, steps, lr=lr, backend=backend, sys_path=par_import_paths(par.source.path),
                    timeout_s=timeout_s)
 
 
@@ -68,11 +70,13 @@ def _load_module(job: RankJob) -> types.ModuleType:
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest elementwise difference; inf where shapes differ or anything is not finite (NaN never passes)."""
     if a.shape != b.shape:
         return float("inf")
     if a.numel() == 0:
         return 0.0
-    return (a.detach().double() - b.detach().double()).abs().max().item()
+    err = (a.detach().double() - b.detach().double()).abs().max().item()
+    return err if math.isfinite(err) else float("inf")
 
 
 def run_rank(job: RankJob) -> dict:
@@ -114,9 +118,10 @@ def run_rank(job: RankJob) -> dict:
     def note(kind: str, what: str, got: torch.Tensor | None, expected: torch.Tensor | None) -> None:
         err = float("inf") if got is None or expected is None else _max_err(got, expected)
         scale = max(1.0, expected.detach().abs().max().item()) if expected is not None and expected.numel() else 1.0
+        rel = err / scale if math.isfinite(scale) else float("inf")
         errors[kind] = max(errors[kind], err)
-        if worst[kind] is None or err / scale > relative[kind]:
-            relative[kind], worst[kind] = err / scale, what
+        if worst[kind] is None or rel > relative[kind]:
+            relative[kind], worst[kind] = rel, what
 
     for _ in range(job.steps):
         start = time.perf_counter()

@@ -118,3 +118,13 @@ def test_mean_over_a_split_dim_is_rescaled(compile_par):
     compiled = compile_par("mesh tp = 2\nmodel tests.zoo:Shapes(d=16, heads=4)\ninput x : float32[2, 4, 16]\n"
                            "layout {\n  out() : S(1)\n}\n")
     assert any(s.target == "mean" and s.expr == "aten.div.Tensor(mean, 2)" for s in compiled.program.statements)
+
+
+def test_errors_that_are_not_finite_never_pass():
+    import torch
+
+    from pardsl.execution import _max_err
+
+    assert _max_err(torch.tensor([float("nan")]), torch.tensor([float("nan")])) == float("inf")
+    assert _max_err(torch.ones(2), torch.ones(3)) == float("inf")
+    assert _max_err(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])) == 0.5
