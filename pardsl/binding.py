@@ -404,6 +404,25 @@ def _resolve(entry: LayoutEntry, table: list[_Named], sink: DiagnosticSink) -> l
 # ---------------------------------------------------------------------------------------------------
 
 
+def _tied_aliases(model: torch.nn.Module, exported, parameters: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """Tied weights (a GPT's embedding and LM head): one tensor under several state-dict names. The graph
+    reads one placeholder; the others are aliases of it. Returns unused placeholder → (its name, used one)."""
+    groups: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    placeholder_of = {name: node for node, name in parameters.items()}
+    users = {n.name: len(n.users) for n in exported.graph.nodes if n.op == "placeholder"}
+    aliases = {}
+    for names in groups.values():
+        nodes = [placeholder_of[n] for n in names if n in placeholder_of]
+        used = [n for n in nodes if users.get(n)]
+        if len(nodes) > 1 and len(used) == 1:
+            for node in nodes:
+                if node != used[0]:
+                    aliases[node] = (parameters[node], used[0])
+    return aliases
+
+
 def _check_mesh(par: ParFile, sink: DiagnosticSink) -> Mesh | None:
     seen: dict[str, int] = {}
     ok = True
@@ -452,6 +471,9 @@ def bind(par: ParFile) -> BoundPlan:
     parameters = dict(signature.inputs_to_parameters)
     buffers = dict(signature.inputs_to_buffers)
     buffers.update(getattr(signature, "inputs_to_lifted_tensor_constants", {}) or {})
+    aliases = _tied_aliases(model, exported, parameters)
+    for unused in aliases:
+        parameters.pop(unused, None)
     user_inputs = [s.arg.name for s in signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
     inputs = {placeholder: decl.name for placeholder, decl in zip(user_inputs, par.inputs)}
 
@@ -459,6 +481,8 @@ def bind(par: ParFile) -> BoundPlan:
     module_paths: dict[str, str] = {}
     for node in exported.graph.nodes:
         value = node.meta.get("val")
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            value = value[0]  # a split's parts: its getitem nodes carry each part's own shape
         if isinstance(value, torch.Tensor):
             tensors[node.name] = TensorInfo(tuple(int(s) for s in value.shape), value.dtype)
         stack = node.meta.get("nn_module_stack") or {}
@@ -466,6 +490,7 @@ def bind(par: ParFile) -> BoundPlan:
             module_paths[node.name] = list(stack.values())[-1][0]
 
     table = _name_table(exported, inputs, parameters, buffers)
+    table += [_Named("parameter", name, used) for name, used in aliases.values()]
     outputs = [(path, node) for path, node in _flat_outputs(exported)]
     pins: dict[str, Pin] = {}
     output_pins: dict[int, Pin] = {}

@@ -82,6 +82,14 @@ def _summary(compiled) -> str:
     return "\n".join(lines)
 
 
+def _failure_message(failure) -> str:
+    message = failure.message
+    if isinstance(message, dict):  # the launcher's error file: the exception line, then the rank's stack
+        stack = message.get("extraInfo", {}).get("py_callstack", "")
+        message = message.get("message", "") + ("\n" + stack if stack else "")
+    return str(message)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _arguments().parse_args(argv)
     from .compiler import compile_file, plan_json, write_outputs
@@ -93,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except CompileError as error:
         return _report_errors(error, args.json)
+    except Exception:  # not the user's mistake: say so, with what a bug report needs
+        import traceback
+
+        print(f"pardsl: internal compiler error while compiling {args.file} (a bug in pardsl, please report "
+              f"it with this .par file):\n{traceback.format_exc()}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
 
     if args.command == "check":
         if args.json:
@@ -142,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         report = launch(job)
     except Exception as error:  # a rank failed: say which and why, without the launcher's traceback
         failures = getattr(error, "failures", None)
-        detail = "; ".join(f"rank {r}: {f.message}" for r, f in failures.items()) if failures else str(error)
+        detail = "; ".join(f"rank {r}: {_failure_message(f)}" for r, f in sorted(failures.items())) \
+            if failures else str(error)
         print(f"pardsl: run failed: {detail.strip()[:2000]}", file=sys.stderr)
         return EXIT_INPUT_ERROR
     report["compile_s"] = sum(compiled.seconds.values())

@@ -99,10 +99,13 @@ def run_rank(job: RankJob) -> dict:
     with import_paths(*job.sys_path):
         serial = build_model(job.model, job.par_path).to(device)
     compiled = module.CompiledModule(rt)
-    compiled.load_full_state_dict(serial.state_dict())
+    # Every parameter and buffer by every name, non-persistent buffers (rotary frequencies) included.
+    full = {name: t.detach() for name, t in serial.named_parameters(remove_duplicate=False)}
+    full.update((name, t.detach()) for name, t in serial.named_buffers(remove_duplicate=False))
+    compiled.load_full_state_dict(full)
     full_inputs = [t.to(device) for t in make_inputs(job.inputs, torch.Generator().manual_seed(job.seed + 1))]
     local_inputs = compiled.shard_inputs(*full_inputs)
-    serial_params = dict(serial.named_parameters())
+    serial_params = dict(serial.named_parameters(remove_duplicate=False))  # tied weights under every name
     compiled_params = {name: getattr(compiled, attr) for name, (attr, _, _) in module.PARAMETERS.items()}
     layouts = {name: layout for name, (_, layout, _) in module.PARAMETERS.items()}
     serial_opt = torch.optim.SGD(serial.parameters(), lr=job.lr)
@@ -219,8 +222,8 @@ def launch(job: RankJob) -> dict:
     """Run `job` on mesh.size local processes with torch.distributed's elastic launcher."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # a failing rank is reported once, by pardsl
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.mesh.size)))
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=job.mesh.size, run_id=f"pardsl-{os.getpid()}",

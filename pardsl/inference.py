@@ -10,7 +10,14 @@ pass). The cost of a signature is compared in this order:
    weights gives data parallelism, not a gather of x into replicated compute;
 2. backward bytes per rank: the adjoints of those conversions, and the one all-reduce of the gradient of
    a broadcast value that sharded computation consumes (DESIGN §2), once per value;
-3. local compute (elements of the result on one rank): sharded work wins ties.
+3. the number of conversions, local slices included: a value keeps its layout where it can;
+4. local compute (elements of the result on one rank): sharded work wins ties.
+
+Greedy inference sees one op at a time, so two rules keep it from steps that only look cheap:
+a conversion already paid for (the same value, axis and placement, for an earlier consumer) costs
+nothing again; and a partial sum is finished with an all-reduce, not reduce-scattered, unless a layout
+the user wrote asks for the split (Megatron-SP does): the shards of a reduce-scatter would have to be
+gathered again later, which one op cannot see.
 
 What the user wrote always stands: a pinned tensor keeps its layout, and where an op needs another one a
 conversion is inserted (and reported by the lowering). Parameters and buffers the file leaves out are
@@ -28,7 +35,7 @@ import torch
 from .binding import BoundPlan, TensorInfo
 from .diagnostics import DiagnosticSink
 from .layouts import B, P, Layout, Mesh, Placement, collective_bytes
-from .oprules import DimSpec, dim_spec, op_name, rule_for, signatures, tensor_operands
+from .oprules import DimSpec, dim_spec, is_tensor_valued, op_name, rule_for, signatures, tensor_operands, unmet_requirement
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,8 @@ _BACKWARD = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
 def _one_axis_cost(source: Placement, target: Placement, local_bytes: int, n: int, with_backward: bool) -> int:
     if source == target:
         return 0
+    if source.kind == "P" and target.kind == "S":  # priced as finishing the sum (see the module doc)
+        return _one_axis_cost(source, B, local_bytes, n, with_backward) + 1
     if source.kind == "B" and target.kind == "S":  # a local slice; its adjoint gathers the gradient
         return collective_bytes("all_gather", local_bytes // n, n) if with_backward else 0
     kind = _STEP.get((source.kind, target.kind))
@@ -82,18 +91,24 @@ def _one_axis_cost(source: Placement, target: Placement, local_bytes: int, n: in
 
 def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
     specs: dict[str, DimSpec] = {}
-    unsupported: dict[str, list[str]] = {}
+    unsupported: dict[tuple[str, str], list[str]] = {}
     for node in bound.graph.nodes:
         if node.op != "call_function":
             continue
         rule = rule_for(node)
-        if rule is None or not isinstance(node.meta.get("val"), torch.Tensor):
-            where = bound.module_paths.get(node.name) or "the model's own forward()"
-            unsupported.setdefault(op_name(node), []).append(where)
+        where = bound.module_paths.get(node.name) or "the model's own forward()"
+        if rule is not None and rule.family == "check":
+            continue
+        if rule is None or not is_tensor_valued(node):
+            unsupported.setdefault((op_name(node), ""), []).append(where)
+            continue
+        problem = unmet_requirement(node, rule)
+        if problem is not None:
+            unsupported.setdefault((op_name(node), f" with {problem}"), []).append(where)
             continue
         specs[node.name] = dim_spec(node, rule)
-    for op, places in unsupported.items():
-        sink.error("E060", f"operation `{op}` is not supported", bound.par.model.span,
+    for (op, detail), places in unsupported.items():
+        sink.error("E060", f"operation `{op}`{detail} is not supported", bound.par.model.span,
                    f"used in {', '.join(sorted(set(places))[:3])}",
                    "pardsl knows the ops listed in pardsl/oprules.py (RULES)")
     return specs
@@ -105,7 +120,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
     sink.raise_if_any()
 
     mesh = bound.mesh
-    graph_nodes = [n for n in bound.graph.nodes if n.op == "call_function"]
+    graph_nodes = [n for n in bound.graph.nodes if n.op == "call_function" and n.name in specs]
     placeholders = [n.name for n in bound.graph.nodes if n.op == "placeholder"]
     operands = {n.name: tuple(o.name for o in tensor_operands(n)) for n in graph_nodes}
 
@@ -141,6 +156,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
             else:
                 free.add(name)
         synced: set[str] = set()  # broadcast values whose backward all-reduce is already counted
+        bought: set[tuple[str, Placement]] = set()  # conversions already paid for on this axis
 
         for node in graph_nodes:
             spec = specs[node.name]
@@ -153,12 +169,13 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     continue
                 if not layout_with(node.name, signature.output).fits(bound.tensors[node.name].shape, mesh):
                     continue
-                forward, backward = 0, 0
+                forward, backward, changes = 0, 0, 0
                 sharded_compute = signature.output != B
                 conversions = []
                 for o, req in zip(names, signature.operands):
                     grad = o in requires_grad
                     taken = (B if req == P else req) if o in free else value[o][axis]
+                    changes += o in free and req.is_split  # sharding a free tensor is a choice too
                     conversions.append((o, taken, req, grad))
                     if req == B and taken == B and sharded_compute and grad and o not in synced:
                         backward += collective_bytes("all_reduce", local_bytes(o, B), n)
@@ -166,11 +183,14 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     conversions.append((node.name, signature.output, pin.layout.placements[axis],
                                         node.name in requires_grad))
                 for name, source, target, grad in conversions:
+                    if source == target or (name, target) in bought:
+                        continue
                     size = local_bytes(name, source)
                     forward += _one_axis_cost(source, target, size, n, False)
                     backward += _one_axis_cost(source, target, size, n, grad) - _one_axis_cost(source, target, size, n, False)
+                    changes += 1
                 compute = local_bytes(node.name, signature.output)
-                key = (forward, backward, compute, index)
+                key = (forward, backward, changes, compute, index)
                 if best_key is None or key < best_key:
                     best_key, best = key, signature
             assert best is not None, f"no legal signature for {node.name}"  # all-B always fits
@@ -178,6 +198,8 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 if o in free:
                     value[o].append(B if req == P else req)
                     free.discard(o)
+                if value[o][axis] != req:
+                    bought.add((o, req))
                 if req == B and best.output != B:
                     synced.add(o)
                 needs[node.name][slot].append(req)

@@ -132,6 +132,8 @@ def _tag(layout: Layout) -> str:
 
 
 def _render(value) -> str:
+    if isinstance(value, torch.device):
+        return "rt.device"  # made where the rank runs, not where the model was traced
     if isinstance(value, torch.dtype):
         return str(value)
     if isinstance(value, torch.memory_format):
@@ -330,6 +332,14 @@ class _Lowerer:
             args[rule.shape_arg] = _render(list(local_out))
         kwargs = [f"{k}={arg(v)}" for k, v in fx_node.kwargs.items()]
         expr = f"{typed_node.op}({', '.join(args + kwargs)})"
+        vocab_axes = [self.mesh.axis_names[a] for a, p in enumerate(typed_node.operand_layouts[0].placements)
+                      if p.is_split and p.dim == 0] if rule.masked_lookup else []
+        if rule.family == "project":
+            expr = f"{operand_vars[0]}[{fx_node.args[1]}]"
+        elif vocab_axes:
+            # Each rank holds a slice of the vocabulary: look up the ids it holds, zeros for the rest (P).
+            axes = ", ".join(f'"{a}"' for a in vocab_axes)
+            expr = f"rt.masked_embedding({operand_vars[0]}, {operand_vars[1]}, {axes})"
         self.emit(name, expr, self._value_comment(typed_node.op_layout, info.shape))
         if rule.mean:
             self._rescale_mean(typed_node, fx_node, name)
@@ -398,7 +408,7 @@ class _Lowerer:
                 name = bound.inputs[placeholder]
                 self.var[placeholder] = name
                 inputs.append(TensorSlot(name, name, "input", info.shape, local, str(info.dtype), layout))
-            else:
+            elif placeholder in bound.parameters or placeholder in bound.buffers:
                 is_param = placeholder in bound.parameters
                 name = bound.parameters[placeholder] if is_param else bound.buffers[placeholder]
                 attr = _attr_name(name, taken)
@@ -406,6 +416,8 @@ class _Lowerer:
                 slot = TensorSlot(name, attr, "parameter" if is_param else "buffer", info.shape, local,
                                   str(info.dtype), layout, placeholder in typed.requires_grad)
                 (parameters if is_param else buffers).append(slot)
+            else:
+                continue  # the unused name of a tied weight: the graph reads the other one
             self.emitted.add(self.var[placeholder])
         for name, node in self.typed.nodes.items():
             pinned_elsewhere = node.value_layout != node.op_layout

@@ -42,6 +42,10 @@ class Rule:
     shape_arg: int | None = None  # argument holding a global shape, rewritten to the local one
     mean: bool = False  # a mean over split dims is rescaled: local mean × local count / global count
     unsplittable_reduce: bool = False  # reductions that are not sums (amax): reduced dims not split
+    unsplittable: str = ""  # einsum letters never split
+    requires: tuple[tuple[int, str, Any], ...] = ()  # (argument position, name, value) the op needs
+    masked_lookup: bool = False  # embedding: a split vocabulary is a masked local lookup, its result P
+    whole_dims: tuple[int, ...] = ()  # output dims never split (tril's matrix dims)
 
 
 def _elementwise(linear: str = "none", **kw) -> Rule:
@@ -52,6 +56,30 @@ _UNARY = ["relu", "gelu", "silu", "tanh", "sigmoid", "exp", "log", "rsqrt", "sqr
           "reciprocal", "erf", "log1p", "expm1", "softplus", "hardtanh", "leaky_relu", "elu", "square"]
 
 RULES: dict[str, Rule] = {
+    # lookups: an embedding is one_hot(ids) @ weight, so a split vocabulary (v) is a contraction → P
+    "aten.embedding.default": Rule("einsum", "vd,...->...d", linear="product", linear_operands=(0,),
+                                   masked_lookup=True),
+    # attention: batch and heads split; sequence and head dims whole
+    "aten.scaled_dot_product_attention.default": Rule("attention"),
+    # tensors made from nothing: the same on every rank
+    "aten.arange.start": Rule("source"),
+    "aten.arange.default": Rule("source"),
+    "aten.arange.start_step": Rule("source"),
+    "aten.zeros.default": Rule("source"),
+    "aten.ones.default": Rule("source"),
+    "aten.full.default": Rule("source"),
+    # results cut from an operand along a dim, which stays whole (a conversion comes first if it is split)
+    "aten.split.Tensor": Rule("cut", linear="sum", dim_arg=2),
+    "aten.split_with_sizes.default": Rule("cut", linear="sum", dim_arg=2),
+    "aten.chunk.default": Rule("cut", linear="sum", dim_arg=2),
+    "aten.slice.Tensor": Rule("cut", linear="sum", dim_arg=1),
+    "aten.narrow.default": Rule("cut", linear="sum", dim_arg=1),
+    "aten.cat.default": Rule("cut", linear="sum", dim_arg=1),
+    "aten.select.int": Rule("select", linear="sum", dim_arg=1),
+    "_operator.getitem": Rule("project", linear="sum"),
+    "aten.expand.default": Rule("expand", linear="sum", shape_arg=1),
+    # checks export leaves in the graph; nothing to compute
+    "aten._assert_tensor_metadata.default": Rule("check"),
     # matrix products
     "aten.linear.default": Rule("einsum", "...k,nk,n->...n", linear="product", addends=(2,)),
     "aten.addmm.default": Rule("einsum", "n,mk,kn->mn", linear="product", linear_operands=(1, 2), addends=(0,)),
@@ -64,11 +92,28 @@ RULES: dict[str, Rule] = {
     "aten.mul.Tensor": _elementwise("product"),
     "aten.div.Tensor": _elementwise("product", linear_operands=(0,)),
     "aten.neg.default": _elementwise("sum"),
+    "aten.rsub.Scalar": _elementwise(),
     "aten.pow.Tensor_Scalar": _elementwise(),
     "aten.clone.default": _elementwise("sum"),
     "aten.contiguous.default": _elementwise("sum"),
     "aten.alias.default": _elementwise("sum"),
     "aten.detach.default": _elementwise("sum"),
+    "aten.dropout.default": _elementwise("sum", requires=((1, "p", 0.0),)),
+    "aten.to.dtype": _elementwise("sum"),
+    "aten._to_copy.default": _elementwise("sum"),
+    "aten.type_as.default": _elementwise("sum"),
+    "aten.masked_fill.Scalar": _elementwise(),
+    "aten.where.self": _elementwise(),
+    "aten.zeros_like.default": _elementwise(),
+    "aten.ones_like.default": _elementwise(),
+    "aten.full_like.default": _elementwise(),
+    **{f"aten.{cmp}.{kind}": _elementwise() for cmp in ("eq", "ne", "lt", "le", "gt", "ge")
+       for kind in ("Tensor", "Scalar")},
+    "aten.logical_not.default": _elementwise(),
+    "aten.logical_and.default": _elementwise(),
+    "aten.tril.default": _elementwise(whole_dims=(-2, -1)),
+    "aten.triu.default": _elementwise(whole_dims=(-2, -1)),
+    "aten.outer.default": Rule("einsum", "i,j->ij", linear="product"),
     **{f"aten.{name}.default": _elementwise() for name in _UNARY},
     # reductions
     "aten.sum.dim_IntList": Rule("reduce", linear="sum", dim_arg=1, keepdim_arg=2),
@@ -129,15 +174,32 @@ class Signature:
     split_letter: str | None = None  # which letter is split, if any
 
 
+def is_tensor_valued(node: torch.fx.Node) -> bool:
+    """A tensor, or a list of tensors (the result of split, projected by getitem)."""
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, torch.Tensor) for v in value))
+
+
 def tensor_operands(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Tensor operands in argument order (flattened through lists), as rules number them."""
     flat, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
-    return [a for a in flat if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    return [a for a in flat if isinstance(a, torch.fx.Node) and is_tensor_valued(a)]
 
 
 def op_name(node: torch.fx.Node) -> str:
-    return f"aten.{node.target._schema.name.split('::')[-1]}.{node.target._overloadname}" \
-        if hasattr(node.target, "_schema") else str(node.target)
+    if hasattr(node.target, "_schema"):
+        return f"aten.{node.target._schema.name.split('::')[-1]}.{node.target._overloadname}"
+    return f"{getattr(node.target, '__module__', '')}.{getattr(node.target, '__name__', node.target)}"
+
+
+def unmet_requirement(node: torch.fx.Node, rule: Rule) -> str | None:
+    """Why this node falls outside what its rule supports (dropout with p > 0), or None."""
+    for position, name, value in rule.requires:
+        actual = _arg(node, position, name, value)
+        if actual != value:
+            return f"{name}={actual!r} (pardsl supports {name}={value!r})"
+    return None
 
 
 def rule_for(node: torch.fx.Node) -> Rule | None:
@@ -145,7 +207,10 @@ def rule_for(node: torch.fx.Node) -> Rule | None:
 
 
 def _shape(node: torch.fx.Node) -> tuple[int, ...]:
-    return tuple(int(s) for s in node.meta["val"].shape)
+    value = node.meta["val"]
+    if isinstance(value, (list, tuple)):  # a split: its parts differ only along the dim that stays whole
+        value = value[0]
+    return tuple(int(s) for s in value.shape)
 
 
 def _arg(node: torch.fx.Node, position: int, name: str, default: Any = None) -> Any:
@@ -254,14 +319,48 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
     affine = False
     fresh = _LETTERS
 
+    if rule.family == "check":
+        return DimSpec((), (), "none", (), ())
     if rule.family in ("einsum", "matmul"):
         spec = rule.spec if rule.family == "einsum" else _matmul_spec(len(shapes[0]), len(shapes[1]))
         operand_letters, output = _einsum(spec, shapes, out_shape)
+        unsplittable |= set(rule.unsplittable)
+    elif rule.family == "source":
+        operand_letters, output = [], tuple(fresh[: len(out_shape)])
+        unsplittable |= set(output)
+    elif rule.family == "project":
+        operand_letters, output = [tuple(fresh[: len(out_shape)])], tuple(fresh[: len(out_shape)])
+    elif rule.family == "cut":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        dim = _arg(node, rule.dim_arg, "dim", 0) % len(shapes[0])
+        unsplittable.add(in_letters[dim])
+        operand_letters, output = [in_letters for _ in shapes], in_letters
+    elif rule.family == "select":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        dim = _arg(node, rule.dim_arg, "dim", 0) % len(shapes[0])
+        unsplittable.add(in_letters[dim])
+        operand_letters, output = [in_letters], in_letters[:dim] + in_letters[dim + 1:]
+    elif rule.family == "expand":
+        operand_letters = _broadcast_letters(shapes, out_shape, fresh)
+        output = tuple(fresh[: len(out_shape)])
+    elif rule.family == "attention":
+        # q [..., h, s, d], k [..., h_kv, t, d], v [..., h_kv, t, e] → [..., h, s, e]; an optional mask
+        # broadcasts to [..., h, s, t]. Grouped-query heads split with the query heads: chunk r of the
+        # query heads reads chunk r of the key/value heads.
+        batch = tuple(fresh[: len(shapes[0]) - 3])
+        q, k, v = batch + ("H", "S", "D"), batch + ("H", "T", "D"), batch + ("H", "T", "E")
+        operand_letters = [q, k, v]
+        if len(shapes) > 3:
+            [mask] = _broadcast_letters([shapes[3]], out_shape[:-1] + (shapes[1][-2],), batch + ("H", "S", "T"))
+            operand_letters.append(mask)
+        output = batch + ("H", "S", "E")
+        unsplittable |= {"S", "T", "D", "E"}
     elif rule.family == "elementwise":
         operand_letters = _broadcast_letters(shapes, out_shape, fresh)
         output = tuple(fresh[: len(out_shape)])
         scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
         affine = rule.linear == "sum" and bool(scalars) and any(s != 0 for s in scalars)
+        unsplittable |= {output[d] for d in rule.whole_dims if -len(output) <= d < len(output)}
     elif rule.family == "reduce":
         in_letters = tuple(fresh[: len(shapes[0])])
         dims = _arg(node, rule.dim_arg, "dim") if rule.dim_arg is not None else None

@@ -100,6 +100,18 @@ class Runtime:
     def grad_all_reduce(self, x: torch.Tensor, *axes: str) -> torch.Tensor:
         return _GradAllReduce.apply(x, self, axes)
 
+    def masked_embedding(self, weight: torch.Tensor, ids: torch.Tensor, *axes: str) -> torch.Tensor:
+        """Embedding with the vocabulary split over `axes` (outermost first): rows for the ids this rank
+        holds, zeros for the others, so the sum over ranks is the full lookup (a P result)."""
+        chunk = 0
+        for axis in axes:
+            chunk = chunk * self.size[axis] + self.coordinate[axis]
+        start = chunk * weight.shape[0]
+        local = ids - start
+        outside = (local < 0) | (local >= weight.shape[0])
+        rows = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0))
+        return rows.masked_fill(outside.unsqueeze(-1), 0.0)
+
     # -- the primitives, counted ----------------------------------------------------------------------
 
     def _all_reduce(self, x: torch.Tensor, axis: str, phase: str) -> torch.Tensor:

@@ -91,4 +91,4 @@ def test_run_reports_a_failing_rank_and_exits_1(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", str(par), "--nproc", "2", "--timeout", "60"],
                             capture_output=True, text=True, timeout=200)
     assert result.returncode == 1
-    assert "pardsl: run failed: rank 0" in result.stderr and "no weights on this rank" in result.stderr
+    assert "pardsl: run failed: rank " in result.stderr and "no weights on this rank" in result.stderr

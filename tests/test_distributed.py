@@ -56,6 +56,14 @@ def test_shared_trunk_two_heads(pools, compile_par, layouts):
                              "layout {\n" + layouts + "}\n"))
 
 
+def test_gathered_trunk_reduce_scatters_its_gradient(pools, compile_par):
+    compiled = compile_par("mesh tp = 2\nmodel tests.zoo:TwoHeads(d=8, h=16, with_sum=False)\n"
+                           "input x : float32[4, 8]\nlayout {\n  trunk.weight : S(0)\n  trunk.bias : S(0)\n"
+                           "  left.weight : S(0)\n  right.weight : S(0)\n  mix.weight : S(1)\n  output : B\n}\n")
+    report = check(pools, compiled)
+    assert report["collectives"]["backward"]["reduce_scatter"] == 1
+
+
 @pytest.mark.parametrize("layouts", [
     "  proj.weight : S(0)\n  proj.bias : S(0)\n",
     "  x : S(1)\n",

@@ -85,5 +85,6 @@ def test_mean_over_a_split_dim_gives_a_partial_sum():
 def test_rules_are_data():
     # Every rule is a row of one table; families are few.
     assert {r.family for r in RULES.values()} == {"einsum", "matmul", "elementwise", "reduce", "normalize",
-                                                  "reshape", "permute"}
+                                                  "reshape", "permute", "attention", "source", "cut", "project",
+                                                  "expand", "check", "select"}
     assert RULES["aten.linear.default"].spec == "...k,nk,n->...n"

@@ -39,8 +39,9 @@ class Stack(nn.Module):
 class TwoHeads(nn.Module):
     """One trunk read by two heads: a broadcast value with several sharded consumers; a tuple output."""
 
-    def __init__(self, d=16, h=32):
+    def __init__(self, d=16, h=32, with_sum=True):
         super().__init__()
+        self.with_sum = with_sum
         self.trunk = nn.Linear(d, d)
         self.left = nn.Linear(d, h)
         self.right = nn.Linear(d, h)
@@ -48,7 +49,8 @@ class TwoHeads(nn.Module):
 
     def forward(self, x):
         t = torch.tanh(self.trunk(x))
-        return self.mix(torch.relu(self.left(t)) * self.right(t)), t.sum(dim=-1)
+        mixed = self.mix(torch.relu(self.left(t)) * self.right(t))
+        return (mixed, t.sum(dim=-1)) if self.with_sum else mixed
 
 
 class Shapes(nn.Module):
