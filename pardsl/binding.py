@@ -213,8 +213,14 @@ def trace(model: torch.nn.Module, example_inputs: list[torch.Tensor]) -> torch.e
 
 
 def layout_from_syntax(syntax: LayoutSyntax, mesh: Mesh, sink: DiagnosticSink) -> Layout | None:
+    bad_blocks = [p for p in syntax.placements if p.kind == "S" and p.blocks < 1]
+    for p in bad_blocks:
+        sink.error("E057", f"S({p.dim}, blocks={p.blocks}): blocks must be at least 1", p.span)
+    if bad_blocks:
+        return None
+
     def placement(p) -> Placement:
-        return Placement("S", p.dim) if p.kind == "S" else Placement(p.kind)
+        return Placement("S", p.dim, max(1, p.blocks)) if p.kind == "S" else Placement(p.kind)
 
     if syntax.form == "bare":
         if mesh.ndim != 1:
@@ -261,15 +267,22 @@ def check_layout_fits(layout: Layout, entry: LayoutEntry, name: str, info: Tenso
                 ok = False
                 normalized.append(p)
                 continue
-            normalized.append(Placement("S", dim))
+            normalized.append(Placement("S", dim, p.blocks))
         else:
             normalized.append(p)
     if not ok:
         return None
     result = Layout(tuple(normalized))
+    for dim in result.blocks_on_shared_dims():
+        axes = result.axes_splitting(dim)
+        sink.error("E056", f"dim {dim} of `{name}` is split in blocks by {len(axes)} mesh axes",
+                   placement_spans[axes[-1]], "a dim split in blocks is split by one mesh axis")
+        return None
     for dim in result.indivisible_dims(info.shape, mesh):
         axes = result.axes_splitting(dim)
         by = " × ".join(f"{mesh.axis_names[a]} = {mesh.axis_sizes[a]}" for a in axes)
+        blocks = result.blocks_of(dim)
+        by += f" × {blocks} blocks" if blocks > 1 else ""
         sink.error("E054", f"dim {dim} of `{name}` has size {info.shape[dim]}, not divisible by {by}",
                    placement_spans[axes[-1]], f"shape {list(info.shape)}")
         ok = False

@@ -37,6 +37,8 @@ ERROR_CODES: dict[str, str] = {
     "E053": "split dimension out of range",
     "E054": "split dimension not divisible by the mesh axes splitting it",
     "E055": "partial sum (P) on a parameter, buffer or input",
+    "E056": "a dim split in blocks by more than one mesh axis",
+    "E057": "blocks must be at least 1",
     "E060": "operation not supported",
 }
 

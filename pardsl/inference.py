@@ -163,7 +163,13 @@ def infer(bound: BoundPlan) -> TypedGraph:
             names = operands[node.name]
             pin = bound.pins.get(node.name)
             best_key, best = None, None
-            for index, signature in enumerate(signatures(spec)):
+            offered: dict[str, set[int]] = {}
+            for o, letters in zip(names, spec.operands):
+                current = value[o][axis] if o not in free else None
+                if current is not None and current.is_split and current.blocks > 1 and current.dim < len(letters):
+                    if letters[current.dim] is not None:
+                        offered.setdefault(letters[current.dim], set()).add(current.blocks)
+            for index, signature in enumerate(signatures(spec, offered)):
                 if any(not layout_with(o, req if req != P or o not in free else B).fits(bound.tensors[o].shape, mesh)
                        for o, req in zip(names, signature.operands)):
                     continue

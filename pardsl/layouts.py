@@ -19,16 +19,20 @@ from typing import Iterable
 class Placement:
     kind: str  # "S" split, "B" broadcast, "P" partial sum
     dim: int | None = None  # the split dim, for "S" (negative only as written, before binding)
+    blocks: int = 1  # S(d, blocks=k): dim d is k equal blocks, each chunked over the axis
 
     def __post_init__(self):
         assert self.kind in ("S", "B", "P") and (self.kind == "S") == (self.dim is not None), self
+        assert self.blocks >= 1 and (self.blocks == 1 or self.kind == "S"), self
 
     @property
     def is_split(self) -> bool:
         return self.kind == "S"
 
     def __str__(self) -> str:
-        return f"S({self.dim})" if self.kind == "S" else self.kind
+        if self.kind != "S":
+            return self.kind
+        return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim}, blocks={self.blocks})"
 
     @staticmethod
     def parse(text: str) -> "Placement":
@@ -36,7 +40,8 @@ class Placement:
         if text in ("B", "P"):
             return Placement(text)
         if text.startswith("S(") and text.endswith(")"):
-            return Placement("S", int(text[2:-1]))
+            dim, _, blocks = text[2:-1].partition(",")
+            return Placement("S", int(dim), int(blocks.split("=")[1]) if blocks else 1)
         raise ValueError(f"not a placement: {text!r}")
 
 
@@ -44,8 +49,8 @@ B = Placement("B")
 P = Placement("P")
 
 
-def S(dim: int) -> Placement:
-    return Placement("S", dim)
+def S(dim: int, blocks: int = 1) -> Placement:
+    return Placement("S", dim, blocks)
 
 
 @dataclass(frozen=True)
@@ -97,17 +102,26 @@ class Layout:
     def split_factor(self, dim: int, mesh: Mesh) -> int:
         return math.prod(mesh.axis_sizes[a] for a in self.axes_splitting(dim))
 
+    def blocks_of(self, dim: int) -> int:
+        return max((p.blocks for p in self.placements if p.kind == "S" and p.dim == dim), default=1)
+
     def local_shape(self, shape: Iterable[int], mesh: Mesh) -> tuple[int, ...]:
         return tuple(size // self.split_factor(d, mesh) for d, size in enumerate(shape))
 
     def indivisible_dims(self, shape: tuple[int, ...], mesh: Mesh) -> list[int]:
-        return [d for d, size in enumerate(shape) if size % self.split_factor(d, mesh)]
+        return [d for d, size in enumerate(shape) if size % (self.split_factor(d, mesh) * self.blocks_of(d))]
+
+    def blocks_on_shared_dims(self) -> list[int]:
+        """Dims split in blocks by more than one axis (not supported: one axis splits a blocked dim)."""
+        return [d for d in {p.dim for p in self.placements if p.kind == "S" and p.blocks > 1}
+                if len(self.axes_splitting(d)) > 1]
 
     def out_of_range_dims(self, rank: int) -> list[int]:
         return [p.dim for p in self.placements if p.kind == "S" and p.dim >= rank]
 
     def fits(self, shape: tuple[int, ...], mesh: Mesh) -> bool:
-        return not self.out_of_range_dims(len(shape)) and not self.indivisible_dims(shape, mesh)
+        return (not self.out_of_range_dims(len(shape)) and not self.indivisible_dims(shape, mesh)
+                and not self.blocks_on_shared_dims())
 
     def innermost_splitter(self, dim: int) -> int | None:
         axes = self.axes_splitting(dim)
@@ -145,6 +159,8 @@ class ConversionStep:
     dst_dim: int | None  # the dim the target is split on (reduce_scatter, all_to_all, split)
     forward_bytes: int
     backward_bytes: int
+    src_blocks: int = 1
+    dst_blocks: int = 1
 
 
 # What each one-axis conversion is (DESIGN §1), keyed by (from kind, to kind).
@@ -196,6 +212,8 @@ def _one_axis_step(
         return None
     if placement.is_split and (target.innermost_splitter(placement.dim) != axis or not target.fits(shape, mesh)):
         return None
+    if kind == "all_to_all" and (current.blocks > 1 or placement.blocks > 1):
+        return None  # blocked splits go through B
     local_bytes = math.prod(layout.local_shape(shape, mesh)) * itemsize
     n = mesh.axis_sizes[axis]
     forward = collective_bytes(kind, local_bytes, n)
@@ -211,6 +229,8 @@ def _one_axis_step(
         placement.dim if placement.is_split else None,
         forward,
         backward,
+        current.blocks,
+        placement.blocks,
     )
 
 
@@ -230,7 +250,8 @@ def plan_conversion(
     """
     if source == target:
         return []
-    candidates = [B, P] + [S(d) for d in range(len(shape))]
+    blocks = {p.blocks for p in (*source.placements, *target.placements) if p.is_split}
+    candidates = [B, P] + [S(d, k) for d in range(len(shape)) for k in sorted(blocks | {1})]
     # Entries: (cost, steps, layout, push order, path); layouts are ordered, so ties are deterministic.
     frontier: list[tuple[int, int, Layout, int, list[ConversionStep]]] = [(0, 0, source, 0, [])]
     pushed = 0

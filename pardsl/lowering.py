@@ -249,16 +249,18 @@ class _Lowerer:
     def _step_call(self, step: ConversionStep, source: str, axis: str, target: str, reason: str,
                    rs_backward: bool, needs_grad: bool) -> tuple[str, tuple[Collective, ...]]:
         fwd, bwd = [], []
+        src_blocks = f", blocks={step.src_blocks}" if step.src_blocks > 1 else ""
+        dst_blocks = f", blocks={step.dst_blocks}" if step.dst_blocks > 1 else ""
         if step.kind == "all_reduce":
             expr = f'rt.all_reduce({source}, "{axis}")'
             fwd.append("all_reduce")
         elif step.kind == "reduce_scatter":
-            expr = f'rt.reduce_scatter({source}, "{axis}", dim={step.dst_dim})'
+            expr = f'rt.reduce_scatter({source}, "{axis}", dim={step.dst_dim}{dst_blocks})'
             fwd.append("reduce_scatter")
             bwd.append(("all_gather", step.backward_bytes))
         elif step.kind == "all_gather":
             mode = "reduce_scatter" if rs_backward else "slice"
-            expr = f'rt.all_gather({source}, "{axis}", dim={step.src_dim}, backward="{mode}")'
+            expr = f'rt.all_gather({source}, "{axis}", dim={step.src_dim}, backward="{mode}"{src_blocks})'
             fwd.append("all_gather")
             if rs_backward:
                 bwd.append(("reduce_scatter", step.forward_bytes))  # T(n-1)/n both ways
@@ -267,7 +269,7 @@ class _Lowerer:
             fwd.append("all_to_all")
             bwd.append(("all_to_all", step.backward_bytes))
         elif step.kind == "split":
-            expr = f'rt.split({source}, "{axis}", dim={step.dst_dim})'
+            expr = f'rt.split({source}, "{axis}", dim={step.dst_dim}{dst_blocks})'
             bwd.append(("all_gather", step.backward_bytes))
         else:  # to_partial
             expr = f'rt.to_partial({source}, "{axis}")'
@@ -330,6 +332,12 @@ class _Lowerer:
         args = [arg(a) for a in fx_node.args]
         if rule.shape_arg is not None and rule.shape_arg < len(args):
             args[rule.shape_arg] = _render(list(local_out))
+        if rule.size_arg is not None and typed_node.spec.cut is not None:
+            # S(d, blocks=m) cut into m parts: each part is split, so each local part is smaller
+            dim = typed_node.spec.output.index(typed_node.spec.cut[0])
+            part = local_out[dim]
+            sizes = fx_node.args[rule.size_arg]
+            args[rule.size_arg] = _render([part] * len(sizes) if isinstance(sizes, (list, tuple)) else part)
         kwargs = [f"{k}={arg(v)}" for k, v in fx_node.kwargs.items()]
         expr = f"{typed_node.op}({', '.join(args + kwargs)})"
         vocab_axes = [self.mesh.axis_names[a] for a, p in enumerate(typed_node.operand_layouts[0].placements)

@@ -46,6 +46,7 @@ class Rule:
     requires: tuple[tuple[int, str, Any], ...] = ()  # (argument position, name, value) the op needs
     masked_lookup: bool = False  # embedding: a split vocabulary is a masked local lookup, its result P
     whole_dims: tuple[int, ...] = ()  # output dims never split (tril's matrix dims)
+    size_arg: int | None = None  # sizes along a cut dim (split's split_size), made local when it is split
 
 
 def _elementwise(linear: str = "none", **kw) -> Rule:
@@ -69,8 +70,8 @@ RULES: dict[str, Rule] = {
     "aten.ones.default": Rule("source"),
     "aten.full.default": Rule("source"),
     # results cut from an operand along a dim, which stays whole (a conversion comes first if it is split)
-    "aten.split.Tensor": Rule("cut", linear="sum", dim_arg=2),
-    "aten.split_with_sizes.default": Rule("cut", linear="sum", dim_arg=2),
+    "aten.split.Tensor": Rule("cut", linear="sum", dim_arg=2, size_arg=1),
+    "aten.split_with_sizes.default": Rule("cut", linear="sum", dim_arg=2, size_arg=1),
     "aten.chunk.default": Rule("cut", linear="sum", dim_arg=2),
     "aten.slice.Tensor": Rule("cut", linear="sum", dim_arg=1),
     "aten.narrow.default": Rule("cut", linear="sum", dim_arg=1),
@@ -155,6 +156,8 @@ class DimSpec:
     unsplittable: frozenset[str] = frozenset()
     contractible: bool = True  # a split contracted letter gives P (sum-like contraction)
     affine: bool = False  # a non-tensor scalar is added: P cannot pass (x + 1 over P adds n)
+    fixed_size: frozenset[str] | None = None  # letters whose dim keeps its size (may carry blocks); None: all
+    cut: tuple[str, int] | None = None  # (letter, m): the op cuts that dim into m equal parts
 
     def letters(self) -> list[str]:
         seen: dict[str, None] = {}
@@ -317,6 +320,8 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
     unsplittable: set[str] = set()
     contractible = True
     affine = False
+    fixed_size = None
+    cut = None
     fresh = _LETTERS
 
     if rule.family == "check":
@@ -335,6 +340,8 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
         dim = _arg(node, rule.dim_arg, "dim", 0) % len(shapes[0])
         unsplittable.add(in_letters[dim])
         operand_letters, output = [in_letters for _ in shapes], in_letters
+        parts = _equal_parts(node, dim, shapes[0][dim])
+        cut = (in_letters[dim], parts) if parts else None
     elif rule.family == "select":
         in_letters = tuple(fresh[: len(shapes[0])])
         dim = _arg(node, rule.dim_arg, "dim", 0) % len(shapes[0])
@@ -388,6 +395,8 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
         in_letters, output, unsplittable = _reshape_letters(shapes[0], out_shape)
         operand_letters = [in_letters]
         contractible = False
+        fixed_size = frozenset(l for i, l in enumerate(in_letters)
+                               if l is not None and l in output and shapes[0][i] == out_shape[output.index(l)])
     elif rule.family == "permute":
         in_letters = tuple(fresh[: len(shapes[0])])
         rank = len(shapes[0])
@@ -406,22 +415,43 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
 
     return DimSpec(tuple(operand_letters), tuple(output), rule.linear, rule.linear_operands,
                    tuple(a for a in rule.addends if a < len(operands)), frozenset(unsplittable),
-                   contractible, affine)
+                   contractible, affine, fixed_size, cut)
 
 
-def _placement_for(letters: Letters, letter: str) -> Placement:
-    return S(letters.index(letter)) if letter in letters else B
+def _equal_parts(node: torch.fx.Node, dim: int, size: int) -> int | None:
+    """How many equal parts a split/chunk cuts `dim` into (None: unequal, or not a split)."""
+    parts = node.meta.get("val")
+    if not isinstance(parts, (list, tuple)) or len(parts) < 2:
+        return None
+    sizes = {int(p.shape[dim]) for p in parts}
+    return len(parts) if len(sizes) == 1 and size == len(parts) * sizes.pop() else None
 
 
-def signatures(spec: DimSpec) -> list[Signature]:
-    """Every legal one-axis signature of the op, cheapest-looking first (all-B, splits, partials)."""
+def _placement_for(letters: Letters, letter: str, blocks: int = 1) -> Placement:
+    return S(letters.index(letter), blocks) if letter in letters else B
+
+
+def signatures(spec: DimSpec, blocks: dict[str, set[int]] | None = None) -> list[Signature]:
+    """Every legal one-axis signature of the op, cheapest-looking first (all-B, splits, partials).
+
+    `blocks` offers, per letter, the block counts its operands are split in (S(d, blocks=k)): a letter
+    kept whole in size carries them through; cutting a dim into k equal parts turns S(d, blocks=k) into a
+    plain split of every part.
+    """
+    blocks = blocks or {}
     n = len(spec.operands)
     result = [Signature((B,) * n, B)]
     splittable = [l for l in spec.letters() if l not in spec.unsplittable]
     for letter in splittable:
         if letter in spec.output:
-            operands = tuple(_placement_for(letters, letter) for letters in spec.operands)
-            result.append(Signature(operands, S(spec.output.index(letter)), letter))
+            carried = blocks.get(letter, set()) if spec.fixed_size is None or letter in spec.fixed_size else set()
+            for k in [1, *sorted(carried - {1})]:
+                operands = tuple(_placement_for(letters, letter, k) for letters in spec.operands)
+                result.append(Signature(operands, S(spec.output.index(letter), k), letter))
+    if spec.cut is not None:
+        letter, parts = spec.cut
+        operands = tuple(_placement_for(letters, letter, parts) for letters in spec.operands)
+        result.append(Signature(operands, S(spec.output.index(letter)), letter))
     for letter in splittable:
         if letter not in spec.output and spec.contractible and spec.linear != "none":
             operands = tuple(

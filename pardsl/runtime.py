@@ -82,17 +82,17 @@ class Runtime:
     def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         return _AllReduce.apply(x, self, axis)
 
-    def all_gather(self, x: torch.Tensor, axis: str, dim: int, backward: str = "slice") -> torch.Tensor:
-        return _AllGather.apply(x, self, axis, dim, backward)
+    def all_gather(self, x: torch.Tensor, axis: str, dim: int, backward: str = "slice", blocks: int = 1) -> torch.Tensor:
+        return _AllGather.apply(x, self, axis, dim, backward, blocks)
 
-    def reduce_scatter(self, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-        return _ReduceScatter.apply(x, self, axis, dim)
+    def reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> torch.Tensor:
+        return _ReduceScatter.apply(x, self, axis, dim, blocks)
 
     def all_to_all(self, x: torch.Tensor, axis: str, split_dim: int, concat_dim: int) -> torch.Tensor:
         return _AllToAll.apply(x, self, axis, split_dim, concat_dim)
 
-    def split(self, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-        return _Split.apply(x, self, axis, dim)
+    def split(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> torch.Tensor:
+        return _Split.apply(x, self, axis, dim, blocks)
 
     def to_partial(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         return _ToPartial.apply(x, self, axis)
@@ -123,7 +123,7 @@ class Runtime:
         dist.all_reduce(out, group=self.groups[axis])
         return out
 
-    def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str) -> torch.Tensor:
+    def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:
         n = self.size[axis]
         if n == 1:
             return x
@@ -131,13 +131,17 @@ class Runtime:
         out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(x), n))
         dist.all_gather_single(out, moved, group=self.groups[axis])
+        if blocks > 1:  # rank-major [n, blocks, chunk] → block-major [blocks, n, chunk]
+            out = out.view(n, blocks, -1, *out.shape[1:]).transpose(0, 1).reshape(out.shape)
         return out.movedim(0, dim)
 
-    def _reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, phase: str) -> torch.Tensor:
+    def _reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:
         n = self.size[axis]
         if n == 1:
             return x
         moved = x.movedim(dim, 0).contiguous()
+        if blocks > 1:  # block-major [blocks, n, chunk] → rank-major [n, blocks, chunk], then scatter by rank
+            moved = moved.view(blocks, n, -1, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape).contiguous()
         out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", _nbytes(x), n))
         dist.reduce_scatter_single(out, moved, group=self.groups[axis])
@@ -153,8 +157,9 @@ class Runtime:
         dist.all_to_all_single(received, send, group=self.groups[axis])
         return torch.cat(received.unbind(0), dim=concat_dim)
 
-    def _slice(self, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-        return x.chunk(self.size[axis], dim=dim)[self.coordinate[axis]].contiguous()
+    def _slice(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> torch.Tensor:
+        n, coordinate = self.size[axis], self.coordinate[axis]
+        return torch.cat([block.chunk(n, dim=dim)[coordinate] for block in x.chunk(blocks, dim=dim)], dim=dim)
 
     # -- host side: shards of full tensors, and full tensors from shards -----------------------------
 
@@ -164,7 +169,7 @@ class Runtime:
         local = full
         for axis, placement in zip(self.mesh.axis_names, layout.placements):
             if placement.kind == "S":
-                local = local.chunk(self.size[axis], dim=placement.dim)[self.coordinate[axis]]
+                local = self._slice(local, axis, placement.dim, placement.blocks)
             elif placement.kind == "P" and self.coordinate[axis] != 0:
                 local = torch.zeros_like(local)
         return local.contiguous()
@@ -183,7 +188,8 @@ class Runtime:
             elif placement.kind == "S":
                 parts = [torch.empty_like(full) for _ in range(self.size[axis])]
                 dist.all_gather(parts, full.contiguous(), group=self.groups[axis])
-                full = torch.cat(parts, dim=placement.dim)
+                k, d = placement.blocks, placement.dim
+                full = torch.cat([torch.cat([p.chunk(k, dim=d)[j] for p in parts], dim=d) for j in range(k)], dim=d)
         return full
 
 
@@ -207,28 +213,28 @@ class _AllGather(torch.autograd.Function):
     """S(d) → B. Backward: take this rank's slice of the full gradient, or reduce-scatter a partial one."""
 
     @staticmethod
-    def forward(ctx, x, rt, axis, dim, backward):
-        ctx.rt, ctx.axis, ctx.dim, ctx.mode = rt, axis, dim, backward
-        return rt._all_gather(x, axis, dim, "forward")
+    def forward(ctx, x, rt, axis, dim, backward, blocks):
+        ctx.rt, ctx.axis, ctx.dim, ctx.mode, ctx.blocks = rt, axis, dim, backward, blocks
+        return rt._all_gather(x, axis, dim, "forward", blocks)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.mode == "reduce_scatter":
-            return ctx.rt._reduce_scatter(grad, ctx.axis, ctx.dim, "backward"), None, None, None, None
-        return ctx.rt._slice(grad, ctx.axis, ctx.dim), None, None, None, None
+            return ctx.rt._reduce_scatter(grad, ctx.axis, ctx.dim, "backward", ctx.blocks), None, None, None, None, None
+        return ctx.rt._slice(grad, ctx.axis, ctx.dim, ctx.blocks), None, None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     """P → S(d). Backward: all-gather."""
 
     @staticmethod
-    def forward(ctx, x, rt, axis, dim):
-        ctx.rt, ctx.axis, ctx.dim = rt, axis, dim
-        return rt._reduce_scatter(x, axis, dim, "forward")
+    def forward(ctx, x, rt, axis, dim, blocks):
+        ctx.rt, ctx.axis, ctx.dim, ctx.blocks = rt, axis, dim, blocks
+        return rt._reduce_scatter(x, axis, dim, "forward", blocks)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.rt._all_gather(grad, ctx.axis, ctx.dim, "backward"), None, None, None
+        return ctx.rt._all_gather(grad, ctx.axis, ctx.dim, "backward", ctx.blocks), None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -248,13 +254,13 @@ class _Split(torch.autograd.Function):
     """B → S(d): a local slice. Backward: all-gather, so the B value's gradient is full on every rank."""
 
     @staticmethod
-    def forward(ctx, x, rt, axis, dim):
-        ctx.rt, ctx.axis, ctx.dim = rt, axis, dim
-        return rt._slice(x, axis, dim)
+    def forward(ctx, x, rt, axis, dim, blocks):
+        ctx.rt, ctx.axis, ctx.dim, ctx.blocks = rt, axis, dim, blocks
+        return rt._slice(x, axis, dim, blocks)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.rt._all_gather(grad.contiguous(), ctx.axis, ctx.dim, "backward"), None, None, None
+        return ctx.rt._all_gather(grad.contiguous(), ctx.axis, ctx.dim, "backward", ctx.blocks), None, None, None, None
 
 
 class _ToPartial(torch.autograd.Function):

@@ -60,6 +60,7 @@ class PlacementSyntax:
     kind: str  # "S", "B" or "P"
     dim: int | None
     span: Span
+    blocks: int = 1
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ class _ToSyntaxTree(Transformer):
         )
 
     def split(self, meta, children):
-        return PlacementSyntax("S", int(children[0]), _span(meta))
+        blocks = int(children[1]) if len(children) > 1 and children[1] is not None else 1
+        return PlacementSyntax("S", int(children[0]), _span(meta), blocks)
 
     def broadcast(self, meta, children):
         return PlacementSyntax("B", None, _span(meta))

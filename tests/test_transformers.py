@@ -1,0 +1,115 @@
+"""GPT-, LLaMA- and BERT-style models under Megatron plans: exact collectives per phase, ≡ serial."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pardsl.compiler import compile_file
+from pardsl.diagnostics import CompileError
+
+from .test_distributed import check
+
+# Per model: n_layer = 2. Megatron: 2 all-reduces forward and 2 backward per layer, plus the embedding's
+# forward all-reduce (vocabulary parallel) and the LM head input's backward all-reduce (column parallel).
+EXPECTED = {
+    "gpt": {"forward": {"all_reduce": 5}, "backward": {"all_reduce": 5}},
+    "llama": {"forward": {"all_reduce": 5}, "backward": {"all_reduce": 5}},
+    "bert": {"forward": {"all_reduce": 4}, "backward": {"all_reduce": 4}},  # replicated embeddings and pooler
+}
+
+
+def _nonzero(counts):
+    return {phase: {k: v for k, v in kinds.items() if v} for phase, kinds in counts.items()}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("model", ["gpt", "llama", "bert"])
+def test_megatron_plan_counts_and_equivalence(pools, model, tp):
+    compiled = compile_file(f"examples/{model}_tp{tp}.par")
+    assert _nonzero(compiled.program.collective_counts()) == EXPECTED[model]
+    report = check(pools, compiled)
+    assert _nonzero(report["collectives"]) == EXPECTED[model]
+
+
+def test_fused_qkv_split_plainly_is_converted_not_miscomputed(pools, compile_par):
+    text = open("examples/gpt_tp2.par").read().replace("S(0, blocks=3)", "S(0)")
+    compiled = compile_par(text)
+    counts = compiled.program.collective_counts()
+    assert sum(counts["forward"].values()) > 5  # the q/k/v cut needs a conversion
+    check(pools, compiled)
+
+
+def test_blocked_split_needs_divisible_blocks(compile_par):
+    text = open("examples/gpt_tp2.par").read().replace("c_attn.weight : S(0, blocks=3)", "c_attn.weight : S(0, blocks=5)")
+    with pytest.raises(CompileError) as caught:
+        compile_par(text)
+    assert [d.code for d in caught.value.diagnostics] == ["E054", "E054"]  # h.0 and h.1
+    assert "not divisible by tp = 2 × 5 blocks" in caught.value.diagnostics[0].message
+
+
+def test_vocabulary_parallel_embedding_is_a_masked_lookup():
+    source = compile_file("examples/llama_tp2.par").source
+    assert 'rt.masked_embedding(self.embed_tokens_weight, input_ids, "tp")' in source
+    assert "embedding__B = rt.all_reduce(embedding, \"tp\")" in source
+
+
+def test_grouped_query_heads_split_with_the_query_heads():
+    compiled = compile_file("examples/llama_tp2.par")
+    k_proj = next(p for p in compiled.program.parameters if p.name == "layers.0.self_attn.k_proj.weight")
+    assert k_proj.local_shape == (16, 64)  # 4 KV heads of 8 over 2 ranks
+    assert "aten.scaled_dot_product_attention.default" in compiled.source
+
+
+def test_unsupported_op_names_the_op_and_the_module(compile_par):
+    with pytest.raises(CompileError) as caught:
+        compile_par("mesh tp = 2\nmodel tests.test_transformers:Cumulative()\ninput x : float32[4, 8]\n")
+    [error] = caught.value.diagnostics
+    assert error.code == "E060" and "aten.cumsum.default" in error.message
+    assert error.notes[0] == "used in inner"
+
+
+def test_dropout_with_p_above_zero_is_refused(compile_par):
+    with pytest.raises(CompileError) as caught:
+        compile_par("mesh tp = 2\nmodel examples.transformers:GPT(dropout=0.1)\ninput idx : int64[2, 16] in [0, 256)\n")
+    assert "aten.dropout.default` with p=0.1" in caught.value.diagnostics[0].message
+
+
+class _Inner(__import__("torch").nn.Module):
+    def forward(self, x):
+        return __import__("torch").cumsum(x, dim=0)
+
+
+class Cumulative(__import__("torch").nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@st.composite
+def llama_plans(draw):
+    n_head = draw(st.sampled_from([2, 4]))
+    n_kv_head = draw(st.sampled_from([h for h in (1, 2, 4) if n_head % h == 0]))
+    head_dim = draw(st.sampled_from([4, 8]))
+    d_ff = draw(st.sampled_from([16, 32]))
+    entries = []
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        splittable = (n_head if proj == "q_proj" else n_kv_head) % 2 == 0
+        entries.append(f"layers.*.self_attn.{proj}.weight : {draw(st.sampled_from(['S(0)', 'B'] if splittable else ['B']))}")
+    entries.append(f"layers.*.self_attn.o_proj.weight : {draw(st.sampled_from(['S(1)', 'B'] if n_head % 2 == 0 else ['B']))}")
+    for proj in ("gate_proj", "up_proj"):
+        entries.append(f"layers.*.mlp.{proj}.weight : {draw(st.sampled_from(['S(0)', 'B']))}")
+    entries.append(f"layers.*.mlp.down_proj.weight : {draw(st.sampled_from(['S(1)', 'B']))}")
+    entries.append(f"embed_tokens.weight : {draw(st.sampled_from(['S(0)', 'S(1)', 'B']))}")
+    entries.append(f"lm_head.weight : {draw(st.sampled_from(['S(0)', 'S(1)', 'B']))}")
+    return (f"mesh tp = 2\nmodel examples.transformers:Llama(vocab_size=64, n_layer=1, n_head={n_head}, "
+            f"n_kv_head={n_kv_head}, d_model={n_head * head_dim}, d_ff={d_ff})\n"
+            "input input_ids : int64[2, 8] in [0, 64)\nlayout {\n" + "".join(f"  {e}\n" for e in entries) + "}\n")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=llama_plans())
+def test_random_llama_sizes_and_splits_equal_serial(pools, compile_par, text):
+    check(pools, compile_par(text))
