@@ -79,6 +79,10 @@ def _summary(compiled) -> str:
     for phase in ("forward", "backward"):
         parts = [f"{n} {k.replace('_', '-')}" for k, n in counts[phase].items() if n]
         lines.append(f"  {phase:<9} {', '.join(parts) or 'no collectives'} ({format_bytes(totals[phase])} per rank)")
+    memory = program.memory()
+    lines.append(f"  memory    parameters {format_bytes(memory['parameters_per_rank'])} per rank "
+                 f"(of {format_bytes(memory['parameters_total'])}), activations "
+                 f"{format_bytes(memory['activations_per_rank'])} per rank (of {format_bytes(memory['activations_total'])})")
     return "\n".join(lines)
 
 

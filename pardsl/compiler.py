@@ -79,7 +79,9 @@ def plan_json(compiled: Compiled) -> dict:
         "tensors": program.values,
         "collectives": [c.to_json() for c in program.collectives],
         "collective_counts": program.collective_counts(),
+        "collective_counts_by_axis": program.collective_counts_by_axis(),
         "bytes": program.collective_bytes(),
+        "memory": program.memory(),
         "notes": [n.to_json() for n in program.notes],
     }
 

@@ -199,6 +199,7 @@ def combine(results: list[dict], job: RankJob) -> dict:
         "max_rel_err": relative,
         "worst": worst,
         "collectives": first["collectives"],
+        "collectives_by_axis": first["collectives_by_axis"],
         "bytes": first["bytes"],
         "step_ms": first["step_ms"],
     }

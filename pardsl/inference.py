@@ -73,10 +73,11 @@ _STEP = {("P", "B"): "all_reduce", ("P", "S"): "reduce_scatter", ("S", "B"): "al
 _BACKWARD = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
 
 
-def _one_axis_cost(source: Placement, target: Placement, local_bytes: int, n: int, with_backward: bool) -> int:
+def _one_axis_cost(source: Placement, target: Placement, local_bytes: int, n: int, with_backward: bool,
+                   written: bool = False) -> int:
     if source == target:
         return 0
-    if source.kind == "P" and target.kind == "S":  # priced as finishing the sum (see the module doc)
+    if source.kind == "P" and target.kind == "S" and not written:  # priced as finishing the sum (module doc)
         return _one_axis_cost(source, B, local_bytes, n, with_backward) + 1
     if source.kind == "B" and target.kind == "S":  # a local slice; its adjoint gathers the gradient
         return collective_bytes("all_gather", local_bytes // n, n) if with_backward else 0
@@ -185,15 +186,17 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     conversions.append((o, taken, req, grad))
                     if req == B and taken == B and sharded_compute and grad and o not in synced:
                         backward += collective_bytes("all_reduce", local_bytes(o, B), n)
+                conversions = [(o, taken, req, grad, False) for o, taken, req, grad in conversions]
                 if pin is not None:
                     conversions.append((node.name, signature.output, pin.layout.placements[axis],
-                                        node.name in requires_grad))
-                for name, source, target, grad in conversions:
+                                        node.name in requires_grad, True))
+                for name, source, target, grad, written in conversions:
                     if source == target or (name, target) in bought:
                         continue
                     size = local_bytes(name, source)
-                    forward += _one_axis_cost(source, target, size, n, False)
-                    backward += _one_axis_cost(source, target, size, n, grad) - _one_axis_cost(source, target, size, n, False)
+                    forward_only = _one_axis_cost(source, target, size, n, False, written)
+                    forward += forward_only
+                    backward += _one_axis_cost(source, target, size, n, grad, written) - forward_only
                     changes += 1
                 compute = local_bytes(node.name, signature.output)
                 key = (forward, backward, changes, compute, index)

@@ -95,6 +95,28 @@ class LoweredProgram:
             counts[c.phase][c.kind] += 1
         return counts
 
+    def collective_counts_by_axis(self) -> dict[str, dict[str, int]]:
+        counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+        for c in self.collectives:
+            key = f"{c.axis}:{c.kind}"
+            counts[c.phase][key] = counts[c.phase].get(key, 0) + 1
+        return {phase: dict(sorted(by_key.items())) for phase, by_key in counts.items()}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes per rank: parameters (and their full size, for the ratio), and activations: every op
+        result's local size, an upper bound on what autograd keeps for backward."""
+        def nbytes(shape, dtype):
+            return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
+
+        return {
+            "parameters_per_rank": sum(nbytes(p.local_shape, p.dtype) for p in self.parameters),
+            "parameters_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters),
+            "activations_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
+                                        if v.get("kind") == "activation"),
+            "activations_total": sum(nbytes(v["shape"], v["dtype"]) for v in self.values.values()
+                                     if v.get("kind") == "activation"),
+        }
+
     def collective_bytes(self) -> dict[str, int]:
         totals = {"forward": 0, "backward": 0}
         for c in self.collectives:
@@ -144,6 +166,23 @@ def _render(value) -> str:
     if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
         return f"float('{value}')"
     return repr(value)
+
+
+def step_call(step: ConversionStep, rs_backward: bool = False) -> tuple[str, dict]:
+    """The runtime method and keyword arguments that carry out one conversion step (its axis aside)."""
+    blocks = {"blocks": step.src_blocks} if step.src_blocks > 1 else {}
+    target_blocks = {"blocks": step.dst_blocks} if step.dst_blocks > 1 else {}
+    if step.kind == "all_reduce":
+        return "all_reduce", {}
+    if step.kind == "reduce_scatter":
+        return "reduce_scatter", {"dim": step.dst_dim, **target_blocks}
+    if step.kind == "all_gather":
+        return "all_gather", {"dim": step.src_dim, "backward": "reduce_scatter" if rs_backward else "slice", **blocks}
+    if step.kind == "all_to_all":
+        return "all_to_all", {"split_dim": step.dst_dim, "concat_dim": step.src_dim}
+    if step.kind == "split":
+        return "split", {"dim": step.dst_dim, **target_blocks}
+    return "to_partial", {}
 
 
 @dataclass
@@ -248,31 +287,16 @@ class _Lowerer:
 
     def _step_call(self, step: ConversionStep, source: str, axis: str, target: str, reason: str,
                    rs_backward: bool, needs_grad: bool) -> tuple[str, tuple[Collective, ...]]:
-        fwd, bwd = [], []
-        src_blocks = f", blocks={step.src_blocks}" if step.src_blocks > 1 else ""
-        dst_blocks = f", blocks={step.dst_blocks}" if step.dst_blocks > 1 else ""
-        if step.kind == "all_reduce":
-            expr = f'rt.all_reduce({source}, "{axis}")'
-            fwd.append("all_reduce")
-        elif step.kind == "reduce_scatter":
-            expr = f'rt.reduce_scatter({source}, "{axis}", dim={step.dst_dim}{dst_blocks})'
-            fwd.append("reduce_scatter")
-            bwd.append(("all_gather", step.backward_bytes))
-        elif step.kind == "all_gather":
-            mode = "reduce_scatter" if rs_backward else "slice"
-            expr = f'rt.all_gather({source}, "{axis}", dim={step.src_dim}, backward="{mode}"{src_blocks})'
-            fwd.append("all_gather")
-            if rs_backward:
-                bwd.append(("reduce_scatter", step.forward_bytes))  # T(n-1)/n both ways
-        elif step.kind == "all_to_all":
-            expr = f'rt.all_to_all({source}, "{axis}", split_dim={step.dst_dim}, concat_dim={step.src_dim})'
-            fwd.append("all_to_all")
-            bwd.append(("all_to_all", step.backward_bytes))
-        elif step.kind == "split":
-            expr = f'rt.split({source}, "{axis}", dim={step.dst_dim}{dst_blocks})'
-            bwd.append(("all_gather", step.backward_bytes))
-        else:  # to_partial
-            expr = f'rt.to_partial({source}, "{axis}")'
+        method, kwargs = step_call(step, rs_backward)
+        args = "".join(f", {k}={v!r}" if not isinstance(v, str) else f', {k}="{v}"' for k, v in kwargs.items())
+        expr = f'rt.{method}({source}, "{axis}"{args})'
+        fwd = [step.kind] if step.kind in COLLECTIVE_KINDS else []
+        bwd = {
+            "reduce_scatter": [("all_gather", step.backward_bytes)],
+            "all_gather": [("reduce_scatter", step.forward_bytes)] if rs_backward else [],  # T(n-1)/n both ways
+            "all_to_all": [("all_to_all", step.backward_bytes)],
+            "split": [("all_gather", step.backward_bytes)],
+        }.get(step.kind, [])
         if self.mesh.axis_sizes[step.axis] == 1:  # every layout is the same on one rank: nothing moves
             return expr, ()
         collectives = tuple(Collective(k, axis, "forward", step.forward_bytes, target, reason) for k in fwd)
@@ -442,6 +466,7 @@ class _Lowerer:
         for name, info in bound.tensors.items():
             layout = typed.layout_of(name)
             values[name] = {
+                "kind": "activation" if name in typed.nodes else "placeholder",
                 "layout": named_layout(layout, mesh),
                 "shape": list(info.shape),
                 "local_shape": list(layout.local_shape(info.shape, mesh)),

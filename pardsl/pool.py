@@ -38,7 +38,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: fl
             if job is None:
                 break
             try:
-                results.put((rank, "ok", run_rank(job)))
+                # A RankJob runs the compiled-vs-serial check; any other job is a callable run on every rank.
+                results.put((rank, "ok", run_rank(job) if isinstance(job, RankJob) else job()))
             except BaseException:  # reported to the caller, who fails the test with it
                 results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -67,10 +68,16 @@ class WorkerPool:
         self.broken = False
 
     def run(self, job: RankJob) -> dict:
-        if self.broken:
-            raise PoolError("the pool was closed after an earlier failure")
+        """Run a RankJob on every rank; its combined report."""
         if job.mesh.size != self.world_size:
             raise ValueError(f"a {job.mesh.size}-rank job on a {self.world_size}-rank pool")
+        reports = self.run_on_every_rank(job)
+        return combine(reports, job)
+
+    def run_on_every_rank(self, job) -> list:
+        """Run a job (a RankJob or a picklable callable) on every rank; the ranks' results in rank order."""
+        if self.broken:
+            raise PoolError("the pool was closed after an earlier failure")
         for tasks in self._tasks:
             tasks.put(job)
         reports, errors = {}, {}
@@ -86,7 +93,7 @@ class WorkerPool:
                 self.close()  # ranks may be out of step with each other now
             rank = min(errors)
             raise PoolError(f"rank {rank} failed:\n{errors[rank]}")
-        return combine([reports[r] for r in sorted(reports)], job)
+        return [reports[r] for r in sorted(reports)]
 
     def close(self) -> None:
         self.broken = True

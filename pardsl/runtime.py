@@ -25,20 +25,25 @@ PHASES = ("forward", "backward")
 @dataclass
 class CommCounter:
     counts: dict[str, Counter] = field(default_factory=lambda: {p: Counter() for p in PHASES})
+    by_axis: dict[str, Counter] = field(default_factory=lambda: {p: Counter() for p in PHASES})
     bytes: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
 
-    def record(self, phase: str, kind: str, nbytes: int) -> None:
+    def record(self, phase: str, kind: str, nbytes: int, axis: str) -> None:
         self.counts[phase][kind] += 1
+        self.by_axis[phase][(axis, kind)] += 1
         self.bytes[phase] += nbytes
 
     def reset(self) -> None:
         for phase in PHASES:
             self.counts[phase].clear()
+            self.by_axis[phase].clear()
             self.bytes[phase] = 0
 
     def summary(self) -> dict:
         return {
             "collectives": {p: {k: self.counts[p][k] for k in COLLECTIVE_KINDS} for p in PHASES},
+            "collectives_by_axis": {p: {f"{axis}:{kind}": n for (axis, kind), n in sorted(self.by_axis[p].items())}
+                                    for p in PHASES},
             "bytes": dict(self.bytes),
         }
 
@@ -119,7 +124,7 @@ class Runtime:
         if n == 1:
             return x
         out = x.contiguous().clone()
-        self.counter.record(phase, "all_reduce", collective_bytes("all_reduce", _nbytes(x), n))
+        self.counter.record(phase, "all_reduce", collective_bytes("all_reduce", _nbytes(x), n), axis)
         dist.all_reduce(out, group=self.groups[axis])
         return out
 
@@ -129,7 +134,7 @@ class Runtime:
             return x
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        self.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(x), n))
+        self.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(x), n), axis)
         dist.all_gather_single(out, moved, group=self.groups[axis])
         if blocks > 1:  # rank-major [n, blocks, chunk] → block-major [blocks, n, chunk]
             out = out.view(n, blocks, -1, *out.shape[1:]).transpose(0, 1).reshape(out.shape)
@@ -143,7 +148,7 @@ class Runtime:
         if blocks > 1:  # block-major [blocks, n, chunk] → rank-major [n, blocks, chunk], then scatter by rank
             moved = moved.view(blocks, n, -1, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape).contiguous()
         out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", _nbytes(x), n))
+        self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", _nbytes(x), n), axis)
         dist.reduce_scatter_single(out, moved, group=self.groups[axis])
         return out.movedim(0, dim)
 
@@ -153,7 +158,7 @@ class Runtime:
             return x
         send = torch.stack(x.chunk(n, dim=split_dim)).contiguous()
         received = torch.empty_like(send)
-        self.counter.record(phase, "all_to_all", collective_bytes("all_to_all", _nbytes(x), n))
+        self.counter.record(phase, "all_to_all", collective_bytes("all_to_all", _nbytes(x), n), axis)
         dist.all_to_all_single(received, send, group=self.groups[axis])
         return torch.cat(received.unbind(0), dim=concat_dim)
 
