@@ -43,3 +43,27 @@ class DeepMLP(nn.Module):
         for block in self.blocks:
             x = x + block(x)
         return x
+
+
+class TransformerLayer(nn.Module):
+    """One pre-norm transformer layer on hidden states [batch, seq, d_model]: attention, then MLP."""
+
+    def __init__(self, d_model: int = 32, n_head: int = 4, d_ff: int = 128):
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
+        self.o = nn.Linear(d_model, d_model)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model, d_ff)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln_1(x)
+        q, k, v = (proj(h).view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln_2(x))

@@ -157,3 +157,12 @@ def two_by_two(draw):
 @given(text=two_by_two())
 def test_random_per_axis_layouts_on_2x2_meshes_equal_serial(pools, compile_par, text):
     check(pools, compile_par(text))
+
+
+@pytest.mark.parametrize("scheme", ["mlp_1d", "mlp_2d", "mlp_2p5d", "mlp_3d", "layer_1d", "layer_2d", "layer_2p5d",
+                                    "layer_3d"])
+def test_tensor_parallel_schemes_of_the_literature_equal_serial(pools, scheme):
+    compiled = compile_file(f"examples/tp_schemes/{scheme}.par")
+    memory = compiled.program.memory()
+    assert memory["parameters_per_rank"] * 4 <= memory["parameters_total"] * 1.1  # a quarter, but for norms and biases
+    check(pools, compiled)
