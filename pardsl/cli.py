@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pardsl: run failed: {detail.strip()[:2000]}", file=sys.stderr)
         return EXIT_INPUT_ERROR
     report["compile_s"] = sum(compiled.seconds.values())
+    report["errors"] = []
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -62,6 +62,9 @@ RULES: dict[str, Rule] = {
                                    masked_lookup=True),
     # attention: batch and heads split; sequence and head dims whole
     "aten.scaled_dot_product_attention.default": Rule("attention"),
+    # losses: the class dim stays whole; with reduction="sum" a split batch gives a partial sum, with
+    # "mean" the batch stays whole (the mean divides by a global count of non-ignored targets)
+    "aten.cross_entropy_loss.default": Rule("loss", dim_arg=3),
     # tensors made from nothing: the same on every rank
     "aten.arange.start": Rule("source"),
     "aten.arange.default": Rule("source"),
@@ -157,6 +160,7 @@ class DimSpec:
     contractible: bool = True  # a split contracted letter gives P (sum-like contraction)
     affine: bool = False  # a non-tensor scalar is added: P cannot pass (x + 1 over P adds n)
     fixed_size: frozenset[str] | None = None  # letters whose dim keeps its size (may carry blocks); None: all
+    sums_contraction: bool | None = None  # a split contracted letter gives P; None: when the op is linear
     cut: tuple[str, int] | None = None  # (letter, m): the op cuts that dim into m equal parts
 
     def letters(self) -> list[str]:
@@ -322,6 +326,7 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
     affine = False
     fixed_size = None
     cut = None
+    sums_contraction = None
     fresh = _LETTERS
 
     if rule.family == "check":
@@ -342,6 +347,16 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
         operand_letters, output = [in_letters for _ in shapes], in_letters
         parts = _equal_parts(node, dim, shapes[0][dim])
         cut = (in_letters[dim], parts) if parts else None
+    elif rule.family == "loss":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        classes, batch = in_letters[1], in_letters[:1] + in_letters[2:]
+        operand_letters = [in_letters, batch] + [(classes,)] * (len(shapes) - 2)  # an optional class weight
+        unsplittable.add(classes)
+        reduction = _arg(node, rule.dim_arg, "reduction", 1)
+        output = batch if reduction == 0 else ()
+        if reduction == 1:
+            unsplittable |= set(batch)
+        sums_contraction = reduction == 2
     elif rule.family == "select":
         in_letters = tuple(fresh[: len(shapes[0])])
         dim = _arg(node, rule.dim_arg, "dim", 0) % len(shapes[0])
@@ -415,7 +430,7 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
 
     return DimSpec(tuple(operand_letters), tuple(output), rule.linear, rule.linear_operands,
                    tuple(a for a in rule.addends if a < len(operands)), frozenset(unsplittable),
-                   contractible, affine, fixed_size, cut)
+                   contractible, affine, fixed_size=fixed_size, cut=cut, sums_contraction=sums_contraction)
 
 
 def _equal_parts(node: torch.fx.Node, dim: int, size: int) -> int | None:
@@ -452,8 +467,9 @@ def signatures(spec: DimSpec, blocks: dict[str, set[int]] | None = None) -> list
         letter, parts = spec.cut
         operands = tuple(_placement_for(letters, letter, parts) for letters in spec.operands)
         result.append(Signature(operands, S(spec.output.index(letter)), letter))
+    sums = spec.linear != "none" if spec.sums_contraction is None else spec.sums_contraction
     for letter in splittable:
-        if letter not in spec.output and spec.contractible and spec.linear != "none":
+        if letter not in spec.output and spec.contractible and sums:
             operands = tuple(
                 P if i in spec.addends else _placement_for(letters, letter)
                 for i, letters in enumerate(spec.operands)

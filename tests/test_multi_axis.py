@@ -159,10 +159,25 @@ def test_random_per_axis_layouts_on_2x2_meshes_equal_serial(pools, compile_par, 
     check(pools, compile_par(text))
 
 
+# Collectives per phase and per axis of each scheme, as planned (and measured: `check` compares them).
+SCHEME_COUNTS = {
+    'mlp_1d': {'forward': {'tp:all_reduce': 1}, 'backward': {}},
+    'mlp_2d': {'forward': {'c:all_gather': 3, 'c:all_to_all': 1, 'c:reduce_scatter': 1, 'r:all_gather': 1, 'r:all_to_all': 1, 'r:reduce_scatter': 1}, 'backward': {'c:all_gather': 2, 'c:all_to_all': 1, 'r:all_gather': 1, 'r:all_reduce': 1, 'r:all_to_all': 1, 'r:reduce_scatter': 1}},
+    'mlp_2p5d': {'forward': {'c:all_gather': 2, 'r:all_to_all': 2, 'r:reduce_scatter': 2}, 'backward': {'c:reduce_scatter': 1, 'd:all_reduce': 4, 'r:all_gather': 2, 'r:all_to_all': 1}},
+    'mlp_3d': {'forward': {'j:all_reduce': 1, 'l:all_reduce': 1}, 'backward': {'i:all_reduce': 4, 'l:all_reduce': 1}},
+    'layer_1d': {'forward': {'tp:all_reduce': 2}, 'backward': {'tp:all_reduce': 2}},
+    'layer_2d': {'forward': {'c:all_gather': 6, 'c:all_reduce': 1, 'c:all_to_all': 7, 'c:reduce_scatter': 1, 'r:all_gather': 1, 'r:all_reduce': 5, 'r:all_to_all': 1, 'r:reduce_scatter': 1}, 'backward': {'c:all_gather': 1, 'c:all_reduce': 2, 'c:all_to_all': 6, 'c:reduce_scatter': 2, 'r:all_gather': 4, 'r:all_reduce': 2, 'r:all_to_all': 1}},
+    'layer_2p5d': {'forward': {'c:all_gather': 6, 'c:all_reduce': 1, 'c:all_to_all': 7, 'c:reduce_scatter': 1, 'r:all_gather': 1, 'r:all_reduce': 5, 'r:all_to_all': 1, 'r:reduce_scatter': 1}, 'backward': {'c:all_gather': 1, 'c:all_reduce': 2, 'c:all_to_all': 6, 'c:reduce_scatter': 2, 'd:all_reduce': 16, 'r:all_gather': 4, 'r:all_reduce': 2, 'r:all_to_all': 1}},
+    'layer_3d': {'forward': {'j:all_reduce': 2, 'l:all_reduce': 4, 'l:all_to_all': 4}, 'backward': {'i:all_reduce': 16, 'j:all_reduce': 2, 'l:all_reduce': 6, 'l:all_to_all': 3}},
+}
+
+
 @pytest.mark.parametrize("scheme", ["mlp_1d", "mlp_2d", "mlp_2p5d", "mlp_3d", "layer_1d", "layer_2d", "layer_2p5d",
                                     "layer_3d"])
 def test_tensor_parallel_schemes_of_the_literature_equal_serial(pools, scheme):
     compiled = compile_file(f"examples/tp_schemes/{scheme}.par")
     memory = compiled.program.memory()
     assert memory["parameters_per_rank"] * 4 <= memory["parameters_total"] * 1.1  # a quarter, but for norms and biases
-    check(pools, compiled)
+    assert compiled.program.collective_counts_by_axis() == SCHEME_COUNTS[scheme]
+    report = check(pools, compiled)
+    assert report["collectives_by_axis"] == SCHEME_COUNTS[scheme]

@@ -86,5 +86,5 @@ def test_rules_are_data():
     # Every rule is a row of one table; families are few.
     assert {r.family for r in RULES.values()} == {"einsum", "matmul", "elementwise", "reduce", "normalize",
                                                   "reshape", "permute", "attention", "source", "cut", "project",
-                                                  "expand", "check", "select"}
+                                                  "expand", "check", "select", "loss"}
     assert RULES["aten.linear.default"].spec == "...k,nk,n->...n"

@@ -113,3 +113,18 @@ def llama_plans(draw):
 @given(text=llama_plans())
 def test_random_llama_sizes_and_splits_equal_serial(pools, compile_par, text):
     check(pools, compile_par(text))
+
+
+@pytest.mark.parametrize("reduction, x_layout, collectives", [
+    ("sum", "S(0)", {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 4}}),  # P loss; DP gradients
+    ("mean", "S(0)", None),   # the batch is gathered first: a mean over ignored targets is global
+    ("none", "S(0)", {"forward": {}, "backward": {"all_reduce": 4}}),
+    ("mean", "B", None),
+])
+def test_cross_entropy_loss(pools, compile_par, reduction, x_layout, collectives):
+    compiled = compile_par(f"mesh dp = 2\nmodel tests.zoo:Classifier(d=16, classes=8, reduction=\"{reduction}\")\n"
+                           "input x : float32[8, 16]\ninput labels : int64[8] in [0, 8)\n"
+                           f"layout {{\n  x : {x_layout}\n  labels : {x_layout}\n  *.weight : B\n  *.bias : B\n}}\n")
+    if collectives is not None:
+        assert _nonzero(compiled.program.collective_counts()) == collectives
+    check(pools, compiled)

@@ -89,3 +89,17 @@ def broken(**kwargs):
 
 def not_a_module():
     return 42
+
+
+class Classifier(nn.Module):
+    """Logits and a cross-entropy loss against integer labels."""
+
+    def __init__(self, d=16, classes=8, reduction="sum"):
+        super().__init__()
+        self.reduction = reduction
+        self.body = nn.Linear(d, d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x, labels):
+        logits = self.head(torch.relu(self.body(x)))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction=self.reduction)
