@@ -19,12 +19,11 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from .diagnostics import CompileError, DiagnosticSink, Span
+from .diagnostics import DiagnosticSink, Span
 from .layouts import B, Layout, Mesh, Placement
 from .syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
 

@@ -11,7 +11,6 @@ comparing its local outputs and gradients with its shards of the serial ones at 
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import math
@@ -20,7 +19,7 @@ import statistics
 import sys
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist

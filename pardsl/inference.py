@@ -30,8 +30,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from .binding import BoundPlan, TensorInfo
 from .diagnostics import DiagnosticSink
 from .layouts import B, P, Layout, Mesh, Placement, collective_bytes

@@ -23,8 +23,8 @@ import torch
 
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
-from .layouts import COLLECTIVE_KINDS, B, P, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
-from .oprules import RULES, tensor_operands
+from .layouts import COLLECTIVE_KINDS, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
+from .oprules import RULES
 
 
 @dataclass(frozen=True)

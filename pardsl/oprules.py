@@ -20,8 +20,8 @@ row-parallel bias is added once.
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 

@@ -10,7 +10,6 @@ sends, so tests and users can assert communication exactly.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -293,7 +292,3 @@ class _GradAllReduce(torch.autograd.Function):
         for axis in ctx.axes:
             grad = ctx.rt._all_reduce(grad, axis, "backward")
         return grad, None, None
-
-
-def local_numel(shape: tuple[int, ...], layout: Layout, mesh: Mesh) -> int:
-    return math.prod(layout.local_shape(shape, mesh))

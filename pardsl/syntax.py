@@ -14,7 +14,7 @@ from typing import Any
 import lark
 from lark import Transformer, v_args
 
-from .diagnostics import CompileError, DiagnosticSink, SourceFile, Span
+from .diagnostics import DiagnosticSink, SourceFile, Span
 
 
 @dataclass(frozen=True)

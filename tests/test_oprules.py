@@ -1,7 +1,6 @@
 import torch
 from torch import nn
 
-from pardsl.layouts import B, P, S
 from pardsl.oprules import RULES, dim_spec, op_name, rule_for, signatures
 
 
