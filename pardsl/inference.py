@@ -181,10 +181,9 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     grad = o in requires_grad
                     taken = (B if req == P else req) if o in free else value[o][axis]
                     changes += o in free and req.is_split  # sharding a free tensor is a choice too
-                    conversions.append((o, taken, req, grad))
+                    conversions.append((o, taken, req, grad, False))
                     if req == B and taken == B and sharded_compute and grad and o not in synced:
                         backward += collective_bytes("all_reduce", local_bytes(o, B), n)
-                conversions = [(o, taken, req, grad, False) for o, taken, req, grad in conversions]
                 if pin is not None:
                     conversions.append((node.name, signature.output, pin.layout.placements[axis],
                                         node.name in requires_grad, True))

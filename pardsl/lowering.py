@@ -375,12 +375,10 @@ class _Lowerer:
         self.emit(name, expr, self._value_comment(typed_node.op_layout, info.shape))
         if rule.mean:
             self._rescale_mean(typed_node, fx_node, name)
-        if typed_node.value_layout == typed_node.op_layout:
-            self.var[name] = name
-        else:
-            self.var[name], pinned_var = name, self.var[name]
+        value_var = self.var[name]  # named before pass 1: where the value layout will live
+        self.var[name] = name
         if typed_node.value_layout != typed_node.op_layout:
-            self._convert_op_result(name, pinned_var)
+            self._convert_op_result(name, value_var)
         self.emitted.add(self.var[name])
 
     def _intermediate_name(self, final: str, layout: Layout) -> str:
@@ -392,16 +390,16 @@ class _Lowerer:
         self.emitted.add(name)
         return name
 
-    def _convert_op_result(self, name: str, pinned_var: str) -> None:
+    def _convert_op_result(self, name: str, value_var: str) -> None:
         """The op computed `op_layout`; the user wrote another layout for its result: convert at once."""
         typed_node = self.typed.nodes[name]
         pin = self.bound.pins[name]
         info = self.typed.info(name)
         steps = plan_conversion(typed_node.op_layout, typed_node.value_layout, info.shape, info.itemsize,
                                 self.mesh, with_backward=name in self.typed.requires_grad)
-        self._emit_steps(steps, name, pinned_var, f"`{pin.entry.target}` written as "
+        self._emit_steps(steps, name, value_var, f"`{pin.entry.target}` written as "
                          f"{pin.layout.render(self.mesh)}", set(), name in self.typed.requires_grad)
-        self.var[name] = pinned_var
+        self.var[name] = value_var
 
     def _emit_steps(self, steps: list[ConversionStep], source: str, final: str, reason: str,
                     reduce_scatter_axes: set[int], needs_grad: bool) -> None:
