@@ -204,7 +204,46 @@ def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticS
 def trace(model: torch.nn.Module, example_inputs: list[torch.Tensor]) -> torch.export.ExportedProgram:
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
-        return torch.export.export(model, tuple(example_inputs), strict=False)
+        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+    inline_grad_mode_regions(exported.graph_module)
+    return exported
+
+
+def inline_grad_mode_regions(graph_module: torch.fx.GraphModule) -> None:
+    """Replace each `wrap_with_set_grad_enabled(enabled, body, *args)` by the body's own nodes.
+
+    Export wraps code run under `torch.no_grad()` (HF's rotary embedding) in this higher-order op. A
+    region with gradients off is, for values and gradients, the same ops with their results detached,
+    which is what the inlined graph computes; so the rest of the compiler sees plain ATen ops.
+    """
+    graph = graph_module.graph
+    regions = [n for n in graph.nodes if n.op == "call_function"
+               and getattr(n.target, "__name__", "") == "wrap_with_set_grad_enabled"]
+    for region in regions:
+        enabled, body_ref, *args = region.args
+        body = getattr(graph_module, body_ref.target).graph
+        placeholders = [n for n in body.nodes if n.op == "placeholder"]
+        with graph.inserting_before(region):
+            results = graph.graph_copy(body, dict(zip(placeholders, args)))
+            if not isinstance(results, (list, tuple)):
+                results = (results,)
+            if not enabled:
+                results = [_detached(graph, r) for r in results]
+        for user in list(region.users):  # getitem(region, i)
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(region)
+        if not body_ref.users:
+            graph.erase_node(body_ref)
+    if regions:
+        graph.lint()
+        graph_module.recompile()
+
+
+def _detached(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+    detached = graph.call_function(torch.ops.aten.detach.default, (node,))
+    detached.meta = {**node.meta, "val": node.meta["val"].detach()}
+    return detached
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ pass). The cost of a signature is compared in this order:
 2. backward bytes per rank: the adjoints of those conversions, and the one all-reduce of the gradient of
    a broadcast value that sharded computation consumes (DESIGN §2), once per value;
 3. the number of conversions, local slices included: a value keeps its layout where it can;
-4. local compute (elements of the result on one rank): sharded work wins ties.
+4. local compute (elements of the result on one rank): sharded work wins ties, except where every
+   operand is B: a result split there would save local work only, and might have to be gathered again.
 
 Greedy inference sees one op at a time, so two rules keep it from steps that only look cheap:
 a conversion already paid for (the same value, axis and placement, for an earlier consumer) costs
@@ -168,6 +169,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 if current is not None and current.is_split and current.blocks > 1 and current.dim < len(letters):
                     if letters[current.dim] is not None:
                         offered.setdefault(letters[current.dim], set()).add(current.blocks)
+            replicated_operands = all(o not in free and value[o][axis] == B for o in names)
             for index, signature in enumerate(signatures(spec, offered)):
                 if any(not layout_with(o, req if req != P or o not in free else B).fits(bound.tensors[o].shape, mesh)
                        for o, req in zip(names, signature.operands)):
@@ -195,7 +197,9 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     forward += forward_only
                     backward += _one_axis_cost(source, target, size, n, grad, written) - forward_only
                     changes += 1
-                compute = local_bytes(node.name, signature.output)
+                # Splitting the result of an op whose operands are all B only saves local work; any
+                # consumer can slice a B value for nothing, but a split made here may need a gather later
+                compute = local_bytes(node.name, B if replicated_operands else signature.output)
                 key = (forward, backward, changes, compute, index)
                 if best_key is None or key < best_key:
                     best_key, best = key, signature

@@ -32,7 +32,7 @@ Letters = tuple  # one letter (str) or None (a broadcast dim of size 1) per dim
 
 @dataclass(frozen=True)
 class Rule:
-    family: str  # einsum, matmul, elementwise, reduce, normalize, reshape, permute
+    family: str  # einsum, matmul, elementwise, reduce, normalize, reshape, permute, source, index, cut, …
     spec: str = ""  # einsum spec, for the einsum family
     linear: str = "none"  # none | sum | product
     linear_operands: tuple[int, ...] = (0, 1)  # for product: operands the op is linear in
@@ -47,6 +47,7 @@ class Rule:
     masked_lookup: bool = False  # embedding: a split vocabulary is a masked local lookup, its result P
     whole_dims: tuple[int, ...] = ()  # output dims never split (tril's matrix dims)
     size_arg: int | None = None  # sizes along a cut dim (split's split_size), made local when it is split
+    dim_default: int = 0  # the dim when the call leaves it out (diff's is -1)
 
 
 def _elementwise(linear: str = "none", **kw) -> Rule:
@@ -72,6 +73,14 @@ RULES: dict[str, Rule] = {
     "aten.zeros.default": Rule("source"),
     "aten.ones.default": Rule("source"),
     "aten.full.default": Rule("source"),
+    # the operand gives only dtype and device; the shape is an argument
+    "aten.new_ones.default": Rule("source"),
+    "aten.new_zeros.default": Rule("source"),
+    "aten.new_full.default": Rule("source"),
+    # advanced indexing x[i, j]: the indexed dims of x stay whole; the index tensors' dims may be split
+    "aten.index.Tensor": Rule("index", linear="product", linear_operands=(0,)),
+    # gather(x, dim, index): the gathered dim stays whole; other dims split with the index where sizes match
+    "aten.gather.default": Rule("gather", linear="product", linear_operands=(0,), dim_arg=1),
     # results cut from an operand along a dim, which stays whole (a conversion comes first if it is split)
     "aten.split.Tensor": Rule("cut", linear="sum", dim_arg=2, size_arg=1),
     "aten.split_with_sizes.default": Rule("cut", linear="sum", dim_arg=2, size_arg=1),
@@ -80,6 +89,7 @@ RULES: dict[str, Rule] = {
     "aten.narrow.default": Rule("cut", linear="sum", dim_arg=1),
     "aten.cat.default": Rule("cut", linear="sum", dim_arg=1),
     "aten.select.int": Rule("select", linear="sum", dim_arg=1),
+    "aten.diff.default": Rule("cut", linear="sum", dim_arg=2, dim_default=-1),
     "_operator.getitem": Rule("project", linear="sum"),
     "aten.expand.default": Rule("expand", linear="sum", shape_arg=1),
     # checks export leaves in the graph; nothing to compute
@@ -104,10 +114,16 @@ RULES: dict[str, Rule] = {
     "aten.detach.default": _elementwise("sum"),
     "aten.dropout.default": _elementwise("sum", requires=((1, "p", 0.0),)),
     "aten.to.dtype": _elementwise("sum"),
+    "aten.to.dtype_layout": _elementwise("sum"),
+    "aten.to.device": _elementwise("sum"),
     "aten._to_copy.default": _elementwise("sum"),
     "aten.type_as.default": _elementwise("sum"),
     "aten.masked_fill.Scalar": _elementwise(),
+    "aten.masked_fill.Tensor": _elementwise(),
     "aten.where.self": _elementwise(),
+    "aten.where.ScalarSelf": _elementwise(),
+    "aten.where.ScalarOther": _elementwise(),
+    "aten.where.Scalar": _elementwise(),
     "aten.zeros_like.default": _elementwise(),
     "aten.ones_like.default": _elementwise(),
     "aten.full_like.default": _elementwise(),
@@ -115,6 +131,12 @@ RULES: dict[str, Rule] = {
        for kind in ("Tensor", "Scalar")},
     "aten.logical_not.default": _elementwise(),
     "aten.logical_and.default": _elementwise(),
+    "aten.logical_or.default": _elementwise(),
+    "aten.bitwise_not.default": _elementwise(),
+    **{f"aten.{op}.Tensor": _elementwise() for op in ("__and__", "__or__", "bitwise_and", "bitwise_or",
+                                                       "maximum", "minimum")},
+    "aten.clamp.default": _elementwise(),
+    "aten.clamp_min.default": _elementwise(),
     "aten.tril.default": _elementwise(whole_dims=(-2, -1)),
     "aten.triu.default": _elementwise(whole_dims=(-2, -1)),
     "aten.outer.default": Rule("einsum", "i,j->ij", linear="product"),
@@ -131,6 +153,8 @@ RULES: dict[str, Rule] = {
     "aten.log_softmax.int": Rule("normalize", dim_arg=1),
     "aten._log_softmax.default": Rule("normalize", dim_arg=1),
     "aten.layer_norm.default": Rule("normalize", dim_arg=1),
+    # running sums along a dim that stays whole
+    "aten.cumsum.default": Rule("normalize", linear="sum", dim_arg=1),
     # views
     "aten.view.default": Rule("reshape", linear="sum", shape_arg=1),
     "aten.reshape.default": Rule("reshape", linear="sum", shape_arg=1),
@@ -336,13 +360,24 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
         operand_letters, output = _einsum(spec, shapes, out_shape)
         unsplittable |= set(rule.unsplittable)
     elif rule.family == "source":
-        operand_letters, output = [], tuple(fresh[: len(out_shape)])
+        # an operand (new_ones' self) only lends dtype and device
+        operand_letters, output = [(None,) * len(s) for s in shapes], tuple(fresh[: len(out_shape)])
         unsplittable |= set(output)
+    elif rule.family == "gather":
+        index_letters = tuple(fresh[: len(shapes[1])])
+        dim = _arg(node, rule.dim_arg, "dim") % len(shapes[1])
+        x_letters = tuple(letter if d != dim and shapes[0][d] == shapes[1][d] else fresh[-1 - d]
+                          for d, letter in enumerate(index_letters))
+        operand_letters, output = [x_letters, index_letters], index_letters
+        unsplittable |= {index_letters[dim]} | (set(x_letters) - set(index_letters))
+    elif rule.family == "index":
+        operand_letters, output, whole = _index_letters(node, shapes, out_shape)
+        unsplittable |= whole
     elif rule.family == "project":
         operand_letters, output = [tuple(fresh[: len(out_shape)])], tuple(fresh[: len(out_shape)])
     elif rule.family == "cut":
         in_letters = tuple(fresh[: len(shapes[0])])
-        dim = _arg(node, rule.dim_arg, "dim", 0) % len(shapes[0])
+        dim = _arg(node, rule.dim_arg, "dim", rule.dim_default) % len(shapes[0])
         unsplittable.add(in_letters[dim])
         operand_letters, output = [in_letters for _ in shapes], in_letters
         parts = _equal_parts(node, dim, shapes[0][dim])
@@ -431,6 +466,28 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
     return DimSpec(tuple(operand_letters), tuple(output), rule.linear, rule.linear_operands,
                    tuple(a for a in rule.addends if a < len(operands)), frozenset(unsplittable),
                    contractible, affine, fixed_size=fixed_size, cut=cut, sums_contraction=sums_contraction)
+
+
+def _index_letters(node: torch.fx.Node, shapes: list[tuple[int, ...]],
+                   out_shape: tuple[int, ...]) -> tuple[list[Letters], Letters, set[str]]:
+    """x[i, :, j]: the indexed dims of x are replaced by the index tensors' broadcast shape, in place of
+    the first indexed dim when the indexed dims are adjacent, in front otherwise (NumPy's rule)."""
+    x_letters = tuple(_LETTERS[: len(shapes[0])])
+    indices = list(node.args[1])
+    indexed = [d for d, index in enumerate(indices) if index is not None]
+    index_shape = tuple(torch.broadcast_shapes(*shapes[1:]))
+    index_letters = tuple(_LETTERS[len(_LETTERS) - len(index_shape):])
+    kept = [x_letters[d] for d in range(len(x_letters)) if d not in indexed]
+    if indexed == list(range(indexed[0], indexed[-1] + 1)):
+        output = x_letters[: indexed[0]] + index_letters + x_letters[indexed[-1] + 1:]
+    else:
+        output = index_letters + tuple(kept)
+    whole = {x_letters[d] for d in indexed}
+    if any(index.meta["val"].dtype == torch.bool for index in indices if index is not None):
+        whole |= set(x_letters) | set(index_letters)  # a mask selects a data-dependent count: all B
+    operand_letters = [x_letters] + _broadcast_letters(shapes[1:], index_shape, index_letters)
+    assert len(output) == len(out_shape), (output, out_shape)
+    return operand_letters, output, whole
 
 
 def _equal_parts(node: torch.fx.Node, dim: int, size: int) -> int | None:

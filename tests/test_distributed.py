@@ -76,6 +76,19 @@ def test_views_softmax_layer_norm_reductions(pools, compile_par, layouts):
                              "layout {\n" + layouts + "}\n"))
 
 
+@pytest.mark.parametrize("layouts, forward", [
+    ("  proj.weight : S(0)\n  proj.bias : S(0)\n", {"all_reduce": 1}),  # heads; `out` row parallel
+    ("  x : S(0)\n  lengths : S(0)\n  output : S(0)\n", {}),  # data parallel: masks and lookups per shard
+    ("  x : S(1)\n", None),  # sequence: cumsum, softmax and gather need it whole
+], ids=["heads", "batch", "sequence"])
+def test_masks_comparisons_cumsum_gather_and_index(pools, compile_par, layouts, forward):
+    report = check(pools, compile_par("mesh tp = 2\nmodel tests.zoo:MaskedScores(d=16, heads=4)\n"
+                                      "input x : float32[4, 8, 16]\ninput lengths : int64[4] in [1, 9)\n"
+                                      "layout {\n" + layouts + "}\n"))
+    if forward is not None:
+        assert _nonzero(report["collectives"])["forward"] == forward
+
+
 def test_two_inputs_buffer_and_dict_output(pools, compile_par):
     check(pools, compile_par("mesh tp = 2\nmodel tests.zoo:DictOut(d=8)\ninput x : float32[4, 8]\n"
                              "input y : float32[4, 8]\nlayout {\n  enc.weight : S(0)\n  scale : S(0)\n"

@@ -85,5 +85,38 @@ def test_rules_are_data():
     # Every rule is a row of one table; families are few.
     assert {r.family for r in RULES.values()} == {"einsum", "matmul", "elementwise", "reduce", "normalize",
                                                   "reshape", "permute", "attention", "source", "cut", "project",
-                                                  "expand", "check", "select", "loss"}
+                                                  "expand", "check", "select", "loss", "index", "gather"}
     assert RULES["aten.linear.default"].spec == "...k,nk,n->...n"
+
+
+def test_index_keeps_indexed_dims_whole_and_splits_with_the_index():
+    class Index(nn.Module):
+        def forward(self, x, rows, cols):
+            return x[rows, cols], x[:, cols]
+
+    nodes = _nodes(Index(), torch.randn(6, 8, 4), torch.arange(6)[:, None], torch.arange(8)[None, :])
+    both, second = _sigs(nodes["index"]), _sigs(nodes["index_1"])
+    # x[rows, cols]: the result is [6, 8, 4]; its first two dims come from the index tensors
+    assert (("B", "S(0)", "B"), "S(0)") in both
+    assert (("B", "B", "S(1)"), "S(1)") in both
+    assert (("S(2)", "B", "B"), "S(2)") in both
+    assert (("P", "B", "B"), "P") in both                       # linear in x, never in the index
+    assert not any(ops[0] in ("S(0)", "S(1)") for ops, _ in both)
+    # x[:, cols]: dim 0 of x passes through; dim 1 is replaced by the index's [1, 8]
+    assert (("S(0)", "B"), "S(0)") in second
+    assert (("B", "S(1)"), "S(2)") in second
+
+
+def test_gather_cumsum_and_diff_keep_their_dim_whole():
+    class Scans(nn.Module):
+        def forward(self, x, index):
+            return torch.gather(x, 1, index), torch.cumsum(x, dim=1), torch.diff(x, dim=1)
+
+    nodes = _nodes(Scans(), torch.randn(4, 6), torch.zeros(4, 3, dtype=torch.long))
+    gather, cumsum, diff = (_sigs(nodes[n]) for n in ("gather", "cumsum", "diff"))
+    assert (("S(0)", "S(0)"), "S(0)") in gather                 # rows split with the index's rows
+    assert not any("S(1)" in ops for ops, _ in gather)          # the gathered dim, and 3 ≠ 6 columns
+    assert (("P", "B"), "P") in gather
+    for sigs in (cumsum, diff):
+        assert (("S(0)",), "S(0)") in sigs and (("P",), "P") in sigs
+        assert not any("S(1)" in ops for ops, _ in sigs)

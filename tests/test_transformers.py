@@ -62,9 +62,9 @@ def test_grouped_query_heads_split_with_the_query_heads():
 
 def test_unsupported_op_names_the_op_and_the_module(compile_par):
     with pytest.raises(CompileError) as caught:
-        compile_par("mesh tp = 2\nmodel tests.test_transformers:Cumulative()\ninput x : float32[4, 8]\n")
+        compile_par("mesh tp = 2\nmodel tests.test_transformers:CumulativeProduct()\ninput x : float32[4, 8]\n")
     [error] = caught.value.diagnostics
-    assert error.code == "E060" and "aten.cumsum.default" in error.message
+    assert error.code == "E060" and "aten.cumprod.default" in error.message
     assert error.notes[0] == "used in inner"
 
 
@@ -76,10 +76,10 @@ def test_dropout_with_p_above_zero_is_refused(compile_par):
 
 class _Inner(__import__("torch").nn.Module):
     def forward(self, x):
-        return __import__("torch").cumsum(x, dim=0)
+        return __import__("torch").cumprod(x, dim=0)
 
 
-class Cumulative(__import__("torch").nn.Module):
+class CumulativeProduct(__import__("torch").nn.Module):
     def __init__(self):
         super().__init__()
         self.inner = _Inner()

@@ -103,3 +103,28 @@ class Classifier(nn.Module):
     def forward(self, x, labels):
         logits = self.head(torch.relu(self.body(x)))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction=self.reduction)
+
+
+class MaskedScores(nn.Module):
+    """Hand-written masked attention and lookups as models write them: comparisons, masked_fill, where,
+    cumsum, gather and advanced indexing, on values that may be split by batch, heads or hidden dim."""
+
+    def __init__(self, d: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.proj = nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x, lengths):
+        b, s, d = x.shape
+        h = self.proj(x).view(b, s, self.heads, d // self.heads).transpose(1, 2)
+        scores = h @ h.transpose(-1, -2) / (d // self.heads) ** 0.5
+        positions = torch.arange(s, device=x.device)
+        scores = scores.masked_fill(positions[None, :] > positions[:, None], float("-inf"))  # causal
+        padded = positions[None, :] >= lengths[:, None]  # keys past each sequence's length
+        scores = torch.where(padded[:, None, None, :], torch.finfo(x.dtype).min, scores)
+        mixed = (scores.softmax(-1) @ h).transpose(1, 2).reshape(b, s, d)
+        running = torch.cumsum(mixed, dim=1) / (positions + 1)[None, :, None]
+        last = torch.gather(running, 1, (lengths - 1)[:, None, None].expand(b, 1, d)).squeeze(1)
+        early = running[:, positions[: s // 2]].mean(1)
+        return self.out(last + early)
