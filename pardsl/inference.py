@@ -126,7 +126,8 @@ def infer(bound: BoundPlan) -> TypedGraph:
 
     requires_grad = {name for name in bound.parameters if bound.tensors[name].is_float}
     for node in graph_nodes:
-        if bound.tensors[node.name].is_float and any(o in requires_grad for o in operands[node.name]):
+        if bound.tensors[node.name].is_float and rule_for(node).differentiable and \
+                any(o in requires_grad for o in operands[node.name]):
             requires_grad.add(node.name)
 
     # Per name, the placements decided so far, one per axis processed.

@@ -48,6 +48,7 @@ class Rule:
     whole_dims: tuple[int, ...] = ()  # output dims never split (tril's matrix dims)
     size_arg: int | None = None  # sizes along a cut dim (split's split_size), made local when it is split
     dim_default: int = 0  # the dim when the call leaves it out (diff's is -1)
+    differentiable: bool = True  # False: no gradient flows through (detach)
 
 
 def _elementwise(linear: str = "none", **kw) -> Rule:
@@ -111,7 +112,7 @@ RULES: dict[str, Rule] = {
     "aten.clone.default": _elementwise("sum"),
     "aten.contiguous.default": _elementwise("sum"),
     "aten.alias.default": _elementwise("sum"),
-    "aten.detach.default": _elementwise("sum"),
+    "aten.detach.default": _elementwise("sum", differentiable=False),
     "aten.dropout.default": _elementwise("sum", requires=((1, "p", 0.0),)),
     "aten.to.dtype": _elementwise("sum"),
     "aten.to.dtype_layout": _elementwise("sum"),

@@ -89,6 +89,14 @@ def test_masks_comparisons_cumsum_gather_and_index(pools, compile_par, layouts, 
         assert _nonzero(report["collectives"])["forward"] == forward
 
 
+@pytest.mark.parametrize("weight", ["B", "S(0)", "S(1)"])
+def test_no_grad_region_gives_no_gradient(pools, compile_par, weight):
+    compiled = compile_par("mesh tp = 2\nmodel tests.zoo:NoGradRegion(d=8)\ninput x : float32[4, 8]\n"
+                           f"layout {{\n  fc.weight : {weight}\n}}\n")
+    assert "wrap_with_set_grad_enabled" not in compiled.source and "aten.detach.default" in compiled.source
+    check(pools, compiled)
+
+
 def test_two_inputs_buffer_and_dict_output(pools, compile_par):
     check(pools, compile_par("mesh tp = 2\nmodel tests.zoo:DictOut(d=8)\ninput x : float32[4, 8]\n"
                              "input y : float32[4, 8]\nlayout {\n  enc.weight : S(0)\n  scale : S(0)\n"

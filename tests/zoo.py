@@ -128,3 +128,16 @@ class MaskedScores(nn.Module):
         last = torch.gather(running, 1, (lengths - 1)[:, None, None].expand(b, 1, d)).squeeze(1)
         early = running[:, positions[: s // 2]].mean(1)
         return self.out(last + early)
+
+
+class NoGradRegion(nn.Module):
+    """A parameter read under no_grad (as HF computes rotary tables): it gets no gradient through that read."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = self.fc.weight.abs().mean() + 1.0
+        return self.fc(x) * scale
