@@ -1,6 +1,6 @@
 """pardsl vs PyTorch DTensor vs serial, one model under one plan, in the same run (issue 3).
 
-The LLaMA-style model of examples/transformers.py under Megatron tensor parallelism of every layer
+The LLaMA-style model of examples/language_models.py under Megatron tensor parallelism of every layer
 (q/k/v, gate, up column parallel; o, down row parallel; embeddings, norms and head replicated) three ways:
 
 - pardsl: the module compiled from the equivalent .par file;
@@ -38,7 +38,7 @@ CONFIGS = {
 }
 
 PLAN = """mesh tp = 2
-model examples.transformers:Llama({kwargs})
+model examples.language_models:Llama({kwargs})
 input input_ids : int64[{batch}, {seq}] in [0, {vocab})
 layout {{
     layers.*.self_attn.q_proj.weight : S(0)
@@ -72,7 +72,7 @@ def rank_main(job: dict) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from examples.transformers import Llama
+    from examples.language_models import Llama
     from pardsl.layouts import Mesh
     from pardsl.runtime import Runtime
 

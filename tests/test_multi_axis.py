@@ -77,7 +77,7 @@ def _nonzero(counts):
 
 
 def test_data_times_tensor_parallel_gpt(pools):
-    from examples.transformers import GPT
+    from examples.language_models import GPT
 
     compiled = compile_file("examples/gpt_dp2_tp2.par")
     parameters = len(list(GPT(vocab_size=256, block_size=16, n_layer=2, n_head=4, d_model=32).parameters()))

@@ -70,7 +70,7 @@ def test_unsupported_op_names_the_op_and_the_module(compile_par):
 
 def test_dropout_with_p_above_zero_is_refused(compile_par):
     with pytest.raises(CompileError) as caught:
-        compile_par("mesh tp = 2\nmodel examples.transformers:GPT(dropout=0.1)\ninput idx : int64[2, 16] in [0, 256)\n")
+        compile_par("mesh tp = 2\nmodel examples.language_models:GPT(dropout=0.1)\ninput idx : int64[2, 16] in [0, 256)\n")
     assert "aten.dropout.default` with p=0.1" in caught.value.diagnostics[0].message
 
 
@@ -104,7 +104,7 @@ def llama_plans(draw):
     entries.append(f"layers.*.mlp.down_proj.weight : {draw(st.sampled_from(['S(1)', 'B']))}")
     entries.append(f"embed_tokens.weight : {draw(st.sampled_from(['S(0)', 'S(1)', 'B']))}")
     entries.append(f"lm_head.weight : {draw(st.sampled_from(['S(0)', 'S(1)', 'B']))}")
-    return (f"mesh tp = 2\nmodel examples.transformers:Llama(vocab_size=64, n_layer=1, n_head={n_head}, "
+    return (f"mesh tp = 2\nmodel examples.language_models:Llama(vocab_size=64, n_layer=1, n_head={n_head}, "
             f"n_kv_head={n_kv_head}, d_model={n_head * head_dim}, d_ff={d_ff})\n"
             "input input_ids : int64[2, 8] in [0, 64)\nlayout {\n" + "".join(f"  {e}\n" for e in entries) + "}\n")
 

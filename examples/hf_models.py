@@ -1,0 +1,66 @@
+"""Hugging Face `transformers` models as their library writes them, in small configurations.
+
+Each factory builds the library's own class (GPT2LMHeadModel, LlamaForCausalLM, BertModel) from a
+config, with dropout 0 so compiled and serial runs can be compared, and returns a module whose forward
+takes tensors and returns one tensor: what `pardsl` traces with `torch.export`. `attention` picks the
+library's attention code: "sdpa" (scaled_dot_product_attention with a boolean mask) or "eager"
+(matmul, the mask applied with where/masked_fill, softmax).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import transformers
+
+# A tiny vocabulary makes the config warn about GPT-2's special token ids; they are never used here.
+logging.getLogger("transformers").setLevel(logging.ERROR)
+transformers.logging.set_verbosity_error()
+
+
+class HFGPT2(torch.nn.Module):
+    """GPT-2: learned positions, fused QKV in a Conv1D (weight [in, 3·out]), tied LM head."""
+
+    def __init__(self, layers: int = 2, hidden: int = 64, heads: int = 8, vocab: int = 256, positions: int = 64,
+                 attention: str = "sdpa"):
+        super().__init__()
+        config = transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers,
+                                         n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         bos_token_id=0, eos_token_id=0, attn_implementation=attention)
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+class HFLlama(torch.nn.Module):
+    """LLaMA: RMSNorm, rotary embeddings (computed under no_grad), SwiGLU, grouped-query attention."""
+
+    def __init__(self, layers: int = 2, hidden: int = 64, heads: int = 8, kv_heads: int = 4, ffn: int = 128,
+                 vocab: int = 256, positions: int = 64, attention: str = "sdpa"):
+        super().__init__()
+        config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                                          num_hidden_layers=layers, num_attention_heads=heads,
+                                          num_key_value_heads=kv_heads, max_position_embeddings=positions,
+                                          attn_implementation=attention)
+        self.model = transformers.LlamaForCausalLM(config)
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+class HFBert(torch.nn.Module):
+    """BERT: token type and position embeddings, an encoder with a padding mask, the pooler."""
+
+    def __init__(self, layers: int = 2, hidden: int = 64, heads: int = 8, ffn: int = 128, vocab: int = 256,
+                 positions: int = 64, attention: str = "sdpa"):
+        super().__init__()
+        config = transformers.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                         num_attention_heads=heads, intermediate_size=ffn,
+                                         max_position_embeddings=positions, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0, attn_implementation=attention)
+        self.model = transformers.BertModel(config)
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).pooler_output

@@ -1,0 +1,89 @@
+"""Hugging Face `transformers` models, as the library writes them, under Megatron plans: they compile,
+communicate exactly as Megatron does, and train equal to serial (outputs and every gradient)."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pardsl.compiler import compile_file
+
+from .test_distributed import check
+
+# layers = 2: 2 all-reduces forward and 2 backward per layer, plus the vocabulary-parallel embedding's
+# forward all-reduce and the column-parallel head input's backward all-reduce where the plan has them.
+PER_LAYERS = {"forward": {"all_reduce": 4}, "backward": {"all_reduce": 4}}
+WITH_VOCABULARY = {"forward": {"all_reduce": 5}, "backward": {"all_reduce": 5}}
+EXPECTED = {
+    "hf_gpt2_tp2": PER_LAYERS, "hf_gpt2_tp4": WITH_VOCABULARY,
+    "hf_llama_tp2": PER_LAYERS, "hf_llama_tp4": WITH_VOCABULARY,
+    "hf_bert_tp2": PER_LAYERS, "hf_bert_tp4": PER_LAYERS,
+}
+
+
+def _nonzero(counts):
+    return {phase: {k: v for k, v in kinds.items() if v} for phase, kinds in counts.items()}
+
+
+@pytest.mark.parametrize("example", sorted(EXPECTED))
+def test_megatron_plan_counts_and_equivalence(pools, example):
+    compiled = compile_file(f"examples/{example}.par")
+    assert _nonzero(compiled.program.collective_counts()) == EXPECTED[example]
+    report = check(pools, compiled)
+    assert _nonzero(report["collectives"]) == EXPECTED[example]
+
+
+def test_llama_rotary_tables_under_no_grad_are_inlined_and_detached():
+    compiled = compile_file("examples/hf_llama_tp2.par")
+    assert "wrap_with_set_grad_enabled" not in compiled.source
+    assert compiled.source.count("aten.detach.default(") == 2  # cos and sin, per model (shared by layers)
+    # 4 KV heads of 8 dims over 2 ranks, the 4 query heads they serve on each rank
+    shapes = {p.name: p.local_shape for p in compiled.program.parameters}
+    assert shapes["model.model.layers.0.self_attn.k_proj.weight"] == (16, 64)
+    assert shapes["model.model.layers.0.self_attn.q_proj.weight"] == (32, 64)
+
+
+def test_eager_attention_masks_split_heads_with_a_replicated_mask():
+    lines = compile_file("examples/hf_gpt2_tp2.par").source.splitlines()
+    # the additive mask is made once, with `where`, whole on every rank; each rank adds it to its heads
+    [where] = [line for line in lines if "aten.where.ScalarOther(" in line]
+    assert where.endswith("# B  [2, 1, 16, 16]")
+    masked = [line for line in lines if "aten.add.Tensor(" in line and ", where)" in line]
+    assert len(masked) == 2 and all(line.endswith("S(1)@tp  [2, 8, 16, 16] local [2, 4, 16, 16]") for line in masked)
+
+
+def test_mask_construction_is_replicated_not_gathered():
+    # HF builds its causal mask from position ids with diff/cumsum/index: all on every rank, no collective
+    source = compile_file("examples/hf_llama_tp2.par").source
+    assert "rt.all_gather" not in source and "rt.split" not in source
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(
+    kv_heads=st.sampled_from([2, 4]),
+    head_dim=st.sampled_from([4, 8]),
+    ffn=st.sampled_from([32, 96]),
+    split_attention=st.booleans(),
+    split_mlp=st.booleans(),
+    attention=st.sampled_from(["sdpa", "eager"]),
+)
+def test_llama_sizes_and_split_projections_equal_serial(pools, compile_par, kv_heads, head_dim, ffn,
+                                                        split_attention, split_mlp, attention):
+    heads = 2 * kv_heads
+    hidden = heads * head_dim
+    layouts = []
+    if split_attention:
+        layouts += [f"model.model.layers.*.self_attn.{p}_proj.weight : S(0)" for p in "qkv"]
+        layouts += ["model.model.layers.*.self_attn.o_proj.weight : S(1)"]
+    if split_mlp:
+        layouts += [f"model.model.layers.*.mlp.{p}_proj.weight : S(0)" for p in ("gate", "up")]
+        layouts += ["model.model.layers.*.mlp.down_proj.weight : S(1)"]
+    text = (f"mesh tp = 2\nmodel examples.hf_models:HFLlama(layers=1, hidden={hidden}, heads={heads}, "
+            f"kv_heads={kv_heads}, ffn={ffn}, vocab=64, attention=\"{attention}\")\n"
+            "input input_ids : int64[2, 8] in [0, 64)\nlayout {\n" + "".join(f"  {l}\n" for l in layouts) +
+            "  output : B\n}\n")
+    compiled = compile_par(text)
+    blocks = split_attention + split_mlp
+    assert _nonzero(compiled.program.collective_counts()) == (
+        {"forward": {"all_reduce": blocks}, "backward": {"all_reduce": blocks}} if blocks
+        else {"forward": {}, "backward": {}})
+    check(pools, compiled)
