@@ -30,8 +30,10 @@ class HFGPT2(torch.nn.Module):
                                          bos_token_id=0, eos_token_id=0, attn_implementation=attention)
         self.model = transformers.GPT2LMHeadModel(config)
 
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
+    def forward(self, input_ids, labels=None):
+        """The logits; or, given labels, the library's own causal-LM loss (mean over predicted tokens)."""
+        result = self.model(input_ids=input_ids, labels=labels, use_cache=False)
+        return result.logits if labels is None else result.loss
 
 
 class HFLlama(torch.nn.Module):
@@ -46,8 +48,10 @@ class HFLlama(torch.nn.Module):
                                           attn_implementation=attention)
         self.model = transformers.LlamaForCausalLM(config)
 
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
+    def forward(self, input_ids, labels=None):
+        """The logits; or, given labels, the library's own causal-LM loss (mean over predicted tokens)."""
+        result = self.model(input_ids=input_ids, labels=labels, use_cache=False)
+        return result.logits if labels is None else result.loss
 
 
 class HFBert(torch.nn.Module):

@@ -83,6 +83,9 @@ def _one_axis_cost(source: Placement, target: Placement, local_bytes: int, n: in
     kind = _STEP.get((source.kind, target.kind))
     if kind is None:  # B → P is local
         return 0
+    if kind == "all_to_all" and (source.blocks > 1 or target.blocks > 1):  # no blocked all-to-all: via B
+        return (_one_axis_cost(source, B, local_bytes, n, with_backward) +
+                _one_axis_cost(B, target, local_bytes * n, n, with_backward))
     cost = collective_bytes(kind, local_bytes, n)
     if with_backward and kind in _BACKWARD:
         cost += collective_bytes(_BACKWARD[kind], local_bytes // n if kind == "reduce_scatter" else local_bytes, n)
@@ -197,6 +200,11 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     forward_only = _one_axis_cost(source, target, size, n, False, written)
                     forward += forward_only
                     backward += _one_axis_cost(source, target, size, n, grad, written) - forward_only
+                    changes += 1
+                for per_element in signature.inner_all_reduces:  # the op's own collectives (split-class loss)
+                    last = names[-1]
+                    elements = local_bytes(last, value[last][axis]) // bound.tensors[last].itemsize
+                    forward += collective_bytes("all_reduce", per_element * elements * bound.tensors[names[0]].itemsize, n)
                     changes += 1
                 # Splitting the result of an op whose operands are all B only saves local work; any
                 # consumer can slice a B value for nothing, but a split made here may need a gather later

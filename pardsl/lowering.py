@@ -24,7 +24,7 @@ import torch
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
 from .layouts import COLLECTIVE_KINDS, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
-from .oprules import RULES
+from .oprules import RULES, call_arg, signatures
 
 
 @dataclass(frozen=True)
@@ -366,13 +366,18 @@ class _Lowerer:
         expr = f"{typed_node.op}({', '.join(args + kwargs)})"
         vocab_axes = [self.mesh.axis_names[a] for a, p in enumerate(typed_node.operand_layouts[0].placements)
                       if p.is_split and p.dim == 0] if rule.masked_lookup else []
+        class_axes = [a for a, p in enumerate(typed_node.operand_layouts[0].placements)
+                      if p.is_split and p.dim == 1] if rule.split_classes else []
+        inner: tuple[Collective, ...] = ()
         if rule.family == "project":
             expr = f"{operand_vars[0]}[{fx_node.args[1]}]"
         elif vocab_axes:
             # Each rank holds a slice of the vocabulary: look up the ids it holds, zeros for the rest (P).
             axes = ", ".join(f'"{a}"' for a in vocab_axes)
             expr = f"rt.masked_embedding({operand_vars[0]}, {operand_vars[1]}, {axes})"
-        self.emit(name, expr, self._value_comment(typed_node.op_layout, info.shape))
+        elif class_axes:
+            expr, inner = self._split_class_loss(typed_node, fx_node, operand_vars, class_axes, reason)
+        self.emit(name, expr, self._value_comment(typed_node.op_layout, info.shape), inner)
         if rule.mean:
             self._rescale_mean(typed_node, fx_node, name)
         value_var = self.var[name]  # named before pass 1: where the value layout will live
@@ -380,6 +385,28 @@ class _Lowerer:
         if typed_node.value_layout != typed_node.op_layout:
             self._convert_op_result(name, value_var)
         self.emitted.add(self.var[name])
+
+    def _split_class_loss(self, typed_node, fx_node, operand_vars, class_axes, reason):
+        """Cross-entropy on logits split over the classes: each rank reduces its own classes; per axis, a
+        max and one fused sum per row are all-reduced (never the logits). Backward is local."""
+        reduction = {0: "none", 1: "mean", 2: "sum"}[call_arg(fx_node, 3, "reduction", 1)]
+        ignore_index = call_arg(fx_node, 4, "ignore_index", -100)
+        smoothing = float(call_arg(fx_node, 5, "label_smoothing", 0.0))
+        logits, target = typed_node.operands
+        axes = [self.mesh.axis_names[a] for a in class_axes]
+        signature = next(s for s in signatures(typed_node.spec) if s.inner_all_reduces)
+        itemsize = self.typed.info(logits).itemsize
+        rows = math.prod(typed_node.operand_layouts[1].local_shape(self.typed.info(target).shape, self.mesh))
+        collectives = tuple(
+            Collective("all_reduce", axis, "forward",
+                       collective_bytes("all_reduce", per_row * rows * itemsize, self.mesh.axis_sizes[a]),
+                       self.var[logits], f"{what} per row of the logits split over classes — {reason}")
+            for a, axis in zip(class_axes, axes)
+            for per_row, what in zip(signature.inner_all_reduces, ("max", "sum of exps and target logit")))
+        named_axes = ", ".join(f'"{axis}"' for axis in axes)
+        expr = (f"rt.vocab_parallel_cross_entropy({operand_vars[0]}, {operand_vars[1]}, {reduction!r}, "
+                f"{ignore_index!r}, {smoothing!r}, {named_axes})")
+        return expr, collectives
 
     def _intermediate_name(self, final: str, layout: Layout) -> str:
         """A step on the way to `final`, named by its own layout unless a conversion already uses that name."""

@@ -11,6 +11,10 @@ legal one-axis signatures follow mechanically (`signatures`):
 - partial sums pass through linear ops only: `sum` ops (add, sub, views, reductions) take P in all
   operands together; `product` ops (mul, matmul) take P in one linear operand, the others B.
 
+Two signatures letters cannot express are added by their families: `cat` of m equal parts split alike
+gives S(d, blocks=m), and a cross-entropy may take its logits split over the classes (the runtime's
+vocabulary-parallel loss, whose own all-reduces the signature declares so inference can price them).
+
 Letters in `unsplittable` (the dim of a softmax, the normalised dims of layer_norm, dims a reshape
 merges or splits non-contiguously) are never split. Addend operands (the bias of linear/addmm) follow
 the output: S where they have the letter, B where they broadcast, P where the output is P, so a
@@ -49,6 +53,9 @@ class Rule:
     size_arg: int | None = None  # sizes along a cut dim (split's split_size), made local when it is split
     dim_default: int = 0  # the dim when the call leaves it out (diff's is -1)
     differentiable: bool = True  # False: no gradient flows through (detach)
+    fill_arg: int | None = None  # pad's fill value: P passes a zero fill only
+    joins: bool = False  # cat: m equal operands split along the dim join into S(dim, blocks=m)
+    split_classes: str = ""  # runtime function computing the op with its class dim split (loss family)
 
 
 def _elementwise(linear: str = "none", **kw) -> Rule:
@@ -64,9 +71,11 @@ RULES: dict[str, Rule] = {
                                    masked_lookup=True),
     # attention: batch and heads split; sequence and head dims whole
     "aten.scaled_dot_product_attention.default": Rule("attention"),
-    # losses: the class dim stays whole; with reduction="sum" a split batch gives a partial sum, with
-    # "mean" the batch stays whole (the mean divides by a global count of non-ignored targets)
-    "aten.cross_entropy_loss.default": Rule("loss", dim_arg=3),
+    # losses: with reduction="sum" a split batch gives a partial sum, with "mean" the batch stays whole
+    # (the mean divides by a global count of non-ignored targets). Logits split over the classes (a
+    # column-parallel LM head's) are reduced where they lie, Megatron's vocabulary-parallel loss: a max
+    # and one fused sum per row are all-reduced, never the logits, and backward needs no communication.
+    "aten.cross_entropy_loss.default": Rule("loss", dim_arg=3, split_classes="vocab_parallel_cross_entropy"),
     # tensors made from nothing: the same on every rank
     "aten.arange.start": Rule("source"),
     "aten.arange.default": Rule("source"),
@@ -88,9 +97,12 @@ RULES: dict[str, Rule] = {
     "aten.chunk.default": Rule("cut", linear="sum", dim_arg=2),
     "aten.slice.Tensor": Rule("cut", linear="sum", dim_arg=1),
     "aten.narrow.default": Rule("cut", linear="sum", dim_arg=1),
-    "aten.cat.default": Rule("cut", linear="sum", dim_arg=1),
+    "aten.cat.default": Rule("cut", linear="sum", dim_arg=1, joins=True),
     "aten.select.int": Rule("select", linear="sum", dim_arg=1),
     "aten.diff.default": Rule("cut", linear="sum", dim_arg=2, dim_default=-1),
+    # padding: the padded dims stay whole, the others pass through
+    "aten.pad.default": Rule("pad", linear="sum", fill_arg=3),
+    "aten.constant_pad_nd.default": Rule("pad", linear="sum", fill_arg=2),
     "_operator.getitem": Rule("project", linear="sum"),
     "aten.expand.default": Rule("expand", linear="sum", shape_arg=1),
     # checks export leaves in the graph; nothing to compute
@@ -187,6 +199,7 @@ class DimSpec:
     fixed_size: frozenset[str] | None = None  # letters whose dim keeps its size (may carry blocks); None: all
     sums_contraction: bool | None = None  # a split contracted letter gives P; None: when the op is linear
     cut: tuple[str, int] | None = None  # (letter, m): the op cuts that dim into m equal parts
+    extra: tuple["Signature", ...] = ()  # signatures the letters cannot express (a split-class loss)
 
     def letters(self) -> list[str]:
         seen: dict[str, None] = {}
@@ -204,6 +217,9 @@ class Signature:
     operands: tuple[Placement, ...]
     output: Placement
     split_letter: str | None = None  # which letter is split, if any
+    # all-reduces the op itself makes on the axis: for each, the values it reduces per element of the
+    # op's last operand (a loss's target: one row of logits each)
+    inner_all_reduces: tuple[int, ...] = ()
 
 
 def is_tensor_valued(node: torch.fx.Node) -> bool:
@@ -228,7 +244,7 @@ def op_name(node: torch.fx.Node) -> str:
 def unmet_requirement(node: torch.fx.Node, rule: Rule) -> str | None:
     """Why this node falls outside what its rule supports (dropout with p > 0), or None."""
     for position, name, value in rule.requires:
-        actual = _arg(node, position, name, value)
+        actual = call_arg(node, position, name, value)
         if actual != value:
             return f"{name}={actual!r} (pardsl supports {name}={value!r})"
     return None
@@ -245,7 +261,7 @@ def _shape(node: torch.fx.Node) -> tuple[int, ...]:
     return tuple(int(s) for s in value.shape)
 
 
-def _arg(node: torch.fx.Node, position: int, name: str, default: Any = None) -> Any:
+def call_arg(node: torch.fx.Node, position: int, name: str, default: Any = None) -> Any:
     if position < len(node.args):
         return node.args[position]
     return node.kwargs.get(name, default)
@@ -352,6 +368,7 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
     fixed_size = None
     cut = None
     sums_contraction = None
+    extra = ()
     fresh = _LETTERS
 
     if rule.family == "check":
@@ -366,7 +383,7 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
         unsplittable |= set(output)
     elif rule.family == "gather":
         index_letters = tuple(fresh[: len(shapes[1])])
-        dim = _arg(node, rule.dim_arg, "dim") % len(shapes[1])
+        dim = call_arg(node, rule.dim_arg, "dim") % len(shapes[1])
         x_letters = tuple(letter if d != dim and shapes[0][d] == shapes[1][d] else fresh[-1 - d]
                           for d, letter in enumerate(index_letters))
         operand_letters, output = [x_letters, index_letters], index_letters
@@ -378,24 +395,37 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
         operand_letters, output = [tuple(fresh[: len(out_shape)])], tuple(fresh[: len(out_shape)])
     elif rule.family == "cut":
         in_letters = tuple(fresh[: len(shapes[0])])
-        dim = _arg(node, rule.dim_arg, "dim", rule.dim_default) % len(shapes[0])
+        dim = call_arg(node, rule.dim_arg, "dim", rule.dim_default) % len(shapes[0])
         unsplittable.add(in_letters[dim])
         operand_letters, output = [in_letters for _ in shapes], in_letters
         parts = _equal_parts(node, dim, shapes[0][dim])
         cut = (in_letters[dim], parts) if parts else None
+        if rule.joins and len(shapes) > 1 and len({shape[dim] for shape in shapes}) == 1:
+            # each rank's chunks of the m parts, side by side, are its chunk of each of m blocks
+            extra = (Signature(tuple(S(dim) for _ in shapes), S(dim, len(shapes)), in_letters[dim]),)
     elif rule.family == "loss":
         in_letters = tuple(fresh[: len(shapes[0])])
         classes, batch = in_letters[1], in_letters[:1] + in_letters[2:]
         operand_letters = [in_letters, batch] + [(classes,)] * (len(shapes) - 2)  # an optional class weight
         unsplittable.add(classes)
-        reduction = _arg(node, rule.dim_arg, "reduction", 1)
+        reduction = call_arg(node, rule.dim_arg, "reduction", 1)
         output = batch if reduction == 0 else ()
         if reduction == 1:
             unsplittable |= set(batch)
         sums_contraction = reduction == 2
+        if rule.split_classes and len(shapes) == 2:  # no class weight
+            smoothing = call_arg(node, 5, "label_smoothing", 0.0) != 0.0
+            # a max per row, then (sum of exps, target logit[, logit sum]) per row in one all-reduce
+            extra = (Signature((S(1), B), B, classes, inner_all_reduces=(1, 3 if smoothing else 2)),)
+    elif rule.family == "pad":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        amounts = call_arg(node, 1, "pad")  # (before, after) pairs from the last dim backwards
+        unsplittable |= {in_letters[-1 - i // 2] for i, amount in enumerate(amounts) if amount}
+        operand_letters, output = [in_letters], in_letters
+        affine = call_arg(node, rule.fill_arg, "value", 0) not in (None, 0, 0.0)
     elif rule.family == "select":
         in_letters = tuple(fresh[: len(shapes[0])])
-        dim = _arg(node, rule.dim_arg, "dim", 0) % len(shapes[0])
+        dim = call_arg(node, rule.dim_arg, "dim", 0) % len(shapes[0])
         unsplittable.add(in_letters[dim])
         operand_letters, output = [in_letters], in_letters[:dim] + in_letters[dim + 1:]
     elif rule.family == "expand":
@@ -421,10 +451,10 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
         unsplittable |= {output[d] for d in rule.whole_dims if -len(output) <= d < len(output)}
     elif rule.family == "reduce":
         in_letters = tuple(fresh[: len(shapes[0])])
-        dims = _arg(node, rule.dim_arg, "dim") if rule.dim_arg is not None else None
+        dims = call_arg(node, rule.dim_arg, "dim") if rule.dim_arg is not None else None
         rank = len(shapes[0])
         reduced = set(range(rank)) if dims in (None, []) else {d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
-        keepdim = bool(_arg(node, rule.keepdim_arg, "keepdim", False)) if rule.keepdim_arg is not None else False
+        keepdim = bool(call_arg(node, rule.keepdim_arg, "keepdim", False)) if rule.keepdim_arg is not None else False
         output = tuple(None if d in reduced else in_letters[d] for d in range(rank)) if keepdim else \
             tuple(in_letters[d] for d in range(rank) if d not in reduced)
         operand_letters = [in_letters]
@@ -433,7 +463,7 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
     elif rule.family == "normalize":
         in_letters = tuple(fresh[: len(shapes[0])])
         rank = len(shapes[0])
-        arg = _arg(node, rule.dim_arg, "dim")
+        arg = call_arg(node, rule.dim_arg, "dim")
         if isinstance(arg, (list, tuple)):  # layer_norm's normalized_shape: the trailing dims
             normalized = list(range(rank - len(arg), rank))
         else:
@@ -466,7 +496,8 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
 
     return DimSpec(tuple(operand_letters), tuple(output), rule.linear, rule.linear_operands,
                    tuple(a for a in rule.addends if a < len(operands)), frozenset(unsplittable),
-                   contractible, affine, fixed_size=fixed_size, cut=cut, sums_contraction=sums_contraction)
+                   contractible, affine, fixed_size=fixed_size, cut=cut, sums_contraction=sums_contraction,
+                   extra=extra)
 
 
 def _index_letters(node: torch.fx.Node, shapes: list[tuple[int, ...]],
@@ -528,11 +559,13 @@ def signatures(spec: DimSpec, blocks: dict[str, set[int]] | None = None) -> list
     sums = spec.linear != "none" if spec.sums_contraction is None else spec.sums_contraction
     for letter in splittable:
         if letter not in spec.output and spec.contractible and sums:
-            operands = tuple(
-                P if i in spec.addends else _placement_for(letters, letter)
-                for i, letters in enumerate(spec.operands)
-            )
-            result.append(Signature(operands, P, letter))
+            # every operand split alike, in blocks too: each rank sums over the same indices
+            for k in [1, *sorted(blocks.get(letter, set()) - {1})]:
+                operands = tuple(
+                    P if i in spec.addends else _placement_for(letters, letter, k)
+                    for i, letters in enumerate(spec.operands)
+                )
+                result.append(Signature(operands, P, letter))
     if spec.linear == "sum" and not spec.affine:
         result.append(Signature((P,) * n, P))
     elif spec.linear == "product":
@@ -540,4 +573,4 @@ def signatures(spec: DimSpec, blocks: dict[str, set[int]] | None = None) -> list
             if i < n:
                 operands = tuple(P if (j == i or j in spec.addends) else B for j in range(n))
                 result.append(Signature(operands, P))
-    return result
+    return result + list(spec.extra)

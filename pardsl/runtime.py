@@ -107,24 +107,70 @@ class Runtime:
     def masked_embedding(self, weight: torch.Tensor, ids: torch.Tensor, *axes: str) -> torch.Tensor:
         """Embedding with the vocabulary split over `axes` (outermost first): rows for the ids this rank
         holds, zeros for the others, so the sum over ranks is the full lookup (a P result)."""
-        chunk = 0
-        for axis in axes:
-            chunk = chunk * self.size[axis] + self.coordinate[axis]
-        start = chunk * weight.shape[0]
+        start = self._chunk(axes) * weight.shape[0]
         local = ids - start
         outside = (local < 0) | (local >= weight.shape[0])
         rows = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0))
         return rows.masked_fill(outside.unsqueeze(-1), 0.0)
 
+    def vocab_parallel_cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, reduction: str,
+                                     ignore_index: int, label_smoothing: float, *axes: str) -> torch.Tensor:
+        """F.cross_entropy (no class weight) of logits whose class dim (1) is split over `axes`.
+
+        Per axis, two all-reduces of one value per row: the max (for a stable exp), then the sum of exps,
+        the target's logit (held by one rank) and, with label smoothing, the logit sum, stacked into one.
+        The sums go through the autograd all-reduce, whose backward is the identity: each rank gets its
+        own classes' softmax minus one-hot, and backward needs no communication.
+        """
+        classes = logits.shape[1]
+        start = self._chunk(axes) * classes
+        with torch.no_grad():
+            row_max = logits.max(dim=1).values
+            for axis in axes:
+                row_max = self._all_reduce(row_max, axis, "forward", dist.ReduceOp.MAX)
+        shifted = logits - row_max.unsqueeze(1)
+        local_target = target - start
+        held = (local_target >= 0) & (local_target < classes)
+        picked = shifted.gather(1, local_target.clamp(0, classes - 1).unsqueeze(1)).squeeze(1)
+        sums = [shifted.exp().sum(dim=1), picked.masked_fill(~held, 0.0)]
+        if label_smoothing:
+            sums.append(shifted.sum(dim=1))
+        stacked = torch.stack(sums)
+        for axis in axes:
+            stacked = self.all_reduce(stacked, axis)
+        loss = stacked[0].log() - (1.0 - label_smoothing) * stacked[1]
+        if label_smoothing:
+            loss = loss - label_smoothing * stacked[2] / (classes * self._ranks(axes))
+        counted = target != ignore_index
+        loss = loss.masked_fill(~counted, 0.0)
+        if reduction == "none":
+            return loss
+        if reduction == "sum":
+            return loss.sum()
+        return loss.sum() / counted.sum()
+
+    def _chunk(self, axes: tuple[str, ...]) -> int:
+        """This rank's chunk index of a dim split over `axes`, outermost first."""
+        chunk = 0
+        for axis in axes:
+            chunk = chunk * self.size[axis] + self.coordinate[axis]
+        return chunk
+
+    def _ranks(self, axes: tuple[str, ...]) -> int:
+        ranks = 1
+        for axis in axes:
+            ranks *= self.size[axis]
+        return ranks
+
     # -- the primitives, counted ----------------------------------------------------------------------
 
-    def _all_reduce(self, x: torch.Tensor, axis: str, phase: str) -> torch.Tensor:
+    def _all_reduce(self, x: torch.Tensor, axis: str, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         n = self.size[axis]
         if n == 1:
             return x
         out = x.contiguous().clone()
         self.counter.record(phase, "all_reduce", collective_bytes("all_reduce", _nbytes(x), n), axis)
-        dist.all_reduce(out, group=self.groups[axis])
+        dist.all_reduce(out, op=op, group=self.groups[axis])
         return out
 
     def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:

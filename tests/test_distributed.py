@@ -97,6 +97,21 @@ def test_no_grad_region_gives_no_gradient(pools, compile_par, weight):
     check(pools, compiled)
 
 
+@pytest.mark.parametrize("layouts, expected", [
+    # chunk/split of a blocked split are local; so is cat of two split halves (S(1, blocks=2)) and the
+    # row-parallel `down` over it; only the unaligned narrow gathers
+    ("  up.weight : S(0, blocks=2)\n  up.bias : S(0, blocks=2)\n",
+     {"forward": {"all_reduce": 1, "all_gather": 1}, "backward": {}}),
+    ("  up.weight : S(0)\n  up.bias : S(0)\n", None),  # plain split: chunk and split along it convert first
+    ("  x : S(0)\n  output : S(0)\n", {"forward": {}, "backward": {"all_reduce": 4}}),  # data parallel
+], ids=["blocked", "plain", "batch"])
+def test_chunk_split_narrow_and_cat_along_a_split_dim(pools, compile_par, layouts, expected):
+    report = check(pools, compile_par("mesh tp = 2\nmodel tests.zoo:Cuts(d=16)\ninput x : float32[4, 16]\n"
+                                      "layout {\n" + layouts + "}\n"))
+    if expected is not None:
+        assert _nonzero(report["collectives"]) == expected
+
+
 def test_two_inputs_buffer_and_dict_output(pools, compile_par):
     check(pools, compile_par("mesh tp = 2\nmodel tests.zoo:DictOut(d=8)\ninput x : float32[4, 8]\n"
                              "input y : float32[4, 8]\nlayout {\n  enc.weight : S(0)\n  scale : S(0)\n"

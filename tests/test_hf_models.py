@@ -17,6 +17,8 @@ EXPECTED = {
     "hf_gpt2_tp2": PER_LAYERS, "hf_gpt2_tp4": WITH_VOCABULARY,
     "hf_llama_tp2": PER_LAYERS, "hf_llama_tp4": WITH_VOCABULARY,
     "hf_bert_tp2": PER_LAYERS, "hf_bert_tp4": PER_LAYERS,
+    # the model's own loss, vocabulary parallel: + 2 forward (a max and a fused sum per row)
+    "hf_llama_loss_tp2": {"forward": {"all_reduce": 7}, "backward": {"all_reduce": 5}},
 }
 
 
@@ -49,6 +51,15 @@ def test_eager_attention_masks_split_heads_with_a_replicated_mask():
     assert where.endswith("# B  [2, 1, 16, 16]")
     masked = [line for line in lines if "aten.add.Tensor(" in line and ", where)" in line]
     assert len(masked) == 2 and all(line.endswith("S(1)@tp  [2, 8, 16, 16] local [2, 4, 16, 16]") for line in masked)
+
+
+def test_causal_lm_loss_is_vocabulary_parallel():
+    compiled = compile_file("examples/hf_llama_loss_tp2.par")
+    assert 'rt.vocab_parallel_cross_entropy(' in compiled.source
+    assert "rt.all_gather" not in compiled.source  # the logits are never gathered
+    loss = [c for c in compiled.program.collectives if "split over classes" in c.reason]
+    assert [(c.kind, c.phase, c.bytes) for c in loss] == [("all_reduce", "forward", 4 * 32),  # 32 rows, fp32
+                                                          ("all_reduce", "forward", 2 * 4 * 32)]
 
 
 def test_mask_construction_is_replicated_not_gathered():

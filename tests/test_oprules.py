@@ -85,7 +85,7 @@ def test_rules_are_data():
     # Every rule is a row of one table; families are few.
     assert {r.family for r in RULES.values()} == {"einsum", "matmul", "elementwise", "reduce", "normalize",
                                                   "reshape", "permute", "attention", "source", "cut", "project",
-                                                  "expand", "check", "select", "loss", "index", "gather"}
+                                                  "expand", "check", "select", "loss", "index", "gather", "pad"}
     assert RULES["aten.linear.default"].spec == "...k,nk,n->...n"
 
 
@@ -120,3 +120,15 @@ def test_gather_cumsum_and_diff_keep_their_dim_whole():
     for sigs in (cumsum, diff):
         assert (("S(0)",), "S(0)") in sigs and (("P",), "P") in sigs
         assert not any("S(1)" in ops for ops, _ in sigs)
+
+
+def test_cat_of_equal_split_parts_is_a_blocked_split_and_blocks_contract():
+    class Join(nn.Module):
+        def forward(self, a, b, w):
+            return torch.cat([a, b], dim=1) @ w
+
+    nodes = _nodes(Join(), torch.randn(4, 8), torch.randn(4, 8), torch.randn(16, 4))
+    assert (("S(1)", "S(1)"), "S(1, blocks=2)") in _sigs(nodes["cat"])
+    spec = dim_spec(nodes["matmul"], rule_for(nodes["matmul"]))
+    blocked = {(tuple(str(p) for p in s.operands), str(s.output)) for s in signatures(spec, {"k": {2}})}
+    assert (("S(1, blocks=2)", "S(0, blocks=2)"), "P") in blocked

@@ -128,3 +128,33 @@ def test_cross_entropy_loss(pools, compile_par, reduction, x_layout, collectives
     if collectives is not None:
         assert _nonzero(compiled.program.collective_counts()) == collectives
     check(pools, compiled)
+
+
+@pytest.mark.parametrize("options, backward", [
+    ('reduction="mean"', 1),
+    ('reduction="sum", label_smoothing=0.1', 1),
+    ('reduction="none", ignored_class=0', 1),
+    ('reduction="mean", label_smoothing=0.2, ignored_class=3', 1),
+])
+def test_vocabulary_parallel_cross_entropy_never_gathers_the_logits(pools, compile_par, options, backward):
+    # The head is column parallel, so its logits are split over the classes: the loss all-reduces a max
+    # and one fused sum per row, and its backward is local (the one backward all-reduce is the head's input).
+    # (With few classes per row an all-to-all to a split batch moves fewer bytes, and inference takes it.)
+    compiled = compile_par(f"mesh tp = 2\nmodel tests.zoo:Classifier(d=16, classes=64, {options})\n"
+                           "input x : float32[8, 16]\ninput labels : int64[8] in [0, 64)\n"
+                           "layout {\n  head.weight : S(0)\n  head.bias : S(0)\n}\n")
+    assert "rt.vocab_parallel_cross_entropy(" in compiled.source
+    assert _nonzero(compiled.program.collective_counts()) == {"forward": {"all_reduce": 2},
+                                                             "backward": {"all_reduce": backward}}
+    check(pools, compiled)
+
+
+def test_vocabulary_parallel_cross_entropy_with_data_parallel_batch(pools, compile_par):
+    compiled = compile_par("mesh dp = 2, tp = 2\nmodel tests.zoo:Classifier(d=16, classes=64, reduction=\"sum\")\n"
+                           "input x : float32[8, 16]\ninput labels : int64[8] in [0, 64)\n"
+                           "layout {\n  x : S(0) @ dp\n  labels : S(0) @ dp\n  head.weight : S(0) @ tp\n"
+                           "  head.bias : S(0) @ tp\n}\n")
+    by_axis = compiled.program.collective_counts_by_axis()
+    # tp: the loss's max and fused sum; dp: the summed loss's partial sums, once
+    assert by_axis["forward"] == {"dp:all_reduce": 1, "tp:all_reduce": 2}
+    check(pools, compiled)

@@ -94,15 +94,18 @@ def not_a_module():
 class Classifier(nn.Module):
     """Logits and a cross-entropy loss against integer labels."""
 
-    def __init__(self, d=16, classes=8, reduction="sum"):
+    def __init__(self, d=16, classes=8, reduction="sum", label_smoothing=0.0, ignored_class=None):
         super().__init__()
-        self.reduction = reduction
+        self.reduction, self.label_smoothing, self.ignored_class = reduction, label_smoothing, ignored_class
         self.body = nn.Linear(d, d)
         self.head = nn.Linear(d, classes)
 
     def forward(self, x, labels):
         logits = self.head(torch.relu(self.body(x)))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction=self.reduction)
+        if self.ignored_class is not None:  # as padding is labelled: -100, which the loss skips
+            labels = labels.masked_fill(labels == self.ignored_class, -100)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction=self.reduction,
+                               label_smoothing=self.label_smoothing)
 
 
 class MaskedScores(nn.Module):
@@ -141,3 +144,19 @@ class NoGradRegion(nn.Module):
         with torch.no_grad():
             scale = self.fc.weight.abs().mean() + 1.0
         return self.fc(x) * scale
+
+
+class Cuts(nn.Module):
+    """narrow, chunk, split and cat along the feature dim, which a layout may split."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        h = self.up(x)
+        first, second = h.chunk(2, dim=-1)
+        gate, value = h.split(h.shape[-1] // 2, dim=-1)
+        joined = torch.cat([torch.relu(first) * second, gate - value], dim=-1)
+        return self.down(joined) + h.narrow(-1, 4, 8).sum(-1, keepdim=True)
