@@ -201,10 +201,11 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     forward += forward_only
                     backward += _one_axis_cost(source, target, size, n, grad, written) - forward_only
                     changes += 1
-                for per_element in signature.inner_all_reduces:  # the op's own collectives (split-class loss)
+                for per_element, fixed in signature.inner_all_reduces:  # the op's own collectives (a loss)
                     last = names[-1]
-                    elements = local_bytes(last, value[last][axis]) // bound.tensors[last].itemsize
-                    forward += collective_bytes("all_reduce", per_element * elements * bound.tensors[names[0]].itemsize, n)
+                    elements = local_bytes(last, signature.operands[-1]) // bound.tensors[last].itemsize
+                    values = per_element * elements + fixed
+                    forward += collective_bytes("all_reduce", values * bound.tensors[names[0]].itemsize, n)
                     changes += 1
                 # Splitting the result of an op whose operands are all B only saves local work; any
                 # consumer can slice a B value for nothing, but a split made here may need a gather later

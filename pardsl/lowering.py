@@ -24,7 +24,7 @@ import torch
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
 from .layouts import COLLECTIVE_KINDS, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
-from .oprules import RULES, call_arg, signatures
+from .oprules import RULES, Signature, call_arg
 
 
 @dataclass(frozen=True)
@@ -366,8 +366,7 @@ class _Lowerer:
         expr = f"{typed_node.op}({', '.join(args + kwargs)})"
         vocab_axes = [self.mesh.axis_names[a] for a, p in enumerate(typed_node.operand_layouts[0].placements)
                       if p.is_split and p.dim == 0] if rule.masked_lookup else []
-        class_axes = [a for a, p in enumerate(typed_node.operand_layouts[0].placements)
-                      if p.is_split and p.dim == 1] if rule.split_classes else []
+        parallel_forms = self._extra_signatures_taken(typed_node) if rule.parallel_form else {}
         inner: tuple[Collective, ...] = ()
         if rule.family == "project":
             expr = f"{operand_vars[0]}[{fx_node.args[1]}]"
@@ -375,8 +374,8 @@ class _Lowerer:
             # Each rank holds a slice of the vocabulary: look up the ids it holds, zeros for the rest (P).
             axes = ", ".join(f'"{a}"' for a in vocab_axes)
             expr = f"rt.masked_embedding({operand_vars[0]}, {operand_vars[1]}, {axes})"
-        elif class_axes:
-            expr, inner = self._split_class_loss(typed_node, fx_node, operand_vars, class_axes, reason)
+        elif parallel_forms:
+            expr, inner = self._parallel_loss(typed_node, fx_node, operand_vars, parallel_forms, reason)
         self.emit(name, expr, self._value_comment(typed_node.op_layout, info.shape), inner)
         if rule.mean:
             self._rescale_mean(typed_node, fx_node, name)
@@ -386,26 +385,38 @@ class _Lowerer:
             self._convert_op_result(name, value_var)
         self.emitted.add(self.var[name])
 
-    def _split_class_loss(self, typed_node, fx_node, operand_vars, class_axes, reason):
-        """Cross-entropy on logits split over the classes: each rank reduces its own classes; per axis, a
-        max and one fused sum per row are all-reduced (never the logits). Backward is local."""
+    def _extra_signatures_taken(self, typed_node) -> dict[int, Signature]:
+        """Per mesh axis, the extra signature (a rule's parallel form) the op computes on it, if any."""
+        taken = {}
+        for axis in range(self.mesh.ndim):
+            operands = tuple(layout.placements[axis] for layout in typed_node.operand_layouts)
+            output = typed_node.op_layout.placements[axis]
+            for signature in typed_node.spec.extra:
+                if signature.operands == operands and signature.output == output:
+                    taken[axis] = signature
+        return taken
+
+    def _parallel_loss(self, typed_node, fx_node, operand_vars, forms: dict[int, Signature], reason):
+        """Cross-entropy on logits split over the classes on some axes (each rank reduces its own classes;
+        a max and one fused sum per row are all-reduced there, never the logits; backward is local), and
+        mean-reduced over a batch split on others (the local sum over the global count of targets)."""
         reduction = {0: "none", 1: "mean", 2: "sum"}[call_arg(fx_node, 3, "reduction", 1)]
         ignore_index = call_arg(fx_node, 4, "ignore_index", -100)
         smoothing = float(call_arg(fx_node, 5, "label_smoothing", 0.0))
         logits, target = typed_node.operands
-        axes = [self.mesh.axis_names[a] for a in class_axes]
-        signature = next(s for s in signatures(typed_node.spec) if s.inner_all_reduces)
         itemsize = self.typed.info(logits).itemsize
         rows = math.prod(typed_node.operand_layouts[1].local_shape(self.typed.info(target).shape, self.mesh))
+        what = {"classes": ("max", "sum of exps and target logit"), "batch mean": ("count of targets",)}
         collectives = tuple(
-            Collective("all_reduce", axis, "forward",
-                       collective_bytes("all_reduce", per_row * rows * itemsize, self.mesh.axis_sizes[a]),
-                       self.var[logits], f"{what} per row of the logits split over classes — {reason}")
-            for a, axis in zip(class_axes, axes)
-            for per_row, what in zip(signature.inner_all_reduces, ("max", "sum of exps and target logit")))
-        named_axes = ", ".join(f'"{axis}"' for axis in axes)
-        expr = (f"rt.vocab_parallel_cross_entropy({operand_vars[0]}, {operand_vars[1]}, {reduction!r}, "
-                f"{ignore_index!r}, {smoothing!r}, {named_axes})")
+            Collective("all_reduce", self.mesh.axis_names[axis], "forward",
+                       collective_bytes("all_reduce", (per_row * rows + fixed) * itemsize, self.mesh.axis_sizes[axis]),
+                       self.var[logits], f"{description}: {signature.name} split — {reason}")
+            for axis, signature in forms.items()
+            for (per_row, fixed), description in zip(signature.inner_all_reduces, what[signature.name]))
+        class_axes = tuple(self.mesh.axis_names[a] for a, s in forms.items() if s.name == "classes")
+        count_axes = tuple(self.mesh.axis_names[a] for a, s in forms.items() if s.name == "batch mean")
+        expr = (f"rt.{RULES[typed_node.op].parallel_form}({operand_vars[0]}, {operand_vars[1]}, {reduction!r}, "
+                f"{ignore_index!r}, {smoothing!r}, class_axes={class_axes!r}, count_axes={count_axes!r})")
         return expr, collectives
 
     def _intermediate_name(self, final: str, layout: Layout) -> str:

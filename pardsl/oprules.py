@@ -12,8 +12,9 @@ legal one-axis signatures follow mechanically (`signatures`):
   operands together; `product` ops (mul, matmul) take P in one linear operand, the others B.
 
 Two signatures letters cannot express are added by their families: `cat` of m equal parts split alike
-gives S(d, blocks=m), and a cross-entropy may take its logits split over the classes (the runtime's
-vocabulary-parallel loss, whose own all-reduces the signature declares so inference can price them).
+gives S(d, blocks=m); a cross-entropy may take its logits split over the classes (vocabulary parallel)
+and a mean-reduced one its batch split (a global count of targets). The runtime computes those forms
+(`Rule.parallel_form`); their signatures declare the all-reduces they make, so inference can price them.
 
 Letters in `unsplittable` (the dim of a softmax, the normalised dims of layer_norm, dims a reshape
 merges or splits non-contiguously) are never split. Addend operands (the bias of linear/addmm) follow
@@ -55,7 +56,7 @@ class Rule:
     differentiable: bool = True  # False: no gradient flows through (detach)
     fill_arg: int | None = None  # pad's fill value: P passes a zero fill only
     joins: bool = False  # cat: m equal operands split along the dim join into S(dim, blocks=m)
-    split_classes: str = ""  # runtime function computing the op with its class dim split (loss family)
+    parallel_form: str = ""  # runtime function computing the op where it takes one of its extra signatures
 
 
 def _elementwise(linear: str = "none", **kw) -> Rule:
@@ -71,11 +72,12 @@ RULES: dict[str, Rule] = {
                                    masked_lookup=True),
     # attention: batch and heads split; sequence and head dims whole
     "aten.scaled_dot_product_attention.default": Rule("attention"),
-    # losses: with reduction="sum" a split batch gives a partial sum, with "mean" the batch stays whole
-    # (the mean divides by a global count of non-ignored targets). Logits split over the classes (a
+    # losses: with reduction="sum" a split batch gives a partial sum; with "mean" too, once the local sum
+    # is divided by the global count of non-ignored targets (one all-reduce of a count). Logits split
+    # over the classes (a
     # column-parallel LM head's) are reduced where they lie, Megatron's vocabulary-parallel loss: a max
     # and one fused sum per row are all-reduced, never the logits, and backward needs no communication.
-    "aten.cross_entropy_loss.default": Rule("loss", dim_arg=3, split_classes="vocab_parallel_cross_entropy"),
+    "aten.cross_entropy_loss.default": Rule("loss", dim_arg=3, parallel_form="cross_entropy"),
     # tensors made from nothing: the same on every rank
     "aten.arange.start": Rule("source"),
     "aten.arange.default": Rule("source"),
@@ -217,9 +219,10 @@ class Signature:
     operands: tuple[Placement, ...]
     output: Placement
     split_letter: str | None = None  # which letter is split, if any
-    # all-reduces the op itself makes on the axis: for each, the values it reduces per element of the
-    # op's last operand (a loss's target: one row of logits each)
-    inner_all_reduces: tuple[int, ...] = ()
+    # An extra signature (DimSpec.extra) names what it does, and declares the all-reduces the op itself
+    # then makes on the axis: for each, (values per element of the op's last operand, fixed values).
+    name: str = ""
+    inner_all_reduces: tuple[tuple[int, int], ...] = ()
 
 
 def is_tensor_valued(node: torch.fx.Node) -> bool:
@@ -413,10 +416,14 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
         if reduction == 1:
             unsplittable |= set(batch)
         sums_contraction = reduction == 2
-        if rule.split_classes and len(shapes) == 2:  # no class weight
+        if rule.parallel_form and len(shapes) == 2:  # no class weight
             smoothing = call_arg(node, 5, "label_smoothing", 0.0) != 0.0
             # a max per row, then (sum of exps, target logit[, logit sum]) per row in one all-reduce
-            extra = (Signature((S(1), B), B, classes, inner_all_reduces=(1, 3 if smoothing else 2)),)
+            extra = (Signature((S(1), B), B, classes, name="classes",
+                               inner_all_reduces=((1, 0), (3 if smoothing else 2, 0))),)
+            if reduction == 1:  # the local sum over the global count of counted targets: a partial mean
+                extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), P, letter,
+                                         name="batch mean", inner_all_reduces=((0, 1),)) for letter in batch)
     elif rule.family == "pad":
         in_letters = tuple(fresh[: len(shapes[0])])
         amounts = call_arg(node, 1, "pad")  # (before, after) pairs from the last dim backwards

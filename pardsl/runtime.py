@@ -113,15 +113,32 @@ class Runtime:
         rows = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0))
         return rows.masked_fill(outside.unsqueeze(-1), 0.0)
 
-    def vocab_parallel_cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, reduction: str,
-                                     ignore_index: int, label_smoothing: float, *axes: str) -> torch.Tensor:
-        """F.cross_entropy (no class weight) of logits whose class dim (1) is split over `axes`.
+    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, reduction: str, ignore_index: int,
+                      label_smoothing: float, class_axes: tuple[str, ...] = (),
+                      count_axes: tuple[str, ...] = ()) -> torch.Tensor:
+        """F.cross_entropy (no class weight) of logits whose class dim (1) is split over `class_axes`, and
+        whose rows (for reduction="mean") are split over `count_axes`.
 
-        Per axis, two all-reduces of one value per row: the max (for a stable exp), then the sum of exps,
-        the target's logit (held by one rank) and, with label smoothing, the logit sum, stacked into one.
-        The sums go through the autograd all-reduce, whose backward is the identity: each rank gets its
+        Classes: per axis, two all-reduces of one value per row: the max (for a stable exp), then the sum of
+        exps, the target's logit (held by one rank) and, with label smoothing, the logit sum, stacked into
+        one. The sums go through the autograd all-reduce, whose backward is the identity: each rank gets its
         own classes' softmax minus one-hot, and backward needs no communication.
+        Rows: the mean is the local sum over the global count of counted targets, a partial sum (P).
         """
+        if class_axes:
+            losses = self._split_class_losses(logits, target, ignore_index, label_smoothing, class_axes)
+        else:
+            losses = torch.ops.aten.cross_entropy_loss.default(logits, target, None, 0, ignore_index, label_smoothing)
+        if reduction == "none":
+            return losses
+        if reduction == "sum":
+            return losses.sum()
+        count = (target != ignore_index).sum().to(logits.dtype)
+        for axis in count_axes:
+            count = self._all_reduce(count, axis, "forward")
+        return losses.sum() / count
+
+    def _split_class_losses(self, logits, target, ignore_index, label_smoothing, axes) -> torch.Tensor:
         classes = logits.shape[1]
         start = self._chunk(axes) * classes
         with torch.no_grad():
@@ -138,16 +155,10 @@ class Runtime:
         stacked = torch.stack(sums)
         for axis in axes:
             stacked = self.all_reduce(stacked, axis)
-        loss = stacked[0].log() - (1.0 - label_smoothing) * stacked[1]
+        losses = stacked[0].log() - (1.0 - label_smoothing) * stacked[1]
         if label_smoothing:
-            loss = loss - label_smoothing * stacked[2] / (classes * self._ranks(axes))
-        counted = target != ignore_index
-        loss = loss.masked_fill(~counted, 0.0)
-        if reduction == "none":
-            return loss
-        if reduction == "sum":
-            return loss.sum()
-        return loss.sum() / counted.sum()
+            losses = losses - label_smoothing * stacked[2] / (classes * self._ranks(axes))
+        return losses.masked_fill(target == ignore_index, 0.0)
 
     def _chunk(self, axes: tuple[str, ...]) -> int:
         """This rank's chunk index of a dim split over `axes`, outermost first."""

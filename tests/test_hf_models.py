@@ -55,11 +55,30 @@ def test_eager_attention_masks_split_heads_with_a_replicated_mask():
 
 def test_causal_lm_loss_is_vocabulary_parallel():
     compiled = compile_file("examples/hf_llama_loss_tp2.par")
-    assert 'rt.vocab_parallel_cross_entropy(' in compiled.source
+    assert 'rt.cross_entropy(' in compiled.source
     assert "rt.all_gather" not in compiled.source  # the logits are never gathered
-    loss = [c for c in compiled.program.collectives if "split over classes" in c.reason]
+    loss = [c for c in compiled.program.collectives if "classes split" in c.reason]
     assert [(c.kind, c.phase, c.bytes) for c in loss] == [("all_reduce", "forward", 4 * 32),  # 32 rows, fp32
                                                           ("all_reduce", "forward", 2 * 4 * 32)]
+
+
+def test_causal_lm_loss_data_times_tensor_parallel(pools):
+    compiled = compile_file("examples/hf_llama_loss_dp2_tp2.par")
+    # dp: the count of targets and the loss; one gradient all-reduce per parameter (21: 9 per layer, embedding, norm, head)
+    expected = {"forward": {"dp:all_reduce": 2, "tp:all_reduce": 7},
+                "backward": {"dp:all_reduce": 21, "tp:all_reduce": 5}}
+    assert compiled.program.collective_counts_by_axis() == expected
+    assert "count_axes=('dp',)" in compiled.source and "rt.all_gather" not in compiled.source
+    check(pools, compiled)
+
+
+def test_kv_heads_that_do_not_divide_the_axis_stay_replicated(pools, compile_par):
+    text = open("examples/hf_llama_tp4.par").read().replace("layers=2", "layers=1, kv_heads=2")
+    text = "\n".join(line for line in text.splitlines() if "k_proj" not in line and "v_proj" not in line)
+    compiled = compile_par(text)
+    shapes = {p.name: p.local_shape for p in compiled.program.parameters}
+    assert shapes["model.model.layers.0.self_attn.k_proj.weight"] == (16, 64)  # 2 KV heads, whole on each rank
+    check(pools, compiled)
 
 
 def test_mask_construction_is_replicated_not_gathered():
