@@ -72,6 +72,16 @@ def test_causal_lm_loss_data_times_tensor_parallel(pools):
     check(pools, compiled)
 
 
+def test_sequence_parallel_llama(pools):
+    compiled = compile_file("examples/hf_llama_sp_tp2.par")
+    # per layer 2 all-gathers + 2 reduce-scatters forward, and 1 all-gather into the head; backward the
+    # mirror image, the embedding output's gradient gathered, and the 5 RMSNorm weights' all-reduces
+    expected = {"forward": {"all_gather": 5, "reduce_scatter": 4},
+                "backward": {"all_gather": 5, "reduce_scatter": 5, "all_reduce": 5}}
+    assert _nonzero(compiled.program.collective_counts()) == expected
+    check(pools, compiled)
+
+
 def test_kv_heads_that_do_not_divide_the_axis_stay_replicated(pools, compile_par):
     text = open("examples/hf_llama_tp4.par").read().replace("layers=2", "layers=1, kv_heads=2")
     text = "\n".join(line for line in text.splitlines() if "k_proj" not in line and "v_proj" not in line)
