@@ -68,3 +68,20 @@ class HFBert(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).pooler_output
+
+
+class HFCausalLM(torch.nn.Module):
+    """Any of transformers' decoder-only families (Mistral, Qwen2, Qwen3, Gemma, Olmo, StableLm, Phi,
+    GPTNeoX, ...) built from its config class with a small shape, through AutoModelForCausalLM."""
+
+    def __init__(self, family: str = "Mistral", layers: int = 1, hidden: int = 64, heads: int = 8,
+                 kv_heads: int = 4, ffn: int = 128, vocab: int = 128, positions: int = 64, attention: str = "sdpa"):
+        super().__init__()
+        config = getattr(transformers, f"{family}Config")(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=positions,
+            attn_implementation=attention)
+        self.model = transformers.AutoModelForCausalLM.from_config(config)
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits

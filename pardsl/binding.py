@@ -13,6 +13,7 @@ import difflib
 import importlib
 import inspect
 import io
+import logging
 import os
 import re
 import sys
@@ -202,9 +203,16 @@ def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticS
 
 
 def trace(model: torch.nn.Module, example_inputs: list[torch.Tensor]) -> torch.export.ExportedProgram:
-    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-        warnings.simplefilter("ignore")
-        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+    # torch logs a failing trace (with its traceback) through handlers of its own; the failure itself is
+    # reported as E035, so the log is silenced for the duration
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            exported = torch.export.export(model, tuple(example_inputs), strict=False)
+    finally:
+        logging.disable(previous)
     inline_grad_mode_regions(exported.graph_module)
     return exported
 

@@ -127,3 +127,35 @@ def test_llama_sizes_and_split_projections_equal_serial(pools, compile_par, kv_h
         {"forward": {"all_reduce": blocks}, "backward": {"all_reduce": blocks}} if blocks
         else {"forward": {}, "backward": {}})
     check(pools, compiled)
+
+
+LLAMA_NAMES = ["self_attn.q_proj.weight : S(0)", "self_attn.k_proj.weight : S(0)", "self_attn.v_proj.weight : S(0)",
+               "self_attn.o_proj.weight : S(1)", "mlp.gate_proj.weight : S(0)", "mlp.up_proj.weight : S(0)",
+               "mlp.down_proj.weight : S(1)"]
+PHI_NAMES = ["self_attn.q_proj.weight : S(0)", "self_attn.q_proj.bias : S(0)", "self_attn.k_proj.weight : S(0)",
+             "self_attn.k_proj.bias : S(0)", "self_attn.v_proj.weight : S(0)", "self_attn.v_proj.bias : S(0)",
+             "self_attn.dense.weight : S(1)", "mlp.fc1.weight : S(0)", "mlp.fc1.bias : S(0)", "mlp.fc2.weight : S(1)"]
+NEOX_NAMES = ["attention.query_key_value.weight : S(0)", "attention.query_key_value.bias : S(0)",
+              "attention.dense.weight : S(1)", "mlp.dense_h_to_4h.weight : S(0)", "mlp.dense_h_to_4h.bias : S(0)",
+              "mlp.dense_4h_to_h.weight : S(1)"]
+
+
+@pytest.mark.parametrize("family, layers_path, names, kwargs, forward, backward", [
+    ("Mistral", "model.model.layers", LLAMA_NAMES, "", 2, 2),
+    ("Qwen2", "model.model.layers", LLAMA_NAMES, "", 2, 2),  # q/k/v biases inferred column parallel
+    ("Qwen3", "model.model.layers", LLAMA_NAMES, "", 2, 4),  # + the per-head q/k RMSNorm weights' gradients
+    ("Gemma", "model.model.layers", LLAMA_NAMES, "", 2, 2),
+    ("Olmo", "model.model.layers", LLAMA_NAMES, "", 2, 2),
+    ("StableLm", "model.model.layers", LLAMA_NAMES, "", 2, 2),
+    # parallel attention and MLP off one residual: their partial sums are added before one all-reduce
+    ("Phi", "model.model.layers", PHI_NAMES, ", kv_heads=8", 1, 1),
+    ("GPTNeoX", "model.gpt_neox.layers", NEOX_NAMES, ", kv_heads=8", 1, 2),  # two LayerNorms on one input
+])
+def test_more_transformers_families_under_megatron(pools, compile_par, family, layers_path, names, kwargs,
+                                                   forward, backward):
+    layouts = "".join(f"  {layers_path}.*.{name}\n" for name in names)
+    compiled = compile_par(f"mesh tp = 2\nmodel examples.hf_models:HFCausalLM(family=\"{family}\"{kwargs})\n"
+                           f"input input_ids : int64[2, 16] in [0, 128)\nlayout {{\n{layouts}  output : B\n}}\n")
+    assert _nonzero(compiled.program.collective_counts()) == {"forward": {"all_reduce": forward},
+                                                             "backward": {"all_reduce": backward}}
+    check(pools, compiled)
