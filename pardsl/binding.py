@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from .diagnostics import DiagnosticSink, Span
 from .layouts import B, Layout, Mesh, Placement
+from .oprules import op_name
 from .syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
 
 DTYPES: dict[str, torch.dtype] = {
@@ -538,15 +539,30 @@ def bind(par: ParFile) -> BoundPlan:
 
     tensors: dict[str, TensorInfo] = {}
     module_paths: dict[str, str] = {}
+    data_dependent: dict[str, set[str]] = {}  # op → module paths, for the ops where such shapes arise
+    dynamic_nodes: set[str] = set()
     for node in exported.graph.nodes:
         value = node.meta.get("val")
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
-            value = value[0]  # a split's parts: its getitem nodes carry each part's own shape
-        if isinstance(value, torch.Tensor):
-            tensors[node.name] = TensorInfo(tuple(int(s) for s in value.shape), value.dtype)
         stack = node.meta.get("nn_module_stack") or {}
         if stack:
             module_paths[node.name] = list(stack.values())[-1][0]
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            value = value[0]  # a split's parts: its getitem nodes carry each part's own shape
+        if not isinstance(value, torch.Tensor):
+            continue
+        if not all(isinstance(size, int) for size in value.shape):  # x[mask], nonzero: sizes known at run time
+            dynamic_nodes.add(node.name)
+            if not any(str(operand) in dynamic_nodes for operand in node.all_input_nodes):
+                where = module_paths.get(node.name) or "the model's own forward()"
+                data_dependent.setdefault(op_name(node), set()).add(where)
+            continue
+        tensors[node.name] = TensorInfo(tuple(int(s) for s in value.shape), value.dtype)
+    for op, places in data_dependent.items():
+        sink.error("E061", f"operation `{op}` gives a result whose shape depends on the data", par.model.span,
+                   f"used in {', '.join(sorted(places)[:3])}",
+                   "pardsl lays out tensors of static shape: select with masks (where, masked_fill) instead")
+    if data_dependent:
+        sink.raise_if_any()
 
     table = _name_table(exported, inputs, parameters, buffers)
     table += [_Named("parameter", name, used) for name, used in aliases.values()]

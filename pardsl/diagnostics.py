@@ -40,6 +40,7 @@ ERROR_CODES: dict[str, str] = {
     "E056": "a dim split in blocks by more than one mesh axis",
     "E057": "blocks must be at least 1",
     "E060": "operation not supported",
+    "E061": "operation whose result shape depends on the data",
 }
 
 

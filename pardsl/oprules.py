@@ -73,10 +73,9 @@ RULES: dict[str, Rule] = {
     # attention: batch and heads split; sequence and head dims whole
     "aten.scaled_dot_product_attention.default": Rule("attention"),
     # losses: with reduction="sum" a split batch gives a partial sum; with "mean" too, once the local sum
-    # is divided by the global count of non-ignored targets (one all-reduce of a count). Logits split
-    # over the classes (a
-    # column-parallel LM head's) are reduced where they lie, Megatron's vocabulary-parallel loss: a max
-    # and one fused sum per row are all-reduced, never the logits, and backward needs no communication.
+    # is divided by the global count of non-ignored targets (one all-reduce of a count). Logits split over
+    # the classes (a column-parallel LM head's) are reduced where they lie, Megatron's vocabulary-parallel
+    # loss: a max and one fused sum per row are all-reduced, never the logits; backward is local.
     "aten.cross_entropy_loss.default": Rule("loss", dim_arg=3, parallel_form="cross_entropy"),
     # tensors made from nothing: the same on every rank
     "aten.arange.start": Rule("source"),
@@ -201,7 +200,7 @@ class DimSpec:
     fixed_size: frozenset[str] | None = None  # letters whose dim keeps its size (may carry blocks); None: all
     sums_contraction: bool | None = None  # a split contracted letter gives P; None: when the op is linear
     cut: tuple[str, int] | None = None  # (letter, m): the op cuts that dim into m equal parts
-    extra: tuple["Signature", ...] = ()  # signatures the letters cannot express (a split-class loss)
+    extra: tuple["Signature", ...] = ()  # signatures the letters cannot express (cat's blocks, a loss's)
 
     def letters(self) -> list[str]:
         seen: dict[str, None] = {}
@@ -521,9 +520,7 @@ def _index_letters(node: torch.fx.Node, shapes: list[tuple[int, ...]],
         output = x_letters[: indexed[0]] + index_letters + x_letters[indexed[-1] + 1:]
     else:
         output = index_letters + tuple(kept)
-    whole = {x_letters[d] for d in indexed}
-    if any(index.meta["val"].dtype == torch.bool for index in indices if index is not None):
-        whole |= set(x_letters) | set(index_letters)  # a mask selects a data-dependent count: all B
+    whole = {x_letters[d] for d in indexed}  # (a boolean mask's result has a data-dependent shape: E061)
     operand_letters = [x_letters] + _broadcast_letters(shapes[1:], index_shape, index_letters)
     assert len(output) == len(out_shape), (output, out_shape)
     return operand_letters, output, whole

@@ -60,6 +60,8 @@ CASES = [
     ("partial-input", layout("x : P"), [("E055", 5, 7)]),
     ("partial-on-axis-of-input", layout("x : [B, P]", head=MESH2), [("E055", 5, 11)]),
     ("unsupported-op", "mesh tp = 2\nmodel tests.test_errors:Unsupported()\ninput x : float32[4, 8]\n", [("E060", 2, 1)]),
+    ("data-dependent-shape", "mesh tp = 2\nmodel tests.test_errors:BooleanMask()\ninput x : float32[4, 8]\n",
+     [("E061", 2, 1)]),
     ("module-called-twice", "mesh tp = 2\nmodel tests.test_errors:Twice()\ninput x : float32[4, 8]\n"
                             "layout {\n  lin() : B\n}\n", [("E044", 5, 3)]),
 ]
@@ -68,6 +70,11 @@ CASES = [
 class Unsupported(__import__("torch").nn.Module):
     def forward(self, x):
         return __import__("torch").cumprod(x, dim=0)
+
+
+class BooleanMask(__import__("torch").nn.Module):
+    def forward(self, x):
+        return x[x > 0].sum()
 
 
 class Twice(__import__("torch").nn.Module):
