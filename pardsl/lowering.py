@@ -24,7 +24,7 @@ import torch
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
 from .layouts import COLLECTIVE_KINDS, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
-from .oprules import RULES, Signature, call_arg
+from .oprules import RULES, Signature
 
 
 @dataclass(frozen=True)
@@ -375,7 +375,13 @@ class _Lowerer:
             axes = ", ".join(f'"{a}"' for a in vocab_axes)
             expr = f"rt.masked_embedding({operand_vars[0]}, {operand_vars[1]}, {axes})"
         elif parallel_forms:
-            expr, inner = self._parallel_loss(typed_node, fx_node, operand_vars, parallel_forms, reason)
+            # the rule's parallel form takes the op's own arguments, and per form the axes it is taken on
+            forms = {}
+            for axis, signature in parallel_forms.items():
+                forms.setdefault(signature.name, []).append(self.mesh.axis_names[axis])
+            form_kwargs = [f"{form}={tuple(axes)!r}" for form, axes in forms.items()]
+            expr = f"rt.{rule.parallel_form}({', '.join(args + kwargs + form_kwargs)})"
+            inner = self._inner_collectives(typed_node, parallel_forms, reason)
         self.emit(name, expr, self._value_comment(typed_node.op_layout, info.shape), inner)
         if rule.mean:
             self._rescale_mean(typed_node, fx_node, name)
@@ -396,28 +402,22 @@ class _Lowerer:
                     taken[axis] = signature
         return taken
 
-    def _parallel_loss(self, typed_node, fx_node, operand_vars, forms: dict[int, Signature], reason):
-        """Cross-entropy on logits split over the classes on some axes (each rank reduces its own classes;
-        a max and one fused sum per row are all-reduced there, never the logits; backward is local), and
-        mean-reduced over a batch split on others (the local sum over the global count of targets)."""
-        reduction = {0: "none", 1: "mean", 2: "sum"}[call_arg(fx_node, 3, "reduction", 1)]
-        ignore_index = call_arg(fx_node, 4, "ignore_index", -100)
-        smoothing = float(call_arg(fx_node, 5, "label_smoothing", 0.0))
-        logits, target = typed_node.operands
-        itemsize = self.typed.info(logits).itemsize
-        rows = math.prod(typed_node.operand_layouts[1].local_shape(self.typed.info(target).shape, self.mesh))
-        what = {"classes": ("max", "sum of exps and target logit"), "batch mean": ("count of targets",)}
-        collectives = tuple(
-            Collective("all_reduce", self.mesh.axis_names[axis], "forward",
-                       collective_bytes("all_reduce", (per_row * rows + fixed) * itemsize, self.mesh.axis_sizes[axis]),
-                       self.var[logits], f"{description}: {signature.name} split — {reason}")
-            for axis, signature in forms.items()
-            for (per_row, fixed), description in zip(signature.inner_all_reduces, what[signature.name]))
-        class_axes = tuple(self.mesh.axis_names[a] for a, s in forms.items() if s.name == "classes")
-        count_axes = tuple(self.mesh.axis_names[a] for a, s in forms.items() if s.name == "batch mean")
-        expr = (f"rt.{RULES[typed_node.op].parallel_form}({operand_vars[0]}, {operand_vars[1]}, {reduction!r}, "
-                f"{ignore_index!r}, {smoothing!r}, class_axes={class_axes!r}, count_axes={count_axes!r})")
-        return expr, collectives
+    def _inner_collectives(self, typed_node, forms: dict[int, Signature], reason: str) -> tuple[Collective, ...]:
+        """The all-reduces a parallel form makes (the vocabulary-parallel loss's, the count of targets)."""
+        operand = typed_node.operands[0]
+        info = self.typed.info(operand)
+        local = typed_node.operand_layouts[0].local_shape(info.shape, self.mesh)
+        collectives = []
+        for axis, signature in forms.items():
+            placement = typed_node.operand_layouts[0].placements[axis]
+            rows = math.prod(local) // local[placement.dim] if placement.is_split else math.prod(local)
+            for inner in signature.inner_all_reduces:
+                nbytes = (inner.per_row * rows + inner.fixed) * info.itemsize
+                collectives.append(Collective(
+                    "all_reduce", self.mesh.axis_names[axis], "forward",
+                    collective_bytes("all_reduce", nbytes, self.mesh.axis_sizes[axis]), self.var[operand],
+                    f"{inner.what}, {signature.name} split — {reason}"))
+        return tuple(collectives)
 
     def _intermediate_name(self, final: str, layout: Layout) -> str:
         """A step on the way to `final`, named by its own layout unless a conversion already uses that name."""

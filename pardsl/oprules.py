@@ -212,16 +212,25 @@ class DimSpec:
 
 
 @dataclass(frozen=True)
+class InnerAllReduce:
+    """An all-reduce a parallel form makes itself in forward, on the axis of its signature."""
+
+    per_row: int  # values per row of operand 0: per index of its dims other than the split one
+    fixed: int = 0  # and values besides
+    what: str = ""
+
+
+@dataclass(frozen=True)
 class Signature:
     """One axis: the placement each operand must have, and the output's."""
 
     operands: tuple[Placement, ...]
     output: Placement
     split_letter: str | None = None  # which letter is split, if any
-    # An extra signature (DimSpec.extra) names what it does, and declares the all-reduces the op itself
-    # then makes on the axis: for each, (values per element of the op's last operand, fixed values).
+    # An extra signature (DimSpec.extra) is computed by the rule's parallel form, which takes the op's own
+    # arguments and, as keyword `name`, the axes it is taken on; it declares the all-reduces it makes.
     name: str = ""
-    inner_all_reduces: tuple[tuple[int, int], ...] = ()
+    inner_all_reduces: tuple[InnerAllReduce, ...] = ()
 
 
 def is_tensor_valued(node: torch.fx.Node) -> bool:
@@ -418,11 +427,14 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
         if rule.parallel_form and len(shapes) == 2:  # no class weight
             smoothing = call_arg(node, 5, "label_smoothing", 0.0) != 0.0
             # a max per row, then (sum of exps, target logit[, logit sum]) per row in one all-reduce
-            extra = (Signature((S(1), B), B, classes, name="classes",
-                               inner_all_reduces=((1, 0), (3 if smoothing else 2, 0))),)
+            extra = (Signature((S(1), B), B, classes, name="classes", inner_all_reduces=(
+                InnerAllReduce(1, what="max per row"),
+                InnerAllReduce(3 if smoothing else 2, what="sum of exps and target logit per row"))),)
             if reduction == 1:  # the local sum over the global count of counted targets: a partial mean
                 extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), P, letter,
-                                         name="batch mean", inner_all_reduces=((0, 1),)) for letter in batch)
+                                         name="counts", inner_all_reduces=(
+                                             InnerAllReduce(0, 1, what="count of targets"),))
+                               for letter in batch)
     elif rule.family == "pad":
         in_letters = tuple(fresh[: len(shapes[0])])
         amounts = call_arg(node, 1, "pad")  # (before, after) pairs from the last dim backwards
@@ -478,6 +490,7 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
         trailing = tuple(in_letters[d] for d in normalized)
         operand_letters = [in_letters] + [trailing for _ in shapes[1:]]
         output = in_letters
+
     elif rule.family == "reshape":
         in_letters, output, unsplittable = _reshape_letters(shapes[0], out_shape)
         operand_letters = [in_letters]

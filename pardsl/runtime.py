@@ -113,28 +113,31 @@ class Runtime:
         rows = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0))
         return rows.masked_fill(outside.unsqueeze(-1), 0.0)
 
-    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, reduction: str, ignore_index: int,
-                      label_smoothing: float, class_axes: tuple[str, ...] = (),
-                      count_axes: tuple[str, ...] = ()) -> torch.Tensor:
-        """F.cross_entropy (no class weight) of logits whose class dim (1) is split over `class_axes`, and
-        whose rows (for reduction="mean") are split over `count_axes`.
+    # -- parallel forms of ops: the op's own arguments, and per form the axes it is taken on ------------
+
+    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, weight=None, reduction: int = 1,
+                      ignore_index: int = -100, label_smoothing: float = 0.0, *, classes: tuple[str, ...] = (),
+                      counts: tuple[str, ...] = ()) -> torch.Tensor:
+        """aten.cross_entropy_loss (no class weight) of logits whose class dim (1) is split over `classes`,
+        and whose rows (reduction mean) are split over `counts`.
 
         Classes: per axis, two all-reduces of one value per row: the max (for a stable exp), then the sum of
         exps, the target's logit (held by one rank) and, with label smoothing, the logit sum, stacked into
         one. The sums go through the autograd all-reduce, whose backward is the identity: each rank gets its
         own classes' softmax minus one-hot, and backward needs no communication.
-        Rows: the mean is the local sum over the global count of counted targets, a partial sum (P).
+        Counts: the mean is the local sum over the global count of counted targets, a partial sum (P).
         """
-        if class_axes:
-            losses = self._split_class_losses(logits, target, ignore_index, label_smoothing, class_axes)
+        assert weight is None, "a class weight has no parallel form"
+        if classes:
+            losses = self._split_class_losses(logits, target, ignore_index, label_smoothing, classes)
         else:
             losses = torch.ops.aten.cross_entropy_loss.default(logits, target, None, 0, ignore_index, label_smoothing)
-        if reduction == "none":
+        if reduction == 0:
             return losses
-        if reduction == "sum":
+        if reduction == 2:
             return losses.sum()
         count = (target != ignore_index).sum().to(logits.dtype)
-        for axis in count_axes:
+        for axis in counts:
             count = self._all_reduce(count, axis, "forward")
         return losses.sum() / count
 

@@ -68,7 +68,7 @@ def test_causal_lm_loss_data_times_tensor_parallel(pools):
     expected = {"forward": {"dp:all_reduce": 2, "tp:all_reduce": 7},
                 "backward": {"dp:all_reduce": 21, "tp:all_reduce": 5}}
     assert compiled.program.collective_counts_by_axis() == expected
-    assert "count_axes=('dp',)" in compiled.source and "rt.all_gather" not in compiled.source
+    assert "counts=('dp',)" in compiled.source and "rt.all_gather" not in compiled.source
     check(pools, compiled)
 
 
