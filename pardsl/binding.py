@@ -552,7 +552,7 @@ def bind(par: ParFile) -> BoundPlan:
             continue
         if not all(isinstance(size, int) for size in value.shape):  # x[mask], nonzero: sizes known at run time
             dynamic_nodes.add(node.name)
-            if not any(str(operand) in dynamic_nodes for operand in node.all_input_nodes):
+            if not any(operand.name in dynamic_nodes for operand in node.all_input_nodes):
                 where = module_paths.get(node.name) or "the model's own forward()"
                 data_dependent.setdefault(op_name(node), set()).add(where)
             continue

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from .binding import BoundPlan, TensorInfo
 from .diagnostics import DiagnosticSink
 from .layouts import B, P, Layout, Mesh, Placement, collective_bytes
-from .oprules import DimSpec, InnerAllReduce, dim_spec, is_tensor_valued, op_name, rule_for, signatures, tensor_operands, unmet_requirement
+from .oprules import DimSpec, dim_spec, is_tensor_valued, op_name, rule_for, signatures, tensor_operands, unmet_requirement
 
 
 @dataclass(frozen=True)
@@ -150,11 +150,6 @@ def infer(bound: BoundPlan) -> TypedGraph:
             info = bound.tensors[name]
             return math.prod(layout_with(name, placement).local_shape(info.shape, mesh)) * info.itemsize
 
-        def inner_bytes(name: str, placement: Placement, inner: InnerAllReduce) -> int:
-            local = layout_with(name, placement).local_shape(bound.tensors[name].shape, mesh)
-            rows = math.prod(local) // local[placement.dim] if placement.is_split else math.prod(local)
-            return (inner.per_row * rows + inner.fixed) * bound.tensors[name].itemsize
-
         free: set[str] = set()
         for name in placeholders:
             pin = bound.pins.get(name)
@@ -207,7 +202,9 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     backward += _one_axis_cost(source, target, size, n, grad, written) - forward_only
                     changes += 1
                 for inner in signature.inner_all_reduces:  # a parallel form's own collectives
-                    forward += collective_bytes("all_reduce", inner_bytes(names[0], signature.operands[0], inner), n)
+                    first, placement = bound.tensors[names[0]], signature.operands[0]
+                    local = layout_with(names[0], placement).local_shape(first.shape, mesh)
+                    forward += collective_bytes("all_reduce", inner.values(local, placement) * first.itemsize, n)
                     changes += 1
                 # Splitting the result of an op whose operands are all B only saves local work; any
                 # consumer can slice a B value for nothing, but a split made here may need a gather later

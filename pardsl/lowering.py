@@ -410,9 +410,8 @@ class _Lowerer:
         collectives = []
         for axis, signature in forms.items():
             placement = typed_node.operand_layouts[0].placements[axis]
-            rows = math.prod(local) // local[placement.dim] if placement.is_split else math.prod(local)
             for inner in signature.inner_all_reduces:
-                nbytes = (inner.per_row * rows + inner.fixed) * info.itemsize
+                nbytes = inner.values(local, placement) * info.itemsize
                 collectives.append(Collective(
                     "all_reduce", self.mesh.axis_names[axis], "forward",
                     collective_bytes("all_reduce", nbytes, self.mesh.axis_sizes[axis]), self.var[operand],

@@ -24,6 +24,7 @@ row-parallel bias is added once.
 
 from __future__ import annotations
 
+import math
 import string
 from dataclasses import dataclass
 from typing import Any
@@ -218,6 +219,12 @@ class InnerAllReduce:
     per_row: int  # values per row of operand 0: per index of its dims other than the split one
     fixed: int = 0  # and values besides
     what: str = ""
+
+    def values(self, local_shape: tuple[int, ...], placement: Placement) -> int:
+        """How many values it reduces, for operand 0 of this local shape and placement on the axis."""
+        elements = math.prod(local_shape)
+        rows = elements // local_shape[placement.dim] if placement.is_split else elements
+        return self.per_row * rows + self.fixed
 
 
 @dataclass(frozen=True)
