@@ -10,6 +10,7 @@ sends, so tests and users can assert communication exactly.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -160,7 +161,7 @@ class Runtime:
             stacked = self.all_reduce(stacked, axis)
         losses = stacked[0].log() - (1.0 - label_smoothing) * stacked[1]
         if label_smoothing:
-            losses = losses - label_smoothing * stacked[2] / (classes * self._ranks(axes))
+            losses = losses - label_smoothing * stacked[2] / (classes * math.prod(self.size[a] for a in axes))
         return losses.masked_fill(target == ignore_index, 0.0)
 
     def _chunk(self, axes: tuple[str, ...]) -> int:
@@ -169,12 +170,6 @@ class Runtime:
         for axis in axes:
             chunk = chunk * self.size[axis] + self.coordinate[axis]
         return chunk
-
-    def _ranks(self, axes: tuple[str, ...]) -> int:
-        ranks = 1
-        for axis in axes:
-            ranks *= self.size[axis]
-        return ranks
 
     # -- the primitives, counted ----------------------------------------------------------------------
 
