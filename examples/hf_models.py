@@ -85,3 +85,24 @@ class HFCausalLM(torch.nn.Module):
 
     def forward(self, input_ids):
         return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+# Hugging Face's classes as they are, for training through pardsl's API: the forward is the library's own
+# (input_ids, labels, attention_mask, ...), and the output its ModelOutput (out.loss, out.logits). The
+# key-value cache is off: a training step has none to return.
+
+def llama_causal_lm(layers: int = 2, hidden: int = 64, heads: int = 8, kv_heads: int = 4, ffn: int = 128,
+                    vocab: int = 256, positions: int = 128, dtype: str = "float32") -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=kv_heads, max_position_embeddings=positions,
+                                      use_cache=False, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
+
+
+def gpt2_lm_head(layers: int = 2, hidden: int = 64, heads: int = 8, vocab: int = 256, positions: int = 128,
+                 dtype: str = "float32") -> transformers.GPT2LMHeadModel:
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers,
+                                     n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0, use_cache=False, attn_implementation="sdpa")
+    return transformers.GPT2LMHeadModel(config).to(getattr(torch, dtype))

@@ -73,6 +73,12 @@ class BoundPlan:
     output_pins: dict[int, Pin]  # flat output index → user layout
     module_paths: dict[str, str] = field(default_factory=dict)  # node name → module path it came from
     seconds: dict[str, float] = field(default_factory=dict)  # model build, export, name binding
+    # The real values of buffers and lifted constants (non-persistent ones, such as rotary tables, are in
+    # no checkpoint), by every name; parameters were built on the meta device and have none.
+    buffer_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    persistent_buffers: frozenset[str] = frozenset()
+    tied: dict[str, tuple[str, ...]] = field(default_factory=dict)  # parameter name → every name it has
+    signature: inspect.Signature | None = None  # the model's forward()
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -142,6 +148,29 @@ def build_model(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = No
     return model
 
 
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Parameters are created on the meta device (no memory, no values); buffers keep theirs.
+
+    Every `nn.Module.register_parameter` (what `self.weight = nn.Parameter(...)` calls) moves the new
+    parameter to meta, so a factory builds the model's structure while holding at most one real tensor at
+    a time, and initialisers run on meta for nothing. Buffers stay real: some have no other source (rotary
+    frequencies are computed in __init__ and are in no checkpoint).
+    """
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, parameter):
+        if parameter is not None and parameter.device.type != "meta":
+            parameter = type(parameter)(parameter.to("meta"), requires_grad=parameter.requires_grad)
+        original(module, name, parameter)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
 def make_inputs(decls: tuple[InputDecl, ...], generator: torch.Generator) -> list[torch.Tensor]:
     """Example inputs from the `input` declarations: normal floats, uniform integers in their range."""
     tensors = []
@@ -180,30 +209,31 @@ def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticS
                 ok = False
     if model is None:
         return False
-    parameters = [
-        p for p in inspect.signature(model.forward).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    names = [p.name for p in parameters]
-    for position, decl in enumerate(par.inputs):
-        if position >= len(names):
-            sink.error("E034", f"`forward` takes {len(names)} argument(s); input `{decl.name}` is one too many",
-                       decl.span, f"forward({', '.join(names)})")
+    arguments = inspect.signature(model.forward).parameters
+    names = [n for n, p in arguments.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    declared = {decl.name for decl in par.inputs}
+    required = [n for n in names if n not in declared and arguments[n].default is inspect.Parameter.empty]
+    misnamed = False
+    for decl in par.inputs:
+        if decl.name not in names:
+            misnamed = True
+            close = difflib.get_close_matches(decl.name, required or names, 1)
+            notes = [f"did you mean `{close[0]}`?"] if close else \
+                [f"`{', '.join(required)}` {'is' if len(required) == 1 else 'are'} not declared"] if required else []
+            sink.error("E034", f"`forward` has no argument `{decl.name}`", decl.span,
+                       f"forward({', '.join(names)})", *notes)
             ok = False
-        elif decl.name != names[position]:
-            sink.error("E034", f"input {position + 1} is `{decl.name}` but forward's argument {position + 1} "
-                       f"is `{names[position]}`", decl.span, f"forward({', '.join(names)})")
-            ok = False
-    for missing in parameters[len(par.inputs):]:
-        if missing.default is inspect.Parameter.empty:
+    for name in names:
+        if not misnamed and name in required:  # a misnamed input is reported once, above
             span = par.inputs[-1].span if par.inputs else par.model.span
-            sink.error("E034", f"forward's argument `{missing.name}` has no default and no `input` declaration",
+            sink.error("E034", f"forward's argument `{name}` has no default and no `input` declaration",
                        span, f"forward({', '.join(names)})")
             ok = False
     return ok
 
 
-def trace(model: torch.nn.Module, example_inputs: list[torch.Tensor]) -> torch.export.ExportedProgram:
+def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
+    """torch.export with the inputs by forward() argument name; the others keep their defaults."""
     # torch logs a failing trace (with its traceback) through handlers of its own; the failure itself is
     # reported as E035, so the log is silenced for the duration
     previous = logging.root.manager.disable
@@ -211,7 +241,7 @@ def trace(model: torch.nn.Module, example_inputs: list[torch.Tensor]) -> torch.e
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            exported = torch.export.export(model, tuple(example_inputs), strict=False)
+            exported = torch.export.export(model, (), dict(example_inputs), strict=False)
     finally:
         logging.disable(previous)
     inline_grad_mode_regions(exported.graph_module)
@@ -506,17 +536,27 @@ def bind(par: ParFile) -> BoundPlan:
     clock = time.perf_counter()
     mesh = _check_mesh(par, sink)
     written = [(entry, layout_from_syntax(entry.layout, mesh, sink) if mesh else None) for entry in par.layouts]
-    model = build_model(par.model, par.source.path, sink)
+    # No full model on any rank: the structure is built with parameters on the meta device, and traced
+    # on meta with meta inputs; only buffers (small, and sometimes computed in __init__) hold values.
+    with parameters_on_meta():
+        model = build_model(par.model, par.source.path, sink)
     seconds = {"build": time.perf_counter() - clock}
     if not _check_inputs(par, model, sink):
         sink.raise_if_any()
     # A bad mesh does not stop tracing: names are still checked, so one run reports more.
 
-    example = make_inputs(par.inputs, torch.Generator().manual_seed(0))
+    # copies: moving the model to meta for tracing may move the buffers' own storage
+    buffer_values = {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)}
+    persistent = frozenset(model.state_dict(keep_vars=True)) & frozenset(buffer_values)
+    tied: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(parameter), []).append(name)
+    signature = inspect.signature(model.forward)
+    example = {decl.name: torch.empty(decl.shape, dtype=DTYPES[decl.dtype], device="meta") for decl in par.inputs}
     clock = time.perf_counter()
     try:
         with import_paths(*par_import_paths(par.source.path)):
-            exported = trace(model, example)
+            exported = trace(model.to("meta"), example)
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         span = par.inputs[0].span if par.inputs else par.model.span
@@ -527,15 +567,17 @@ def bind(par: ParFile) -> BoundPlan:
 
     seconds["export"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    signature = exported.graph_signature
-    parameters = dict(signature.inputs_to_parameters)
-    buffers = dict(signature.inputs_to_buffers)
-    buffers.update(getattr(signature, "inputs_to_lifted_tensor_constants", {}) or {})
+    graph_signature = exported.graph_signature
+    parameters = dict(graph_signature.inputs_to_parameters)
+    buffers = dict(graph_signature.inputs_to_buffers)
+    buffers.update(getattr(graph_signature, "inputs_to_lifted_tensor_constants", {}) or {})
     aliases = _tied_aliases(model, exported, parameters)
     for unused in aliases:
         parameters.pop(unused, None)
-    user_inputs = [s.arg.name for s in signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
-    inputs = {placeholder: decl.name for placeholder, decl in zip(user_inputs, par.inputs)}
+    inputs = _user_input_names(exported)
+    # tensors the forward makes from constants, lifted by export (non-persistent buffers are there too,
+    # traced on meta: the values built above stand)
+    buffer_values.update((k, v) for k, v in exported.constants.items() if k not in buffer_values)
 
     tensors: dict[str, TensorInfo] = {}
     module_paths: dict[str, str] = {}
@@ -599,4 +641,16 @@ def bind(par: ParFile) -> BoundPlan:
     sink.raise_if_any()
     seconds["bind"] = time.perf_counter() - clock
     return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
-                     module_paths, seconds)
+                     module_paths, seconds, buffer_values, persistent,
+                     {name: tuple(names) for names in tied.values() for name in names}, signature)
+
+
+def _user_input_names(exported: torch.export.ExportedProgram) -> dict[str, str]:
+    """Placeholder → forward() argument name, for the tensor inputs export was given by name."""
+    spec = exported.call_spec.in_spec
+    leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]
+    by_index = {index: path[-1].key for path, index in leaves if isinstance(path[-1], pytree.MappingKey)}
+    user = [s.arg.name for s in exported.graph_signature.input_specs
+            if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    flat_user = [i for i in range(spec.num_leaves) if i in by_index]
+    return {placeholder: by_index[index] for placeholder, index in zip(user, flat_user)}

@@ -7,6 +7,7 @@ the one the user gave, dict orders fixed by the graph).
 from __future__ import annotations
 
 import functools
+import types
 from importlib import resources
 
 import jinja2
@@ -76,3 +77,11 @@ def render(program: LoweredProgram) -> str:
         outputs=outputs,
         lines=lines,
     )
+
+
+def load_module(source: str, name: str = "pardsl_module") -> types.ModuleType:
+    """Generated source executed as a module, as if imported from the file `pardsl compile` writes."""
+    module = types.ModuleType(name)
+    module.__file__ = f"<pardsl:{name}>"
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module

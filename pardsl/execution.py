@@ -18,12 +18,12 @@ import os
 import statistics
 import sys
 import time
-import types
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from .codegen import load_module
 from .layouts import Layout, Mesh
 from .syntax import InputDecl, ModelDecl
 
@@ -61,13 +61,6 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def _load_module(job: RankJob) -> types.ModuleType:
-    module = types.ModuleType(job.module_name)
-    module.__file__ = f"<pardsl:{job.module_name}>"
-    exec(compile(job.module_source, module.__file__, "exec"), module.__dict__)
-    return module
-
-
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest elementwise difference; inf where shapes differ or anything is not finite (NaN never passes)."""
     if a.shape != b.shape:
@@ -92,7 +85,7 @@ def run_rank(job: RankJob) -> dict:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
         torch.cuda.set_device(device)
     rt = Runtime(job.mesh, device)
-    module = _load_module(job)
+    module = load_module(job.module_source, job.module_name)
 
     torch.manual_seed(job.seed)
     with import_paths(*job.sys_path):
@@ -104,6 +97,7 @@ def run_rank(job: RankJob) -> dict:
     compiled.load_full_state_dict(full)
     full_inputs = [t.to(device) for t in make_inputs(job.inputs, torch.Generator().manual_seed(job.seed + 1))]
     local_inputs = compiled.shard_inputs(*full_inputs)
+    input_names = [decl.name for decl in job.inputs]
     serial_params = dict(serial.named_parameters(remove_duplicate=False))  # tied weights under every name
     compiled_params = {name: getattr(compiled, attr) for name, (attr, _, _) in module.PARAMETERS.items()}
     layouts = {name: layout for name, (_, layout, _) in module.PARAMETERS.items()}
@@ -127,7 +121,7 @@ def run_rank(job: RankJob) -> dict:
 
     for _ in range(job.steps):
         start = time.perf_counter()
-        serial_out = torch.utils._pytree.tree_leaves(serial(*full_inputs))
+        serial_out = torch.utils._pytree.tree_leaves(serial(**dict(zip(input_names, full_inputs))))
         if output_grads is None:
             output_grads = [torch.randn(o.shape, generator=grad_generator).to(device, o.dtype) for o in serial_out]
         serial_opt.zero_grad(set_to_none=True)

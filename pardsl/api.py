@@ -1,0 +1,233 @@
+"""The public API: train with a compiled plan from one's own script, under torchrun.
+
+    plan = pardsl.load("plan.par")            # parse, export (on the meta device), infer, lower; cached
+    model = plan.module(checkpoint="ckpt/")   # this rank's shards only
+    out = model(**plan.shard_inputs(input_ids=batch, labels=batch))
+
+`Plan` wraps what the compiler produced for one `.par` file; `ParallelModule` is the generated SPMD
+module behind the serial model's own call signature and output structure. The process group is the
+script's: pardsl uses the default one, whose world size must be the mesh's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from .compiler import Compiled, compile_par
+from .diagnostics import CompileError
+from .codegen import load_module
+from .layouts import B, Layout
+from .syntax import parse
+
+_CACHE: dict[tuple[str, str, str], Compiled] = {}
+
+
+def load(path: str) -> "Plan":
+    """Compile a `.par` file into a Plan. Compiles once per process for the same file content and
+    working directory; a mistake in the file raises `CompileError` (its `render()` points into the file)."""
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    key = (os.path.abspath(path), os.getcwd(), hashlib.sha256(text.encode()).hexdigest())
+    if key not in _CACHE:
+        _CACHE[key] = compile_par(parse(text, path))
+    return Plan(_CACHE[key])
+
+
+def default_device() -> torch.device:
+    """The CUDA device of this rank where the process group runs NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Plan:
+    """A compiled `.par` file: the layouts, the generated module, and what runs it on this rank."""
+
+    def __init__(self, compiled: Compiled):
+        self.compiled = compiled
+        self.mesh = compiled.program.mesh
+        self._generated = load_module(compiled.source)
+        self._runtimes: dict[torch.device, object] = {}
+        bound = compiled.bound
+        self.input_names = [slot.name for slot in compiled.program.inputs]
+        self.input_layouts = {slot.name: slot.layout for slot in compiled.program.inputs}
+        self.signature: inspect.Signature = bound.signature
+        self.out_spec = bound.exported.call_spec.out_spec
+
+    def runtime(self, device: torch.device | str | None = None):
+        from .runtime import Runtime
+
+        device = torch.device(device) if device is not None else default_device()
+        if device not in self._runtimes:
+            self._runtimes[device] = Runtime(self.mesh, device)
+        return self._runtimes[device]
+
+    # -- the model -------------------------------------------------------------------------------------
+
+    def module(self, checkpoint: str | None = None, device: torch.device | str | None = None) -> "ParallelModule":
+        """This rank's shards of the model, as a module that takes the serial model's arguments.
+
+        With a checkpoint (a pardsl checkpoint folder, a `model.safetensors` file, or a Hugging Face folder
+        with `model.safetensors.index.json`), each rank reads only its own slices of each tensor. Without
+        one, the parameters are the values the model's factory gives under the current torch seed, as the
+        serial model's would be: every rank builds the serial model once to take its shards (so set the
+        same seed on every rank, and use a checkpoint for a model larger than one rank's memory).
+        """
+        rt = self.runtime(device)
+        spmd = self._generated.CompiledModule(rt)
+        bound = self.compiled.bound
+        if checkpoint is None:
+            from .binding import build_model, import_paths, par_import_paths
+
+            par = self.compiled.par
+            with import_paths(*par_import_paths(par.source.path)):
+                serial = build_model(par.model, par.source.path)
+            full = {name: t.detach() for name, t in serial.named_parameters(remove_duplicate=False)}
+            full.update((name, t.detach()) for name, t in serial.named_buffers(remove_duplicate=False))
+            full.update((name, t) for name, t in bound.buffer_values.items() if name not in full)
+            spmd.load_full_state_dict(full)
+            del serial, full
+        else:
+            from .checkpoint import load_model_state
+
+            with torch.no_grad():
+                for name, (attr, layout, _) in self._generated.BUFFERS.items():
+                    getattr(spmd, attr).copy_(rt.shard(bound.buffer_values[name], layout))
+            load_model_state(spmd, self, checkpoint)
+        return ParallelModule(self, spmd)
+
+    # -- inputs ----------------------------------------------------------------------------------------
+
+    def _bind_arguments(self, args, kwargs) -> dict[str, object]:
+        try:
+            bound = self.signature.bind_partial(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{self.compiled.par.model.text}: {error}") from None
+        missing = [name for name in self.input_names if name not in bound.arguments]
+        if missing:
+            raise TypeError(f"missing input(s) {', '.join(missing)}: the .par file declares "
+                            f"{', '.join(self.input_names)}")
+        undeclared = [name for name in bound.arguments if name not in self.input_layouts]
+        if undeclared:
+            raise TypeError(f"argument(s) {', '.join(undeclared)} are not declared as `input` in "
+                            f"{self.compiled.par.source.path}; the model was traced with their defaults")
+        return dict(bound.arguments)
+
+    def shard_inputs(self, *args, local_batch: bool = False, device=None, **kwargs) -> dict[str, torch.Tensor]:
+        """This rank's pieces of full inputs given by position or by forward() argument name, by name:
+        call the model with `model(**plan.shard_inputs(...))`.
+
+        `local_batch=True`: the inputs are already this rank's part of the batch (a sampler over
+        `plan.data_parallel`), so only the splits over the other mesh axes are taken.
+        """
+        rt = self.runtime(device)
+        arguments = self._bind_arguments(args, kwargs)
+        local = {}
+        for name in self.input_names:
+            value = arguments[name]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"input `{name}` must be a tensor, not {type(value).__name__}")
+            layout = self.input_layouts[name]
+            if local_batch:
+                layout = Layout(tuple(B if axis in self.data_parallel_axes else p
+                                      for axis, p in enumerate(layout.placements)))
+            local[name] = rt.shard(value.to(rt.device), layout)
+        return local
+
+    @property
+    def data_parallel_axes(self) -> tuple[int, ...]:
+        """Mesh axes that split the batch (dim 0) of the inputs."""
+        return tuple(axis for axis in range(self.mesh.ndim)
+                     if any(layout.placements[axis].is_split and layout.placements[axis].dim == 0
+                            for layout in self.input_layouts.values()))
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size) of this rank's part of the batch, for a `DistributedSampler(num_replicas=size, rank=rank)`."""
+        rt = self.runtime()
+        rank, size = 0, 1
+        for axis in self.data_parallel_axes:
+            name = self.mesh.axis_names[axis]
+            rank, size = rank * rt.size[name] + rt.coordinate[name], size * rt.size[name]
+        return rank, size
+
+    @property
+    def parameter_layouts(self) -> dict[str, tuple[str, tuple[str, ...], tuple[int, ...]]]:
+        """State-dict name → (attribute of the generated module, layout per mesh axis, global shape)."""
+        return dict(self._generated.PARAMETERS)
+
+    @property
+    def buffer_layouts(self) -> dict[str, tuple[str, tuple[str, ...], tuple[int, ...]]]:
+        return dict(self._generated.BUFFERS)
+
+
+class ParallelModule(torch.nn.Module):
+    """One rank's part of the model: the generated SPMD module behind the serial model's signature.
+
+    `model(...)` takes the local inputs `plan.shard_inputs` gives (by position or name) and returns what the
+    serial model returns (a `ModelOutput`, a dict, a tuple, a tensor), each tensor this rank's local value
+    in its output layout: the whole value where the layout is B, its shard where it is S.
+    """
+
+    def __init__(self, plan: Plan, spmd: torch.nn.Module):
+        super().__init__()
+        self.plan = plan
+        self.spmd = spmd
+
+    @property
+    def rt(self):
+        return self.spmd.rt
+
+    def forward(self, *args, **kwargs):
+        arguments = self.plan._bind_arguments(args, kwargs)
+        flat = self.spmd(*(arguments[name] for name in self.plan.input_names))
+        return pytree.tree_unflatten(list(flat), self.plan.out_spec)
+
+    def named_shards(self):
+        """(state-dict name, local parameter, layout key) for every parameter, tied ones under one name."""
+        for name, (attr, layout, _) in self.plan.parameter_layouts.items():
+            yield name, getattr(self.spmd, attr), layout
+
+
+def clip_grad_norm_(model: ParallelModule, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale the gradients of a ParallelModule's shards so that their global norm (the serial model's
+    gradient norm) is at most `max_norm`; returns that global norm.
+
+    Each rank sums its shards' |g|^p, each divided by the number of ranks holding the same copy (the sizes
+    of the axes where the parameter is B), so one all-reduce over the world gives the global sum.
+    """
+    rt = model.rt
+    mesh = rt.mesh
+    norm_type = float(norm_type)
+    grads, total = [], None
+    for _, parameter, layout in model.named_shards():
+        if parameter.grad is None:
+            continue
+        grads.append(parameter.grad)
+        replicas = math.prod(mesh.axis_sizes[a] for a, p in enumerate(Layout.from_key(layout).placements)
+                             if not p.is_split)
+        local = parameter.grad.detach().float()
+        if norm_type == math.inf:
+            part = local.abs().max()
+        else:
+            part = local.abs().pow(norm_type).sum() / replicas
+        total = part if total is None else (torch.maximum(total, part) if norm_type == math.inf else total + part)
+    if total is None:
+        return torch.tensor(0.0)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+    norm = total if norm_type == math.inf else total.pow(1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient.to(grad.dtype))
+    return norm
+
+
+__all__ = ["CompileError", "Plan", "ParallelModule", "load", "clip_grad_norm_"]
