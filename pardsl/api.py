@@ -135,11 +135,29 @@ class Plan:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"input `{name}` must be a tensor, not {type(value).__name__}")
             layout = self.input_layouts[name]
+            self._check_sizes(name, value, layout, local_batch)
             if local_batch:
                 layout = Layout(tuple(B if axis in self.data_parallel_axes else p
                                       for axis, p in enumerate(layout.placements)))
             local[name] = rt.shard(value.to(rt.device), layout)
         return local
+
+    def _check_sizes(self, name: str, value: torch.Tensor, layout: Layout, local_batch: bool) -> None:
+        decl = next(d for d in self.compiled.par.inputs if d.name == name)
+        if value.dim() != len(decl.shape):
+            raise ValueError(f"input `{name}` has {value.dim()} dims; the .par file declares {len(decl.shape)}")
+        for dim, (size, declared, dim_name) in enumerate(zip(value.shape, decl.shape, decl.dim_names)):
+            axes = [a for a in layout.axes_splitting(dim) if not (local_batch and a in self.data_parallel_axes)]
+            expected = declared // self.data_parallel[1] if local_batch and dim == 0 else declared
+            if dim_name is None and size != expected:
+                raise ValueError(f"input `{name}` has size {size} in dim {dim}, which the .par file fixes at "
+                                 f"{expected}; name the dim (`{name} : ...[n={declared}, ...]`) to let it vary")
+            ways = math.prod(self.mesh.axis_sizes[a] for a in axes) * (layout.blocks_of(dim) if axes else 1)
+            if size % ways:
+                over = " × ".join(f"{self.mesh.axis_names[a]} = {self.mesh.axis_sizes[a]}" for a in axes)
+                raise ValueError(f"input `{name}`: dim {dim}" + (f" (`{dim_name}`)" if dim_name else "") +
+                                 f" has size {size}, which the mesh cannot split over {over}: "
+                                 f"it needs a multiple of {ways}")
 
     @property
     def data_parallel_axes(self) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from .diagnostics import DiagnosticSink, Span
 from .layouts import B, Layout, Mesh, Placement
-from .oprules import op_name
+from .oprules import concrete_size, op_name
 from .syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
 
 DTYPES: dict[str, torch.dtype] = {
@@ -39,8 +39,14 @@ DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class TensorInfo:
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # sizes; where a dim varies (named in the .par), its example size
     dtype: torch.dtype
+    # per dim, where it varies: a Python expression of the named dims giving its global size (`seq`,
+    # `batch*seq`); None where it is fixed
+    symbolic: tuple[str | None, ...] | None = None
+
+    def size_expr(self, dim: int) -> str | None:
+        return self.symbolic[dim] if self.symbolic else None
 
     @property
     def itemsize(self) -> int:
@@ -79,6 +85,10 @@ class BoundPlan:
     persistent_buffers: frozenset[str] = frozenset()
     tied: dict[str, tuple[str, ...]] = field(default_factory=dict)  # parameter name → every name it has
     signature: inspect.Signature | None = None  # the model's forward()
+    # named dims: the variable the generated code holds each one's global size in, and the first input
+    # dim it is read from (input name, dim)
+    dims: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+    scalars: dict[str, str] = field(default_factory=dict)  # graph node → expression, for sizes (sym_size)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -232,8 +242,10 @@ def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticS
     return ok
 
 
-def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
-    """torch.export with the inputs by forward() argument name; the others keep their defaults."""
+def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
+          dynamic_shapes: dict | None = None) -> torch.export.ExportedProgram:
+    """torch.export with the inputs by forward() argument name; the others keep their defaults. Dims
+    named in `dynamic_shapes` ({input: {dim: torch.export.Dim}}) stay symbolic."""
     # torch logs a failing trace (with its traceback) through handlers of its own; the failure itself is
     # reported as E035, so the log is silenced for the duration
     previous = logging.root.manager.disable
@@ -241,7 +253,8 @@ def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor]) -> to
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            exported = torch.export.export(model, (), dict(example_inputs), strict=False)
+            exported = torch.export.export(model, (), dict(example_inputs), strict=False,
+                                           dynamic_shapes=dynamic_shapes)
     finally:
         logging.disable(previous)
     inline_grad_mode_regions(exported.graph_module)
@@ -556,7 +569,7 @@ def bind(par: ParFile) -> BoundPlan:
     clock = time.perf_counter()
     try:
         with import_paths(*par_import_paths(par.source.path)):
-            exported = trace(model.to("meta"), example)
+            exported = trace(model.to("meta"), example, _dynamic_shapes(par))
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         span = par.inputs[0].span if par.inputs else par.model.span
@@ -583,6 +596,8 @@ def bind(par: ParFile) -> BoundPlan:
     module_paths: dict[str, str] = {}
     data_dependent: dict[str, set[str]] = {}  # op → module paths, for the ops where such shapes arise
     dynamic_nodes: set[str] = set()
+    dims, symbol_text = _named_dims(exported, inputs, par)
+    scalars: dict[str, str] = {}
     for node in exported.graph.nodes:
         value = node.meta.get("val")
         stack = node.meta.get("nn_module_stack") or {}
@@ -590,15 +605,24 @@ def bind(par: ParFile) -> BoundPlan:
             module_paths[node.name] = list(stack.values())[-1][0]
         if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
             value = value[0]  # a split's parts: its getitem nodes carry each part's own shape
+        if isinstance(value, torch.SymInt) and node.op == "call_function":
+            text = _size_text(value, symbol_text)
+            if text is not None:
+                scalars[node.name] = text
+                continue
         if not isinstance(value, torch.Tensor):
             continue
-        if not all(isinstance(size, int) for size in value.shape):  # x[mask], nonzero: sizes known at run time
+        symbolic = tuple(_size_text(size, symbol_text) if isinstance(size, torch.SymInt) else None
+                         for size in value.shape)
+        if any(isinstance(size, torch.SymInt) and text is None for size, text in zip(value.shape, symbolic)):
+            # x[mask], nonzero: sizes known only at run time, from the data
             dynamic_nodes.add(node.name)
             if not any(operand.name in dynamic_nodes for operand in node.all_input_nodes):
                 where = module_paths.get(node.name) or "the model's own forward()"
                 data_dependent.setdefault(op_name(node), set()).add(where)
             continue
-        tensors[node.name] = TensorInfo(tuple(int(s) for s in value.shape), value.dtype)
+        tensors[node.name] = TensorInfo(tuple(concrete_size(s) for s in value.shape), value.dtype,
+                                        symbolic if any(symbolic) else None)
     for op, places in data_dependent.items():
         sink.error("E061", f"operation `{op}` gives a result whose shape depends on the data", par.model.span,
                    f"used in {', '.join(sorted(places)[:3])}",
@@ -642,7 +666,51 @@ def bind(par: ParFile) -> BoundPlan:
     seconds["bind"] = time.perf_counter() - clock
     return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
                      module_paths, seconds, buffer_values, persistent,
-                     {name: tuple(names) for names in tied.values() for name in names}, signature)
+                     {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars)
+
+
+def _dynamic_shapes(par: ParFile) -> dict | None:
+    """torch.export's dynamic_shapes for the dims the .par file names: one Dim per name."""
+    dims: dict[str, torch.export.Dim] = {}
+    spec = {decl.name: {index: dims.setdefault(name, torch.export.Dim(name))
+                        for index, name in enumerate(decl.dim_names) if name}
+            for decl in par.inputs}
+    return {name: (dims_of or None) for name, dims_of in spec.items()} if dims else None
+
+
+_RESERVED = {"self", "rt", "aten", "torch", "nn", "MESH", "PARAMETERS", "BUFFERS", "INPUTS", "OUTPUTS"}
+
+
+def _named_dims(exported, inputs: dict[str, str], par: ParFile):
+    """Named dims: name → (variable, input, dim); and each size symbol's text (its variable)."""
+    taken = _RESERVED | {n.name for n in exported.graph.nodes} | set(inputs.values())
+    placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    by_input = {name: placeholder for placeholder, name in inputs.items()}
+    dims, symbol_text = {}, {}
+    for decl in par.inputs:
+        value = placeholders[by_input[decl.name]].meta["val"]
+        for index, name in enumerate(decl.dim_names):
+            if not name or name in dims:
+                continue
+            size = value.shape[index]
+            var = name if name not in taken else f"dim_{name}"
+            dims[name] = (var, decl.name, index)
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                symbol_text[size.node.expr] = var
+    return dims, symbol_text
+
+
+def _size_text(size: torch.SymInt, symbol_text: dict) -> str | None:
+    """A size as Python over the named dims' variables; None where it involves anything else."""
+    import sympy
+    from torch.utils._sympy.printers import PythonPrinter
+
+    expr = size.node.expr
+    if expr.is_number:
+        return str(int(expr))
+    if not expr.free_symbols <= set(symbol_text):
+        return None
+    return PythonPrinter().doprint(expr.xreplace({s: sympy.Symbol(t, integer=True) for s, t in symbol_text.items()}))
 
 
 def _user_input_names(exported: torch.export.ExportedProgram) -> dict[str, str]:

@@ -53,7 +53,7 @@ def render(program: LoweredProgram) -> str:
     mesh = program.mesh
     lines = []
     for statement in program.statements:
-        code = f"{statement.target} = {statement.expr}"
+        code = f"{statement.target} = {statement.expr}" if statement.target else statement.expr
         lines.append(f"{code.ljust(_COMMENT_COLUMN)}  # {statement.comment}")
     counts = program.collective_counts()
     totals = program.collective_bytes()

@@ -96,7 +96,7 @@ def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
     specs: dict[str, DimSpec] = {}
     unsupported: dict[tuple[str, str], list[str]] = {}
     for node in bound.graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node.name in bound.scalars:  # sizes: computed, not laid out
             continue
         rule = rule_for(node)
         where = bound.module_paths.get(node.name) or "the model's own forward()"

@@ -149,6 +149,35 @@ def _attr_name(name: str, taken: set[str]) -> str:
     return attr
 
 
+def local_sizes(info, layout: Layout, mesh: Mesh) -> list:
+    """The local size of each dim as code: an int where the dim is fixed, else an expression over the
+    named dims' variables (`seq // 2`), computed at run time from the inputs' sizes."""
+    fixed = layout.local_shape(info.shape, mesh)
+    sizes = []
+    for dim, size in enumerate(fixed):
+        expr = info.size_expr(dim)
+        if expr is None:
+            sizes.append(size)
+        else:
+            factor = layout.split_factor(dim, mesh)
+            sizes.append(_Code(expr if factor == 1 else f"({expr}) // {factor}" if not expr.isidentifier() else
+                               f"{expr} // {factor}"))
+    return sizes
+
+
+class _Code(str):
+    """Source text rendered as it is (a size expression), not as a string literal."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _shape_text(info, layout: Layout | None = None, mesh: Mesh | None = None) -> str:
+    sizes = local_sizes(info, layout, mesh) if layout is not None else \
+        [info.size_expr(d) or s for d, s in enumerate(info.shape)]
+    return "[" + ", ".join(str(s) for s in sizes) + "]"
+
+
 def _tag(layout: Layout) -> str:
     return "_".join(str(p).replace("(", "").replace(")", "") for p in layout.placements)
 
@@ -262,10 +291,9 @@ class _Lowerer:
     def emit(self, target: str, expr: str, comment: str, collectives: tuple[Collective, ...] = ()) -> None:
         self.statements.append(Statement(target, expr, comment, collectives))
 
-    def _value_comment(self, layout: Layout, shape: tuple[int, ...]) -> str:
-        local = layout.local_shape(shape, self.mesh)
-        text = f"{named_layout(layout, self.mesh)}  {list(shape)}"
-        return text + (f" local {list(local)}" if local != tuple(shape) else "")
+    def _value_comment(self, layout: Layout, info) -> str:
+        whole, local = _shape_text(info), _shape_text(info, layout, self.mesh)
+        return f"{named_layout(layout, self.mesh)}  {whole}" + (f" local {local}" if local != whole else "")
 
     def _ensure(self, name: str, layout: Layout, reason: str) -> str:
         """Emit the conversion of `name` to `layout` if not yet emitted; return its variable."""
@@ -346,6 +374,8 @@ class _Lowerer:
         tensor_nodes = iter(operand_vars)
 
         def arg(value):
+            if isinstance(value, torch.fx.Node) and value.name in self.bound.scalars:
+                return value.name  # a size, global, computed at the top of forward()
             if isinstance(value, torch.fx.Node):
                 return next(tensor_nodes)
             if isinstance(value, (list, tuple)) and any(isinstance(v, torch.fx.Node) for v in value):
@@ -354,12 +384,13 @@ class _Lowerer:
             return _render(value)
 
         args = [arg(a) for a in fx_node.args]
+        local_code = local_sizes(info, typed_node.op_layout, self.mesh)
         if rule.shape_arg is not None and rule.shape_arg < len(args):
-            args[rule.shape_arg] = _render(list(local_out))
+            args[rule.shape_arg] = _render(local_code)
         if rule.size_arg is not None and typed_node.spec.cut is not None:
             # S(d, blocks=m) cut into m parts: each part is split, so each local part is smaller
             dim = typed_node.spec.output.index(typed_node.spec.cut[0])
-            part = local_out[dim]
+            part = local_code[dim]
             sizes = fx_node.args[rule.size_arg]
             args[rule.size_arg] = _render([part] * len(sizes) if isinstance(sizes, (list, tuple)) else part)
         kwargs = [f"{k}={arg(v)}" for k, v in fx_node.kwargs.items()]
@@ -382,7 +413,7 @@ class _Lowerer:
             form_kwargs = [f"{form}={tuple(axes)!r}" for form, axes in forms.items()]
             expr = f"rt.{rule.parallel_form}({', '.join(args + kwargs + form_kwargs)})"
             inner = self._inner_collectives(typed_node, parallel_forms, reason)
-        self.emit(name, expr, self._value_comment(typed_node.op_layout, info.shape), inner)
+        self.emit(name, expr, self._value_comment(typed_node.op_layout, info), inner)
         if rule.mean:
             self._rescale_mean(typed_node, fx_node, name)
         value_var = self.var[name]  # named before pass 1: where the value layout will live
@@ -452,6 +483,33 @@ class _Lowerer:
             self.emit(target, expr, f"{arrow}: {what or 'local'} — {reason}", collectives)
             current = target
 
+    def _emit_sizes(self, inputs: list[TensorSlot]) -> None:
+        """The global size of each named dim, from the local size of the first input that has it; a
+        check that it can be split as every tensor with that dim is; then the graph's size nodes."""
+        slots = {slot.name: slot for slot in inputs}
+        needed: dict[str, int] = {}
+        for name, info in self.bound.tensors.items():
+            layout = self.typed.layout_of(name) if name in self.typed.placeholder_layouts or name in self.typed.nodes \
+                else None
+            layouts = [layout] + ([self.typed.nodes[name].op_layout] if name in self.typed.nodes else [])
+            for dim in range(len(info.shape)):
+                expr = info.size_expr(dim)
+                for candidate in (l for l in layouts if l is not None):
+                    if expr is not None and expr.isidentifier():
+                        needed[expr] = math.lcm(needed.get(expr, 1), candidate.split_factor(dim, self.mesh))
+        for dim_name, (var, input_name, index) in self.bound.dims.items():
+            layout = slots[input_name].layout
+            factor = layout.split_factor(index, self.mesh)
+            split = f" × {factor} (split over {', '.join(self.mesh.axis_names[a] for a in layout.axes_splitting(index))})" \
+                if factor > 1 else ""
+            self.emit(var, f"{input_name}.shape[{index}]" + (f" * {factor}" if factor > 1 else ""),
+                      f"dim `{dim_name}`: {input_name}'s dim {index}{split}")
+            if factor % needed.get(var, 1):  # the input's own split does not guarantee it
+                self.statements.append(Statement("", f'rt.require_divisible({var}, {needed[var]}, "{dim_name}")',
+                                                 f"a tensor splits `{dim_name}` {needed[var]} ways"))
+        for node_name, expr in self.bound.scalars.items():
+            self.emit(node_name, expr, "a size, global")
+
     def _rescale_mean(self, typed_node, fx_node, name: str) -> None:
         operand_layout = typed_node.operand_layouts[0]
         info = self.typed.info(typed_node.operands[0])
@@ -490,6 +548,7 @@ class _Lowerer:
             pinned_elsewhere = node.value_layout != node.op_layout
             self.var[name] = f"{name}__{_tag(node.value_layout)}" if pinned_elsewhere else name
         self.plan_uses()
+        self._emit_sizes(inputs)
         for name in self.typed.nodes:
             self.lower_node(name)
         outputs = []

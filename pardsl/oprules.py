@@ -276,7 +276,17 @@ def _shape(node: torch.fx.Node) -> tuple[int, ...]:
     value = node.meta["val"]
     if isinstance(value, (list, tuple)):  # a split: its parts differ only along the dim that stays whole
         value = value[0]
-    return tuple(int(s) for s in value.shape)
+    return tuple(concrete_size(s) for s in value.shape)
+
+
+def concrete_size(size) -> int:
+    """A dim's size: its example size where it is named in the .par file (a SymInt), else the int."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        if hint is None:
+            raise ValueError("a size that depends on the data")
+        return int(hint)
+    return int(size)
 
 
 def call_arg(node: torch.fx.Node, position: int, name: str, default: Any = None) -> Any:
@@ -551,7 +561,7 @@ def _equal_parts(node: torch.fx.Node, dim: int, size: int) -> int | None:
     parts = node.meta.get("val")
     if not isinstance(parts, (list, tuple)) or len(parts) < 2:
         return None
-    sizes = {int(p.shape[dim]) for p in parts}
+    sizes = {concrete_size(p.shape[dim]) for p in parts}
     return len(parts) if len(sizes) == 1 and size == len(parts) * sizes.pop() else None
 
 

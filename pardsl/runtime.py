@@ -82,6 +82,13 @@ class Runtime:
                 self.groups[name] = device_mesh.get_group(name)
                 self.coordinate[name] = device_mesh.get_local_rank(name)
 
+    @staticmethod
+    def require_divisible(size: int, ways: int, dim: str) -> None:
+        """A named dim's size at run time must split as the plan splits it."""
+        if size % ways:
+            raise ValueError(f"dim `{dim}` has size {size} at run time; the plan splits it {ways} ways, "
+                             f"which needs a multiple of {ways}")
+
     # -- collectives the generated code calls ---------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:

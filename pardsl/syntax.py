@@ -6,6 +6,7 @@ line by line, so one run reports every malformed line rather than only the first
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from importlib import resources
@@ -53,6 +54,9 @@ class InputDecl:
     span: Span
     dtype_span: Span
     range_span: Span | None
+    # per dim, its name where it is named (it varies at run time; `shape` holds the example size)
+    dim_names: tuple[str | None, ...] = ()
+    dim_spans: tuple[Span, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,13 @@ def _span(meta) -> Span:
 
 def _token_span(token: lark.Token) -> Span:
     return Span(token.line, token.column, token.end_line, token.end_column)
+
+
+@dataclass(frozen=True)
+class _Dim:
+    name: str | None
+    size: int | None  # None: a reference to a dim named before
+    span: Span
 
 
 @v_args(meta=True)
@@ -158,18 +169,29 @@ class _ToSyntaxTree(Transformer):
     def value_range(self, meta, children):
         return (int(children[0]), int(children[1]), _span(meta))
 
+    def fixed_dim(self, meta, children):
+        return _Dim(None, int(children[0]), _span(meta))
+
+    def named_dim(self, meta, children):
+        return _Dim(str(children[0]), int(children[1]), _span(meta))
+
+    def dim_reference(self, meta, children):
+        return _Dim(str(children[0]), None, _span(meta))
+
     def input_decl(self, meta, children):
         name, dtype, *rest = children
         value_range = rest.pop() if rest and isinstance(rest[-1], tuple) else None
-        dims = tuple(int(d) for d in rest if d is not None)
+        dims = [d for d in rest if d is not None]
         return InputDecl(
             str(name),
             str(dtype),
-            dims,
+            tuple(-1 if d.size is None else d.size for d in dims),  # references are sized in _check_declarations
             value_range[:2] if value_range else None,
             _span(meta),
             _token_span(dtype),
             value_range[2] if value_range else None,
+            tuple(d.name for d in dims),
+            tuple(d.span for d in dims),
         )
 
     def split(self, meta, children):
@@ -303,10 +325,37 @@ def parse(text: str, path: str = "<string>") -> ParFile:
             inputs.append(statement)
         else:
             layouts.extend(statement)
+    inputs = _size_named_dims(inputs, sink)
     par = ParFile(source, tuple(meshes), tuple(models), tuple(inputs), tuple(layouts))
     _check_declarations(par, sink)
     sink.raise_if_any()
     return par
+
+
+def _size_named_dims(inputs: list[InputDecl], sink: DiagnosticSink) -> list[InputDecl]:
+    """Give each reference to a named dim the example size it was named with; a name is one dim."""
+    sizes: dict[str, tuple[int, Span]] = {}
+    result = []
+    for decl in inputs:
+        shape = list(decl.shape)
+        for index, (name, span) in enumerate(zip(decl.dim_names, decl.dim_spans)):
+            if name is None:
+                continue
+            if shape[index] >= 0:
+                if name in sizes and sizes[name][0] != shape[index]:
+                    sink.error("E006", f"dim `{name}` is given two sizes: {sizes[name][0]} and {shape[index]}", span,
+                               f"first given on line {sizes[name][1].line}; write `{name}` alone to refer to it")
+                sizes.setdefault(name, (shape[index], span))
+                if shape[index] < 2:
+                    sink.error("E007", f"named dim `{name}` needs an example size of at least 2", span,
+                               "a size of 0 or 1 is special to torch.export and would be fixed")
+            elif name in sizes:
+                shape[index] = sizes[name][0]
+            else:
+                sink.error("E005", f"dim `{name}` has no size", span, f"give it one where first used: `{name}=8`")
+                shape[index] = 1
+        result.append(dataclasses.replace(decl, shape=tuple(shape)))
+    return result
 
 
 def _check_declarations(par: ParFile, sink: DiagnosticSink) -> None:
