@@ -40,7 +40,10 @@ def _arguments() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int, required=True, metavar="N")
     run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--steps", type=int, default=1, metavar="K")
+    run.add_argument("--steps", type=int, default=1, metavar="K",
+                     help="training steps, each compared with serial from the same parameters")
+    run.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    run.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd")
     run.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                      help="collective timeout per rank (a hang fails instead of blocking)")
     run.add_argument("--json", action="store_true")
@@ -155,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pardsl: error: --backend nccl needs {args.nproc} CUDA devices; this machine has "
                   f"{torch.cuda.device_count()}", file=sys.stderr)
             return EXIT_USAGE
-    job = job_for(compiled, seed=args.seed, steps=args.steps, backend=backend, timeout_s=args.timeout)
+    job = job_for(compiled, seed=args.seed, steps=args.steps, backend=backend, timeout_s=args.timeout,
+                  lr=args.lr, optimizer=args.optimizer)
     try:
         report = launch(job)
     except Exception as error:  # a rank failed: say which and why, without the launcher's traceback
@@ -171,10 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _print_notes(compiled)
         print(_summary(compiled))
-        verdict = "equivalent to serial" if report["ok"] else "DIFFERS from serial"
+        verdict = "equivalent to serial" if report["ok"] else "DIFFERS from serial" if report["serial_finite"] \
+            else "not comparable: the serial model itself gives non-finite values (lower --lr?)"
         print(f"ran {report['steps']} step(s) on {report['world_size']} ranks ({report['backend']}): {verdict}")
         print(f"  max |compiled - serial|: output {report['max_abs_err']['output']:.3g}, "
-              f"gradients {report['max_abs_err']['grad']:.3g}")
+              f"gradients {report['max_abs_err']['grad']:.3g}; relative {report['max_rel_err']['output']:.3g} and "
+              f"{report['max_rel_err']['grad']:.3g} (tolerance {report['tolerance']:g}, each step from the same "
+              f"parameters, {report['optimizer']})")
         for phase in ("forward", "backward"):
             parts = [f"{n} {k.replace('_', '-')}" for k, n in report["collectives"][phase].items() if n]
             print(f"  {phase} collectives (measured): {', '.join(parts) or 'none'}, {report['bytes'][phase]} bytes")

@@ -2,8 +2,16 @@
 
 `RankJob` is everything one rank needs: the generated source, how to build the model, the inputs. Each
 rank builds the serial reference from the same factory and seed, loads its shards of the same weights,
-and runs `steps` training steps (forward, backward with a fixed random output gradient, SGD) on both,
-comparing its local outputs and gradients with its shards of the serial ones at every step.
+and runs `steps` training steps (forward, backward with a fixed random output gradient, an optimizer
+step) on both, comparing its local outputs and gradients with its shards of the serial ones at every
+step. Every step starts from the same parameters: after each step the compiled shards are set to the
+serial model's new values. Without that, a few steps of training on random output gradients amplify
+rounding differences (serial itself, perturbed by 1e-7, drifts the same way), and a difference would
+not mean a bug.
+
+The tolerance follows the dtype: |compiled − serial| ≤ tol × max(1, max |serial|) per tensor, with tol
+1e-4 for float32 and float64, 1e-2 for float16 and 5e-2 for bfloat16 (8 bits of mantissa: a sum computed
+in another order differs by several units in the last place).
 
 `launch` runs the ranks with torch's elastic launcher; `pardsl.pool.WorkerPool` runs the same
 `run_rank` on long-lived workers for the test suite.
@@ -43,16 +51,28 @@ class RankJob:
     sys_path: tuple[str, ...] = ()
     timeout_s: float = 120.0
     tolerance: float = 1e-4  # relative to the tensor's magnitude: |compiled - serial| <= tol * max(1, max|serial|)
+    optimizer: str = "sgd"  # sgd | adam | adamw
+
+
+TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def tolerance_for(dtypes) -> float:
+    """The loosest tolerance of the floating dtypes the program computes in (DESIGN: wrong numbers are the
+    worst outcome, so a float32 program is judged at float32's)."""
+    return max([TOLERANCE.get(d, 1e-4) for d in dtypes if d.is_floating_point] or [1e-4])
 
 
 def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", timeout_s: float = 120.0,
-            lr: float = 0.01) -> RankJob:
+            lr: float = 0.01, optimizer: str = "sgd") -> RankJob:
     from .binding import par_import_paths
 
     par = compiled.par
+    tolerance = tolerance_for({info.dtype for info in compiled.bound.tensors.values()})
     return RankJob(compiled.source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
                    par.inputs, seed, steps, lr=lr, backend=backend, sys_path=par_import_paths(par.source.path),
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, tolerance=tolerance, optimizer=optimizer)
 
 
 def resolve_backend(backend: str) -> str:
@@ -101,8 +121,8 @@ def run_rank(job: RankJob) -> dict:
     serial_params = dict(serial.named_parameters(remove_duplicate=False))  # tied weights under every name
     compiled_params = {name: getattr(compiled, attr) for name, (attr, _, _) in module.PARAMETERS.items()}
     layouts = {name: layout for name, (_, layout, _) in module.PARAMETERS.items()}
-    serial_opt = torch.optim.SGD(serial.parameters(), lr=job.lr)
-    compiled_opt = torch.optim.SGD(compiled.parameters(), lr=job.lr)
+    serial_opt = OPTIMIZERS[job.optimizer](serial.parameters(), lr=job.lr)
+    compiled_opt = OPTIMIZERS[job.optimizer](compiled.parameters(), lr=job.lr)
 
     grad_generator = torch.Generator().manual_seed(job.seed + 2)
     output_grads = None
@@ -110,6 +130,7 @@ def run_rank(job: RankJob) -> dict:
     relative = {"output": 0.0, "grad": 0.0}
     worst = {"output": None, "grad": None}
     compiled_ms, serial_ms, counts = [], [], None
+    serial_finite = True
 
     def note(kind: str, what: str, got: torch.Tensor | None, expected: torch.Tensor | None) -> None:
         err = float("inf") if got is None or expected is None else _max_err(got, expected)
@@ -119,11 +140,16 @@ def run_rank(job: RankJob) -> dict:
         if worst[kind] is None or rel > relative[kind]:
             relative[kind], worst[kind] = rel, what
 
-    for _ in range(job.steps):
+    for step in range(job.steps):
+        if step:  # the same parameters as serial's (module doc): each step is compared on its own
+            compiled.load_full_state_dict(full)
         start = time.perf_counter()
         serial_out = torch.utils._pytree.tree_leaves(serial(**dict(zip(input_names, full_inputs))))
         if output_grads is None:
-            output_grads = [torch.randn(o.shape, generator=grad_generator).to(device, o.dtype) for o in serial_out]
+            # unit-norm output gradients (a mean, not a sum, of outputs × random weights): the objective is
+            # linear, and steps the size of a summed one's carry deep models to inf within a few steps
+            output_grads = [(lambda g: g / max(1.0, g.norm().item()))(torch.randn(o.shape, generator=grad_generator))
+                            .to(device, o.dtype) for o in serial_out]
         serial_opt.zero_grad(set_to_none=True)
         torch.autograd.backward([o for o in serial_out if o.requires_grad],
                                 [g for o, g in zip(serial_out, output_grads) if o.requires_grad])
@@ -146,6 +172,7 @@ def run_rank(job: RankJob) -> dict:
         compiled_ms.append((time.perf_counter() - start) * 1000)
         counts = rt.counter.summary()
 
+        serial_finite = serial_finite and all(bool(torch.isfinite(o).all()) for o in serial_out)
         for index, (out, expected, (path, layout, _)) in enumerate(zip(local_out, serial_out, module.OUTPUTS)):
             if Layout.from_key(layout).has_partial:
                 note("output", path, rt.unshard(out, layout), expected)
@@ -161,6 +188,7 @@ def run_rank(job: RankJob) -> dict:
 
     return {
         "rank": dist.get_rank() if dist.is_initialized() else 0,
+        "serial_finite": serial_finite,
         "max_abs_err": errors,
         "max_rel_err": relative,
         "worst": worst,
@@ -180,7 +208,8 @@ def combine(results: list[dict], job: RankJob) -> dict:
     output_err = max(r["max_abs_err"]["output"] for r in results)
     grad_err = max(r["max_abs_err"]["grad"] for r in results)
     relative = {k: max(r["max_rel_err"][k] for r in results) for k in ("output", "grad")}
-    ok = all(err <= job.tolerance for err in relative.values())
+    serial_finite = all(r.get("serial_finite", True) for r in results)
+    ok = serial_finite and all(err <= job.tolerance for err in relative.values())
     worst = {k: max(results, key=lambda r: r["max_rel_err"][k])["worst"][k] for k in ("output", "grad")}
     return {
         "ok": ok,
@@ -188,6 +217,9 @@ def combine(results: list[dict], job: RankJob) -> dict:
         "mesh": dict(zip(job.mesh.axis_names, job.mesh.axis_sizes)),
         "backend": job.backend,
         "steps": job.steps,
+        "serial_finite": serial_finite,
+        "optimizer": job.optimizer,
+        "tolerance": job.tolerance,
         "max_abs_err": {"output": output_err, "grad": grad_err},
         "max_rel_err": relative,
         "worst": worst,
