@@ -1,0 +1,148 @@
+"""Train a small LLaMA with pardsl under torchrun: AdamW, warm-up and cosine learning rate, gradient
+clipping, a checkpoint mid-way and a resume, loss and tokens per second with a progress bar.
+
+    torchrun --nproc-per-node 2 examples/train.py --plan examples/llama_train_tp2.par --steps 60 --save-at 30
+    torchrun --nproc-per-node 4 examples/train.py --plan examples/llama_train_dp2_tp2.par --resume ckpt/step-30
+    python examples/train.py --serial --steps 60        # the same training, plain PyTorch, one process
+
+The corpus is generated (seeded, no downloads): sentences from a small grammar, tokenized as bytes, so
+the model's vocabulary of 256 covers it. Step k always trains on the same batch, so a resumed run and a
+run under another plan see the data a straight run would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SUBJECTS = ["the compiler", "a rank", "the mesh", "every layer", "the optimizer", "a shard", "the model",
+            "each gradient", "the scheduler", "a checkpoint"]
+VERBS = ["splits", "gathers", "reduces", "stores", "sends", "reads", "writes", "trains", "checks", "sums"]
+OBJECTS = ["the weights", "its activations", "a partial sum", "the batch", "every token", "the logits",
+           "one tensor", "the vocabulary", "a sequence", "the loss"]
+ENDINGS = [".", " at once.", " over the mesh.", " in backward.", " without a copy.", " twice."]
+
+
+def corpus(sentences: int = 20000, seed: int = 1234) -> torch.Tensor:
+    """A byte-tokenized text of `sentences` generated sentences."""
+    rng = random.Random(seed)
+    text = " ".join(f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}{rng.choice(ENDINGS)}"
+                    for _ in range(sentences))
+    return torch.tensor(list(text.encode("ascii")), dtype=torch.int64)
+
+
+def batch_at(tokens: torch.Tensor, step: int, batch: int, seq: int) -> torch.Tensor:
+    """Step `step`'s batch: `batch` windows of `seq` tokens at seeded positions."""
+    generator = torch.Generator().manual_seed(step)
+    starts = torch.randint(0, tokens.numel() - seq, (batch,), generator=generator)
+    return torch.stack([tokens[s:s + seq] for s in starts.tolist()])
+
+
+def learning_rate(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def arguments(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan", default="examples/llama_train_tp2.par")
+    parser.add_argument("--steps", type=int, default=60, help="the step the run ends at")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--min-lr", type=float, default=3e-4)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this many steps")
+    parser.add_argument("--checkpoint-dir", default="ckpt")
+    parser.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
+    parser.add_argument("--loss-log", default=None, help="append one JSON line per step (rank 0) to this file")
+    parser.add_argument("--serial", action="store_true", help="train the serial model in one process instead")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.serial and args.resume:
+        parser.error("--resume is for pardsl runs")
+    return args
+
+
+def main(argv=None) -> None:
+    args = arguments(argv)
+    tokens = corpus()
+    torch.manual_seed(args.seed)
+    if args.serial:
+        from examples.hf_models import llama_causal_lm
+
+        model, plan, rank = llama_causal_lm(layers=2), None, 0
+        clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # noqa: E731
+        start = 0
+    else:
+        import pardsl
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        rank = dist.get_rank()
+        plan = pardsl.load(args.plan)
+        model = plan.module(checkpoint=args.resume)  # this rank's shards; from the checkpoint if given
+        clip = lambda: pardsl.clip_grad_norm_(model, args.clip)  # noqa: E731
+        start = 0
+        if args.resume:
+            with open(os.path.join(args.resume, "trainer.json")) as handle:
+                start = json.load(handle)["step"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    if args.resume:
+        pardsl.load_optimizer_state(optimizer, model, args.resume)
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+                        TimeRemainingColumn(), disable=rank != 0)
+    log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None
+    with progress:
+        task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0)
+        for step in range(start, args.steps):
+            began = time.perf_counter()
+            batch = batch_at(tokens, step, args.batch, args.seq)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, args)
+            inputs = dict(input_ids=batch, labels=batch)
+            out = model(**(plan.shard_inputs(**inputs) if plan else inputs))
+            out.loss.backward()
+            norm = clip()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss = out.loss.item()
+            tokens_per_s = batch.numel() / (time.perf_counter() - began)
+            progress.update(task, advance=1, loss=loss, tps=tokens_per_s)
+            if rank == 0 and ((step + 1) % 10 == 0 or step + 1 == args.steps):
+                progress.console.print(f"step {step + 1:4d}  loss {loss:.4f}  lr {learning_rate(step, args):.2e}  "
+                                       f"grad norm {float(norm):.3f}  {tokens_per_s:,.0f} tok/s")
+            if log:
+                log.write(json.dumps({"step": step, "loss": loss, "grad_norm": float(norm)}) + "\n")
+                log.flush()
+            if args.save_at == step + 1 and plan is not None:
+                folder = os.path.join(args.checkpoint_dir, f"step-{step + 1}")
+                pardsl.save(model, folder, optimizer=optimizer)
+                if rank == 0:
+                    with open(os.path.join(folder, "trainer.json"), "w") as handle:
+                        json.dump({"step": step + 1}, handle)
+                    progress.console.print(f"saved {folder}")
+    if not args.serial:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
