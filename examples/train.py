@@ -65,7 +65,9 @@ def arguments(argv=None):
     parser.add_argument("--min-lr", type=float, default=3e-4)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this many steps")
+    parser.add_argument("--save-at", type=int, default=None,
+                        help="save a checkpoint once this many steps are done (with --resume from that step: "
+                             "save what was loaded, resharded to --plan, before training on)")
     parser.add_argument("--checkpoint-dir", default="ckpt")
     parser.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
     parser.add_argument("--loss-log", default=None, help="append one JSON line per step (rank 0) to this file")
@@ -75,6 +77,20 @@ def arguments(argv=None):
     if args.serial and args.resume:
         parser.error("--resume is for pardsl runs")
     return args
+
+
+def save(model, optimizer, plan, steps_done: int, args, progress) -> None:
+    """A checkpoint of the model's and the optimizer's shards, and the step to resume at."""
+    if plan is None:
+        return
+    import pardsl
+
+    folder = os.path.join(args.checkpoint_dir, f"step-{steps_done}")
+    pardsl.save(model, folder, optimizer=optimizer)
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, "trainer.json"), "w") as handle:
+            json.dump({"step": steps_done}, handle)
+        progress.console.print(f"saved {folder}")
 
 
 def main(argv=None) -> None:
@@ -111,6 +127,8 @@ def main(argv=None) -> None:
                         TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
                         TimeRemainingColumn(), disable=rank != 0)
     log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None
+    if args.resume and args.save_at == start:  # what was loaded, resharded to this plan
+        save(model, optimizer, plan, start, args, progress)
     with progress:
         task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0)
         for step in range(start, args.steps):
@@ -133,13 +151,8 @@ def main(argv=None) -> None:
             if log:
                 log.write(json.dumps({"step": step, "loss": loss, "grad_norm": float(norm)}) + "\n")
                 log.flush()
-            if args.save_at == step + 1 and plan is not None:
-                folder = os.path.join(args.checkpoint_dir, f"step-{step + 1}")
-                pardsl.save(model, folder, optimizer=optimizer)
-                if rank == 0:
-                    with open(os.path.join(folder, "trainer.json"), "w") as handle:
-                        json.dump({"step": step + 1}, handle)
-                    progress.console.print(f"saved {folder}")
+            if args.save_at == step + 1:
+                save(model, optimizer, plan, step + 1, args, progress)
     if not args.serial:
         dist.destroy_process_group()
 

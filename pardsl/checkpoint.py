@@ -171,9 +171,10 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None) -> No
                     mine[key] = local[region.local_index()].contiguous().clone()
         index[name] = {"shape": list(shape), "dtype": _dtype_name(local.dtype), "pieces": pieces}
 
-    file = os.path.join(path, _file_name(rank, world))
-    save_file(mine, file + ".tmp", metadata={"format": "pt"})
-    os.replace(file + ".tmp", file)
+    if mine:  # a rank whose copies another rank writes has no file
+        file = os.path.join(path, _file_name(rank, world))
+        save_file(mine, file + ".tmp", metadata={"format": "pt"})
+        os.replace(file + ".tmp", file)
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:

@@ -35,6 +35,10 @@ def _arguments() -> argparse.ArgumentParser:
     compile_.add_argument("-o", "--output", required=True, metavar="DIR")
     compile_.add_argument("--json", action="store_true")
 
+    export = commands.add_parser("export", help="write a checkpoint's model tensors, whole, to one safetensors file")
+    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    export.add_argument("-o", "--output", required=True, metavar="FILE")
+
     run = commands.add_parser("run", help="run on N local ranks and check against the serial model")
     run.add_argument("file")
     run.add_argument("--nproc", type=int, required=True, metavar="N")
@@ -97,8 +101,22 @@ def _failure_message(failure) -> str:
     return str(message)
 
 
+def _export(args) -> int:
+    from .checkpoint import export_checkpoint
+
+    try:
+        names = export_checkpoint(args.checkpoint, args.output)
+    except (OSError, ValueError) as error:
+        print(f"pardsl: error: {error}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    print(f"wrote {len(names)} tensors to {args.output}")
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _arguments().parse_args(argv)
+    if args.command == "export":
+        return _export(args)
     from .compiler import compile_file, plan_json, write_outputs
 
     try:

@@ -41,6 +41,12 @@ CASES = [
     ("input-name-mismatch", "mesh tp = 2\nmodel examples.models:MLP()\ninput y : float32[4, 256]\n", [("E034", 3, 1)]),
     ("input-missing", "mesh tp = 2\nmodel examples.models:MLP()\n", [("E034", 2, 1)]),
     ("too-many-inputs", MLP + "input z : float32[4]\n", [("E034", 4, 1)]),
+    ("dim-without-size", "mesh tp = 2\nmodel examples.models:MLP()\ninput x : float32[batch, 256]\n", [("E005", 3, 19)]),
+    ("dim-two-sizes", "mesh tp = 2\nmodel examples.hf_models:llama_causal_lm()\n"
+                      "input input_ids : int64[b=4, s=8] in [0, 256)\ninput labels : int64[b=2, s] in [0, 256)\n",
+     [("E006", 4, 22)]),
+    ("dim-example-of-one", "mesh tp = 2\nmodel examples.models:MLP()\ninput x : float32[batch=1, 256]\n",
+     [("E007", 3, 19)]),
     ("shapes-do-not-fit", "mesh tp = 2\nmodel examples.models:MLP(d_model=16)\ninput x : float32[4, 15]\n", [("E035", 3, 1)]),
     ("unknown-name", layout("fc3.weight : S(0)"), [("E040", 5, 3)]),
     ("wildcard-matches-nothing", layout("*.gamma : B"), [("E040", 5, 3)]),

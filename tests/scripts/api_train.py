@@ -1,0 +1,53 @@
+"""Run under torchrun by tests/test_training.py: AdamW through pardsl's public API, a batch and sequence
+length that change every step, clipping; rank 0 writes the losses and gradient norms as JSON.
+
+    api_train.py PLAN.par OUT.json [--local-batch]
+
+--local-batch: each rank takes its data-parallel part of the batch itself (plan.data_parallel), as a
+DistributedSampler would give it, and passes it with shard_inputs(..., local_batch=True).
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import pardsl
+
+SHAPES = [(4, 16), (2, 8), (6, 12), (2, 6)]  # (batch, seq) per step
+
+
+def batches():
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 256, shape, generator=generator) for shape in SHAPES]
+
+
+def main() -> None:
+    plan_path, out_path = sys.argv[1], sys.argv[2]
+    local_batch = "--local-batch" in sys.argv
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    plan = pardsl.load(plan_path)
+    model = plan.module()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for batch in batches():
+        if local_batch:
+            rank, size = plan.data_parallel
+            batch = batch.chunk(size)[rank]
+        out = model(**plan.shard_inputs(input_ids=batch, labels=batch, local_batch=local_batch))
+        out.loss.backward()
+        norms.append(pardsl.clip_grad_norm_(model, 1.0).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(out.loss.item())
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as handle:
+            json.dump({"losses": losses, "norms": norms, "output": type(out).__name__,
+                       "logits": list(out.logits.shape)}, handle)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

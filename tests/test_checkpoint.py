@@ -1,0 +1,71 @@
+"""Checkpoint geometry: the boxes each rank holds under a layout (what it saves and what it reads)."""
+
+import itertools
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pardsl.checkpoint import local_regions, owns
+from pardsl.layouts import B, Layout, Mesh, S
+
+
+def reference_shard(full: torch.Tensor, layout: Layout, mesh: Mesh, coordinate) -> torch.Tensor:
+    """A rank's local value by torch.chunk, axis by axis, as the runtime's `shard` defines it."""
+    local = full
+    for axis, placement in enumerate(layout.placements):
+        if placement.is_split:
+            n, d = mesh.axis_sizes[axis], placement.dim
+            local = torch.cat([block.chunk(n, dim=d)[coordinate[axis]]
+                               for block in local.chunk(placement.blocks, dim=d)], dim=d)
+    return local
+
+
+@st.composite
+def meshes_and_layouts(draw):
+    axes = draw(st.integers(1, 2))
+    sizes = tuple(draw(st.integers(1, 3)) for _ in range(axes))
+    mesh = Mesh(tuple(f"a{i}" for i in range(axes)), sizes)
+    rank = draw(st.integers(1, 3))
+    placements, factors, blocked = [], [1] * rank, set()
+    for axis in range(axes):
+        dim = draw(st.integers(-1, rank - 1))  # -1: B
+        if dim < 0:
+            placements.append(B)
+            continue
+        blocks = draw(st.sampled_from([1, 1, 2, 3])) if dim not in blocked and factors[dim] == 1 else 1
+        if blocks > 1:
+            blocked.add(dim)
+        elif dim in blocked:
+            placements.append(B)
+            continue
+        placements.append(S(dim, blocks))
+        factors[dim] *= sizes[axis] * blocks
+    shape = tuple(f * draw(st.integers(1, 2)) for f in factors)
+    return mesh, Layout(tuple(placements)), shape
+
+
+@settings(max_examples=150, deadline=None)
+@given(meshes_and_layouts())
+def test_regions_are_the_shard_and_owners_cover_every_element_once(case):
+    mesh, layout, shape = case
+    full = torch.arange(math.prod(shape)).reshape(shape)
+    covered = torch.zeros(shape, dtype=torch.int64)
+    for coordinate in itertools.product(*(range(n) for n in mesh.axis_sizes)):
+        local = reference_shard(full, layout, mesh, coordinate)
+        regions = local_regions(layout, shape, mesh, coordinate)
+        assert sum(math.prod(r.sizes) for r in regions) == local.numel()
+        for region in regions:
+            box = tuple(slice(o, o + s) for o, s in zip(region.offsets, region.sizes))
+            assert torch.equal(local[region.local_index()], full[box])
+            if owns(layout, coordinate):
+                covered[box] += 1
+    assert bool((covered == 1).all())
+
+
+def test_blocked_split_holds_its_chunk_of_every_block():
+    mesh = Mesh(("tp",), (2,))
+    regions = local_regions(Layout((S(0, 3),)), (12, 4), mesh, (1,))
+    assert [(r.offsets, r.sizes, r.local_offsets) for r in regions] == [
+        ((2, 0), (2, 4), (0, 0)), ((6, 0), (2, 4), (2, 0)), ((10, 0), (2, 4), (4, 0))]
