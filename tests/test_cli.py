@@ -92,3 +92,34 @@ def test_run_reports_a_failing_rank_and_exits_1(tmp_path):
                             capture_output=True, text=True, timeout=200)
     assert result.returncode == 1
     assert "pardsl: run failed: rank " in result.stderr and "no weights on this rank" in result.stderr
+
+
+def test_run_ten_steps_of_an_eight_layer_llama_is_equal_to_serial():
+    """Each step is compared from the same parameters, so rounding does not compound into a false alarm."""
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/hf_llama8_tp2.par", "--nproc", "2",
+                             "--steps", "10", "--json"], capture_output=True, text=True, timeout=400)
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["ok"], result.stderr[-3000:]
+    assert report["steps"] == 10 and report["max_rel_err"]["grad"] < 1e-4
+
+
+def test_an_injected_bug_still_fails(pools):
+    """A plan with one forward all-reduce removed (its partial sums used as if finished) must DIFFER."""
+    import dataclasses
+    import re
+
+    from pardsl.compiler import compile_file
+    from pardsl.execution import job_for
+
+    compiled = compile_file("examples/hf_llama8_tp2.par")
+    job = job_for(compiled, steps=3, timeout_s=60)
+    first = re.search(r"^(\s*)(\w+) = rt\.all_reduce\((\w+), \"tp\"\)", job.module_source, re.M)
+    broken = job.module_source.replace(first.group(0), f"{first.group(1)}{first.group(2)} = {first.group(3)}", 1)
+    assert broken != job.module_source
+    report = pools(2).run(dataclasses.replace(job, module_source=broken))
+    assert not report["ok"] and report["max_rel_err"]["output"] > 1e-2
+
+
+def test_export_of_a_folder_that_is_no_checkpoint_is_an_error(tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path), "-o", str(tmp_path / "m.safetensors")]) == 1
+    assert "neither a pardsl checkpoint" in capsys.readouterr().err

@@ -102,3 +102,53 @@ def test_readme_training_script_runs_as_written(tmp_path):
     output = torchrun(2, str(tmp_path / "train.py"), "--checkpoint", str(tmp_path / "ckpt"))
     assert "step 3: loss" in output and "saved" in output
     assert os.path.exists(tmp_path / "ckpt" / "pardsl.index.json")
+
+
+def _shard_inputs_on_tp2():
+    """On every rank of a tp 2 pool: shard_inputs at a size unlike the example, and two mistakes."""
+    import pardsl
+
+    plan = pardsl.load(os.path.join(REPO, "examples/llama_train_tp2.par"))
+    ids = torch.zeros(3, 7, dtype=torch.int64)
+    local = plan.shard_inputs(input_ids=ids, labels=ids)  # named dims, not split over tp: any size
+    errors = []
+    for call in (lambda: plan.shard_inputs(input_ids=ids[None], labels=ids[None]), lambda: plan.shard_inputs(ids)):
+        try:
+            call()
+        except (TypeError, ValueError) as error:
+            errors.append(str(error))
+    return {k: list(v.shape) for k, v in local.items()}, errors, plan.data_parallel
+
+
+def _dp_split_size_error():
+    import pardsl
+
+    plan = pardsl.load(os.path.join(REPO, "examples/llama_train_dp2_tp2.par"))
+    try:
+        plan.shard_inputs(input_ids=torch.zeros(3, 8, dtype=torch.int64), labels=torch.zeros(3, 8, dtype=torch.int64))
+    except ValueError as error:
+        return str(error), plan.data_parallel
+
+
+def test_shard_inputs_takes_any_size_and_names_what_cannot_be_split(pools):
+    shapes, errors, data_parallel = pools(2).run_on_every_rank(_shard_inputs_on_tp2)[0]
+    assert shapes == {"input_ids": [3, 7], "labels": [3, 7]} and data_parallel == (0, 1)
+    assert errors == ["input `input_ids` has 3 dims; the .par file declares 2",
+                      "missing input(s) labels: the .par file declares input_ids, labels"]
+    results = pools(4).run_on_every_rank(_dp_split_size_error)
+    assert results[0][0] == ("input `input_ids`: dim 0 (`batch`) has size 3, which the mesh cannot split over "
+                             "dp = 2: it needs a multiple of 2")
+    assert [r[1] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+def test_bfloat16_llama_trains_equal_to_serial_within_its_tolerance(pools):
+    from pardsl.compiler import compile_file
+    from pardsl.execution import job_for
+
+    compiled = compile_file("examples/llama_bf16_tp2.par")
+    assert all(p.dtype == "torch.bfloat16" for p in compiled.program.parameters)
+    job = job_for(compiled, steps=2, timeout_s=60, optimizer="adamw", lr=1e-3)
+    assert job.tolerance == 5e-2
+    report = pools(2).run(job)
+    assert report["ok"], report
+    assert 0 < report["max_rel_err"]["grad"] < 2e-2  # bfloat16's rounding shows, far below a wrong plan's error
