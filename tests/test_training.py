@@ -3,6 +3,7 @@ ranks: Hugging Face models on their own losses with AdamW and clipping, equal to
 batch and sequence length varying across steps; checkpoints saved under one mesh and loaded, resharded,
 under another, bit for bit; the training example and the README's script."""
 
+import functools
 import json
 import os
 import re
@@ -152,3 +153,42 @@ def test_bfloat16_llama_trains_equal_to_serial_within_its_tolerance(pools):
     report = pools(2).run(job)
     assert report["ok"], report
     assert 0 < report["max_rel_err"]["grad"] < 2e-2  # bfloat16's rounding shows, far below a wrong plan's error
+
+
+def _load_hf_folder(folder: str):
+    """On every rank: the wrapper model of examples/hf_llama_tp2.par (names `model.model.…`) from a
+    Hugging Face folder of LlamaForCausalLM tensors (names `model.…`) in two files with an index."""
+    import pardsl
+    from examples.hf_models import HFLlama
+
+    plan = pardsl.load(os.path.join(REPO, "examples/hf_llama_tp2.par"))
+    model = plan.module(checkpoint=folder)
+    torch.manual_seed(0)
+    serial = HFLlama(layers=2)
+    full = dict(serial.named_parameters())
+    rt = model.rt
+    return all(torch.equal(local, rt.shard(full[name].detach(), layout)) for name, local, layout in model.named_shards())
+
+
+def test_module_reads_its_slices_from_a_hugging_face_folder(pools, tmp_path):
+    from safetensors.torch import save_file
+
+    from examples.hf_models import HFLlama
+
+    torch.manual_seed(0)
+    state = {k: v.contiguous() for k, v in HFLlama(layers=2).model.state_dict().items()}
+    names = sorted(state)
+    files = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+             "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, part in files.items():
+        save_file({n: state[n] for n in part}, str(tmp_path / file))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in files.items() for n in part}}))
+    assert pools(2).run_on_every_rank(functools.partial(_load_hf_folder, str(tmp_path))) == [True, True]
+
+
+def test_inputs_are_bound_by_name_in_any_order(compile_par):
+    compiled = compile_par("mesh tp = 2\nmodel examples.hf_models:llama_causal_lm(layers=1)\n"
+                           "input labels : int64[2, 8] in [0, 256)\ninput input_ids : int64[2, 8] in [0, 256)\n")
+    assert [slot.name for slot in compiled.program.inputs] == ["labels", "input_ids"]
+    assert [o.path for o in compiled.program.outputs] == ["output.loss", "output.logits"]
