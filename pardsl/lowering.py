@@ -160,8 +160,8 @@ def local_sizes(info, layout: Layout, mesh: Mesh) -> list:
             sizes.append(size)
         else:
             factor = layout.split_factor(dim, mesh)
-            sizes.append(_Code(expr if factor == 1 else f"({expr}) // {factor}" if not expr.isidentifier() else
-                               f"{expr} // {factor}"))
+            operand = expr if expr.isidentifier() else f"({expr})"
+            sizes.append(_Code(expr if factor == 1 else f"{operand} // {factor}"))
     return sizes
 
 
@@ -487,16 +487,15 @@ class _Lowerer:
         """The global size of each named dim, from the local size of the first input that has it; a
         check that it can be split as every tensor with that dim is; then the graph's size nodes."""
         slots = {slot.name: slot for slot in inputs}
-        needed: dict[str, int] = {}
+        needed: dict[str, int] = {}  # named dim's variable → what every tensor's split of it needs
         for name, info in self.bound.tensors.items():
-            layout = self.typed.layout_of(name) if name in self.typed.placeholder_layouts or name in self.typed.nodes \
-                else None
-            layouts = [layout] + ([self.typed.nodes[name].op_layout] if name in self.typed.nodes else [])
-            for dim in range(len(info.shape)):
-                expr = info.size_expr(dim)
-                for candidate in (l for l in layouts if l is not None):
-                    if expr is not None and expr.isidentifier():
-                        needed[expr] = math.lcm(needed.get(expr, 1), candidate.split_factor(dim, self.mesh))
+            node = self.typed.nodes.get(name)
+            layouts = [node.value_layout, node.op_layout] if node else \
+                [self.typed.placeholder_layouts[name]] if name in self.typed.placeholder_layouts else []
+            for dim, expr in enumerate(info.symbolic or ()):
+                if expr is not None and expr.isidentifier():
+                    for layout in layouts:
+                        needed[expr] = math.lcm(needed.get(expr, 1), layout.split_factor(dim, self.mesh))
         for dim_name, (var, input_name, index) in self.bound.dims.items():
             layout = slots[input_name].layout
             factor = layout.split_factor(index, self.mesh)

@@ -28,18 +28,16 @@ def meshes_and_layouts(draw):
     sizes = tuple(draw(st.integers(1, 3)) for _ in range(axes))
     mesh = Mesh(tuple(f"a{i}" for i in range(axes)), sizes)
     rank = draw(st.integers(1, 3))
-    placements, factors, blocked = [], [1] * rank, set()
+    placements, factors, split, blocked = [], [1] * rank, set(), set()
     for axis in range(axes):
         dim = draw(st.integers(-1, rank - 1))  # -1: B
-        if dim < 0:
+        if dim < 0 or dim in blocked:  # a dim split in blocks is split by one axis (E056 otherwise)
             placements.append(B)
             continue
-        blocks = draw(st.sampled_from([1, 1, 2, 3])) if dim not in blocked and factors[dim] == 1 else 1
+        blocks = draw(st.sampled_from([1, 1, 2, 3])) if dim not in split else 1
         if blocks > 1:
             blocked.add(dim)
-        elif dim in blocked:
-            placements.append(B)
-            continue
+        split.add(dim)
         placements.append(S(dim, blocks))
         factors[dim] *= sizes[axis] * blocks
     shape = tuple(f * draw(st.integers(1, 2)) for f in factors)
