@@ -170,7 +170,7 @@ def _load_hf_folder(folder: str):
     return all(torch.equal(local, rt.shard(full[name].detach(), layout)) for name, local, layout in model.named_shards())
 
 
-def test_module_reads_its_slices_from_a_hugging_face_folder(pools, tmp_path):
+def test_module_reads_its_slices_from_a_hugging_face_folder_or_file(pools, tmp_path):
     from safetensors.torch import save_file
 
     from examples.hf_models import HFLlama
@@ -185,6 +185,11 @@ def test_module_reads_its_slices_from_a_hugging_face_folder(pools, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {n: f for f, part in files.items() for n in part}}))
     assert pools(2).run_on_every_rank(functools.partial(_load_hf_folder, str(tmp_path))) == [True, True]
+    single = tmp_path / "single"
+    single.mkdir()
+    save_file(state, str(single / "model.safetensors"))  # one file: given as the folder, or the file itself
+    for path in (single, single / "model.safetensors"):
+        assert pools(2).run_on_every_rank(functools.partial(_load_hf_folder, str(path))) == [True, True]
 
 
 def test_inputs_are_bound_by_name_in_any_order(compile_par):
