@@ -145,7 +145,7 @@ def build_model(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = No
     with import_paths(*par_import_paths(par_path)):
         try:
             model = factory(**dict(decl.kwargs))
-        except Exception as error:
+        except (Exception, SystemExit) as error:  # the user's code; sys.exit() there ends no compile
             if sink is None:
                 raise
             sink.error("E022", f"`{decl.text}` raised {type(error).__name__}", decl.span, str(error))
@@ -629,6 +629,17 @@ def bind(par: ParFile) -> BoundPlan:
                    "pardsl lays out tensors of static shape: select with masks (where, masked_fill) instead")
     if data_dependent:
         sink.raise_if_any()
+
+    flat_outputs = _flat_outputs(exported)
+    if not flat_outputs:
+        sink.error("E036", f"`{par.model.text}`'s forward returns no tensor", par.model.span,
+                   "pardsl compiles models whose outputs are tensors (or dicts, tuples, ModelOutputs of them)")
+    for path, node in flat_outputs:
+        if node is None:
+            sink.error("E036", f"`{path}` of `{par.model.text}`'s result is not a tensor", par.model.span,
+                       "pardsl compiles models whose outputs are tensors (or dicts, tuples, ModelOutputs of them)")
+    if not flat_outputs or any(node is None for _, node in flat_outputs):
+        sink.raise_if_any()  # names cannot be bound to an output that is not there
 
     table = _name_table(exported, inputs, parameters, buffers)
     table += [_Named("parameter", name, used) for name, used in aliases.values()]

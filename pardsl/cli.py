@@ -7,12 +7,15 @@ differs from serial), 2 bad command-line usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+import os
 import sys
 
 from .diagnostics import CompileError
 
-EXIT_OK, EXIT_INPUT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_INPUT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -20,6 +23,16 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         print(f"pardsl: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a timeout is a positive, finite number of seconds")
+    return value
 
 
 def _arguments() -> argparse.ArgumentParser:
@@ -48,7 +61,7 @@ def _arguments() -> argparse.ArgumentParser:
                      help="training steps, each compared with serial from the same parameters")
     run.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     run.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd")
-    run.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+    run.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                      help="collective timeout per rank (a hang fails instead of blocking)")
     run.add_argument("--json", action="store_true")
     run.add_argument("-o", "--output", metavar="DIR", help="also write the module and plan.json here")
@@ -101,6 +114,12 @@ def _failure_message(failure) -> str:
     return str(message)
 
 
+def _cannot_write(folder: str, error: OSError) -> int:
+    reason = "it is not a folder" if os.path.exists(folder) and not os.path.isdir(folder) else error.strerror or str(error)
+    print(f"pardsl: error: cannot write the outputs to {folder!r}: {reason}", file=sys.stderr)
+    return EXIT_INPUT_ERROR
+
+
 def _export(args) -> int:
     from .checkpoint import export_checkpoint
 
@@ -115,12 +134,23 @@ def _export(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _arguments().parse_args(argv)
-    if args.command == "export":
-        return _export(args)
+    try:
+        if args.command == "export":
+            return _export(args)
+        # In JSON mode stdout carries one JSON object: whatever the user's model prints goes to stderr.
+        quiet = contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext()
+        return _main(args, quiet)
+    except KeyboardInterrupt:
+        print("pardsl: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(args, quiet) -> int:
     from .compiler import compile_file, plan_json, write_outputs
 
     try:
-        compiled = compile_file(args.file)
+        with quiet:
+            compiled = compile_file(args.file)
     except FileNotFoundError as error:
         print(f"pardsl: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -142,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
 
     if args.command == "compile":
-        module_path, plan_path = write_outputs(compiled, args.output)
+        try:
+            module_path, plan_path = write_outputs(compiled, args.output)
+        except OSError as error:
+            return _cannot_write(args.output, error)
         if args.json:
             print(json.dumps({"ok": True, "module": module_path, "plan": plan_path, **plan_json(compiled)}, indent=2))
         else:
@@ -164,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
                              compiled.par.source)
         return _report_errors(error, args.json)
     if args.output:
-        write_outputs(compiled, args.output)
+        try:
+            write_outputs(compiled, args.output)
+        except OSError as error:
+            return _cannot_write(args.output, error)
     if args.steps < 1:
         print("pardsl: error: --steps must be at least 1", file=sys.stderr)
         return EXIT_USAGE
@@ -177,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{torch.cuda.device_count()}", file=sys.stderr)
             return EXIT_USAGE
     job = job_for(compiled, seed=args.seed, steps=args.steps, backend=backend, timeout_s=args.timeout,
-                  lr=args.lr, optimizer=args.optimizer)
+                  lr=args.lr, optimizer=args.optimizer, stdout_to_stderr=args.json)
     try:
         report = launch(job)
     except Exception as error:  # a rank failed: say which and why, without the launcher's traceback

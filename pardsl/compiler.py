@@ -6,6 +6,7 @@ lowering.lower, codegen.render); this module only chains them and writes what `p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -87,12 +88,28 @@ def plan_json(compiled: Compiled) -> dict:
 
 
 def write_outputs(compiled: Compiled, out_dir: str) -> tuple[str, str]:
+    """Write the module and plan.json into `out_dir`, each atomically: a temporary file in the same folder
+    renamed over the old one, so a failure (a full disk) leaves the previous pair whole, and a symbolic
+    link in the way is replaced, never followed. Raises OSError where the folder cannot be written."""
+    if not out_dir:
+        raise FileNotFoundError("the output folder is an empty path")
     os.makedirs(out_dir, exist_ok=True)
     module_path = os.path.join(out_dir, MODULE_FILE)
     plan_path = os.path.join(out_dir, PLAN_FILE)
-    with open(module_path, "w", encoding="utf-8") as handle:
-        handle.write(compiled.source)
-    with open(plan_path, "w", encoding="utf-8") as handle:
-        json.dump(plan_json(compiled), handle, indent=2, sort_keys=False)
-        handle.write("\n")
+    _write_atomically(module_path, compiled.source)
+    _write_atomically(plan_path, json.dumps(plan_json(compiled), indent=2, sort_keys=False) + "\n")
     return module_path, plan_path
+
+
+def _write_atomically(path: str, text: str) -> None:
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "x", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise

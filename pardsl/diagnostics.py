@@ -15,6 +15,8 @@ ERROR_CODES: dict[str, str] = {
     "E002": "unexpected character",
     "E003": "declaration given twice",
     "E004": "required declaration missing",
+    "E008": "the file is not UTF-8 text",
+    "E009": "invalid string literal",
     "E005": "named dim used before it has a size",
     "E006": "named dim given two sizes",
     "E007": "named dim with an example size below 2",
@@ -30,6 +32,7 @@ ERROR_CODES: dict[str, str] = {
     "E033": "empty value range",
     "E034": "inputs do not match the model's forward() arguments",
     "E035": "the model cannot be traced with the declared inputs",
+    "E036": "the model returns something that is not a tensor",
     "E040": "unknown name",
     "E041": "ambiguous name",
     "E043": "tensor given two layouts",
@@ -103,7 +106,12 @@ class SourceFile:
     lines: tuple[str, ...] = field(init=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "lines", tuple(self.text.splitlines()))
+        # Lines end at \n (or \r\n) alone, as the grammar's do: str.splitlines would also split at form
+        # feeds, vertical tabs, NEL and U+2028, and every location after one would be wrong.
+        lines = self.text.split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
+        object.__setattr__(self, "lines", tuple(line.removesuffix("\r") for line in lines))
 
 
 class CompileError(Exception):

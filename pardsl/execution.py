@@ -52,6 +52,7 @@ class RankJob:
     timeout_s: float = 120.0
     tolerance: float = 1e-4  # relative to the tensor's magnitude: |compiled - serial| <= tol * max(1, max|serial|)
     optimizer: str = "sgd"  # sgd | adam | adamw
+    stdout_to_stderr: bool = False  # what the model prints goes to stderr (the CLI's --json owns stdout)
 
 
 TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -65,14 +66,14 @@ def tolerance_for(dtypes) -> float:
 
 
 def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", timeout_s: float = 120.0,
-            lr: float = 0.01, optimizer: str = "sgd") -> RankJob:
+            lr: float = 0.01, optimizer: str = "sgd", stdout_to_stderr: bool = False) -> RankJob:
     from .binding import par_import_paths
 
     par = compiled.par
     tolerance = tolerance_for({info.dtype for info in compiled.bound.tensors.values()})
     return RankJob(compiled.source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
                    par.inputs, seed, steps, lr=lr, backend=backend, sys_path=par_import_paths(par.source.path),
-                   timeout_s=timeout_s, tolerance=tolerance, optimizer=optimizer)
+                   timeout_s=timeout_s, tolerance=tolerance, optimizer=optimizer, stdout_to_stderr=stdout_to_stderr)
 
 
 def resolve_backend(backend: str) -> str:
@@ -235,6 +236,8 @@ def combine(results: list[dict], job: RankJob) -> dict:
 
 
 def _elastic_entry(job: RankJob) -> dict:
+    if job.stdout_to_stderr:
+        sys.stdout = sys.stderr
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.mesh.size))
     dist.init_process_group(job.backend, timeout=datetime.timedelta(seconds=job.timeout_s))

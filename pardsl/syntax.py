@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -110,6 +111,11 @@ def _token_span(token: lark.Token) -> Span:
     return Span(token.line, token.column, token.end_line, token.end_column)
 
 
+class _BadString(Exception):
+    def __init__(self, span: Span, why: str):
+        self.span, self.why = span, why
+
+
 @dataclass(frozen=True)
 class _Dim:
     name: str | None
@@ -144,7 +150,12 @@ class _ToSyntaxTree(Transformer):
         return float(text) if any(c in text for c in ".eE") else int(text)
 
     def string(self, meta, children):
-        return str(children[0])[1:-1].encode("utf-8").decode("unicode_escape")
+        # JSON's escapes (\n, \", \\, \u00e9), and any other character as it is ("café")
+        token = children[0]
+        try:
+            return json.loads(str(token))
+        except json.JSONDecodeError as error:
+            raise _BadString(_token_span(token), error.msg) from None
 
     def true(self, meta, children):
         return True
@@ -310,13 +321,21 @@ def _describe_error(error: lark.exceptions.UnexpectedInput, lines: list[str]):
 
 def parse(text: str, path: str = "<string>") -> ParFile:
     """Parse .par text. Raises CompileError listing every syntax error found (one per line)."""
-    source = SourceFile(path, text)
+    source = SourceFile(path, text.removeprefix("\ufeff"))
     sink = DiagnosticSink(source)
     statements = _parse_recovering(source, sink)
     sink.raise_if_any()
 
     meshes, models, inputs, layouts = [], [], [], []
-    for statement in _ToSyntaxTree().transform(statements):
+    try:
+        transformed = _ToSyntaxTree().transform(statements)
+    except lark.exceptions.VisitError as error:
+        if not isinstance(error.orig_exc, _BadString):
+            raise
+        sink.error("E009", f"invalid string: {error.orig_exc.why.lower()}", error.orig_exc.span,
+                   "strings take JSON's escapes: write a backslash as \\\\")
+        sink.raise_if_any()
+    for statement in transformed:
         if isinstance(statement, MeshDecl):
             meshes.append(statement)
         elif isinstance(statement, ModelDecl):
@@ -381,8 +400,24 @@ def _check_declarations(par: ParFile, sink: DiagnosticSink) -> None:
 
 def parse_file(path: str) -> ParFile:
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+        with open(path, "rb") as handle:
+            data = handle.read()
     except OSError as error:
         raise FileNotFoundError(f"cannot read {path}: {error.strerror}") from None
-    return parse(text, path)
+    return parse(decode_source(data, path), path)
+
+
+def decode_source(data: bytes, path: str) -> str:
+    """The file's text: UTF-8, a byte-order mark allowed; anything else is E008 at the first bad byte."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line_start = data.rfind(b"\n", 0, error.start) + 1
+        line = data.count(b"\n", 0, error.start) + 1
+        column = len(data[line_start:error.start].decode("utf-8", "replace")) + 1
+        source = SourceFile(path, data.decode("utf-8", "replace"))
+        sink = DiagnosticSink(source)
+        sink.error("E008", f"the file is not UTF-8 text: byte 0x{data[error.start]:02x} cannot start or continue "
+                   "a character", Span.point(line, column), "save the file as UTF-8")
+        sink.raise_if_any()
+        raise  # unreachable: raise_if_any raised

@@ -160,3 +160,40 @@ class Cuts(nn.Module):
         gate, value = h.split(h.shape[-1] // 2, dim=-1)
         joined = torch.cat([torch.relu(first) * second, gate - value], dim=-1)
         return self.down(joined) + h.narrow(-1, 4, 8).sum(-1, keepdim=True)
+
+
+class NoneOut(nn.Module):
+    """A forward that computes and returns nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.lin(x)
+        return None
+
+
+class Chatty(nn.Module):
+    """A model that prints while it is traced and run."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        print("hello from the model")
+        return self.lin(x)
+
+
+def exits():
+    import sys
+
+    sys.exit(3)
+
+
+def named(name: str):
+    """A factory that checks the string it was given arrives as written."""
+    if name != "café ü\n\\":
+        raise ValueError(f"got {name!r}")
+    return nn.Linear(4, 4)

@@ -1,0 +1,122 @@
+"""Inputs a hostile user gives: each is a located diagnostic or a clear one-line error, never a traceback.
+(Reproducers from the reliability issue.)"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pardsl import cli
+from pardsl.diagnostics import CompileError
+from pardsl.syntax import parse, parse_file
+
+MLP = "mesh tp = 2\nmodel examples.models:MLP()\ninput x : float32[4, 256]\n"
+
+
+def _codes(error: CompileError):
+    return [(d.code, d.span.line, d.span.column) for d in error.diagnostics]
+
+
+@pytest.mark.parametrize("data, where", [
+    ("mesh tp = 2\nmodel m:f(a=\"caf\xe9\")\n".encode("latin-1"), (2, 17)),
+    ("mesh tp = 2\n".encode("utf-16"), (1, 1)),
+    (bytes(range(200, 256)) * 4, (1, 1)),
+], ids=["latin-1", "utf-16", "random-bytes"])
+def test_a_file_that_is_not_utf8_is_E008_at_the_first_bad_byte(tmp_path, data, where):
+    path = tmp_path / "bad.par"
+    path.write_bytes(data)
+    with pytest.raises(CompileError) as caught:
+        parse_file(str(path))
+    assert _codes(caught.value) == [("E008", *where)]
+    assert "not UTF-8" in caught.value.render()
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path):
+    path = tmp_path / "bom.par"
+    path.write_bytes(b"\xef\xbb\xbf" + MLP.encode())
+    assert parse_file(str(path)).mesh.axes[0].name == "tp"
+
+
+@pytest.mark.parametrize("separator", ["\f", "\v", "\u2028", "\x85", "\x1c"])
+def test_only_newlines_end_lines(separator):
+    with pytest.raises(CompileError) as caught:
+        parse(f"mesh tp = 2{separator}x\nmodel m:f\n")
+    (code, line, column), = _codes(caught.value)
+    assert line == 1 and column == 12 + (separator == "\f")  # a form feed is blank space; the rest are not
+    assert code in ("E001", "E002")
+
+
+def test_strings_take_json_escapes_and_any_character():
+    par = parse('mesh tp = 2\nmodel m:f(name="caf\u00e9 \\u00fc\\n\\\\")\n')
+    assert dict(par.model.kwargs) == {"name": "café ü\n\\"}
+    with pytest.raises(CompileError) as caught:
+        parse('mesh tp = 2\nmodel m:f(path="C:\\Users\\new")\n')
+    assert _codes(caught.value) == [("E009", 2, 16)]
+
+
+def test_the_string_reaches_the_model_factory_as_written(compile_par):
+    compiled = compile_par('mesh tp = 1\nmodel tests.zoo:named(name="caf\u00e9 \\u00fc\\n\\\\")\ninput input : float32[2, 4]\n')
+    assert compiled.program.parameters
+
+
+@pytest.mark.parametrize("factory, code", [("NoneOut()", "E036"), ("exits()", "E022")])
+def test_model_mistakes_are_located(compile_par, factory, code):
+    with pytest.raises(CompileError) as caught:
+        compile_par(f"mesh tp = 1\nmodel tests.zoo:{factory}\ninput x : float32[2, 4]\n")
+    assert _codes(caught.value) == [(code, 2, 1)]
+
+
+def test_json_output_stays_json_when_the_model_prints(tmp_path):
+    path = tmp_path / "chatty.par"
+    path.write_text("mesh tp = 1\nmodel tests.zoo:Chatty()\ninput x : float32[2, 4]\n")
+    for command in (["check", str(path), "--json"], ["run", str(path), "--nproc", "1", "--json"]):
+        result = subprocess.run([sys.executable, "-m", "pardsl.cli", *command], capture_output=True, text=True,
+                                timeout=120)
+        assert json.loads(result.stdout)["ok"] is True, result.stdout
+        assert "hello from the model" in result.stderr
+
+
+@pytest.mark.parametrize("target", ["file", "/dev/null", ""])
+def test_compile_to_a_place_that_is_no_folder_is_a_clear_error(tmp_path, capsys, target):
+    if target == "file":
+        target = str(tmp_path / "a_file")
+        open(target, "w").close()
+    assert cli.main(["compile", "examples/mlp.par", "-o", target]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pardsl: error: cannot write the outputs") and "Traceback" not in err
+
+
+def test_outputs_replace_a_symlink_rather_than_write_through_it(tmp_path, capsys):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(victim, out / "plan.json")
+    assert cli.main(["compile", "examples/mlp.par", "-o", str(out)]) == 0
+    assert victim.read_text() == "keep me"
+    assert not os.path.islink(out / "plan.json") and json.loads((out / "plan.json").read_text())["world_size"] == 2
+    assert sorted(os.listdir(out)) == ["pardsl_module.py", "plan.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_a_timeout_that_is_not_a_positive_finite_number_is_a_usage_error(capsys, value):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["run", "examples/mlp.par", "--nproc", "2", "--timeout", value])
+    assert caught.value.code == 2
+    assert "--timeout" in capsys.readouterr().err
+
+
+def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process():
+    process = subprocess.Popen([sys.executable, "-m", "pardsl.cli", "run", "examples/hf_llama8_tp2.par", "--nproc", "2",
+                                "--steps", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(10)  # compiling, or the ranks running
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert err.strip().splitlines()[-1] == "pardsl: interrupted" and "Traceback" not in err
+    leftovers = subprocess.run(["pgrep", "-f", "hf_llama8_tp2.par"], capture_output=True, text=True).stdout.split()
+    assert leftovers == []
