@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
-from .diagnostics import DiagnosticSink, Span
+from .diagnostics import MAX_PER_CODE, DiagnosticSink, Span
 from .layouts import B, Layout, Mesh, Placement
 from .oprules import concrete_size, op_name
 from .syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
@@ -216,6 +216,11 @@ def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticS
             elif decl.value_range[0] >= decl.value_range[1]:
                 sink.error("E033", f"value range [{decl.value_range[0]}, {decl.value_range[1]}) is empty",
                            decl.range_span)
+                ok = False
+            elif decl.value_range[0] < torch.iinfo(dtype).min or decl.value_range[1] - 1 > torch.iinfo(dtype).max:
+                info = torch.iinfo(dtype)
+                sink.error("E037", f"value range [{decl.value_range[0]}, {decl.value_range[1]}) does not fit "
+                           f"{decl.dtype} ([{info.min}, {info.max}])", decl.range_span)
                 ok = False
     if model is None:
         return False
@@ -488,8 +493,9 @@ def _resolve(entry: LayoutEntry, table: list[_Named], sink: DiagnosticSink) -> l
         matches = [n for n in table if n.kind == "output" and
                    (n.name == target or n.name.startswith(target + ".") or n.name.startswith(target + "["))]
     if not matches:
-        names = sorted({n.name for n in table})
-        close = difflib.get_close_matches(target, names, 3)
+        # suggestions cost a search over every name: only for the errors that will be shown
+        close = difflib.get_close_matches(target, sorted({n.name for n in table}), 3) \
+            if sink.count("E040") < MAX_PER_CODE else []
         notes = ["did you mean " + " or ".join(f"`{m}`" for m in close) + "?"] if close else []
         what = "matches no tensor" if "*" in target else "is not a parameter, buffer, input, output or submodule"
         sink.error("E040", f"`{target}` {what}", entry.target_span, *notes)
@@ -630,6 +636,7 @@ def bind(par: ParFile) -> BoundPlan:
     if data_dependent:
         sink.raise_if_any()
 
+    _check_input_values(par, exported, inputs, sink)
     flat_outputs = _flat_outputs(exported)
     if not flat_outputs:
         sink.error("E036", f"`{par.model.text}`'s forward returns no tensor", par.model.span,
@@ -678,6 +685,33 @@ def bind(par: ParFile) -> BoundPlan:
     return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
                      module_paths, seconds, buffer_values, persistent,
                      {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars)
+
+
+def _check_input_values(par: ParFile, exported, inputs: dict[str, str], sink: DiagnosticSink) -> None:
+    """What the graph says of the inputs: ids an embedding reads directly must lie in its table, and a
+    floating input must have a dtype the model computes in."""
+    decls = {decl.name: decl for decl in par.inputs}
+    parameters = set(exported.graph_signature.inputs_to_parameters)
+    for node in exported.graph.nodes:
+        if node.op == "placeholder" and node.name in inputs and DTYPES[decls[inputs[node.name]].dtype].is_floating_point:
+            decl = decls[inputs[node.name]]
+            # an op that takes the input and a parameter of another floating dtype (a model that casts its
+            # input first is fine)
+            met = {operand.meta["val"].dtype for user in node.users for operand in user.all_input_nodes
+                   if operand.name in parameters and operand.meta["val"].dtype.is_floating_point}
+            met.discard(DTYPES[decl.dtype])
+            if met:
+                wanted = str(sorted(met, key=str)[0]).removeprefix("torch.")
+                sink.error("E038", f"input `{decl.name}` is {decl.dtype} but the model's parameters it meets are "
+                           f"{wanted}", decl.dtype_span, f"declare it `{decl.name} : {wanted}[...]`")
+        if node.op == "call_function" and op_name(node) == "aten.embedding.default":
+            weight, ids = node.args[0], node.args[1]
+            decl = decls.get(inputs.get(getattr(ids, "name", None)))
+            rows = concrete_size(weight.meta["val"].shape[0])
+            if decl is not None and decl.value_range and (decl.value_range[0] < 0 or decl.value_range[1] > rows):
+                sink.error("E039", f"input `{decl.name}` takes values in [{decl.value_range[0]}, "
+                           f"{decl.value_range[1]}), but the embedding it indexes has {rows} rows",
+                           decl.range_span, f"write `in [0, {rows})` or less")
 
 
 def _dynamic_shapes(par: ParFile) -> dict | None:

@@ -16,7 +16,7 @@ ERROR_CODES: dict[str, str] = {
     "E003": "declaration given twice",
     "E004": "required declaration missing",
     "E008": "the file is not UTF-8 text",
-    "E009": "invalid string literal",
+    "E009": "invalid literal (a bad string escape, nesting too deep)",
     "E005": "named dim used before it has a size",
     "E006": "named dim given two sizes",
     "E007": "named dim with an example size below 2",
@@ -33,6 +33,9 @@ ERROR_CODES: dict[str, str] = {
     "E034": "inputs do not match the model's forward() arguments",
     "E035": "the model cannot be traced with the declared inputs",
     "E036": "the model returns something that is not a tensor",
+    "E037": "value range does not fit the dtype",
+    "E038": "input dtype the model does not compute in",
+    "E039": "integer range larger than the embedding table",
     "E040": "unknown name",
     "E041": "ambiguous name",
     "E043": "tensor given two layouts",
@@ -133,18 +136,40 @@ class CompileError(Exception):
         return [d.code for d in self.diagnostics]
 
 
+MAX_PER_CODE = 20
+
+
 class DiagnosticSink:
     """Collects diagnostics during one stage; `raise_if_any` ends the stage with all of them."""
 
     def __init__(self, source: SourceFile):
         self.source = source
         self.diagnostics: list[Diagnostic] = []
+        self._counts: dict[str, int] = {}
 
     def error(self, code: str, message: str, span: Span | None, *notes: str) -> None:
         assert code in ERROR_CODES, code
         self.diagnostics.append(Diagnostic(code, message, span, tuple(notes)))
+        self._counts[code] = self._counts.get(code, 0) + 1
+
+    def count(self, code: str) -> int:
+        return self._counts.get(code, 0)
 
     def raise_if_any(self) -> None:
-        if self.diagnostics:
-            in_file_order = sorted(self.diagnostics, key=lambda d: (d.span.line, d.span.column) if d.span else (0, 0))
-            raise CompileError(in_file_order, self.source)
+        """Raise every diagnostic, in file order; past MAX_PER_CODE of one code, the last one shown says
+        how many more there are (200,000 unknown names are not 200,000 messages)."""
+        if not self.diagnostics:
+            return
+        in_file_order = sorted(self.diagnostics, key=lambda d: (d.span.line, d.span.column) if d.span else (0, 0))
+        shown, counts = [], {}
+        for diagnostic in in_file_order:
+            counts[diagnostic.code] = counts.get(diagnostic.code, 0) + 1
+            if counts[diagnostic.code] <= MAX_PER_CODE:
+                shown.append(diagnostic)
+        for code, count in counts.items():
+            if count > MAX_PER_CODE:
+                index = max(i for i, d in enumerate(shown) if d.code == code)
+                last = shown[index]
+                shown[index] = Diagnostic(last.code, last.message, last.span, last.notes + (
+                    f"{count - MAX_PER_CODE} more error[{code}] not shown",), last.severity)
+        raise CompileError(shown, self.source)

@@ -115,6 +115,10 @@ class Runtime:
     def masked_embedding(self, weight: torch.Tensor, ids: torch.Tensor, *axes: str) -> torch.Tensor:
         """Embedding with the vocabulary split over `axes` (outermost first): rows for the ids this rank
         holds, zeros for the others, so the sum over ranks is the full lookup (a P result)."""
+        rows = weight.shape[0] * math.prod(self.size[a] for a in axes)
+        # serial's lookup fails on an id outside the table; the masked one would return a zero row for it
+        # (no rank holds it). The check is on the ids (small), and asynchronous on CUDA.
+        torch._assert_async(((ids >= 0) & (ids < rows)).all(), f"an id is outside the embedding table of {rows} rows")
         start = self._chunk(axes) * weight.shape[0]
         local = ids - start
         outside = (local < 0) | (local >= weight.shape[0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -327,14 +328,19 @@ def parse(text: str, path: str = "<string>") -> ParFile:
     sink.raise_if_any()
 
     meshes, models, inputs, layouts = [], [], [], []
-    try:
-        transformed = _ToSyntaxTree().transform(statements)
-    except lark.exceptions.VisitError as error:
-        if not isinstance(error.orig_exc, _BadString):
-            raise
-        sink.error("E009", f"invalid string: {error.orig_exc.why.lower()}", error.orig_exc.span,
-                   "strings take JSON's escapes: write a backslash as \\\\")
-        sink.raise_if_any()
+    transformed = []
+    for tree in statements.children:  # one statement at a time, so a failure points at its own line
+        try:
+            transformed.append(_ToSyntaxTree().transform(tree))
+        except lark.exceptions.VisitError as error:
+            if not isinstance(error.orig_exc, _BadString):
+                raise
+            sink.error("E009", f"invalid string: {error.orig_exc.why.lower()}", error.orig_exc.span,
+                       "strings take JSON's escapes: write a backslash as \\\\")
+        except RecursionError:
+            sink.error("E009", "a literal is nested too deeply", _span(tree.meta),
+                       f"lists and tuples nest at most about {sys.getrecursionlimit() // 4} deep")
+    sink.raise_if_any()
     for statement in transformed:
         if isinstance(statement, MeshDecl):
             meshes.append(statement)

@@ -120,3 +120,50 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process():
     assert err.strip().splitlines()[-1] == "pardsl: interrupted" and "Traceback" not in err
     leftovers = subprocess.run(["pgrep", "-f", "hf_llama8_tp2.par"], capture_output=True, text=True).stdout.split()
     assert leftovers == []
+
+
+def test_nesting_500_deep_is_located():
+    with pytest.raises(CompileError) as caught:
+        parse("mesh tp = 2\nmodel m:f(a=" + "[" * 500 + "]" * 500 + ")\n")
+    assert _codes(caught.value) == [("E009", 2, 1)]
+
+
+@pytest.mark.parametrize("declaration, code, column", [
+    ("input_ids : int8[2, 16] in [0, 1000)", "E037", 31),
+    ("input_ids : int64[2, 16] in [0, 99999999999999999999)", "E037", 32),
+    ("input_ids : int64[2, 16] in [0, 1000)", "E039", 32),  # the table has 256 rows
+], ids=["int8", "past-int64", "past-the-table"])
+def test_value_ranges_are_checked_against_the_dtype_and_the_embedding(compile_par, declaration, code, column):
+    with pytest.raises(CompileError) as caught:
+        compile_par(f"mesh tp = 2\nmodel examples.hf_models:llama_causal_lm(layers=1)\ninput {declaration}\n")
+    assert _codes(caught.value) == [(code, 3, column)]
+
+
+def test_an_input_dtype_the_model_does_not_compute_in_is_located(compile_par):
+    with pytest.raises(CompileError) as caught:
+        compile_par("mesh tp = 2\nmodel examples.models:MLP()\ninput x : bfloat16[4, 256]\n")
+    assert _codes(caught.value) == [("E038", 3, 11)]
+    assert "the model's parameters it meets are float32" in caught.value.render()
+
+
+def test_the_vocabulary_parallel_lookup_fails_on_an_id_outside_the_table_as_serial_does():
+    import torch
+
+    from pardsl.layouts import Mesh
+    from pardsl.runtime import Runtime
+
+    rt = Runtime(Mesh(("tp",), (1,)))
+    weight = torch.randn(8, 4)
+    assert torch.equal(rt.masked_embedding(weight, torch.tensor([0, 7]), "tp"), weight[[0, 7]])
+    for bad in (8, -1):
+        with pytest.raises(RuntimeError, match="outside the embedding table of 8 rows"):
+            rt.masked_embedding(weight, torch.tensor([1, bad]), "tp")
+
+
+def test_diagnostics_are_capped_per_code_with_a_count_of_the_rest(compile_par):
+    entries = "".join(f"  nope{i}.weight : B\n" for i in range(500))
+    with pytest.raises(CompileError) as caught:
+        compile_par(MLP + "layout {\n" + entries + "}\n")
+    diagnostics = caught.value.diagnostics
+    assert [d.code for d in diagnostics] == ["E040"] * 20
+    assert diagnostics[-1].notes[-1] == "480 more error[E040] not shown"
