@@ -146,6 +146,9 @@ def infer(bound: BoundPlan) -> TypedGraph:
             decided = value[name][:axis] if len(value[name]) > axis else value[name]
             return Layout(tuple(decided[:axis]) + (placement,) + (B,) * (mesh.ndim - axis - 1))
 
+        def required(decided: list[Placement], placement: Placement) -> Layout:
+            return Layout(tuple(decided[:axis]) + (placement,) + (B,) * (mesh.ndim - axis - 1))
+
         def local_bytes(name: str, placement: Placement) -> int:
             info = bound.tensors[name]
             return math.prod(layout_with(name, placement).local_shape(info.shape, mesh)) * info.itemsize
@@ -175,10 +178,13 @@ def infer(bound: BoundPlan) -> TypedGraph:
                         offered.setdefault(letters[current.dim], set()).add(current.blocks)
             replicated_operands = all(o not in free and value[o][axis] == B for o in names)
             for index, signature in enumerate(signatures(spec, offered)):
-                if any(not layout_with(o, req if req != P or o not in free else B).fits(bound.tensors[o].shape, mesh)
-                       for o, req in zip(names, signature.operands)):
+                # what the op needs of each operand (and computes), over the axes decided so far and this one
+                if any(not (layout_with(o, req if req != P or o not in free else B).fits(bound.tensors[o].shape, mesh)
+                            and required(needs[node.name][slot], req).fits(bound.tensors[o].shape, mesh))
+                       for slot, (o, req) in enumerate(zip(names, signature.operands))):
                     continue
-                if not layout_with(node.name, signature.output).fits(bound.tensors[node.name].shape, mesh):
+                if not (layout_with(node.name, signature.output).fits(bound.tensors[node.name].shape, mesh)
+                        and required(op_out[node.name], signature.output).fits(bound.tensors[node.name].shape, mesh)):
                     continue
                 forward, backward, changes = 0, 0, 0
                 sharded_compute = signature.output != B

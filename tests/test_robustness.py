@@ -167,3 +167,21 @@ def test_diagnostics_are_capped_per_code_with_a_count_of_the_rest(compile_par):
     diagnostics = caught.value.diagnostics
     assert [d.code for d in diagnostics] == ["E040"] * 20
     assert diagnostics[-1].notes[-1] == "480 more error[E040] not shown"
+
+
+def test_a_legal_three_axis_layout_compiles_with_every_requirement_fitting(compile_par):
+    """An op's needs on earlier axes count when a later axis is chosen: dim 0 (size 4) of a value must not
+    be required split 2 × 4 ways (the reproducer ended in an internal AssertionError)."""
+    compiled = compile_par("""mesh dp = 4, sp = 2, c = 4
+model examples.language_models:GPT(vocab_size=64, block_size=8, n_layer=1, n_head=4, d_model=32)
+input idx : int64[4, 8] in [0, 64)
+layout {
+    h.0.ln_1() : S(1) @ dp, S(2) @ c
+    wte() : S(2) @ sp, S(1) @ c
+}
+""")
+    typed, mesh = compiled.typed, compiled.program.mesh
+    for node in typed.nodes.values():
+        assert node.op_layout.fits(typed.info(node.name).shape, mesh), node.name
+        for operand, layout in zip(node.operands, node.operand_layouts):
+            assert layout.fits(typed.info(operand).shape, mesh), (node.name, operand)
