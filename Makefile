@@ -5,7 +5,7 @@ PIP    := $(PYTHON) -m pip
 # The CPU build of torch, pinned: an unpinned torch pulls gigabytes of CUDA packages.
 TORCH  := torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench fuzz clean
 
 install:
 	$(PIP) install --quiet $(TORCH)
@@ -17,6 +17,11 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest -q
+
+# 10,000 inputs (5,000 generated .par files and 5,000 random byte strings, fresh seeds) through
+# `pardsl check --json`: exit 0 or 1, JSON, located diagnostics only, no traceback.
+fuzz: install
+	PARDSL_FUZZ_EXAMPLES=$${PARDSL_FUZZ_EXAMPLES:-5000} $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_fuzz.py --durations=2
 
 bench: install
 	$(PYTHON) benchmarks/compile_and_step.py

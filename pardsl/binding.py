@@ -14,6 +14,7 @@ import importlib
 import inspect
 import io
 import logging
+import math
 import os
 import re
 import sys
@@ -200,6 +201,10 @@ def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticS
     ok = True
     for decl in par.inputs:
         dtype = DTYPES.get(decl.dtype)
+        if math.prod(decl.shape) * 8 >= 2 ** 63 or any(size >= 2 ** 62 for size in decl.shape):
+            sink.error("E029", f"input `{decl.name}` of shape {list(decl.shape)} has more elements than a tensor "
+                       "can hold", decl.span)
+            ok = False
         if dtype is None:
             notes = [f"did you mean `{m}`?" for m in difflib.get_close_matches(decl.dtype, DTYPES, 1)]
             sink.error("E030", f"unknown dtype `{decl.dtype}`", decl.dtype_span, *notes)

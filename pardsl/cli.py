@@ -114,6 +114,24 @@ def _failure_message(failure) -> str:
     return str(message)
 
 
+def _inputs_past_memory(compiled, nproc: int):
+    """A CompileError where the example inputs (made on every rank, and by the serial reference) would not
+    fit this machine's memory: said before anything is allocated."""
+    import torch
+
+    from .binding import DTYPES
+    from .diagnostics import Diagnostic
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for decl in compiled.par.inputs:
+        nbytes = math.prod(decl.shape) * torch.empty((), dtype=DTYPES[decl.dtype]).element_size()
+        if nbytes * nproc > memory // 2:
+            return CompileError([Diagnostic("E029", f"input `{decl.name}` takes {nbytes / 2**30:.1f} GiB on each of "
+                                            f"{nproc} ranks; this machine has {memory / 2**30:.1f} GiB", decl.span)],
+                                compiled.par.source)
+    return None
+
+
 def _cannot_write(folder: str, error: OSError) -> int:
     reason = "it is not a folder" if os.path.exists(folder) and not os.path.isdir(folder) else error.strerror or str(error)
     print(f"pardsl: error: cannot write the outputs to {folder!r}: {reason}", file=sys.stderr)
@@ -204,6 +222,9 @@ def _main(args, quiet) -> int:
     if args.steps < 1:
         print("pardsl: error: --steps must be at least 1", file=sys.stderr)
         return EXIT_USAGE
+    too_big = _inputs_past_memory(compiled, args.nproc)
+    if too_big is not None:
+        return _report_errors(too_big, args.json)
     backend = resolve_backend(args.backend)
     if backend == "nccl":
         import torch

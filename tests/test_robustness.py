@@ -185,3 +185,17 @@ layout {
         assert node.op_layout.fits(typed.info(node.name).shape, mesh), node.name
         for operand, layout in zip(node.operands, node.operand_layouts):
             assert layout.fits(typed.info(operand).shape, mesh), (node.name, operand)
+
+
+def test_sizes_past_what_a_tensor_holds_are_located(compile_par):
+    with pytest.raises(CompileError) as caught:
+        compile_par("mesh tp = 2\nmodel examples.models:MLP()\ninput x : float32[999999999999999999996, 256]\n")
+    assert _codes(caught.value) == [("E029", 3, 1)]
+
+
+def test_run_says_when_the_inputs_do_not_fit_this_machine_before_allocating(tmp_path, capsys):
+    path = tmp_path / "big.par"
+    path.write_text("mesh tp = 2\nmodel examples.models:MLP()\ninput x : float32[100000000, 256]\n")
+    assert cli.main(["check", str(path)]) == 0  # traced on the meta device: nothing allocated
+    assert cli.main(["run", str(path), "--nproc", "2"]) == 1
+    assert "error[E029]: input `x` takes 95.4 GiB on each of 2 ranks" in capsys.readouterr().err
