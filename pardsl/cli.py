@@ -63,6 +63,8 @@ def _arguments() -> argparse.ArgumentParser:
     run.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd")
     run.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                      help="collective timeout per rank (a hang fails instead of blocking)")
+    run.add_argument("--stall-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
+                     help="end the run when no rank has made progress for this long, naming the one behind")
     run.add_argument("--json", action="store_true")
     run.add_argument("-o", "--output", metavar="DIR", help="also write the module and plan.json here")
     return parser
@@ -104,14 +106,6 @@ def _summary(compiled) -> str:
                  f"(of {format_bytes(memory['parameters_total'])}), activations "
                  f"{format_bytes(memory['activations_per_rank'])} per rank (of {format_bytes(memory['activations_total'])})")
     return "\n".join(lines)
-
-
-def _failure_message(failure) -> str:
-    message = failure.message
-    if isinstance(message, dict):  # the launcher's error file: the exception line, then the rank's stack
-        stack = message.get("extraInfo", {}).get("py_callstack", "")
-        message = message.get("message", "") + ("\n" + stack if stack else "")
-    return str(message)
 
 
 def _inputs_past_memory(compiled, nproc: int):
@@ -203,7 +197,7 @@ def _main(args, quiet) -> int:
         return EXIT_OK
 
     # run
-    from .execution import job_for, launch, resolve_backend
+    from .execution import RunFailed, job_for, launch, resolve_backend
 
     mesh = compiled.program.mesh
     if args.nproc != mesh.size:
@@ -236,12 +230,9 @@ def _main(args, quiet) -> int:
     job = job_for(compiled, seed=args.seed, steps=args.steps, backend=backend, timeout_s=args.timeout,
                   lr=args.lr, optimizer=args.optimizer, stdout_to_stderr=args.json)
     try:
-        report = launch(job)
-    except Exception as error:  # a rank failed: say which and why, without the launcher's traceback
-        failures = getattr(error, "failures", None)
-        detail = "; ".join(f"rank {r}: {_failure_message(f)}" for r, f in sorted(failures.items())) \
-            if failures else str(error)
-        print(f"pardsl: run failed: {detail.strip()[:2000]}", file=sys.stderr)
+        report = launch(job, stall_s=args.stall_timeout)
+    except RunFailed as error:  # a rank failed or stalled: which and why, without the launcher's traceback
+        print(f"pardsl: run failed: {str(error).strip()[:4000]}", file=sys.stderr)
         return EXIT_INPUT_ERROR
     report["compile_s"] = sum(compiled.seconds.values())
     report["errors"] = []

@@ -19,12 +19,17 @@ in another order differs by several units in the last place).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
+import json
 import logging
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -53,6 +58,7 @@ class RankJob:
     tolerance: float = 1e-4  # relative to the tensor's magnitude: |compiled - serial| <= tol * max(1, max|serial|)
     optimizer: str = "sgd"  # sgd | adam | adamw
     stdout_to_stderr: bool = False  # what the model prints goes to stderr (the CLI's --json owns stdout)
+    progress_dir: str | None = None  # each rank records its progress here for `launch`'s watchdog
 
 
 TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -92,6 +98,21 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return err if math.isfinite(err) else float("inf")
 
 
+class ProgressFile:
+    """One rank's progress for the parent's watchdog: how many events (phases, collectives entered) it has
+    reached, the last one, when, and its pid; rewritten atomically at each event."""
+
+    def __init__(self, folder: str, rank: int):
+        self.path = os.path.join(folder, f"rank-{rank}.json")
+        self.count = 0
+
+    def advance(self, what: str) -> None:
+        self.count += 1
+        with open(self.path + ".tmp", "w") as handle:
+            json.dump({"count": self.count, "time": time.time(), "what": what, "pid": os.getpid()}, handle)
+        os.replace(self.path + ".tmp", self.path)
+
+
 def run_rank(job: RankJob) -> dict:
     """One rank's part: build, shard, run `steps` steps of compiled and serial, compare. Needs the
     process group initialised (any world size equal to the mesh size)."""
@@ -106,6 +127,11 @@ def run_rank(job: RankJob) -> dict:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
         torch.cuda.set_device(device)
     rt = Runtime(job.mesh, device)
+    progress = ProgressFile(job.progress_dir, dist.get_rank() if dist.is_initialized() else 0) \
+        if job.progress_dir else None
+    if progress:
+        progress.advance("building the serial model")
+        rt.counter.progress = progress
     module = load_module(job.module_source, job.module_name)
 
     torch.manual_seed(job.seed)
@@ -142,6 +168,8 @@ def run_rank(job: RankJob) -> dict:
             relative[kind], worst[kind] = rel, what
 
     for step in range(job.steps):
+        if progress:
+            progress.advance(f"step {step + 1}: the serial model")
         if step:  # the same parameters as serial's (module doc): each step is compared on its own
             compiled.load_full_state_dict(full)
         start = time.perf_counter()
@@ -158,6 +186,8 @@ def run_rank(job: RankJob) -> dict:
         serial_ms.append((time.perf_counter() - start) * 1000)
 
         rt.counter.reset()
+        if progress:
+            progress.advance(f"step {step + 1}: the compiled module")
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
@@ -247,8 +277,58 @@ def _elastic_entry(job: RankJob) -> dict:
         dist.destroy_process_group()
 
 
-def launch(job: RankJob) -> dict:
-    """Run `job` on mesh.size local processes with torch.distributed's elastic launcher."""
+class RunFailed(RuntimeError):
+    """A rank failed, exited or stopped making progress: the message says which and how."""
+
+
+def _watch(folder: str, ranks: int, stall_s: float, stop: threading.Event, verdict: list) -> None:
+    """End the ranks when none has made progress for `stall_s` seconds; name the one that fell behind
+    (the fewest events reached: the others wait for it in a collective it never entered)."""
+    while not stop.wait(0.5):
+        records = {}
+        for rank in range(ranks):
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(folder, f"rank-{rank}.json")) as handle:
+                    records[rank] = json.load(handle)
+        if len(records) < ranks or time.time() - max(r["time"] for r in records.values()) < stall_s:
+            continue
+        behind = min(records, key=lambda r: (records[r]["count"], records[r]["time"]))
+        record = records[behind]
+        verdict.append(f"rank {behind} stopped making progress: its last step was {record['what']!r}, "
+                       f"{time.time() - record['time']:.0f} s ago; the other ranks waited for it (--stall-timeout "
+                       f"{stall_s:g} s)")
+        for other in records.values():
+            with contextlib.suppress(OSError):
+                os.kill(other["pid"], signal.SIGKILL)
+        return
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line per failed rank from the launcher's error: the exception a rank raised, its exit code, or
+    the signal that ended it — the first failure first."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return str(error)
+    first = error.get_first_failure()[0] if hasattr(error, "get_first_failure") else min(failures)
+    lines = []
+    for rank in [first] + sorted(r for r in failures if r != first):
+        failure = failures[rank]
+        message = failure.message
+        if isinstance(message, dict):  # the launcher's error file: the exception line, then the rank's stack
+            stack = message.get("extraInfo", {}).get("py_callstack", "")
+            message = message.get("message", "") + ("\n" + stack if stack else "")
+        elif not (failure.error_file and os.path.isfile(failure.error_file)):  # no exception: an exit or a signal
+            message = f"exited with code {failure.exitcode}" if failure.exitcode >= 0 else \
+                f"was ended by {failure.signal_name()}" + (" after the failure above" if rank != first else "")
+        lines.append(f"rank {rank}: {str(message).strip()}")
+    return "\n".join(lines)
+
+
+def launch(job: RankJob, stall_s: float = 60.0) -> dict:
+    """Run `job` on mesh.size local processes with torch.distributed's elastic launcher. A rank that fails
+    or stops making progress for `stall_s` seconds ends the run with RunFailed, naming it."""
+    import tempfile
+
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
@@ -259,5 +339,16 @@ def launch(job: RankJob) -> dict:
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
         start_method="spawn",
     )
-    results = elastic_launch(config, _elastic_entry)(job)
+    with tempfile.TemporaryDirectory(prefix="pardsl-progress-") as folder:
+        job = dataclasses.replace(job, progress_dir=folder)
+        stop, verdict = threading.Event(), []
+        watchdog = threading.Thread(target=_watch, args=(folder, job.mesh.size, stall_s, stop, verdict), daemon=True)
+        watchdog.start()
+        try:
+            results = elastic_launch(config, _elastic_entry)(job)
+        except Exception as error:
+            raise RunFailed(verdict[0] if verdict else describe_failure(error)) from None
+        finally:
+            stop.set()
+            watchdog.join()
     return combine([results[rank] for rank in sorted(results)], job)

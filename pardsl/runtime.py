@@ -28,7 +28,11 @@ class CommCounter:
     by_axis: dict[str, Counter] = field(default_factory=lambda: {p: Counter() for p in PHASES})
     bytes: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
 
+    progress: object = None  # where `pardsl run` records each collective for its watchdog (advance(what))
+
     def record(self, phase: str, kind: str, nbytes: int, axis: str) -> None:
+        if self.progress is not None:
+            self.progress.advance(f"{phase} {kind} over {axis}")
         self.counts[phase][kind] += 1
         self.by_axis[phase][(axis, kind)] += 1
         self.bytes[phase] += nbytes

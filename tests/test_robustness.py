@@ -199,3 +199,32 @@ def test_run_says_when_the_inputs_do_not_fit_this_machine_before_allocating(tmp_
     assert cli.main(["check", str(path)]) == 0  # traced on the meta device: nothing allocated
     assert cli.main(["run", str(path), "--nproc", "2"]) == 1
     assert "error[E029]: input `x` takes 95.4 GiB on each of 2 ranks" in capsys.readouterr().err
+
+
+def _run_faulty(tmp_path, kind: str, *extra: str):
+    path = tmp_path / f"{kind}.par"
+    path.write_text(f'mesh tp = 2\nmodel tests.zoo:Faulty(kind="{kind}", rank=1)\ninput x : float32[2, 4]\n'
+                    "layout {\n  lin.weight : S(0)\n}\n")
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", str(path), "--nproc", "2", *extra],
+                            capture_output=True, text=True, timeout=240)
+    return result, time.perf_counter() - started
+
+
+@pytest.mark.parametrize("kind, first_line", [
+    ("exit", "pardsl: run failed: rank 1: exited with code 7"),
+    ("raise", "pardsl: run failed: rank 1: RuntimeError: this rank's model failed"),
+])
+def test_a_rank_that_exits_or_raises_is_named_with_its_code_or_error(tmp_path, kind, first_line):
+    result, _ = _run_faulty(tmp_path, kind)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[0] == first_line
+
+
+def test_a_rank_that_stops_making_progress_is_named_soon_after(tmp_path):
+    result, seconds = _run_faulty(tmp_path, "sleep", "--stall-timeout", "5")
+    assert result.returncode == 1
+    assert result.stderr.startswith("pardsl: run failed: rank 1 stopped making progress: its last step was "
+                                    "'step 1: the serial model'"), result.stderr
+    assert seconds < 90  # start-up, compile, then 5 s without progress (the collective timeout is 300 s)
+    assert subprocess.run(["pgrep", "-f", "Faulty"], capture_output=True).stdout == b""

@@ -197,3 +197,28 @@ def named(name: str):
     if name != "café ü\n\\":
         raise ValueError(f"got {name!r}")
     return nn.Linear(4, 4)
+
+
+class Faulty(nn.Module):
+    """A model that misbehaves on one rank: sleeps forever, exits with code 7, or raises."""
+
+    def __init__(self, kind: str = "sleep", rank: int = 1):
+        super().__init__()
+        self.kind, self.rank = kind, rank
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import os
+        import time
+
+        import torch.distributed as dist
+
+        if not torch.compiler.is_compiling() and x.device.type != "meta" and dist.is_initialized() \
+                and dist.get_rank() == self.rank:
+            if self.kind == "sleep":
+                time.sleep(10 ** 6)
+            elif self.kind == "exit":
+                os._exit(7)
+            else:
+                raise RuntimeError("this rank's model failed")
+        return self.lin(x)
