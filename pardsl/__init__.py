@@ -11,11 +11,26 @@ The public API, for training from one's own script under torchrun (see the READM
     pardsl.export_checkpoint("ckpt/", "model.safetensors")
 """
 
+import importlib
+
 __version__ = "0.1.0"
 
-from .api import ParallelModule, Plan, clip_grad_norm_, load  # noqa: E402
-from .checkpoint import export_checkpoint, load_optimizer_state, save  # noqa: E402
-from .diagnostics import CompileError  # noqa: E402
+# Exports load on first use: a generated module imports pardsl.runtime alone, and the CLI parses its
+# arguments before it needs the compiler.
+_EXPORTS = {
+    "ParallelModule": "api", "Plan": "api", "clip_grad_norm_": "api", "load": "api",
+    "export_checkpoint": "checkpoint", "load_optimizer_state": "checkpoint", "save": "checkpoint",
+    "CompileError": "diagnostics",
+}
 
-__all__ = ["CompileError", "ParallelModule", "Plan", "clip_grad_norm_", "export_checkpoint", "load",
-           "load_optimizer_state", "save", "__version__"]
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'pardsl' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from .compiler import Compiled, compile_par
-from .diagnostics import CompileError
 from .codegen import load_module
 from .layouts import B, Layout
 from .syntax import parse
@@ -84,13 +83,12 @@ class Plan:
         spmd = self._generated.CompiledModule(rt)
         bound = self.compiled.bound
         if checkpoint is None:
-            from .binding import build_model, import_paths, par_import_paths
+            from .binding import build_model, full_state, import_paths, par_import_paths
 
             par = self.compiled.par
             with import_paths(*par_import_paths(par.source.path)):
                 serial = build_model(par.model, par.source.path)
-            full = {name: t.detach() for name, t in serial.named_parameters(remove_duplicate=False)}
-            full.update((name, t.detach()) for name, t in serial.named_buffers(remove_duplicate=False))
+            full = full_state(serial)
             full.update((name, t) for name, t in bound.buffer_values.items() if name not in full)
             spmd.load_full_state_dict(full)
             del serial, full
@@ -248,4 +246,4 @@ def clip_grad_norm_(model: ParallelModule, max_norm: float, norm_type: float = 2
     return norm
 
 
-__all__ = ["CompileError", "Plan", "ParallelModule", "load", "clip_grad_norm_"]
+__all__ = ["Plan", "ParallelModule", "load", "clip_grad_norm_"]

@@ -182,6 +182,14 @@ def parameters_on_meta():
         torch.nn.Module.register_parameter = original
 
 
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by every name: tied weights under each, non-persistent buffers
+    (rotary frequencies) too; what `load_full_state_dict` of a generated module takes."""
+    full = {name: t.detach() for name, t in model.named_parameters(remove_duplicate=False)}
+    full.update((name, t.detach()) for name, t in model.named_buffers(remove_duplicate=False))
+    return full
+
+
 def make_inputs(decls: tuple[InputDecl, ...], generator: torch.Generator) -> list[torch.Tensor]:
     """Example inputs from the `input` declarations: normal floats, uniform integers in their range."""
     tensors = []

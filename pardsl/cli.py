@@ -111,14 +111,12 @@ def _summary(compiled) -> str:
 def _inputs_past_memory(compiled, nproc: int):
     """A CompileError where the example inputs (made on every rank, and by the serial reference) would not
     fit this machine's memory: said before anything is allocated."""
-    import torch
-
     from .binding import DTYPES
     from .diagnostics import Diagnostic
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for decl in compiled.par.inputs:
-        nbytes = math.prod(decl.shape) * torch.empty((), dtype=DTYPES[decl.dtype]).element_size()
+        nbytes = math.prod(decl.shape) * DTYPES[decl.dtype].itemsize
         if nbytes * nproc > memory // 2:
             return CompileError([Diagnostic("E029", f"input `{decl.name}` takes {nbytes / 2**30:.1f} GiB on each of "
                                             f"{nproc} ranks; this machine has {memory / 2**30:.1f} GiB", decl.span)],

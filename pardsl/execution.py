@@ -29,6 +29,7 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -98,6 +99,10 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return err if math.isfinite(err) else float("inf")
 
 
+def _unit_norm(gradient: torch.Tensor) -> torch.Tensor:
+    return gradient / max(1.0, gradient.norm().item())
+
+
 class ProgressFile:
     """One rank's progress for the parent's watchdog: how many events (phases, collectives entered) it has
     reached, the last one, when, and its pid; rewritten atomically at each event."""
@@ -116,7 +121,7 @@ class ProgressFile:
 def run_rank(job: RankJob) -> dict:
     """One rank's part: build, shard, run `steps` steps of compiled and serial, compare. Needs the
     process group initialised (any world size equal to the mesh size)."""
-    from .binding import build_model, import_paths, make_inputs
+    from .binding import build_model, full_state, import_paths, make_inputs
     from .runtime import Runtime
 
     for path in job.sys_path:
@@ -138,9 +143,7 @@ def run_rank(job: RankJob) -> dict:
     with import_paths(*job.sys_path):
         serial = build_model(job.model, job.par_path).to(device)
     compiled = module.CompiledModule(rt)
-    # Every parameter and buffer by every name, non-persistent buffers (rotary frequencies) included.
-    full = {name: t.detach() for name, t in serial.named_parameters(remove_duplicate=False)}
-    full.update((name, t.detach()) for name, t in serial.named_buffers(remove_duplicate=False))
+    full = full_state(serial)  # by every name: tied weights, non-persistent buffers
     compiled.load_full_state_dict(full)
     full_inputs = [t.to(device) for t in make_inputs(job.inputs, torch.Generator().manual_seed(job.seed + 1))]
     local_inputs = compiled.shard_inputs(*full_inputs)
@@ -177,8 +180,8 @@ def run_rank(job: RankJob) -> dict:
         if output_grads is None:
             # unit-norm output gradients (a mean, not a sum, of outputs × random weights): the objective is
             # linear, and steps the size of a summed one's carry deep models to inf within a few steps
-            output_grads = [(lambda g: g / max(1.0, g.norm().item()))(torch.randn(o.shape, generator=grad_generator))
-                            .to(device, o.dtype) for o in serial_out]
+            output_grads = [_unit_norm(torch.randn(o.shape, generator=grad_generator)).to(device, o.dtype)
+                            for o in serial_out]
         serial_opt.zero_grad(set_to_none=True)
         torch.autograd.backward([o for o in serial_out if o.requires_grad],
                                 [g for o, g in zip(serial_out, output_grads) if o.requires_grad])
@@ -327,8 +330,6 @@ def describe_failure(error: BaseException) -> str:
 def launch(job: RankJob, stall_s: float = 60.0) -> dict:
     """Run `job` on mesh.size local processes with torch.distributed's elastic launcher. A rank that fails
     or stops making progress for `stall_s` seconds ends the run with RunFailed, naming it."""
-    import tempfile
-
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):

@@ -370,7 +370,6 @@ class _Lowerer:
             for slot, (operand, layout) in enumerate(zip(typed_node.operands, typed_node.operand_layouts))
         ]
         info = self.typed.info(name)
-        local_out = typed_node.op_layout.local_shape(info.shape, self.mesh)
         tensor_nodes = iter(operand_vars)
 
         def arg(value):

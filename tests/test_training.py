@@ -16,7 +16,7 @@ from tests.launch import REPO, torchrun
 from tests.scripts.api_train import batches
 
 
-def serial_training(factory, local_batch_parts: int = 1) -> dict:
+def serial_training(factory) -> dict:
     torch.manual_seed(0)
     model = factory(layers=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -40,7 +40,8 @@ def test_adamw_on_the_models_own_loss_equals_serial_with_varying_shapes(tmp_path
     torchrun(nproc, "tests/scripts/api_train.py", plan, str(out), *extra)
     result = json.loads(out.read_text())
     expected = serial_training(factory)
-    assert result["output"] == "CausalLMOutputWithCrossAttentions" if factory is gpt2_lm_head else "CausalLMOutputWithPast"
+    expected_output = "CausalLMOutputWithCrossAttentions" if factory is gpt2_lm_head else "CausalLMOutputWithPast"
+    assert result["output"] == expected_output
     assert result["logits"] == logits  # the last step's (batch 2, seq 6), this rank's local value
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(expected["norms"]), rtol=1e-5, atol=1e-6)
