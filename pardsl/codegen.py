@@ -7,6 +7,7 @@ the one the user gave, dict orders fixed by the graph).
 from __future__ import annotations
 
 import functools
+import json
 import types
 from importlib import resources
 
@@ -76,6 +77,10 @@ def render(program: LoweredProgram) -> str:
         inputs=[_slot(i, mesh) for i in program.inputs],
         outputs=outputs,
         lines=lines,
+        gathers=program.gathers,
+        buckets=[{"kind": b.kind, "axes": repr(tuple(b.axes)), "members_text": ", ".join(f"({json.dumps(m[0])}, {m[1]}, {m[2]})" for m in b.members),
+                  "comment": f"{format_bytes(b.nbytes)}; {len(b.members)} gradient{'s' if len(b.members) != 1 else ''}"}
+                 for b in program.buckets],
     )
 
 

@@ -16,7 +16,7 @@ from . import __version__
 from .binding import BoundPlan, bind
 from .codegen import render
 from .inference import TypedGraph, infer
-from .lowering import LoweredProgram, lower, named_layout
+from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, lower, named_layout
 from .syntax import ParFile, parse, parse_file
 
 MODULE_FILE = "pardsl_module.py"
@@ -37,14 +37,14 @@ class Compiled:
         return sum(v for k, v in self.seconds.items() if k not in ("build", "export"))
 
 
-def compile_par(par: ParFile) -> Compiled:
+def compile_par(par: ParFile, bucket_mb: float = DEFAULT_BUCKET_MB) -> Compiled:
     bound = bind(par)
     seconds = dict(bound.seconds)
     start = time.perf_counter()
     typed = infer(bound)
     seconds["infer"] = time.perf_counter() - start
     start = time.perf_counter()
-    program = lower(typed)
+    program = lower(typed, bucket_mb)
     seconds["lower"] = time.perf_counter() - start
     start = time.perf_counter()
     source = render(program)
@@ -52,12 +52,12 @@ def compile_par(par: ParFile) -> Compiled:
     return Compiled(par, bound, typed, program, source, seconds)
 
 
-def compile_file(path: str) -> Compiled:
-    return compile_par(parse_file(path))
+def compile_file(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> Compiled:
+    return compile_par(parse_file(path), bucket_mb)
 
 
-def compile_text(text: str, path: str = "<string>") -> Compiled:
-    return compile_par(parse(text, path))
+def compile_text(text: str, path: str = "<string>", bucket_mb: float = DEFAULT_BUCKET_MB) -> Compiled:
+    return compile_par(parse(text, path), bucket_mb)
 
 
 def plan_json(compiled: Compiled) -> dict:
@@ -79,6 +79,9 @@ def plan_json(compiled: Compiled) -> dict:
                              "local_shape": list(o.local_shape)} for o in program.outputs},
         "tensors": program.values,
         "collectives": [c.to_json() for c in program.collectives],
+        "parameter_gathers": [{"parameter": g.attr, "axis": g.axis, "dim": g.dim} for g in program.gathers],
+        "gradient_buckets": [{"collective": b.kind, "axes": list(b.axes), "bytes": b.nbytes,
+                              "parameters": [m[0] for m in b.members]} for b in program.buckets],
         "collective_counts": program.collective_counts(),
         "collective_counts_by_axis": program.collective_counts_by_axis(),
         "bytes": program.collective_bytes(),

@@ -10,8 +10,15 @@ pass). The cost of a signature is compared in this order:
    weights gives data parallelism, not a gather of x into replicated compute;
 2. backward bytes per rank: the adjoints of those conversions, and the one all-reduce of the gradient of
    a broadcast value that sharded computation consumes (DESIGN §2), once per value;
-3. the number of conversions, local slices included: a value keeps its layout where it can;
-4. local compute (elements of the result on one rank): sharded work wins ties, except where every
+3. bytes off the critical path, on an axis that splits the batch (an input's dim 0) where the op's data
+   is already split and stays so: a
+   parameter stored split and gathered whole for the op (the gather is prefetched while the op before
+   computes; its gradient is reduce-scattered in buckets during backward),
+   and the bucketed all-reduce of a broadcast parameter's gradient. This is why weights stored `S(0)`
+   over an axis that splits the batch are gathered (FSDP / ZeRO-3) rather than used split with the
+   activations gathered or exchanged, which would stall the computation;
+4. the number of conversions, local slices included: a value keeps its layout where it can;
+5. local compute (elements of the result on one rank): sharded work wins ties, except where every
    operand is B: a result split there would save local work only, and might have to be gathered again.
 
 Greedy inference sees one op at a time, so two rules keep it from steps that only look cheap:
@@ -153,6 +160,9 @@ def infer(bound: BoundPlan) -> TypedGraph:
             info = bound.tensors[name]
             return math.prod(layout_with(name, placement).local_shape(info.shape, mesh)) * info.itemsize
 
+        # an axis that splits the batch (an input's dim 0): data parallelism's axis, where FSDP and DDP live
+        batch_axis = any(pin.layout.placements[axis].is_split and pin.layout.placements[axis].dim == 0
+                         for name, pin in bound.pins.items() if name in bound.inputs)
         free: set[str] = set()
         for name in placeholders:
             pin = bound.pins.get(name)
@@ -186,8 +196,14 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 if not (layout_with(node.name, signature.output).fits(bound.tensors[node.name].shape, mesh)
                         and required(op_out[node.name], signature.output).fits(bound.tensors[node.name].shape, mesh)):
                     continue
-                forward, backward, changes = 0, 0, 0
+                forward, backward, deferred, changes = 0, 0, 0, 0
                 sharded_compute = signature.output != B
+                # FSDP's and DDP's case: the data is already split on this axis and stays as it is, so the
+                # op's work is split whether its parameters are whole or not
+                activations = [(o, req) for o, req in zip(names, signature.operands)
+                               if o not in bound.parameters and o not in free]
+                data_split = batch_axis and signature.output.is_split and any(req.is_split for _, req in activations) and \
+                    all(value[o][axis] == req for o, req in activations)
                 conversions = []
                 for o, req in zip(names, signature.operands):
                     grad = o in requires_grad
@@ -195,7 +211,11 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     changes += o in free and req.is_split  # sharding a free tensor is a choice too
                     conversions.append((o, taken, req, grad, False))
                     if req == B and taken == B and sharded_compute and grad and o not in synced:
-                        backward += collective_bytes("all_reduce", local_bytes(o, B), n)
+                        cost = collective_bytes("all_reduce", local_bytes(o, B), n)
+                        if o in bound.parameters and data_split:
+                            deferred += cost  # bucketed, overlapped with the rest of backward
+                        else:
+                            backward += cost
                 if pin is not None:
                     conversions.append((node.name, signature.output, pin.layout.placements[axis],
                                         node.name in requires_grad, True))
@@ -204,9 +224,13 @@ def infer(bound: BoundPlan) -> TypedGraph:
                         continue
                     size = local_bytes(name, source)
                     forward_only = _one_axis_cost(source, target, size, n, False, written)
-                    forward += forward_only
-                    backward += _one_axis_cost(source, target, size, n, grad, written) - forward_only
+                    both = _one_axis_cost(source, target, size, n, grad, written)
                     changes += 1
+                    if name in bound.parameters and source.is_split and target == B and data_split:
+                        deferred += both  # prefetched forward; reduce-scattered in buckets backward
+                        continue
+                    forward += forward_only
+                    backward += both - forward_only
                 for inner in signature.inner_all_reduces:  # a parallel form's own collectives
                     first, placement = bound.tensors[names[0]], signature.operands[0]
                     local = layout_with(names[0], placement).local_shape(first.shape, mesh)
@@ -215,7 +239,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 # Splitting the result of an op whose operands are all B only saves local work; any
                 # consumer can slice a B value for nothing, but a split made here may need a gather later
                 compute = local_bytes(node.name, B if replicated_operands else signature.output)
-                key = (forward, backward, changes, compute, index)
+                key = (forward, backward, deferred, changes, compute, index)
                 if best_key is None or key < best_key:
                     best_key, best = key, signature
             assert best is not None, f"no legal signature for {node.name}"  # all-B always fits

@@ -72,6 +72,44 @@ class OutputSlot:
     layout: Layout
 
 
+@dataclass(frozen=True)
+class ParameterGather:
+    """A parameter all-gathered on one axis before use (in forward order; the next one is prefetched)."""
+
+    attr: str
+    axis: str
+    dim: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class GradientBucket:
+    """Parameter gradients synchronised by one collective during backward, issued when the last arrives."""
+
+    kind: str  # all_reduce | reduce_scatter
+    axes: tuple[str, ...]
+    members: tuple[tuple[str, int, int], ...]  # (parameter attribute, dim, blocks), in arrival order
+    nbytes: int  # the gradients' bytes on one rank (whole, for a reduce-scatter)
+    collectives: tuple[Collective, ...]
+
+
+@dataclass(frozen=True)
+class _GradientSync:
+    """One parameter gradient bound for a bucket, before buckets are formed."""
+
+    kind: str
+    axes: tuple[str, ...]
+    attr: str
+    dim: int
+    blocks: int
+    nbytes: int
+    dtype: str
+
+
+DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket size
+FIRST_BUCKET_MB = 1.0  # DDP's first bucket: the first collective starts early in backward
+
+
 @dataclass
 class LoweredProgram:
     mesh: Mesh
@@ -84,10 +122,12 @@ class LoweredProgram:
     outputs: list[OutputSlot]
     values: dict[str, dict]  # every graph tensor: layout, global and local shape (for plan.json)
     notes: list[Diagnostic] = field(default_factory=list)
+    gathers: list[ParameterGather] = field(default_factory=list)
+    buckets: list[GradientBucket] = field(default_factory=list)
 
     @property
     def collectives(self) -> list[Collective]:
-        return [c for s in self.statements for c in s.collectives]
+        return [c for s in self.statements for c in s.collectives] + [c for b in self.buckets for c in b.collectives]
 
     def collective_counts(self) -> dict[str, dict[str, int]]:
         counts = {phase: {kind: 0 for kind in COLLECTIVE_KINDS} for phase in ("forward", "backward")}
@@ -222,7 +262,10 @@ class _Use:
 
 
 class _Lowerer:
-    def __init__(self, typed: TypedGraph):
+    def __init__(self, typed: TypedGraph, bucket_mb: float = DEFAULT_BUCKET_MB):
+        self.bucket_bytes = int(bucket_mb * (1 << 20))
+        self.syncs: list[_GradientSync] = []  # parameter gradients bound for buckets, in forward order
+        self.gathers: list[ParameterGather] = []
         self.typed = typed
         self.bound = typed.bound
         self.mesh = typed.mesh
@@ -303,8 +346,12 @@ class _Lowerer:
         self.emitted.add(var)
         steps = self.conversion_steps[var]
         pin = self.bound.pins.get(name)
-        self._emit_steps(steps, self.var[name], var, reason,
-                         {a for (v, a) in self.reduce_scatter_backward if v == var}, name in self.typed.requires_grad)
+        if self._is_parameter(name) and len(steps) == 1 and steps[0].kind == "all_gather" \
+                and self.mesh.axis_sizes[steps[0].axis] > 1:
+            self._emit_parameter_gather(name, var, steps[0], reason)
+        else:
+            self._emit_steps(steps, self.var[name], var, reason,
+                             {a for (v, a) in self.reduce_scatter_backward if v == var}, name in self.typed.requires_grad)
         if pin is not None and steps:
             moved = sum(s.forward_bytes for s in steps)
             self.notes.append(Diagnostic(
@@ -312,6 +359,77 @@ class _Lowerer:
                 f"{layout.render(self.mesh)}: inserted {', '.join(s.kind for s in steps)} "
                 f"({format_bytes(moved)} forward)", pin.entry.span, severity="note"))
         return var
+
+    def _is_parameter(self, name: str) -> bool:
+        return name in self.bound.parameters and self.var[name].startswith("self.")
+
+    def _sync(self, kind: str, axes: tuple[str, ...], name: str, dim: int, blocks: int, nbytes: int) -> int:
+        """Bind a parameter's gradient for a bucket; the bucket is chosen once all are known (`_buckets`)."""
+        info = self.typed.info(name)
+        self.syncs.append(_GradientSync(kind, axes, self.var[name].removeprefix("self."), dim, blocks, nbytes,
+                                        str(info.dtype)))
+        return len(self.syncs) - 1
+
+    def _emit_parameter_gather(self, name: str, var: str, step: ConversionStep, reason: str) -> None:
+        """A stored-split parameter gathered whole for its op: prefetched while the op before it computes;
+        where every use is sharded its gradient is partial, and reduce-scattered in a bucket."""
+        axis = self.mesh.axis_names[step.axis]
+        index = len(self.gathers)
+        self.gathers.append(ParameterGather(self.var[name].removeprefix("self."), axis, step.src_dim, step.src_blocks))
+        info = self.typed.info(name)
+        forward = Collective("all_gather", axis, "forward", step.forward_bytes, var, reason)
+        arrow = f"{step.source.placements[step.axis]}→B@{axis}"
+        what = f"all-gather {format_bytes(step.forward_bytes)} (forward, prefetched)"
+        args = f"{self.var[name]}, {index}"
+        if (var, step.axis) in self.reduce_scatter_backward and name in self.typed.requires_grad:
+            whole = math.prod(step.target.local_shape(info.shape, self.mesh)) * info.itemsize
+            sync = self._sync("reduce_scatter", (axis,), name, step.src_dim, step.src_blocks, whole)
+            args += f", @@sync{sync}@@"
+            what += f"; its gradient reduce-scattered in @@bucket{sync}@@ (backward)"
+        self.emit(var, f"sync.all_gather({args})", f"{arrow}: {what} — {reason}", (forward,))
+
+    def _buckets(self) -> list[GradientBucket]:
+        """Group the gradients into buckets in the order backward produces them (the reverse of forward),
+        one open bucket per collective, axes and dtype; a bucket closes past the bucket size (the first
+        one past DDP's 1 MiB, so communication starts early). Fills in each statement's bucket."""
+        opened: dict[tuple, int] = {}
+        members: list[list[int]] = []
+        sizes: list[int] = []
+        where: dict[int, tuple[int, int]] = {}
+        for index in reversed(range(len(self.syncs))):
+            sync = self.syncs[index]
+            key = (sync.kind, sync.axes, sync.dtype)
+            if key not in opened:
+                opened[key] = len(members)
+                members.append([])
+                sizes.append(0)
+            bucket = opened[key]
+            where[index] = (bucket, len(members[bucket]))
+            members[bucket].append(index)
+            sizes[bucket] += sync.nbytes
+            cap = min(self.bucket_bytes, int(FIRST_BUCKET_MB * (1 << 20))) if bucket == 0 else self.bucket_bytes
+            if sizes[bucket] >= cap:
+                del opened[key]
+        buckets = []
+        for bucket, indices in enumerate(members):
+            first = self.syncs[indices[0]]
+            sizes_by_axis = {a: self.mesh.axis_sizes[self.mesh.axis_index(a)] for a in first.axes}
+            what = f"gradients of {len(indices)} parameter{'s' if len(indices) != 1 else ''}, bucket {bucket}"
+            collectives = tuple(Collective(first.kind, a, "backward", collective_bytes(first.kind, sizes[bucket], n),
+                                           f"bucket {bucket}", what) for a, n in sizes_by_axis.items())
+            buckets.append(GradientBucket(first.kind, first.axes,
+                                          tuple((self.syncs[i].attr, self.syncs[i].dim, self.syncs[i].blocks)
+                                                for i in indices), sizes[bucket], collectives))
+
+        def fill(text: str) -> str:
+            for index, (bucket, member) in where.items():
+                text = text.replace(f"@@sync{index}@@", f"bucket={bucket}, member={member}")
+                text = text.replace(f"@@bucket{index}@@", f"bucket {bucket}")
+            return text
+
+        self.statements = [Statement(s.target, fill(s.expr), fill(s.comment), s.collectives) if "@@" in s.expr
+                           else s for s in self.statements]
+        return buckets
 
     def _step_call(self, step: ConversionStep, source: str, axis: str, target: str, reason: str,
                    rs_backward: bool, needs_grad: bool) -> tuple[str, tuple[Collective, ...]]:
@@ -345,6 +463,17 @@ class _Lowerer:
             self.grad_wrapper[key] = wrapper
             info = self.typed.info(name)
             local = math.prod(layout.local_shape(info.shape, self.mesh)) * info.itemsize
+            consumers = sum(1 for u in self.uses[var] if u.partial_axes == use.partial_axes)
+            if var == self.var[name] and self._is_parameter(name):
+                sized = tuple(a for a in axes if self.mesh.axis_sizes[self.mesh.axis_index(a)] > 1)
+                if not sized:  # nothing to synchronise over one rank
+                    self.grad_wrapper[key] = var
+                    return var
+                sync = self._sync("all_reduce", sized, name, 0, 1, local)
+                self.emit(wrapper, f"sync.grad_all_reduce({var}, @@sync{sync}@@)",
+                          f"B read by {consumers} sharded consumer(s): its gradient all-reduced over "
+                          f"{', '.join(sized)} in @@bucket{sync}@@ (backward)")
+                return wrapper
             collectives = tuple(
                 Collective("all_reduce", axis, "backward",
                            collective_bytes("all_reduce", local, self.mesh.axis_sizes[self.mesh.axis_index(axis)]),
@@ -352,7 +481,6 @@ class _Lowerer:
                 for axis in axes if self.mesh.axis_sizes[self.mesh.axis_index(axis)] > 1
             )
             args = ", ".join(f'"{a}"' for a in axes)
-            consumers = sum(1 for u in self.uses[var] if u.partial_axes == use.partial_axes)
             moved = format_bytes(sum(c.bytes for c in collectives))
             self.emit(wrapper, f"rt.grad_all_reduce({var}, {args})",
                       f"B read by {consumers} sharded consumer(s): all-reduce its gradient once "
@@ -564,9 +692,11 @@ class _Lowerer:
                 "local_shape": list(layout.local_shape(info.shape, mesh)),
                 "dtype": str(info.dtype).removeprefix("torch."),
             }
+        buckets = self._buckets()
         return LoweredProgram(mesh, bound.par.source.path, bound.par.model.text, parameters, buffers, inputs,
-                              self.statements, outputs, values, self.notes)
+                              self.statements, outputs, values, self.notes, self.gathers, buckets)
 
 
-def lower(typed: TypedGraph) -> LoweredProgram:
-    return _Lowerer(typed).lower()
+def lower(typed: TypedGraph, bucket_mb: float = DEFAULT_BUCKET_MB) -> LoweredProgram:
+    """`bucket_mb`: the size of the buckets parameter gradients are synchronised in (DDP's 25 MiB)."""
+    return _Lowerer(typed, bucket_mb).lower()

@@ -386,6 +386,15 @@ def _reshape_letters(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> t
     return tuple(in_letters), tuple(out_letters), unsplittable
 
 
+def _whole_slice(node: torch.fx.Node) -> bool:
+    """aten.slice.Tensor from the start to the end, step 1: the identity, whatever the dim's size."""
+    if op_name(node) != "aten.slice.Tensor":
+        return False
+    start, end, step = (call_arg(node, i, name, default) for i, name, default in
+                        ((2, "start", None), (3, "end", None), (4, "step", 1)))
+    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= 2 ** 62)) and step == 1
+
+
 def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
     operands = tensor_operands(node)
     shapes = [_shape(o) for o in operands]
@@ -424,7 +433,8 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
     elif rule.family == "cut":
         in_letters = tuple(fresh[: len(shapes[0])])
         dim = call_arg(node, rule.dim_arg, "dim", rule.dim_default) % len(shapes[0])
-        unsplittable.add(in_letters[dim])
+        if not _whole_slice(node):  # `x[:, None]` exports a slice of all of dim 0: it commutes with a split
+            unsplittable.add(in_letters[dim])
         operand_letters, output = [in_letters for _ in shapes], in_letters
         parts = _equal_parts(node, dim, shapes[0][dim])
         cut = (in_letters[dim], parts) if parts else None

@@ -93,6 +93,13 @@ class Runtime:
             raise ValueError(f"dim `{dim}` has size {size} at run time; the plan splits it {ways} ways, "
                              f"which needs a multiple of {ways}")
 
+    def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple]):
+        """The object a generated module gathers its stored-split parameters and buckets its parameters'
+        gradients with (pardsl/parameter_sync.py)."""
+        from .parameter_sync import ParameterSync
+
+        return ParameterSync(self, module, gathers, buckets)
+
     # -- collectives the generated code calls ---------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:

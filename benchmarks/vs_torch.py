@@ -1,0 +1,257 @@
+"""pardsl against PyTorch's own tools, one model, one run (issue 9).
+
+Hugging Face's LlamaForCausalLM (examples/hf_models.py), 4 layers, trained on its own loss, three plans:
+
+| plan | pardsl (.par file, through `pardsl.load`) | PyTorch |
+|---|---|---|
+| data parallel | batch `S(0)`, weights left to inference (B) | `DistributedDataParallel` (25 MiB buckets) |
+| ZeRO-3 | batch `S(0)`, every weight `S(0)` | FSDP2: `fully_shard` per layer, then the root |
+| Megatron TP | q/k/v, gate, up `S(0)`; o, down `S(1)` | DTensor `parallelize_module`, Colwise/Rowwise |
+
+Two gloo ranks, one thread each (serial: one thread). Per plan, both parallel versions are checked
+against the serial model first (loss and every gradient), then each is timed: forward, backward and the
+gradients made ready (median of `--steps` after warm-up). pardsl's collectives per step come from its
+runtime counter, PyTorch's from `CommDebugMode` where it sees them (DTensor's; DDP and FSDP2 call
+collectives outside it).
+
+    python benchmarks/vs_torch.py [--steps 10] [--plans dp,zero3,tp] [--profile]
+
+`--profile` adds, per plan, where pardsl's step spends its time (torch.profiler, top ops by self time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+# name: (model kwargs, batch, sequence, what pardsl is compared with)
+PLANS = {
+    "dp": (dict(layers=4, hidden=256, heads=8, kv_heads=4, ffn=688, vocab=2048), 8, 64, "DDP"),
+    "zero3": (dict(layers=4, hidden=256, heads=8, kv_heads=4, ffn=688, vocab=2048), 8, 64, "FSDP2"),
+    "tp": (dict(layers=4, hidden=512, heads=8, kv_heads=8, ffn=1376, vocab=2048), 4, 64, "DTensor"),
+}
+TITLES = {"dp": "data parallel", "zero3": "ZeRO-3", "tp": "Megatron TP"}
+
+LAYER_WEIGHTS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def par_text(plan: str, kwargs: dict, batch: int, seq: int) -> str:
+    lines = [f"mesh {'tp' if plan == 'tp' else 'dp'} = 2",
+             f"model examples.hf_models:llama_causal_lm({', '.join(f'{k}={v}' for k, v in kwargs.items())})",
+             f"input input_ids : int64[{batch}, {seq}] in [0, {kwargs['vocab']})",
+             f"input labels : int64[{batch}, {seq}] in [0, {kwargs['vocab']})",
+             "layout {"]
+    if plan in ("dp", "zero3"):
+        lines += ["    input_ids : S(0)", "    labels : S(0)"]
+    if plan == "zero3":
+        lines += [f"    model.layers.*.{w}.weight : S(0)" for w in LAYER_WEIGHTS]
+        lines += ["    model.layers.*.input_layernorm.weight : S(0)",
+                  "    model.layers.*.post_attention_layernorm.weight : S(0)",
+                  "    model.embed_tokens.weight : S(0)", "    model.norm.weight : S(0)", "    lm_head.weight : S(0)"]
+    if plan == "tp":
+        lines += [f"    model.layers.*.{w}.weight : {'S(1)' if w in ('self_attn.o_proj', 'mlp.down_proj') else 'S(0)'}"
+                  for w in LAYER_WEIGHTS]
+    return "\n".join(lines + ["}", ""])
+
+
+def _time(step, steps: int) -> float:
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+def rank_main(job: dict) -> dict:
+    import copy
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import pardsl
+    from examples.hf_models import llama_causal_lm
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    plan_name, kwargs, batch, seq = job["plan"], job["kwargs"], job["batch"], job["seq"]
+    os.chdir(ROOT)
+
+    torch.manual_seed(0)
+    serial = llama_causal_lm(**kwargs)
+    ids = torch.randint(0, kwargs["vocab"], (batch, seq), generator=torch.Generator().manual_seed(1))
+    expected_loss = serial(input_ids=ids, labels=ids).loss
+    expected_loss.backward()
+    expected_grads = {name: p.grad.clone() for name, p in serial.named_parameters()}
+    serial.zero_grad(set_to_none=True)
+    rank = dist.get_rank()
+
+    # pardsl, through the public API
+    plan = pardsl.load(job["par_path"])
+    torch.manual_seed(0)
+    model = plan.module()
+    local = plan.shard_inputs(input_ids=ids, labels=ids)
+    rt = model.rt
+    loss = model(**local).loss
+    loss.backward()
+    errors = {"pardsl": abs(loss.item() - expected_loss.item())}
+    for name, parameter, layout in model.named_shards():
+        want = rt.shard(expected_grads[name], layout)
+        errors["pardsl"] = max(errors["pardsl"], (parameter.grad - want).abs().max().item())
+    model.zero_grad(set_to_none=True)
+    rt.counter.reset()
+    model(**local).loss.backward()
+    pardsl_counts = rt.counter.summary()["collectives"]
+    model.zero_grad(set_to_none=True)
+
+    # PyTorch's tool
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp" if plan_name != "tp" else "tp",))
+    torch_model = copy.deepcopy(serial)
+    half = slice(rank * batch // 2, (rank + 1) * batch // 2)
+    torch_ids = ids if plan_name == "tp" else ids[half]
+    if plan_name == "dp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch_model = DistributedDataParallel(torch_model)
+    elif plan_name == "zero3":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in torch_model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(torch_model, mesh=mesh)
+    else:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for layer in torch_model.model.layers:
+            parallelize_module(layer, mesh, {w: (RowwiseParallel() if w in ("self_attn.o_proj", "mlp.down_proj")
+                                                 else ColwiseParallel()) for w in LAYER_WEIGHTS})
+
+    def torch_loss():
+        out = torch_model(input_ids=torch_ids, labels=torch_ids).loss
+        # DDP and FSDP see half the batch: HF's mean over the local tokens; every rank has the same count
+        return out
+
+    loss = torch_loss()
+    loss.backward()
+    global_loss = loss.detach().clone()
+    if plan_name != "tp":
+        dist.all_reduce(global_loss)
+        global_loss /= 2
+    errors["torch"] = abs(global_loss.item() - expected_loss.item())
+    named = dict(torch_model.module.named_parameters() if plan_name == "dp" else torch_model.named_parameters())
+    for name, want in expected_grads.items():
+        got = _full(named[name].grad)
+        errors["torch"] = max(errors["torch"], (got - want).abs().max().item())
+    torch_model.zero_grad(set_to_none=True)
+    with CommDebugMode() as comm:
+        torch_loss().backward()
+    torch_counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+    torch_model.zero_grad(set_to_none=True)
+
+    def pardsl_step():
+        model(**local).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def torch_step():
+        torch_loss().backward()
+        torch_model.zero_grad(set_to_none=True)
+
+    def serial_step():
+        serial(input_ids=ids, labels=ids).loss.backward()
+        serial.zero_grad(set_to_none=True)
+
+    result = {
+        "pardsl_ms": _time(pardsl_step, job["steps"]),
+        "torch_ms": _time(torch_step, job["steps"]),
+        "serial_ms": _time(serial_step, job["steps"]) if plan_name == "tp" else None,
+        "pardsl_counts": pardsl_counts,
+        "torch_counts": torch_counts,
+        "errors": errors,
+        "profile": _profile(pardsl_step) if job["profile"] and rank == 0 else None,
+    }
+    if job["profile"] and rank != 0:
+        _profile(pardsl_step)
+    dist.destroy_process_group()
+    return result
+
+
+def _profile(step) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+
+
+def _counts(counts: dict) -> str:
+    parts = []
+    for phase in ("forward", "backward"):
+        inner = ", ".join(f"{n} {k.replace('_', '-')}" for k, n in counts[phase].items() if n)
+        parts.append(f"{phase}: {inner or 'none'}")
+    return "; ".join(parts)
+
+
+def main() -> None:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--plans", default="dp,zero3,tp")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rows, notes = [], []
+    with tempfile.TemporaryDirectory() as folder:
+        for plan_name in args.plans.split(","):
+            kwargs, batch, seq, tool = PLANS[plan_name]
+            par_path = os.path.join(folder, f"{plan_name}.par")
+            with open(par_path, "w") as handle:
+                handle.write(par_text(plan_name, kwargs, batch, seq))
+            job = {"plan": plan_name, "kwargs": kwargs, "batch": batch, "seq": seq, "steps": args.steps,
+                   "par_path": par_path, "profile": args.profile}
+            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=f"vs-torch-{plan_name}",
+                                  rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                                  monitor_interval=0.1, start_method="spawn")
+            result = elastic_launch(config, rank_main)(job)[0]
+            assert max(result["errors"].values()) < 1e-4, result["errors"]
+            serial = f"{result['serial_ms']:.1f} ms" if result["serial_ms"] else "—"
+            versus_serial = f"{result['pardsl_ms'] / result['serial_ms']:.2f}" if result["serial_ms"] else "—"
+            rows.append(f"| {TITLES[plan_name]}, hidden {kwargs['hidden']}, batch {batch} × {seq} | "
+                        f"{result['pardsl_ms']:.1f} ms | {tool} {result['torch_ms']:.1f} ms | {serial} | "
+                        f"**{result['pardsl_ms'] / result['torch_ms']:.2f}** | {versus_serial} |")
+            notes.append(f"- {TITLES[plan_name]}: pardsl {_counts(result['pardsl_counts'])}"
+                         + (f"; {tool} (CommDebugMode) {result['torch_counts']}" if result["torch_counts"] else ""))
+            if result["profile"]:
+                notes.append(f"\npardsl's step, {TITLES[plan_name]}, rank 0, 3 steps:\n```\n{result['profile']}```")
+    print("| plan | pardsl | PyTorch | serial | pardsl / PyTorch | pardsl / serial |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print()
+    print("Collectives per step:")
+    print("\n".join(notes))
+
+
+if __name__ == "__main__":
+    main()

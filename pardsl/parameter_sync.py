@@ -1,0 +1,189 @@
+"""Parameter communication off the critical path: gradients in buckets, all-gathers ahead of use.
+
+The generated module lists, as data, the parameters it all-gathers before use (`PARAMETER_GATHERS`, in
+forward order) and the buckets its parameters' gradients are synchronised in (`GRADIENT_BUCKETS`, in the
+order backward fills them). One `ParameterSync` per module instance carries them out:
+
+- **gradients** (DDP's reducer, FSDP's reduce-scatter): each parameter's partial gradient is handed to
+  its bucket as backward produces it; when a bucket's last gradient arrives, the bucket's one collective
+  (an all-reduce, or a reduce-scatter back to the shards) is issued asynchronously and backward goes on.
+  At the end of backward (a callback queued on autograd's engine) every bucket is waited on and its
+  results added to the parameters' `.grad`. Each backward's contribution is reduced on its own and added,
+  so accumulating gradients over several backwards before a step stays exact;
+- **all-gathers** (FSDP's forward prefetch): when the forward takes gathered parameter k, the gather of
+  parameter k + 1 is issued asynchronously, so it moves while parameter k's op computes.
+
+The autograd function that carries a parameter's gradient into a bucket returns no gradient for the
+parameter itself: the bucket writes `.grad` once the collective has finished.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .layouts import collective_bytes
+
+
+class ParameterSync:
+    def __init__(self, rt, module: torch.nn.Module, gathers: list[tuple], buckets: list[tuple]):
+        self.rt = rt
+        self._module = weakref.ref(module)  # the module owns this object; no cycle through it
+        self.gathers = gathers  # (parameter attribute, axis, dim, blocks)
+        self.buckets = buckets  # (collective, axes, [(parameter attribute, dim, blocks), ...])
+        self._arrived: list[dict[int, torch.Tensor]] = [{} for _ in buckets]
+        self._launched: list[tuple] = []  # (bucket, work, result, grads), in launch order
+        self._callback_queued = False
+        self._prefetched: tuple[int, object, torch.Tensor] | None = None  # (gather index, work, buffer)
+
+    def _parameter(self, attr: str) -> torch.nn.Parameter:
+        return getattr(self._module(), attr)
+
+    # -- forward: all-gathers, the next one prefetched ------------------------------------------------
+
+    def all_gather(self, parameter: torch.Tensor, index: int, bucket: int | None = None, member: int = 0) -> torch.Tensor:
+        """Parameter `index` of PARAMETER_GATHERS, whole on its axis. Backward: the gradient goes to
+        `bucket` to be reduce-scattered; without a bucket, this rank's slice of it is the gradient."""
+        return _GatheredParameter.apply(parameter, self, index, bucket, member)
+
+    def _gathered(self, parameter: torch.Tensor, index: int) -> torch.Tensor:
+        pending, self._prefetched = self._prefetched, None
+        if pending is not None and pending[0] == index:
+            _, work, buffer = pending
+        else:
+            if pending is not None:  # an earlier forward stopped between two gathers
+                pending[1].wait()
+            work, buffer = self._issue_gather(parameter, index)
+        if index + 1 < len(self.gathers):
+            self._prefetched = (index + 1, *self._issue_gather(self._parameter(self.gathers[index + 1][0]), index + 1))
+        work.wait()
+        _, axis, dim, blocks = self.gathers[index]
+        n = self.rt.size[axis]
+        if blocks > 1:  # rank-major [n, blocks, chunk] → block-major [blocks, n, chunk]
+            buffer = buffer.view(n, blocks, -1, *buffer.shape[1:]).transpose(0, 1).reshape(buffer.shape)
+        return buffer.movedim(0, dim)
+
+    def _issue_gather(self, parameter: torch.Tensor, index: int):
+        _, axis, dim, _ = self.gathers[index]
+        n = self.rt.size[axis]
+        moved = parameter.detach().movedim(dim, 0).contiguous()
+        buffer = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+        self.rt.counter.record("forward", "all_gather", collective_bytes("all_gather", _nbytes(moved), n), axis)
+        work = dist.all_gather_into_tensor(buffer, moved, group=self.rt.groups[axis], async_op=True)
+        return work, buffer
+
+    # -- backward: gradients in buckets -------------------------------------------------------------
+
+    def grad_all_reduce(self, parameter: torch.Tensor, bucket: int, member: int) -> torch.Tensor:
+        """Identity forward; backward hands the parameter's partial gradient to its all-reduce bucket."""
+        return _BucketedGradient.apply(parameter, self, bucket, member)
+
+    def arrive(self, bucket: int, member: int, grad: torch.Tensor) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
+        arrived = self._arrived[bucket]
+        arrived[member] = arrived[member] + grad if member in arrived else grad
+        if len(arrived) == len(self.buckets[bucket][2]):
+            self._launch(bucket)
+
+    def _launch(self, bucket: int) -> None:
+        kind, axes, members = self.buckets[bucket]
+        grads = self._arrived[bucket]
+        self._arrived[bucket] = {}
+        order = sorted(grads)
+        if kind == "all_reduce":
+            flat = torch.cat([grads[m].reshape(-1) for m in order])
+            axis = axes[0]
+            self.rt.counter.record("backward", "all_reduce",
+                                   collective_bytes("all_reduce", _nbytes(flat), self.rt.size[axis]), axis)
+            work = dist.all_reduce(flat, group=self.rt.groups[axis], async_op=True)
+            self._launched.append((bucket, work, flat, [(m, grads[m].shape) for m in order]))
+            return
+        (axis,) = axes
+        n = self.rt.size[axis]
+        rows = []
+        for m in order:
+            _, dim, blocks = members[m]
+            moved = grads[m].movedim(dim, 0)
+            if blocks > 1:  # block-major [blocks, n, chunk] → rank-major [n, blocks, chunk]
+                moved = moved.reshape(blocks, n, -1, *moved.shape[1:]).transpose(0, 1)
+            rows.append(moved.reshape(n, -1))
+        flat = torch.cat(rows, dim=1)
+        result = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
+        self.rt.counter.record("backward", "reduce_scatter",
+                               collective_bytes("reduce_scatter", _nbytes(flat), n), axis)
+        work = dist.reduce_scatter_tensor(result, flat.reshape(-1), group=self.rt.groups[axis], async_op=True)
+        self._launched.append((bucket, work, result, [(m, grads[m].shape) for m in order]))
+
+    def _finish(self) -> None:
+        """End of backward: issue what did not fill (gradients that never came), wait, write `.grad`."""
+        self._callback_queued = False
+        for bucket, arrived in enumerate(self._arrived):
+            if arrived:
+                self._launch(bucket)
+        launched, self._launched = self._launched, []
+        for bucket, work, result, shapes in launched:
+            work.wait()
+            kind, axes, members = self.buckets[bucket]
+            for axis in axes[1:]:  # a gradient partial over several axes: the further ones in turn
+                self.rt.counter.record("backward", "all_reduce",
+                                       collective_bytes("all_reduce", _nbytes(result), self.rt.size[axis]), axis)
+                dist.all_reduce(result, group=self.rt.groups[axis])
+            offset = 0
+            for member, full_shape in shapes:
+                attr, dim, _ = members[member]
+                parameter = self._parameter(attr)
+                numel = math.prod(full_shape) // (self.rt.size[axes[0]] if kind == "reduce_scatter" else 1)
+                piece = result[offset:offset + numel]
+                offset += numel
+                if kind == "reduce_scatter":
+                    moved_shape = list(torch.Size(full_shape)[dim:dim + 1] + full_shape[:dim] + full_shape[dim + 1:])
+                    moved_shape[0] //= self.rt.size[axes[0]]
+                    grad = piece.view(moved_shape).movedim(0, dim)
+                else:
+                    grad = piece.view(full_shape)
+                if parameter.grad is None:
+                    parameter.grad = grad if grad.is_contiguous() else grad.contiguous()
+                else:
+                    parameter.grad.add_(grad)
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+class _BucketedGradient(torch.autograd.Function):
+    """Megatron's f for a parameter: identity forward; backward, the partial gradient joins its bucket."""
+
+    @staticmethod
+    def forward(ctx, parameter, sync, bucket, member):
+        ctx.sync, ctx.bucket, ctx.member = sync, bucket, member
+        return parameter.view_as(parameter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sync.arrive(ctx.bucket, ctx.member, grad)
+        return None, None, None, None
+
+
+class _GatheredParameter(torch.autograd.Function):
+    """S(d) → B of a parameter, prefetched. Backward: reduce-scatter in a bucket (the gradient is partial
+    over the axis), or this rank's slice (it is whole on every rank)."""
+
+    @staticmethod
+    def forward(ctx, parameter, sync, index, bucket, member):
+        ctx.sync, ctx.index, ctx.bucket, ctx.member = sync, index, bucket, member
+        return sync._gathered(parameter, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sync = ctx.sync
+        if ctx.bucket is not None:
+            sync.arrive(ctx.bucket, ctx.member, grad)
+            return None, None, None, None, None
+        _, axis, dim, blocks = sync.gathers[ctx.index]
+        return sync.rt._slice(grad, axis, dim, blocks), None, None, None, None
