@@ -329,6 +329,65 @@ class _Lowerer:
             for use in uses:
                 use.partial_axes = frozenset(a for a in use.partial_axes if (var, a) not in self.reduce_scatter_backward)
 
+    def plan_fused_linears(self) -> None:
+        """Megatron's f whose every reader is a linear taking it as input, with weights and biases used as
+        stored: one runtime step computes those linears, and in backward overlaps the all-reduce of the
+        input's gradient with the weights' gradients (`rt.column_parallel_linears`)."""
+        self.fused: dict[str, tuple[str, frozenset[int], list[str]]] = {}  # first linear → (input, axes, linears)
+        self.fused_later: set[str] = set()
+        for var, uses in self.uses.items():
+            groups: dict[frozenset[int], list[_Use]] = {}
+            for use in uses:
+                if use.partial_axes:
+                    groups.setdefault(use.partial_axes, []).append(use)
+            for axes, group in groups.items():
+                names = [use.node for use in group]
+                if not any(self.mesh.axis_sizes[a] > 1 for a in axes) or len(set(names)) != len(names) \
+                        or not all(self._fusable_linear(use) for use in group):
+                    continue
+                self.fused[names[0]] = (var, axes, names)
+                self.fused_later.update(names[1:])
+
+    def _fusable_linear(self, use: _Use) -> bool:
+        node = self.typed.nodes.get(use.node)
+        if node is None or node.op != "aten.linear.default" or use.slot != 0 or self._fx[use.node].kwargs \
+                or node.value_layout != node.op_layout:
+            return False
+        for slot, (operand, needed) in enumerate(zip(node.operands[1:], node.operand_layouts[1:]), start=1):
+            if needed != self.typed.layout_of(operand) or not self._is_parameter(operand):
+                return False
+            if any(u.partial_axes for u in self.uses.get(self.var[operand], []) if u.node == use.node and u.slot == slot):
+                return False
+        return True
+
+    def _lower_fused_linears(self, first: str) -> None:
+        var, axes, names = self.fused[first]
+        node = self.typed.nodes[first]
+        where = self.bound.module_paths.get(first)
+        reason = f"linear.default {first}" + (f" in {where}" if where else "")
+        source = node.operands[0]
+        x = self._ensure(source, node.operand_layouts[0], reason)
+        pairs = []
+        for name in names:
+            operands = self.typed.nodes[name].operands
+            bias = self.var[operands[2]] if len(operands) > 2 else "None"
+            pairs.append(f"({self.var[operands[1]]}, {bias})")
+        axis_names = tuple(self.mesh.axis_names[a] for a in sorted(axes))
+        info = self.typed.info(source)
+        local = math.prod(node.operand_layouts[0].local_shape(info.shape, self.mesh)) * info.itemsize
+        collectives = tuple(
+            Collective("all_reduce", a, "backward", collective_bytes("all_reduce", local, n), x,
+                       "gradient of a broadcast value read by sharded computation")
+            for a, n in ((a, self.mesh.axis_sizes[self.mesh.axis_index(a)]) for a in axis_names) if n > 1)
+        targets = ", ".join(names) + ("," if len(names) == 1 else "")
+        comment = (f"{self._value_comment(node.op_layout, self.typed.info(first))}; {len(names)} linear(s) of a B "
+                   f"value: its gradient all-reduced once, while the weights' are computed "
+                   f"({format_bytes(sum(c.bytes for c in collectives))}, backward)")
+        self.emit(targets, f"rt.column_parallel_linears({x}, {axis_names!r}, {', '.join(pairs)})", comment, collectives)
+        for name in names:
+            self.var[name] = name
+            self.emitted.add(name)
+
     # -- pass 2: statements --------------------------------------------------------------------------
 
     def emit(self, target: str, expr: str, comment: str, collectives: tuple[Collective, ...] = ()) -> None:
@@ -464,7 +523,8 @@ class _Lowerer:
             info = self.typed.info(name)
             local = math.prod(layout.local_shape(info.shape, self.mesh)) * info.itemsize
             consumers = sum(1 for u in self.uses[var] if u.partial_axes == use.partial_axes)
-            if var == self.var[name] and self._is_parameter(name):
+            if self._is_parameter(name) and all(s.kind == "to_partial" for s in self.conversion_steps.get(var, [])):
+                # the parameter itself, or its B → P (identity backward): its gradient is the parameter's
                 sized = tuple(a for a in axes if self.mesh.axis_sizes[self.mesh.axis_index(a)] > 1)
                 if not sized:  # nothing to synchronise over one rank
                     self.grad_wrapper[key] = var
@@ -488,6 +548,11 @@ class _Lowerer:
         return self.grad_wrapper[key]
 
     def lower_node(self, name: str) -> None:
+        if name in self.fused:
+            self._lower_fused_linears(name)
+            return
+        if name in self.fused_later:  # computed with the first linear of its group
+            return
         typed_node = self.typed.nodes[name]
         fx_node = self._fx[name]
         rule = RULES[typed_node.op]
@@ -674,6 +739,7 @@ class _Lowerer:
             pinned_elsewhere = node.value_layout != node.op_layout
             self.var[name] = f"{name}__{_tag(node.value_layout)}" if pinned_elsewhere else name
         self.plan_uses()
+        self.plan_fused_linears()
         self._emit_sizes(inputs)
         for name in self.typed.nodes:
             self.lower_node(name)

@@ -123,6 +123,12 @@ class Runtime:
     def grad_all_reduce(self, x: torch.Tensor, *axes: str) -> torch.Tensor:
         return _GradAllReduce.apply(x, self, axes)
 
+    def column_parallel_linears(self, x: torch.Tensor, axes: tuple[str, ...], *linears) -> tuple[torch.Tensor, ...]:
+        """Megatron's f and the linears that read its value, as one step: `linears` are (weight, bias or
+        None) pairs, the results are each linear of x. Backward computes x's gradient first, issues its
+        all-reduce over `axes` and computes the weights' gradients while it moves (Megatron's overlap)."""
+        return _ColumnParallelLinears.apply(x, self, axes, *(t for pair in linears for t in pair))
+
     def masked_embedding(self, weight: torch.Tensor, ids: torch.Tensor, *axes: str) -> torch.Tensor:
         """Embedding with the vocabulary split over `axes` (outermost first): rows for the ids this rank
         holds, zeros for the others, so the sum over ranks is the full lookup (a P result)."""
@@ -203,6 +209,14 @@ class Runtime:
         self.counter.record(phase, "all_reduce", collective_bytes("all_reduce", _nbytes(x), n), axis)
         dist.all_reduce(out, op=op, group=self.groups[axis])
         return out
+
+    def _all_reduce_started(self, x: torch.Tensor, axis: str, phase: str):
+        """All-reduce x in place, asynchronously: the work to wait on (None over one rank)."""
+        n = self.size[axis]
+        if n == 1:
+            return None
+        self.counter.record(phase, "all_reduce", collective_bytes("all_reduce", _nbytes(x), n), axis)
+        return dist.all_reduce(x, group=self.groups[axis], async_op=True)
 
     def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:
         n = self.size[axis]
@@ -369,3 +383,46 @@ class _GradAllReduce(torch.autograd.Function):
         for axis in ctx.axes:
             grad = ctx.rt._all_reduce(grad, axis, "backward")
         return grad, None, None
+
+
+class _ColumnParallelLinears(torch.autograd.Function):
+    """f, then linears of its value. Backward: the input's gradient (summed over the linears) first, its
+    all-reduce issued asynchronously, the weights' and biases' gradients computed meanwhile, then waited."""
+
+    @staticmethod
+    def forward(ctx, x, rt, axes, *weights_and_biases):
+        weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
+        ctx.rt, ctx.axes, ctx.has_bias = rt, axes, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        return tuple(torch.ops.aten.linear.default(x, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        rt = ctx.rt
+        grad_x, work = None, None
+        if ctx.needs_input_grad[0]:
+            for grad, weight in zip(grads, weights):
+                if grad is not None:
+                    part = grad.matmul(weight)
+                    grad_x = part if grad_x is None else grad_x.add_(part)
+            if grad_x is not None:
+                grad_x = grad_x.contiguous()
+                work = rt._all_reduce_started(grad_x, ctx.axes[0], "backward")
+        rows = x.reshape(-1, x.shape[-1])
+        parameter_grads = []
+        for index, (grad, has_bias) in enumerate(zip(grads, ctx.has_bias)):
+            grad_w = grad_b = None
+            if grad is not None:
+                grad_rows = grad.reshape(-1, grad.shape[-1])
+                if ctx.needs_input_grad[3 + 2 * index]:
+                    grad_w = grad_rows.t().matmul(rows)
+                if has_bias and ctx.needs_input_grad[4 + 2 * index]:
+                    grad_b = grad_rows.sum(0)
+            parameter_grads += [grad_w, grad_b]
+        if work is not None:
+            work.wait()
+        for axis in ctx.axes[1:]:
+            if grad_x is not None:
+                grad_x = rt._all_reduce(grad_x, axis, "backward")
+        return (grad_x, None, None, *parameter_grads)

@@ -20,12 +20,25 @@ def test_megatron_mlp_plan_is_one_all_reduce_forward_none_backward():
     assert compiled.program.collective_bytes()["forward"] == 16 * 256 * 4  # 2T(n-1)/n with n = 2
 
 
-def test_data_parallel_plan_is_one_all_reduce_per_parameter_backward():
+def test_data_parallel_gradients_are_all_reduced_in_buckets_in_the_order_backward_makes_them():
     compiled = compile_file("examples/mlp_dp.par")
     assert _counts(compiled, "forward") == {}
+    # fc2's gradients come first in backward; the first bucket closes past 1 MiB (fc2.weight is 1 MiB)
+    buckets = [(b.kind, b.axes, [m[0] for m in b.members], b.nbytes) for b in compiled.program.buckets]
+    assert buckets == [("all_reduce", ("dp",), ["fc2_bias", "fc2_weight"], (256 + 256 * 1024) * 4),
+                       ("all_reduce", ("dp",), ["fc1_bias", "fc1_weight"], (1024 + 1024 * 256) * 4)]
+    assert _counts(compiled, "backward") == {"all_reduce": 2}
+    assert "fc2_weight__f = sync.grad_all_reduce(self.fc2_weight, bucket=0, member=1)" in compiled.source
+
+
+def test_one_bucket_when_the_gradients_fit_in_it(compile_par):
+    from pardsl.compiler import compile_text
+
+    text = open("examples/mlp_dp.par").read()
+    compiled = compile_text(text, "examples/mlp_dp.par", bucket_mb=0.0)  # a bucket per gradient
     assert _counts(compiled, "backward") == {"all_reduce": 4}
-    reduced = {c.value for c in compiled.program.collectives}
-    assert reduced == {"fc1_weight__f", "fc1_bias__f", "fc2_weight__f", "fc2_bias__f"}
+    compiled = compile_text(text, "examples/mlp_dp.par", bucket_mb=4.0)
+    assert [len(b.members) for b in compiled.program.buckets] == [2, 2]  # the first bucket is at most 1 MiB
 
 
 def test_inference_completes_the_megatron_plan_from_one_layout(compile_par):
@@ -63,9 +76,10 @@ def test_broadcast_value_with_several_sharded_consumers_is_all_reduced_once(comp
     backward = [c for c in compiled.program.collectives if c.phase == "backward"]
     tanh_grads = [c for c in backward if c.value.startswith("tanh")]
     assert len(tanh_grads) == 1 and tanh_grads[0].kind == "all_reduce"
-    assert compiled.source.count("rt.grad_all_reduce(tanh") == 1
-    assert "aten.linear.default(tanh__f, self.left_weight" in compiled.source
-    assert "aten.linear.default(tanh__f, self.right_weight" in compiled.source
+    # both heads in one step, whose backward all-reduces tanh's gradient while the heads' weights' are computed
+    assert ("linear_1, linear_2 = rt.column_parallel_linears(tanh, ('tp',), (self.left_weight, self.left_bias), "
+            "(self.right_weight, self.right_bias))") in compiled.source
+    assert "grad_all_reduce" not in compiled.source
 
 
 def test_gathered_value_read_only_by_sharded_consumers_reduce_scatters_its_gradient(compile_par):

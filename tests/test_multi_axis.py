@@ -81,8 +81,12 @@ def test_data_times_tensor_parallel_gpt(pools):
 
     compiled = compile_file("examples/gpt_dp2_tp2.par")
     parameters = len(list(GPT(vocab_size=256, block_size=16, n_layer=2, n_head=4, d_model=32).parameters()))
+    # dp backward: every parameter gradient but the position embedding's in one bucket (the position
+    # embedding's lookup output, B, is what is read by the batch-split sum, and its gradient is all-reduced)
     expected = {"forward": {"tp:all_reduce": 5},
-                "backward": {"dp:all_reduce": parameters, "tp:all_reduce": 5}}
+                "backward": {"dp:all_reduce": 2, "tp:all_reduce": 5}}
+    [bucket] = compiled.program.buckets
+    assert len(bucket.members) == parameters - 1
     assert compiled.program.collective_counts_by_axis() == expected
     report = check(pools, compiled)
     assert report["collectives_by_axis"] == expected
@@ -92,7 +96,9 @@ def test_zero3_gathers_parameters_and_reduce_scatters_their_gradients(pools):
     compiled = compile_file("examples/mlp_zero3.par")
     program = compiled.program
     assert program.collective_counts_by_axis() == {"forward": {"dp:all_gather": 4},
-                                                   "backward": {"dp:reduce_scatter": 4}}
+                                                   "backward": {"dp:reduce_scatter": 1}}  # one bucket
+    assert [g.attr for g in program.gathers] == ["fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
+    assert [m[0] for m in program.buckets[0].members] == ["fc2_bias", "fc2_weight", "fc1_bias", "fc1_weight"]
     memory = program.memory()
     assert memory["parameters_per_rank"] * 2 == memory["parameters_total"]
     # all-gather and reduce-scatter each move T(n-1)/n of every parameter: half of them, on 2 ranks
@@ -110,8 +116,9 @@ def test_sequence_parallel_gpt(pools):
     assert counts["backward"] == {
         "tp:all_gather": 2 * layers + 1,  # the reduce-scatters' adjoints, and the embedding's split
         "tp:reduce_scatter": 2 * layers,  # the all-gathers' adjoints
-        "tp:all_reduce": norms + 1,  # LayerNorm weights, and the tied head weight read by split tokens
+        "tp:all_reduce": 1,  # one bucket: LayerNorm weights, and the tied head weight read by split tokens
     }
+    assert len(compiled.program.buckets[0].members) == norms + 1
     tp = compile_file("examples/gpt_tp2.par").program
     # the same bytes as the all-reduces of plain tensor parallelism, per layer
     sp_bytes = sum(c.bytes for c in compiled.program.collectives if c.phase == "forward")
@@ -160,15 +167,17 @@ def test_random_per_axis_layouts_on_2x2_meshes_equal_serial(pools, compile_par, 
 
 
 # Collectives per phase and per axis of each scheme, as planned (and measured: `check` compares them).
+# Parameter gradients go in buckets, one collective per bucket; on the axis that splits the batch (r, d),
+# weights stored split are gathered ahead of use where the batch shards would otherwise be exchanged.
 SCHEME_COUNTS = {
     'mlp_1d': {'forward': {'tp:all_reduce': 1}, 'backward': {}},
-    'mlp_2d': {'forward': {'c:all_gather': 3, 'c:all_to_all': 1, 'c:reduce_scatter': 1, 'r:all_gather': 1, 'r:all_to_all': 1, 'r:reduce_scatter': 1}, 'backward': {'c:all_gather': 2, 'c:all_to_all': 1, 'r:all_gather': 1, 'r:all_reduce': 1, 'r:all_to_all': 1, 'r:reduce_scatter': 1}},
-    'mlp_2p5d': {'forward': {'c:all_gather': 2, 'r:all_to_all': 2, 'r:reduce_scatter': 2}, 'backward': {'c:reduce_scatter': 1, 'd:all_reduce': 4, 'r:all_gather': 2, 'r:all_to_all': 1}},
-    'mlp_3d': {'forward': {'j:all_reduce': 1, 'l:all_reduce': 1}, 'backward': {'i:all_reduce': 4, 'l:all_reduce': 1}},
+    'mlp_2d': {'forward': {'c:all_gather': 2, 'c:all_to_all': 1, 'c:reduce_scatter': 1, 'r:all_gather': 2}, 'backward': {'c:all_gather': 1, 'c:all_to_all': 1, 'r:all_reduce': 2, 'r:reduce_scatter': 2}},
+    'mlp_2p5d': {'forward': {'c:all_gather': 2, 'r:all_gather': 2}, 'backward': {'c:reduce_scatter': 1, 'd:all_reduce': 3, 'r:all_reduce': 1, 'r:reduce_scatter': 1}},
+    'mlp_3d': {'forward': {'j:all_reduce': 1, 'l:all_reduce': 1}, 'backward': {'i:all_reduce': 3, 'l:all_reduce': 1}},
     'layer_1d': {'forward': {'tp:all_reduce': 2}, 'backward': {'tp:all_reduce': 2}},
-    'layer_2d': {'forward': {'c:all_gather': 6, 'c:all_reduce': 1, 'c:all_to_all': 7, 'c:reduce_scatter': 1, 'r:all_gather': 1, 'r:all_reduce': 5, 'r:all_to_all': 1, 'r:reduce_scatter': 1}, 'backward': {'c:all_gather': 1, 'c:all_reduce': 2, 'c:all_to_all': 6, 'c:reduce_scatter': 2, 'r:all_gather': 4, 'r:all_reduce': 2, 'r:all_to_all': 1}},
-    'layer_2p5d': {'forward': {'c:all_gather': 6, 'c:all_reduce': 1, 'c:all_to_all': 7, 'c:reduce_scatter': 1, 'r:all_gather': 1, 'r:all_reduce': 5, 'r:all_to_all': 1, 'r:reduce_scatter': 1}, 'backward': {'c:all_gather': 1, 'c:all_reduce': 2, 'c:all_to_all': 6, 'c:reduce_scatter': 2, 'd:all_reduce': 16, 'r:all_gather': 4, 'r:all_reduce': 2, 'r:all_to_all': 1}},
-    'layer_3d': {'forward': {'j:all_reduce': 2, 'l:all_reduce': 4, 'l:all_to_all': 4}, 'backward': {'i:all_reduce': 16, 'j:all_reduce': 2, 'l:all_reduce': 6, 'l:all_to_all': 3}},
+    'layer_2d': {'forward': {'c:all_gather': 6, 'c:all_reduce': 1, 'c:all_to_all': 3, 'c:reduce_scatter': 1, 'r:all_gather': 6}, 'backward': {'c:all_gather': 1, 'c:all_reduce': 2, 'c:all_to_all': 2, 'c:reduce_scatter': 2, 'r:all_reduce': 6, 'r:reduce_scatter': 3}},
+    'layer_2p5d': {'forward': {'c:all_gather': 6, 'c:all_to_all': 2, 'r:all_gather': 6}, 'backward': {'c:all_reduce': 1, 'c:all_to_all': 1, 'c:reduce_scatter': 5, 'd:all_reduce': 10, 'r:all_reduce': 4, 'r:reduce_scatter': 1}},
+    'layer_3d': {'forward': {'j:all_reduce': 2, 'l:all_reduce': 4, 'l:all_to_all': 4}, 'backward': {'i:all_reduce': 8, 'j:all_reduce': 2, 'l:all_reduce': 3, 'l:all_to_all': 3}},
 }
 
 

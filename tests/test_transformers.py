@@ -116,10 +116,10 @@ def test_random_llama_sizes_and_splits_equal_serial(pools, compile_par, text):
 
 
 @pytest.mark.parametrize("reduction, x_layout, collectives", [
-    ("sum", "S(0)", {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 4}}),  # P loss; DP gradients
+    ("sum", "S(0)", {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}),  # P loss; a DP bucket
     # a split mean: the local sum over the global count of targets (one all-reduce), then the P result
-    ("mean", "S(0)", {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 4}}),
-    ("none", "S(0)", {"forward": {}, "backward": {"all_reduce": 4}}),
+    ("mean", "S(0)", {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 1}}),
+    ("none", "S(0)", {"forward": {}, "backward": {"all_reduce": 1}}),
     ("mean", "B", None),
 ])
 def test_cross_entropy_loss(pools, compile_par, reduction, x_layout, collectives):
