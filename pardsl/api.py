@@ -23,19 +23,23 @@ from torch.utils import _pytree as pytree
 from .compiler import Compiled, compile_par
 from .codegen import load_module
 from .layouts import B, Layout
+from .lowering import DEFAULT_BUCKET_MB
 from .syntax import parse
 
-_CACHE: dict[tuple[str, str, str], Compiled] = {}
+_CACHE: dict[tuple[str, str, str, float], Compiled] = {}
 
 
-def load(path: str) -> "Plan":
-    """Compile a `.par` file into a Plan. Compiles once per process for the same file content and
-    working directory; a mistake in the file raises `CompileError` (its `render()` points into the file)."""
+def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> "Plan":
+    """Compile a `.par` file into a Plan. Compiles once per process for the same file content, working
+    directory and options; a mistake in the file raises `CompileError` (its `render()` points into the file).
+
+    `bucket_mb`: parameter gradients are synchronised during backward in buckets of this size (MiB), each
+    issued as soon as its last gradient is ready (DDP's default, 25)."""
     with open(path, encoding="utf-8") as handle:
         text = handle.read()
-    key = (os.path.abspath(path), os.getcwd(), hashlib.sha256(text.encode()).hexdigest())
+    key = (os.path.abspath(path), os.getcwd(), hashlib.sha256(text.encode()).hexdigest(), float(bucket_mb))
     if key not in _CACHE:
-        _CACHE[key] = compile_par(parse(text, path))
+        _CACHE[key] = compile_par(parse(text, path), bucket_mb)
     return Plan(_CACHE[key])
 
 

@@ -47,6 +47,8 @@ def _arguments() -> argparse.ArgumentParser:
     compile_.add_argument("file")
     compile_.add_argument("-o", "--output", required=True, metavar="DIR")
     compile_.add_argument("--json", action="store_true")
+    compile_.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
+                          help="size of the buckets parameter gradients are synchronised in (default 25)")
 
     export = commands.add_parser("export", help="write a checkpoint's model tensors, whole, to one safetensors file")
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
@@ -67,7 +69,19 @@ def _arguments() -> argparse.ArgumentParser:
                      help="end the run when no rank has made progress for this long, naming the one behind")
     run.add_argument("--json", action="store_true")
     run.add_argument("-o", "--output", metavar="DIR", help="also write the module and plan.json here")
+    run.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
+                     help="size of the buckets parameter gradients are synchronised in (default 25)")
     return parser
+
+
+def _bucket_mb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a size in MiB, 0 or more, not {text!r}")
+    return value
 
 
 def _report_errors(error: CompileError, as_json: bool) -> int:
@@ -160,7 +174,8 @@ def _main(args, quiet) -> int:
 
     try:
         with quiet:
-            compiled = compile_file(args.file)
+            bucket_mb = getattr(args, "bucket_mb", None)
+            compiled = compile_file(args.file, **({"bucket_mb": bucket_mb} if bucket_mb is not None else {}))
     except FileNotFoundError as error:
         print(f"pardsl: error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -75,6 +75,37 @@ def test_causal_lm_loss_data_times_tensor_parallel(pools):
     check(pools, compiled)
 
 
+def test_zero3_on_llama_is_fsdps_communication(pools):
+    """Every weight stored S(0) @ dp, the batch split: one all-gather per weight forward (prefetched), the
+    gradients reduce-scattered in buckets backward, and nothing else but the loss's two numbers."""
+    compiled = compile_file("examples/llama_zero3.par")
+    program = compiled.program
+    assert program.collective_counts_by_axis() == {"forward": {"dp:all_gather": 21, "dp:all_reduce": 2},
+                                                   "backward": {"dp:reduce_scatter": 1}}
+    assert all(c.bytes <= 4 for c in program.collectives if c.kind == "all_reduce")  # the count, the loss
+    assert [g.attr for g in program.gathers][:3] == ["model_embed_tokens_weight", "model_layers_0_input_layernorm_weight",
+                                                      "model_layers_0_self_attn_q_proj_weight"]
+    assert sorted(m[0] for m in program.buckets[0].members) == sorted(g.attr for g in program.gathers)
+    assert "rt.all_gather(" not in compiled.source and "rt.all_to_all(" not in compiled.source
+    memory = program.memory()
+    assert memory["parameters_per_rank"] * 2 == memory["parameters_total"]
+    check(pools, compiled)
+
+
+def test_zero3_with_small_buckets_issues_each_as_it_fills(pools):
+    from pardsl.compiler import compile_text
+
+    text = open("examples/llama_zero3.par").read()
+    compiled = compile_text(text, "examples/llama_zero3.par", bucket_mb=0.05)  # 51 KiB
+    buckets = compiled.program.buckets
+    assert len(buckets) == 6 and all(b.kind == "reduce_scatter" for b in buckets)
+    # in the order backward makes the gradients: the head's first, the embedding's last
+    assert buckets[0].members[0][0] == "lm_head_weight" and buckets[-1].members[-1][0] == "model_embed_tokens_weight"
+    assert all(b.nbytes >= 50 * 1024 for b in buckets[:-1])
+    report = check(pools, compiled)
+    assert report["collectives_by_axis"]["backward"] == {"dp:reduce_scatter": 6}
+
+
 def test_sequence_parallel_llama(pools):
     compiled = compile_file("examples/hf_llama_sp_tp2.par")
     # per layer 2 all-gathers + 2 reduce-scatters forward, and 1 all-gather into the head; backward the

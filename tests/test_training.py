@@ -34,7 +34,8 @@ def serial_training(factory) -> dict:
 @pytest.mark.parametrize("plan, factory, nproc, extra, logits", [
     ("examples/llama_train_tp2.par", llama_causal_lm, 2, (), [2, 6, 128]),  # logits split over the vocabulary
     ("examples/gpt2_train_dp2_tp2.par", gpt2_lm_head, 4, ("--local-batch",), [1, 6, 256]),  # batch split over dp
-], ids=["llama-tp2", "gpt2-dp2xtp2-local-batch"])
+    ("examples/llama_zero3.par", llama_causal_lm, 2, (), [1, 6, 256]),  # FSDP: weights gathered, batch split
+], ids=["llama-tp2", "gpt2-dp2xtp2-local-batch", "llama-zero3"])
 def test_adamw_on_the_models_own_loss_equals_serial_with_varying_shapes(tmp_path, plan, factory, nproc, extra, logits):
     out = tmp_path / "result.json"
     torchrun(nproc, "tests/scripts/api_train.py", plan, str(out), *extra)
@@ -45,6 +46,19 @@ def test_adamw_on_the_models_own_loss_equals_serial_with_varying_shapes(tmp_path
     assert result["logits"] == logits  # the last step's (batch 2, seq 6), this rank's local value
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(expected["norms"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("plan, nproc", [
+    ("examples/llama_zero3.par", 2),  # gradients reduce-scattered in buckets
+    ("examples/llama_train_dp2_tp2.par", 4),  # all-reduced in buckets over dp; Megatron's f over tp
+], ids=["zero3", "dp2xtp2"])
+def test_gradients_accumulated_over_micro_batches_equal_serial(tmp_path, plan, nproc):
+    """Two backwards before a step: each backward's buckets are reduced on their own and added to .grad."""
+    out = tmp_path / "result.json"
+    torchrun(nproc, "tests/scripts/accumulate.py", plan, str(out))
+    result = json.loads(out.read_text())
+    assert result["error"] < 1e-5
+    assert result["counts"] == [result["planned"], result["planned"]]
 
 
 def _losses(path) -> dict[int, float]:
