@@ -16,7 +16,7 @@ collectives outside it).
 
     python benchmarks/vs_torch.py [--steps 10] [--plans dp,zero3,tp] [--profile]
 
-`--profile` adds, per plan, where pardsl's step spends its time (torch.profiler, top ops by self time).
+`--profile` adds, per plan, where each step spends its time (torch.profiler, top ops by self time).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import torch.distributed as dist  # noqa: E402
 
 # name: (model kwargs, batch, sequence, what pardsl is compared with)
 PLANS = {
-    "dp": (dict(layers=4, hidden=256, heads=8, kv_heads=4, ffn=688, vocab=2048), 8, 64, "DDP"),
-    "zero3": (dict(layers=4, hidden=256, heads=8, kv_heads=4, ffn=688, vocab=2048), 8, 64, "FSDP2"),
-    "tp": (dict(layers=4, hidden=512, heads=8, kv_heads=8, ffn=1376, vocab=2048), 4, 64, "DTensor"),
+    "dp": (dict(layers=4, hidden=256), 8, 64, "DDP"),
+    "zero3": (dict(layers=4, hidden=256), 8, 64, "FSDP2"),
+    "tp": (dict(layers=4, hidden=512), 4, 64, "DTensor"),
 }
 TITLES = {"dp": "data parallel", "zero3": "ZeRO-3", "tp": "Megatron TP"}
 
@@ -50,8 +50,8 @@ LAYER_WEIGHTS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "se
 def par_text(plan: str, kwargs: dict, batch: int, seq: int) -> str:
     lines = [f"mesh {'tp' if plan == 'tp' else 'dp'} = 2",
              f"model examples.hf_models:llama_causal_lm({', '.join(f'{k}={v}' for k, v in kwargs.items())})",
-             f"input input_ids : int64[{batch}, {seq}] in [0, {kwargs['vocab']})",
-             f"input labels : int64[{batch}, {seq}] in [0, {kwargs['vocab']})",
+             f"input input_ids : int64[{batch}, {seq}] in [0, {kwargs.get('vocab', 256)})",
+             f"input labels : int64[{batch}, {seq}] in [0, {kwargs.get('vocab', 256)})",
              "layout {"]
     if plan in ("dp", "zero3"):
         lines += ["    input_ids : S(0)", "    labels : S(0)"]
@@ -100,7 +100,7 @@ def rank_main(job: dict) -> dict:
 
     torch.manual_seed(0)
     serial = llama_causal_lm(**kwargs)
-    ids = torch.randint(0, kwargs["vocab"], (batch, seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, kwargs.get("vocab", 256), (batch, seq), generator=torch.Generator().manual_seed(1))
     expected_loss = serial(input_ids=ids, labels=ids).loss
     expected_loss.backward()
     expected_grads = {name: p.grad.clone() for name, p in serial.named_parameters()}
@@ -188,10 +188,11 @@ def rank_main(job: dict) -> dict:
         "pardsl_counts": pardsl_counts,
         "torch_counts": torch_counts,
         "errors": errors,
-        "profile": _profile(pardsl_step) if job["profile"] and rank == 0 else None,
+        "profile": None,
     }
-    if job["profile"] and rank != 0:
-        _profile(pardsl_step)
+    if job["profile"]:  # every rank profiles (collectives need both); rank 0's tables are returned
+        tables = {"pardsl": _profile(pardsl_step), "PyTorch": _profile(torch_step)}
+        result["profile"] = tables if rank == 0 else None
     dist.destroy_process_group()
     return result
 
@@ -243,8 +244,8 @@ def main() -> None:
                         f"**{result['pardsl_ms'] / result['torch_ms']:.2f}** | {versus_serial} |")
             notes.append(f"- {TITLES[plan_name]}: pardsl {_counts(result['pardsl_counts'])}"
                          + (f"; {tool} (CommDebugMode) {result['torch_counts']}" if result["torch_counts"] else ""))
-            if result["profile"]:
-                notes.append(f"\npardsl's step, {TITLES[plan_name]}, rank 0, 3 steps:\n```\n{result['profile']}```")
+            for who, table in (result["profile"] or {}).items():
+                notes.append(f"\n{who}'s step, {TITLES[plan_name]}, rank 0, 3 steps:\n```\n{table}```")
     print("| plan | pardsl | PyTorch | serial | pardsl / PyTorch | pardsl / serial |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))

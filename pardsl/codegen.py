@@ -77,7 +77,9 @@ def render(program: LoweredProgram) -> str:
         inputs=[_slot(i, mesh) for i in program.inputs],
         outputs=outputs,
         lines=lines,
-        gathers=program.gathers,
+        gathers=[{"axis": g.axis, "comment": f"{g.members[0].unit or 'outside the layers'}, {format_bytes(sum(m.nbytes for m in g.members))}",
+                  "members_text": ", ".join(f"({json.dumps(m.attr)}, {m.dim}, {m.blocks})" for m in g.members)}
+                 for g in program.gathers],
         buckets=[{"kind": b.kind, "axes": repr(tuple(b.axes)), "members_text": ", ".join(f"({json.dumps(m[0])}, {m[1]}, {m[2]})" for m in b.members),
                   "comment": f"{format_bytes(b.nbytes)}; {len(b.members)} gradient{'s' if len(b.members) != 1 else ''}"}
                  for b in program.buckets],

@@ -74,12 +74,25 @@ class OutputSlot:
 
 @dataclass(frozen=True)
 class ParameterGather:
-    """A parameter all-gathered on one axis before use (in forward order; the next one is prefetched)."""
+    """A parameter all-gathered on one axis before use, in forward order."""
 
     attr: str
     axis: str
     dim: int
     blocks: int
+    unit: str  # the repeated block it belongs to (`model.layers.3`), or "" outside any
+    dtype: str
+    nbytes: int  # whole, on one rank
+
+
+@dataclass(frozen=True)
+class GatherGroup:
+    """Parameters gathered by one all-gather: consecutive in forward order, of one layer (FSDP's unit)
+    or of none; the next group is prefetched while this one's ops compute."""
+
+    axis: str
+    members: tuple[ParameterGather, ...]
+    collective: Collective
 
 
 @dataclass(frozen=True)
@@ -122,12 +135,13 @@ class LoweredProgram:
     outputs: list[OutputSlot]
     values: dict[str, dict]  # every graph tensor: layout, global and local shape (for plan.json)
     notes: list[Diagnostic] = field(default_factory=list)
-    gathers: list[ParameterGather] = field(default_factory=list)
+    gathers: list[GatherGroup] = field(default_factory=list)
     buckets: list[GradientBucket] = field(default_factory=list)
 
     @property
     def collectives(self) -> list[Collective]:
-        return [c for s in self.statements for c in s.collectives] + [c for b in self.buckets for c in b.collectives]
+        return ([c for s in self.statements for c in s.collectives] + [g.collective for g in self.gathers] +
+                [c for b in self.buckets for c in b.collectives])
 
     def collective_counts(self) -> dict[str, dict[str, int]]:
         counts = {phase: {kind: 0 for kind in COLLECTIVE_KINDS} for phase in ("forward", "backward")}
@@ -405,13 +419,14 @@ class _Lowerer:
         self.emitted.add(var)
         steps = self.conversion_steps[var]
         pin = self.bound.pins.get(name)
-        if self._is_parameter(name) and len(steps) == 1 and steps[0].kind == "all_gather" \
-                and self.mesh.axis_sizes[steps[0].axis] > 1:
+        gathered_for_use = self._is_parameter(name) and len(steps) == 1 and steps[0].kind == "all_gather" \
+            and self.mesh.axis_sizes[steps[0].axis] > 1
+        if gathered_for_use:
             self._emit_parameter_gather(name, var, steps[0], reason)
         else:
             self._emit_steps(steps, self.var[name], var, reason,
                              {a for (v, a) in self.reduce_scatter_backward if v == var}, name in self.typed.requires_grad)
-        if pin is not None and steps:
+        if pin is not None and steps and not gathered_for_use:  # gathering a stored parameter is ZeRO's meaning
             moved = sum(s.forward_bytes for s in steps)
             self.notes.append(Diagnostic(
                 "N001", f"`{pin.entry.target}` is {pin.layout.render(self.mesh)} as written; {reason} needs "
@@ -430,27 +445,54 @@ class _Lowerer:
         return len(self.syncs) - 1
 
     def _emit_parameter_gather(self, name: str, var: str, step: ConversionStep, reason: str) -> None:
-        """A stored-split parameter gathered whole for its op: prefetched while the op before it computes;
-        where every use is sharded its gradient is partial, and reduce-scattered in a bucket."""
+        """A stored-split parameter gathered whole for its op: its group's all-gather is prefetched while
+        the group before computes; where every use is sharded its gradient is partial, and reduce-scattered
+        in a bucket."""
         axis = self.mesh.axis_names[step.axis]
         index = len(self.gathers)
-        self.gathers.append(ParameterGather(self.var[name].removeprefix("self."), axis, step.src_dim, step.src_blocks))
         info = self.typed.info(name)
-        forward = Collective("all_gather", axis, "forward", step.forward_bytes, var, reason)
+        whole = math.prod(step.target.local_shape(info.shape, self.mesh)) * info.itemsize
+        segments = self.bound.parameters[name].split(".")
+        unit = next((".".join(segments[:i + 1]) for i, part in enumerate(segments[:-1]) if part.isdigit()), "")
+        self.gathers.append(ParameterGather(self.var[name].removeprefix("self."), axis, step.src_dim, step.src_blocks,
+                                            unit, str(info.dtype), whole))
         arrow = f"{step.source.placements[step.axis]}→B@{axis}"
-        what = f"all-gather {format_bytes(step.forward_bytes)} (forward, prefetched)"
-        args = f"{self.var[name]}, {index}"
+        what = f"all-gathered in @@group{index}@@ (forward, prefetched)"
+        args = f"{self.var[name]}, @@gather{index}@@"
         if (var, step.axis) in self.reduce_scatter_backward and name in self.typed.requires_grad:
-            whole = math.prod(step.target.local_shape(info.shape, self.mesh)) * info.itemsize
             sync = self._sync("reduce_scatter", (axis,), name, step.src_dim, step.src_blocks, whole)
             args += f", @@sync{sync}@@"
             what += f"; its gradient reduce-scattered in @@bucket{sync}@@ (backward)"
-        self.emit(var, f"sync.all_gather({args})", f"{arrow}: {what} — {reason}", (forward,))
+        self.emit(var, f"sync.all_gather({args})", f"{arrow}: {what} — {reason}")
+
+    def _gather_groups(self) -> tuple[list[GatherGroup], dict[int, tuple[int, int]]]:
+        """Consecutive gathers of one layer (or of no layer), one axis and dtype: one all-gather each."""
+        groups: list[list[int]] = []
+        for index, gather in enumerate(self.gathers):
+            if groups:
+                last = self.gathers[groups[-1][-1]]
+                if (last.unit, last.axis, last.dtype) == (gather.unit, gather.axis, gather.dtype):
+                    groups[-1].append(index)
+                    continue
+            groups.append([index])
+        result, where = [], {}
+        for number, indices in enumerate(groups):
+            members = tuple(self.gathers[i] for i in indices)
+            axis = members[0].axis
+            n = self.mesh.axis_sizes[self.mesh.axis_index(axis)]
+            shard_bytes = sum(m.nbytes for m in members) // n
+            unit = members[0].unit or "outside the layers"
+            collective = Collective("all_gather", axis, "forward", collective_bytes("all_gather", shard_bytes, n),
+                                    f"group {number}", f"{len(members)} parameter(s) of {unit}, gathered for use")
+            result.append(GatherGroup(axis, members, collective))
+            where.update((i, (number, item)) for item, i in enumerate(indices))
+        return result, where
 
     def _buckets(self) -> list[GradientBucket]:
         """Group the gradients into buckets in the order backward produces them (the reverse of forward),
         one open bucket per collective, axes and dtype; a bucket closes past the bucket size (the first
-        one past DDP's 1 MiB, so communication starts early). Fills in each statement's bucket."""
+        one past DDP's 1 MiB, so communication starts early). Also forms the gather groups, and fills in each
+        statement's bucket and group."""
         opened: dict[tuple, int] = {}
         members: list[list[int]] = []
         sizes: list[int] = []
@@ -480,14 +522,20 @@ class _Lowerer:
                                           tuple((self.syncs[i].attr, self.syncs[i].dim, self.syncs[i].blocks)
                                                 for i in indices), sizes[bucket], collectives))
 
+        groups, in_group = self._gather_groups()
+
         def fill(text: str) -> str:
             for index, (bucket, member) in where.items():
                 text = text.replace(f"@@sync{index}@@", f"bucket={bucket}, member={member}")
                 text = text.replace(f"@@bucket{index}@@", f"bucket {bucket}")
+            for index, (group, item) in in_group.items():
+                text = text.replace(f"@@gather{index}@@", f"group={group}, item={item}")
+                text = text.replace(f"@@group{index}@@", f"group {group}")
             return text
 
         self.statements = [Statement(s.target, fill(s.expr), fill(s.comment), s.collectives) if "@@" in s.expr
                            else s for s in self.statements]
+        self.gather_groups = groups
         return buckets
 
     def _step_call(self, step: ConversionStep, source: str, axis: str, target: str, reason: str,
@@ -760,7 +808,7 @@ class _Lowerer:
             }
         buckets = self._buckets()
         return LoweredProgram(mesh, bound.par.source.path, bound.par.model.text, parameters, buffers, inputs,
-                              self.statements, outputs, values, self.notes, self.gathers, buckets)
+                              self.statements, outputs, values, self.notes, self.gather_groups, buckets)
 
 
 def lower(typed: TypedGraph, bucket_mb: float = DEFAULT_BUCKET_MB) -> LoweredProgram:

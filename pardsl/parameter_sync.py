@@ -10,8 +10,11 @@ order backward fills them). One `ParameterSync` per module instance carries them
   At the end of backward (a callback queued on autograd's engine) every bucket is waited on and its
   results added to the parameters' `.grad`. Each backward's contribution is reduced on its own and added,
   so accumulating gradients over several backwards before a step stays exact;
-- **all-gathers** (FSDP's forward prefetch): when the forward takes gathered parameter k, the gather of
-  parameter k + 1 is issued asynchronously, so it moves while parameter k's op computes.
+- **all-gathers** (FSDP's units and forward prefetch): parameters are gathered in groups (a layer's, or
+  consecutive ones outside the layers), one all-gather per group; when the forward takes group k, the
+  all-gather of group k + 1 is issued asynchronously, so it moves while group k's ops compute. The last
+  group's parameters are let go when the next forward starts. Items are taken in order, so item 0 always
+  gathers afresh: parameters an optimizer has stepped are never read stale.
 
 The autograd function that carries a parameter's gradient into a bucket returns no gradient for the
 parameter itself: the bucket writes `.grad` once the collective has finished.
@@ -32,48 +35,67 @@ class ParameterSync:
     def __init__(self, rt, module: torch.nn.Module, gathers: list[tuple], buckets: list[tuple]):
         self.rt = rt
         self._module = weakref.ref(module)  # the module owns this object; no cycle through it
-        self.gathers = gathers  # (parameter attribute, axis, dim, blocks)
+        self.gathers = gathers  # groups in forward order: (axis, [(parameter attribute, dim, blocks), ...])
         self.buckets = buckets  # (collective, axes, [(parameter attribute, dim, blocks), ...])
         self._arrived: list[dict[int, torch.Tensor]] = [{} for _ in buckets]
         self._launched: list[tuple] = []  # (bucket, work, result, grads), in launch order
         self._callback_queued = False
-        self._prefetched: tuple[int, object, torch.Tensor] | None = None  # (gather index, work, buffer)
+        self._prefetched: tuple[int, object, torch.Tensor] | None = None  # (group, work, buffer)
+        self._current: tuple[int, list[torch.Tensor]] | None = None  # the group being used: its parameters whole
 
     def _parameter(self, attr: str) -> torch.nn.Parameter:
         return getattr(self._module(), attr)
 
-    # -- forward: all-gathers, the next one prefetched ------------------------------------------------
+    # -- forward: all-gathers by group, the next group prefetched -----------------------------------
 
-    def all_gather(self, parameter: torch.Tensor, index: int, bucket: int | None = None, member: int = 0) -> torch.Tensor:
-        """Parameter `index` of PARAMETER_GATHERS, whole on its axis. Backward: the gradient goes to
+    def all_gather(self, parameter: torch.Tensor, group: int, item: int, bucket: int | None = None,
+                   member: int = 0) -> torch.Tensor:
+        """Parameter `item` of gather group `group`, whole on the group's axis. Backward: the gradient goes to
         `bucket` to be reduce-scattered; without a bucket, this rank's slice of it is the gradient."""
-        return _GatheredParameter.apply(parameter, self, index, bucket, member)
+        return _GatheredParameter.apply(parameter, self, group, item, bucket, member)
 
-    def _gathered(self, parameter: torch.Tensor, index: int) -> torch.Tensor:
+    def _gathered(self, group: int, item: int) -> torch.Tensor:
+        if item == 0 or self._current is None or self._current[0] != group:  # the forward takes items in order
+            self._current = (group, self._unpack(group, self._take(group)))
+            if group + 1 < len(self.gathers):
+                self._prefetched = (group + 1, *self._issue_gather(group + 1))
+        return self._current[1][item]
+
+    def _take(self, group: int):
+        """The group's gathered buffer: its prefetched all-gather waited on, or issued now."""
         pending, self._prefetched = self._prefetched, None
-        if pending is not None and pending[0] == index:
+        if pending is not None and pending[0] == group:
             _, work, buffer = pending
         else:
-            if pending is not None:  # an earlier forward stopped between two gathers
+            if pending is not None:  # an earlier forward stopped between two groups
                 pending[1].wait()
-            work, buffer = self._issue_gather(parameter, index)
-        if index + 1 < len(self.gathers):
-            self._prefetched = (index + 1, *self._issue_gather(self._parameter(self.gathers[index + 1][0]), index + 1))
+            work, buffer = self._issue_gather(group)
         work.wait()
-        _, axis, dim, blocks = self.gathers[index]
-        n = self.rt.size[axis]
-        if blocks > 1:  # rank-major [n, blocks, chunk] → block-major [blocks, n, chunk]
-            buffer = buffer.view(n, blocks, -1, *buffer.shape[1:]).transpose(0, 1).reshape(buffer.shape)
-        return buffer.movedim(0, dim)
+        return buffer
 
-    def _issue_gather(self, parameter: torch.Tensor, index: int):
-        _, axis, dim, _ = self.gathers[index]
+    def _issue_gather(self, group: int):
+        axis, members = self.gathers[group]
         n = self.rt.size[axis]
-        moved = parameter.detach().movedim(dim, 0).contiguous()
-        buffer = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-        self.rt.counter.record("forward", "all_gather", collective_bytes("all_gather", _nbytes(moved), n), axis)
-        work = dist.all_gather_into_tensor(buffer, moved, group=self.rt.groups[axis], async_op=True)
-        return work, buffer
+        flat = torch.cat([self._parameter(attr).detach().movedim(dim, 0).reshape(-1) for attr, dim, _ in members])
+        buffer = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+        self.rt.counter.record("forward", "all_gather", collective_bytes("all_gather", _nbytes(flat), n), axis)
+        work = dist.all_gather_into_tensor(buffer, flat, group=self.rt.groups[axis], async_op=True)
+        return work, buffer.view(n, flat.numel())
+
+    def _unpack(self, group: int, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Rank-major [n, every member's shard] → each member whole, in its own layout."""
+        axis, members = self.gathers[group]
+        n = self.rt.size[axis]
+        wholes, offset = [], 0
+        for attr, dim, blocks in members:
+            shard = self._parameter(attr).movedim(dim, 0)
+            numel = shard.numel()
+            whole = buffer[:, offset:offset + numel].reshape(n * shard.shape[0], *shard.shape[1:])
+            offset += numel
+            if blocks > 1:  # rank-major [n, blocks, chunk] → block-major [blocks, n, chunk]
+                whole = whole.view(n, blocks, -1, *whole.shape[1:]).transpose(0, 1).reshape(whole.shape)
+            wholes.append(whole.movedim(0, dim))
+        return wholes
 
     # -- backward: gradients in buckets -------------------------------------------------------------
 
@@ -175,15 +197,16 @@ class _GatheredParameter(torch.autograd.Function):
     over the axis), or this rank's slice (it is whole on every rank)."""
 
     @staticmethod
-    def forward(ctx, parameter, sync, index, bucket, member):
-        ctx.sync, ctx.index, ctx.bucket, ctx.member = sync, index, bucket, member
-        return sync._gathered(parameter, index)
+    def forward(ctx, parameter, sync, group, item, bucket, member):
+        ctx.sync, ctx.group, ctx.item, ctx.bucket, ctx.member = sync, group, item, bucket, member
+        return sync._gathered(group, item)
 
     @staticmethod
     def backward(ctx, grad):
         sync = ctx.sync
         if ctx.bucket is not None:
             sync.arrive(ctx.bucket, ctx.member, grad)
-            return None, None, None, None, None
-        _, axis, dim, blocks = sync.gathers[ctx.index]
-        return sync.rt._slice(grad, axis, dim, blocks), None, None, None, None
+            return None, None, None, None, None, None
+        axis, members = sync.gathers[ctx.group]
+        _, dim, blocks = members[ctx.item]
+        return sync.rt._slice(grad, axis, dim, blocks), None, None, None, None, None

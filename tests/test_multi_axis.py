@@ -95,9 +95,10 @@ def test_data_times_tensor_parallel_gpt(pools):
 def test_zero3_gathers_parameters_and_reduce_scatters_their_gradients(pools):
     compiled = compile_file("examples/mlp_zero3.par")
     program = compiled.program
-    assert program.collective_counts_by_axis() == {"forward": {"dp:all_gather": 4},
-                                                   "backward": {"dp:reduce_scatter": 1}}  # one bucket
-    assert [g.attr for g in program.gathers] == ["fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
+    # one gather group (the MLP has no repeated layers), one bucket
+    assert program.collective_counts_by_axis() == {"forward": {"dp:all_gather": 1},
+                                                   "backward": {"dp:reduce_scatter": 1}}
+    assert [m.attr for g in program.gathers for m in g.members] == ["fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
     assert [m[0] for m in program.buckets[0].members] == ["fc2_bias", "fc2_weight", "fc1_bias", "fc1_weight"]
     memory = program.memory()
     assert memory["parameters_per_rank"] * 2 == memory["parameters_total"]
