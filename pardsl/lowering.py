@@ -344,12 +344,22 @@ class _Lowerer:
                 use.partial_axes = frozenset(a for a in use.partial_axes if (var, a) not in self.reduce_scatter_backward)
 
     def plan_fused_linears(self) -> None:
-        """Megatron's f whose every reader is a linear taking it as input, with weights and biases used as
-        stored: one runtime step computes those linears, and in backward overlaps the all-reduce of the
-        input's gradient with the weights' gradients (`rt.column_parallel_linears`)."""
-        self.fused: dict[str, tuple[str, frozenset[int], list[str]]] = {}  # first linear → (input, axes, linears)
+        """Linears that read one value through Megatron's f (B, gradient all-reduced) or through SP's g (just
+        all-gathered, gradient reduce-scattered), with weights and biases used as stored: one runtime step
+        computes them, and in backward overlaps the input gradient's collective with the weights' gradients
+        (`rt.column_parallel_linears`)."""
+        self.fused: dict[str, tuple[str, tuple[int, ...], list[str], ConversionStep | None]] = {}
         self.fused_later: set[str] = set()
         for var, uses in self.uses.items():
+            steps = self.conversion_steps.get(var, [])
+            if len(steps) == 1 and steps[0].kind == "all_gather" and (var, steps[0].axis) in self.reduce_scatter_backward \
+                    and not any(u.partial_axes for u in uses):
+                names = [use.node for use in uses]
+                if self.mesh.axis_sizes[steps[0].axis] > 1 and len(set(names)) == len(names) \
+                        and all(self._fusable_linear(use) for use in uses):
+                    self.fused[names[0]] = (var, (steps[0].axis,), names, steps[0])
+                    self.fused_later.update(names[1:])
+                continue
             groups: dict[frozenset[int], list[_Use]] = {}
             for use in uses:
                 if use.partial_axes:
@@ -359,7 +369,7 @@ class _Lowerer:
                 if not any(self.mesh.axis_sizes[a] > 1 for a in axes) or len(set(names)) != len(names) \
                         or not all(self._fusable_linear(use) for use in group):
                     continue
-                self.fused[names[0]] = (var, axes, names)
+                self.fused[names[0]] = (var, tuple(sorted(axes)), names, None)
                 self.fused_later.update(names[1:])
 
     def _fusable_linear(self, use: _Use) -> bool:
@@ -375,29 +385,39 @@ class _Lowerer:
         return True
 
     def _lower_fused_linears(self, first: str) -> None:
-        var, axes, names = self.fused[first]
+        var, axes, names, gather = self.fused[first]
         node = self.typed.nodes[first]
         where = self.bound.module_paths.get(first)
         reason = f"linear.default {first}" + (f" in {where}" if where else "")
         source = node.operands[0]
-        x = self._ensure(source, node.operand_layouts[0], reason)
         pairs = []
         for name in names:
             operands = self.typed.nodes[name].operands
             bias = self.var[operands[2]] if len(operands) > 2 else "None"
             pairs.append(f"({self.var[operands[1]]}, {bias})")
-        axis_names = tuple(self.mesh.axis_names[a] for a in sorted(axes))
-        info = self.typed.info(source)
-        local = math.prod(node.operand_layouts[0].local_shape(info.shape, self.mesh)) * info.itemsize
-        collectives = tuple(
-            Collective("all_reduce", a, "backward", collective_bytes("all_reduce", local, n), x,
-                       "gradient of a broadcast value read by sharded computation")
-            for a, n in ((a, self.mesh.axis_sizes[self.mesh.axis_index(a)]) for a in axis_names) if n > 1)
+        axis_names = tuple(self.mesh.axis_names[a] for a in axes)
+        if gather is None:  # f: x is B; its gradient, partial, is all-reduced
+            x = self._ensure(source, node.operand_layouts[0], reason)
+            info = self.typed.info(source)
+            local = math.prod(node.operand_layouts[0].local_shape(info.shape, self.mesh)) * info.itemsize
+            collectives = tuple(
+                Collective("all_reduce", a, "backward", collective_bytes("all_reduce", local, n), x,
+                           "gradient of a broadcast value read by sharded computation")
+                for a, n in ((a, self.mesh.axis_sizes[self.mesh.axis_index(a)]) for a in axis_names) if n > 1)
+            extra, what = "", "its gradient all-reduced once"
+        else:  # SP's g: x is split; gathered here, its gradient reduce-scattered back
+            x = self.var[source]
+            self.emitted.add(var)
+            collectives = (Collective("all_gather", axis_names[0], "forward", gather.forward_bytes, var, reason),
+                           Collective("reduce_scatter", axis_names[0], "backward", gather.forward_bytes, var, reason))
+            blocks = f", blocks={gather.src_blocks}" if gather.src_blocks > 1 else ""
+            extra, what = f", gather_dim={gather.src_dim}{blocks}", "gathered first; its gradient reduce-scattered"
+        moved = ", ".join(f"{c.kind.replace('_', '-')} {format_bytes(c.bytes)} ({c.phase})" for c in collectives)
         targets = ", ".join(names) + ("," if len(names) == 1 else "")
-        comment = (f"{self._value_comment(node.op_layout, self.typed.info(first))}; {len(names)} linear(s) of a B "
-                   f"value: its gradient all-reduced once, while the weights' are computed "
-                   f"({format_bytes(sum(c.bytes for c in collectives))}, backward)")
-        self.emit(targets, f"rt.column_parallel_linears({x}, {axis_names!r}, {', '.join(pairs)})", comment, collectives)
+        comment = (f"{self._value_comment(node.op_layout, self.typed.info(first))}; {len(names)} linear(s) of one "
+                   f"input, {what} while the weights' gradients are computed ({moved})")
+        self.emit(targets, f"rt.column_parallel_linears({x}, {axis_names!r}, {', '.join(pairs)}{extra})",
+                  comment, collectives)
         for name in names:
             self.var[name] = name
             self.emitted.add(name)

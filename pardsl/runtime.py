@@ -123,11 +123,15 @@ class Runtime:
     def grad_all_reduce(self, x: torch.Tensor, *axes: str) -> torch.Tensor:
         return _GradAllReduce.apply(x, self, axes)
 
-    def column_parallel_linears(self, x: torch.Tensor, axes: tuple[str, ...], *linears) -> tuple[torch.Tensor, ...]:
+    def column_parallel_linears(self, x: torch.Tensor, axes: tuple[str, ...], *linears, gather_dim: int | None = None,
+                                blocks: int = 1) -> tuple[torch.Tensor, ...]:
         """Megatron's f and the linears that read its value, as one step: `linears` are (weight, bias or
         None) pairs, the results are each linear of x. Backward computes x's gradient first, issues its
-        all-reduce over `axes` and computes the weights' gradients while it moves (Megatron's overlap)."""
-        return _ColumnParallelLinears.apply(x, self, axes, *(t for pair in linears for t in pair))
+        all-reduce over `axes` and computes the weights' gradients while it moves (Megatron's overlap).
+
+        With `gather_dim` (Megatron-SP's g), x is split on that dim over the one axis and all-gathered
+        first; backward reduce-scatters its gradient instead, overlapped the same way."""
+        return _ColumnParallelLinears.apply(x, self, axes, (gather_dim, blocks), *(t for pair in linears for t in pair))
 
     def masked_embedding(self, weight: torch.Tensor, ids: torch.Tensor, *axes: str) -> torch.Tensor:
         """Embedding with the vocabulary split over `axes` (outermost first): rows for the ids this rank
@@ -217,6 +221,20 @@ class Runtime:
             return None
         self.counter.record(phase, "all_reduce", collective_bytes("all_reduce", _nbytes(x), n), axis)
         return dist.all_reduce(x, group=self.groups[axis], async_op=True)
+
+    def _reduce_scatter_started(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1):
+        """Reduce-scatter x asynchronously: (work or None, a function giving the result once waited on)."""
+        n = self.size[axis]
+        if n == 1:
+            return None, lambda: x
+        moved = x.movedim(dim, 0)
+        if blocks > 1:  # block-major [blocks, n, chunk] → rank-major [n, blocks, chunk]
+            moved = moved.reshape(blocks, n, -1, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
+        moved = moved.contiguous()
+        out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+        self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", _nbytes(x), n), axis)
+        work = dist.reduce_scatter_tensor(out, moved, group=self.groups[axis], async_op=True)
+        return work, lambda: out.movedim(0, dim)
 
     def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:
         n = self.size[axis]
@@ -386,13 +404,17 @@ class _GradAllReduce(torch.autograd.Function):
 
 
 class _ColumnParallelLinears(torch.autograd.Function):
-    """f, then linears of its value. Backward: the input's gradient (summed over the linears) first, its
-    all-reduce issued asynchronously, the weights' and biases' gradients computed meanwhile, then waited."""
+    """f (or SP's g), then linears of its value. Backward: the input's gradient (summed over the linears)
+    first, its all-reduce (or reduce-scatter) issued asynchronously, the weights' and biases' gradients
+    computed meanwhile, then waited on."""
 
     @staticmethod
-    def forward(ctx, x, rt, axes, *weights_and_biases):
+    def forward(ctx, x, rt, axes, gather, *weights_and_biases):
         weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
-        ctx.rt, ctx.axes, ctx.has_bias = rt, axes, [b is not None for b in biases]
+        ctx.rt, ctx.axes, ctx.gather, ctx.has_bias = rt, axes, gather, [b is not None for b in biases]
+        gather_dim, blocks = gather
+        if gather_dim is not None:
+            x = rt._all_gather(x, axes[0], gather_dim, "forward", blocks)
         ctx.save_for_backward(x, *weights)
         return tuple(torch.ops.aten.linear.default(x, w, b) for w, b in zip(weights, biases))
 
@@ -400,13 +422,16 @@ class _ColumnParallelLinears(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         rt = ctx.rt
-        grad_x, work = None, None
+        gather_dim, blocks = ctx.gather
+        grad_x, work, result = None, None, None
         if ctx.needs_input_grad[0]:
             for grad, weight in zip(grads, weights):
                 if grad is not None:
                     part = grad.matmul(weight)
                     grad_x = part if grad_x is None else grad_x.add_(part)
-            if grad_x is not None:
+            if grad_x is not None and gather_dim is not None:
+                work, result = rt._reduce_scatter_started(grad_x, ctx.axes[0], gather_dim, "backward", blocks)
+            elif grad_x is not None:
                 grad_x = grad_x.contiguous()
                 work = rt._all_reduce_started(grad_x, ctx.axes[0], "backward")
         rows = x.reshape(-1, x.shape[-1])
@@ -415,14 +440,16 @@ class _ColumnParallelLinears(torch.autograd.Function):
             grad_w = grad_b = None
             if grad is not None:
                 grad_rows = grad.reshape(-1, grad.shape[-1])
-                if ctx.needs_input_grad[3 + 2 * index]:
+                if ctx.needs_input_grad[4 + 2 * index]:
                     grad_w = grad_rows.t().matmul(rows)
-                if has_bias and ctx.needs_input_grad[4 + 2 * index]:
+                if has_bias and ctx.needs_input_grad[5 + 2 * index]:
                     grad_b = grad_rows.sum(0)
             parameter_grads += [grad_w, grad_b]
         if work is not None:
             work.wait()
+        if result is not None:
+            grad_x = result()
         for axis in ctx.axes[1:]:
             if grad_x is not None:
                 grad_x = rt._all_reduce(grad_x, axis, "backward")
-        return (grad_x, None, None, *parameter_grads)
+        return (grad_x, None, None, None, *parameter_grads)

@@ -118,6 +118,10 @@ def test_sequence_parallel_llama(pools):
     # over the sequence shards) all-reduced in one bucket
     expected = {"forward": {"all_gather": 5, "reduce_scatter": 4},
                 "backward": {"all_gather": 5, "reduce_scatter": 5, "all_reduce": 1}}
+    # q/k/v and gate/up of each layer are one step each: gathered first, their input gradient's reduce-scatter
+    # overlapped with the weights' gradients (Megatron-SP)
+    assert compiled.source.count("rt.column_parallel_linears(") == 4
+    assert compiled.source.count(", gather_dim=1)") == 4
     assert _nonzero(compiled.program.collective_counts()) == expected
     check(pools, compiled)
 
@@ -129,6 +133,14 @@ def test_kv_heads_that_do_not_divide_the_axis_stay_replicated(pools, compile_par
     shapes = {p.name: p.local_shape for p in compiled.program.parameters}
     assert shapes["model.model.layers.0.self_attn.k_proj.weight"] == (16, 64)  # 2 KV heads, whole on each rank
     check(pools, compiled)
+
+
+def test_column_parallel_linears_overlap_the_input_gradients_all_reduce():
+    source = compile_file("examples/hf_llama_tp2.par").source
+    # per layer: q, k, v in one step and gate, up in another; f is inside them, so no separate grad_all_reduce
+    assert source.count("rt.column_parallel_linears(") == 4 and "grad_all_reduce" not in source
+    assert ("linear_4, linear_5 = rt.column_parallel_linears(mul_10, ('tp',), (self.model_model_layers_0_mlp_gate_proj_weight, "
+            "None), (self.model_model_layers_0_mlp_up_proj_weight, None))") in source
 
 
 def test_mask_construction_is_replicated_not_gathered():
