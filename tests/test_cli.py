@@ -35,6 +35,17 @@ def test_compile_writes_module_and_plan_and_a_summary(tmp_path, capsys):
     assert plan["collective_counts"]["forward"]["all_reduce"] == 1
 
 
+def test_bucket_size_is_an_option_of_compile(tmp_path, capsys):
+    assert cli.main(["compile", "examples/mlp_dp.par", "-o", str(tmp_path), "--bucket-mb", "0"]) == 0
+    assert "backward  4 all-reduce" in capsys.readouterr().out  # a bucket per gradient
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert [b["parameters"] for b in plan["gradient_buckets"]] == [["fc2_bias"], ["fc2_weight"], ["fc1_bias"], ["fc1_weight"]]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["compile", "examples/mlp_dp.par", "-o", str(tmp_path), "--bucket-mb", "-1"])
+    assert exit_.value.code == 2
+    assert "--bucket-mb: expected a size in MiB, 0 or more, not '-1'" in capsys.readouterr().err
+
+
 def test_generated_module_runs_on_its_own(tmp_path):
     """The module needs only torch and pardsl.runtime: load it like a user would, on one rank."""
     from pardsl.compiler import compile_text
