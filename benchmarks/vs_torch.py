@@ -14,7 +14,7 @@ gradients made ready (median of `--steps` after warm-up). pardsl's collectives p
 runtime counter, PyTorch's from `CommDebugMode` where it sees them (DTensor's; DDP and FSDP2 call
 collectives outside it).
 
-    python benchmarks/vs_torch.py [--steps 10] [--plans dp,zero3,tp] [--profile]
+    python benchmarks/vs_torch.py [--steps 10] [--plans dp,zero3,tp] [--profile] [--bucket-mb 25]
 
 `--profile` adds, per plan, where each step spends its time (torch.profiler, top ops by self time).
 """
@@ -108,7 +108,7 @@ def rank_main(job: dict) -> dict:
     rank = dist.get_rank()
 
     # pardsl, through the public API
-    plan = pardsl.load(job["par_path"])
+    plan = pardsl.load(job["par_path"], bucket_mb=job["bucket_mb"])
     torch.manual_seed(0)
     model = plan.module()
     local = plan.shard_inputs(input_ids=ids, labels=ids)
@@ -221,6 +221,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--plans", default="dp,zero3,tp")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="pardsl's gradient bucket size (DDP's: 25)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows, notes = [], []
@@ -231,7 +232,8 @@ def main() -> None:
             with open(par_path, "w") as handle:
                 handle.write(par_text(plan_name, kwargs, batch, seq))
             job = {"plan": plan_name, "kwargs": kwargs, "batch": batch, "seq": seq, "steps": args.steps,
-                   "par_path": par_path, "profile": args.profile}
+                   "par_path": par_path, "profile": args.profile,
+                   "bucket_mb": args.bucket_mb}
             config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=f"vs-torch-{plan_name}",
                                   rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                                   monitor_interval=0.1, start_method="spawn")
