@@ -24,13 +24,14 @@ import datetime
 import os
 import statistics
 import sys
-import time
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from benchmarks.timing import median_step_ms  # noqa: E402
 
 # Per model family: the factory in examples/, where its layers are, and the prefix of their names.
 FAMILIES = {
@@ -67,18 +68,6 @@ def _vocab(kwargs: dict) -> int:
 
 def _layers(kwargs: dict) -> int:
     return kwargs.get("n_layer", kwargs.get("layers"))
-
-
-def _time(step, steps: int) -> float:
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
 
 
 def rank_main(job: dict) -> dict:
@@ -147,9 +136,9 @@ def rank_main(job: dict) -> dict:
         serial(ids).backward(grad)
 
     result = {
-        "pardsl_ms": _time(pardsl_step, job["steps"]),
-        "dtensor_ms": _time(dtensor_step, job["steps"]),
-        "serial_ms": _time(serial_step, job["steps"]),
+        "pardsl_ms": median_step_ms(pardsl_step, job["steps"]),
+        "dtensor_ms": median_step_ms(dtensor_step, job["steps"]),
+        "serial_ms": median_step_ms(serial_step, job["steps"]),
         "pardsl_counts": pardsl_counts,
         "dtensor_counts": dtensor_counts,
         "errors": errors,

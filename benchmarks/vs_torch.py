@@ -24,16 +24,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from benchmarks.timing import median_step_ms  # noqa: E402
 
 # name: (model kwargs, batch, sequence, what pardsl is compared with)
 PLANS = {
@@ -64,18 +64,6 @@ def par_text(plan: str, kwargs: dict, batch: int, seq: int) -> str:
         lines += [f"    model.layers.*.{w}.weight : {'S(1)' if w in ('self_attn.o_proj', 'mlp.down_proj') else 'S(0)'}"
                   for w in LAYER_WEIGHTS]
     return "\n".join(lines + ["}", ""])
-
-
-def _time(step, steps: int) -> float:
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
 
 
 def _full(grad: torch.Tensor) -> torch.Tensor:
@@ -182,9 +170,9 @@ def rank_main(job: dict) -> dict:
         serial.zero_grad(set_to_none=True)
 
     result = {
-        "pardsl_ms": _time(pardsl_step, job["steps"]),
-        "torch_ms": _time(torch_step, job["steps"]),
-        "serial_ms": _time(serial_step, job["steps"]) if plan_name == "tp" else None,
+        "pardsl_ms": median_step_ms(pardsl_step, job["steps"]),
+        "torch_ms": median_step_ms(torch_step, job["steps"]),
+        "serial_ms": median_step_ms(serial_step, job["steps"]) if plan_name == "tp" else None,
         "pardsl_counts": pardsl_counts,
         "torch_counts": torch_counts,
         "errors": errors,

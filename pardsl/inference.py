@@ -163,6 +163,17 @@ def infer(bound: BoundPlan) -> TypedGraph:
         # an axis that splits the batch (an input's dim 0): data parallelism's axis, where FSDP and DDP live
         batch_axis = any(pin.layout.placements[axis].is_split and pin.layout.placements[axis].dim == 0
                          for name, pin in bound.pins.items() if name in bound.inputs)
+        if n == 1:  # one rank on this axis: every layout is the same tensor and nothing moves; all B
+            for name in placeholders:
+                pin = bound.pins.get(name)
+                value[name].append(pin.layout.placements[axis] if pin is not None else B)
+            for node in graph_nodes:
+                pin = bound.pins.get(node.name)
+                for slot in range(len(operands[node.name])):
+                    needs[node.name][slot].append(B)
+                op_out[node.name].append(B)
+                value[node.name].append(pin.layout.placements[axis] if pin is not None else B)
+            continue
         free: set[str] = set()
         for name in placeholders:
             pin = bound.pins.get(name)

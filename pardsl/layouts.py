@@ -10,6 +10,7 @@ cheapest such sequence.
 from __future__ import annotations
 
 import heapq
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable
@@ -81,6 +82,31 @@ class Mesh:
         return tuple(reversed(coords))
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _fits(placements: tuple[Placement, ...], shape: tuple[int, ...], axis_sizes: tuple[int, ...]) -> bool:
+    factor: dict[int, int] = {}
+    blocks: dict[int, int] = {}
+    splitters: dict[int, int] = {}
+    for placement, size in zip(placements, axis_sizes):
+        if placement.kind != "S":
+            continue
+        if placement.dim >= len(shape):
+            return False
+        factor[placement.dim] = factor.get(placement.dim, 1) * size
+        blocks[placement.dim] = max(blocks.get(placement.dim, 1), placement.blocks)
+        splitters[placement.dim] = splitters.get(placement.dim, 0) + 1
+    return all(shape[d] % (f * blocks[d]) == 0 and (blocks[d] == 1 or splitters[d] == 1) for d, f in factor.items())
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _local_shape(placements: tuple[Placement, ...], shape: tuple[int, ...], axis_sizes: tuple[int, ...]) -> tuple[int, ...]:
+    local = list(shape)
+    for placement, size in zip(placements, axis_sizes):
+        if placement.kind == "S" and placement.dim < len(local):
+            local[placement.dim] //= size
+    return tuple(local)
+
+
 @dataclass(frozen=True, order=True)
 class Layout:
     placements: tuple[Placement, ...]
@@ -106,7 +132,7 @@ class Layout:
         return max((p.blocks for p in self.placements if p.kind == "S" and p.dim == dim), default=1)
 
     def local_shape(self, shape: Iterable[int], mesh: Mesh) -> tuple[int, ...]:
-        return tuple(size // self.split_factor(d, mesh) for d, size in enumerate(shape))
+        return _local_shape(self.placements, tuple(shape), mesh.axis_sizes)
 
     def indivisible_dims(self, shape: tuple[int, ...], mesh: Mesh) -> list[int]:
         return [d for d, size in enumerate(shape) if size % (self.split_factor(d, mesh) * self.blocks_of(d))]
@@ -120,8 +146,9 @@ class Layout:
         return [p.dim for p in self.placements if p.kind == "S" and p.dim >= rank]
 
     def fits(self, shape: tuple[int, ...], mesh: Mesh) -> bool:
-        return (not self.out_of_range_dims(len(shape)) and not self.indivisible_dims(shape, mesh)
-                and not self.blocks_on_shared_dims())
+        """Every split dim exists, divides by its split (times its blocks), and no blocked dim is split by
+        more than one axis. Inference asks this for every candidate on every axis: one pass, cached."""
+        return _fits(self.placements, tuple(shape), mesh.axis_sizes)
 
     def innermost_splitter(self, dim: int) -> int | None:
         axes = self.axes_splitting(dim)
