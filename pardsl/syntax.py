@@ -284,22 +284,42 @@ _MAX_SYNTAX_ERRORS = 20
 
 
 def _parse_recovering(source: SourceFile, sink: DiagnosticSink):
-    """Parse; on a syntax error, report it, neutralise that line and parse again.
+    """Parse; on a syntax error, report it and go on parsing from the line after it.
 
-    Blanking the bad line (keeping a `layout {` opener so the block's entries still parse as entries)
-    resynchronises at the next line, so each malformed line is reported once and nothing cascades.
+    The rest of the file is parsed on its own (reopened with `layout {` when the bad line is inside a
+    layout block or opens one), so each malformed line is reported once, nothing cascades, and no line is
+    parsed again for an error after it: a file with errors near its end costs one parse. The tree is only
+    wanted from an error-free file, so the parts around errors are checked, not kept.
     """
     lines = list(source.lines)
+    start, reopened = 0, False  # the part being parsed starts at lines[start], after a `layout {` if reopened
     while True:
+        part = (["layout {"] if reopened else []) + lines[start:]
+        offset = start - (1 if reopened else 0)  # line k of the part is line k + offset of the file
         try:
-            return _parser().parse("\n".join(lines) + "\n")
+            tree = _parser().parse("\n".join(part) + "\n")
+            return tree if not sink.diagnostics else None
         except lark.exceptions.UnexpectedInput as error:
-            line, column, message, notes = _describe_error(error, lines)
+            line, column, message, notes = _describe_error(error, part)
             sink.error("E002" if isinstance(error, lark.exceptions.UnexpectedCharacters) else "E001",
-                       message, Span.point(line, column), *notes)
-            if token_at_end(error) or not lines[line - 1].strip() or len(sink.diagnostics) >= _MAX_SYNTAX_ERRORS:
+                       message, Span.point(line + offset, column), *notes)
+            if token_at_end(error) or not part[line - 1].strip() or len(sink.diagnostics) >= _MAX_SYNTAX_ERRORS:
                 return None
-            lines[line - 1] = "layout {" if lines[line - 1].lstrip().startswith("layout") else ""
+            bad = line + offset - 1  # its index in the file
+            reopened = _inside_layout_block(part[:line - 1]) or lines[bad].lstrip().startswith("layout")
+            start = bad + 1
+
+
+def _inside_layout_block(lines: list[str]) -> bool:
+    """Whether, after these lines, a layout block is open (its `}` not yet seen)."""
+    inside = False
+    for text in lines:
+        stripped = text.split("#", 1)[0].strip()
+        if stripped.startswith("layout"):
+            inside = not stripped.endswith("}")
+        elif stripped.startswith("}"):
+            inside = False
+    return inside
 
 
 def token_at_end(error: lark.exceptions.UnexpectedInput) -> bool:
