@@ -228,3 +228,28 @@ def test_a_rank_that_stops_making_progress_is_named_soon_after(tmp_path):
                                     "'step 1: the serial model'"), result.stderr
     assert seconds < 90  # start-up, compile, then 5 s without progress (the collective timeout is 300 s)
     assert subprocess.run(["pgrep", "-f", "Faulty"], capture_output=True).stdout == b""
+
+
+def test_error_recovery_does_not_parse_the_file_again_per_error(monkeypatch):
+    """A long file with errors near its end: each error resumes the parse after its line, so what is
+    parsed in all is the file once plus the short rest after each error (it was the whole file per error)."""
+    from pardsl import syntax
+
+    body = "mesh tp = 2\nmodel m:f()\ninput x : float32[4, 16]\nlayout {\n" + "  fc1.weight : S(0)\n" * 2000 + "}\n"
+    tail = "mesh ??\n" * 5 + "layout {\n  x : S(\n  y : B\n}\n"
+    text = body + tail
+    parsed = []
+    real = syntax._parser()
+
+    class Counting:
+        def parse(self, source):
+            parsed.append(len(source))
+            return real.parse(source)
+
+    monkeypatch.setattr(syntax, "_parser", lambda: Counting())
+    with pytest.raises(CompileError) as caught:
+        parse(text)
+    # the five bad mesh lines (2006-2010), and the bad entry inside the block after them (2012), whose
+    # next entry parses: the block is reopened after it
+    assert [(d.code, d.span.line) for d in caught.value.diagnostics] == [("E002", 2006 + i) for i in range(5)] + [("E001", 2012)]
+    assert parsed[0] == len(text) and sum(parsed[1:]) <= 6 * len(tail)  # the long part once
