@@ -39,7 +39,7 @@ class ParameterSync:
         self.buckets = buckets  # (collective, axes, [(parameter attribute, dim, blocks), ...])
         self._arrived: list[dict[int, torch.Tensor]] = [{} for _ in buckets]
         self._launched: list[tuple] = []  # (bucket, work, result, grads), in launch order
-        self._callback_queued = False
+        self._backward: int | None = None  # the autograd graph task whose gradients are arriving
         self._prefetched: tuple[int, object, torch.Tensor] | None = None  # (group, work, buffer)
         self._current: tuple[int, list[torch.Tensor]] | None = None  # the group being used: its parameters whole
 
@@ -104,9 +104,16 @@ class ParameterSync:
         return _BucketedGradient.apply(parameter, self, bucket, member)
 
     def arrive(self, bucket: int, member: int, grad: torch.Tensor) -> None:
-        if not self._callback_queued:
+        backward = torch._C._current_graph_task_id()
+        if self._backward != backward:
+            # the first gradient of this backward; what an earlier one left (it raised before its end)
+            # is dropped, as autograd drops that backward's gradients
+            self._arrived = [{} for _ in self.buckets]
+            for _, work, _, _ in self._launched:
+                work.wait()
+            self._launched = []
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._callback_queued = True
+            self._backward = backward
         arrived = self._arrived[bucket]
         arrived[member] = arrived[member] + grad if member in arrived else grad
         if len(arrived) == len(self.buckets[bucket][2]):
@@ -143,7 +150,7 @@ class ParameterSync:
 
     def _finish(self) -> None:
         """End of backward: issue what did not fill (gradients that never came), wait, write `.grad`."""
-        self._callback_queued = False
+        self._backward = None
         for bucket, arrived in enumerate(self._arrived):
             if arrived:
                 self._launch(bucket)

@@ -212,3 +212,36 @@ def test_inputs_are_bound_by_name_in_any_order(compile_par):
                            "input labels : int64[2, 8] in [0, 256)\ninput input_ids : int64[2, 8] in [0, 256)\n")
     assert [slot.name for slot in compiled.program.inputs] == ["labels", "input_ids"]
     assert [o.path for o in compiled.program.outputs] == ["output.loss", "output.logits"]
+
+
+def _a_backward_that_raises_then_one_that_does_not():
+    """On every rank of a dp 2 pool: a backward stopped by an exception after some of its gradient buckets
+    were issued, then a whole one. The second's gradients are serial's: nothing of the first is left."""
+    import pardsl
+    from examples.models import MLP
+
+    plan = pardsl.load(os.path.join(REPO, "examples/mlp_dp.par"))
+    torch.manual_seed(0)
+    model = plan.module()
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(3))
+    stopped = plan.shard_inputs(x=x)["x"].requires_grad_()
+    stopped.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("stopped")))
+    try:
+        model(x=stopped).sum().backward()
+        raised = False
+    except RuntimeError:
+        raised = True
+    model.zero_grad(set_to_none=True)
+    model(**plan.shard_inputs(x=x)).sum().backward()
+    torch.manual_seed(0)
+    serial = MLP(d_model=256, d_ff=1024)
+    serial(x).sum().backward()
+    expected = dict(serial.named_parameters())
+    error = max((p.grad - model.rt.shard(expected[name].grad, layout)).abs().max().item()
+                for name, p, layout in model.named_shards())
+    return raised, error
+
+
+def test_gradient_buckets_recover_from_a_backward_that_raised(pools):
+    for raised, error in pools(2).run_on_every_rank(_a_backward_that_raises_then_one_that_does_not):
+        assert raised and error < 1e-5
