@@ -2,7 +2,8 @@
 
 The generated module lists, as data, the parameters it all-gathers before use (`PARAMETER_GATHERS`, in
 forward order) and the buckets its parameters' gradients are synchronised in (`GRADIENT_BUCKETS`, in the
-order backward fills them). One `ParameterSync` per module instance carries them out:
+order backward fills them). Each forward makes one `ParameterSync`, which its backward finishes: state
+never outlives a step, and a copy of the module shares none:
 
 - **gradients** (DDP's reducer, FSDP's reduce-scatter): each parameter's partial gradient is handed to
   its bucket as backward produces it; when a bucket's last gradient arrives, the bucket's one collective
@@ -12,9 +13,7 @@ order backward fills them). One `ParameterSync` per module instance carries them
   so accumulating gradients over several backwards before a step stays exact;
 - **all-gathers** (FSDP's units and forward prefetch): parameters are gathered in groups (a layer's, or
   consecutive ones outside the layers), one all-gather per group; when the forward takes group k, the
-  all-gather of group k + 1 is issued asynchronously, so it moves while group k's ops compute. The last
-  group's parameters are let go when the next forward starts. Items are taken in order, so item 0 always
-  gathers afresh: parameters an optimizer has stepped are never read stale.
+  all-gather of group k + 1 is issued asynchronously, so it moves while group k's ops compute.
 
 The autograd function that carries a parameter's gradient into a bucket returns no gradient for the
 parameter itself: the bucket writes `.grad` once the collective has finished.
@@ -23,7 +22,6 @@ parameter itself: the bucket writes `.grad` once the collective has finished.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -34,7 +32,7 @@ from .layouts import collective_bytes
 class ParameterSync:
     def __init__(self, rt, module: torch.nn.Module, gathers: list[tuple], buckets: list[tuple]):
         self.rt = rt
-        self._module = weakref.ref(module)  # the module owns this object; no cycle through it
+        self._module = module
         self.gathers = gathers  # groups in forward order: (axis, [(parameter attribute, dim, blocks), ...])
         self.buckets = buckets  # (collective, axes, [(parameter attribute, dim, blocks), ...])
         self._arrived: list[dict[int, torch.Tensor]] = [{} for _ in buckets]
@@ -44,7 +42,7 @@ class ParameterSync:
         self._current: tuple[int, list[torch.Tensor]] | None = None  # the group being used: its parameters whole
 
     def _parameter(self, attr: str) -> torch.nn.Parameter:
-        return getattr(self._module(), attr)
+        return getattr(self._module, attr)
 
     # -- forward: all-gathers by group, the next group prefetched -----------------------------------
 
