@@ -36,7 +36,7 @@ class ParameterSync:
         self.gathers = gathers  # groups in forward order: (axis, [(parameter attribute, dim, blocks), ...])
         self.buckets = buckets  # (collective, axes, [(parameter attribute, dim, blocks), ...])
         self._arrived: list[dict[int, torch.Tensor]] = [{} for _ in buckets]
-        self._launched: list[tuple] = []  # (bucket, work, result, grads), in launch order
+        self._launched: list[tuple] = []  # (bucket, work, result, [(member, gradient shape)]), in launch order
         self._backward: int | None = None  # the autograd graph task whose gradients are arriving
         self._prefetched: tuple[int, object, torch.Tensor] | None = None  # (group, work, buffer)
         self._current: tuple[int, list[torch.Tensor]] | None = None  # the group being used: its parameters whole
@@ -65,7 +65,7 @@ class ParameterSync:
         if pending is not None and pending[0] == group:
             _, work, buffer = pending
         else:
-            if pending is not None:  # an earlier forward stopped between two groups
+            if pending is not None:  # groups are taken in order, so only a group skipped gets here
                 pending[1].wait()
             work, buffer = self._issue_gather(group)
         work.wait()
