@@ -17,6 +17,7 @@ A conversion is computed once per (value, layout) and shared by every consumer t
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -120,6 +121,7 @@ class _GradientSync:
 
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket size
+_PLACEHOLDER = re.compile(r"@@(sync|bucket|gather|group)(\d+)@@")  # a bucket or group not yet formed
 FIRST_BUCKET_MB = 1.0  # DDP's first bucket: the first collective starts early in backward
 
 
@@ -508,11 +510,11 @@ class _Lowerer:
             where.update((i, (number, item)) for item, i in enumerate(indices))
         return result, where
 
-    def _buckets(self) -> list[GradientBucket]:
+    def _buckets(self) -> tuple[list[GradientBucket], dict[int, tuple[int, int]]]:
         """Group the gradients into buckets in the order backward produces them (the reverse of forward),
         one open bucket per collective, axes and dtype; a bucket closes past the bucket size (the first
-        one past DDP's 1 MiB, so communication starts early). Also forms the gather groups, and fills in each
-        statement's bucket and group."""
+        one past DDP's 1 MiB, so communication starts early). Returns the buckets, and where each
+        gradient went: (bucket, member)."""
         opened: dict[tuple, int] = {}
         members: list[list[int]] = []
         sizes: list[int] = []
@@ -542,21 +544,20 @@ class _Lowerer:
                                           tuple((self.syncs[i].attr, self.syncs[i].dim, self.syncs[i].blocks)
                                                 for i in indices), sizes[bucket], collectives))
 
-        groups, in_group = self._gather_groups()
+        return buckets, where
+
+    def _fill_placeholders(self, in_bucket: dict[int, tuple[int, int]], in_group: dict[int, tuple[int, int]]) -> None:
+        """Statements name buckets and gather groups by placeholders until both are formed: fill them in."""
+        fills = {"sync": lambda i: "bucket={}, member={}".format(*in_bucket[i]),
+                 "bucket": lambda i: f"bucket {in_bucket[i][0]}",
+                 "gather": lambda i: "group={}, item={}".format(*in_group[i]),
+                 "group": lambda i: f"group {in_group[i][0]}"}
 
         def fill(text: str) -> str:
-            for index, (bucket, member) in where.items():
-                text = text.replace(f"@@sync{index}@@", f"bucket={bucket}, member={member}")
-                text = text.replace(f"@@bucket{index}@@", f"bucket {bucket}")
-            for index, (group, item) in in_group.items():
-                text = text.replace(f"@@gather{index}@@", f"group={group}, item={item}")
-                text = text.replace(f"@@group{index}@@", f"group {group}")
-            return text
+            return _PLACEHOLDER.sub(lambda m: fills[m.group(1)](int(m.group(2))), text)
 
         self.statements = [Statement(s.target, fill(s.expr), fill(s.comment), s.collectives) if "@@" in s.expr
                            else s for s in self.statements]
-        self.gather_groups = groups
-        return buckets
 
     def _step_call(self, step: ConversionStep, source: str, axis: str, target: str, reason: str,
                    rs_backward: bool, needs_grad: bool) -> tuple[str, tuple[Collective, ...]]:
@@ -826,9 +827,11 @@ class _Lowerer:
                 "local_shape": list(layout.local_shape(info.shape, mesh)),
                 "dtype": str(info.dtype).removeprefix("torch."),
             }
-        buckets = self._buckets()
+        buckets, in_bucket = self._buckets()
+        groups, in_group = self._gather_groups()
+        self._fill_placeholders(in_bucket, in_group)
         return LoweredProgram(mesh, bound.par.source.path, bound.par.model.text, parameters, buffers, inputs,
-                              self.statements, outputs, values, self.notes, self.gather_groups, buckets)
+                              self.statements, outputs, values, self.notes, groups, buckets)
 
 
 def lower(typed: TypedGraph, bucket_mb: float = DEFAULT_BUCKET_MB) -> LoweredProgram:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .layouts import collective_bytes
+from .runtime import block_major, rank_major
 
 
 class ParameterSync:
@@ -90,9 +91,7 @@ class ParameterSync:
             numel = shard.numel()
             whole = buffer[:, offset:offset + numel].reshape(n * shard.shape[0], *shard.shape[1:])
             offset += numel
-            if blocks > 1:  # rank-major [n, blocks, chunk] → block-major [blocks, n, chunk]
-                whole = whole.view(n, blocks, -1, *whole.shape[1:]).transpose(0, 1).reshape(whole.shape)
-            wholes.append(whole.movedim(0, dim))
+            wholes.append(block_major(whole, n, blocks).movedim(0, dim))
         return wholes
 
     # -- backward: gradients in buckets -------------------------------------------------------------
@@ -135,10 +134,7 @@ class ParameterSync:
         rows = []
         for m in order:
             _, dim, blocks = members[m]
-            moved = grads[m].movedim(dim, 0)
-            if blocks > 1:  # block-major [blocks, n, chunk] → rank-major [n, blocks, chunk]
-                moved = moved.reshape(blocks, n, -1, *moved.shape[1:]).transpose(0, 1)
-            rows.append(moved.reshape(n, -1))
+            rows.append(rank_major(grads[m].movedim(dim, 0), n, blocks).reshape(n, -1))
         flat = torch.cat(rows, dim=1)
         result = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
         self.rt.counter.record("backward", "reduce_scatter",

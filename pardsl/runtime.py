@@ -94,9 +94,9 @@ class Runtime:
                              f"which needs a multiple of {ways}")
 
     def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple]):
-        """The object a generated module gathers its stored-split parameters and buckets its parameters'
-        gradients with (pardsl/parameter_sync.py)."""
-        from .parameter_sync import ParameterSync
+        """What one forward of a generated module gathers its stored-split parameters and buckets its
+        parameters' gradients with (pardsl/parameter_sync.py)."""
+        from .parameter_sync import ParameterSync  # it imports this module's rank-order helpers
 
         return ParameterSync(self, module, gathers, buckets)
 
@@ -227,10 +227,7 @@ class Runtime:
         n = self.size[axis]
         if n == 1:
             return None, lambda: x
-        moved = x.movedim(dim, 0)
-        if blocks > 1:  # block-major [blocks, n, chunk] → rank-major [n, blocks, chunk]
-            moved = moved.reshape(blocks, n, -1, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
-        moved = moved.contiguous()
+        moved = rank_major(x.movedim(dim, 0), n, blocks).contiguous()
         out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", _nbytes(x), n), axis)
         work = dist.reduce_scatter_tensor(out, moved, group=self.groups[axis], async_op=True)
@@ -244,21 +241,13 @@ class Runtime:
         out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(x), n), axis)
         dist.all_gather_single(out, moved, group=self.groups[axis])
-        if blocks > 1:  # rank-major [n, blocks, chunk] → block-major [blocks, n, chunk]
-            out = out.view(n, blocks, -1, *out.shape[1:]).transpose(0, 1).reshape(out.shape)
-        return out.movedim(0, dim)
+        return block_major(out, n, blocks).movedim(0, dim)
 
     def _reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:
-        n = self.size[axis]
-        if n == 1:
-            return x
-        moved = x.movedim(dim, 0).contiguous()
-        if blocks > 1:  # block-major [blocks, n, chunk] → rank-major [n, blocks, chunk], then scatter by rank
-            moved = moved.view(blocks, n, -1, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape).contiguous()
-        out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", _nbytes(x), n), axis)
-        dist.reduce_scatter_single(out, moved, group=self.groups[axis])
-        return out.movedim(0, dim)
+        work, result = self._reduce_scatter_started(x, axis, dim, phase, blocks)
+        if work is not None:
+            work.wait()
+        return result()
 
     def _all_to_all(self, x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, phase: str) -> torch.Tensor:
         n = self.size[axis]
@@ -308,6 +297,21 @@ class Runtime:
 
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
+
+
+def rank_major(moved: torch.Tensor, n: int, blocks: int) -> torch.Tensor:
+    """A dim (moved first) split over n ranks in `blocks` blocks, reordered so each rank's chunks of every
+    block are adjacent: block-major [blocks, n, chunk] → rank-major [n, blocks, chunk]."""
+    if blocks == 1:
+        return moved
+    return moved.reshape(blocks, n, -1, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
+
+
+def block_major(gathered: torch.Tensor, n: int, blocks: int) -> torch.Tensor:
+    """The inverse of `rank_major`: what an all-gather returns, rank by rank, back in block order."""
+    if blocks == 1:
+        return gathered
+    return gathered.reshape(n, blocks, -1, *gathered.shape[1:]).transpose(0, 1).reshape(gathered.shape)
 
 
 class _AllReduce(torch.autograd.Function):

@@ -31,7 +31,7 @@ def test_data_parallel_gradients_are_all_reduced_in_buckets_in_the_order_backwar
     assert "fc2_weight__f = sync.grad_all_reduce(self.fc2_weight, bucket=0, member=1)" in compiled.source
 
 
-def test_one_bucket_when_the_gradients_fit_in_it(compile_par):
+def test_bucket_size_sets_how_gradients_are_grouped():
     from pardsl.compiler import compile_text
 
     text = open("examples/mlp_dp.par").read()
