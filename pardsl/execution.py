@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import signal
 import statistics
 import sys
@@ -268,7 +269,9 @@ def combine(results: list[dict], job: RankJob) -> dict:
 # torch's elastic launcher
 
 
-def _elastic_entry(job: RankJob) -> dict:
+def _elastic_entry(job_path: str) -> dict:
+    with open(job_path, "rb") as file:
+        job = pickle.load(file)
     if job.stdout_to_stderr:
         sys.stdout = sys.stderr
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
@@ -327,9 +330,13 @@ def describe_failure(error: BaseException) -> str:
     return "\n".join(lines)
 
 
+_LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 def launch(job: RankJob, stall_s: float = 60.0) -> dict:
     """Run `job` on mesh.size local processes with torch.distributed's elastic launcher. A rank that fails
     or stops making progress for `stall_s` seconds ends the run with RunFailed, naming it."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
@@ -338,18 +345,36 @@ def launch(job: RankJob, stall_s: float = 60.0) -> dict:
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=job.mesh.size, run_id=f"pardsl-{os.getpid()}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn",
+        start_method="spawn", signals_to_handle=",".join(number.name for number in _LAUNCHER_SIGNALS),
     )
     with tempfile.TemporaryDirectory(prefix="pardsl-progress-") as folder:
         job = dataclasses.replace(job, progress_dir=folder)
+        # The ranks read the job from a file: a job larger than a pipe's buffer would keep the launcher
+        # writing it while a rank imports torch, and a Ctrl-C then would leave that rank a truncated pickle.
+        job_path = os.path.join(folder, "job.pickle")
+        with open(job_path, "wb") as file:
+            pickle.dump(job, file)
         stop, verdict = threading.Event(), []
         watchdog = threading.Thread(target=_watch, args=(folder, job.mesh.size, stall_s, stop, verdict), daemon=True)
         watchdog.start()
+        # The launcher turns the signals it handles into its own exception, forwards that signal to the
+        # ranks and leaves its handlers installed. Ctrl-C must stay a KeyboardInterrupt for the caller, and
+        # the ranks must end by SIGTERM, quietly, even one still importing torch: SIGINT is left to Python.
+        handlers = {number: signal.getsignal(number) for number in _LAUNCHER_SIGNALS}
+        handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # the launcher sets it from the config
         try:
-            results = elastic_launch(config, _elastic_entry)(job)
+            results = elastic_launch(config, _elastic_entry)(job_path)
+        except SignalException as error:  # the launcher has already ended the ranks
+            raise RunFailed(f"the launcher received {error.sigval.name} and ended the ranks") from None
         except Exception as error:
             raise RunFailed(verdict[0] if verdict else describe_failure(error)) from None
         finally:
+            if handled is None:
+                os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+            else:
+                os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled
+            for number, handler in handlers.items():
+                signal.signal(number, handler)
             stop.set()
             watchdog.join()
     return combine([results[rank] for rank in sorted(results)], job)

@@ -78,7 +78,7 @@ class ParameterSync:
         flat = torch.cat([self._parameter(attr).detach().movedim(dim, 0).reshape(-1) for attr, dim, _ in members])
         buffer = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
         self.rt.counter.record("forward", "all_gather", collective_bytes("all_gather", _nbytes(flat), n), axis)
-        work = dist.all_gather_into_tensor(buffer, flat, group=self.rt.groups[axis], async_op=True)
+        work = dist.all_gather_single(buffer, flat, group=self.rt.groups[axis], async_op=True)
         return work, buffer.view(n, flat.numel())
 
     def _unpack(self, group: int, buffer: torch.Tensor) -> list[torch.Tensor]:
@@ -139,7 +139,7 @@ class ParameterSync:
         result = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
         self.rt.counter.record("backward", "reduce_scatter",
                                collective_bytes("reduce_scatter", _nbytes(flat), n), axis)
-        work = dist.reduce_scatter_tensor(result, flat.reshape(-1), group=self.rt.groups[axis], async_op=True)
+        work = dist.reduce_scatter_single(result, flat.reshape(-1), group=self.rt.groups[axis], async_op=True)
         self._launched.append((bucket, work, result, [(m, grads[m].shape) for m in order]))
 
     def _finish(self) -> None:

@@ -230,7 +230,7 @@ class Runtime:
         moved = rank_major(x.movedim(dim, 0), n, blocks).contiguous()
         out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", _nbytes(x), n), axis)
-        work = dist.reduce_scatter_tensor(out, moved, group=self.groups[axis], async_op=True)
+        work = dist.reduce_scatter_single(out, moved, group=self.groups[axis], async_op=True)
         return work, lambda: out.movedim(0, dim)
 
     def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:

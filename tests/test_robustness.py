@@ -110,10 +110,21 @@ def test_a_timeout_that_is_not_a_positive_finite_number_is_a_usage_error(capsys,
     assert "--timeout" in capsys.readouterr().err
 
 
-def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process():
+def _children(pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+
+
+@pytest.mark.parametrize("when", ["compiling", "ranks-starting", "ranks-running"])
+def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process(when):
     process = subprocess.Popen([sys.executable, "-m", "pardsl.cli", "run", "examples/hf_llama8_tp2.par", "--nproc", "2",
                                 "--steps", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(10)  # compiling, or the ranks running
+    if when == "compiling":
+        time.sleep(2)
+    else:  # the launcher's first children appear when the ranks are being spawned, still importing torch
+        deadline = time.monotonic() + 120
+        while len(_children(process.pid)) < 2 and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0 if when == "ranks-starting" else 8)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=60)
     assert process.returncode == 130
