@@ -70,6 +70,24 @@ class HFBert(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).pooler_output
 
 
+class HFT5(torch.nn.Module):
+    """T5: an encoder and a decoder with cross-attention, relative position biases (an embedding of
+    buckets × heads, computed with `min` and in-place adds), RMS-style layer norm, a tied LM head."""
+
+    def __init__(self, layers: int = 2, hidden: int = 64, heads: int = 8, head_dim: int = 8, ffn: int = 128,
+                 vocab: int = 256):
+        super().__init__()
+        config = transformers.T5Config(vocab_size=vocab, d_model=hidden, d_kv=head_dim, d_ff=ffn, num_layers=layers,
+                                       num_decoder_layers=layers, num_heads=heads, dropout_rate=0.0,
+                                       decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+        self.model = transformers.T5ForConditionalGeneration(config)
+
+    def forward(self, input_ids, decoder_input_ids, labels=None):
+        result = self.model(input_ids=input_ids, decoder_input_ids=decoder_input_ids, labels=labels,
+                            use_cache=False)
+        return result.logits if labels is None else result.loss
+
+
 class HFCausalLM(torch.nn.Module):
     """Any of transformers' decoder-only families (Mistral, Qwen2, Qwen3, Gemma, Olmo, StableLm, Phi,
     GPTNeoX, ...) built from its config class with a small shape, through AutoModelForCausalLM."""

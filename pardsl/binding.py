@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from .diagnostics import MAX_PER_CODE, DiagnosticSink, Span
 from .layouts import B, Layout, Mesh, Placement
+from .in_place import functionalize_in_place
 from .oprules import concrete_size, op_name
 from .syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
 
@@ -598,6 +599,11 @@ def bind(par: ParFile) -> BoundPlan:
         sink.raise_if_any()
 
     seconds["export"] = time.perf_counter() - clock
+    for node in functionalize_in_place(exported.graph_module):
+        where = (list((node.meta.get("nn_module_stack") or {}).values())[-1:] or [("the model's own forward()",)])[0][0]
+        sink.error("E062", f"in-place `{op_name(node)}` writes into a view, or into a tensor a view of which is read",
+                   par.model.span, f"used in {where}",
+                   "the write would change the other tensor too: write the op out of place (`x = x + y`)")
     clock = time.perf_counter()
     graph_signature = exported.graph_signature
     parameters = dict(graph_signature.inputs_to_parameters)

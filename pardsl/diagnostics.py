@@ -51,6 +51,7 @@ ERROR_CODES: dict[str, str] = {
     "E057": "blocks must be at least 1",
     "E060": "operation not supported",
     "E061": "operation whose result shape depends on the data",
+    "E062": "in-place operation on a view",
 }
 
 

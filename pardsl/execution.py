@@ -150,6 +150,7 @@ def run_rank(job: RankJob) -> dict:
     local_inputs = compiled.shard_inputs(*full_inputs)
     input_names = [decl.name for decl in job.inputs]
     serial_params = dict(serial.named_parameters(remove_duplicate=False))  # tied weights under every name
+    serial_buffers = dict(serial.named_buffers(remove_duplicate=False))
     compiled_params = {name: getattr(compiled, attr) for name, (attr, _, _) in module.PARAMETERS.items()}
     layouts = {name: layout for name, (_, layout, _) in module.PARAMETERS.items()}
     serial_opt = OPTIMIZERS[job.optimizer](serial.parameters(), lr=job.lr)
@@ -213,6 +214,11 @@ def run_rank(job: RankJob) -> dict:
                 note("output", path, rt.unshard(out, layout), expected)
             else:
                 note("output", path, out, rt.shard(expected.detach(), layout))
+        # buffers a forward updates (batch norm's running statistics) are part of the step's result
+        for name, (attr, layout, _) in module.BUFFERS.items():
+            expected = serial_buffers.get(name)
+            if expected is not None:
+                note("output", name, getattr(compiled, attr), rt.shard(expected, layout))
         for name, param in compiled_params.items():
             expected = serial_params[name].grad
             if expected is None and param.grad is None:

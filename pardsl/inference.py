@@ -245,7 +245,11 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 for inner in signature.inner_all_reduces:  # a parallel form's own collectives
                     first, placement = bound.tensors[names[0]], signature.operands[0]
                     local = layout_with(names[0], placement).local_shape(first.shape, mesh)
-                    forward += collective_bytes("all_reduce", inner.values(local, placement) * first.itemsize, n)
+                    cost = collective_bytes("all_reduce", inner.nbytes(local, placement, first.itemsize), n)
+                    if inner.phase == "forward":
+                        forward += cost
+                    else:
+                        backward += cost
                     changes += 1
                 # Splitting the result of an op whose operands are all B only saves local work; any
                 # consumer can slice a B value for nothing, but a split made here may need a gather later

@@ -25,7 +25,7 @@ import torch
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
 from .layouts import COLLECTIVE_KINDS, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
-from .oprules import RULES, Signature
+from .oprules import Signature, rule_named
 
 
 @dataclass(frozen=True)
@@ -624,7 +624,7 @@ class _Lowerer:
             return
         typed_node = self.typed.nodes[name]
         fx_node = self._fx[name]
-        rule = RULES[typed_node.op]
+        rule = rule_named(typed_node.op)
         where = self.bound.module_paths.get(name)
         reason = f"{typed_node.op.removeprefix('aten.')} {name}" + (f" in {where}" if where else "")
         operand_vars = [
@@ -703,9 +703,9 @@ class _Lowerer:
         for axis, signature in forms.items():
             placement = typed_node.operand_layouts[0].placements[axis]
             for inner in signature.inner_all_reduces:
-                nbytes = inner.values(local, placement) * info.itemsize
+                nbytes = inner.nbytes(local, placement, info.itemsize)
                 collectives.append(Collective(
-                    "all_reduce", self.mesh.axis_names[axis], "forward",
+                    "all_reduce", self.mesh.axis_names[axis], inner.phase,
                     collective_bytes("all_reduce", nbytes, self.mesh.axis_sizes[axis]), self.var[operand],
                     f"{inner.what}, {signature.name} split — {reason}"))
         return tuple(collectives)

@@ -58,6 +58,9 @@ class Rule:
     fill_arg: int | None = None  # pad's fill value: P passes a zero fill only
     joins: bool = False  # cat: m equal operands split along the dim join into S(dim, blocks=m)
     parallel_form: str = ""  # runtime function computing the op where it takes one of its extra signatures
+    spatial: int = 0  # conv / window ops: how many trailing spatial dims (conv2d's 2); 0: from the weight
+    groups_arg: int | None = None  # conv: the `groups` argument (grouped channels are not split)
+    training_arg: int | None = None  # batch_norm: the `training` argument
 
 
 def _elementwise(linear: str = "none", **kw) -> Rule:
@@ -148,8 +151,11 @@ RULES: dict[str, Rule] = {
     "aten.logical_and.default": _elementwise(),
     "aten.logical_or.default": _elementwise(),
     "aten.bitwise_not.default": _elementwise(),
-    **{f"aten.{op}.Tensor": _elementwise() for op in ("__and__", "__or__", "bitwise_and", "bitwise_or",
-                                                       "maximum", "minimum")},
+    **{f"aten.{op}.Tensor": _elementwise() for op in ("__and__", "__or__", "bitwise_and", "bitwise_or")},
+    "aten.maximum.default": _elementwise(),
+    "aten.minimum.default": _elementwise(),
+    "aten.max.other": _elementwise(),
+    "aten.min.other": _elementwise(),
     "aten.clamp.default": _elementwise(),
     "aten.clamp_min.default": _elementwise(),
     "aten.tril.default": _elementwise(whole_dims=(-2, -1)),
@@ -170,6 +176,31 @@ RULES: dict[str, Rule] = {
     "aten.layer_norm.default": Rule("normalize", dim_arg=1),
     # running sums along a dim that stays whole
     "aten.cumsum.default": Rule("normalize", linear="sum", dim_arg=1),
+    # convolutions: an einsum over channels with windows over the spatial dims, which stay whole (a split
+    # would need a halo exchange). Batch split: data parallel; output channels: column parallel; input
+    # channels: row parallel, partial sums with the bias added once. Grouped channels are not split.
+    **{f"aten.conv{k}d.default": Rule("conv", linear="product", addends=(2,), spatial=k, groups_arg=6)
+       for k in (1, 2, 3)},
+    "aten.convolution.default": Rule("conv", linear="product", addends=(2,), groups_arg=8,
+                                     requires=((6, "transposed", False),)),
+    # pooling and resizing: windows over the trailing spatial dims (whole); batch and channels split.
+    # Averages and interpolations are linear, so partial sums pass through them.
+    **{f"aten.max_pool{k}d.default": Rule("window", spatial=k) for k in (1, 2, 3)},
+    **{f"aten.avg_pool{k}d.default": Rule("window", linear="sum", spatial=k) for k in (1, 2, 3)},
+    **{f"aten.adaptive_avg_pool{k}d.default": Rule("window", linear="sum", spatial=k) for k in (1, 2, 3)},
+    "aten.upsample_nearest1d.vec": Rule("window", linear="sum", spatial=1),
+    "aten.upsample_nearest2d.vec": Rule("window", linear="sum", spatial=2),
+    "aten.upsample_nearest3d.vec": Rule("window", linear="sum", spatial=3),
+    "aten.upsample_linear1d.vec": Rule("window", linear="sum", spatial=1),
+    "aten.upsample_bilinear2d.vec": Rule("window", linear="sum", spatial=2),
+    "aten.upsample_bicubic2d.vec": Rule("window", linear="sum", spatial=2),
+    "aten.upsample_trilinear3d.vec": Rule("window", linear="sum", spatial=3),
+    # batch norm: per-channel statistics, so channels split freely. In training the statistics are over
+    # the batch and spatial dims: a split batch computes the global ones (SyncBatchNorm's form: one
+    # all-reduce of per-channel sums forward, one backward); in eval the running statistics are used.
+    "aten.batch_norm.default": Rule("batch_norm", training_arg=5, parallel_form="batch_norm"),
+    # group norm: statistics per sample over a group of channels and the spatial dims: batch split only
+    "aten.group_norm.default": Rule("group_norm"),
     # views
     "aten.view.default": Rule("reshape", linear="sum", shape_arg=1),
     "aten.reshape.default": Rule("reshape", linear="sum", shape_arg=1),
@@ -218,13 +249,20 @@ class InnerAllReduce:
 
     per_row: int  # values per row of operand 0: per index of its dims other than the split one
     fixed: int = 0  # and values besides
+    per_index: tuple[int, int] = (0, 0)  # (dim, n): and n values per index of operand 0's local dim (channels)
     what: str = ""
+    phase: str = "forward"  # or backward: the form's autograd function reduces in its backward
+    itemsize: int | None = None  # bytes per value when not operand 0's (statistics reduced in float64)
 
     def values(self, local_shape: tuple[int, ...], placement: Placement) -> int:
         """How many values it reduces, for operand 0 of this local shape and placement on the axis."""
         elements = math.prod(local_shape)
         rows = elements // local_shape[placement.dim] if placement.is_split else elements
-        return self.per_row * rows + self.fixed
+        dim, per_index = self.per_index
+        return self.per_row * rows + per_index * local_shape[dim] + self.fixed
+
+    def nbytes(self, local_shape: tuple[int, ...], placement: Placement, operand_itemsize: int) -> int:
+        return self.values(local_shape, placement) * (self.itemsize or operand_itemsize)
 
 
 @dataclass(frozen=True)
@@ -254,9 +292,29 @@ def tensor_operands(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def op_name(node: torch.fx.Node) -> str:
+    """`namespace.op.overload` for an operator (aten.add.Tensor, transformers.grouped_mm.default), the
+    module and name of any other callable."""
     if hasattr(node.target, "_schema"):
-        return f"aten.{node.target._schema.name.split('::')[-1]}.{node.target._overloadname}"
+        return f"{node.target._schema.name.replace('::', '.')}.{node.target._overloadname}"
     return f"{getattr(node.target, '__module__', '')}.{getattr(node.target, '__name__', node.target)}"
+
+
+def out_of_place_name(op: str) -> str | None:
+    """aten.add_.Tensor → aten.add.Tensor: the functional op of an in-place one (None if not in-place)."""
+    namespace, _, rest = op.partition(".")
+    base, _, overload = rest.partition(".")
+    if not base.endswith("_") or base.startswith("__") or not overload:
+        return None
+    return f"{namespace}.{base[:-1]}.{overload}"
+
+
+def rule_named(op: str) -> Rule | None:
+    """An op's rule; an in-place op (what binding leaves of them: updates of buffers) has its functional
+    op's rule, and computes in place on the local value."""
+    rule = RULES.get(op)
+    if rule is None and out_of_place_name(op) is not None:
+        rule = RULES.get(out_of_place_name(op))
+    return rule
 
 
 def unmet_requirement(node: torch.fx.Node, rule: Rule) -> str | None:
@@ -269,7 +327,7 @@ def unmet_requirement(node: torch.fx.Node, rule: Rule) -> str | None:
 
 
 def rule_for(node: torch.fx.Node) -> Rule | None:
-    return RULES.get(op_name(node))
+    return rule_named(op_name(node))
 
 
 def _shape(node: torch.fx.Node) -> tuple[int, ...]:
@@ -488,6 +546,38 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
             operand_letters.append(mask)
         output = batch + ("H", "S", "E")
         unsplittable |= {"S", "T", "D", "E"}
+    elif rule.family == "conv":
+        # x [n, c, *in], weight [o, c/groups, *kernel], bias [o] → [n, o, *out]; x may lack the batch dim
+        k = len(shapes[1]) - 2
+        batch = ("n",) if len(shapes[0]) == k + 2 else ()
+        grouped = call_arg(node, rule.groups_arg, "groups", 1) != 1
+        inner = "g" if grouped else "c"
+        spatial_in, kernel, spatial_out = tuple("pqr"[:k]), tuple("uvw"[:k]), tuple("xyz"[:k])
+        operand_letters = [batch + ("c",) + spatial_in, ("o", inner) + kernel, ("o",)][: len(shapes)]
+        output = batch + ("o",) + spatial_out
+        unsplittable |= set(spatial_in + kernel + spatial_out) | ({"c", "g", "o"} if grouped else set())
+    elif rule.family == "window":
+        rank = len(shapes[0])
+        leading = tuple(fresh[: rank - rule.spatial])
+        spatial_in, spatial_out = tuple("pqr"[: rule.spatial]), tuple("xyz"[: rule.spatial])
+        operand_letters, output = [leading + spatial_in], leading + spatial_out
+        unsplittable |= set(spatial_in + spatial_out)
+    elif rule.family in ("batch_norm", "group_norm"):
+        # x [n, c, *spatial]; weight, bias (and batch norm's running mean and variance) [c]
+        rank = len(shapes[0])
+        x_letters = ("n", "c") + tuple("pqr"[: rank - 2])
+        operand_letters, output = [x_letters] + [("c",)] * (len(shapes) - 1), x_letters
+        if rule.family == "group_norm":
+            unsplittable |= set(x_letters) - {"n"}
+        elif call_arg(node, rule.training_arg, "training", False):
+            unsplittable |= set(x_letters) - {"c"}
+            # per channel (the rank's own, where another axis splits them): the sum and the centered sum of
+            # squares, and the count, in float64; backward: the sums of the gradient and of it times x̂
+            extra = (Signature((S(0),) + (B,) * (len(shapes) - 1), S(0), "n", name="batch", inner_all_reduces=(
+                InnerAllReduce(0, 1, (1, 2), "batch statistics per channel", itemsize=8),
+                InnerAllReduce(0, 0, (1, 2), "gradient sums per channel", phase="backward"))),)
+        else:  # eval: running statistics, nothing to reduce
+            unsplittable |= set(x_letters) - {"c", "n"}
     elif rule.family == "elementwise":
         operand_letters = _broadcast_letters(shapes, out_shape, fresh)
         output = tuple(fresh[: len(out_shape)])

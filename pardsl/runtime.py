@@ -196,6 +196,18 @@ class Runtime:
             losses = losses - label_smoothing * stacked[2] / (classes * math.prod(self.size[a] for a in axes))
         return losses.masked_fill(target == ignore_index, 0.0)
 
+    def batch_norm(self, x: torch.Tensor, weight, bias, running_mean, running_var, training: bool, momentum: float,
+                   eps: float, cudnn_enabled: bool = True, *, batch: tuple[str, ...] = ()) -> torch.Tensor:
+        """aten.batch_norm of x whose batch (dim 0) is split over `batch`, in training: the statistics are
+        those of the whole batch, as SyncBatchNorm computes them. Forward: one all-reduce per axis of each
+        channel's sum and centered sum of squares and the count (float64: the variance is their
+        difference); backward: one of the sums of the gradient and of the gradient times x̂. The running
+        statistics are updated with the global ones, as serial updates its own."""
+        if not (batch and training):
+            return torch.ops.aten.batch_norm.default(x, weight, bias, running_mean, running_var, training,
+                                                     momentum, eps, cudnn_enabled)
+        return _SyncBatchNorm.apply(x, weight, bias, running_mean, running_var, momentum, eps, self, batch)
+
     def _chunk(self, axes: tuple[str, ...]) -> int:
         """This rank's chunk index of a dim split over `axes`, outermost first."""
         chunk = 0
@@ -457,3 +469,56 @@ class _ColumnParallelLinears(torch.autograd.Function):
             if grad_x is not None:
                 grad_x = rt._all_reduce(grad_x, axis, "backward")
         return (grad_x, None, None, None, *parameter_grads)
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    """Batch norm over a batch split across ranks (Runtime.batch_norm). The weight's and bias's gradients
+    are this rank's share (the plan all-reduces them, as every B parameter read by split data)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, rt, axes):
+        reduced = [0, *range(2, x.dim())]
+        per_channel = (1, -1) + (1,) * (x.dim() - 2)
+        count = x.numel() // x.shape[1]
+        local_mean = x.mean(reduced)
+        centered = (x - local_mean.view(per_channel)).square().sum(reduced)
+        local_mean = local_mean.double()
+        stats = torch.cat([local_mean * count, centered.double() + count * local_mean.square(),
+                           local_mean.new_full((1,), count)])
+        for axis in axes:
+            stats = rt._all_reduce(stats, axis, "forward")
+        channels, total = x.shape[1], stats[-1]
+        mean = stats[:channels] / total
+        variance = (stats[channels:2 * channels] / total - mean.square()).clamp_min(0.0)
+        invstd = (variance + eps).rsqrt().to(x.dtype)
+        xhat = (x - mean.to(x.dtype).view(per_channel)) * invstd.view(per_channel)
+        y = xhat if weight is None else xhat * weight.view(per_channel)
+        if bias is not None:
+            y = y + bias.view(per_channel)
+        with torch.no_grad():
+            if running_mean is not None:
+                running_mean.mul_(1.0 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            if running_var is not None:
+                unbiased = variance * (total / (total - 1).clamp_min(1.0))
+                running_var.mul_(1.0 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        ctx.save_for_backward(xhat, weight, invstd)
+        ctx.rt, ctx.axes, ctx.total, ctx.reduced, ctx.per_channel = rt, axes, total.item(), reduced, per_channel
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        xhat, weight, invstd = ctx.saved_tensors
+        grad_bias = grad.sum(ctx.reduced)
+        grad_weight = (grad * xhat).sum(ctx.reduced)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            sums = torch.cat([grad_bias, grad_weight])
+            for axis in ctx.axes:
+                sums = ctx.rt._all_reduce(sums, axis, "backward")
+            channels = grad_bias.shape[0]
+            mean_grad = (sums[:channels] / ctx.total).view(ctx.per_channel)
+            mean_grad_xhat = (sums[channels:] / ctx.total).view(ctx.per_channel)
+            scale = invstd if weight is None else invstd * weight
+            grad_x = (grad - mean_grad - xhat * mean_grad_xhat) * scale.view(ctx.per_channel)
+        return (grad_x, grad_weight if weight is not None else None, grad_bias if ctx.needs_input_grad[2] else None,
+                None, None, None, None, None, None)

@@ -23,6 +23,17 @@ def check(pools, compiled, steps=2):
     return report
 
 
+def check_example(pools, example: str, expected: dict, by_axis: bool = False) -> dict:
+    """examples/<example>.par plans exactly `expected` (per phase: kind, or axis:kind, → count), runs
+    equal to serial and measures what it planned."""
+    compiled = compile_file(f"examples/{example}.par")
+    planned = compiled.program.collective_counts_by_axis() if by_axis else compiled.program.collective_counts()
+    assert _nonzero(planned) == expected
+    report = check(pools, compiled)
+    assert _nonzero(report["collectives_by_axis" if by_axis else "collectives"]) == expected
+    return report
+
+
 def test_megatron_mlp_on_2_ranks(pools):
     report = check(pools, compile_file("examples/mlp.par"), steps=3)
     assert _nonzero(report["collectives"]) == {"forward": {"all_reduce": 1}, "backward": {}}

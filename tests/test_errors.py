@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pardsl.diagnostics import ERROR_CODES, CompileError
 
@@ -156,3 +157,25 @@ def test_run_with_the_wrong_world_size_is_E012(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "examples/mlp.par:2:1: error[E012]: the mesh (tp = 2) has 2 ranks but --nproc is 3" in result.stderr
+
+
+@torch.library.custom_op("pardsl_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return x.new_empty(x.shape)
+
+
+class NotATen(torch.nn.Module):
+    def forward(self, x):
+        return _twice(x)
+
+
+def test_an_op_outside_aten_is_named_by_its_namespace(compile_par):
+    with pytest.raises(CompileError) as caught:
+        compile_par("mesh tp = 2\nmodel tests.test_errors:NotATen()\ninput x : float32[4, 8]\n")
+    [error] = caught.value.diagnostics
+    assert error.code == "E060" and "`pardsl_test.twice.default`" in error.message

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from pardsl.compiler import compile_file
 
-from .test_distributed import check
+from .test_distributed import check, check_example
 
 # layers = 2: 2 all-reduces forward and 2 backward per layer, plus the vocabulary-parallel embedding's
 # forward all-reduce and the column-parallel head input's backward all-reduce where the plan has them.
@@ -28,10 +28,7 @@ def _nonzero(counts):
 
 @pytest.mark.parametrize("example", sorted(EXPECTED))
 def test_megatron_plan_counts_and_equivalence(pools, example):
-    compiled = compile_file(f"examples/{example}.par")
-    assert _nonzero(compiled.program.collective_counts()) == EXPECTED[example]
-    report = check(pools, compiled)
-    assert _nonzero(report["collectives"]) == EXPECTED[example]
+    check_example(pools, example, EXPECTED[example])
 
 
 def test_llama_rotary_tables_under_no_grad_are_inlined_and_detached():

@@ -1,7 +1,9 @@
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from pardsl.oprules import RULES, dim_spec, op_name, rule_for, signatures
+from pardsl.layouts import S
+from pardsl.oprules import RULES, dim_spec, op_name, out_of_place_name, rule_for, rule_named, signatures
 
 
 def _nodes(module, *inputs):
@@ -85,7 +87,8 @@ def test_rules_are_data():
     # Every rule is a row of one table; families are few.
     assert {r.family for r in RULES.values()} == {"einsum", "matmul", "elementwise", "reduce", "normalize",
                                                   "reshape", "permute", "attention", "source", "cut", "project",
-                                                  "expand", "check", "select", "loss", "index", "gather", "pad"}
+                                                  "expand", "check", "select", "loss", "index", "gather", "pad",
+                                                  "conv", "window", "batch_norm", "group_norm"}
     assert RULES["aten.linear.default"].spec == "...k,nk,n->...n"
 
 
@@ -132,3 +135,68 @@ def test_cat_of_equal_split_parts_is_a_blocked_split_and_blocks_contract():
     spec = dim_spec(nodes["matmul"], rule_for(nodes["matmul"]))
     blocked = {(tuple(str(p) for p in s.operands), str(s.output)) for s in signatures(spec, {"k": {2}})}
     assert (("S(1, blocks=2)", "S(0, blocks=2)"), "P") in blocked
+
+
+class _Vision(nn.Module):
+    """One of each op the vision rules cover, in training mode (batch norm over the batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv1d(4, 6, 3)
+        self.conv = nn.Conv2d(4, 6, 3, padding=1)
+        self.grouped = nn.Conv2d(6, 6, 3, padding=1, groups=2)
+        self.bn = nn.BatchNorm2d(6)
+        self.gn = nn.GroupNorm(2, 6)
+
+    def forward(self, x, s):
+        y = self.gn(self.bn(self.grouped(self.conv(x))))
+        y = F.max_pool2d(y, 2) + F.avg_pool2d(y, 2) + F.adaptive_avg_pool2d(y, (4, 4))
+        z = self.conv1(s)
+        return F.interpolate(y, scale_factor=2.0), torch.maximum(z, z.min(torch.zeros_like(z)))
+
+
+# One golden line per op: its legal one-axis signatures beyond all-B (operands -> output).
+VISION_GOLDEN = """\
+aten.conv2d.default: S(0),B,B->S(0) | B,S(0),S(0)->S(1) | S(1),S(1),P->P | P,B,P->P | B,P,P->P
+aten.conv2d.default: S(0),B,B->S(0) | P,B,P->P | B,P,P->P
+aten.batch_norm.default: S(1),S(0),S(0),S(0),S(0)->S(1) | S(0),B,B,B,B->S(0)
+aten.group_norm.default: S(0),B,B->S(0)
+aten.max_pool2d.default: S(0)->S(0) | S(1)->S(1)
+aten.avg_pool2d.default: S(0)->S(0) | S(1)->S(1) | P->P
+aten.adaptive_avg_pool2d.default: S(0)->S(0) | S(1)->S(1) | P->P
+aten.conv1d.default: S(0),B,B->S(0) | B,S(0),S(0)->S(1) | S(1),S(1),P->P | P,B,P->P | B,P,P->P
+aten.upsample_nearest2d.vec: S(0)->S(0) | S(1)->S(1) | P->P
+aten.min.other: S(0),S(0)->S(0) | S(1),S(1)->S(1) | S(2),S(2)->S(2)
+aten.maximum.default: S(0),S(0)->S(0) | S(1),S(1)->S(1) | S(2),S(2)->S(2)
+"""
+
+
+def test_vision_rules_golden_lines():
+    """Convolutions: batch, output channels (column), input channels (row: P, the bias added once); grouped
+    ones keep channels whole. Pools and resizes keep spatial dims whole; averages pass P. Batch norm splits
+    channels, or the batch through its synchronised form (the last signature); group norm the batch."""
+    nodes = _nodes(_Vision(), torch.randn(2, 4, 8, 8), torch.randn(2, 4, 10))
+    lines = []
+    for node in nodes.values():
+        if op_name(node) in ("aten.add.Tensor", "aten.add_.Tensor", "aten.zeros_like.default"):
+            continue
+        signature_text = " | ".join(f"{','.join(str(p) for p in s.operands)}->{s.output}"
+                                    for s in signatures(dim_spec(node, rule_for(node)))[1:])
+        lines.append(f"{op_name(node)}: {signature_text}")
+    assert "\n".join(lines) + "\n" == VISION_GOLDEN
+
+
+def test_synchronised_batch_norm_declares_its_reductions():
+    node = next(n for n in _nodes(_Vision(), torch.randn(2, 4, 8, 8), torch.randn(2, 4, 10)).values()
+                if op_name(n) == "aten.batch_norm.default")
+    [form] = dim_spec(node, rule_for(node)).extra
+    assert form.name == "batch"
+    statistics, gradients = form.inner_all_reduces
+    assert (statistics.phase, statistics.nbytes((1, 6, 8, 8), S(0), 4)) == ("forward", (2 * 6 + 1) * 8)  # float64
+    assert (gradients.phase, gradients.nbytes((1, 6, 8, 8), S(0), 4)) == ("backward", 2 * 6 * 4)
+
+
+def test_in_place_ops_take_their_functional_ops_rule():
+    assert out_of_place_name("aten.add_.Tensor") == "aten.add.Tensor"
+    assert out_of_place_name("aten.__and__.Tensor") is None and out_of_place_name("aten.add.Tensor") is None
+    assert rule_named("aten.relu_.default") is RULES["aten.relu.default"]
