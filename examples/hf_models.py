@@ -105,6 +105,30 @@ class HFCausalLM(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
+class HFMoE(torch.nn.Module):
+    """A transformers mixture-of-experts family (Mixtral, Qwen2Moe, ...) whose experts compute in pardsl's
+    static capacity form (pardsl.moe): the tokens in `groups` groups, each expert with a slot per token of
+    a group, so nothing is dropped and the layer equals the library's own."""
+
+    def __init__(self, family: str = "Mixtral", layers: int = 1, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
+                 ffn: int = 64, experts: int = 4, top_k: int = 2, vocab: int = 128, positions: int = 64,
+                 groups: int = 4):
+        super().__init__()
+        from pardsl.moe import use_static_capacity
+
+        config = getattr(transformers, f"{family}Config")(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=positions,
+            num_local_experts=experts, num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=ffn,
+            shared_expert_intermediate_size=ffn,
+            attn_implementation="sdpa")
+        self.model = transformers.AutoModelForCausalLM.from_config(use_static_capacity(config, groups))
+
+    def forward(self, input_ids, labels=None):
+        result = self.model(input_ids=input_ids, labels=labels, use_cache=False)
+        return result.logits if labels is None else result.loss
+
+
 # Hugging Face's classes as they are, for training through pardsl's API: the forward is the library's own
 # (input_ids, labels, attention_mask, ...), and the output its ModelOutput (out.loss, out.logits). The
 # key-value cache is off: a training step has none to return.

@@ -61,6 +61,7 @@ class Rule:
     spatial: int = 0  # conv / window ops: how many trailing spatial dims (conv2d's 2); 0: from the weight
     groups_arg: int | None = None  # conv: the `groups` argument (grouped channels are not split)
     training_arg: int | None = None  # batch_norm: the `training` argument
+    resized: bool = False  # along: the op's dim has another size in the output (topk's k)
 
 
 def _elementwise(linear: str = "none", **kw) -> Rule:
@@ -201,6 +202,22 @@ RULES: dict[str, Rule] = {
     "aten.batch_norm.default": Rule("batch_norm", training_arg=5, parallel_form="batch_norm"),
     # group norm: statistics per sample over a group of channels and the spatial dims: batch split only
     "aten.group_norm.default": Rule("group_norm"),
+    # routing (mixture of experts): ops along one dim, which stays whole; the other dims split alike in
+    # every operand of the same rank and size there (scatter's index and source), the rest whole
+    "aten.topk.default": Rule("along", dim_arg=2, dim_default=-1, resized=True),
+    "aten.sort.default": Rule("along", dim_arg=1, dim_default=-1),
+    "aten.sort.stable": Rule("along", dim_arg=99, dim_default=-1),
+    "aten.argsort.default": Rule("along", dim_arg=1, dim_default=-1),
+    "aten.argsort.stable": Rule("along", dim_arg=99, dim_default=-1),
+    "aten.repeat_interleave.self_int": Rule("along", linear="sum", dim_arg=2, dim_default=0, resized=True),
+    "aten.scatter.src": Rule("along", dim_arg=1),
+    "aten.scatter.value": Rule("along", dim_arg=1),
+    "aten.scatter_add.default": Rule("along", dim_arg=1),
+    "aten.index_add.default": Rule("along", dim_arg=1),
+    # a new trailing dim of classes, whole
+    "aten.one_hot.default": Rule("one_hot"),
+    # a histogram of a split tensor is the sum of the ranks' histograms (P)
+    "aten.histc.default": Rule("histogram"),
     # views
     "aten.view.default": Rule("reshape", linear="sum", shape_arg=1),
     "aten.reshape.default": Rule("reshape", linear="sum", shape_arg=1),
@@ -578,6 +595,25 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
                 InnerAllReduce(0, 0, (1, 2), "gradient sums per channel", phase="backward"))),)
         else:  # eval: running statistics, nothing to reduce
             unsplittable |= set(x_letters) - {"c", "n"}
+    elif rule.family == "along":
+        rank = len(shapes[0])
+        x_letters = tuple(fresh[: rank])
+        dim = call_arg(node, rule.dim_arg, "dim", rule.dim_default) % rank
+        spare = iter("KLMNOPQRSTUVWXYZ")
+        operand_letters = [x_letters] + [
+            tuple(x_letters[d] if d != dim and len(shape) == rank and shape[d] == shapes[0][d] else next(spare)
+                  for d in range(len(shape)))
+            for shape in shapes[1:]]
+        output = tuple("J" if d == dim and rule.resized else letter for d, letter in enumerate(x_letters))
+        unsplittable |= {x_letters[dim], "J"} | {l for letters in operand_letters for l in letters if l not in x_letters}
+    elif rule.family == "one_hot":
+        operand_letters = [tuple(fresh[: len(shapes[0])])]
+        output = operand_letters[0] + ("J",)
+        unsplittable.add("J")
+    elif rule.family == "histogram":
+        operand_letters, output = [tuple(fresh[: len(shapes[0])])], ("J",)
+        unsplittable.add("J")
+        sums_contraction = True
     elif rule.family == "elementwise":
         operand_letters = _broadcast_letters(shapes, out_shape, fresh)
         output = tuple(fresh[: len(out_shape)])

@@ -1,9 +1,14 @@
 """Beyond decoder language models: Hugging Face's ResNet (convolutions, batch norm in training, pooling,
-in-place ReLU and residual adds), ViT (a conv2d patch projection) and T5 (encoder-decoder, relative
-position biases computed with `min` and in-place adds), on 2 and 4 ranks: each communicates exactly as
-planned and equals serial — outputs, every gradient, and the batch norms' running statistics."""
+in-place ReLU and residual adds), ViT (a conv2d patch projection), T5 (encoder-decoder, relative
+position biases computed with `min` and in-place adds) and Mixtral (mixture of experts, expert parallel
+in pardsl's static capacity form), on 2 and 4 ranks: each communicates exactly as planned and equals
+serial — outputs, every gradient, and the batch norms' running statistics."""
 
 import pytest
+import torch
+import transformers
+
+from pardsl.moe import use_static_capacity
 
 from pardsl.compiler import compile_file
 
@@ -26,6 +31,12 @@ EXPECTED = {
     # is gathered back over dp in backward, one per self-attention
     "hf_t5_dp2_tp2": {"forward": {"dp:all_reduce": 2, "tp:all_reduce": 10},
                       "backward": {"dp:all_gather": 4, "dp:all_reduce": 1, "tp:all_reduce": 11}},
+    # expert parallelism: tokens to their experts' ranks and back, one all-to-all each way and direction;
+    # the replicated weights' gradients in one bucket. With tp: Megatron inside attention and every expert.
+    "hf_mixtral_ep2": {"forward": {"ep:all_to_all": 2}, "backward": {"ep:all_reduce": 1, "ep:all_to_all": 2}},
+    "hf_qwen_moe_ep2": {"forward": {"ep:all_to_all": 2}, "backward": {"ep:all_reduce": 1, "ep:all_to_all": 2}},
+    "hf_mixtral_ep2_tp2": {"forward": {"ep:all_to_all": 2, "tp:all_reduce": 2},
+                           "backward": {"ep:all_reduce": 1, "ep:all_to_all": 2, "tp:all_reduce": 3}},
 }
 
 
@@ -55,3 +66,40 @@ def test_t5_relative_attention_bias_is_split_by_heads():
     shapes = {p.name: p.local_shape for p in compiled.program.parameters}
     assert shapes["model.encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] == (32, 4)
     assert "aten.min.other(" in compiled.source
+
+
+def test_expert_parallel_all_to_alls_surround_the_experts():
+    compiled = compile_file("examples/hf_mixtral_ep2.par")
+    exchanges = [c for c in compiled.program.collectives if c.kind == "all_to_all"]
+    assert len(exchanges) == 4 and all("mlp.experts" in c.reason for c in exchanges)
+    shapes = {p.name: p.local_shape for p in compiled.program.parameters}
+    assert shapes["model.model.layers.0.mlp.experts.gate_up_proj"] == (2, 128, 32)  # 2 of 4 experts
+
+
+def _mixtral(implementation: str) -> transformers.MixtralForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, experts_implementation=implementation)
+    return transformers.MixtralForCausalLM(config)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_static_capacity_form_equals_the_librarys_experts(groups):
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    reference, capacity = _mixtral("eager"), _mixtral("eager")
+    use_static_capacity(capacity.config, groups=groups)
+    assert capacity.model.layers[0].mlp.experts.config._experts_implementation == "pardsl_capacity"
+    expected, got = reference(input_ids=ids).logits, capacity(input_ids=ids).logits
+    torch.testing.assert_close(got, expected)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    for (name, want), have in zip(reference.named_parameters(), capacity.parameters()):
+        torch.testing.assert_close(have.grad, want.grad, msg=name)
+
+
+def test_a_capacity_factor_drops_the_pairs_past_capacity():
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    full, dropping = _mixtral("eager"), _mixtral("eager")
+    use_static_capacity(dropping.config, groups=4, capacity_factor=0.5)  # 1 slot per expert and group of 8
+    assert not torch.allclose(dropping(input_ids=ids).logits, full(input_ids=ids).logits)

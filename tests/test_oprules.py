@@ -88,7 +88,8 @@ def test_rules_are_data():
     assert {r.family for r in RULES.values()} == {"einsum", "matmul", "elementwise", "reduce", "normalize",
                                                   "reshape", "permute", "attention", "source", "cut", "project",
                                                   "expand", "check", "select", "loss", "index", "gather", "pad",
-                                                  "conv", "window", "batch_norm", "group_norm"}
+                                                  "conv", "window", "batch_norm", "group_norm", "along", "one_hot",
+                                                  "histogram"}
     assert RULES["aten.linear.default"].spec == "...k,nk,n->...n"
 
 
@@ -200,3 +201,43 @@ def test_in_place_ops_take_their_functional_ops_rule():
     assert out_of_place_name("aten.add_.Tensor") == "aten.add.Tensor"
     assert out_of_place_name("aten.__and__.Tensor") is None and out_of_place_name("aten.add.Tensor") is None
     assert rule_named("aten.relu_.default") is RULES["aten.relu.default"]
+
+
+class _Routing(nn.Module):
+    """The routing ops of a mixture of experts, on [tokens, experts] scores."""
+
+    def forward(self, scores, index):
+        values, chosen = torch.topk(scores, 2, dim=-1)
+        order = torch.sort(scores, dim=-1).values + torch.argsort(scores, dim=-1)
+        mask = F.one_hot(chosen, 4)
+        placed = torch.zeros_like(scores).scatter(1, index, values).scatter_add(1, index, values)
+        added = torch.zeros(8, 4).index_add(0, torch.arange(4), scores[:4])
+        return values.repeat_interleave(2, dim=0), order, mask, placed, added, torch.histc(scores, bins=5)
+
+
+ROUTING_GOLDEN = """\
+aten.topk.default: S(0)->S(0)
+aten.sort.default: S(0)->S(0)
+aten.argsort.default: S(0)->S(0)
+aten.one_hot.default: S(0)->S(0) | S(1)->S(1)
+aten.scatter.src: S(0),S(0),S(0)->S(0)
+aten.scatter_add.default: S(0),S(0),S(0)->S(0)
+aten.index_add.default: S(1),B,S(1)->S(1)
+aten.repeat_interleave.self_int: S(1)->S(1) | P->P
+aten.histc.default: S(0)->P | S(1)->P
+"""
+
+
+def test_routing_rules_golden_lines():
+    """topk, sort, scatter, index_add, repeat_interleave keep their dim whole and split the others alike
+    where operands have them; one_hot adds a whole dim; a histogram of split values is a partial sum."""
+    nodes = _nodes(_Routing(), torch.randn(8, 4), torch.randint(0, 4, (8, 2)))
+    lines = []
+    for node in nodes.values():
+        if op_name(node).split(".")[1] not in ("topk", "sort", "argsort", "one_hot", "scatter", "scatter_add",
+                                               "index_add", "repeat_interleave", "histc"):
+            continue
+        signature_text = " | ".join(f"{','.join(str(p) for p in s.operands)}->{s.output}"
+                                    for s in signatures(dim_spec(node, rule_for(node)))[1:])
+        lines.append(f"{op_name(node)}: {signature_text}")
+    assert "\n".join(lines) + "\n" == ROUTING_GOLDEN
