@@ -563,6 +563,11 @@ def _check_mesh(par: ParFile, sink: DiagnosticSink) -> Mesh | None:
     return Mesh(tuple(a.name for a in par.mesh.axes), tuple(a.size for a in par.mesh.axes))
 
 
+# where a mixture of experts routes tokens with data-dependent shapes, or through an opaque grouped matmul
+MOE_HINT = ("for a transformers mixture of experts, `pardsl.moe.use_static_capacity(config, groups)` gives "
+            "its experts static shapes that expert parallelism can split")
+
+
 def bind(par: ParFile) -> BoundPlan:
     """Build and trace the model, then bind every layout the file writes to a tensor of the graph."""
     sink = DiagnosticSink(par.source)
@@ -651,7 +656,8 @@ def bind(par: ParFile) -> BoundPlan:
     for op, places in data_dependent.items():
         sink.error("E061", f"operation `{op}` gives a result whose shape depends on the data", par.model.span,
                    f"used in {', '.join(sorted(places)[:3])}",
-                   "pardsl lays out tensors of static shape: select with masks (where, masked_fill) instead")
+                   "pardsl lays out tensors of static shape: select with masks (where, masked_fill) instead",
+                   *([MOE_HINT] if any("expert" in place for place in places) else []))
     if data_dependent:
         sink.raise_if_any()
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .binding import BoundPlan, TensorInfo
+from .binding import MOE_HINT, BoundPlan, TensorInfo
 from .diagnostics import DiagnosticSink
 from .layouts import B, P, Layout, Mesh, Placement, collective_bytes
 from .oprules import DimSpec, dim_spec, is_tensor_valued, op_name, rule_for, signatures, tensor_operands, unmet_requirement
@@ -120,7 +120,8 @@ def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
     for (op, detail), places in unsupported.items():
         sink.error("E060", f"operation `{op}`{detail} is not supported", bound.par.model.span,
                    f"used in {', '.join(sorted(set(places))[:3])}",
-                   "pardsl knows the ops listed in pardsl/oprules.py (RULES)")
+                   "pardsl knows the ops listed in pardsl/oprules.py (RULES)",
+                   *([MOE_HINT] if any("expert" in place for place in places) else []))
     return specs
 
 

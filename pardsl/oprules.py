@@ -214,6 +214,9 @@ RULES: dict[str, Rule] = {
     "aten.scatter.value": Rule("along", dim_arg=1),
     "aten.scatter_add.default": Rule("along", dim_arg=1),
     "aten.index_add.default": Rule("along", dim_arg=1),
+    # x[i, j] = v (accumulate or not): the indexed dims of x stay whole; v's trailing dims split with x's
+    # trailing non-indexed dims where they match, the rest of v and the indices whole
+    "aten.index_put.default": Rule("index_put"),
     # a new trailing dim of classes, whole
     "aten.one_hot.default": Rule("one_hot"),
     # a histogram of a split tensor is the sum of the ranks' histograms (P)
@@ -606,6 +609,22 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
             for shape in shapes[1:]]
         output = tuple("J" if d == dim and rule.resized else letter for d, letter in enumerate(x_letters))
         unsplittable |= {x_letters[dim], "J"} | {l for letters in operand_letters for l in letters if l not in x_letters}
+    elif rule.family == "index_put":
+        rank = len(shapes[0])
+        x_letters = tuple(fresh[: rank])
+        indexed = {d for d, index in enumerate(node.args[1]) if index is not None}
+        spare = iter("KLMNOPQRSTUVWXYZ")
+        *index_shapes, values_shape = shapes[1:]
+        values = [next(spare) for _ in values_shape]
+        for back in range(1, min(len(values_shape), rank) + 1):  # right-aligned, as values broadcast
+            d = rank - back
+            if d in indexed or values_shape[-back] != shapes[0][d]:
+                break
+            values[-back] = x_letters[d]
+        operand_letters = [x_letters] + [tuple(next(spare) for _ in shape) for shape in index_shapes] + [tuple(values)]
+        output = x_letters
+        unsplittable |= {x_letters[d] for d in indexed} | {l for letters in operand_letters[1:] for l in letters
+                                                           if l not in x_letters}
     elif rule.family == "one_hot":
         operand_letters = [tuple(fresh[: len(shapes[0])])]
         output = operand_letters[0] + ("J",)

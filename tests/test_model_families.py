@@ -103,3 +103,13 @@ def test_a_capacity_factor_drops_the_pairs_past_capacity():
     full, dropping = _mixtral("eager"), _mixtral("eager")
     use_static_capacity(dropping.config, groups=4, capacity_factor=0.5)  # 1 slot per expert and group of 8
     assert not torch.allclose(dropping(input_ids=ids).logits, full(input_ids=ids).logits)
+
+
+def test_the_librarys_own_experts_are_refused_with_what_to_write_instead(compile_par):
+    from pardsl.diagnostics import CompileError
+
+    with pytest.raises(CompileError) as caught:
+        compile_par('mesh ep = 2\nmodel examples.hf_models:HFCausalLM(family="Mixtral", layers=1)\n'
+                    'input input_ids : int64[2, 8] in [0, 128)\n')
+    [grouped] = [d for d in caught.value.diagnostics if "transformers.grouped_mm_fallback" in d.message]
+    assert grouped.code == "E060" and any("use_static_capacity" in note for note in grouped.notes)

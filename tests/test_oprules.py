@@ -89,7 +89,7 @@ def test_rules_are_data():
                                                   "reshape", "permute", "attention", "source", "cut", "project",
                                                   "expand", "check", "select", "loss", "index", "gather", "pad",
                                                   "conv", "window", "batch_norm", "group_norm", "along", "one_hot",
-                                                  "histogram"}
+                                                  "histogram", "index_put"}
     assert RULES["aten.linear.default"].spec == "...k,nk,n->...n"
 
 
@@ -212,7 +212,8 @@ class _Routing(nn.Module):
         mask = F.one_hot(chosen, 4)
         placed = torch.zeros_like(scores).scatter(1, index, values).scatter_add(1, index, values)
         added = torch.zeros(8, 4).index_add(0, torch.arange(4), scores[:4])
-        return values.repeat_interleave(2, dim=0), order, mask, placed, added, torch.histc(scores, bins=5)
+        put = torch.zeros(8, 4, 3).index_put((index[:, 0],), torch.ones(8, 4, 3), accumulate=True)
+        return values.repeat_interleave(2, dim=0), order, mask, placed, added, torch.histc(scores, bins=5), put
 
 
 ROUTING_GOLDEN = """\
@@ -223,19 +224,20 @@ aten.one_hot.default: S(0)->S(0) | S(1)->S(1)
 aten.scatter.src: S(0),S(0),S(0)->S(0)
 aten.scatter_add.default: S(0),S(0),S(0)->S(0)
 aten.index_add.default: S(1),B,S(1)->S(1)
+aten.index_put.default: S(1),B,S(1)->S(1) | S(2),B,S(2)->S(2)
 aten.repeat_interleave.self_int: S(1)->S(1) | P->P
 aten.histc.default: S(0)->P | S(1)->P
 """
 
 
 def test_routing_rules_golden_lines():
-    """topk, sort, scatter, index_add, repeat_interleave keep their dim whole and split the others alike
+    """topk, sort, scatter, index_add, index_put, repeat_interleave keep their dim whole and split the others alike
     where operands have them; one_hot adds a whole dim; a histogram of split values is a partial sum."""
     nodes = _nodes(_Routing(), torch.randn(8, 4), torch.randint(0, 4, (8, 2)))
     lines = []
     for node in nodes.values():
         if op_name(node).split(".")[1] not in ("topk", "sort", "argsort", "one_hot", "scatter", "scatter_add",
-                                               "index_add", "repeat_interleave", "histc"):
+                                               "index_add", "repeat_interleave", "histc", "index_put"):
             continue
         signature_text = " | ".join(f"{','.join(str(p) for p in s.operands)}->{s.output}"
                                     for s in signatures(dim_spec(node, rule_for(node)))[1:])
