@@ -4,15 +4,19 @@ position biases computed with `min` and in-place adds) and Mixtral (mixture of e
 in pardsl's static capacity form), on 2 and 4 ranks: each communicates exactly as planned and equals
 serial — outputs, every gradient, and the batch norms' running statistics."""
 
+import json
+
 import pytest
 import torch
 import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pardsl.moe import use_static_capacity
 
 from pardsl.compiler import compile_file
 
-from .test_distributed import check_example
+from .test_distributed import check, check_example
 
 # Per axis and phase. ResNet, 6 batch norms: over a split batch each reduces its statistics forward and
 # its gradient sums backward (SyncBatchNorm); + the loss's count and value forward, 1 gradient bucket.
@@ -113,3 +117,25 @@ def test_the_librarys_own_experts_are_refused_with_what_to_write_instead(compile
                     'input input_ids : int64[2, 8] in [0, 128)\n')
     [grouped] = [d for d in caught.value.diagnostics if "transformers.grouped_mm_fallback" in d.message]
     assert grouped.code == "E060" and any("use_static_capacity" in note for note in grouped.notes)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_conv_nets_under_random_plans_equal_serial(pools, compile_par, data):
+    """Random conv stacks (batch or group norm, in-place ReLU and residuals, pools) with the batch split,
+    output channels split (column parallel), or input channels split (row parallel)."""
+    depth = data.draw(st.integers(1, 3), label="depth")
+    widths = [3] + [data.draw(st.sampled_from([4, 8]), label=f"width {i}") for i in range(depth)]
+    kernels = [data.draw(st.sampled_from([1, 3]), label=f"kernel {i}") for i in range(depth)]
+    strides = [data.draw(st.sampled_from([1, 2]), label=f"stride {i}") for i in range(depth)]
+    norms = [data.draw(st.sampled_from(["batch", "group"]), label=f"norm {i}") for i in range(depth)]
+    pools_ = [data.draw(st.sampled_from(["max", "avg", "none"]), label=f"pool {i}") for i in range(depth)]
+    layouts = ["x : S(0)"] if data.draw(st.booleans(), label="batch split") else []
+    for i in range(depth):
+        split = data.draw(st.sampled_from(["B", "S(0)", "S(1)"] if i else ["B", "S(0)"]), label=f"conv {i} weight")
+        layouts.append(f"convs.{i}.weight : {split}")
+    model = (f"tests.zoo:ConvNet(widths={widths}, kernels={kernels}, strides={strides}, norms={json.dumps(norms)}, "
+             f"pools={json.dumps(pools_)})")
+    text = f"mesh tp = 2\nmodel {model}\ninput x : float32[4, 3, 16, 16]\nlayout {{\n" + \
+        "".join(f"  {line}\n" for line in layouts) + "}\n"
+    check(pools, compile_par(text))

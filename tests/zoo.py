@@ -222,3 +222,31 @@ class Faulty(nn.Module):
             else:
                 raise RuntimeError("this rank's model failed")
         return self.lin(x)
+
+
+class ConvNet(nn.Module):
+    """Convolutions of random widths, kernels and strides, each followed by batch norm (training) or
+    group norm, a ReLU written in place, and a pool; an in-place residual add where shapes allow; a
+    classifier. What hypothesis varies in tests/test_model_families.py."""
+
+    def __init__(self, widths=(3, 8, 8), kernels=(3, 3), strides=(1, 1), norms=("batch", "group"),
+                 pools=("max", "avg"), classes=4):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(a, b, k, stride=s, padding=k // 2)
+                                   for a, b, k, s in zip(widths[:-1], widths[1:], kernels, strides))
+        self.norms = nn.ModuleList(nn.BatchNorm2d(b) if kind == "batch" else nn.GroupNorm(2, b)
+                                   for b, kind in zip(widths[1:], norms))
+        self.pools = list(pools)
+        self.head = nn.Linear(widths[-1], classes)
+
+    def forward(self, x):
+        for conv, norm, pool in zip(self.convs, self.norms, self.pools):
+            h = norm(conv(x))
+            if h.shape == x.shape:
+                h += x
+            h.relu_()
+            if h.shape[-1] < 4:  # too small to pool
+                pool = "none"
+            x = torch.nn.functional.max_pool2d(h, 2) if pool == "max" else \
+                torch.nn.functional.avg_pool2d(h, 2) if pool == "avg" else h
+        return self.head(torch.nn.functional.adaptive_avg_pool2d(x, 1).flatten(1))
