@@ -729,7 +729,7 @@ def _check_input_values(par: ParFile, exported, inputs: dict[str, str], sink: Di
                 wanted = str(sorted(met, key=str)[0]).removeprefix("torch.")
                 sink.error("E038", f"input `{decl.name}` is {decl.dtype} but the model's parameters it meets are "
                            f"{wanted}", decl.dtype_span, f"declare it `{decl.name} : {wanted}[...]`")
-        if node.op == "call_function" and op_name(node) == "aten.embedding.default":
+        if node.op == "call_function" and node.target is torch.ops.aten.embedding.default:
             weight, ids = node.args[0], node.args[1]
             decl = decls.get(inputs.get(getattr(ids, "name", None)))
             rows = concrete_size(weight.meta["val"].shape[0])

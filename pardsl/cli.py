@@ -54,6 +54,7 @@ def _arguments() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     export.add_argument("-o", "--output", required=True, metavar="FILE")
 
+    commands.add_parser("rules", help="print every op's rule, one line per op (pardsl/oprules.py)")
     run = commands.add_parser("run", help="run on N local ranks and check against the serial model")
     run.add_argument("file")
     run.add_argument("--nproc", type=int, required=True, metavar="N")
@@ -161,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return _export(args)
+        if args.command == "rules":
+            from .oprules import rules_table
+
+            print("\n".join(rules_table()))
+            return EXIT_OK
         # In JSON mode stdout carries one JSON object: whatever the user's model prints goes to stderr.
         quiet = contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext()
         return _main(args, quiet)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .oprules import functional_overload
+
 
 def _schema(node: torch.fx.Node):
     return getattr(node.target, "_schema", None) if node.op == "call_function" else None
@@ -39,12 +41,6 @@ def is_view(node: torch.fx.Node) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
-def _functional(node: torch.fx.Node):
-    namespace, name = node.target._schema.name.split("::")
-    packet = getattr(getattr(torch.ops, namespace), name[:-1], None)
-    return getattr(packet, node.target._overloadname, None) if packet is not None else None
-
-
 def functionalize_in_place(graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """Rewrite the in-place ops of the graph as functional ones; return those that write into a view or
     into a viewed tensor (left as they are, for the caller to report)."""
@@ -55,7 +51,7 @@ def functionalize_in_place(graph_module: torch.fx.GraphModule) -> list[torch.fx.
         if not is_in_place(node):
             continue
         written = node.args[0]
-        functional = _functional(node)
+        functional = functional_overload(node.target)
         if not isinstance(written, torch.fx.Node) or written.op == "placeholder" or functional is None:
             continue  # an input's own update, or an op with no functional twin (E060 names it)
         if is_view(written) or any(is_view(user) for user in written.users):

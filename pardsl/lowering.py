@@ -25,7 +25,7 @@ import torch
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
 from .layouts import COLLECTIVE_KINDS, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
-from .oprules import Signature, rule_named
+from .oprules import Signature, rule_for
 
 
 @dataclass(frozen=True)
@@ -624,7 +624,7 @@ class _Lowerer:
             return
         typed_node = self.typed.nodes[name]
         fx_node = self._fx[name]
-        rule = rule_named(typed_node.op)
+        rule = rule_for(self._fx[name])
         where = self.bound.module_paths.get(name)
         reason = f"{typed_node.op.removeprefix('aten.')} {name}" + (f" in {where}" if where else "")
         operand_vars = [

@@ -25,6 +25,7 @@ row-parallel bias is added once.
 from __future__ import annotations
 
 import math
+import operator
 import string
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,15 @@ class Rule:
     resized: bool = False  # along: the op's dim has another size in the output (topk's k)
 
 
+aten = torch.ops.aten  # RULES is keyed by OpOverload: a key naming no operator fails at import
+
+
+def _op(name: str) -> torch._ops.OpOverload:
+    """aten's `op.overload` by name, for keys made in a loop; AttributeError at import if there is none."""
+    packet, overload = name.rsplit(".", 1)
+    return getattr(getattr(aten, packet), overload)
+
+
 def _elementwise(linear: str = "none", **kw) -> Rule:
     return Rule("elementwise", linear=linear, **kw)
 
@@ -71,170 +81,183 @@ def _elementwise(linear: str = "none", **kw) -> Rule:
 _UNARY = ["relu", "gelu", "silu", "tanh", "sigmoid", "exp", "log", "rsqrt", "sqrt", "abs", "sin", "cos",
           "reciprocal", "erf", "log1p", "expm1", "softplus", "hardtanh", "leaky_relu", "elu", "square"]
 
-RULES: dict[str, Rule] = {
+RULES: dict[Any, Rule] = {
     # lookups: an embedding is one_hot(ids) @ weight, so a split vocabulary (v) is a contraction → P
-    "aten.embedding.default": Rule("einsum", "vd,...->...d", linear="product", linear_operands=(0,),
+    aten.embedding.default: Rule("einsum", "vd,...->...d", linear="product", linear_operands=(0,),
                                    masked_lookup=True),
     # attention: batch and heads split; sequence and head dims whole
-    "aten.scaled_dot_product_attention.default": Rule("attention"),
+    aten.scaled_dot_product_attention.default: Rule("attention"),
     # losses: with reduction="sum" a split batch gives a partial sum; with "mean" too, once the local sum
     # is divided by the global count of non-ignored targets (one all-reduce of a count). Logits split over
     # the classes (a column-parallel LM head's) are reduced where they lie, Megatron's vocabulary-parallel
     # loss: a max and one fused sum per row are all-reduced, never the logits; backward is local.
-    "aten.cross_entropy_loss.default": Rule("loss", dim_arg=3, parallel_form="cross_entropy"),
+    aten.cross_entropy_loss.default: Rule("loss", dim_arg=3, parallel_form="cross_entropy"),
     # tensors made from nothing: the same on every rank
-    "aten.arange.start": Rule("source"),
-    "aten.arange.default": Rule("source"),
-    "aten.arange.start_step": Rule("source"),
-    "aten.zeros.default": Rule("source"),
-    "aten.ones.default": Rule("source"),
-    "aten.full.default": Rule("source"),
+    aten.arange.start: Rule("source"),
+    aten.arange.default: Rule("source"),
+    aten.arange.start_step: Rule("source"),
+    aten.zeros.default: Rule("source"),
+    aten.ones.default: Rule("source"),
+    aten.full.default: Rule("source"),
     # the operand gives only dtype and device; the shape is an argument
-    "aten.new_ones.default": Rule("source"),
-    "aten.new_zeros.default": Rule("source"),
-    "aten.new_full.default": Rule("source"),
+    aten.new_ones.default: Rule("source"),
+    aten.new_zeros.default: Rule("source"),
+    aten.new_full.default: Rule("source"),
     # advanced indexing x[i, j]: the indexed dims of x stay whole; the index tensors' dims may be split
-    "aten.index.Tensor": Rule("index", linear="product", linear_operands=(0,)),
+    aten.index.Tensor: Rule("index", linear="product", linear_operands=(0,)),
     # gather(x, dim, index): the gathered dim stays whole; other dims split with the index where sizes match
-    "aten.gather.default": Rule("gather", linear="product", linear_operands=(0,), dim_arg=1),
+    aten.gather.default: Rule("gather", linear="product", linear_operands=(0,), dim_arg=1),
     # results cut from an operand along a dim, which stays whole (a conversion comes first if it is split)
-    "aten.split.Tensor": Rule("cut", linear="sum", dim_arg=2, size_arg=1),
-    "aten.split_with_sizes.default": Rule("cut", linear="sum", dim_arg=2, size_arg=1),
-    "aten.chunk.default": Rule("cut", linear="sum", dim_arg=2),
-    "aten.slice.Tensor": Rule("cut", linear="sum", dim_arg=1),
-    "aten.narrow.default": Rule("cut", linear="sum", dim_arg=1),
-    "aten.cat.default": Rule("cut", linear="sum", dim_arg=1, joins=True),
-    "aten.select.int": Rule("select", linear="sum", dim_arg=1),
-    "aten.diff.default": Rule("cut", linear="sum", dim_arg=2, dim_default=-1),
+    aten.split.Tensor: Rule("cut", linear="sum", dim_arg=2, size_arg=1),
+    aten.split_with_sizes.default: Rule("cut", linear="sum", dim_arg=2, size_arg=1),
+    aten.chunk.default: Rule("cut", linear="sum", dim_arg=2),
+    aten.slice.Tensor: Rule("cut", linear="sum", dim_arg=1),
+    aten.narrow.default: Rule("cut", linear="sum", dim_arg=1),
+    aten.cat.default: Rule("cut", linear="sum", dim_arg=1, joins=True),
+    aten.select.int: Rule("select", linear="sum", dim_arg=1),
+    aten.diff.default: Rule("cut", linear="sum", dim_arg=2, dim_default=-1),
     # padding: the padded dims stay whole, the others pass through
-    "aten.pad.default": Rule("pad", linear="sum", fill_arg=3),
-    "aten.constant_pad_nd.default": Rule("pad", linear="sum", fill_arg=2),
-    "_operator.getitem": Rule("project", linear="sum"),
-    "aten.expand.default": Rule("expand", linear="sum", shape_arg=1),
+    aten.pad.default: Rule("pad", linear="sum", fill_arg=3),
+    aten.constant_pad_nd.default: Rule("pad", linear="sum", fill_arg=2),
+    operator.getitem: Rule("project", linear="sum"),
+    aten.expand.default: Rule("expand", linear="sum", shape_arg=1),
     # checks export leaves in the graph; nothing to compute
-    "aten._assert_tensor_metadata.default": Rule("check"),
+    aten._assert_tensor_metadata.default: Rule("check"),
     # matrix products
-    "aten.linear.default": Rule("einsum", "...k,nk,n->...n", linear="product", addends=(2,)),
-    "aten.addmm.default": Rule("einsum", "n,mk,kn->mn", linear="product", linear_operands=(1, 2), addends=(0,)),
-    "aten.mm.default": Rule("einsum", "mk,kn->mn", linear="product"),
-    "aten.bmm.default": Rule("einsum", "bmk,bkn->bmn", linear="product"),
-    "aten.matmul.default": Rule("matmul", linear="product"),
+    aten.linear.default: Rule("einsum", "...k,nk,n->...n", linear="product", addends=(2,)),
+    aten.addmm.default: Rule("einsum", "n,mk,kn->mn", linear="product", linear_operands=(1, 2), addends=(0,)),
+    aten.mm.default: Rule("einsum", "mk,kn->mn", linear="product"),
+    aten.bmm.default: Rule("einsum", "bmk,bkn->bmn", linear="product"),
+    aten.matmul.default: Rule("matmul", linear="product"),
     # elementwise arithmetic (broadcasting; scalars allowed)
-    "aten.add.Tensor": _elementwise("sum"),
-    "aten.sub.Tensor": _elementwise("sum"),
-    "aten.mul.Tensor": _elementwise("product"),
-    "aten.div.Tensor": _elementwise("product", linear_operands=(0,)),
-    "aten.neg.default": _elementwise("sum"),
-    "aten.rsub.Scalar": _elementwise(),
-    "aten.pow.Tensor_Scalar": _elementwise(),
-    "aten.clone.default": _elementwise("sum"),
-    "aten.contiguous.default": _elementwise("sum"),
-    "aten.alias.default": _elementwise("sum"),
-    "aten.detach.default": _elementwise("sum", differentiable=False),
-    "aten.dropout.default": _elementwise("sum", requires=((1, "p", 0.0),)),
-    "aten.to.dtype": _elementwise("sum"),
-    "aten.to.dtype_layout": _elementwise("sum"),
-    "aten.to.device": _elementwise("sum"),
-    "aten._to_copy.default": _elementwise("sum"),
-    "aten.type_as.default": _elementwise("sum"),
-    "aten.masked_fill.Scalar": _elementwise(),
-    "aten.masked_fill.Tensor": _elementwise(),
-    "aten.where.self": _elementwise(),
-    "aten.where.ScalarSelf": _elementwise(),
-    "aten.where.ScalarOther": _elementwise(),
-    "aten.where.Scalar": _elementwise(),
-    "aten.zeros_like.default": _elementwise(),
-    "aten.ones_like.default": _elementwise(),
-    "aten.full_like.default": _elementwise(),
-    **{f"aten.{cmp}.{kind}": _elementwise() for cmp in ("eq", "ne", "lt", "le", "gt", "ge")
+    aten.add.Tensor: _elementwise("sum"),
+    aten.sub.Tensor: _elementwise("sum"),
+    aten.mul.Tensor: _elementwise("product"),
+    aten.div.Tensor: _elementwise("product", linear_operands=(0,)),
+    aten.neg.default: _elementwise("sum"),
+    aten.rsub.Scalar: _elementwise(),
+    aten.pow.Tensor_Scalar: _elementwise(),
+    aten.clone.default: _elementwise("sum"),
+    aten.contiguous.default: _elementwise("sum"),
+    aten.alias.default: _elementwise("sum"),
+    aten.detach.default: _elementwise("sum", differentiable=False),
+    aten.dropout.default: _elementwise("sum", requires=((1, "p", 0.0),)),
+    aten.to.dtype: _elementwise("sum"),
+    aten.to.dtype_layout: _elementwise("sum"),
+    aten.to.device: _elementwise("sum"),
+    aten._to_copy.default: _elementwise("sum"),
+    aten.type_as.default: _elementwise("sum"),
+    aten.masked_fill.Scalar: _elementwise(),
+    aten.masked_fill.Tensor: _elementwise(),
+    aten.where.self: _elementwise(),
+    aten.where.ScalarSelf: _elementwise(),
+    aten.where.ScalarOther: _elementwise(),
+    aten.where.Scalar: _elementwise(),
+    aten.zeros_like.default: _elementwise(),
+    aten.ones_like.default: _elementwise(),
+    aten.full_like.default: _elementwise(),
+    **{_op(f"{cmp}.{kind}"): _elementwise() for cmp in ("eq", "ne", "lt", "le", "gt", "ge")
        for kind in ("Tensor", "Scalar")},
-    "aten.logical_not.default": _elementwise(),
-    "aten.logical_and.default": _elementwise(),
-    "aten.logical_or.default": _elementwise(),
-    "aten.bitwise_not.default": _elementwise(),
-    **{f"aten.{op}.Tensor": _elementwise() for op in ("__and__", "__or__", "bitwise_and", "bitwise_or")},
-    "aten.maximum.default": _elementwise(),
-    "aten.minimum.default": _elementwise(),
-    "aten.max.other": _elementwise(),
-    "aten.min.other": _elementwise(),
-    "aten.clamp.default": _elementwise(),
-    "aten.clamp_min.default": _elementwise(),
-    "aten.tril.default": _elementwise(whole_dims=(-2, -1)),
-    "aten.triu.default": _elementwise(whole_dims=(-2, -1)),
-    "aten.outer.default": Rule("einsum", "i,j->ij", linear="product"),
-    **{f"aten.{name}.default": _elementwise() for name in _UNARY},
+    aten.logical_not.default: _elementwise(),
+    aten.logical_and.default: _elementwise(),
+    aten.logical_or.default: _elementwise(),
+    aten.bitwise_not.default: _elementwise(),
+    **{_op(f"{op}.Tensor"): _elementwise() for op in ("__and__", "__or__", "bitwise_and", "bitwise_or")},
+    aten.maximum.default: _elementwise(),
+    aten.minimum.default: _elementwise(),
+    aten.max.other: _elementwise(),
+    aten.min.other: _elementwise(),
+    aten.clamp.default: _elementwise(),
+    aten.clamp_min.default: _elementwise(),
+    aten.tril.default: _elementwise(whole_dims=(-2, -1)),
+    aten.triu.default: _elementwise(whole_dims=(-2, -1)),
+    aten.outer.default: Rule("einsum", "i,j->ij", linear="product"),
+    **{_op(f"{name}.default"): _elementwise() for name in _UNARY},
     # reductions
-    "aten.sum.dim_IntList": Rule("reduce", linear="sum", dim_arg=1, keepdim_arg=2),
-    "aten.sum.default": Rule("reduce", linear="sum"),
-    "aten.mean.dim": Rule("reduce", linear="sum", dim_arg=1, keepdim_arg=2, mean=True),
-    "aten.mean.default": Rule("reduce", linear="sum", mean=True),
-    "aten.amax.default": Rule("reduce", dim_arg=1, keepdim_arg=2, unsplittable_reduce=True),
+    aten.sum.dim_IntList: Rule("reduce", linear="sum", dim_arg=1, keepdim_arg=2),
+    aten.sum.default: Rule("reduce", linear="sum"),
+    aten.mean.dim: Rule("reduce", linear="sum", dim_arg=1, keepdim_arg=2, mean=True),
+    aten.mean.default: Rule("reduce", linear="sum", mean=True),
+    aten.amax.default: Rule("reduce", dim_arg=1, keepdim_arg=2, unsplittable_reduce=True),
     # normalisation over a dim that must be whole on every rank
-    "aten.softmax.int": Rule("normalize", dim_arg=1),
-    "aten._softmax.default": Rule("normalize", dim_arg=1),
-    "aten.log_softmax.int": Rule("normalize", dim_arg=1),
-    "aten._log_softmax.default": Rule("normalize", dim_arg=1),
-    "aten.layer_norm.default": Rule("normalize", dim_arg=1),
+    aten.softmax.int: Rule("normalize", dim_arg=1),
+    aten._softmax.default: Rule("normalize", dim_arg=1),
+    aten.log_softmax.int: Rule("normalize", dim_arg=1),
+    aten._log_softmax.default: Rule("normalize", dim_arg=1),
+    aten.layer_norm.default: Rule("normalize", dim_arg=1),
     # running sums along a dim that stays whole
-    "aten.cumsum.default": Rule("normalize", linear="sum", dim_arg=1),
+    aten.cumsum.default: Rule("normalize", linear="sum", dim_arg=1),
     # convolutions: an einsum over channels with windows over the spatial dims, which stay whole (a split
     # would need a halo exchange). Batch split: data parallel; output channels: column parallel; input
     # channels: row parallel, partial sums with the bias added once. Grouped channels are not split.
-    **{f"aten.conv{k}d.default": Rule("conv", linear="product", addends=(2,), spatial=k, groups_arg=6)
+    **{_op(f"conv{k}d.default"): Rule("conv", linear="product", addends=(2,), spatial=k, groups_arg=6)
        for k in (1, 2, 3)},
-    "aten.convolution.default": Rule("conv", linear="product", addends=(2,), groups_arg=8,
+    aten.convolution.default: Rule("conv", linear="product", addends=(2,), groups_arg=8,
                                      requires=((6, "transposed", False),)),
     # pooling and resizing: windows over the trailing spatial dims (whole); batch and channels split.
     # Averages and interpolations are linear, so partial sums pass through them.
-    **{f"aten.max_pool{k}d.default": Rule("window", spatial=k) for k in (1, 2, 3)},
-    **{f"aten.avg_pool{k}d.default": Rule("window", linear="sum", spatial=k) for k in (1, 2, 3)},
-    **{f"aten.adaptive_avg_pool{k}d.default": Rule("window", linear="sum", spatial=k) for k in (1, 2, 3)},
-    "aten.upsample_nearest1d.vec": Rule("window", linear="sum", spatial=1),
-    "aten.upsample_nearest2d.vec": Rule("window", linear="sum", spatial=2),
-    "aten.upsample_nearest3d.vec": Rule("window", linear="sum", spatial=3),
-    "aten.upsample_linear1d.vec": Rule("window", linear="sum", spatial=1),
-    "aten.upsample_bilinear2d.vec": Rule("window", linear="sum", spatial=2),
-    "aten.upsample_bicubic2d.vec": Rule("window", linear="sum", spatial=2),
-    "aten.upsample_trilinear3d.vec": Rule("window", linear="sum", spatial=3),
+    **{_op(f"max_pool{k}d.default"): Rule("window", spatial=k) for k in (1, 2, 3)},
+    **{_op(f"avg_pool{k}d.default"): Rule("window", linear="sum", spatial=k) for k in (1, 2, 3)},
+    **{_op(f"adaptive_avg_pool{k}d.default"): Rule("window", linear="sum", spatial=k) for k in (1, 2, 3)},
+    aten.upsample_nearest1d.vec: Rule("window", linear="sum", spatial=1),
+    aten.upsample_nearest2d.vec: Rule("window", linear="sum", spatial=2),
+    aten.upsample_nearest3d.vec: Rule("window", linear="sum", spatial=3),
+    aten.upsample_linear1d.vec: Rule("window", linear="sum", spatial=1),
+    aten.upsample_bilinear2d.vec: Rule("window", linear="sum", spatial=2),
+    aten.upsample_bicubic2d.vec: Rule("window", linear="sum", spatial=2),
+    aten.upsample_trilinear3d.vec: Rule("window", linear="sum", spatial=3),
     # batch norm: per-channel statistics, so channels split freely. In training the statistics are over
     # the batch and spatial dims: a split batch computes the global ones (SyncBatchNorm's form: one
     # all-reduce of per-channel sums forward, one backward); in eval the running statistics are used.
-    "aten.batch_norm.default": Rule("batch_norm", training_arg=5, parallel_form="batch_norm"),
+    aten.batch_norm.default: Rule("batch_norm", training_arg=5, parallel_form="batch_norm"),
     # group norm: statistics per sample over a group of channels and the spatial dims: batch split only
-    "aten.group_norm.default": Rule("group_norm"),
+    aten.group_norm.default: Rule("group_norm"),
     # routing (mixture of experts): ops along one dim, which stays whole; the other dims split alike in
     # every operand of the same rank and size there (scatter's index and source), the rest whole
-    "aten.topk.default": Rule("along", dim_arg=2, dim_default=-1, resized=True),
-    "aten.sort.default": Rule("along", dim_arg=1, dim_default=-1),
-    "aten.sort.stable": Rule("along", dim_arg=99, dim_default=-1),
-    "aten.argsort.default": Rule("along", dim_arg=1, dim_default=-1),
-    "aten.argsort.stable": Rule("along", dim_arg=99, dim_default=-1),
-    "aten.repeat_interleave.self_int": Rule("along", linear="sum", dim_arg=2, dim_default=0, resized=True),
-    "aten.scatter.src": Rule("along", dim_arg=1),
-    "aten.scatter.value": Rule("along", dim_arg=1),
-    "aten.scatter_add.default": Rule("along", dim_arg=1),
-    "aten.index_add.default": Rule("along", dim_arg=1),
+    aten.topk.default: Rule("along", dim_arg=2, dim_default=-1, resized=True),
+    aten.sort.default: Rule("along", dim_arg=1, dim_default=-1),
+    aten.sort.stable: Rule("along", dim_arg=99, dim_default=-1),
+    aten.argsort.default: Rule("along", dim_arg=1, dim_default=-1),
+    aten.argsort.stable: Rule("along", dim_arg=99, dim_default=-1),
+    aten.repeat_interleave.self_int: Rule("along", linear="sum", dim_arg=2, dim_default=0, resized=True),
+    aten.scatter.src: Rule("along", dim_arg=1),
+    aten.scatter.value: Rule("along", dim_arg=1),
+    aten.scatter_add.default: Rule("along", dim_arg=1),
+    aten.index_add.default: Rule("along", dim_arg=1),
     # x[i, j] = v (accumulate or not): the indexed dims of x stay whole; v's trailing dims split with x's
     # trailing non-indexed dims where they match, the rest of v and the indices whole
-    "aten.index_put.default": Rule("index_put"),
+    aten.index_put.default: Rule("index_put"),
     # a new trailing dim of classes, whole
-    "aten.one_hot.default": Rule("one_hot"),
+    aten.one_hot.default: Rule("one_hot"),
     # a histogram of a split tensor is the sum of the ranks' histograms (P)
-    "aten.histc.default": Rule("histogram"),
+    aten.histc.default: Rule("histogram"),
     # views
-    "aten.view.default": Rule("reshape", linear="sum", shape_arg=1),
-    "aten.reshape.default": Rule("reshape", linear="sum", shape_arg=1),
-    "aten._unsafe_view.default": Rule("reshape", linear="sum", shape_arg=1),
-    "aten.flatten.using_ints": Rule("reshape", linear="sum"),
-    "aten.unflatten.int": Rule("reshape", linear="sum", shape_arg=2),
-    "aten.unsqueeze.default": Rule("reshape", linear="sum"),
-    "aten.squeeze.dim": Rule("reshape", linear="sum"),
-    "aten.squeeze.dims": Rule("reshape", linear="sum"),
-    "aten.squeeze.default": Rule("reshape", linear="sum"),
-    "aten.transpose.int": Rule("permute", linear="sum"),
-    "aten.permute.default": Rule("permute", linear="sum"),
-    "aten.t.default": Rule("permute", linear="sum"),
+    aten.view.default: Rule("reshape", linear="sum", shape_arg=1),
+    aten.reshape.default: Rule("reshape", linear="sum", shape_arg=1),
+    aten._unsafe_view.default: Rule("reshape", linear="sum", shape_arg=1),
+    aten.flatten.using_ints: Rule("reshape", linear="sum"),
+    aten.unflatten.int: Rule("reshape", linear="sum", shape_arg=2),
+    aten.unsqueeze.default: Rule("reshape", linear="sum"),
+    aten.squeeze.dim: Rule("reshape", linear="sum"),
+    aten.squeeze.dims: Rule("reshape", linear="sum"),
+    aten.squeeze.default: Rule("reshape", linear="sum"),
+    aten.transpose.int: Rule("permute", linear="sum"),
+    aten.permute.default: Rule("permute", linear="sum"),
+    aten.t.default: Rule("permute", linear="sum"),
 }
+
+
+def describe(rule: Rule) -> str:
+    """A rule's printed form: its family, then every field that differs from the default."""
+    defaults = Rule(rule.family)
+    fields = [f"{name}={value!r}" for name, value in vars(rule).items()
+              if name != "family" and value != getattr(defaults, name)]
+    return " ".join([rule.family, *fields])
+
+
+def rules_table() -> list[str]:
+    """One line per op: `namespace.op.overload: family field=value …`, sorted by op (`pardsl rules`)."""
+    return sorted(f"{target_name(op)}: {describe(rule)}" for op, rule in RULES.items())
 
 
 @dataclass(frozen=True)
@@ -314,27 +337,26 @@ def tensor_operands(node: torch.fx.Node) -> list[torch.fx.Node]:
 def op_name(node: torch.fx.Node) -> str:
     """`namespace.op.overload` for an operator (aten.add.Tensor, transformers.grouped_mm.default), the
     module and name of any other callable."""
-    if hasattr(node.target, "_schema"):
-        return f"{node.target._schema.name.replace('::', '.')}.{node.target._overloadname}"
-    return f"{getattr(node.target, '__module__', '')}.{getattr(node.target, '__name__', node.target)}"
+    return target_name(node.target)
 
 
-def out_of_place_name(op: str) -> str | None:
-    """aten.add_.Tensor → aten.add.Tensor: the functional op of an in-place one (None if not in-place)."""
-    namespace, _, rest = op.partition(".")
-    base, _, overload = rest.partition(".")
-    if not base.endswith("_") or base.startswith("__") or not overload:
+def target_name(target) -> str:
+    if hasattr(target, "_schema"):
+        return f"{target._schema.name.replace('::', '.')}.{target._overloadname}"
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', target)}"
+
+
+def functional_overload(target) -> torch._ops.OpOverload | None:
+    """aten.add_.Tensor → aten.add.Tensor: the functional op of an in-place one (None if not in-place, or
+    if it has no functional twin)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
         return None
-    return f"{namespace}.{base[:-1]}.{overload}"
-
-
-def rule_named(op: str) -> Rule | None:
-    """An op's rule; an in-place op (what binding leaves of them: updates of buffers) has its functional
-    op's rule, and computes in place on the local value."""
-    rule = RULES.get(op)
-    if rule is None and out_of_place_name(op) is not None:
-        rule = RULES.get(out_of_place_name(op))
-    return rule
+    namespace, name = schema.name.split("::")
+    if not name.endswith("_") or name.startswith("__"):
+        return None
+    packet = getattr(getattr(torch.ops, namespace), name[:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
 
 
 def unmet_requirement(node: torch.fx.Node, rule: Rule) -> str | None:
@@ -347,7 +369,12 @@ def unmet_requirement(node: torch.fx.Node, rule: Rule) -> str | None:
 
 
 def rule_for(node: torch.fx.Node) -> Rule | None:
-    return rule_named(op_name(node))
+    """The node's rule; an in-place op (what binding leaves of them: updates of graph inputs) has its
+    functional op's rule, and computes in place on the local value."""
+    rule = RULES.get(node.target)
+    if rule is None and functional_overload(node.target) is not None:
+        rule = RULES.get(functional_overload(node.target))
+    return rule
 
 
 def _shape(node: torch.fx.Node) -> tuple[int, ...]:
@@ -466,7 +493,7 @@ def _reshape_letters(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> t
 
 def _whole_slice(node: torch.fx.Node) -> bool:
     """aten.slice.Tensor from the start to the end, step 1: the identity, whatever the dim's size."""
-    if op_name(node) != "aten.slice.Tensor":
+    if node.target is not aten.slice.Tensor:
         return False
     start, end, step = (call_arg(node, i, name, default) for i, name, default in
                         ((2, "start", None), (3, "end", None), (4, "step", 1)))
@@ -672,11 +699,11 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
     elif rule.family == "permute":
         in_letters = tuple(fresh[: len(shapes[0])])
         rank = len(shapes[0])
-        if op_name(node) == "aten.transpose.int":
+        if node.target is aten.transpose.int:
             d0, d1 = node.args[1] % rank, node.args[2] % rank
             order = list(range(rank))
             order[d0], order[d1] = order[d1], order[d0]
-        elif op_name(node) == "aten.t.default":
+        elif node.target is aten.t.default:
             order = list(reversed(range(rank)))
         else:
             order = [d % rank for d in node.args[1]]
