@@ -108,11 +108,12 @@ class HFCausalLM(torch.nn.Module):
 class HFMoE(torch.nn.Module):
     """A transformers mixture-of-experts family (Mixtral, Qwen2Moe, ...) whose experts compute in pardsl's
     static capacity form (pardsl.moe): the tokens in `groups` groups, each expert with a slot per token of
-    a group, so nothing is dropped and the layer equals the library's own."""
+    a group, so nothing is dropped and the layer equals the library's own; or, with `capacity_factor`,
+    fewer slots, dropping the (token, choice) pairs past them as GShard does."""
 
     def __init__(self, family: str = "Mixtral", layers: int = 1, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
                  ffn: int = 64, experts: int = 4, top_k: int = 2, vocab: int = 128, positions: int = 64,
-                 groups: int = 4):
+                 groups: int = 4, capacity_factor: float | None = None):
         super().__init__()
         from pardsl.moe import use_static_capacity
 
@@ -122,7 +123,7 @@ class HFMoE(torch.nn.Module):
             num_local_experts=experts, num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=ffn,
             shared_expert_intermediate_size=ffn,
             attn_implementation="sdpa")
-        self.model = transformers.AutoModelForCausalLM.from_config(use_static_capacity(config, groups))
+        self.model = transformers.AutoModelForCausalLM.from_config(use_static_capacity(config, groups, capacity_factor))
 
     def forward(self, input_ids, labels=None):
         result = self.model(input_ids=input_ids, labels=labels, use_cache=False)

@@ -139,3 +139,14 @@ def test_random_conv_nets_under_random_plans_equal_serial(pools, compile_par, da
     text = f"mesh tp = 2\nmodel {model}\ninput x : float32[4, 3, 16, 16]\nlayout {{\n" + \
         "".join(f"  {line}\n" for line in layouts) + "}\n"
     check(pools, compile_par(text))
+
+
+def test_expert_parallel_with_dropped_tokens_equals_serial(pools, compile_par):
+    """With a capacity factor, pairs past an expert's capacity are dropped; the compiled module drops the
+    same ones (slots are given in token order within each group, and groups stay whole on a rank)."""
+    compiled = compile_par('mesh ep = 2\nmodel examples.hf_models:HFMoE(family="Mixtral", groups=4, '
+                           'capacity_factor=1.0)\ninput input_ids : int64[4, 8] in [0, 128)\nlayout {\n'
+                           '  input_ids : S(0)\n  model.model.layers.*.mlp.experts.gate_up_proj : S(0)\n'
+                           '  model.model.layers.*.mlp.experts.down_proj : S(0)\n}\n')
+    report = check(pools, compiled)
+    assert report["collectives"]["forward"]["all_to_all"] == 2
