@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from .binding import MOE_HINT, BoundPlan, TensorInfo
 from .diagnostics import DiagnosticSink
-from .layouts import B, P, Layout, Mesh, Placement, collective_bytes
+from .layouts import CONVERSIONS, B, P, Layout, Mesh, Placement, collective_bytes
 from .oprules import DimSpec, dim_spec, is_tensor_valued, op_name, rule_for, signatures, tensor_operands, unmet_requirement
 
 
@@ -74,28 +74,24 @@ class TypedGraph:
         return self.bound.tensors[name]
 
 
-_STEP = {("P", "B"): "all_reduce", ("P", "S"): "reduce_scatter", ("S", "B"): "all_gather",
-         ("S", "S"): "all_to_all", ("S", "P"): "all_gather"}
-_BACKWARD = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
-
-
 def _one_axis_cost(source: Placement, target: Placement, local_bytes: int, n: int, with_backward: bool,
                    written: bool = False) -> int:
+    """Bytes per rank of converting a value of `local_bytes` from `source` to `target` over n ranks, from
+    the conversion catalogue (layouts.CONVERSIONS); a pair with no row goes through B."""
     if source == target:
         return 0
     if source.kind == "P" and target.kind == "S" and not written:  # priced as finishing the sum (module doc)
         return _one_axis_cost(source, B, local_bytes, n, with_backward) + 1
-    if source.kind == "B" and target.kind == "S":  # a local slice; its adjoint gathers the gradient
-        return collective_bytes("all_gather", local_bytes // n, n) if with_backward else 0
-    kind = _STEP.get((source.kind, target.kind))
-    if kind is None:  # B → P is local
-        return 0
-    if kind == "all_to_all" and (source.blocks > 1 or target.blocks > 1):  # no blocked all-to-all: via B
-        return (_one_axis_cost(source, B, local_bytes, n, with_backward) +
-                _one_axis_cost(B, target, local_bytes * n, n, with_backward))
-    cost = collective_bytes(kind, local_bytes, n)
-    if with_backward and kind in _BACKWARD:
-        cost += collective_bytes(_BACKWARD[kind], local_bytes // n if kind == "reduce_scatter" else local_bytes, n)
+    conversion = CONVERSIONS.get((source.kind, target.kind))
+    if conversion is None or (conversion.kind == "all_to_all" and (source.blocks > 1 or target.blocks > 1)):
+        # S → P; and no blocked all-to-all: both via B
+        whole = local_bytes * n if source.is_split else local_bytes
+        return _one_axis_cost(source, B, local_bytes, n, with_backward) + \
+            _one_axis_cost(B, target, whole, n, with_backward)
+    target_bytes = local_bytes * (n if source.is_split else 1) // (n if target.is_split else 1)
+    cost = collective_bytes(conversion.forward, local_bytes, n) if conversion.forward else 0
+    if with_backward and conversion.backward:
+        cost += collective_bytes(conversion.backward, target_bytes, n)
     return cost
 
 

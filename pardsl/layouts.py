@@ -190,15 +190,34 @@ class ConversionStep:
     dst_blocks: int = 1
 
 
-# What each one-axis conversion is (DESIGN §1), keyed by (from kind, to kind).
-_STEP_KIND = {
-    ("P", "B"): "all_reduce",
-    ("P", "S"): "reduce_scatter",
-    ("S", "B"): "all_gather",
-    ("S", "S"): "all_to_all",
-    ("B", "S"): "split",
-    ("B", "P"): "to_partial",
-}
+@dataclass(frozen=True)
+class Conversion:
+    """One row of the conversion catalogue (DESIGN §1): a one-axis change of placement, the runtime
+    function that makes it (`rt.<kind>(x, axis, **arguments)`), the collective its forward issues and the
+    one its adjoint issues. Bytes per rank: `collective_bytes(forward, the source's local bytes)` and
+    `collective_bytes(backward, the target's local bytes)` (the adjoint starts from the target's gradient).
+    Inference prices, `plan_conversion` plans, lowering emits and counts, and the generated comments
+    describe conversions from these rows alone."""
+
+    source: str  # placement kind: S, B or P
+    target: str
+    kind: str  # the step, and the runtime method that performs it
+    forward: str | None  # collective issued forward; None: local
+    backward: str | None  # collective of the adjoint; None: identity or a local slice
+    arguments: tuple[tuple[str, str], ...] = ()  # (keyword, ConversionStep field) of the runtime call
+
+
+CONVERSIONS: dict[tuple[str, str], Conversion] = {(c.source, c.target): c for c in (
+    Conversion("P", "B", "all_reduce", "all_reduce", None),  # adjoint: identity (P's gradient is full)
+    Conversion("P", "S", "reduce_scatter", "reduce_scatter", "all_gather",
+               (("dim", "dst_dim"), ("blocks", "dst_blocks"))),
+    # adjoint: this rank's slice, or a reduce-scatter where the gathered value's consumers are sharded
+    Conversion("S", "B", "all_gather", "all_gather", None, (("dim", "src_dim"), ("blocks", "src_blocks"))),
+    Conversion("S", "S", "all_to_all", "all_to_all", "all_to_all", (("split_dim", "dst_dim"), ("concat_dim", "src_dim"))),
+    Conversion("B", "S", "split", None, "all_gather", (("dim", "dst_dim"), ("blocks", "dst_blocks"))),
+    Conversion("B", "P", "to_partial", None, None),  # adjoint: identity
+)}
+CONVERSION_OF_KIND = {c.kind: c for c in CONVERSIONS.values()}
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -216,23 +235,14 @@ def collective_bytes(kind: str, local_bytes: int, n: int) -> int:
     return 0  # split, to_partial: local
 
 
-_BACKWARD_OF = {
-    "all_reduce": None,  # identity
-    "reduce_scatter": "all_gather",
-    "all_gather": None,  # slice; becomes a reduce-scatter when the gathered value's consumers are sharded
-    "all_to_all": "all_to_all",
-    "split": "all_gather",
-    "to_partial": None,
-}
-
-
 def _one_axis_step(
     layout: Layout, axis: int, placement: Placement, shape: tuple[int, ...], itemsize: int, mesh: Mesh
 ) -> ConversionStep | None:
     current = layout.placements[axis]
-    kind = _STEP_KIND.get((current.kind, placement.kind))
-    if kind is None or current == placement:
+    conversion = CONVERSIONS.get((current.kind, placement.kind))
+    if conversion is None or current == placement:
         return None
+    kind = conversion.kind
     target = layout.with_axis(axis, placement)
     # Only the innermost axis splitting a dim can gather or scatter it with one plain collective.
     if current.is_split and layout.innermost_splitter(current.dim) != axis:
@@ -243,10 +253,9 @@ def _one_axis_step(
         return None  # blocked splits go through B
     local_bytes = math.prod(layout.local_shape(shape, mesh)) * itemsize
     n = mesh.axis_sizes[axis]
-    forward = collective_bytes(kind, local_bytes, n)
-    backward_kind = _BACKWARD_OF[kind]
+    forward = collective_bytes(conversion.forward, local_bytes, n) if conversion.forward else 0
     backward_input = math.prod(target.local_shape(shape, mesh)) * itemsize
-    backward = collective_bytes(backward_kind, backward_input, n) if backward_kind else 0
+    backward = collective_bytes(conversion.backward, backward_input, n) if conversion.backward else 0
     return ConversionStep(
         kind,
         axis,

@@ -24,7 +24,7 @@ import torch
 
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
-from .layouts import COLLECTIVE_KINDS, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
+from .layouts import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
 from .oprules import Signature, rule_for
 
 
@@ -254,20 +254,15 @@ def _render(value) -> str:
 
 
 def step_call(step: ConversionStep, rs_backward: bool = False) -> tuple[str, dict]:
-    """The runtime method and keyword arguments that carry out one conversion step (its axis aside)."""
-    blocks = {"blocks": step.src_blocks} if step.src_blocks > 1 else {}
-    target_blocks = {"blocks": step.dst_blocks} if step.dst_blocks > 1 else {}
-    if step.kind == "all_reduce":
-        return "all_reduce", {}
-    if step.kind == "reduce_scatter":
-        return "reduce_scatter", {"dim": step.dst_dim, **target_blocks}
-    if step.kind == "all_gather":
-        return "all_gather", {"dim": step.src_dim, "backward": "reduce_scatter" if rs_backward else "slice", **blocks}
-    if step.kind == "all_to_all":
-        return "all_to_all", {"split_dim": step.dst_dim, "concat_dim": step.src_dim}
-    if step.kind == "split":
-        return "split", {"dim": step.dst_dim, **target_blocks}
-    return "to_partial", {}
+    """The runtime method and keyword arguments that carry out one conversion step (its axis aside), from
+    its row of the catalogue; block counts only where there are blocks."""
+    conversion = CONVERSION_OF_KIND[step.kind]
+    kwargs = {keyword: getattr(step, field) for keyword, field in conversion.arguments
+              if keyword != "blocks" or getattr(step, field) > 1}
+    if step.kind == "all_gather":  # its adjoint: a slice, or a reduce-scatter (Megatron-SP's g)
+        kwargs = {"dim": kwargs["dim"], "backward": "reduce_scatter" if rs_backward else "slice",
+                  **{k: v for k, v in kwargs.items() if k != "dim"}}
+    return conversion.kind, kwargs
 
 
 @dataclass
@@ -564,13 +559,11 @@ class _Lowerer:
         method, kwargs = step_call(step, rs_backward)
         args = "".join(f", {k}={v!r}" if not isinstance(v, str) else f', {k}="{v}"' for k, v in kwargs.items())
         expr = f'rt.{method}({source}, "{axis}"{args})'
-        fwd = [step.kind] if step.kind in COLLECTIVE_KINDS else []
-        bwd = {
-            "reduce_scatter": [("all_gather", step.backward_bytes)],
-            "all_gather": [("reduce_scatter", step.forward_bytes)] if rs_backward else [],  # T(n-1)/n both ways
-            "all_to_all": [("all_to_all", step.backward_bytes)],
-            "split": [("all_gather", step.backward_bytes)],
-        }.get(step.kind, [])
+        conversion = CONVERSION_OF_KIND[step.kind]
+        fwd = [conversion.forward] if conversion.forward else []
+        bwd = [(conversion.backward, step.backward_bytes)] if conversion.backward else []
+        if step.kind == "all_gather" and rs_backward:  # the adjoint reduce-scatters: T(n-1)/n both ways
+            bwd = [("reduce_scatter", step.forward_bytes)]
         if self.mesh.axis_sizes[step.axis] == 1:  # every layout is the same on one rank: nothing moves
             return expr, ()
         collectives = tuple(Collective(k, axis, "forward", step.forward_bytes, target, reason) for k in fwd)
