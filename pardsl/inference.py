@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from .binding import MOE_HINT, BoundPlan, TensorInfo
 from .diagnostics import DiagnosticSink
 from .layouts import CONVERSIONS, B, P, Layout, Mesh, Placement, collective_bytes
-from .oprules import DimSpec, dim_spec, is_tensor_valued, op_name, rule_for, signatures, tensor_operands, unmet_requirement
+from .oprules import DimSpec, Signature, dim_spec, is_tensor_valued, op_name, rule_for, signatures, tensor_operands, unmet_requirement
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,24 @@ class TypedNode:
     value_layout: Layout  # the layout the name holds (the user's, if pinned)
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One legal signature of an op on one mesh axis, priced given the layouts decided before it: what a
+    search chooses among. Bytes per rank; the key orders candidates, cheapest first."""
+
+    signature: Signature
+    forward: int  # communication that stalls the forward
+    backward: int  # and the backward
+    deferred: int  # communication off the critical path (prefetched gathers, bucketed gradients)
+    changes: int  # conversions and choices made (fewer is simpler)
+    compute: int  # bytes of the result computed per rank
+    index: int  # the signature's place in the rule's order
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        return (self.forward, self.backward, self.deferred, self.changes, self.compute, self.index)
+
+
 @dataclass
 class TypedGraph:
     bound: BoundPlan
@@ -62,6 +80,7 @@ class TypedGraph:
     placeholder_layouts: dict[str, Layout]  # parameters, buffers, inputs
     output_layouts: list[Layout]  # per flat output
     requires_grad: set[str]
+    candidates: dict[str, list[list[Candidate]]]  # per op node, per mesh axis: what was chosen among
 
     @property
     def mesh(self) -> Mesh:
@@ -142,6 +161,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
     op_out: dict[str, list[Placement]] = {n.name: [] for n in graph_nodes}
     value.update({n.name: [] for n in graph_nodes})
     needs: dict[str, list[list[Placement]]] = {n.name: [[] for _ in operands[n.name]] for n in graph_nodes}
+    candidates: dict[str, list[list[Candidate]]] = {n.name: [] for n in graph_nodes}
 
     for axis in range(mesh.ndim):
         n = mesh.axis_sizes[axis]
@@ -166,6 +186,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 value[name].append(pin.layout.placements[axis] if pin is not None else B)
             for node in graph_nodes:
                 pin = bound.pins.get(node.name)
+                candidates[node.name].append([Candidate(Signature((B,) * len(operands[node.name]), B), 0, 0, 0, 0, 0, 0)])
                 for slot in range(len(operands[node.name])):
                     needs[node.name][slot].append(B)
                 op_out[node.name].append(B)
@@ -187,7 +208,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
             spec = specs[node.name]
             names = operands[node.name]
             pin = bound.pins.get(node.name)
-            best_key, best = None, None
+            priced: list[Candidate] = []
             offered: dict[str, set[int]] = {}
             for o, letters in zip(names, spec.operands):
                 current = value[o][axis] if o not in free else None
@@ -251,10 +272,10 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 # Splitting the result of an op whose operands are all B only saves local work; any
                 # consumer can slice a B value for nothing, but a split made here may need a gather later
                 compute = local_bytes(node.name, B if replicated_operands else signature.output)
-                key = (forward, backward, deferred, changes, compute, index)
-                if best_key is None or key < best_key:
-                    best_key, best = key, signature
-            assert best is not None, f"no legal signature for {node.name}"  # all-B always fits
+                priced.append(Candidate(signature, forward, backward, deferred, changes, compute, index))
+            assert priced, f"no legal signature for {node.name}"  # all-B always fits
+            candidates[node.name].append(priced)
+            best = min(priced, key=lambda candidate: candidate.key).signature
             for slot, (o, req) in enumerate(zip(names, best.operands)):
                 if o in free:
                     value[o].append(B if req == P else req)
@@ -286,4 +307,4 @@ def infer(bound: BoundPlan) -> TypedGraph:
         else:
             produced = Layout(tuple(value[node_name])) if node_name else Layout.broadcast(mesh)
             output_layouts.append(Layout(tuple(B if p == P else p for p in produced.placements)))
-    return TypedGraph(bound, nodes, placeholder_layouts, output_layouts, requires_grad)
+    return TypedGraph(bound, nodes, placeholder_layouts, output_layouts, requires_grad, candidates)

@@ -50,6 +50,16 @@ def test_inference_completes_the_megatron_plan_from_one_layout(compile_par):
     assert compiled.typed.nodes["linear_1"].op_layout == Layout((P,))
 
 
+def test_each_ops_priced_candidates_are_data_and_the_cheapest_is_taken():
+    compiled = compile_file("examples/mlp.par")
+    [on_tp] = compiled.typed.candidates["linear_1"]  # fc2, its weight written S(1): row parallel
+    chosen = min(on_tp, key=lambda candidate: candidate.key)
+    assert chosen.signature.output == compiled.typed.nodes["linear_1"].op_layout.placements[0] == P
+    assert (chosen.forward, chosen.backward) == (0, 0)  # the partial sum is finished by its consumer
+    gathered = [c for c in on_tp if c.signature.operands[1] == B]  # all-gathering the weight instead
+    assert gathered and all(c.forward > 0 for c in gathered)
+
+
 def test_what_the_user_wrote_stands_and_the_conversion_is_reported(compile_par):
     # x split on its features cannot feed a column-parallel fc1 as it is: one of them is converted.
     compiled = compile_par(MLP_HEAD + "layout {\n  x : S(1)\n  fc1.weight : S(0)\n}\n")
