@@ -161,6 +161,10 @@ class Runtime:
         Counts: the mean is the local sum over the global count of counted targets, a partial sum (P).
         """
         assert weight is None, "a class weight has no parallel form"
+        count, work = None, None
+        if reduction == 1:  # the count needs only the targets: its first all-reduce runs under the losses
+            count = (target != ignore_index).sum().to(logits.dtype).reshape(1)
+            work = self._all_reduce_started(count, counts[0], "forward") if counts else None
         if classes:
             losses = self._split_class_losses(logits, target, ignore_index, label_smoothing, classes)
         else:
@@ -169,10 +173,11 @@ class Runtime:
             return losses
         if reduction == 2:
             return losses.sum()
-        count = (target != ignore_index).sum().to(logits.dtype)
-        for axis in counts:
+        if work is not None:
+            work.wait()
+        for axis in counts[1:]:
             count = self._all_reduce(count, axis, "forward")
-        return losses.sum() / count
+        return losses.sum() / count.reshape(())
 
     def _split_class_losses(self, logits, target, ignore_index, label_smoothing, axes) -> torch.Tensor:
         classes = logits.shape[1]
