@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import importlib
 import inspect
 import io
@@ -493,22 +494,45 @@ def _name_table(exported: torch.export.ExportedProgram, inputs: dict[str, str],
     return table
 
 
+@functools.lru_cache(maxsize=256)
 def _pattern(target: str) -> re.Pattern:
     parts = re.split(r"(\*)", target)
     return re.compile("".join("[^.\\[\\]()]+" if p == "*" else re.escape(p) for p in parts))
 
 
-def _resolve(entry: LayoutEntry, table: list[_Named], sink: DiagnosticSink) -> list[_Named]:
+class _NameIndex:
+    """The name table, with literal names looked up in a dict: a file with many names stays linear."""
+
+    def __init__(self, table: list[_Named]):
+        self.table = table
+        self.by_name: dict[str, list[_Named]] = {}
+        for named in table:
+            self.by_name.setdefault(named.name, []).append(named)
+        self._sorted_names: list[str] | None = None
+
+    def matching(self, target: str) -> list[_Named]:
+        if "*" not in target:
+            return list(self.by_name.get(target, ()))
+        pattern = _pattern(target)
+        return [n for n in self.table if pattern.fullmatch(n.name)]
+
+    def sorted_names(self) -> list[str]:
+        if self._sorted_names is None:
+            self._sorted_names = sorted(self.by_name)
+        return self._sorted_names
+
+
+def _resolve(entry: LayoutEntry, index: _NameIndex, sink: DiagnosticSink) -> list[_Named]:
     target = entry.target
-    pattern = _pattern(target)
-    matches = [n for n in table if pattern.fullmatch(n.name)]
+    table = index.table
+    matches = index.matching(target)
     if target == "output" or (not matches and target.startswith("output")):
         # `output` and `output.x` name every flat output below them.
         matches = [n for n in table if n.kind == "output" and
                    (n.name == target or n.name.startswith(target + ".") or n.name.startswith(target + "["))]
     if not matches:
         # suggestions cost a search over every name: only for the errors that will be shown
-        close = difflib.get_close_matches(target, sorted({n.name for n in table}), 3) \
+        close = difflib.get_close_matches(target, index.sorted_names(), 3) \
             if sink.count("E040") < MAX_PER_CODE else []
         notes = ["did you mean " + " or ".join(f"`{m}`" for m in close) + "?"] if close else []
         what = "matches no tensor" if "*" in target else "is not a parameter, buffer, input, output or submodule"
@@ -678,8 +702,9 @@ def bind(par: ParFile) -> BoundPlan:
     outputs = [(path, node) for path, node in _flat_outputs(exported)]
     pins: dict[str, Pin] = {}
     output_pins: dict[int, Pin] = {}
+    index = _NameIndex(table)
     for entry, layout in written:
-        for named in _resolve(entry, table, sink):
+        for named in _resolve(entry, index, sink):
             if layout is None or mesh is None:
                 continue
             info = tensors.get(named.node)

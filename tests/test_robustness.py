@@ -264,3 +264,24 @@ def test_error_recovery_does_not_parse_the_file_again_per_error(monkeypatch):
     # next entry parses: the block is reopened after it
     assert [(d.code, d.span.line) for d in caught.value.diagnostics] == [("E002", 2006 + i) for i in range(5)] + [("E001", 2012)]
     assert parsed[0] == len(text) and sum(parsed[1:]) <= 6 * len(tail)  # the long part once
+
+
+def test_the_tolerance_follows_the_dtypes_the_program_computes_in():
+    import torch
+
+    from pardsl.execution import tolerance_for
+
+    assert tolerance_for({torch.float32, torch.int64}) == 1e-4
+    assert tolerance_for({torch.float16, torch.int64}) == 1e-2
+    assert tolerance_for({torch.bfloat16, torch.float32}) == 5e-2  # the loosest dtype computed in decides
+    assert tolerance_for({torch.int64}) == 1e-4
+
+
+def test_a_serial_model_that_is_itself_non_finite_is_not_comparable_rather_than_different(tmp_path, capsys):
+    par = tmp_path / "inf.par"
+    par.write_text("mesh dp = 2\nmodel tests.zoo:Overflowing()\ninput x : float32[4, 4]\n"
+                   "layout {\n  x : S(0)\n}\n")
+    assert cli.main(["run", str(par), "--nproc", "2", "--timeout", "60"]) == 1
+    out = capsys.readouterr().out
+    assert "not comparable: the serial model itself gives non-finite values" in out
+    assert "DIFFERS" not in out

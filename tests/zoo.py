@@ -250,3 +250,14 @@ class ConvNet(nn.Module):
             x = torch.nn.functional.max_pool2d(h, 2) if pool == "max" else \
                 torch.nn.functional.avg_pool2d(h, 2) if pool == "avg" else h
         return self.head(torch.nn.functional.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class Overflowing(nn.Module):
+    """A model whose serial output is itself infinite: nothing a compiled plan could be compared with."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * 1e38 * 1e38
