@@ -16,6 +16,7 @@ A conversion is computed once per (value, layout) and shared by every consumer t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -36,10 +37,11 @@ class Collective:
     bytes: int  # per rank
     value: str  # the variable it moves
     reason: str
+    node: str = ""  # the graph op it is there for ("" for buckets, gather groups and outputs)
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "axis": self.axis, "phase": self.phase, "bytes": self.bytes,
-                "value": self.value, "reason": self.reason}
+                "value": self.value, "reason": self.reason, "node": self.node}
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ class _GradientSync:
     dtype: str
 
 
+_RESHAPES = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.unflatten.int",
+             "aten.flatten.using_ints")
 DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket size
 _PLACEHOLDER = re.compile(r"@@(sync|bucket|gather|group)(\d+)@@")  # a bucket or group not yet formed
 FIRST_BUCKET_MB = 1.0  # DDP's first bucket: the first collective starts early in backward
@@ -289,6 +293,8 @@ class _Lowerer:
         self.uses: dict[str, list[_Use]] = {}  # conversion variable → its uses
         self.grad_wrapper: dict[tuple[str, frozenset[int]], str] = {}
         self.reduce_scatter_backward: set[tuple[str, int]] = set()  # (variable, axis)
+        self.current_node = ""  # the op being lowered: every collective emitted is there for it
+        self.exchanges: list[tuple[str, str, ConversionStep]] = []  # (consumer, value): all-to-alls not written
 
     # -- names ---------------------------------------------------------------------------------------
 
@@ -422,6 +428,7 @@ class _Lowerer:
     # -- pass 2: statements --------------------------------------------------------------------------
 
     def emit(self, target: str, expr: str, comment: str, collectives: tuple[Collective, ...] = ()) -> None:
+        collectives = tuple(dataclasses.replace(c, node=self.current_node) for c in collectives)
         self.statements.append(Statement(target, expr, comment, collectives))
 
     def _value_comment(self, layout: Layout, info) -> str:
@@ -443,6 +450,9 @@ class _Lowerer:
         else:
             self._emit_steps(steps, self.var[name], var, reason,
                              {a for (v, a) in self.reduce_scatter_backward if v == var}, name in self.typed.requires_grad)
+            if pin is None:
+                self.exchanges += [(self.current_node, name, s) for s in steps
+                                   if s.kind == "all_to_all" and self.mesh.axis_sizes[s.axis] > 1]
         if pin is not None and steps and not gathered_for_use:  # gathering a stored parameter is ZeRO's meaning
             moved = sum(s.forward_bytes for s in steps)
             self.notes.append(Diagnostic(
@@ -610,6 +620,7 @@ class _Lowerer:
         return self.grad_wrapper[key]
 
     def lower_node(self, name: str) -> None:
+        self.current_node = name
         if name in self.fused:
             self._lower_fused_linears(name)
             return
@@ -763,6 +774,35 @@ class _Lowerer:
         for node_name, expr in self.bound.scalars.items():
             self.emit(node_name, expr, "a size, global")
 
+    def _note_exchanges(self) -> None:
+        """All-to-alls nobody wrote are a fallback (an op could not keep a split: 3 heads over tp = 2), often
+        a costly one: say so once, with the first op that needed one, rather than leave it to be found."""
+        if not self.exchanges:
+            return
+        consumer, value, step = self.exchanges[0]
+        node = self.typed.nodes.get(consumer)
+        where = self.bound.module_paths.get(consumer)
+        what = f"`{node.op.removeprefix('aten.')}` ({consumer}{' in ' + where if where else ''})" if node else \
+            f"output `{value}`"
+        info = self.typed.info(value)
+        shapes = ""
+        if node is not None and node.op in _RESHAPES:
+            shapes = f", which reshapes {list(info.shape)} to {list(self.typed.info(consumer).shape)}"
+        axis = self.mesh.axis_names[step.axis]
+        count = len(self.exchanges)
+        forward = sum(s.forward_bytes for _, _, s in self.exchanges)
+        hint = (f"a split dim that a reshape cuts into a size the axis does not divide (3 heads over {axis} = "
+                f"{self.mesh.axis_sizes[step.axis]}) cannot stay split; write a layout that avoids it, or choose "
+                "sizes the axis divides") if shapes else \
+            ("an all-to-all moves a value from one split dim to another, the price of computing the op split "
+             "another way (expert parallelism's token exchange is one such): check that it is what you meant")
+        self.notes.append(Diagnostic(
+            "N002", f"{count} value(s) are exchanged by all-to-all because an op could not take them as split "
+            f"({format_bytes(forward)} forward, as much backward): the first is `{value}`, "
+            f"{step.source.placements[step.axis]}@{axis}, which {what} needs as "
+            f"{step.target.placements[step.axis]}@{axis}{shapes}", self.bound.par.mesh.span, (hint,),
+            severity="note"))
+
     def _rescale_mean(self, typed_node, fx_node, name: str) -> None:
         operand_layout = typed_node.operand_layouts[0]
         info = self.typed.info(typed_node.operands[0])
@@ -805,6 +845,7 @@ class _Lowerer:
         self._emit_sizes(inputs)
         for name in self.typed.nodes:
             self.lower_node(name)
+        self.current_node = ""
         outputs = []
         for (path, node_name), layout in zip(bound.outputs, typed.output_layouts):
             info = typed.info(node_name)
@@ -823,6 +864,7 @@ class _Lowerer:
         buckets, in_bucket = self._buckets()
         groups, in_group = self._gather_groups()
         self._fill_placeholders(in_bucket, in_group)
+        self._note_exchanges()
         return LoweredProgram(mesh, bound.par.source.path, bound.par.model.text, parameters, buffers, inputs,
                               self.statements, outputs, values, self.notes, groups, buckets)
 

@@ -154,3 +154,18 @@ def test_errors_that_are_not_finite_never_pass():
     assert _max_err(torch.tensor([float("nan")]), torch.tensor([float("nan")])) == float("inf")
     assert _max_err(torch.ones(2), torch.ones(3)) == float("inf")
     assert _max_err(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])) == 0.5
+
+
+def test_an_all_to_all_nobody_wrote_is_a_note_naming_the_first_op_that_needed_it(compile_par):
+    # 3 heads over tp = 2: the split hidden dim cannot follow the reshape into heads, so attention runs
+    # batch-split, reached and left by all-to-alls. The note says so instead of leaving it to be found.
+    text = open("examples/gpt_tp2.par").read().replace("n_head=4, d_model=32", "n_head=3, d_model=48")
+    compiled = compile_par(text)
+    [note] = [n for n in compiled.program.notes if n.code == "N002"]
+    exchanges = [c for c in compiled.program.collectives if c.kind == "all_to_all" and c.phase == "forward"]
+    assert note.message.startswith(f"{len(exchanges)} value(s) are exchanged by all-to-all")
+    assert "`view.default` (view in h.0.attn)" in note.message and "reshapes [2, 16, 48] to [2, 16, 3, 16]" in note.message
+    assert "3 heads over tp = 2" in note.notes[0]
+    assert (note.span.line, note.severity) == (6, "note")  # the mesh line
+    assert {c.node for c in exchanges} >= {"view", "linear_1"}  # each collective knows the op it is there for
+    assert not [n for n in compile_file("examples/gpt_tp2.par").program.notes if n.code == "N002"]
