@@ -52,6 +52,7 @@ ERROR_CODES: dict[str, str] = {
     "E060": "operation not supported",
     "E061": "operation whose result shape depends on the data",
     "E062": "in-place operation on a view",
+    "E064": "memory bound that is no bound",
 }
 
 

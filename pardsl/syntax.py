@@ -34,6 +34,23 @@ class MeshDecl:
 
 
 @dataclass(frozen=True)
+class MemoryBound:
+    """`memory <= 40 MiB` (bytes per rank) or `memory <= 50 %` (of the serial model's)."""
+
+    amount: float
+    unit: str  # GiB, MiB, KiB or %
+    span: Span
+
+    def bytes(self, serial_total: int) -> int:
+        if self.unit == "%":
+            return int(serial_total * self.amount / 100)
+        return int(self.amount * {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[self.unit])
+
+    def __str__(self) -> str:
+        return f"{self.amount:g} {self.unit}"
+
+
+@dataclass(frozen=True)
 class ModelDecl:
     module: str
     factory: str
@@ -94,6 +111,11 @@ class ParFile:
     models: tuple[ModelDecl, ...]
     inputs: tuple[InputDecl, ...]
     layouts: tuple[LayoutEntry, ...]
+    memory_bounds: tuple[MemoryBound, ...] = ()
+
+    @property
+    def memory_bound(self) -> MemoryBound | None:
+        return self.memory_bounds[0] if self.memory_bounds else None
 
     @property
     def mesh(self) -> MeshDecl:
@@ -132,6 +154,10 @@ class _ToSyntaxTree(Transformer):
     def mesh_axis(self, meta, children):
         name, size = children
         return MeshAxis(str(name), int(size), _span(meta))
+
+    def memory_decl(self, meta, children):
+        amount, unit = children
+        return MemoryBound(float(amount), str(unit), _span(meta))
 
     def mesh_decl(self, meta, axes):
         return MeshDecl(tuple(axes), _span(meta))
@@ -253,6 +279,8 @@ _TOKEN_NAMES = {
     "INT": "an integer",
     "SIGNED_INT": "an integer",
     "SIGNED_NUMBER": "a number",
+    "NUMBER": "a number",
+    "MEMORY_UNIT": "a unit (GiB, MiB, KiB or %)",
     "STRING": "a string",
 }
 
@@ -347,7 +375,7 @@ def parse(text: str, path: str = "<string>") -> ParFile:
     statements = _parse_recovering(source, sink)
     sink.raise_if_any()
 
-    meshes, models, inputs, layouts = [], [], [], []
+    meshes, models, inputs, layouts, memory = [], [], [], [], []
     transformed = []
     for tree in statements.children:  # one statement at a time, so a failure points at its own line
         try:
@@ -368,10 +396,12 @@ def parse(text: str, path: str = "<string>") -> ParFile:
             models.append(statement)
         elif isinstance(statement, InputDecl):
             inputs.append(statement)
+        elif isinstance(statement, MemoryBound):
+            memory.append(statement)
         else:
             layouts.extend(statement)
     inputs = _size_named_dims(inputs, sink)
-    par = ParFile(source, tuple(meshes), tuple(models), tuple(inputs), tuple(layouts))
+    par = ParFile(source, tuple(meshes), tuple(models), tuple(inputs), tuple(layouts), tuple(memory))
     _check_declarations(par, sink)
     sink.raise_if_any()
     return par
@@ -414,6 +444,13 @@ def _check_declarations(par: ParFile, sink: DiagnosticSink) -> None:
                 duplicate.span,
                 f"first declared on line {decls[0].span.line}",
             )
+    for duplicate in par.memory_bounds[1:]:
+        sink.error("E003", "`memory` declared twice", duplicate.span,
+                   f"first declared on line {par.memory_bounds[0].span.line}")
+    for bound in par.memory_bounds:
+        if not (0 < bound.amount < float("inf")) or (bound.unit == "%" and bound.amount > 100):
+            sink.error("E064", f"a memory bound of {bound} cannot be met or is no bound", bound.span,
+                       "write a positive size, or a percentage from 0 to 100 of the serial model's memory")
     seen: dict[str, InputDecl] = {}
     for decl in par.inputs:
         if decl.name in seen:

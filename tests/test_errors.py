@@ -22,7 +22,7 @@ CASES = [
     ("syntax-bad-placement", layout("x : Q"), [("E001", 5, 7)]),
     ("syntax-split-needs-int", layout("x : S(a)"), [("E001", 5, 9)]),
     ("syntax-unclosed-block", MLP + "layout {\n  x : B\n", [("E001", 5, 8)]),
-    ("syntax-bad-char", "mesh tp = 2 %\nmodel m:f\n", [("E002", 1, 13)]),
+    ("syntax-bad-char", "mesh tp = 2 $\nmodel m:f\n", [("E002", 1, 13)]),
     ("syntax-two-lines", "mesh tp = 2\nmodel m:f(\ninput x float32[2]\n", [("E001", 2, 11), ("E001", 3, 9)]),
     ("mesh-twice", "mesh tp = 2\nmesh dp = 2\nmodel m:f\n", [("E003", 2, 1)]),
     ("model-twice", "mesh tp = 2\nmodel m:f\nmodel m:g\n", [("E003", 3, 1)]),
