@@ -49,12 +49,33 @@ def _arguments() -> argparse.ArgumentParser:
     compile_.add_argument("--json", action="store_true")
     compile_.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
                           help="size of the buckets parameter gradients are synchronised in (default 25)")
+    compile_.add_argument("--calibration", metavar="FILE", help="the machine's figures for plan.json's estimate "
+                          "(default: what `pardsl calibrate` wrote for this machine's backend)")
 
     export = commands.add_parser("export", help="write a checkpoint's model tensors, whole, to one safetensors file")
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     export.add_argument("-o", "--output", required=True, metavar="FILE")
 
     commands.add_parser("rules", help="print every op's rule, one line per op (pardsl/oprules.py)")
+
+    explain = commands.add_parser("explain", help="per layer: layouts, collectives with bytes and estimated "
+                                  "time, memory per rank, runner-up plans")
+    explain.add_argument("file")
+    explain.add_argument("--calibration", metavar="FILE", help="the machine's figures (default: what "
+                         "`pardsl calibrate` wrote for the backend, else its defaults)")
+    explain.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    explain.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adamw",
+                         help="the optimizer whose state counts in memory (default adamw)")
+    explain.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page")
+    explain.add_argument("--json", action="store_true")
+
+    calibrate = commands.add_parser("calibrate", help="measure α, β per collective, compute throughput and "
+                                    "bandwidth on this machine, for the cost model")
+    calibrate.add_argument("--nproc", type=int, default=2, metavar="N")
+    calibrate.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    calibrate.add_argument("-o", "--output", metavar="FILE", help="where to write (default: the place compile "
+                           "and explain read, ~/.cache/pardsl/calibration-BACKEND.json)")
+    calibrate.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     run = commands.add_parser("run", help="run on N local ranks and check against the serial model")
     run.add_argument("file")
     run.add_argument("--nproc", type=int, required=True, metavar="N")
@@ -162,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return _export(args)
+        if args.command == "calibrate":
+            return _calibrate(args)
         if args.command == "rules":
             from .oprules import rules_table
 
@@ -173,6 +196,62 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("pardsl: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _calibrate(args) -> int:
+    from .calibrate import calibrate, write
+    from .cost import calibration_path
+    from .execution import resolve_backend
+    from .explain import seconds_text
+
+    backend = resolve_backend(args.backend)
+    if args.nproc < 2:
+        print("pardsl: error: --nproc must be at least 2 (collectives are measured between ranks)", file=sys.stderr)
+        return EXIT_USAGE
+    machine, raw = calibrate(args.nproc, backend, quick=args.quick)
+    path = args.output or calibration_path(backend)
+    try:
+        write(machine, raw, path)
+    except OSError as error:
+        print(f"pardsl: error: cannot write {path}: {error.strerror}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    print(f"{backend} on {args.nproc} ranks:")
+    for kind, link in machine.collectives.items():
+        print(f"  {kind.replace('_', '-'):<14} α {seconds_text(link.alpha_s):>9} per ring step, β {link.beta_s_per_byte * 1e9:.3g} ns/B")
+    print(f"  compute        {machine.flops_per_s / 1e9:.3g} GFLOP/s, {machine.bytes_per_s / 1e9:.3g} GB/s, "
+          f"{seconds_text(machine.op_overhead_s)} per op; {machine.overlap:.0%} of a collective hides behind compute")
+    print(f"wrote {path}")
+    return EXIT_OK
+
+
+def _explain(args, compiled) -> int:
+    from .cost import CalibrationError, estimate, load_machine
+    from .execution import resolve_backend
+    from .explain import html_page, report
+
+    try:
+        machine = load_machine(args.calibration, resolve_backend(args.backend))
+    except CalibrationError as error:
+        print(f"pardsl: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    result = estimate(compiled, machine, args.optimizer)
+    bound = compiled.memory_bound
+    if args.html:
+        from .compiler import _write_atomically
+
+        try:
+            _write_atomically(args.html, html_page(compiled, result, bound))
+        except OSError as error:
+            print(f"pardsl: error: cannot write {args.html}: {error.strerror}", file=sys.stderr)
+            return EXIT_INPUT_ERROR
+    if args.json:
+        print(json.dumps({"ok": True, **result.to_json(), "memory_bound": bound,
+                          "notes": [n.to_json() for n in compiled.program.notes]}, indent=2))
+    else:
+        print(report(compiled, result, bound))
+        if args.html:
+            print(f"wrote {args.html}")
+    return EXIT_OK
 
 
 def _main(args, quiet) -> int:
@@ -202,13 +281,25 @@ def _main(args, quiet) -> int:
             print(f"{args.file}: ok")
         return EXIT_OK
 
+    if args.command == "explain":
+        return _explain(args, compiled)
+
     if args.command == "compile":
+        from .cost import CalibrationError, load_machine
+        from .execution import resolve_backend
+
         try:
-            module_path, plan_path = write_outputs(compiled, args.output)
+            machine = load_machine(args.calibration, resolve_backend("auto"))
+        except CalibrationError as error:
+            print(f"pardsl: error: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            module_path, plan_path = write_outputs(compiled, args.output, machine)
         except OSError as error:
             return _cannot_write(args.output, error)
         if args.json:
-            print(json.dumps({"ok": True, "module": module_path, "plan": plan_path, **plan_json(compiled)}, indent=2))
+            print(json.dumps({"ok": True, "module": module_path, "plan": plan_path, **plan_json(compiled, machine)},
+                             indent=2))
         else:
             _print_notes(compiled)
             print(_summary(compiled))

@@ -16,7 +16,9 @@ from . import __version__
 from .binding import BoundPlan, bind
 from .codegen import render
 from .inference import TypedGraph, infer
-from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, lower, named_layout
+from .cost import memory_per_rank
+from .diagnostics import Diagnostic
+from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, named_layout
 from .syntax import ParFile, parse, parse_file
 
 MODULE_FILE = "pardsl_module.py"
@@ -31,6 +33,7 @@ class Compiled:
     program: LoweredProgram
     source: str  # the generated module
     seconds: dict[str, float]  # per stage: build, export, bind, infer, lower, codegen
+    memory_bound: int | None = None  # bytes per rank, from `memory <= …`
 
     @property
     def seconds_after_export(self) -> float:
@@ -49,7 +52,25 @@ def compile_par(par: ParFile, bucket_mb: float = DEFAULT_BUCKET_MB) -> Compiled:
     start = time.perf_counter()
     source = render(program)
     seconds["codegen"] = time.perf_counter() - start
-    return Compiled(par, bound, typed, program, source, seconds)
+    return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(par, program))
+
+
+def _check_memory_bound(par: ParFile, program: LoweredProgram) -> int | None:
+    """The bound in bytes per rank; a plan that needs more is note N003 at the `memory` line."""
+    written = par.memory_bound
+    if written is None:
+        return None
+    memory = memory_per_rank(program)
+    limit = written.bytes(memory["serial_total"])
+    if memory["total"] > limit:
+        program.notes.append(Diagnostic(
+            "N003", f"the plan needs {format_bytes(memory['total'])} per rank, more than the bound of "
+            f"{format_bytes(limit)} ({written})", written.span,
+            (f"parameters {format_bytes(memory['parameters'])}, gradients {format_bytes(memory['gradients'])}, "
+             f"AdamW state {format_bytes(memory['optimizer_state'])}, activations {format_bytes(memory['activations'])}"
+             f", gathered parameters {format_bytes(memory['gathered_parameters'])}; split more of them "
+             "(`pardsl explain` shows where the bytes are)",), severity="note"))
+    return limit
 
 
 def compile_file(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> Compiled:
@@ -60,7 +81,15 @@ def compile_text(text: str, path: str = "<string>", bucket_mb: float = DEFAULT_B
     return compile_par(parse(text, path), bucket_mb)
 
 
-def plan_json(compiled: Compiled) -> dict:
+def plan_json(compiled: Compiled, machine=None) -> dict:
+    """What compile writes beside the module. `machine`: the cost model's figures for the estimate
+    (default: the calibration file for this machine's backend, else the backend's defaults)."""
+    from .cost import estimate, load_machine
+
+    if machine is None:
+        from .execution import resolve_backend
+
+        machine = load_machine(None, resolve_backend("auto"))
     program = compiled.program
     mesh = program.mesh
     return {
@@ -87,11 +116,13 @@ def plan_json(compiled: Compiled) -> dict:
         "collective_counts_by_axis": program.collective_counts_by_axis(),
         "bytes": program.collective_bytes(),
         "memory": program.memory(),
+        "memory_bound": compiled.memory_bound,
+        "estimate": estimate(compiled, machine).to_json(),
         "notes": [n.to_json() for n in program.notes],
     }
 
 
-def write_outputs(compiled: Compiled, out_dir: str) -> tuple[str, str]:
+def write_outputs(compiled: Compiled, out_dir: str, machine=None) -> tuple[str, str]:
     """Write the module and plan.json into `out_dir`, each atomically: a temporary file in the same folder
     renamed over the old one, so a failure (a full disk) leaves the previous pair whole, and a symbolic
     link in the way is replaced, never followed. Raises OSError where the folder cannot be written."""
@@ -101,7 +132,7 @@ def write_outputs(compiled: Compiled, out_dir: str) -> tuple[str, str]:
     module_path = os.path.join(out_dir, MODULE_FILE)
     plan_path = os.path.join(out_dir, PLAN_FILE)
     _write_atomically(module_path, compiled.source)
-    _write_atomically(plan_path, json.dumps(plan_json(compiled), indent=2, sort_keys=False) + "\n")
+    _write_atomically(plan_path, json.dumps(plan_json(compiled, machine), indent=2, sort_keys=False) + "\n")
     return module_path, plan_path
 
 

@@ -16,6 +16,7 @@ A conversion is computed once per (value, layout) and shared by every consumer t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -419,8 +420,9 @@ class _Lowerer:
         targets = ", ".join(names) + ("," if len(names) == 1 else "")
         comment = (f"{self._value_comment(node.op_layout, self.typed.info(first))}; {len(names)} linear(s) of one "
                    f"input, {what} while the weights' gradients are computed ({moved})")
-        self.emit(targets, f"rt.column_parallel_linears({x}, {axis_names!r}, {', '.join(pairs)}{extra})",
-                  comment, collectives)
+        with self._moving(source):
+            self.emit(targets, f"rt.column_parallel_linears({x}, {axis_names!r}, {', '.join(pairs)}{extra})",
+                      comment, collectives)
         for name in names:
             self.var[name] = name
             self.emitted.add(name)
@@ -440,6 +442,22 @@ class _Lowerer:
         var = self._conversion_target(name, layout)
         if var in self.emitted:
             return var
+        consumer = self.current_node
+        with self._moving(name):
+            self._emit_conversion(name, layout, var, reason, consumer)
+        return var
+
+    @contextlib.contextmanager
+    def _moving(self, name: str):
+        """Collectives that move an op's result are there for that op (its layer), not for its consumer."""
+        consumer = self.current_node
+        self.current_node = name if name in self.typed.nodes else consumer
+        try:
+            yield
+        finally:
+            self.current_node = consumer
+
+    def _emit_conversion(self, name: str, layout: Layout, var: str, reason: str, consumer: str) -> None:
         self.emitted.add(var)
         steps = self.conversion_steps[var]
         pin = self.bound.pins.get(name)
@@ -451,7 +469,7 @@ class _Lowerer:
             self._emit_steps(steps, self.var[name], var, reason,
                              {a for (v, a) in self.reduce_scatter_backward if v == var}, name in self.typed.requires_grad)
             if pin is None:
-                self.exchanges += [(self.current_node, name, s) for s in steps
+                self.exchanges += [(consumer, name, s) for s in steps
                                    if s.kind == "all_to_all" and self.mesh.axis_sizes[s.axis] > 1]
         if pin is not None and steps and not gathered_for_use:  # gathering a stored parameter is ZeRO's meaning
             moved = sum(s.forward_bytes for s in steps)
@@ -459,7 +477,6 @@ class _Lowerer:
                 "N001", f"`{pin.entry.target}` is {pin.layout.render(self.mesh)} as written; {reason} needs "
                 f"{layout.render(self.mesh)}: inserted {', '.join(s.kind for s in steps)} "
                 f"({format_bytes(moved)} forward)", pin.entry.span, severity="note"))
-        return var
 
     def _is_parameter(self, name: str) -> bool:
         return name in self.bound.parameters and self.var[name].startswith("self.")
@@ -614,9 +631,10 @@ class _Lowerer:
             )
             args = ", ".join(f'"{a}"' for a in axes)
             moved = format_bytes(sum(c.bytes for c in collectives))
-            self.emit(wrapper, f"rt.grad_all_reduce({var}, {args})",
-                      f"B read by {consumers} sharded consumer(s): all-reduce its gradient once "
-                      f"({moved}, backward)", collectives)
+            with self._moving(name):
+                self.emit(wrapper, f"rt.grad_all_reduce({var}, {args})",
+                          f"B read by {consumers} sharded consumer(s): all-reduce its gradient once "
+                          f"({moved}, backward)", collectives)
         return self.grad_wrapper[key]
 
     def lower_node(self, name: str) -> None:

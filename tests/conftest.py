@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -8,6 +9,10 @@ from pardsl.compiler import compile_text
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+# The cost model reads a calibration file from the user's cache when there is one: tests see none, so
+# that every estimate they check is from the defaults or a file they write themselves.
+os.environ["PARDSL_CACHE_DIR"] = tempfile.mkdtemp(prefix="pardsl-test-cache-")
 
 _POOLS = {}
 

@@ -1,0 +1,310 @@
+"""The cost model: what a plan costs per step on a machine, in seconds and in bytes per rank.
+
+One module prices everything, so that `explain`, `plan.json` and a search agree:
+
+- a collective costs α + β·bytes, per kind, where bytes is the per-rank volume of DESIGN's table
+  (an all-reduce of T bytes over n ranks moves 2T(n-1)/n) — the figure each `Collective` already carries;
+- an op costs a roofline, max(FLOP / throughput, bytes / bandwidth), plus a fixed overhead per op (eager
+  dispatch); FLOP come from `torch.utils.flop_counter` run on meta tensors of the op's global shapes, and
+  each rank does the share its layout leaves it (the product of the axis sizes its result is S or P on).
+  Backward costs twice forward where a gradient flows;
+- memory per rank is parameters, gradients, optimizer state, activations kept for backward, and the
+  parameters gathered for use (this group's and the prefetched next one's).
+
+The machine's α, β, throughput, bandwidth and overhead come from `pardsl calibrate`, which measures them
+on the backend at hand into a file; without one, defaults for the backend stand (and say so).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .layouts import COLLECTIVE_KINDS
+
+CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    alpha_s: float  # latency of one step of the ring (a collective over n ranks takes ring_steps of them)
+    beta_s_per_byte: float  # per byte of per-rank volume
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """Latency terms of a ring collective over n ranks: 2(n-1) for an all-reduce, n-1 for the others."""
+    return 2 * (n - 1) if kind == "all_reduce" else n - 1
+
+
+@dataclass(frozen=True)
+class Machine:
+    backend: str
+    collectives: dict[str, LinkCost]  # per collective kind
+    flops_per_s: float  # a large matmul's throughput, one rank
+    bytes_per_s: float  # memory bandwidth of an elementwise op, one rank
+    op_overhead_s: float  # the cost of running one small op
+    source: str  # where the figures come from: a calibration file, or the defaults
+    world_size: int = 2  # ranks measured together
+    # Processors the ranks share (CPU ranks on one host); 0 where each rank has its own (a GPU each).
+    cores: int = 0
+    overlap: float = 1.0  # the share of a collective that hides behind compute running beside it
+
+    def collective_seconds(self, kind: str, nbytes: int, n: int) -> float:
+        link = self.collectives[kind]
+        return link.alpha_s * ring_steps(kind, n) + link.beta_s_per_byte * nbytes
+
+    def slowdown(self, world_size: int) -> float:
+        """How much slower one rank of `world_size` ranks runs than one of the calibration's, where ranks
+        share the host's cores: each takes cores // ranks threads, and more busy threads than cores share."""
+        if not self.cores:
+            return 1.0
+
+        def speed(ranks: int) -> float:
+            threads = max(1, self.cores // ranks)
+            return threads / max(1.0, ranks * threads / self.cores)
+
+        return speed(self.world_size) / speed(world_size)
+
+    def to_json(self) -> dict:
+        return {"pardsl_calibration": CALIBRATION_VERSION, "backend": self.backend, "world_size": self.world_size,
+                "collectives": {k: asdict(v) for k, v in self.collectives.items()},
+                "flops_per_s": self.flops_per_s, "bytes_per_s": self.bytes_per_s,
+                "op_overhead_s": self.op_overhead_s, "cores": self.cores, "overlap": self.overlap}
+
+
+# Round figures for machines that have not been calibrated: gloo between CPU processes on one host, and
+# NCCL between data-centre GPUs over NVLink. `pardsl calibrate` replaces them with measurements.
+DEFAULTS = {
+    "gloo": Machine("gloo", {k: LinkCost(1e-4, 1 / 1e9) for k in COLLECTIVE_KINDS}, 2e10, 5e9, 1e-5,
+                    "defaults for gloo (no calibration file; run `pardsl calibrate`)", overlap=0.5),
+    "nccl": Machine("nccl", {k: LinkCost(1e-5, 1 / 1e11) for k in COLLECTIVE_KINDS}, 3e14, 2e12, 1e-5,
+                    "defaults for nccl (no calibration file; run `pardsl calibrate --backend nccl`)"),
+}
+
+
+def calibration_path(backend: str) -> str:
+    """Where `pardsl calibrate` writes, and compile reads, the figures for a backend."""
+    folder = os.environ.get("PARDSL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pardsl")
+    return os.path.join(folder, f"calibration-{backend}.json")
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be read or is not one."""
+
+
+def load_machine(path: str | None = None, backend: str = "gloo") -> Machine:
+    """The machine from a calibration file: `path`, else the default place for `backend` if it exists,
+    else the backend's defaults."""
+    if path is None:
+        path = calibration_path(backend)
+        if not os.path.isfile(path):
+            return DEFAULTS[backend]
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        if data.get("pardsl_calibration") != CALIBRATION_VERSION:
+            raise CalibrationError(f"{path} is not a pardsl calibration file (version {CALIBRATION_VERSION})")
+        collectives = {k: LinkCost(float(v["alpha_s"]), float(v["beta_s_per_byte"]))
+                       for k, v in data["collectives"].items()}
+        missing = set(COLLECTIVE_KINDS) - set(collectives)
+        if missing:
+            raise CalibrationError(f"{path} has no figures for {', '.join(sorted(missing))}")
+        figures = [data["flops_per_s"], data["bytes_per_s"], data["op_overhead_s"], data.get("overlap", 1.0)]
+        if not all(isinstance(f, (int, float)) and math.isfinite(f) and f >= 0 for f in figures) or \
+                not data["flops_per_s"] > 0 or not data["bytes_per_s"] > 0:
+            raise CalibrationError(f"{path}: throughput, bandwidth and overhead must be finite and positive")
+        return Machine(data["backend"], collectives, float(data["flops_per_s"]), float(data["bytes_per_s"]),
+                       float(data["op_overhead_s"]), f"calibrated: {path}", int(data.get("world_size", 2)),
+                       int(data.get("cores", 0)), min(1.0, float(data.get("overlap", 1.0))))
+    except OSError as error:
+        raise CalibrationError(f"cannot read {path}: {error.strerror}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        if isinstance(error, CalibrationError):
+            raise
+        raise CalibrationError(f"{path} is not a pardsl calibration file ({type(error).__name__}: {error})") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# FLOP per op
+
+
+_COUNTED = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv", "convolution",
+            "scaled_dot_product_attention", "_scaled_dot_product")
+
+
+def global_flops(bound) -> dict[str, int]:
+    """FLOP of each op node of the exported graph at its global shapes, for ops that do arithmetic worth
+    counting (matmuls, convolutions, attention); torch's own counter, run on meta tensors."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counts: dict[str, int] = {}
+    for node in bound.graph.nodes:
+        if node.op != "call_function" or not any(part in str(node.target) for part in _COUNTED):
+            continue
+
+        def meta(value):
+            if isinstance(value, torch.fx.Node):
+                info = bound.tensors.get(value.name)
+                if info is not None:
+                    return torch.empty(info.shape, dtype=info.dtype, device="meta")
+                example = value.meta.get("val")
+                return int(example) if isinstance(example, (int, torch.SymInt)) else example
+            return value
+
+        try:
+            args, kwargs = torch.utils._pytree.tree_map(meta, (node.args, node.kwargs))
+            with FlopCounterMode(display=False) as counter:
+                node.target(*args, **kwargs)
+            counts[node.name] = int(counter.get_total_flops())
+        except Exception:  # an op the counter cannot run on meta tensors: priced by its bytes alone
+            continue
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------------
+# A plan's estimate
+
+
+@dataclass
+class OpCost:
+    node: str
+    op: str
+    layer: str
+    flops: int  # per rank
+    bytes: int  # per rank: operands read and result written
+    forward_s: float
+    backward_s: float
+
+
+@dataclass
+class CollectiveCost:
+    kind: str
+    axis: str
+    phase: str
+    bytes: int
+    seconds: float
+    layer: str
+    reason: str
+    overlapped: bool  # a prefetched parameter gather or a gradient bucket: off the critical path
+
+
+@dataclass
+class Estimate:
+    machine: Machine
+    ops: list[OpCost]
+    collectives: list[CollectiveCost]
+    memory: dict[str, int]  # bytes per rank
+    seconds: dict[str, float] = field(default_factory=dict)  # compute, communication, exposed, step
+
+    @property
+    def step_s(self) -> float:
+        return self.seconds["step"]
+
+    def to_json(self) -> dict:
+        return {"machine": self.machine.source, "backend": self.machine.backend,
+                "seconds": {k: round(v, 9) for k, v in self.seconds.items()}, "memory": self.memory}
+
+
+def layer_of(path: str | None) -> str:
+    """The repeated block a module path is in (`model.layers.3`), else the module itself, else ""."""
+    if not path:
+        return ""
+    segments = path.split(".")
+    for index, part in enumerate(segments):
+        if part.isdigit():
+            return ".".join(segments[:index + 1])
+    return path
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
+    """The plan's step time and memory per rank on `machine`. `optimizer`: the state it keeps per
+    parameter (Adam's two moments; SGD without momentum none)."""
+    typed, program, mesh = compiled.typed, compiled.program, compiled.program.mesh
+    bound = compiled.bound
+    flops = global_flops(bound)
+    slow = machine.slowdown(mesh.size)
+    ops = []
+    for name, node in typed.nodes.items():
+        share = math.prod(mesh.axis_sizes[a] for a, p in enumerate(node.op_layout.placements) if p.kind != "B")
+        info = typed.info(name)
+        moved = _nbytes(node.op_layout.local_shape(info.shape, mesh), info.dtype) + sum(
+            _nbytes(layout.local_shape(typed.info(operand).shape, mesh), typed.info(operand).dtype)
+            for operand, layout in zip(node.operands, node.operand_layouts))
+        local_flops = flops.get(name, 0) // share
+        forward = slow * (max(local_flops / machine.flops_per_s, moved / machine.bytes_per_s) + machine.op_overhead_s)
+        backward = 2 * forward if name in typed.requires_grad else 0.0
+        ops.append(OpCost(name, node.op.removeprefix("aten."), layer_of(bound.module_paths.get(name)),
+                          local_flops, moved, forward, backward))
+
+    def seconds(c) -> float:
+        return slow * machine.collective_seconds(c.kind, c.bytes, mesh.axis_sizes[mesh.axis_index(c.axis)])
+
+    costs = []
+    for statement in program.statements:
+        for c in statement.collectives:
+            costs.append(CollectiveCost(c.kind, c.axis, c.phase, c.bytes, seconds(c),
+                                        layer_of(bound.module_paths.get(c.node)), c.reason, False))
+    for group in program.gathers:
+        c = group.collective
+        costs.append(CollectiveCost(c.kind, c.axis, c.phase, c.bytes, seconds(c),
+                                    group.members[0].unit, c.reason, True))
+    for bucket in program.buckets:
+        for c in bucket.collectives:
+            costs.append(CollectiveCost(c.kind, c.axis, c.phase, c.bytes, seconds(c),
+                                        "", c.reason, True))
+
+    compute_forward = sum(o.forward_s for o in ops)
+    compute_backward = sum(o.backward_s for o in ops)
+    stalled = {phase: sum(c.seconds for c in costs if c.phase == phase and not c.overlapped)
+               for phase in ("forward", "backward")}
+    deferred = {phase: sum(c.seconds for c in costs if c.phase == phase and c.overlapped)
+                for phase in ("forward", "backward")}
+    # Deferred communication hides behind the compute of its phase, as far as the machine overlaps the two
+    # (on CPU ranks the collective competes with the compute for the cores); the rest is exposed.
+    exposed = sum(deferred[phase] - machine.overlap * min(deferred[phase], compute)
+                  for phase, compute in (("forward", compute_forward), ("backward", compute_backward)))
+    seconds = {
+        "compute_forward": compute_forward, "compute_backward": compute_backward,
+        "communication_forward": stalled["forward"], "communication_backward": stalled["backward"],
+        "overlapped": deferred["forward"] + deferred["backward"], "overlapped_exposed": exposed,
+    }
+    seconds["step"] = compute_forward + compute_backward + stalled["forward"] + stalled["backward"] + exposed
+
+    memory = memory_per_rank(program, optimizer)
+    return Estimate(machine, ops, costs, memory, seconds)
+
+
+OPTIMIZER_STATES = {"sgd": 0, "adam": 2, "adamw": 2}  # tensors of state per parameter
+
+
+def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
+    """Bytes one rank holds at its peak: parameters, gradients, optimizer state, activations kept for
+    backward (every op result: an upper bound), parameters gathered for use (this group and the
+    prefetched next); and what the serial model holds, for a bound written as a percentage."""
+    activity = program.memory()
+    gradients = sum(_nbytes(p.local_shape, _dtype(p.dtype)) for p in program.parameters if p.requires_grad)
+    states = OPTIMIZER_STATES[optimizer]
+    groups = sorted((sum(m.nbytes for m in g.members) for g in program.gathers), reverse=True)
+    memory = {
+        "parameters": activity["parameters_per_rank"],
+        "gradients": gradients,
+        "optimizer_state": states * gradients,
+        "activations": activity["activations_per_rank"],
+        "gathered_parameters": sum(groups[:2]),
+    }
+    memory["total"] = sum(memory.values())
+    memory["serial_total"] = activity["parameters_total"] * (2 + states) + activity["activations_total"]
+    return memory
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))

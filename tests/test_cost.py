@@ -1,0 +1,185 @@
+"""The cost model (pardsl/cost.py), `pardsl calibrate`, `pardsl explain` and the `memory <=` bound."""
+
+import json
+import math
+
+import pytest
+
+from pardsl import cli
+from pardsl.calibrate import fit
+from pardsl.compiler import compile_file
+from pardsl.cost import DEFAULTS, CalibrationError, LinkCost, Machine, estimate, global_flops, load_machine
+from pardsl.explain import html_page, layers, report, runner_ups
+from pardsl.layouts import COLLECTIVE_KINDS
+
+# Round figures, so that every expected number below is worked out by hand.
+MACHINE = Machine("gloo", {k: LinkCost(1e-4, 1e-9) for k in COLLECTIVE_KINDS}, 1e10, 1e9, 1e-6, "test")
+
+
+def test_alpha_and_beta_are_the_least_squares_line_through_the_measurements():
+    link = fit([(1000, 1e-4 + 2e-9 * 1000), (10 ** 6, 1e-4 + 2e-9 * 10 ** 6), (10 ** 7, 1e-4 + 2e-9 * 10 ** 7)])
+    assert math.isclose(link.alpha_s, 1e-4) and math.isclose(link.beta_s_per_byte, 2e-9)
+    assert fit([(1000, 5e-3), (2000, 1e-3)]).beta_s_per_byte > 0  # noise never makes bytes free or negative
+
+
+def test_flops_are_torchs_count_at_global_shapes_and_each_rank_does_its_share():
+    compiled = compile_file("examples/mlp.par")  # Megatron MLP, x [16, 256], d_ff 1024, tp = 2
+    flops = global_flops(compiled.bound)
+    assert sorted(flops.values()) == [2 * 16 * 256 * 1024] * 2  # fc1 and fc2, whole
+    result = estimate(compiled, MACHINE)
+    linears = [op for op in result.ops if op.op == "linear.default"]
+    assert [op.flops for op in linears] == [16 * 256 * 1024] * 2  # column- and row-parallel: half each
+    fc1 = linears[0]  # reads x [16, 256] whole, its weight's half [512, 256] and bias [512]; writes [16, 512]
+    assert fc1.bytes == 4 * (16 * 256 + 512 * 256 + 512 + 16 * 512)
+    assert math.isclose(fc1.forward_s, max(fc1.flops / 1e10, fc1.bytes / 1e9) + 1e-6)
+    assert math.isclose(fc1.backward_s, 2 * fc1.forward_s)
+
+
+def test_a_collective_costs_alpha_plus_beta_bytes_and_the_step_adds_up():
+    compiled = compile_file("examples/mlp.par")
+    result = estimate(compiled, MACHINE)
+    [forward] = [c for c in result.collectives if c.phase == "forward"]
+    assert (forward.kind, forward.bytes) == ("all_reduce", 16 * 1024)  # fc2's partial sum, 2T(n-1)/n of 16 KiB
+    assert math.isclose(forward.seconds, 2 * 1e-4 + 1e-9 * 16 * 1024)  # a ring all-reduce: 2(n-1) latencies
+    s = result.seconds
+    assert math.isclose(s["step"], s["compute_forward"] + s["compute_backward"] + s["communication_forward"] +
+                        s["communication_backward"] + s["overlapped_exposed"])
+    assert math.isclose(s["compute_forward"], sum(op.forward_s for op in result.ops))
+
+
+def test_ranks_that_share_a_hosts_cores_are_slower_the_more_there_are():
+    host = Machine("gloo", MACHINE.collectives, 1e10, 1e9, 1e-6, "test", world_size=2, cores=2)
+    assert host.slowdown(2) == 1.0 and host.slowdown(4) == 2.0 and host.slowdown(1) == 0.5  # 2 threads alone
+    assert MACHINE.slowdown(8) == 1.0  # a GPU each: no sharing
+    compiled = compile_file("examples/tp_schemes/layer_1d.par")  # tp = 4
+    assert math.isclose(estimate(compiled, host).seconds["step"], 2 * estimate(compiled, MACHINE).seconds["step"])
+
+
+def test_a_collectives_latency_grows_with_its_ring():
+    assert MACHINE.collective_seconds("all_reduce", 0, 4) == 6 * 1e-4  # 2(n-1) steps
+    assert MACHINE.collective_seconds("all_gather", 1000, 4) == 3 * 1e-4 + 1e-6
+
+
+def test_zero3_gathers_and_gradient_buckets_are_overlapped_and_memory_counts_them():
+    compiled = compile_file("examples/mlp_zero3.par")
+    result = estimate(compiled, MACHINE, optimizer="sgd")
+    overlapped = [c for c in result.collectives if c.overlapped]
+    assert {c.kind for c in overlapped} == {"all_gather", "reduce_scatter"}
+    assert not [c for c in result.collectives if not c.overlapped and c.kind == "all_gather"]
+    assert math.isclose(result.seconds["overlapped"], sum(c.seconds for c in overlapped))
+    memory = result.memory
+    assert memory["optimizer_state"] == 0 and memory["gathered_parameters"] > 0
+    assert memory["parameters"] == sum(math.prod(p.local_shape) * 4 for p in compiled.program.parameters)
+    assert estimate(compiled, MACHINE, optimizer="adamw").memory["optimizer_state"] == 2 * memory["gradients"]
+    assert memory["total"] < memory["serial_total"]
+
+
+def test_a_calibration_file_is_read_and_a_bad_one_is_a_clear_error(tmp_path):
+    assert load_machine(None, "gloo") is DEFAULTS["gloo"]  # no file where calibrate writes: the defaults
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps(MACHINE.to_json()))
+    machine = load_machine(str(path))
+    assert machine.collectives == MACHINE.collectives and machine.flops_per_s == 1e10
+    assert machine.source == f"calibrated: {path}"
+    for bad in ("{", json.dumps({"pardsl_calibration": 99}), json.dumps({**MACHINE.to_json(), "flops_per_s": -1}),
+                json.dumps({**MACHINE.to_json(), "collectives": {}})):
+        path.write_text(bad)
+        with pytest.raises(CalibrationError):
+            load_machine(str(path))
+    with pytest.raises(CalibrationError, match="cannot read"):
+        load_machine(str(tmp_path / "missing.json"))
+
+
+def test_calibrate_measures_this_machine_and_explain_and_compile_read_the_file(tmp_path, capsys):
+    path = tmp_path / "gloo.json"
+    assert cli.main(["calibrate", "--nproc", "2", "--backend", "gloo", "--quick", "-o", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert set(data["collectives"]) == set(COLLECTIVE_KINDS)
+    assert all(v["beta_s_per_byte"] > 0 and v["alpha_s"] >= 0 for v in data["collectives"].values())
+    assert data["flops_per_s"] > 1e8 and data["bytes_per_s"] > 1e7 and data["world_size"] == 2
+    assert 0 <= data["overlap"] <= 1 and data["cores"] >= 1
+    assert len(data["measured"]["points"]["all_reduce"]) == 3
+    capsys.readouterr()
+    assert cli.main(["explain", "examples/mlp.par", "--calibration", str(path)]) == 0
+    assert f"calibrated: {path}" in capsys.readouterr().out
+    assert cli.main(["compile", "examples/mlp.par", "-o", str(tmp_path / "out"), "--calibration", str(path)]) == 0
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["estimate"]["machine"] == f"calibrated: {path}" and plan["estimate"]["seconds"]["step"] > 0
+    (tmp_path / "bad.json").write_text("[]")
+    assert cli.main(["explain", "examples/mlp.par", "--calibration", str(tmp_path / "bad.json")]) == 2
+    assert "not a pardsl calibration file" in capsys.readouterr().err
+
+
+def test_explain_lists_layers_with_their_layouts_collectives_and_times():
+    compiled = compile_file("examples/mlp.par")
+    result = estimate(compiled, MACHINE)
+    text = report(compiled, result)
+    assert "machine: gloo, test; all-reduce α 100 µs per ring step, β 1 ns/B" in text
+    assert "fc1: compute" in text and "  layouts: weight S(0)@tp, bias S(0)@tp" in text
+    assert "  layouts: weight S(1)@tp, 1 more B" in text  # fc2: row parallel, its bias whole
+    assert "all-reduce     tp   forward               16.0 KiB    216 µs  `output` is B" in text
+    assert f"estimated step {result.seconds['step'] * 1e3:.2f} ms per rank" in text
+
+
+def test_explain_says_a_repeated_layer_once_and_the_runner_up_costs_more():
+    compiled = compile_file("examples/llama_zero3.par")
+    result = estimate(compiled, MACHINE)
+    text = report(compiled, result)
+    assert "model.layers.1: as model.layers.0" in text
+    assert "9 parameter(s) of model.layers.0, gathered for use" in text
+    assert "reduce-scatter dp" in text and "gradients of 21 parameters, bucket 0" in text
+    alternatives = runner_ups(compiled, result)
+    assert alternatives and all(alt.extra_bytes > 2 for alt in alternatives)
+    assert [a.extra_s for a in alternatives] == sorted(a.extra_s for a in alternatives)
+    assert "runner-up plans (one choice changed each):" in text
+    assert f"{alternatives[0].node}" in text.split("runner-up plans")[1]
+
+
+def test_the_html_page_is_self_contained_with_the_mesh_and_the_layers():
+    compiled = compile_file("examples/gpt_dp2_tp2.par")
+    result = estimate(compiled, MACHINE)
+    page = html_page(compiled, result)
+    assert page.startswith("<!DOCTYPE html>") and page.count("<svg") == 2
+    assert "<script" not in page and "src=" not in page and "href=" not in page
+    assert page.count("rank ") >= 4 and ">dp0, tp1<" in page
+    drawn = [layer for layer in layers(compiled, result)]
+    assert all((layer.name or "(outside)") in page for layer in drawn)
+
+
+def test_explain_json_and_html_from_the_command_line(tmp_path, capsys):
+    page = tmp_path / "plan.html"
+    assert cli.main(["explain", "examples/gpt_tp2.par", "--json", "--html", str(page)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and data["seconds"]["step"] > 0 and data["memory"]["total"] > 0
+    assert data["machine"].startswith("defaults for gloo")
+    assert page.read_text().startswith("<!DOCTYPE html>")
+
+
+MLP_BOUND = "mesh tp = 2\nmodel examples.models:MLP()\n{memory}\ninput x : float32[16, 256]\n" \
+            "layout {{\n  fc1.weight : S(0)\n  fc2.weight : S(1)\n}}\n"
+
+
+def test_a_plan_over_its_memory_bound_is_a_note_at_the_memory_line(compile_par):
+    over = compile_par(MLP_BOUND.format(memory="memory <= 1 MiB"))
+    [note] = [n for n in over.program.notes if n.code == "N003"]
+    assert (note.span.line, note.span.column) == (3, 1) and note.severity == "note"
+    assert note.message.startswith("the plan needs 4.1 MiB per rank") and "more than the bound of 1.0 MiB (1 MiB)" in note.message
+    assert over.memory_bound == 1 << 20
+    within = compile_par(MLP_BOUND.format(memory="memory <= 60 %"))
+    assert not [n for n in within.program.notes if n.code == "N003"]
+    text = report(within, estimate(within, MACHINE), within.memory_bound)
+    assert "bound" in text and "within" in text
+
+
+@pytest.mark.parametrize("line, code, column", [
+    ("memory <= 0 MiB", "E064", 1),
+    ("memory <= 101 %", "E064", 1),
+    ("memory <= 40", "E001", 13),
+    ("memory <= 40 MB", "E001", 14),
+])
+def test_a_memory_bound_that_is_no_bound_is_located(compile_par, line, code, column):
+    from pardsl.diagnostics import CompileError
+
+    with pytest.raises(CompileError) as caught:
+        compile_par(MLP_BOUND.format(memory=line))
+    assert [(d.code, d.span.line, d.span.column) for d in caught.value.diagnostics] == [(code, 3, column)]
