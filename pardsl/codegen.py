@@ -15,6 +15,7 @@ import jinja2
 
 from . import __version__
 from .lowering import LoweredProgram, format_bytes, named_layout
+from .program import Arg, Instruction, Items, Text, Var
 
 _COMMENT_COLUMN = 72
 
@@ -50,11 +51,36 @@ def _slot(slot, mesh) -> dict:
     }
 
 
+def _arg(arg: Arg) -> str:
+    if isinstance(arg, Var):
+        return arg.name
+    if isinstance(arg, Text):
+        return arg.text
+    if isinstance(arg, Items):
+        inner = ", ".join(_arg(a) for a in arg.items)
+        return f"{arg.brackets[0]}{inner}{arg.brackets[1]}"
+    raise AssertionError(f"a {arg} left unformed by lowering")
+
+
+def render_expression(instruction: Instruction) -> str:
+    """The Python expression of one instruction: the only place instructions become text."""
+    args = [_arg(a) for a in instruction.args]
+    if instruction.kind == "project":
+        return f"{args[0]}[{args[1]}]"
+    if instruction.kind == "size":
+        return f"{args[0]}.shape[{args[1]}]" + (f" * {args[2]}" if len(args) > 2 else "")
+    if instruction.kind == "expression":
+        return args[0]
+    parts = args + [f"{keyword}={_arg(value)}" for keyword, value in instruction.kwargs]
+    return f"{instruction.callee}({', '.join(parts)})"
+
+
 def render(program: LoweredProgram) -> str:
     mesh = program.mesh
     lines = []
     for statement in program.statements:
-        code = f"{statement.target} = {statement.expr}" if statement.target else statement.expr
+        expr = render_expression(statement.instruction)
+        code = f"{statement.target} = {expr}" if statement.target else expr
         lines.append(f"{code.ljust(_COMMENT_COLUMN)}  # {statement.comment}")
     counts = program.collective_counts()
     totals = program.collective_bytes()

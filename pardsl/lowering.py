@@ -28,6 +28,7 @@ from .diagnostics import Diagnostic
 from .inference import TypedGraph
 from .layouts import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
 from .oprules import Signature, rule_for
+from .program import Instruction, Items, Slot, Text, Var
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class Collective:
 
 @dataclass(frozen=True)
 class Statement:
-    target: str
-    expr: str
+    target: str  # the variable (or variables, comma-separated) it binds; "" for a check
+    instruction: Instruction
     comment: str
     collectives: tuple[Collective, ...] = ()
 
@@ -397,8 +398,8 @@ class _Lowerer:
         pairs = []
         for name in names:
             operands = self.typed.nodes[name].operands
-            bias = self.var[operands[2]] if len(operands) > 2 else "None"
-            pairs.append(f"({self.var[operands[1]]}, {bias})")
+            bias = Var(self.var[operands[2]]) if len(operands) > 2 else Text("None")
+            pairs.append(Items((Var(self.var[operands[1]]), bias), "()"))
         axis_names = tuple(self.mesh.axis_names[a] for a in axes)
         if gather is None:  # f: x is B; its gradient, partial, is all-reduced
             x = self._ensure(source, node.operand_layouts[0], reason)
@@ -408,30 +409,32 @@ class _Lowerer:
                 Collective("all_reduce", a, "backward", collective_bytes("all_reduce", local, n), x,
                            "gradient of a broadcast value read by sharded computation")
                 for a, n in ((a, self.mesh.axis_sizes[self.mesh.axis_index(a)]) for a in axis_names) if n > 1)
-            extra, what = "", "its gradient all-reduced once"
+            extra, what = (), "its gradient all-reduced once"
         else:  # SP's g: x is split; gathered here, its gradient reduce-scattered back
             x = self.var[source]
             self.emitted.add(var)
             collectives = (Collective("all_gather", axis_names[0], "forward", gather.forward_bytes, var, reason),
                            Collective("reduce_scatter", axis_names[0], "backward", gather.forward_bytes, var, reason))
-            blocks = f", blocks={gather.src_blocks}" if gather.src_blocks > 1 else ""
-            extra, what = f", gather_dim={gather.src_dim}{blocks}", "gathered first; its gradient reduce-scattered"
+            blocks = (("blocks", Text(str(gather.src_blocks))),) if gather.src_blocks > 1 else ()
+            extra, what = (("gather_dim", Text(str(gather.src_dim))),) + blocks, \
+                "gathered first; its gradient reduce-scattered"
         moved = ", ".join(f"{c.kind.replace('_', '-')} {format_bytes(c.bytes)} ({c.phase})" for c in collectives)
         targets = ", ".join(names) + ("," if len(names) == 1 else "")
         comment = (f"{self._value_comment(node.op_layout, self.typed.info(first))}; {len(names)} linear(s) of one "
                    f"input, {what} while the weights' gradients are computed ({moved})")
         with self._moving(source):
-            self.emit(targets, f"rt.column_parallel_linears({x}, {axis_names!r}, {', '.join(pairs)}{extra})",
-                      comment, collectives)
+            self.emit(targets, Instruction("fused_linears", "rt.column_parallel_linears",
+                                           (Var(x), Text(repr(axis_names)), *pairs), extra), comment, collectives)
         for name in names:
             self.var[name] = name
             self.emitted.add(name)
 
     # -- pass 2: statements --------------------------------------------------------------------------
 
-    def emit(self, target: str, expr: str, comment: str, collectives: tuple[Collective, ...] = ()) -> None:
+    def emit(self, target: str, instruction: Instruction, comment: str,
+             collectives: tuple[Collective, ...] = ()) -> None:
         collectives = tuple(dataclasses.replace(c, node=self.current_node) for c in collectives)
-        self.statements.append(Statement(target, expr, comment, collectives))
+        self.statements.append(Statement(target, instruction, comment, collectives))
 
     def _value_comment(self, layout: Layout, info) -> str:
         whole, local = _shape_text(info), _shape_text(info, layout, self.mesh)
@@ -502,12 +505,12 @@ class _Lowerer:
                                             unit, str(info.dtype), whole))
         arrow = f"{step.source.placements[step.axis]}→B@{axis}"
         what = f"all-gathered in @@group{index}@@ (forward, prefetched)"
-        args = f"{self.var[name]}, @@gather{index}@@"
+        args: tuple = (Var(self.var[name]), Slot("gather", index))
         if (var, step.axis) in self.reduce_scatter_backward and name in self.typed.requires_grad:
             sync = self._sync("reduce_scatter", (axis,), name, step.src_dim, step.src_blocks, whole)
-            args += f", @@sync{sync}@@"
+            args += (Slot("sync", sync),)
             what += f"; its gradient reduce-scattered in @@bucket{sync}@@ (backward)"
-        self.emit(var, f"sync.all_gather({args})", f"{arrow}: {what} — {reason}")
+        self.emit(var, Instruction("param_gather", "sync.all_gather", args), f"{arrow}: {what} — {reason}")
 
     def _gather_groups(self) -> tuple[list[GatherGroup], dict[int, tuple[int, int]]]:
         """Consecutive gathers of one layer (or of no layer), one axis and dtype: one all-gather each."""
@@ -578,14 +581,17 @@ class _Lowerer:
         def fill(text: str) -> str:
             return _PLACEHOLDER.sub(lambda m: fills[m.group(1)](int(m.group(2))), text)
 
-        self.statements = [Statement(s.target, fill(s.expr), fill(s.comment), s.collectives) if "@@" in s.expr
-                           else s for s in self.statements]
+        def place(slot: Slot) -> Text:
+            return Text(fills[slot.kind](slot.index))
+
+        self.statements = [Statement(s.target, s.instruction.replace_slots(place), fill(s.comment), s.collectives)
+                           for s in self.statements]
 
     def _step_call(self, step: ConversionStep, source: str, axis: str, target: str, reason: str,
-                   rs_backward: bool, needs_grad: bool) -> tuple[str, tuple[Collective, ...]]:
+                   rs_backward: bool, needs_grad: bool) -> tuple[Instruction, tuple[Collective, ...]]:
         method, kwargs = step_call(step, rs_backward)
-        args = "".join(f", {k}={v!r}" if not isinstance(v, str) else f', {k}="{v}"' for k, v in kwargs.items())
-        expr = f'rt.{method}({source}, "{axis}"{args})'
+        expr = Instruction("convert", f"rt.{method}", (Var(source), Text(f'"{axis}"')),
+                           tuple((k, Text(f'"{v}"' if isinstance(v, str) else repr(v))) for k, v in kwargs.items()))
         conversion = CONVERSION_OF_KIND[step.kind]
         fwd = [conversion.forward] if conversion.forward else []
         bwd = [(conversion.backward, step.backward_bytes)] if conversion.backward else []
@@ -619,7 +625,7 @@ class _Lowerer:
                     self.grad_wrapper[key] = var
                     return var
                 sync = self._sync("all_reduce", sized, name, 0, 1, local)
-                self.emit(wrapper, f"sync.grad_all_reduce({var}, @@sync{sync}@@)",
+                self.emit(wrapper, Instruction("param_grad_sync", "sync.grad_all_reduce", (Var(var), Slot("sync", sync))),
                           f"B read by {consumers} sharded consumer(s): its gradient all-reduced over "
                           f"{', '.join(sized)} in @@bucket{sync}@@ (backward)")
                 return wrapper
@@ -629,10 +635,10 @@ class _Lowerer:
                            wrapper, "gradient of a broadcast value read by sharded computation")
                 for axis in axes if self.mesh.axis_sizes[self.mesh.axis_index(axis)] > 1
             )
-            args = ", ".join(f'"{a}"' for a in axes)
             moved = format_bytes(sum(c.bytes for c in collectives))
             with self._moving(name):
-                self.emit(wrapper, f"rt.grad_all_reduce({var}, {args})",
+                self.emit(wrapper, Instruction("grad_sync", "rt.grad_all_reduce",
+                                               (Var(var), *(Text(f'"{a}"') for a in axes))),
                           f"B read by {consumers} sharded consumer(s): all-reduce its gradient once "
                           f"({moved}, backward)", collectives)
         return self.grad_wrapper[key]
@@ -658,43 +664,42 @@ class _Lowerer:
 
         def arg(value):
             if isinstance(value, torch.fx.Node) and value.name in self.bound.scalars:
-                return value.name  # a size, global, computed at the top of forward()
+                return Var(value.name)  # a size, global, computed at the top of forward()
             if isinstance(value, torch.fx.Node):
-                return next(tensor_nodes)
+                return Var(next(tensor_nodes))
             if isinstance(value, (list, tuple)) and any(isinstance(v, torch.fx.Node) for v in value):
-                inner = ", ".join(arg(v) for v in value)
-                return f"[{inner}]"
-            return _render(value)
+                return Items(tuple(arg(v) for v in value))
+            return Text(_render(value))
 
         args = [arg(a) for a in fx_node.args]
         local_code = local_sizes(info, typed_node.op_layout, self.mesh)
         if rule.shape_arg is not None and rule.shape_arg < len(args):
-            args[rule.shape_arg] = _render(local_code)
+            args[rule.shape_arg] = Text(_render(local_code))
         if rule.size_arg is not None and typed_node.spec.cut is not None:
             # S(d, blocks=m) cut into m parts: each part is split, so each local part is smaller
             dim = typed_node.spec.output.index(typed_node.spec.cut[0])
             part = local_code[dim]
             sizes = fx_node.args[rule.size_arg]
-            args[rule.size_arg] = _render([part] * len(sizes) if isinstance(sizes, (list, tuple)) else part)
-        kwargs = [f"{k}={arg(v)}" for k, v in fx_node.kwargs.items()]
-        expr = f"{typed_node.op}({', '.join(args + kwargs)})"
+            args[rule.size_arg] = Text(_render([part] * len(sizes) if isinstance(sizes, (list, tuple)) else part))
+        kwargs = [(k, arg(v)) for k, v in fx_node.kwargs.items()]
+        expr = Instruction("compute", typed_node.op, tuple(args), tuple(kwargs))
         vocab_axes = [self.mesh.axis_names[a] for a, p in enumerate(typed_node.operand_layouts[0].placements)
                       if p.is_split and p.dim == 0] if rule.masked_lookup else []
         parallel_forms = self._extra_signatures_taken(typed_node) if rule.parallel_form else {}
         inner: tuple[Collective, ...] = ()
         if rule.family == "project":
-            expr = f"{operand_vars[0]}[{fx_node.args[1]}]"
+            expr = Instruction("project", "", (Var(operand_vars[0]), Text(str(fx_node.args[1]))))
         elif vocab_axes:
             # Each rank holds a slice of the vocabulary: look up the ids it holds, zeros for the rest (P).
-            axes = ", ".join(f'"{a}"' for a in vocab_axes)
-            expr = f"rt.masked_embedding({operand_vars[0]}, {operand_vars[1]}, {axes})"
+            expr = Instruction("masked_lookup", "rt.masked_embedding", (Var(operand_vars[0]), Var(operand_vars[1]),
+                                                                        *(Text(f'"{a}"') for a in vocab_axes)))
         elif parallel_forms:
             # the rule's parallel form takes the op's own arguments, and per form the axes it is taken on
             forms = {}
             for axis, signature in parallel_forms.items():
                 forms.setdefault(signature.name, []).append(self.mesh.axis_names[axis])
-            form_kwargs = [f"{form}={tuple(axes)!r}" for form, axes in forms.items()]
-            expr = f"rt.{rule.parallel_form}({', '.join(args + kwargs + form_kwargs)})"
+            form_kwargs = [(form, Text(repr(tuple(axes)))) for form, axes in forms.items()]
+            expr = Instruction("form", f"rt.{rule.parallel_form}", tuple(args), tuple(kwargs + form_kwargs))
             inner = self._inner_collectives(typed_node, parallel_forms, reason)
         self.emit(name, expr, self._value_comment(typed_node.op_layout, info), inner)
         if rule.mean:
@@ -784,13 +789,15 @@ class _Lowerer:
             factor = layout.split_factor(index, self.mesh)
             split = f" × {factor} (split over {', '.join(self.mesh.axis_names[a] for a in layout.axes_splitting(index))})" \
                 if factor > 1 else ""
-            self.emit(var, f"{input_name}.shape[{index}]" + (f" * {factor}" if factor > 1 else ""),
+            self.emit(var, Instruction("size", "", (Var(input_name), Text(str(index)))
+                                       + ((Text(str(factor)),) if factor > 1 else ())),
                       f"dim `{dim_name}`: {input_name}'s dim {index}{split}")
             if factor % needed.get(var, 1):  # the input's own split does not guarantee it
-                self.statements.append(Statement("", f'rt.require_divisible({var}, {needed[var]}, "{dim_name}")',
+                self.statements.append(Statement("", Instruction("check", "rt.require_divisible",
+                                                                 (Var(var), Text(str(needed[var])), Text(f'"{dim_name}"'))),
                                                  f"a tensor splits `{dim_name}` {needed[var]} ways"))
         for node_name, expr in self.bound.scalars.items():
-            self.emit(node_name, expr, "a size, global")
+            self.emit(node_name, Instruction("expression", "", (Text(expr),)), "a size, global")
 
     def _note_exchanges(self) -> None:
         """All-to-alls nobody wrote are a fallback (an op could not keep a split: 3 heads over tp = 2), often
@@ -828,7 +835,7 @@ class _Lowerer:
         dims = fx_node.args[1] if len(fx_node.args) > 1 and fx_node.args[1] else list(range(rank))
         factor = math.prod(operand_layout.split_factor(d % rank, self.mesh) for d in dims)
         if factor > 1:
-            self.emit(name, f"aten.div.Tensor({name}, {factor})",
+            self.emit(name, Instruction("compute", "aten.div.Tensor", (Var(name), Text(str(factor)))),
                       f"a mean over dims split {factor} ways: each rank's share, summed over ranks, is the mean")
 
     def lower(self) -> LoweredProgram:

@@ -3,6 +3,7 @@
 import json
 import re
 
+from pardsl.codegen import render_expression
 from pardsl.compiler import compile_file, write_outputs
 from pardsl.layouts import B, P, S, Layout
 
@@ -105,7 +106,7 @@ def test_views_get_local_shapes(compile_par):
     compiled = compile_par("mesh tp = 2\nmodel tests.zoo:Shapes(d=16, heads=4)\ninput x : float32[2, 4, 16]\n"
                            "layout {\n  proj.weight : S(0)\n  proj.bias : S(0)\n}\n")
     view = next(s for s in compiled.program.statements if s.target == "view")
-    assert view.expr == "aten.view.default(linear, [2, 4, 2, 4])"  # 4 heads over 2 ranks
+    assert render_expression(view.instruction) == "aten.view.default(linear, [2, 4, 2, 4])"  # 4 heads over 2 ranks
     assert "S(2)@tp  [2, 4, 4, 4] local [2, 4, 2, 4]" in view.comment
 
 
@@ -145,7 +146,8 @@ def test_plan_json_lists_every_tensor_and_collective(tmp_path):
 def test_mean_over_a_split_dim_is_rescaled(compile_par):
     compiled = compile_par("mesh tp = 2\nmodel tests.zoo:Shapes(d=16, heads=4)\ninput x : float32[2, 4, 16]\n"
                            "layout {\n  out() : S(1)\n}\n")
-    assert any(s.target == "mean" and s.expr == "aten.div.Tensor(mean, 2)" for s in compiled.program.statements)
+    assert any(s.target == "mean" and render_expression(s.instruction) == "aten.div.Tensor(mean, 2)"
+               for s in compiled.program.statements)
 
 
 def test_errors_that_are_not_finite_never_pass():
@@ -172,3 +174,26 @@ def test_an_all_to_all_nobody_wrote_is_a_note_naming_the_first_op_that_needed_it
     # each collective knows the op whose value it moves: here the attention's, in each layer
     assert {compiled.bound.module_paths[c.node] for c in exchanges} == {"h.0.attn", "h.1.attn"}
     assert not [n for n in compile_file("examples/gpt_tp2.par").program.notes if n.code == "N002"]
+
+
+def test_the_program_is_instructions_over_values_and_only_codegen_writes_python():
+    from pardsl.program import Instruction, Items, Slot, Text, Var
+
+    program = compile_file("examples/mlp_zero3.par").program
+    kinds = [s.instruction.kind for s in program.statements]
+    assert kinds.count("param_gather") == 4 and kinds.count("compute") == 3  # 2 linears and the gelu
+    for statement in program.statements:
+        assert isinstance(statement.instruction, Instruction)
+
+        def formed(arg):
+            return not isinstance(arg, Slot) and (not isinstance(arg, Items) or all(map(formed, arg.items)))
+        assert all(formed(a) for a in statement.instruction.args)  # buckets and groups are filled in
+    # which values an instruction reads is data: every one is defined before it, or is a slot of the module
+    defined = {slot.var for slot in program.inputs} | {f"self.{p.var}" for p in program.parameters}
+    for statement in program.statements:
+        assert set(statement.instruction.reads()) <= defined, statement
+        defined.update(t.strip() for t in statement.target.split(",") if t.strip())
+    gather = next(s.instruction for s in program.statements if s.instruction.kind == "param_gather")
+    assert gather.callee == "sync.all_gather" and gather.reads() == ["self.fc1_weight"]
+    assert render_expression(gather) == "sync.all_gather(self.fc1_weight, group=0, item=0, bucket=0, member=3)"
+    assert render_expression(Instruction("size", "", (Var("x"), Text("0"), Text("2")))) == "x.shape[0] * 2"
