@@ -52,6 +52,7 @@ class Statement:
     instruction: Instruction
     comment: str
     collectives: tuple[Collective, ...] = ()
+    layouts: tuple[Layout, ...] = ()  # the layout of each variable it binds
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,17 @@ class LoweredProgram:
     def collectives(self) -> list[Collective]:
         return ([c for s in self.statements for c in s.collectives] + [g.collective for g in self.gathers] +
                 [c for b in self.buckets for c in b.collectives])
+
+    def layout_of(self, var: str) -> Layout | None:
+        """The layout of a program variable: a slot's, or the one its statement gives it (None for a size)."""
+        for slot in self.parameters + self.buffers + self.inputs:
+            if var in (slot.var, f"self.{slot.var}"):
+                return slot.layout
+        for statement in self.statements:
+            targets = [t.strip() for t in statement.target.split(",") if t.strip()]
+            if var in targets and statement.layouts:
+                return statement.layouts[targets.index(var)]
+        return None
 
     def collective_counts(self) -> dict[str, dict[str, int]]:
         counts = {phase: {kind: 0 for kind in COLLECTIVE_KINDS} for phase in ("forward", "backward")}
@@ -424,7 +436,8 @@ class _Lowerer:
                    f"input, {what} while the weights' gradients are computed ({moved})")
         with self._moving(source):
             self.emit(targets, Instruction("fused_linears", "rt.column_parallel_linears",
-                                           (Var(x), Text(repr(axis_names)), *pairs), extra), comment, collectives)
+                                           (Var(x), Text(repr(axis_names)), *pairs), extra), comment, collectives,
+                      tuple(self.typed.nodes[name].op_layout for name in names))
         for name in names:
             self.var[name] = name
             self.emitted.add(name)
@@ -432,9 +445,9 @@ class _Lowerer:
     # -- pass 2: statements --------------------------------------------------------------------------
 
     def emit(self, target: str, instruction: Instruction, comment: str,
-             collectives: tuple[Collective, ...] = ()) -> None:
+             collectives: tuple[Collective, ...] = (), layouts: tuple[Layout, ...] = ()) -> None:
         collectives = tuple(dataclasses.replace(c, node=self.current_node) for c in collectives)
-        self.statements.append(Statement(target, instruction, comment, collectives))
+        self.statements.append(Statement(target, instruction, comment, collectives, layouts))
 
     def _value_comment(self, layout: Layout, info) -> str:
         whole, local = _shape_text(info), _shape_text(info, layout, self.mesh)
@@ -510,7 +523,8 @@ class _Lowerer:
             sync = self._sync("reduce_scatter", (axis,), name, step.src_dim, step.src_blocks, whole)
             args += (Slot("sync", sync),)
             what += f"; its gradient reduce-scattered in @@bucket{sync}@@ (backward)"
-        self.emit(var, Instruction("param_gather", "sync.all_gather", args), f"{arrow}: {what} — {reason}")
+        self.emit(var, Instruction("param_gather", "sync.all_gather", args), f"{arrow}: {what} — {reason}",
+                  layouts=(step.target,))
 
     def _gather_groups(self) -> tuple[list[GatherGroup], dict[int, tuple[int, int]]]:
         """Consecutive gathers of one layer (or of no layer), one axis and dtype: one all-gather each."""
@@ -584,7 +598,7 @@ class _Lowerer:
         def place(slot: Slot) -> Text:
             return Text(fills[slot.kind](slot.index))
 
-        self.statements = [Statement(s.target, s.instruction.replace_slots(place), fill(s.comment), s.collectives)
+        self.statements = [dataclasses.replace(s, instruction=s.instruction.replace_slots(place), comment=fill(s.comment))
                            for s in self.statements]
 
     def _step_call(self, step: ConversionStep, source: str, axis: str, target: str, reason: str,
@@ -627,7 +641,7 @@ class _Lowerer:
                 sync = self._sync("all_reduce", sized, name, 0, 1, local)
                 self.emit(wrapper, Instruction("param_grad_sync", "sync.grad_all_reduce", (Var(var), Slot("sync", sync))),
                           f"B read by {consumers} sharded consumer(s): its gradient all-reduced over "
-                          f"{', '.join(sized)} in @@bucket{sync}@@ (backward)")
+                          f"{', '.join(sized)} in @@bucket{sync}@@ (backward)", layouts=(layout,))
                 return wrapper
             collectives = tuple(
                 Collective("all_reduce", axis, "backward",
@@ -640,7 +654,7 @@ class _Lowerer:
                 self.emit(wrapper, Instruction("grad_sync", "rt.grad_all_reduce",
                                                (Var(var), *(Text(f'"{a}"') for a in axes))),
                           f"B read by {consumers} sharded consumer(s): all-reduce its gradient once "
-                          f"({moved}, backward)", collectives)
+                          f"({moved}, backward)", collectives, (layout,))
         return self.grad_wrapper[key]
 
     def lower_node(self, name: str) -> None:
@@ -701,7 +715,7 @@ class _Lowerer:
             form_kwargs = [(form, Text(repr(tuple(axes)))) for form, axes in forms.items()]
             expr = Instruction("form", f"rt.{rule.parallel_form}", tuple(args), tuple(kwargs + form_kwargs))
             inner = self._inner_collectives(typed_node, parallel_forms, reason)
-        self.emit(name, expr, self._value_comment(typed_node.op_layout, info), inner)
+        self.emit(name, expr, self._value_comment(typed_node.op_layout, info), inner, (typed_node.op_layout,))
         if rule.mean:
             self._rescale_mean(typed_node, fx_node, name)
         value_var = self.var[name]  # named before pass 1: where the value layout will live
@@ -768,7 +782,7 @@ class _Lowerer:
             expr, collectives = self._step_call(step, current, axis, target, reason, rs_backward, needs_grad)
             arrow = f"{step.source.placements[step.axis]}→{step.target.placements[step.axis]}@{axis}"
             what = ", ".join(f"{c.kind.replace('_', '-')} {format_bytes(c.bytes)} ({c.phase})" for c in collectives)
-            self.emit(target, expr, f"{arrow}: {what or 'local'} — {reason}", collectives)
+            self.emit(target, expr, f"{arrow}: {what or 'local'} — {reason}", collectives, (step.target,))
             current = target
 
     def _emit_sizes(self, inputs: list[TensorSlot]) -> None:
@@ -836,7 +850,8 @@ class _Lowerer:
         factor = math.prod(operand_layout.split_factor(d % rank, self.mesh) for d in dims)
         if factor > 1:
             self.emit(name, Instruction("compute", "aten.div.Tensor", (Var(name), Text(str(factor)))),
-                      f"a mean over dims split {factor} ways: each rank's share, summed over ranks, is the mean")
+                      f"a mean over dims split {factor} ways: each rank's share, summed over ranks, is the mean",
+                      layouts=(typed_node.op_layout,))
 
     def lower(self) -> LoweredProgram:
         bound, typed, mesh = self.bound, self.typed, self.mesh

@@ -197,3 +197,14 @@ def test_the_program_is_instructions_over_values_and_only_codegen_writes_python(
     assert gather.callee == "sync.all_gather" and gather.reads() == ["self.fc1_weight"]
     assert render_expression(gather) == "sync.all_gather(self.fc1_weight, group=0, item=0, bucket=0, member=3)"
     assert render_expression(Instruction("size", "", (Var("x"), Text("0"), Text("2")))) == "x.shape[0] * 2"
+
+
+def test_every_value_of_the_program_carries_its_layout():
+    program = compile_file("examples/mlp.par").program  # Megatron MLP on tp = 2
+    assert program.layout_of("x") == Layout((B,)) and program.layout_of("self.fc1_weight") == Layout((S(0),))
+    assert program.layout_of("linear") == Layout((S(1),))  # column parallel: its result split
+    assert program.layout_of("linear_1") == Layout((P,))  # row parallel: a partial sum
+    assert program.layout_of("linear_1__B") == Layout((B,))  # after its all-reduce
+    for statement in program.statements:
+        targets = [t for t in statement.target.split(",") if t.strip()]
+        assert len(statement.layouts) == len(targets) or statement.instruction.kind in ("size", "expression")
