@@ -1,9 +1,12 @@
 """`pardsl calibrate`: measure the cost model's figures on this machine and backend, into a file.
 
 Each collective kind is timed over `nproc` ranks at sizes from a few KiB to several MiB; α and β are the
-least-squares line through (per-rank volume, seconds), with the volumes of DESIGN's table. On rank 0 a
-square matmul gives the throughput, a large elementwise add the memory bandwidth, and a tiny add the
-overhead of one op. Ranks use the threads a `pardsl run` on as many ranks would.
+least-squares line through (per-rank volume, seconds), with the volumes of DESIGN's table; its intercept,
+divided by the ring's steps, is α per step. With every rank computing at once (CPU ranks share the
+cores, as in a run), a square matmul gives the throughput, a large elementwise add the memory bandwidth
+and a tiny add the overhead of one op; an all-reduce issued asynchronously beside matmuls gives the
+share of communication that hides behind compute. Ranks use the threads a `pardsl run` on as many ranks
+would.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .cost import CALIBRATION_VERSION, LinkCost, Machine, ring_steps
+from .cost import LinkCost, Machine, ring_steps
 from .layouts import COLLECTIVE_KINDS, collective_bytes
 
 SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)  # bytes of one rank's tensor
@@ -138,15 +141,12 @@ def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, repeat
 
 
 def write(machine: Machine, raw: dict, path: str) -> None:
+    from .compiler import write_atomically  # not at import: the ranks import this module, not the compiler
+
     data = machine.to_json()
     data["measured"] = {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                         "threads_per_rank": max(1, (os.cpu_count() or 1) // machine.world_size),
                         "device": torch.cuda.get_device_name(0) if machine.backend == "nccl" else "cpu",
                         "points": raw["points"]}
-    assert data["pardsl_calibration"] == CALIBRATION_VERSION
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2)
-        handle.write("\n")
-    os.replace(temporary, path)
+    write_atomically(path, json.dumps(data, indent=2) + "\n")

@@ -237,10 +237,10 @@ def _explain(args, compiled) -> int:
     result = estimate(compiled, machine, args.optimizer)
     bound = compiled.memory_bound
     if args.html:
-        from .compiler import _write_atomically
+        from .compiler import write_atomically
 
         try:
-            _write_atomically(args.html, html_page(compiled, result, bound))
+            write_atomically(args.html, html_page(compiled, result, bound))
         except OSError as error:
             print(f"pardsl: error: cannot write {args.html}: {error.strerror}", file=sys.stderr)
             return EXIT_INPUT_ERROR

@@ -131,12 +131,12 @@ def write_outputs(compiled: Compiled, out_dir: str, machine=None) -> tuple[str, 
     os.makedirs(out_dir, exist_ok=True)
     module_path = os.path.join(out_dir, MODULE_FILE)
     plan_path = os.path.join(out_dir, PLAN_FILE)
-    _write_atomically(module_path, compiled.source)
-    _write_atomically(plan_path, json.dumps(plan_json(compiled, machine), indent=2, sort_keys=False) + "\n")
+    write_atomically(module_path, compiled.source)
+    write_atomically(plan_path, json.dumps(plan_json(compiled, machine), indent=2, sort_keys=False) + "\n")
     return module_path, plan_path
 
 
-def _write_atomically(path: str, text: str) -> None:
+def write_atomically(path: str, text: str) -> None:
     temporary = f"{path}.{os.getpid()}.tmp"
     try:
         with open(temporary, "x", encoding="utf-8") as handle:

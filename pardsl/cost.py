@@ -2,12 +2,15 @@
 
 One module prices everything, so that `explain`, `plan.json` and a search agree:
 
-- a collective costs α + β·bytes, per kind, where bytes is the per-rank volume of DESIGN's table
-  (an all-reduce of T bytes over n ranks moves 2T(n-1)/n) — the figure each `Collective` already carries;
+- a collective over n ranks costs α per ring step (2(n-1) for an all-reduce, n-1 for the others) + β per
+  byte, per kind, where bytes is the per-rank volume of DESIGN's table (an all-reduce of T bytes moves
+  2T(n-1)/n) — the figure each `Collective` already carries;
 - an op costs a roofline, max(FLOP / throughput, bytes / bandwidth), plus a fixed overhead per op (eager
   dispatch); FLOP come from `torch.utils.flop_counter` run on meta tensors of the op's global shapes, and
   each rank does the share its layout leaves it (the product of the axis sizes its result is S or P on).
   Backward costs twice forward where a gradient flows;
+- prefetched parameter gathers and gradient buckets hide behind their phase's compute as far as the
+  machine overlaps the two; CPU ranks on one host share its cores, so more ranks run each slower;
 - memory per rank is parameters, gradients, optimizer state, activations kept for backward, and the
   parameters gathered for use (this group's and the prefetched next one's).
 
@@ -25,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .layouts import COLLECTIVE_KINDS
+from .oprules import rule_for
 
 CALIBRATION_VERSION = 1
 
@@ -133,18 +137,18 @@ def load_machine(path: str | None = None, backend: str = "gloo") -> Machine:
 # FLOP per op
 
 
-_COUNTED = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv", "convolution",
-            "scaled_dot_product_attention", "_scaled_dot_product")
+_COUNTED_FAMILIES = ("einsum", "matmul", "attention", "conv")  # op rule families that do the arithmetic
 
 
 def global_flops(bound) -> dict[str, int]:
-    """FLOP of each op node of the exported graph at its global shapes, for ops that do arithmetic worth
-    counting (matmuls, convolutions, attention); torch's own counter, run on meta tensors."""
+    """FLOP of each op node of the exported graph at its global shapes, for the rule families that do
+    arithmetic worth counting (matmuls, convolutions, attention); torch's own counter, on meta tensors."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counts: dict[str, int] = {}
     for node in bound.graph.nodes:
-        if node.op != "call_function" or not any(part in str(node.target) for part in _COUNTED):
+        rule = rule_for(node) if node.op == "call_function" else None
+        if rule is None or rule.family not in _COUNTED_FAMILIES:
             continue
 
         def meta(value):
@@ -191,6 +195,7 @@ class CollectiveCost:
     layer: str
     reason: str
     overlapped: bool  # a prefetched parameter gather or a gradient bucket: off the critical path
+    bucket: bool = False  # a gradient bucket's: of parameters of every layer
 
 
 @dataclass
@@ -248,19 +253,13 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
     def seconds(c) -> float:
         return slow * machine.collective_seconds(c.kind, c.bytes, mesh.axis_sizes[mesh.axis_index(c.axis)])
 
-    costs = []
-    for statement in program.statements:
-        for c in statement.collectives:
-            costs.append(CollectiveCost(c.kind, c.axis, c.phase, c.bytes, seconds(c),
-                                        layer_of(bound.module_paths.get(c.node)), c.reason, False))
-    for group in program.gathers:
-        c = group.collective
-        costs.append(CollectiveCost(c.kind, c.axis, c.phase, c.bytes, seconds(c),
-                                    group.members[0].unit, c.reason, True))
-    for bucket in program.buckets:
-        for c in bucket.collectives:
-            costs.append(CollectiveCost(c.kind, c.axis, c.phase, c.bytes, seconds(c),
-                                        "", c.reason, True))
+    # (collective, its layer, whether it is off the critical path, whether a gradient bucket's)
+    placed = [(c, layer_of(bound.module_paths.get(c.node)), False, False)
+              for statement in program.statements for c in statement.collectives]
+    placed += [(group.collective, group.members[0].unit, True, False) for group in program.gathers]
+    placed += [(c, "", True, True) for bucket in program.buckets for c in bucket.collectives]
+    costs = [CollectiveCost(c.kind, c.axis, c.phase, c.bytes, seconds(c), layer, c.reason, overlapped, bucket)
+             for c, layer, overlapped, bucket in placed]
 
     compute_forward = sum(o.forward_s for o in ops)
     compute_backward = sum(o.backward_s for o in ops)

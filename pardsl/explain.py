@@ -1,9 +1,9 @@
 """`pardsl explain`: what a plan does and costs, layer by layer, from the cost model (pardsl/cost.py).
 
 Per layer: the layouts chosen for its parameters, each collective with its bytes, estimated time and
-reason, and its compute; a layer that repeats the one before it (same layouts, same collectives) is
-said once. Then the gradient buckets and gathered parameter groups, memory per rank, the notes, and the
-runner-up plans: the cheapest alternatives that change one choice of inference, priced from its
+reason (gathered parameter groups under their layer), and its compute; a layer that repeats the one
+before it (same layouts, same collectives) is said once. Then the gradient buckets, memory per rank, the
+notes, and the runner-up plans: the cheapest alternatives that change one choice of inference, priced from its
 candidates. `--html` writes the same as one self-contained page with a picture of the mesh and of
 where communication happens.
 """
@@ -71,7 +71,7 @@ def layers(compiled, estimate: Estimate) -> list[Layer]:
         inner = slot.name[len(owner) + 1:] if owner and slot.name.startswith(owner + ".") else slot.name
         layer(owner).parameters.append((inner, named_layout(slot.layout, mesh)))
     for cost in estimate.collectives:
-        if cost.reason.startswith("gradients of"):
+        if cost.bucket:
             continue  # buckets span layers: listed on their own
         layer(cost.layer).collectives.append(cost)
     result = list(order.values())
@@ -87,8 +87,7 @@ def runner_ups(compiled, estimate: Estimate, count: int = 3) -> list[RunnerUp]:
     """The alternatives closest in estimated cost to the plan, each changing one op's signature on one
     axis (what inference chose among, `TypedGraph.candidates`); priced from the candidates' bytes."""
     typed, mesh, machine = compiled.typed, compiled.program.mesh, estimate.machine
-    beta = machine.collectives["all_reduce"].beta_s_per_byte
-    alpha = machine.collectives["all_reduce"].alpha_s
+    slow = machine.slowdown(mesh.size)
     alternatives = []
     for node, per_axis in typed.candidates.items():
         for axis, candidates in enumerate(per_axis):
@@ -101,10 +100,14 @@ def runner_ups(compiled, estimate: Estimate, count: int = 3) -> list[RunnerUp]:
                 extra = (other.forward + other.backward) - (chosen.forward + chosen.backward)
                 if extra <= 2:  # the same communication: a choice of local work, not another plan
                     continue
+                # priced as all-reduce bytes (candidates keep bytes, not kinds); a latency only where the
+                # chosen signature communicated nothing
+                moved = machine.collective_seconds("all_reduce", extra, mesh.axis_sizes[axis])
+                if chosen.forward + chosen.backward:
+                    moved -= machine.collective_seconds("all_reduce", 0, mesh.axis_sizes[axis])
                 compute = (other.compute - chosen.compute) / machine.bytes_per_s
-                stall = alpha if not (chosen.forward + chosen.backward) else 0.0
                 alternatives.append(RunnerUp(node, compiled.bound.module_paths.get(node, ""), mesh.axis_names[axis],
-                                             chosen.signature, other.signature, extra, extra * beta + stall + compute))
+                                             chosen.signature, other.signature, extra, slow * (moved + compute)))
                 break
     alternatives.sort(key=lambda r: (r.extra_s, r.node))
     return alternatives[:count]
@@ -141,7 +144,7 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
             when = f"{cost.phase}, overlapped" if cost.overlapped else cost.phase
             lines.append(f"  {cost.kind.replace('_', '-'):<14} {cost.axis:<4} {when:<19} {format_bytes(cost.bytes):>10} "
                          f"{seconds_text(cost.seconds):>9}  {cost.reason}")
-    buckets = [c for c in estimate.collectives if c.reason.startswith("gradients of")]
+    buckets = [c for c in estimate.collectives if c.bucket]
     if buckets:
         lines.append("gradient buckets (backward, overlapped with compute):")
         for cost in buckets:
@@ -202,7 +205,7 @@ def _mesh_svg(mesh) -> str:
     return "".join(parts)
 
 
-def _layers_svg(all_layers: list[Layer], step_s: float) -> str:
+def _layers_svg(all_layers: list[Layer]) -> str:
     """One bar per layer: compute in grey, each collective a segment in its kind's colour."""
     width, row = 640, 22
     scale = width / max(max((l.compute_s + sum(c.seconds for c in l.collectives)) for l in all_layers), 1e-12)
@@ -244,7 +247,7 @@ def html_page(compiled, estimate: Estimate, memory_bound: int | None = None) -> 
 <p>mesh {html.escape(str(program.mesh))} ({program.mesh.size} ranks), model <code>{html.escape(program.model)}</code></p>
 <h2>Mesh</h2>{_mesh_svg(program.mesh)}
 <h2>Layers and where communication happens</h2><p>compute in grey; {legend}</p>
-{_layers_svg(all_layers, estimate.step_s)}
+{_layers_svg(all_layers)}
 <h2>Collectives</h2><table><tr><th>layer</th><th>collective</th><th>axis</th><th>phase</th><th>bytes per rank</th>
 <th>estimated</th><th>why</th></tr>{''.join(rows)}</table>
 <h2>Report</h2><pre>{html.escape(report(compiled, estimate, memory_bound))}</pre>

@@ -125,8 +125,6 @@ class _GradientSync:
     dtype: str
 
 
-_RESHAPES = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.unflatten.int",
-             "aten.flatten.using_ints")
 DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket size
 _PLACEHOLDER = re.compile(r"@@(sync|bucket|gather|group)(\d+)@@")  # a bucket or group not yet formed
 FIRST_BUCKET_MB = 1.0  # DDP's first bucket: the first collective starts early in backward
@@ -307,7 +305,7 @@ class _Lowerer:
         self.uses: dict[str, list[_Use]] = {}  # conversion variable → its uses
         self.grad_wrapper: dict[tuple[str, frozenset[int]], str] = {}
         self.reduce_scatter_backward: set[tuple[str, int]] = set()  # (variable, axis)
-        self.current_node = ""  # the op being lowered: every collective emitted is there for it
+        self.current_node = ""  # the op a collective emitted now is there for: whose value it moves, else its consumer
         self.exchanges: list[tuple[str, str, ConversionStep]] = []  # (consumer, value): all-to-alls not written
 
     # -- names ---------------------------------------------------------------------------------------
@@ -825,7 +823,7 @@ class _Lowerer:
             f"output `{value}`"
         info = self.typed.info(value)
         shapes = ""
-        if node is not None and node.op in _RESHAPES:
+        if node is not None and rule_for(self._fx[consumer]).family == "reshape":
             shapes = f", which reshapes {list(info.shape)} to {list(self.typed.info(consumer).shape)}"
         axis = self.mesh.axis_names[step.axis]
         count = len(self.exchanges)
