@@ -93,9 +93,8 @@ def runner_ups(compiled, estimate: Estimate, count: int = 3) -> list[RunnerUp]:
         for axis, candidates in enumerate(per_axis):
             if len(candidates) < 2 or mesh.axis_sizes[axis] == 1:
                 continue
-            ranked = sorted(candidates, key=lambda c: c.key)
-            chosen = ranked[0]
-            for other in ranked[1:]:
+            chosen = next(c for c in candidates if c.chosen)
+            for other in sorted((c for c in candidates if not c.chosen), key=lambda c: c.key):
                 # bytes as inference priced them; its tie-breaking units (a byte or two) are not traffic
                 extra = (other.forward + other.backward) - (chosen.forward + chosen.backward)
                 if extra <= 2:  # the same communication: a choice of local work, not another plan

@@ -36,7 +36,7 @@ Outputs left out keep their inferred layout, except that a partial sum is finish
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .binding import MOE_HINT, BoundPlan, TensorInfo
 from .diagnostics import DiagnosticSink
@@ -67,6 +67,7 @@ class Candidate:
     changes: int  # conversions and choices made (fewer is simpler)
     compute: int  # bytes of the result computed per rank
     index: int  # the signature's place in the rule's order
+    chosen: bool = False  # the one inference took
 
     @property
     def key(self) -> tuple[int, ...]:
@@ -93,25 +94,34 @@ class TypedGraph:
         return self.bound.tensors[name]
 
 
-def _one_axis_cost(source: Placement, target: Placement, local_bytes: int, n: int, with_backward: bool,
-                   written: bool = False) -> int:
-    """Bytes per rank of converting a value of `local_bytes` from `source` to `target` over n ranks, from
-    the conversion catalogue (layouts.CONVERSIONS); a pair with no row goes through B."""
+def one_axis_collectives(source: Placement, target: Placement, local_bytes: int, n: int,
+                         with_backward: bool) -> list[tuple[str, str, int]]:
+    """The collectives (phase, kind, bytes per rank) of converting a value of `local_bytes` from `source`
+    to `target` over n ranks, from the conversion catalogue (layouts.CONVERSIONS); a pair with no row
+    goes through B."""
     if source == target:
-        return 0
-    if source.kind == "P" and target.kind == "S" and not written:  # priced as finishing the sum (module doc)
-        return _one_axis_cost(source, B, local_bytes, n, with_backward) + 1
+        return []
     conversion = CONVERSIONS.get((source.kind, target.kind))
     if conversion is None or (conversion.kind == "all_to_all" and (source.blocks > 1 or target.blocks > 1)):
         # S → P; and no blocked all-to-all: both via B
         whole = local_bytes * n if source.is_split else local_bytes
-        return _one_axis_cost(source, B, local_bytes, n, with_backward) + \
-            _one_axis_cost(B, target, whole, n, with_backward)
+        return one_axis_collectives(source, B, local_bytes, n, with_backward) + \
+            one_axis_collectives(B, target, whole, n, with_backward)
     target_bytes = local_bytes * (n if source.is_split else 1) // (n if target.is_split else 1)
-    cost = collective_bytes(conversion.forward, local_bytes, n) if conversion.forward else 0
+    steps = []
+    if conversion.forward:
+        steps.append(("forward", conversion.forward, collective_bytes(conversion.forward, local_bytes, n)))
     if with_backward and conversion.backward:
-        cost += collective_bytes(conversion.backward, target_bytes, n)
-    return cost
+        steps.append(("backward", conversion.backward, collective_bytes(conversion.backward, target_bytes, n)))
+    return steps
+
+
+def _one_axis_cost(source: Placement, target: Placement, local_bytes: int, n: int, with_backward: bool,
+                   written: bool = False) -> int:
+    """Bytes per rank of converting a value of `local_bytes` from `source` to `target` over n ranks."""
+    if source.kind == "P" and target.kind == "S" and not written:  # priced as finishing the sum (module doc)
+        return _one_axis_cost(source, B, local_bytes, n, with_backward) + 1
+    return sum(nbytes for _, _, nbytes in one_axis_collectives(source, target, local_bytes, n, with_backward))
 
 
 def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
@@ -140,21 +150,26 @@ def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
     return specs
 
 
-def infer(bound: BoundPlan) -> TypedGraph:
+def prepare(bound: BoundPlan):
+    """What inference and the search both start from: each op's dim spec (unsupported ops are E060), the
+    op nodes in graph order, the placeholders, each op's tensor operands, and what needs a gradient."""
     sink = DiagnosticSink(bound.par.source)
     specs = _check_ops(bound, sink)
     sink.raise_if_any()
-
-    mesh = bound.mesh
     graph_nodes = [n for n in bound.graph.nodes if n.op == "call_function" and n.name in specs]
     placeholders = [n.name for n in bound.graph.nodes if n.op == "placeholder"]
     operands = {n.name: tuple(o.name for o in tensor_operands(n)) for n in graph_nodes}
-
     requires_grad = {name for name in bound.parameters if bound.tensors[name].is_float}
     for node in graph_nodes:
         if bound.tensors[node.name].is_float and rule_for(node).differentiable and \
                 any(o in requires_grad for o in operands[node.name]):
             requires_grad.add(node.name)
+    return specs, graph_nodes, placeholders, operands, requires_grad
+
+
+def infer(bound: BoundPlan) -> TypedGraph:
+    specs, graph_nodes, placeholders, operands, requires_grad = prepare(bound)
+    mesh = bound.mesh
 
     # Per name, the placements decided so far, one per axis processed.
     value: dict[str, list[Placement]] = {name: [] for name in placeholders}
@@ -186,7 +201,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 value[name].append(pin.layout.placements[axis] if pin is not None else B)
             for node in graph_nodes:
                 pin = bound.pins.get(node.name)
-                candidates[node.name].append([Candidate(Signature((B,) * len(operands[node.name]), B), 0, 0, 0, 0, 0, 0)])
+                candidates[node.name].append([Candidate(Signature((B,) * len(operands[node.name]), B), 0, 0, 0, 0, 0, 0, True)])
                 for slot in range(len(operands[node.name])):
                     needs[node.name][slot].append(B)
                 op_out[node.name].append(B)
@@ -274,8 +289,9 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 compute = local_bytes(node.name, B if replicated_operands else signature.output)
                 priced.append(Candidate(signature, forward, backward, deferred, changes, compute, index))
             assert priced, f"no legal signature for {node.name}"  # all-B always fits
-            candidates[node.name].append(priced)
-            best = min(priced, key=lambda candidate: candidate.key).signature
+            cheapest = min(priced, key=lambda candidate: candidate.key)
+            candidates[node.name].append([replace(c, chosen=True) if c is cheapest else c for c in priced])
+            best = cheapest.signature
             for slot, (o, req) in enumerate(zip(names, best.operands)):
                 if o in free:
                     value[o].append(B if req == P else req)
@@ -290,6 +306,15 @@ def infer(bound: BoundPlan) -> TypedGraph:
         for name in free:  # parameters no op consumes
             value[name].append(B)
 
+    return typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad, value, needs, op_out,
+                       candidates)
+
+
+def typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad, value, needs, op_out,
+                candidates) -> TypedGraph:
+    """The typed graph from the placements chosen per axis: per name its value's, per op what it needs of
+    each operand and what it computes. Outputs left out keep their layout, a partial sum finished."""
+    mesh = bound.mesh
     nodes = {
         n.name: TypedNode(
             n.name, op_name(n), specs[n.name], operands[n.name],
