@@ -56,6 +56,10 @@ class TensorInfo:
         return self.dtype.itemsize
 
     @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
     def is_float(self) -> bool:
         return self.dtype.is_floating_point
 
@@ -92,6 +96,7 @@ class BoundPlan:
     # dim it is read from (input name, dim)
     dims: dict[str, tuple[str, str, int]] = field(default_factory=dict)
     scalars: dict[str, str] = field(default_factory=dict)  # graph node → expression, for sizes (sym_size)
+    searched: frozenset[str] = frozenset()  # graph nodes written `?`: their layouts are the search's to choose
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -331,6 +336,9 @@ def layout_from_syntax(syntax: LayoutSyntax, mesh: Mesh, sink: DiagnosticSink) -
 
     def placement(p) -> Placement:
         return Placement("S", p.dim, max(1, p.blocks)) if p.kind == "S" else Placement(p.kind)
+
+    if syntax.form == "searched":
+        return None  # no layout: binding records the name as searched
 
     if syntax.form == "bare":
         if mesh.ndim != 1:
@@ -703,8 +711,13 @@ def bind(par: ParFile) -> BoundPlan:
     pins: dict[str, Pin] = {}
     output_pins: dict[int, Pin] = {}
     index = _NameIndex(table)
+    searched: set[str] = set()
     for entry, layout in written:
         for named in _resolve(entry, index, sink):
+            if entry.layout.form == "searched":
+                if named.kind != "output":
+                    searched.add(named.node)
+                continue
             if layout is None or mesh is None:
                 continue
             info = tensors.get(named.node)
@@ -734,7 +747,8 @@ def bind(par: ParFile) -> BoundPlan:
     seconds["bind"] = time.perf_counter() - clock
     return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
                      module_paths, seconds, buffer_values, persistent,
-                     {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars)
+                     {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars,
+                     frozenset(searched - set(pins)))
 
 
 def _check_input_values(par: ParFile, exported, inputs: dict[str, str], sink: DiagnosticSink) -> None:

@@ -17,6 +17,7 @@ from .binding import BoundPlan, bind
 from .codegen import render
 from .inference import TypedGraph, infer
 from .cost import memory_per_rank
+from .search import memory_limit, search, wants_search
 from .diagnostics import Diagnostic
 from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, named_layout
 from .syntax import ParFile, parse, parse_file
@@ -40,12 +41,18 @@ class Compiled:
         return sum(v for k, v in self.seconds.items() if k not in ("build", "export"))
 
 
-def compile_par(par: ParFile, bucket_mb: float = DEFAULT_BUCKET_MB) -> Compiled:
+def compile_par(par: ParFile, bucket_mb: float = DEFAULT_BUCKET_MB, machine=None) -> Compiled:
+    """`machine`: the cost model's figures the layout search minimises (default: this machine's
+    calibration file for its backend, else the backend's defaults); only a searched plan reads them."""
     bound = bind(par)
     seconds = dict(bound.seconds)
     start = time.perf_counter()
-    typed = infer(bound)
-    seconds["infer"] = time.perf_counter() - start
+    if wants_search(bound):
+        typed = search(bound, machine or default_machine(), memory_limit(bound))
+        seconds["search"] = time.perf_counter() - start
+    else:
+        typed = infer(bound)
+        seconds["infer"] = time.perf_counter() - start
     start = time.perf_counter()
     program = lower(typed, bucket_mb)
     seconds["lower"] = time.perf_counter() - start
@@ -73,23 +80,20 @@ def _check_memory_bound(par: ParFile, program: LoweredProgram) -> int | None:
     return limit
 
 
-def compile_file(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> Compiled:
-    return compile_par(parse_file(path), bucket_mb)
+def compile_file(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine=None) -> Compiled:
+    return compile_par(parse_file(path), bucket_mb, machine)
 
 
-def compile_text(text: str, path: str = "<string>", bucket_mb: float = DEFAULT_BUCKET_MB) -> Compiled:
-    return compile_par(parse(text, path), bucket_mb)
+def compile_text(text: str, path: str = "<string>", bucket_mb: float = DEFAULT_BUCKET_MB, machine=None) -> Compiled:
+    return compile_par(parse(text, path), bucket_mb, machine)
 
 
 def plan_json(compiled: Compiled, machine=None) -> dict:
     """What compile writes beside the module. `machine`: the cost model's figures for the estimate
     (default: the calibration file for this machine's backend, else the backend's defaults)."""
-    from .cost import estimate, load_machine
+    from .cost import estimate
 
-    if machine is None:
-        from .execution import resolve_backend
-
-        machine = load_machine(None, resolve_backend("auto"))
+    machine = machine or default_machine()
     program = compiled.program
     mesh = program.mesh
     return {
@@ -120,6 +124,14 @@ def plan_json(compiled: Compiled, machine=None) -> dict:
         "estimate": estimate(compiled, machine).to_json(),
         "notes": [n.to_json() for n in program.notes],
     }
+
+
+def default_machine():
+    """The cost model's figures for this machine's backend: its calibration file, else the defaults."""
+    from .cost import load_machine
+    from .execution import resolve_backend
+
+    return load_machine(None, resolve_backend("auto"))
 
 
 def write_outputs(compiled: Compiled, out_dir: str, machine=None) -> tuple[str, str]:

@@ -88,7 +88,8 @@ class PlacementSyntax:
 
 @dataclass(frozen=True)
 class LayoutSyntax:
-    """`bare` (one value), `list` (one value per axis) or `named` (value @ axis, others B)."""
+    """`bare` (one value), `list` (one value per axis), `named` (value @ axis, others B) or `searched` (`?`:
+    the compiler chooses)."""
 
     form: str
     placements: tuple[PlacementSyntax, ...]
@@ -241,6 +242,9 @@ class _ToSyntaxTree(Transformer):
 
     def partial(self, meta, children):
         return PlacementSyntax("P", None, _span(meta))
+
+    def searched_layout(self, meta, children):
+        return LayoutSyntax("searched", (), (), _span(meta))
 
     def bare_layout(self, meta, children):
         return LayoutSyntax("bare", (children[0],), (), _span(meta))

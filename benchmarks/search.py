@@ -1,0 +1,72 @@
+"""The layout search (issue 10): how long it takes, and what it finds.
+
+1. Search time after torch.export for Hugging Face LLaMA of 2 to 32 layers on a dp 2 × tp 4 mesh, with a
+   memory bound and the input written `?` (nothing else written); the integer program's size does not
+   grow with depth, because repeated layers share their choices.
+2. Rediscovery: LLaMA, GPT-2 and BERT on tp 2 and 4 under `memory <= 60 %` and nothing else written,
+   the searched plan's estimate (the cost model with gloo's defaults, or `--calibration FILE`) beside the
+   Megatron plan of examples/hf_<model>_tp<n>.par, with each plan's collectives per step.
+
+    python benchmarks/search.py [--depths 2 8 32] [--calibration FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pardsl.compiler import compile_file, compile_text  # noqa: E402
+from pardsl.cost import DEFAULTS, estimate, load_machine  # noqa: E402
+
+LLAMA = """mesh   dp = 2, tp = 4
+model  examples.hf_models:HFLlama(layers={layers}, hidden=256, heads=8, kv_heads=4, ffn=512, vocab=1024)
+input  input_ids : int64[8, 64] in [0, 1024)
+memory <= 25 %
+layout {{
+    input_ids : ?
+}}
+"""
+
+
+def counts(compiled) -> str:
+    result = []
+    for phase, kinds in compiled.program.collective_counts().items():
+        text = ", ".join(f"{n} {k.replace('_', '-')}" for k, n in kinds.items() if n) or "none"
+        result.append(f"{phase} {text}")
+    return "; ".join(result)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depths", type=int, nargs="+", default=[2, 8, 32])
+    parser.add_argument("--calibration", help="a `pardsl calibrate` file (default: gloo's defaults)")
+    args = parser.parse_args()
+    machine = load_machine(args.calibration, "gloo") if args.calibration else DEFAULTS["gloo"]
+
+    print("| LLaMA layers | search (s) | export (s) | everything after export (s) | collectives per step |")
+    print("|---|---|---|---|---|")
+    for depth in args.depths:
+        compiled = compile_text(LLAMA.format(layers=depth), f"<llama {depth}>", machine=machine)
+        print(f"| {depth} | {compiled.seconds['search']:.2f} | {compiled.seconds['export']:.2f} | "
+              f"{compiled.seconds_after_export:.2f} | {counts(compiled)} |")
+
+    print()
+    print("| model | tp | searched: step (ms) | memory / bound | collectives | Megatron: step (ms) | memory | collectives |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model in ("llama", "gpt2", "bert"):
+        for tp in (2, 4):
+            path = f"examples/hf_{model}_tp{tp}.par"
+            header = [line for line in open(path) if line.split(" ", 1)[0] in ("mesh", "model", "input")]
+            searched = compile_text("".join(header) + "memory <= 60 %\n", f"<{model} tp {tp}>", machine=machine)
+            megatron = compile_file(path)
+            mine, theirs = estimate(searched, machine), estimate(megatron, machine)
+            print(f"| {model} | {tp} | {mine.step_s * 1e3:.2f} | {mine.memory['total'] / 1024:.0f} / "
+                  f"{searched.memory_bound / 1024:.0f} KiB | {counts(searched)} | {theirs.step_s * 1e3:.2f} | "
+                  f"{theirs.memory['total'] / 1024:.0f} KiB | {counts(megatron)} |")
+
+
+if __name__ == "__main__":
+    main()

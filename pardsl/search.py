@@ -1,0 +1,470 @@
+"""Stage 3, searched: the layouts the user did not write, chosen by an integer program solved with HiGHS.
+
+The search runs where the file asks for it: it has a `memory <=` bound, a layout written `?`, or no layout
+at all. Elsewhere inference's greedy pass (inference.infer) completes the written plan, as before.
+
+As in inference, the mesh's axes are decided one after another (nd-SBP as the product of one-axis
+signatures); on each, one integer program (Alpa's formulation) chooses everything at once:
+
+- a binary per op and legal signature, exactly one taken; and per free tensor (a parameter or buffer the
+  file leaves out, an input written `?`) per placement a consumer can use, exactly one taken. A written
+  layout always stands;
+- converting a value from its placement to what a consumer's signature needs costs the catalogue's
+  collectives (layouts.CONVERSIONS), once per value and target placement: a continuous variable per
+  (value, from, to), bounded below by `from + to - 1` (the product of two binaries, linearised);
+- the all-reduce of a broadcast value's gradient where sharded computation consumes it, once per value;
+- each op's compute at the share its signature leaves a rank (FLOP from torch's counter, or bytes moved),
+  backward twice forward; a parallel form's own all-reduces; finishing a partial output;
+- a parameter's gradient is reduced in buckets behind backward, and on an axis that splits the batch its
+  gather is prefetched behind forward: priced at the share the machine does not overlap (a bucket's
+  latency is shared by many parameters: its bytes only).
+
+Costs are seconds of the cost model (pardsl/cost.py: α per ring step + β per byte, per kind; the
+machine's throughput and bandwidth), so the objective is the estimated step time of the axis's choices.
+The memory bound is a constraint: parameters with their gradients and optimizer state, and activations,
+per rank; an axis before the last gets the bound times what the later axes can still divide.
+
+Repeated layers (model.layers.0, .1, … with the same ops, shapes and written layouts) share their
+binaries: the program has one layer's choices and stays small however deep the model is.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .binding import BoundPlan
+from .cost import OPTIMIZER_STATES, Machine, global_flops, layer_of
+from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
+from .layouts import B, P, Layout, Placement
+from .oprules import signatures
+
+EPSILON_S = 1e-9  # a conversion, or a split of a free tensor, that saves nothing is not made
+TIME_LIMIT_S = 60.0
+
+
+def wants_search(bound: BoundPlan) -> bool:
+    par = bound.par
+    return par.memory_bound is not None or bool(bound.searched) or not par.layouts
+
+
+def memory_limit(bound: BoundPlan, optimizer: str = "adamw") -> int | None:
+    """The file's bound in bytes per rank (a percentage is of the serial model's bytes, as cost.py counts
+    them)."""
+    written = bound.par.memory_bound
+    if written is None:
+        return None
+    parameters = sum(bound.tensors[name].nbytes for name in bound.parameters)
+    activations = sum(info.nbytes for name, info in bound.tensors.items() if name not in bound.parameters
+                      and name not in bound.buffers and name not in bound.inputs and name not in bound.scalars)
+    return written.bytes(parameters * (2 + OPTIMIZER_STATES[optimizer]) + activations)
+
+
+@dataclass
+class _Program:
+    """An integer program in HiGHS's terms, built up column by column and row by row."""
+
+    cost: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
+
+    def column(self, cost: float = 0.0, integer: bool = False, upper: float = 1.0) -> int:
+        self.cost.append(cost)
+        self.upper.append(upper)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, terms: dict[int, float], lower: float, upper: float) -> None:
+        self.rows.append((terms, lower, upper))
+
+    def solve(self, skip_rows: frozenset[int] = frozenset()) -> tuple[str, list[float]]:
+        import highspy
+
+        highs = highspy.Highs()
+        highs.setOptionValue("output_flag", False)
+        highs.setOptionValue("time_limit", TIME_LIMIT_S)
+        highs.setOptionValue("random_seed", 0)
+        lp = highspy.HighsLp()
+        columns = len(self.cost)
+        rows = [r for i, r in enumerate(self.rows) if i not in skip_rows]
+        lp.num_col_, lp.num_row_ = columns, len(rows)
+        lp.col_cost_ = np.array(self.cost, dtype=float)
+        lp.col_lower_ = np.zeros(columns)
+        lp.col_upper_ = np.array(self.upper, dtype=float)
+        lp.row_lower_ = np.array([lower for _, lower, _ in rows], dtype=float)
+        lp.row_upper_ = np.array([upper for _, _, upper in rows], dtype=float)
+        starts, indices, values = [0], [], []
+        for terms, _, _ in rows:
+            for column, value in sorted(terms.items()):
+                indices.append(column)
+                values.append(value)
+            starts.append(len(indices))
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = columns, len(rows)
+        lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
+        lp.a_matrix_.index_ = np.array(indices, dtype=np.int32)
+        lp.a_matrix_.value_ = np.array(values, dtype=float)
+        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                           for i in self.integer]
+        highs.passModel(lp)
+        highs.run()
+        status = highs.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return "infeasible", []
+        solution = list(highs.getSolution().col_value)
+        if len(solution) != columns or status not in (highspy.HighsModelStatus.kOptimal,
+                                                       highspy.HighsModelStatus.kTimeLimit):
+            return str(status), []
+        return "optimal", solution
+
+
+def _layer_key(path: str) -> tuple[str, str] | None:
+    """`model.layers.3` → ("model.layers.#", "3"): the family of a repeated layer and its index."""
+    layer = layer_of(path)
+    match = re.fullmatch(r"(.*\.)?(\d+)", layer)
+    if not match or not path.startswith(layer):
+        return None
+    return (match.group(1) or "") + "#", layer
+
+
+def repeated_layers(bound: BoundPlan, names: list[str], fingerprint) -> dict[str, str]:
+    """Each name in a repeated layer identical to an earlier one (same ops, shapes, layouts decided and
+    written, and links inside the layer) → the name at its place in the first such layer."""
+    paths = {name: bound.parameters.get(name) or bound.buffers.get(name) or bound.module_paths.get(name) or ""
+             for name in names}
+    layers: dict[tuple[str, str], list[str]] = {}
+    for name in names:
+        key = _layer_key(paths[name])
+        if key is not None:
+            layers.setdefault(key, []).append(name)
+    representative: dict[str, str] = {}
+    first: dict[tuple, list[str]] = {}
+    for (family, _), members in layers.items():
+        position = {name: index for index, name in enumerate(members)}
+        prints = tuple(fingerprint(name, position) for name in members)
+        earlier = first.setdefault((family, prints), members)
+        if earlier is not members:
+            representative.update(zip(members, earlier))
+    return representative
+
+
+def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
+           optimizer: str = "adamw") -> TypedGraph:
+    specs, graph_nodes, placeholders, operands, requires_grad = prepare(bound)
+    mesh = bound.mesh
+    flops = global_flops(bound)
+    states = OPTIMIZER_STATES[optimizer]
+    nodes = [node.name for node in graph_nodes]
+    consumers: dict[str, list[tuple[str, int]]] = {name: [] for name in placeholders + nodes}
+    for name in nodes:
+        for slot, o in enumerate(operands[name]):
+            consumers[o].append((name, slot))
+    outputs_of: dict[str, list[int]] = {}
+    for index, (_, name) in enumerate(bound.outputs):
+        if name:
+            outputs_of.setdefault(name, []).append(index)
+
+    value: dict[str, list[Placement]] = {name: [] for name in placeholders + nodes}
+    op_out: dict[str, list[Placement]] = {name: [] for name in nodes}
+    needs: dict[str, list[list[Placement]]] = {name: [[] for _ in operands[name]] for name in nodes}
+    candidates: dict[str, list[list[Candidate]]] = {name: [] for name in nodes}
+
+    def pinned(name: str, axis: int) -> Placement | None:
+        pin = bound.pins.get(name)
+        return pin.layout.placements[axis] if pin is not None else None
+
+    for axis in range(mesh.ndim):
+        n = mesh.axis_sizes[axis]
+        later = math.prod(mesh.axis_sizes[axis + 1:])
+
+        def layout(decided: list[Placement], placement: Placement) -> Layout:
+            return Layout(tuple(decided[:axis]) + (placement,) + (B,) * (mesh.ndim - axis - 1))
+
+        def local_bytes(name: str, placement: Placement) -> int:
+            info = bound.tensors[name]
+            return math.prod(layout(value[name], placement).local_shape(info.shape, mesh)) * info.itemsize
+
+        def fits(name: str, placement: Placement, decided: list[Placement] | None = None) -> bool:
+            shape = bound.tensors[name].shape
+            return layout(value[name], placement).fits(shape, mesh) and \
+                (decided is None or layout(decided, placement).fits(shape, mesh))
+
+        if n == 1:  # nothing moves on a one-rank axis: every layout is the same tensor
+            for name in placeholders + nodes:
+                value[name].append(pinned(name, axis) or B)
+            for name in nodes:
+                for slot in range(len(operands[name])):
+                    needs[name][slot].append(B)
+                op_out[name].append(B)
+                candidates[name].append([Candidate(signatures(specs[name])[0], 0, 0, 0, 0, 0, 0, True)])
+            continue
+
+        free = {name for name in placeholders if pinned(name, axis) is None and
+                (name not in bound.inputs or name in bound.searched)}
+        batch_axis = any((pinned(name, axis) or B).is_split and pinned(name, axis).dim == 0 or name in free
+                         for name in bound.inputs)
+        unhidden = 1.0 - machine.overlap
+
+        # Legal signatures per op, given the axes decided before this one
+        legal: dict[str, list] = {}
+        domain: dict[str, list[Placement]] = {}
+        for name in placeholders:
+            domain[name] = [pinned(name, axis) or B]
+        for name in nodes:
+            spec = specs[name]
+            offered: dict[str, set[int]] = {}
+            for o, letters in zip(operands[name], spec.operands):
+                if o in free:
+                    continue
+                for placement in domain[o]:
+                    if placement.is_split and placement.blocks > 1 and placement.dim < len(letters) and \
+                            letters[placement.dim] is not None:
+                        offered.setdefault(letters[placement.dim], set()).add(placement.blocks)
+            legal[name] = [
+                (index, signature) for index, signature in enumerate(signatures(spec, offered))
+                if all(fits(o, B if (req == P and o in free) else req, needs[name][slot])
+                       for slot, (o, req) in enumerate(zip(operands[name], signature.operands)))
+                and fits(name, signature.output, op_out[name])]
+            assert legal[name], f"no legal signature for {name}"  # all-B always fits
+            written = pinned(name, axis)
+            domain[name] = [written] if written is not None else \
+                list(dict.fromkeys(signature.output for _, signature in legal[name]))
+        for name in free:  # what its consumers can take it as (a partial sum: from B, locally)
+            wanted = [B] + [signature.operands[slot] for consumer, slot in consumers[name]
+                            for _, signature in legal[consumer]]
+            domain[name] = [p for p in dict.fromkeys(wanted) if p != P and fits(name, p)]
+
+        def fingerprint(name: str, position: dict[str, int]) -> tuple:
+            info = bound.tensors[name]
+            links = tuple(("in", position[o]) if o in position else ("out", bound.tensors[o].shape)
+                          for o in operands.get(name, ()))
+            return (info.shape, str(info.dtype), tuple(domain[name]), tuple(value[name]), name in free,
+                    name in requires_grad, tuple(s for _, s in legal.get(name, ())), links,
+                    tuple(tuple(need) for need in needs.get(name, ())), tuple(op_out.get(name, ())),
+                    tuple(outputs_of.get(name, ())) != ())
+
+        shared = repeated_layers(bound, placeholders + nodes, fingerprint)
+
+        program = _Program()
+        choice: dict[str, list[int]] = {}  # per name: a column per signature (ops) or placement (free tensors)
+        for name in placeholders + nodes:
+            if name in shared:
+                continue
+            options = len(legal[name]) if name in legal else len(domain[name])
+            choice[name] = [program.column(integer=True) for _ in range(options)]
+            program.row({column: 1.0 for column in choice[name]}, 1.0, 1.0)
+
+        def columns_of(name: str) -> list[int]:
+            return choice[shared.get(name, name)]
+
+        def add_cost(terms: dict[int, float], column: int, seconds: float) -> None:
+            terms[column] = terms.get(column, 0.0) + seconds
+
+        objective: dict[int, float] = {}
+
+        def placement_terms(name: str) -> dict[Placement, dict[int, float]]:
+            """The value's placement on this axis as sums of choice columns (a constant: one fixed column)."""
+            result: dict[Placement, dict[int, float]] = {}
+            columns = columns_of(name)
+            if name in legal and pinned(name, axis) is None:
+                for (_, signature), column in zip(legal[name], columns):
+                    result.setdefault(signature.output, {})[column] = 1.0
+            elif name in legal:  # written: whatever the op computes, the value is the written layout
+                result[domain[name][0]] = {column: 1.0 for column in columns}
+            else:
+                for placement, column in zip(domain[name], columns):
+                    result[placement] = {column: 1.0}
+            return result
+
+        def conversion_seconds(name: str, source: Placement, target: Placement) -> float:
+            steps = one_axis_collectives(source, target, local_bytes(name, source), n, name in requires_grad)
+            seconds = sum(machine.collective_seconds(kind, nbytes, n) for _, kind, nbytes in steps)
+            if name in bound.parameters and source.is_split and target == B and batch_axis:
+                seconds *= unhidden  # prefetched forward, reduce-scattered in buckets backward
+            return seconds + EPSILON_S
+
+        placements = {name: placement_terms(name) for name in placeholders + nodes}
+        memory: dict[int, float] = {}
+        fixed_memory = 0.0
+        for name in placeholders + nodes:
+            if name in bound.parameters:
+                factor = 1 + (1 + states) * (name in requires_grad)
+            elif name in legal:
+                factor = 1
+            else:
+                continue
+            for placement, terms in placements[name].items():
+                nbytes = local_bytes(name, placement) * factor
+                if len(domain[name]) == 1:
+                    fixed_memory += nbytes
+                    break
+                for column in terms:
+                    add_cost(memory, column, nbytes)
+            if name in free:
+                for placement, terms in placements[name].items():
+                    if placement != B:
+                        for column in terms:
+                            add_cost(objective, column, EPSILON_S)
+
+        def subtract(row: dict[int, float], terms: dict[int, float], scale: float = 1.0) -> dict[int, float]:
+            for column, v in terms.items():
+                row[column] = row.get(column, 0.0) - scale * v
+            return row
+
+        def edge(source: dict[Placement, dict[int, float]], target: dict[Placement, dict[int, float]]):
+            """The pair of placements a value is taken in, as terms per (from, to). Where either side has
+            one choice the pair is the other side's; else a continuous variable per pair whose sums over
+            each side equal that side's choice (a tight linearisation of their product)."""
+            if len(source) == 1:
+                (p, _), = source.items()
+                return {(p, q): terms for q, terms in target.items()}
+            if len(target) == 1:
+                (q, _), = target.items()
+                return {(p, q): terms for p, terms in source.items()}
+            pairs = {(p, q): {program.column(): 1.0} for p in source for q in target}
+            for p, terms in source.items():
+                program.row(subtract({next(iter(pairs[p, q])): 1.0 for q in target}, terms), 0.0, 0.0)
+            for q, terms in target.items():
+                program.row(subtract({next(iter(pairs[p, q])): 1.0 for p in source}, terms), 0.0, 0.0)
+            return pairs
+
+        converted: dict[tuple, int] = {}  # once per value (class), from and to
+
+        def convert(key, name: str, pairs, count: int) -> None:
+            for (p, q), terms in pairs.items():
+                if p == q:
+                    continue
+                if (key, p, q) not in converted:
+                    column = program.column(count * conversion_seconds(name, p, q))
+                    converted[key, p, q] = column
+                    if name in bound.parameters and p.is_split and q == B:  # gathered whole while in use
+                        add_cost(memory, column, count * local_bytes(name, B))
+                program.row(subtract({converted[key, p, q]: 1.0}, terms), 0.0, math.inf)
+
+        slots: dict[str, list[dict[Placement, dict[int, float]]]] = {}  # per op and operand: its signatures' needs
+        whole: dict[str, dict[int, float]] = {}  # per op: its signatures whose output is B
+        for name in nodes:
+            share = math.prod(mesh.axis_sizes[a] for a, p in enumerate(op_out[name]) if p.kind != "B")
+            backward = 3 if name in requires_grad else 1
+            by_slot: list[dict[Placement, dict[int, float]]] = [{} for _ in operands[name]]
+            whole_output: dict[int, float] = {}  # the signatures whose output is B
+            for (index, signature), column in zip(legal[name], columns_of(name)):
+                split = n if signature.output != B else 1
+                if signature.output == B:
+                    whole_output[column] = whole_output.get(column, 0.0) + 1.0
+                moved = local_bytes(name, signature.output) + sum(
+                    local_bytes(o, req) for o, req in zip(operands[name], signature.operands))
+                compute = max(flops.get(name, 0) / share / split / machine.flops_per_s, moved / machine.bytes_per_s)
+                add_cost(objective, column, backward * compute)
+                for inner in signature.inner_all_reduces:
+                    first, placement = bound.tensors[operands[name][0]], signature.operands[0]
+                    local = layout(value[operands[name][0]], placement).local_shape(first.shape, mesh)
+                    add_cost(objective, column, machine.collective_seconds(
+                        "all_reduce", inner.nbytes(local, placement, first.itemsize), n))
+                written = pinned(name, axis)
+                if written is not None and written != signature.output:
+                    steps = one_axis_collectives(signature.output, written, local_bytes(name, signature.output), n,
+                                                 name in requires_grad)
+                    add_cost(objective, column, EPSILON_S + sum(
+                        machine.collective_seconds(kind, nbytes, n) for _, kind, nbytes in steps))
+                for slot, req in enumerate(signature.operands):
+                    terms = by_slot[slot].setdefault(req, {})
+                    terms[column] = terms.get(column, 0.0) + 1.0
+            slots[name] = by_slot
+            whole[name] = whole_output
+
+        # Each value's consumers, through the shared layers: values of repeated layers that are taken by
+        # the same (shared) consumers are one class, whose conversions are priced once times its size
+        classes: dict[tuple, list[str]] = {}
+        for name in placeholders + nodes:
+            uses = tuple(sorted((shared.get(v, v), slot) for v, slot in consumers[name]))
+            ends = tuple((i, bound.output_pins[i].layout.placements[axis] if i in bound.output_pins else None)
+                         for i in outputs_of.get(name, ()))
+            if uses or ends:
+                classes.setdefault((shared.get(name, name), uses, ends), []).append(name)
+        syncs: dict[tuple, int] = {}  # (class, placement) → its gradient's reduction
+        for key, members in classes.items():
+            name, uses, ends = members[0], key[1], key[2]
+            count = len(members)
+            for v, slot in uses:
+                pairs = edge(placements[name], slots[v][slot])
+                convert(key, name, pairs, count)
+                if name not in requires_grad:
+                    continue
+                taken_whole = {c: x for c, x in whole[v].items() if c in slots[v][slot].get(B, {})}
+                for source in placements[name]:
+                    if (source, B) not in pairs:
+                        continue
+                    # taken whole by a signature that computes split, the value's gradient is partial: one
+                    # all-reduce of it serves every such consumer; a gathered one's adjoint reduce-scatters it
+                    if (key, source) not in syncs:
+                        kind = "reduce_scatter" if source.is_split else "all_reduce"
+                        seconds = machine.collective_seconds(kind, local_bytes(name, B), n)
+                        if name in bound.parameters:  # in a bucket: its bytes, behind the rest of backward
+                            seconds = unhidden * (seconds - machine.collective_seconds(kind, 0, n))
+                        syncs[key, source] = program.column(count * seconds)
+                    row = subtract({syncs[key, source]: 1.0}, pairs[source, B])
+                    for column, x in taken_whole.items():
+                        row[column] = row.get(column, 0.0) + x
+                    program.row(row, 0.0, math.inf)
+            for _, written in ends:
+                if written is not None:
+                    convert(key, name, edge(placements[name], {written: {}}), count)
+                elif P in placements[name]:
+                    seconds = machine.collective_seconds("all_reduce", local_bytes(name, P), n)
+                    for column in placements[name][P]:
+                        add_cost(objective, column, count * seconds)
+
+        for column, seconds in objective.items():
+            program.cost[column] += seconds
+        memory_row = None
+        if limit is not None:
+            memory_row = len(program.rows)
+            program.row(memory, -math.inf, limit * later - fixed_memory)
+        status, solution = program.solve()
+        if status == "infeasible" and memory_row is not None:  # the bound cannot be met: the cheapest plan, and N003
+            status, solution = program.solve(frozenset({memory_row}))
+        if status != "optimal":
+            raise RuntimeError(f"the layout search found no plan on axis {mesh.axis_names[axis]}: {status}")
+
+        def taken(name: str) -> int:
+            columns = columns_of(name)
+            return max(range(len(columns)), key=lambda i: solution[columns[i]])
+
+        for name in placeholders:
+            value[name].append(domain[name][taken(name)] if name in free else domain[name][0])
+        for name in nodes:
+            index = taken(name)
+            signature = legal[name][index][1]
+            for slot, req in enumerate(signature.operands):
+                needs[name][slot].append(req)
+            op_out[name].append(signature.output)
+            value[name].append(pinned(name, axis) or signature.output)
+        for name in nodes:
+            candidates[name].append(_priced(name, axis, legal[name], legal[name][taken(name)][1], operands[name],
+                                            value, requires_grad, bound, local_bytes, n))
+    return typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad, value, needs, op_out,
+                       candidates)
+
+
+def _priced(name, axis, legal, chosen, operands, value, requires_grad, bound, local_bytes, n) -> list[Candidate]:
+    """Each legal signature priced in bytes against the placements chosen around it: what `explain`
+    shows as runner-ups."""
+    priced = []
+    for index, signature in legal:
+        forward = backward = changes = 0
+        for o, req in zip(operands, signature.operands):
+            source = value[o][axis]
+            for phase, _, nbytes in one_axis_collectives(source, req, local_bytes(o, source), n, o in requires_grad):
+                forward += nbytes if phase == "forward" else 0
+                backward += nbytes if phase == "backward" else 0
+            changes += source != req
+            if req == B and source == B and signature.output != B and o in requires_grad:
+                backward += 2 * local_bytes(o, B) * (n - 1) // n
+        priced.append(Candidate(signature, forward, backward, 0, changes, local_bytes(name, signature.output),
+                                index, signature == chosen))
+    return priced
