@@ -248,7 +248,7 @@ def test_error_recovery_does_not_parse_the_file_again_per_error(monkeypatch):
     from pardsl import syntax
 
     body = "mesh tp = 2\nmodel m:f()\ninput x : float32[4, 16]\nlayout {\n" + "  fc1.weight : S(0)\n" * 2000 + "}\n"
-    tail = "mesh ??\n" * 5 + "layout {\n  x : S(\n  y : B\n}\n"
+    tail = "mesh $$\n" * 5 + "layout {\n  x : S(\n  y : B\n}\n"
     text = body + tail
     parsed = []
     real = syntax._parser()

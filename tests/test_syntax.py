@@ -92,5 +92,5 @@ def test_syntax_error_message_says_what_was_expected():
         parse("mesh tp = 2\nmodel m:f\nlayout {\n  w : Q\n}\n", "f.par")
     rendered = caught.value.render()
     assert "f.par:4:7: error[E001]: unexpected 'Q'" in rendered
-    assert "expected 'B', 'P', 'S', '['" in rendered
+    assert "expected '?', 'B', 'P', 'S', '['" in rendered
     assert "   4 |   w : Q\n     |       ^" in rendered

@@ -46,6 +46,9 @@ def main() -> None:
         with open(out_path, "w") as handle:
             json.dump({"losses": losses, "norms": norms, "output": type(out).__name__,
                        "logits": list(out.logits.shape)}, handle)
+    # every rank done communicating before any tears gloo down (a rank leaving early has aborted its peer
+    # with "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
