@@ -61,6 +61,14 @@ class Machine:
         link = self.collectives[kind]
         return link.alpha_s * ring_steps(kind, n) + link.beta_s_per_byte * nbytes
 
+    def steps_seconds(self, steps, n: int) -> float:
+        """Of collectives given as (phase, kind, bytes per rank), over n ranks (inference.one_axis_collectives)."""
+        return sum(self.collective_seconds(kind, nbytes, n) for _, kind, nbytes in steps)
+
+    def compute_seconds(self, flops: float, nbytes: float) -> float:
+        """One op's roofline on one rank: its arithmetic or its memory traffic, whichever takes longer."""
+        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+
     def slowdown(self, world_size: int) -> float:
         """How much slower one rank of `world_size` ranks runs than one of the calibration's, where ranks
         share the host's cores: each takes cores // ranks threads, and more busy threads than cores share."""
@@ -245,7 +253,7 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
             _nbytes(layout.local_shape(typed.info(operand).shape, mesh), typed.info(operand).dtype)
             for operand, layout in zip(node.operands, node.operand_layouts))
         local_flops = flops.get(name, 0) // share
-        forward = slow * (max(local_flops / machine.flops_per_s, moved / machine.bytes_per_s) + machine.op_overhead_s)
+        forward = slow * (machine.compute_seconds(local_flops, moved) + machine.op_overhead_s)
         backward = 2 * forward if name in typed.requires_grad else 0.0
         ops.append(OpCost(name, node.op.removeprefix("aten."), layer_of(bound.module_paths.get(name)),
                           local_flops, moved, forward, backward))
@@ -301,8 +309,14 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
         "gathered_parameters": sum(groups[:2]),
     }
     memory["total"] = sum(memory.values())
-    memory["serial_total"] = activity["parameters_total"] * (2 + states) + activity["activations_total"]
+    memory["serial_total"] = serial_bytes(activity["parameters_total"], activity["activations_total"], optimizer)
     return memory
+
+
+def serial_bytes(parameters: int, activations: int, optimizer: str = "adamw") -> int:
+    """What the serial model holds: parameters with their gradients and optimizer state, and activations;
+    a `memory <= N %` bound is a share of it."""
+    return parameters * (2 + OPTIMIZER_STATES[optimizer]) + activations
 
 
 def _dtype(name: str) -> torch.dtype:

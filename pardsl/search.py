@@ -10,9 +10,12 @@ signatures); on each, one integer program (Alpa's formulation) chooses everythin
   file leaves out, an input written `?`) per placement a consumer can use, exactly one taken. A written
   layout always stands;
 - converting a value from its placement to what a consumer's signature needs costs the catalogue's
-  collectives (layouts.CONVERSIONS), once per value and target placement: a continuous variable per
-  (value, from, to), bounded below by `from + to - 1` (the product of two binaries, linearised);
-- the all-reduce of a broadcast value's gradient where sharded computation consumes it, once per value;
+  collectives (layouts.CONVERSIONS), once per value and target placement. Each pair of choices (the
+  value's placement, the consumer's requirement) is a continuous variable per pair whose sums over each
+  side equal that side's choice: a tight linearisation of their product, which HiGHS solves in well
+  under a second where the textbook `z >= x + y - 1` ran to its time limit;
+- the all-reduce of a broadcast value's gradient where sharded computation reads it (a gathered value's
+  gradient is reduce-scattered instead), once per value;
 - each op's compute at the share its signature leaves a rank (FLOP from torch's counter, or bytes moved),
   backward twice forward; a parallel form's own all-reduces; finishing a partial output;
 - a parameter's gradient is reduced in buckets behind backward, and on an axis that splits the batch its
@@ -21,11 +24,13 @@ signatures); on each, one integer program (Alpa's formulation) chooses everythin
 
 Costs are seconds of the cost model (pardsl/cost.py: α per ring step + β per byte, per kind; the
 machine's throughput and bandwidth), so the objective is the estimated step time of the axis's choices.
-The memory bound is a constraint: parameters with their gradients and optimizer state, and activations,
-per rank; an axis before the last gets the bound times what the later axes can still divide.
+The memory bound is a constraint: parameters with their gradients and optimizer state, activations, and
+parameters gathered whole while in use, per rank; an axis before the last gets the bound times what the
+later axes can still divide.
 
-Repeated layers (model.layers.0, .1, … with the same ops, shapes and written layouts) share their
-binaries: the program has one layer's choices and stays small however deep the model is.
+Repeated layers (model.layers.0, .1, … with the same ops, shapes and layouts) share their binaries, and
+values whose consumers are all shared form one class whose conversions are priced once times its size:
+the program has one layer's size however deep the model is.
 """
 
 from __future__ import annotations
@@ -37,9 +42,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .binding import BoundPlan
-from .cost import OPTIMIZER_STATES, Machine, global_flops, layer_of
+from .cost import OPTIMIZER_STATES, Machine, global_flops, layer_of, serial_bytes
 from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
-from .layouts import B, P, Layout, Placement
+from .layouts import B, P, Layout, Placement, collective_bytes
 from .oprules import signatures
 
 EPSILON_S = 1e-9  # a conversion, or a split of a free tensor, that saves nothing is not made
@@ -60,21 +65,19 @@ def memory_limit(bound: BoundPlan, optimizer: str = "adamw") -> int | None:
     parameters = sum(bound.tensors[name].nbytes for name in bound.parameters)
     activations = sum(info.nbytes for name, info in bound.tensors.items() if name not in bound.parameters
                       and name not in bound.buffers and name not in bound.inputs and name not in bound.scalars)
-    return written.bytes(parameters * (2 + OPTIMIZER_STATES[optimizer]) + activations)
+    return written.bytes(serial_bytes(parameters, activations, optimizer))
 
 
 @dataclass
 class _Program:
     """An integer program in HiGHS's terms, built up column by column and row by row."""
 
-    cost: list[float] = field(default_factory=list)
-    upper: list[float] = field(default_factory=list)
+    cost: list[float] = field(default_factory=list)  # every column lies in [0, 1]
     integer: list[bool] = field(default_factory=list)
     rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
 
-    def column(self, cost: float = 0.0, integer: bool = False, upper: float = 1.0) -> int:
+    def column(self, cost: float = 0.0, integer: bool = False) -> int:
         self.cost.append(cost)
-        self.upper.append(upper)
         self.integer.append(integer)
         return len(self.cost) - 1
 
@@ -94,7 +97,7 @@ class _Program:
         lp.num_col_, lp.num_row_ = columns, len(rows)
         lp.col_cost_ = np.array(self.cost, dtype=float)
         lp.col_lower_ = np.zeros(columns)
-        lp.col_upper_ = np.array(self.upper, dtype=float)
+        lp.col_upper_ = np.ones(columns)
         lp.row_lower_ = np.array([lower for _, lower, _ in rows], dtype=float)
         lp.row_upper_ = np.array([upper for _, _, upper in rows], dtype=float)
         starts, indices, values = [0], [], []
@@ -119,14 +122,14 @@ class _Program:
         if len(solution) != columns or status not in (highspy.HighsModelStatus.kOptimal,
                                                        highspy.HighsModelStatus.kTimeLimit):
             return str(status), []
-        return "optimal", solution
+        return "optimal" if status == highspy.HighsModelStatus.kOptimal else "time limit", solution
 
 
 def _layer_key(path: str) -> tuple[str, str] | None:
     """`model.layers.3` → ("model.layers.#", "3"): the family of a repeated layer and its index."""
     layer = layer_of(path)
     match = re.fullmatch(r"(.*\.)?(\d+)", layer)
-    if not match or not path.startswith(layer):
+    if not match:
         return None
     return (match.group(1) or "") + "#", layer
 
@@ -245,7 +248,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             return (info.shape, str(info.dtype), tuple(domain[name]), tuple(value[name]), name in free,
                     name in requires_grad, tuple(s for _, s in legal.get(name, ())), links,
                     tuple(tuple(need) for need in needs.get(name, ())), tuple(op_out.get(name, ())),
-                    tuple(outputs_of.get(name, ())) != ())
+                    name in outputs_of)
 
         shared = repeated_layers(bound, placeholders + nodes, fingerprint)
 
@@ -281,8 +284,8 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             return result
 
         def conversion_seconds(name: str, source: Placement, target: Placement) -> float:
-            steps = one_axis_collectives(source, target, local_bytes(name, source), n, name in requires_grad)
-            seconds = sum(machine.collective_seconds(kind, nbytes, n) for _, kind, nbytes in steps)
+            seconds = machine.steps_seconds(
+                one_axis_collectives(source, target, local_bytes(name, source), n, name in requires_grad), n)
             if name in bound.parameters and source.is_split and target == B and batch_axis:
                 seconds *= unhidden  # prefetched forward, reduce-scattered in buckets backward
             return seconds + EPSILON_S
@@ -310,9 +313,9 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                         for column in terms:
                             add_cost(objective, column, EPSILON_S)
 
-        def subtract(row: dict[int, float], terms: dict[int, float], scale: float = 1.0) -> dict[int, float]:
+        def subtract(row: dict[int, float], terms: dict[int, float]) -> dict[int, float]:
             for column, v in terms.items():
-                row[column] = row.get(column, 0.0) - scale * v
+                row[column] = row.get(column, 0.0) - v
             return row
 
         def edge(source: dict[Placement, dict[int, float]], target: dict[Placement, dict[int, float]]):
@@ -358,7 +361,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     whole_output[column] = whole_output.get(column, 0.0) + 1.0
                 moved = local_bytes(name, signature.output) + sum(
                     local_bytes(o, req) for o, req in zip(operands[name], signature.operands))
-                compute = max(flops.get(name, 0) / share / split / machine.flops_per_s, moved / machine.bytes_per_s)
+                compute = machine.compute_seconds(flops.get(name, 0) / share / split, moved)
                 add_cost(objective, column, backward * compute)
                 for inner in signature.inner_all_reduces:
                     first, placement = bound.tensors[operands[name][0]], signature.operands[0]
@@ -367,10 +370,8 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                         "all_reduce", inner.nbytes(local, placement, first.itemsize), n))
                 written = pinned(name, axis)
                 if written is not None and written != signature.output:
-                    steps = one_axis_collectives(signature.output, written, local_bytes(name, signature.output), n,
-                                                 name in requires_grad)
-                    add_cost(objective, column, EPSILON_S + sum(
-                        machine.collective_seconds(kind, nbytes, n) for _, kind, nbytes in steps))
+                    add_cost(objective, column, EPSILON_S + machine.steps_seconds(one_axis_collectives(
+                        signature.output, written, local_bytes(name, signature.output), n, name in requires_grad), n))
                 for slot, req in enumerate(signature.operands):
                     terms = by_slot[slot].setdefault(req, {})
                     terms[column] = terms.get(column, 0.0) + 1.0
@@ -428,7 +429,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         status, solution = program.solve()
         if status == "infeasible" and memory_row is not None:  # the bound cannot be met: the cheapest plan, and N003
             status, solution = program.solve(frozenset({memory_row}))
-        if status != "optimal":
+        if status not in ("optimal", "time limit"):  # at the limit: the best plan found by then
             raise RuntimeError(f"the layout search found no plan on axis {mesh.axis_names[axis]}: {status}")
 
         def taken(name: str) -> int:
@@ -464,7 +465,7 @@ def _priced(name, axis, legal, chosen, operands, value, requires_grad, bound, lo
                 backward += nbytes if phase == "backward" else 0
             changes += source != req
             if req == B and source == B and signature.output != B and o in requires_grad:
-                backward += 2 * local_bytes(o, B) * (n - 1) // n
+                backward += collective_bytes("all_reduce", local_bytes(o, B), n)
         priced.append(Candidate(signature, forward, backward, 0, changes, local_bytes(name, signature.output),
                                 index, signature == chosen))
     return priced

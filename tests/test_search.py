@@ -4,6 +4,7 @@ hand-written ones by the cost model."""
 
 import pytest
 
+from pardsl import search
 from pardsl.compiler import compile_file
 from pardsl.cost import DEFAULTS, estimate
 from pardsl.diagnostics import CompileError
@@ -48,7 +49,8 @@ def test_an_input_written_question_mark_may_be_split_and_others_stay_whole(compi
     assert set(layouts_of(compiled).values()) == {(B,)}
     counts = compiled.program.collective_counts()
     assert sum(counts["forward"].values()) == 0
-    assert [b.kind for b in compiled.program.buckets] == ["all_reduce"] * len(compiled.program.buckets)
+    buckets = compiled.program.buckets
+    assert buckets and [b.kind for b in buckets] == ["all_reduce"] * len(buckets)
 
 
 def test_question_mark_is_a_whole_layout_not_one_axiss_value(compile_par):
@@ -70,8 +72,18 @@ def test_the_memory_bound_is_met_where_it_can_be_and_noted_where_it_cannot(compi
     assert [n.code for n in impossible.program.notes if n.code == "N003"] == ["N003"]
 
 
-def test_repeated_layers_take_the_same_layouts(compile_par):
+def test_repeated_layers_are_one_set_of_choices(compile_par, monkeypatch):
+    binaries = []
+    solve = search._Program.solve
+
+    def counting(program, *args):
+        binaries.append(sum(program.integer))
+        return solve(program, *args)
+
+    monkeypatch.setattr(search._Program, "solve", counting)
+    compile_par("mesh tp = 2\n" + LLAMA.format(layers=2) + "memory <= 60 %\n")
     compiled = compile_par("mesh tp = 2\n" + LLAMA.format(layers=4) + "memory <= 60 %\n")
+    assert binaries[0] == binaries[1]  # the integer program does not grow with depth
     layers = [{name.split(".", 4)[4]: layout for name, layout in layouts_of(compiled, f"model.model.layers.{i}.").items()}
               for i in range(4)]
     assert layers[0] and all(layer == layers[0] for layer in layers[1:])
