@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 # Exports load on first use: a generated module imports pardsl.runtime alone, and the CLI parses its
 # arguments before it needs the compiler.
 _EXPORTS = {
-    "ParallelModule": "api", "Plan": "api", "clip_grad_norm_": "api", "load": "api",
+    "ParallelModule": "api", "PipelineModule": "api", "Plan": "api", "clip_grad_norm_": "api", "load": "api",
     "export_checkpoint": "checkpoint", "load_optimizer_state": "checkpoint", "save": "checkpoint",
     "CompileError": "diagnostics",
 }

@@ -74,7 +74,12 @@ class Plan:
 
     # -- the model -------------------------------------------------------------------------------------
 
-    def module(self, checkpoint: str | None = None, device: torch.device | str | None = None) -> "ParallelModule":
+    @property
+    def pipelined(self) -> bool:
+        """Whether the plan has a `pipeline` statement: `plan.module()` is then a PipelineModule."""
+        return self.compiled.pipeline is not None
+
+    def module(self, checkpoint: str | None = None, device: torch.device | str | None = None, loss_fn=None):
         """This rank's shards of the model, as a module that takes the serial model's arguments.
 
         With a checkpoint (a pardsl checkpoint folder, a `model.safetensors` file, or a Hugging Face folder
@@ -82,20 +87,24 @@ class Plan:
         one, the parameters are the values the model's factory gives under the current torch seed, as the
         serial model's would be: every rank builds the serial model once to take its shards (so set the
         same seed on every rank, and use a checkpoint for a model larger than one rank's memory).
+
+        A pipelined plan gives a `PipelineModule`: this rank's stages, trained by `model.step(...)`. Its loss
+        is the model's own (a scalar it returns, such as a Hugging Face model's `loss`), or
+        `loss_fn(output, target)` of the model's output on one micro-batch (its structure, with local
+        tensors) and the micro-batch's part of the `target` given to `step`.
         """
         rt = self.runtime(device)
+        if self.pipelined:
+            if checkpoint is not None:
+                raise NotImplementedError("loading a checkpoint into a pipelined plan is not supported yet: "
+                                          "load it under a plan without a pipeline, or start from the factory")
+            return self._pipeline_module(rt, loss_fn)
         spmd = self._generated.CompiledModule(rt)
         bound = self.compiled.bound
         if checkpoint is None:
-            from .binding import build_model, full_state, import_paths, par_import_paths
-
-            par = self.compiled.par
-            with import_paths(*par_import_paths(par.source.path)):
-                serial = build_model(par.model, par.source.path)
-            full = full_state(serial)
-            full.update((name, t) for name, t in bound.buffer_values.items() if name not in full)
+            full = self._full_state()
             spmd.load_full_state_dict(full)
-            del serial, full
+            del full
         else:
             from .checkpoint import load_model_state
 
@@ -104,6 +113,41 @@ class Plan:
                     getattr(spmd, attr).copy_(rt.shard(bound.buffer_values[name], layout))
             load_model_state(spmd, self, checkpoint)
         return ParallelModule(self, spmd)
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        from .binding import build_model, full_state, import_paths, par_import_paths
+
+        par = self.compiled.par
+        with import_paths(*par_import_paths(par.source.path)):
+            serial = build_model(par.model, par.source.path)
+        full = full_state(serial)
+        full.update((name, t) for name, t in self.compiled.bound.buffer_values.items() if name not in full)
+        return full
+
+    def _pipeline_module(self, rt, loss_fn) -> "PipelineModule":
+        from .schedule import Pipeline
+
+        generated = self._generated
+        full = self._full_state()
+        modules = {}
+        for index in Pipeline.of_rank(generated, rt):
+            modules[index] = generated.STAGES[index](rt)
+            modules[index].load_full_state_dict(full)
+        del full
+        return PipelineModule(self, Pipeline(generated, rt, modules, self._pipeline_loss(loss_fn)))
+
+    def _pipeline_loss(self, loss_fn):
+        """torch's schedule calls loss(stage output, target micro-batch) on the last stage."""
+        if loss_fn is not None:
+            return lambda output, target: loss_fn(pytree.tree_unflatten(list(output), self.out_spec), target)
+        program = self.compiled.program
+        scalars = [index for index, (slot, (dtype, grad)) in enumerate(zip(program.outputs, self.compiled.pipeline.output_meta))
+                   if not slot.shape and grad]
+        if len(scalars) != 1:
+            raise TypeError(f"{self.compiled.par.model.text} returns {'no' if not scalars else 'more than one'} "
+                            "scalar loss: pass `loss_fn(output, target)` to `plan.module()` and the target to `step`")
+        index = scalars[0]
+        return lambda output, target: output[index]
 
     # -- inputs ----------------------------------------------------------------------------------------
 
@@ -215,24 +259,86 @@ class ParallelModule(torch.nn.Module):
         for name, (attr, layout, _) in self.plan.parameter_layouts.items():
             yield name, getattr(self.spmd, attr), layout
 
+    def copies(self, name: str, layout: tuple[str, ...]) -> int:
+        """How many ranks hold the same piece of a parameter as this rank: the axes where it is B."""
+        mesh = self.rt.mesh
+        return math.prod(mesh.axis_sizes[a] for a, p in enumerate(Layout.from_key(layout).placements) if not p.is_split)
 
-def clip_grad_norm_(model: ParallelModule, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale the gradients of a ParallelModule's shards so that their global norm (the serial model's
-    gradient norm) is at most `max_norm`; returns that global norm.
 
-    Each rank sums its shards' |g|^p, each divided by the number of ranks holding the same copy (the sizes
-    of the axes where the parameter is B), so one all-reduce over the world gives the global sum.
+class PipelineModule(torch.nn.Module):
+    """This rank's stages of a pipelined plan. `model.step(...)` runs one training step's forwards and
+    backwards over the whole batch, split into the plan's micro-batches and ordered by its schedule
+    (torch.distributed.pipelining): the gradients are then in `.grad`, summed over micro-batches the way
+    the serial model's are over the batch (each micro-batch's mean loss, averaged), for an optimizer over
+    `model.parameters()`.
     """
-    rt = model.rt
-    mesh = rt.mesh
+
+    def __init__(self, plan: Plan, pipeline):
+        super().__init__()
+        self.plan = plan
+        self.pipeline = pipeline
+        self.stages = torch.nn.ModuleList([pipeline.modules[i] for i in sorted(pipeline.modules)])
+
+    @property
+    def rt(self):
+        return self.pipeline.rt
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pipeline.is_first
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last stage: `step` returns the loss there."""
+        return self.pipeline.is_last
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("a pipelined plan runs forward and backward together, one micro-batch after another: "
+                        "call `model.step(**plan.shard_inputs(...))`")
+
+    def step(self, *args, target: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+        """Forward and backward of every micro-batch. `args`/`kwargs`: this rank's inputs as
+        `plan.shard_inputs` gives them (every rank passes them; the first stage reads them). `target`: the
+        loss function's, split into micro-batches along dim 0. Returns the step's loss (the mean of the
+        micro-batches' losses) on the last stage's ranks, None on the others."""
+        arguments = self.plan._bind_arguments(args, kwargs)
+        losses = self.pipeline.step([arguments[name] for name in self.plan.input_names], target)
+        if losses is None:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+    def named_shards(self):
+        """(state-dict name, local parameter, layout key) of every stage this rank runs: a parameter two of
+        its stages hold (tied weights) once per stage."""
+        for stage in self.stages:
+            for name, (attr, layout, _) in stage.PARAMETERS.items():
+                yield name, getattr(stage, attr), layout
+
+    def copies(self, name: str, layout: tuple[str, ...]) -> int:
+        """How many (rank, stage) pairs hold the same piece of a parameter: the axes where it is B, other
+        than the pipeline axis, times the stages that hold it."""
+        mesh = self.rt.mesh
+        axis = mesh.axis_names.index(self.pipeline.axis)
+        holders = dict(self.pipeline.shared).get(name, (0,))
+        return len(holders) * math.prod(mesh.axis_sizes[a] for a, p in enumerate(Layout.from_key(layout).placements)
+                                        if not p.is_split and a != axis)
+
+
+def clip_grad_norm_(model: ParallelModule | PipelineModule, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale the gradients of a ParallelModule's (or PipelineModule's) shards so that their global norm
+    (the serial model's gradient norm) is at most `max_norm`; returns that global norm.
+
+    Each rank sums its shards' |g|^p, each divided by the number of ranks holding the same copy
+    (`model.copies`: the sizes of the axes where the parameter is B; a pipeline's stages hold different
+    parameters), so one all-reduce over the world gives the global sum.
+    """
     norm_type = float(norm_type)
     grads, total = [], None
-    for _, parameter, layout in model.named_shards():
+    for name, parameter, layout in model.named_shards():
         if parameter.grad is None:
             continue
         grads.append(parameter.grad)
-        replicas = math.prod(mesh.axis_sizes[a] for a, p in enumerate(Layout.from_key(layout).placements)
-                             if not p.is_split)
+        replicas = model.copies(name, layout)
         local = parameter.grad.detach().float()
         if norm_type == math.inf:
             part = local.abs().max()
@@ -250,4 +356,4 @@ def clip_grad_norm_(model: ParallelModule, max_norm: float, norm_type: float = 2
     return norm
 
 
-__all__ = ["Plan", "ParallelModule", "load", "clip_grad_norm_"]
+__all__ = ["Plan", "ParallelModule", "PipelineModule", "load", "clip_grad_norm_"]

@@ -7,11 +7,13 @@ the one the user gave, dict orders fixed by the graph).
 from __future__ import annotations
 
 import functools
+import math
 import json
 import types
 from importlib import resources
 
 import jinja2
+import torch
 
 from . import __version__
 from .lowering import LoweredProgram, format_bytes, named_layout
@@ -21,8 +23,8 @@ _COMMENT_COLUMN = 72
 
 
 @functools.cache
-def _template() -> jinja2.Template:
-    text = resources.files("pardsl.templates").joinpath("module.py.j2").read_text()
+def _template(name: str = "module.py.j2") -> jinja2.Template:
+    text = resources.files("pardsl.templates").joinpath(name).read_text()
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined, autoescape=False)
     return env.from_string(text)
@@ -75,41 +77,112 @@ def render_expression(instruction: Instruction) -> str:
     return f"{instruction.callee}({', '.join(parts)})"
 
 
-def render(program: LoweredProgram) -> str:
-    mesh = program.mesh
+def _lines(program: LoweredProgram) -> list[str]:
     lines = []
     for statement in program.statements:
         expr = render_expression(statement.instruction)
         code = f"{statement.target} = {expr}" if statement.target else expr
         lines.append(f"{code.ljust(_COMMENT_COLUMN)}  # {statement.comment}")
-    counts = program.collective_counts()
-    totals = program.collective_bytes()
+    return lines
+
+
+def _outputs(program: LoweredProgram) -> list[dict]:
     outputs = []
     for output in program.outputs:
-        slot = _slot(output, mesh)
+        slot = _slot(output, program.mesh)
         slot["path"] = output.path
         outputs.append(slot)
+    return outputs
+
+
+def _gathers(program: LoweredProgram) -> list[dict]:
+    return [{"axis": g.axis, "comment": f"{g.members[0].unit or 'outside the layers'}, {format_bytes(sum(m.nbytes for m in g.members))}",
+             "members_text": ", ".join(f"({json.dumps(m.attr)}, {m.dim}, {m.blocks})" for m in g.members)}
+            for g in program.gathers]
+
+
+def _buckets(program: LoweredProgram) -> list[dict]:
+    return [{"kind": b.kind, "axes": repr(tuple(b.axes)), "members_text": ", ".join(f"({json.dumps(m[0])}, {m[1]}, {m[2]})" for m in b.members),
+             "comment": f"{format_bytes(b.nbytes)}; {len(b.members)} gradient{'s' if len(b.members) != 1 else ''}"}
+            for b in program.buckets]
+
+
+def _mesh_dict(mesh) -> str:
+    return "{" + ", ".join(f"{n!r}: {s}" for n, s in zip(mesh.axis_names, mesh.axis_sizes)) + "}"
+
+
+def render(program: LoweredProgram) -> str:
+    mesh = program.mesh
+    counts = program.collective_counts()
+    totals = program.collective_bytes()
     return _template().render(
         version=__version__,
         source=program.source_path,
         model=program.model,
         mesh=str(mesh),
         world_size=mesh.size,
-        mesh_dict="{" + ", ".join(f"{n!r}: {s}" for n, s in zip(mesh.axis_names, mesh.axis_sizes)) + "}",
+        mesh_dict=_mesh_dict(mesh),
         forward_summary=_summary(counts["forward"], totals["forward"]),
         backward_summary=_summary(counts["backward"], totals["backward"]),
         parameters=[_slot(p, mesh) for p in program.parameters],
         buffers=[_slot(b, mesh) for b in program.buffers],
         inputs=[_slot(i, mesh) for i in program.inputs],
-        outputs=outputs,
-        lines=lines,
-        gathers=[{"axis": g.axis, "comment": f"{g.members[0].unit or 'outside the layers'}, {format_bytes(sum(m.nbytes for m in g.members))}",
-                  "members_text": ", ".join(f"({json.dumps(m.attr)}, {m.dim}, {m.blocks})" for m in g.members)}
-                 for g in program.gathers],
-        buckets=[{"kind": b.kind, "axes": repr(tuple(b.axes)), "members_text": ", ".join(f"({json.dumps(m[0])}, {m[1]}, {m[2]})" for m in b.members),
-                  "comment": f"{format_bytes(b.nbytes)}; {len(b.members)} gradient{'s' if len(b.members) != 1 else ''}"}
-                 for b in program.buckets],
+        outputs=_outputs(program),
+        lines=_lines(program),
+        gathers=_gathers(program),
+        buckets=_buckets(program),
     )
+
+
+def render_pipeline(stages: list[LoweredProgram], plan) -> str:
+    """One module with a class per stage (`plan`: pardsl.pipeline.PipelinePlan)."""
+    mesh = stages[0].mesh
+    rendered = []
+    for index, program in enumerate(stages):
+        counts, totals = program.collective_counts(), program.collective_bytes()
+        outputs = _outputs(program)
+        last = index == len(stages) - 1
+        metas = plan.output_meta if last else [(i.dtype, i.requires_grad) for i in stages[index + 1].inputs]
+        for output, (dtype, requires_grad) in zip(outputs, metas):
+            output.update(dtype=dtype, requires_grad=requires_grad)
+        sent = 0 if last else sum(_local_bytes(slot) for slot in stages[index + 1].inputs)
+        begins = "the start" if index == 0 else f"`{plan.cut_before[index - 1]}`"
+        ends = "to the end" if last else f"up to `{plan.cut_before[index]}`"
+        rendered.append({
+            "index": index, "last": last,
+            "span": f"from {begins} {ends}",
+            "forward_summary": _summary(counts["forward"], totals["forward"]),
+            "backward_summary": _summary(counts["backward"], totals["backward"]),
+            "sends": "nothing (the last stage)" if last else
+                     f"{len(outputs)} tensor(s), {format_bytes(sent)} per rank, to stage {index + 1}",
+            "parameters": [_slot(p, mesh) for p in program.parameters],
+            "buffers": [_slot(b, mesh) for b in program.buffers],
+            "inputs": [_slot(i, mesh) for i in program.inputs],
+            "outputs": outputs,
+            "lines": _lines(program),
+            "gathers": _gathers(program),
+            "buckets": _buckets(program),
+        })
+    pipeline = {"axis": plan.axis, "schedule": plan.schedule, "microbatches": plan.microbatches,
+                "stages_per_rank": plan.stages_per_rank, "cut_before": list(plan.cut_before)}
+    return _template("pipeline.py.j2").render(
+        version=__version__,
+        source=stages[0].source_path,
+        model=stages[0].model,
+        mesh=str(mesh),
+        world_size=mesh.size,
+        mesh_dict=_mesh_dict(mesh),
+        axis=plan.axis, schedule=plan.schedule, microbatches=plan.microbatches,
+        stages_per_rank=plan.stages_per_rank,
+        pipeline_dict=repr(pipeline),
+        shared=[(name, list(held)) for name, held in plan.shared_parameters],
+        stages=rendered,
+    )
+
+
+def _local_bytes(slot) -> int:
+    dtype = getattr(torch, slot.dtype.removeprefix("torch."))
+    return math.prod(slot.local_shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def load_module(source: str, name: str = "pardsl_module") -> types.ModuleType:

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from . import __version__
 from .binding import BoundPlan, bind
-from .codegen import render
+from .codegen import render, render_pipeline
 from .inference import TypedGraph, infer
 from .cost import memory_per_rank
 from .search import memory_limit, search, wants_search
 from .diagnostics import Diagnostic
-from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, named_layout
+from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
 from .syntax import ParFile, parse, parse_file
 
 MODULE_FILE = "pardsl_module.py"
@@ -35,6 +35,8 @@ class Compiled:
     source: str  # the generated module
     seconds: dict[str, float]  # per stage: build, export, bind, infer, lower, codegen
     memory_bound: int | None = None  # bytes per rank, from `memory <= …`
+    pipeline: object = None  # pardsl.pipeline.PipelinePlan where the file has a `pipeline` statement
+    stages: tuple = ()  # then each stage's LoweredProgram; `program` is the uncut one (one micro-batch)
 
     @property
     def seconds_after_export(self) -> float:
@@ -44,6 +46,8 @@ class Compiled:
 def compile_par(par: ParFile, bucket_mb: float = DEFAULT_BUCKET_MB, machine=None) -> Compiled:
     """`machine`: the cost model's figures the layout search minimises (default: this machine's
     calibration file for its backend, else the backend's defaults); only a searched plan reads them."""
+    if par.pipeline is not None:
+        return _compile_pipelined(par, bucket_mb, machine)
     bound = bind(par)
     seconds = dict(bound.seconds)
     start = time.perf_counter()
@@ -60,6 +64,37 @@ def compile_par(par: ParFile, bucket_mb: float = DEFAULT_BUCKET_MB, machine=None
     source = render(program)
     seconds["codegen"] = time.perf_counter() - start
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(par, program))
+
+
+def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
+    """The same stages for one micro-batch, with the pipeline pass between lowering and codegen."""
+    from . import pipeline as pp
+
+    decl = pp.check_pipeline(par)
+    bound = bind(pp.micro_batched(par))
+    pp.check_layouts(bound, decl)
+    seconds = dict(bound.seconds)
+    start = time.perf_counter()
+    typed = infer(bound)
+    seconds["infer"] = time.perf_counter() - start
+    start = time.perf_counter()
+    stage_of, cut_before = pp.stage_of_nodes(typed, decl, machine)
+    count = len(cut_before) + 1
+    parts: list = []
+
+    def split(*program):
+        parts.extend(pp.split_program(typed, stage_of, count, *program))
+        return [(s.statements, s.parameters, s.buffers, s.inputs, s.outputs) for s in parts]
+
+    program, stages = lower_in_stages(typed, bucket_mb, split)
+    outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
+    plan = pp.PipelinePlan(decl.axis, decl.schedule, decl.microbatches, decl.stages_per_rank, tuple(cut_before),
+                           pp.shared_parameters(parts), outputs)
+    seconds["lower"] = time.perf_counter() - start
+    start = time.perf_counter()
+    source = render_pipeline(stages, plan)
+    seconds["codegen"] = time.perf_counter() - start
+    return Compiled(par, bound, typed, program, source, seconds, None, plan, tuple(stages))
 
 
 def _check_memory_bound(par: ParFile, program: LoweredProgram) -> int | None:

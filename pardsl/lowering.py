@@ -53,6 +53,7 @@ class Statement:
     comment: str
     collectives: tuple[Collective, ...] = ()
     layouts: tuple[Layout, ...] = ()  # the layout of each variable it binds
+    node: str = ""  # the graph op it is there for (a conversion: the op whose value it moves)
 
 
 @dataclass(frozen=True)
@@ -445,7 +446,7 @@ class _Lowerer:
     def emit(self, target: str, instruction: Instruction, comment: str,
              collectives: tuple[Collective, ...] = (), layouts: tuple[Layout, ...] = ()) -> None:
         collectives = tuple(dataclasses.replace(c, node=self.current_node) for c in collectives)
-        self.statements.append(Statement(target, instruction, comment, collectives, layouts))
+        self.statements.append(Statement(target, instruction, comment, collectives, layouts, self.current_node))
 
     def _value_comment(self, layout: Layout, info) -> str:
         whole, local = _shape_text(info), _shape_text(info, layout, self.mesh)
@@ -524,10 +525,12 @@ class _Lowerer:
         self.emit(var, Instruction("param_gather", "sync.all_gather", args), f"{arrow}: {what} — {reason}",
                   layouts=(step.target,))
 
-    def _gather_groups(self) -> tuple[list[GatherGroup], dict[int, tuple[int, int]]]:
-        """Consecutive gathers of one layer (or of no layer), one axis and dtype: one all-gather each."""
+    def _gather_groups(self, chosen: list[int]) -> tuple[list[GatherGroup], dict[int, tuple[int, int]]]:
+        """Consecutive gathers (of those `chosen`) of one layer (or of no layer), one axis and dtype: one
+        all-gather each."""
         groups: list[list[int]] = []
-        for index, gather in enumerate(self.gathers):
+        for index in chosen:
+            gather = self.gathers[index]
             if groups:
                 last = self.gathers[groups[-1][-1]]
                 if (last.unit, last.axis, last.dtype) == (gather.unit, gather.axis, gather.dtype):
@@ -547,8 +550,8 @@ class _Lowerer:
             where.update((i, (number, item)) for item, i in enumerate(indices))
         return result, where
 
-    def _buckets(self) -> tuple[list[GradientBucket], dict[int, tuple[int, int]]]:
-        """Group the gradients into buckets in the order backward produces them (the reverse of forward),
+    def _buckets(self, chosen: list[int]) -> tuple[list[GradientBucket], dict[int, tuple[int, int]]]:
+        """Group the gradients (of those `chosen`) into buckets in the order backward produces them (the reverse of forward),
         one open bucket per collective, axes and dtype; a bucket closes past the bucket size (the first
         one past DDP's 1 MiB, so communication starts early). Returns the buckets, and where each
         gradient went: (bucket, member)."""
@@ -556,7 +559,7 @@ class _Lowerer:
         members: list[list[int]] = []
         sizes: list[int] = []
         where: dict[int, tuple[int, int]] = {}
-        for index in reversed(range(len(self.syncs))):
+        for index in reversed(chosen):
             sync = self.syncs[index]
             key = (sync.kind, sync.axes, sync.dtype)
             if key not in opened:
@@ -583,7 +586,8 @@ class _Lowerer:
 
         return buckets, where
 
-    def _fill_placeholders(self, in_bucket: dict[int, tuple[int, int]], in_group: dict[int, tuple[int, int]]) -> None:
+    def _fill_placeholders(self, statements: list[Statement], in_bucket: dict[int, tuple[int, int]],
+                           in_group: dict[int, tuple[int, int]]) -> list[Statement]:
         """Statements name buckets and gather groups by placeholders until both are formed: fill them in."""
         fills = {"sync": lambda i: "bucket={}, member={}".format(*in_bucket[i]),
                  "bucket": lambda i: f"bucket {in_bucket[i][0]}",
@@ -596,8 +600,8 @@ class _Lowerer:
         def place(slot: Slot) -> Text:
             return Text(fills[slot.kind](slot.index))
 
-        self.statements = [dataclasses.replace(s, instruction=s.instruction.replace_slots(place), comment=fill(s.comment))
-                           for s in self.statements]
+        return [dataclasses.replace(s, instruction=s.instruction.replace_slots(place), comment=fill(s.comment))
+                for s in statements]
 
     def _step_call(self, step: ConversionStep, source: str, axis: str, target: str, reason: str,
                    rs_backward: bool, needs_grad: bool) -> tuple[Instruction, tuple[Collective, ...]]:
@@ -852,6 +856,12 @@ class _Lowerer:
                       layouts=(typed_node.op_layout,))
 
     def lower(self) -> LoweredProgram:
+        self.emit_program()
+        self._note_exchanges()
+        return self.finish(self.statements, self.parameters, self.buffers, self.inputs, self.outputs)
+
+    def emit_program(self) -> None:
+        """Every statement, with the buckets and gather groups they will use left as Slots."""
         bound, typed, mesh = self.bound, self.typed, self.mesh
         self._fx = {n.name: n for n in bound.graph.nodes}
         taken: set[str] = set()
@@ -889,22 +899,51 @@ class _Lowerer:
             info = typed.info(node_name)
             var = self._ensure(node_name, layout, f"`{path}` is {named_layout(layout, mesh)}")
             outputs.append(OutputSlot(path, var, info.shape, layout.local_shape(info.shape, mesh), layout))
+        self.parameters, self.buffers, self.inputs, self.outputs = parameters, buffers, inputs, outputs
+
+    def values(self) -> dict[str, dict]:
+        """Every graph tensor: its layout, global and local shape (for plan.json)."""
         values = {}
-        for name, info in bound.tensors.items():
-            layout = typed.layout_of(name)
+        for name, info in self.bound.tensors.items():
+            layout = self.typed.layout_of(name)
             values[name] = {
-                "kind": "activation" if name in typed.nodes else "placeholder",
-                "layout": named_layout(layout, mesh),
+                "kind": "activation" if name in self.typed.nodes else "placeholder",
+                "layout": named_layout(layout, self.mesh),
                 "shape": list(info.shape),
-                "local_shape": list(layout.local_shape(info.shape, mesh)),
+                "local_shape": list(layout.local_shape(info.shape, self.mesh)),
                 "dtype": str(info.dtype).removeprefix("torch."),
             }
-        buckets, in_bucket = self._buckets()
-        groups, in_group = self._gather_groups()
-        self._fill_placeholders(in_bucket, in_group)
-        self._note_exchanges()
-        return LoweredProgram(mesh, bound.par.source.path, bound.par.model.text, parameters, buffers, inputs,
-                              self.statements, outputs, values, self.notes, groups, buckets)
+        return values
+
+    def finish(self, statements: list[Statement], parameters: list[TensorSlot], buffers: list[TensorSlot],
+               inputs: list[TensorSlot], outputs: list[OutputSlot]) -> LoweredProgram:
+        """A program of `statements`: the buckets and gather groups of the gradients and gathers they use,
+        numbered from 0, filled in."""
+        used: dict[str, set[int]] = {"sync": set(), "gather": set()}
+
+        def collect(slot: Slot) -> Slot:
+            used[slot.kind].add(slot.index)
+            return slot
+
+        for statement in statements:
+            statement.instruction.replace_slots(collect)
+        buckets, in_bucket = self._buckets(sorted(used["sync"]))
+        groups, in_group = self._gather_groups(sorted(used["gather"]))
+        return LoweredProgram(self.mesh, self.bound.par.source.path, self.bound.par.model.text, parameters, buffers,
+                              inputs, self._fill_placeholders(statements, in_bucket, in_group), outputs,
+                              self.values(), self.notes, groups, buckets)
+
+
+def lower_in_stages(typed: TypedGraph, bucket_mb: float, split) -> tuple[LoweredProgram, list[LoweredProgram]]:
+    """The whole program, and the programs a pass cuts it into: `split(statements, parameters, buffers,
+    inputs, outputs)` returns, per part, those five for the part; each part gets its own buckets and gather
+    groups (pipeline stages, pardsl/pipeline.py)."""
+    lowerer = _Lowerer(typed, bucket_mb)
+    lowerer.emit_program()
+    lowerer._note_exchanges()
+    whole = lowerer.finish(lowerer.statements, lowerer.parameters, lowerer.buffers, lowerer.inputs, lowerer.outputs)
+    parts = split(lowerer.statements, lowerer.parameters, lowerer.buffers, lowerer.inputs, lowerer.outputs)
+    return whole, [lowerer.finish(*part) for part in parts]
 
 
 def lower(typed: TypedGraph, bucket_mb: float = DEFAULT_BUCKET_MB) -> LoweredProgram:

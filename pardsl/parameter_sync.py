@@ -10,7 +10,9 @@ never outlives a step, and a copy of the module shares none:
   (an all-reduce, or a reduce-scatter back to the shards) is issued asynchronously and backward goes on.
   At the end of backward (a callback queued on autograd's engine) every bucket is waited on and its
   results added to the parameters' `.grad`. Each backward's contribution is reduced on its own and added,
-  so accumulating gradients over several backwards before a step stays exact;
+  so accumulating gradients over several backwards before a step stays exact. A pipeline stage
+  (`pardsl/schedule.py`) instead holds each micro-batch's gradients until the step's last backward, whose
+  buckets carry their sum: one collective per bucket per step, not per micro-batch;
 - **all-gathers** (FSDP's units and forward prefetch): parameters are gathered in groups (a layer's, or
   consecutive ones outside the layers), one all-gather per group; when the forward takes group k, the
   all-gather of group k + 1 is issued asynchronously, so it moves while group k's ops compute.
@@ -101,6 +103,14 @@ class ParameterSync:
         return _BucketedGradient.apply(parameter, self, bucket, member)
 
     def arrive(self, bucket: int, member: int, grad: torch.Tensor) -> None:
+        held = getattr(self._module, "held_gradients", None)
+        if held is not None:  # a pipeline stage: micro-batches before the step's last hold their gradients
+            key = (bucket, member)
+            if not self._module.sync_gradients:
+                held[key] = held[key] + grad if key in held else grad
+                return
+            if key in held:
+                grad = grad + held.pop(key)
         backward = torch._C._current_graph_task_id()
         if self._backward != backward:
             # the first gradient of this backward; what an earlier one left (it raised before its end)

@@ -44,8 +44,10 @@ class CommCounter:
             self.bytes[phase] = 0
 
     def summary(self) -> dict:
+        sends = {p: self.counts[p]["send"] for p in PHASES}
         return {
             "collectives": {p: {k: self.counts[p][k] for k in COLLECTIVE_KINDS} for p in PHASES},
+            **({"sends": sends} if any(sends.values()) else {}),  # a pipeline's point-to-point sends
             "collectives_by_axis": {p: {f"{axis}:{kind}": n for (axis, kind), n in sorted(self.by_axis[p].items())}
                                     for p in PHASES},
             "bytes": dict(self.bytes),

@@ -106,6 +106,29 @@ class LayoutEntry:
 
 
 @dataclass(frozen=True)
+class PipelineDecl:
+    """`pipeline pp : schedule 1F1B, microbatches 4, cut before model.layers.2`: the mesh axis that holds
+    the stages, the schedule (torch.distributed.pipelining's name), the micro-batch count, and where the
+    program is cut (submodule paths, or `balanced`: the compiler chooses)."""
+
+    axis: str
+    axis_span: Span
+    schedule: str
+    schedule_span: Span
+    microbatches: int
+    microbatches_span: Span
+    cuts: tuple[tuple[str, Span], ...]  # before each of these submodules, in order; empty when balanced
+    cut_span: Span
+    span: Span
+    stages_per_rank: int = 1
+    stages_per_rank_span: Span | None = None
+
+    @property
+    def balanced(self) -> bool:
+        return not self.cuts
+
+
+@dataclass(frozen=True)
 class ParFile:
     source: SourceFile
     meshes: tuple[MeshDecl, ...]
@@ -113,6 +136,11 @@ class ParFile:
     inputs: tuple[InputDecl, ...]
     layouts: tuple[LayoutEntry, ...]
     memory_bounds: tuple[MemoryBound, ...] = ()
+    pipelines: tuple[PipelineDecl, ...] = ()
+
+    @property
+    def pipeline(self) -> PipelineDecl | None:
+        return self.pipelines[0] if self.pipelines else None
 
     @property
     def memory_bound(self) -> MemoryBound | None:
@@ -138,6 +166,11 @@ def _token_span(token: lark.Token) -> Span:
 class _BadString(Exception):
     def __init__(self, span: Span, why: str):
         self.span, self.why = span, why
+
+
+class _BadPipeline(Exception):
+    def __init__(self, code: str, message: str, span: Span, note: str):
+        self.code, self.message, self.span, self.note = code, message, span, note
 
 
 @dataclass(frozen=True)
@@ -261,6 +294,52 @@ class _ToSyntaxTree(Transformer):
             "named", tuple(p for p, _ in children), tuple(a for _, a in children), _span(meta)
         )
 
+    def pipeline_schedule(self, meta, children):
+        return ("schedule", str(children[0]), _span(meta))
+
+    def pipeline_microbatches(self, meta, children):
+        return ("microbatches", int(children[0]), _span(meta))
+
+    def pipeline_stages_per_rank(self, meta, children):
+        return ("stages per rank", int(children[0]), _span(meta))
+
+    def pipeline_cut(self, meta, children):
+        return ("cut", (str(children[0]), _token_span(children[0])), _span(meta))
+
+    def pipeline_cut_balanced(self, meta, children):
+        return ("cut", None, _span(meta))
+
+    def pipeline_further_cut(self, meta, children):
+        return ("further cut", (str(children[0]), _token_span(children[0])), _span(meta))
+
+    def pipeline_decl(self, meta, children):
+        axis, *options = children
+        given: dict[str, tuple] = {}
+        cuts: list = []
+        for index, (kind, value, span) in enumerate(options):
+            if kind == "further cut":  # `cut before a, b`: b continues the list only right after it
+                before = options[index - 1] if index else (None, None, None)
+                if before[0] not in ("cut", "further cut") or before[1] is None:
+                    raise _BadPipeline("E001", f"`{value[0]}` is no pipeline option", span,
+                                       "options are `schedule NAME`, `microbatches N`, `stages per rank N`, "
+                                       "`cut before SUBMODULE, ...` and `cut balanced`")
+                cuts.append(value)
+                continue
+            if kind in given:
+                raise _BadPipeline("E003", f"pipeline option `{kind}` given twice", span,
+                                   f"first given at column {given[kind][1].column}")
+            given[kind] = (value, span)
+            if kind == "cut" and value is not None:
+                cuts.append(value)
+        for required, example in (("microbatches", "microbatches 4"), ("cut", "cut before model.layers.2")):
+            if required not in given:
+                raise _BadPipeline("E004", f"the pipeline has no `{required}`", _span(meta), f"add `{example}`")
+        schedule = given.get("schedule", ("1F1B", _span(meta)))
+        per_rank = given.get("stages per rank", (1, None))
+        return PipelineDecl(str(axis), _token_span(axis), schedule[0], schedule[1], given["microbatches"][0],
+                            given["microbatches"][1], tuple(cuts), given["cut"][1], _span(meta),
+                            per_rank[0], per_rank[1])
+
     def layout_entry(self, meta, children):
         target, layout = children
         return LayoutEntry(str(target), layout, _span(meta), _token_span(target))
@@ -285,6 +364,8 @@ _TOKEN_NAMES = {
     "SIGNED_NUMBER": "a number",
     "NUMBER": "a number",
     "MEMORY_UNIT": "a unit (GiB, MiB, KiB or %)",
+    "SCHEDULE_NAME": "a schedule name (GPipe, 1F1B, ...)",
+    "SUBMODULE": "a submodule path (model.layers.2)",
     "STRING": "a string",
 }
 
@@ -379,12 +460,16 @@ def parse(text: str, path: str = "<string>") -> ParFile:
     statements = _parse_recovering(source, sink)
     sink.raise_if_any()
 
-    meshes, models, inputs, layouts, memory = [], [], [], [], []
+    meshes, models, inputs, layouts, memory, pipelines = [], [], [], [], [], []
     transformed = []
     for tree in statements.children:  # one statement at a time, so a failure points at its own line
         try:
             transformed.append(_ToSyntaxTree().transform(tree))
         except lark.exceptions.VisitError as error:
+            if isinstance(error.orig_exc, _BadPipeline):
+                bad = error.orig_exc
+                sink.error(bad.code, bad.message, bad.span, bad.note)
+                continue
             if not isinstance(error.orig_exc, _BadString):
                 raise
             sink.error("E009", f"invalid string: {error.orig_exc.why.lower()}", error.orig_exc.span,
@@ -402,10 +487,13 @@ def parse(text: str, path: str = "<string>") -> ParFile:
             inputs.append(statement)
         elif isinstance(statement, MemoryBound):
             memory.append(statement)
+        elif isinstance(statement, PipelineDecl):
+            pipelines.append(statement)
         else:
             layouts.extend(statement)
     inputs = _size_named_dims(inputs, sink)
-    par = ParFile(source, tuple(meshes), tuple(models), tuple(inputs), tuple(layouts), tuple(memory))
+    par = ParFile(source, tuple(meshes), tuple(models), tuple(inputs), tuple(layouts), tuple(memory),
+                  tuple(pipelines))
     _check_declarations(par, sink)
     sink.raise_if_any()
     return par
@@ -451,6 +539,9 @@ def _check_declarations(par: ParFile, sink: DiagnosticSink) -> None:
     for duplicate in par.memory_bounds[1:]:
         sink.error("E003", "`memory` declared twice", duplicate.span,
                    f"first declared on line {par.memory_bounds[0].span.line}")
+    for duplicate in par.pipelines[1:]:
+        sink.error("E003", "`pipeline` declared twice", duplicate.span,
+                   f"first declared on line {par.pipelines[0].span.line}; one mesh axis holds the stages")
     for bound in par.memory_bounds:
         if not (0 < bound.amount < float("inf")) or (bound.unit == "%" and bound.amount > 100):
             sink.error("E064", f"a memory bound of {bound} cannot be met or is no bound", bound.span,
