@@ -302,7 +302,7 @@ class PipelineModule(torch.nn.Module):
         loss function's, split into micro-batches along dim 0. Returns the step's loss (the mean of the
         micro-batches' losses) on the last stage's ranks, None on the others."""
         arguments = self.plan._bind_arguments(args, kwargs)
-        losses = self.pipeline.step([arguments[name] for name in self.plan.input_names], target)
+        losses, _ = self.pipeline.step([arguments[name] for name in self.plan.input_names], target)
         if losses is None:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()

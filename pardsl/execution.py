@@ -143,6 +143,8 @@ def run_rank(job: RankJob) -> dict:
     torch.manual_seed(job.seed)
     with import_paths(*job.sys_path):
         serial = build_model(job.model, job.par_path).to(device)
+    if hasattr(module, "STAGES"):
+        return _run_pipelined_rank(job, module, rt, serial, progress)
     compiled = module.CompiledModule(rt)
     full = full_state(serial)  # by every name: tied weights, non-persistent buffers
     compiled.load_full_state_dict(full)
@@ -238,6 +240,101 @@ def run_rank(job: RankJob) -> dict:
     }
 
 
+def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
+    """A pipelined plan's check: this rank's stages under the plan's schedule against the serial model on
+    the whole batch. The objective is the model's own loss where it returns one scalar (each micro-batch's
+    mean, averaged, as the schedule scales it), else its one output against a fixed random gradient (a
+    sum over micro-batches). Compared: the loss or output on the last stage's ranks, and every gradient of
+    this rank's stages."""
+    from .binding import full_state, make_inputs
+    from .schedule import Pipeline
+
+    device = rt.device
+    full = full_state(serial)
+    modules = {index: module.STAGES[index](rt) for index in Pipeline.of_rank(module, rt)}
+    full_inputs = [t.to(device) for t in make_inputs(job.inputs, torch.Generator().manual_seed(job.seed + 1))]
+    input_names = [decl.name for decl in job.inputs]
+    first_inputs = module.STAGES[0].INPUTS
+    local_inputs = [rt.shard(x, layout) for x, (_, layout, _, _, _) in zip(full_inputs, first_inputs)]
+    outputs = module.STAGES[-1].OUTPUTS
+    scalar = [i for i, (_, _, shape, dtype, grad) in enumerate(outputs) if not shape and dtype.is_floating_point and grad]
+    if len(scalar) != 1 and len(outputs) != 1:
+        raise ValueError("`pardsl run` checks a pipelined plan whose model returns one scalar loss or one tensor; "
+                         f"this one returns {len(outputs)} values")
+    own_loss = len(scalar) == 1
+    output_layout = outputs[scalar[0] if own_loss else 0][1]
+    gradient = None  # the whole batch's, made from serial's first output
+    if own_loss:
+        pipeline = Pipeline(module, rt, modules, lambda output, target: output[scalar[0]])
+    else:
+        pipeline = Pipeline(module, rt, modules, lambda output, target: (output[0] * target).sum(), scale_grads=False)
+    serial_params = dict(serial.named_parameters(remove_duplicate=False))
+    stage_params = [(name, getattr(m, attr), layout) for m in modules.values()
+                    for name, (attr, layout, _) in m.PARAMETERS.items()]
+    serial_opt = OPTIMIZERS[job.optimizer](serial.parameters(), lr=job.lr)
+    compiled_opt = OPTIMIZERS[job.optimizer]([p for m in modules.values() for p in m.parameters()], lr=job.lr)
+    errors, relative, worst = {"output": 0.0, "grad": 0.0}, {"output": 0.0, "grad": 0.0}, {"output": None, "grad": None}
+    compiled_ms, serial_ms, counts, serial_finite = [], [], None, True
+
+    def note(kind: str, what: str, got, expected) -> None:
+        err = _max_err(got, expected) if got is not None and expected is not None else float("inf")
+        scale = max(1.0, expected.detach().abs().max().item()) if expected is not None and expected.numel() else 1.0
+        errors[kind] = max(errors[kind], err)
+        if worst[kind] is None or err / scale > relative[kind]:
+            relative[kind], worst[kind] = err / scale, what
+
+    for step in range(job.steps):
+        if progress:
+            progress.advance(f"step {step + 1}: the serial model")
+        for stage in modules.values():  # every step starts from serial's parameters (run_rank's reason)
+            stage.load_full_state_dict(full)
+        start = time.perf_counter()
+        serial_out = torch.utils._pytree.tree_leaves(serial(**dict(zip(input_names, full_inputs))))
+        if not own_loss and gradient is None:
+            gradient = _unit_norm(torch.randn(serial_out[0].shape, generator=torch.Generator().manual_seed(
+                job.seed + 2))).to(device, serial_out[0].dtype)
+        objective = serial_out[scalar[0]] if own_loss else (serial_out[0] * gradient).sum()
+        serial_opt.zero_grad(set_to_none=True)
+        objective.backward()
+        serial_ms.append((time.perf_counter() - start) * 1000)
+        serial_finite = serial_finite and all(bool(torch.isfinite(o).all()) for o in serial_out)
+
+        rt.counter.reset()
+        if progress:
+            progress.advance(f"step {step + 1}: the pipelined module")
+        dist.barrier()
+        start = time.perf_counter()
+        compiled_opt.zero_grad(set_to_none=True)
+        target = None if own_loss else rt.shard(gradient, output_layout)
+        losses, merged = pipeline.step(local_inputs, target, return_outputs=not own_loss)
+        _sync(device)
+        compiled_ms.append((time.perf_counter() - start) * 1000)
+        counts = rt.counter.summary()
+        if pipeline.is_last:
+            if own_loss:
+                note("output", outputs[scalar[0]][0], torch.stack([l.detach() for l in losses]).mean(),
+                     serial_out[scalar[0]].detach())
+            else:
+                note("output", outputs[0][0], merged[0], rt.shard(serial_out[0].detach(), output_layout))
+        for name, parameter, layout in stage_params:
+            expected = serial_params[name].grad
+            if expected is None and parameter.grad is None:
+                continue
+            note("grad", name, parameter.grad, None if expected is None else rt.shard(expected, layout))
+        serial_opt.step()
+        compiled_opt.step()
+
+    return {
+        "rank": dist.get_rank(),
+        "serial_finite": serial_finite,
+        "max_abs_err": errors,
+        "max_rel_err": relative,
+        "worst": worst,
+        "step_ms": {"compiled": statistics.median(compiled_ms), "serial": statistics.median(serial_ms)},
+        **counts,
+    }
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -266,6 +363,9 @@ def combine(results: list[dict], job: RankJob) -> dict:
         "worst": worst,
         "collectives": first["collectives"],
         "collectives_by_axis": first["collectives_by_axis"],
+        # a pipeline's point-to-point sends in one step, over every rank
+        **({"sends": {phase: sum(r.get("sends", {}).get(phase, 0) for r in results) for phase in ("forward", "backward")}}
+           if any("sends" in r for r in results) else {}),
         "bytes": first["bytes"],
         "step_ms": first["step_ms"],
     }

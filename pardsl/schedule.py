@@ -78,7 +78,9 @@ class CountedStage(PipelineStage):
 class Pipeline:
     """This rank's stages and the schedule that runs them."""
 
-    def __init__(self, generated, rt, modules: dict[int, torch.nn.Module], loss_fn):
+    def __init__(self, generated, rt, modules: dict[int, torch.nn.Module], loss_fn, scale_grads: bool = True):
+        """`loss_fn(stage output, target micro-batch)`; `scale_grads`: divide the gradients by the number of
+        micro-batches (a loss that is a mean over its micro-batch), as torch's schedules do."""
         table = generated.PIPELINE
         self.axis = table["axis"]
         self.schedule_name = table["schedule"]
@@ -89,7 +91,8 @@ class Pipeline:
         self.stages = [CountedStage(modules[i], i, self.count, rt, self.axis) for i in sorted(modules)]
         cls = schedule_class(table["schedule"])
         single = len(self.stages) == 1 and table["stages_per_rank"] == 1
-        self.schedule = cls(self.stages[0] if single else self.stages, self.microbatches, loss_fn=loss_fn)
+        self.schedule = cls(self.stages[0] if single else self.stages, self.microbatches, loss_fn=loss_fn,
+                            scale_grads=scale_grads)
         self.shared = [(name, tuple(held)) for name, held in generated.SHARED_PARAMETERS
                        if any(stage in modules for stage in held)]
         self._shared_groups = {held: self._group_of(held) for _, held in self.shared}
@@ -136,16 +139,17 @@ class Pipeline:
                 mine = group
         return mine
 
-    def step(self, inputs: list[torch.Tensor], target=None) -> list[torch.Tensor] | None:
+    def step(self, inputs: list[torch.Tensor], target=None, return_outputs: bool = False):
         """One step over the whole batch: every micro-batch's forward and backward, in the schedule's
-        order; the micro-batch losses on the last stage's ranks, else None."""
+        order. Returns the micro-batch losses on the last stage's ranks (else None), and with
+        `return_outputs` the last stage's outputs, the micro-batches' concatenated (else None)."""
         losses: list[torch.Tensor] | None = [] if self.is_last else None
         if target is None:  # the model's own loss: torch's schedule still splits a target per micro-batch
             target = torch.zeros(self.microbatches, device=self.rt.device)
         args = inputs if self.is_first else ()
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        outputs = self.schedule.step(*args, target=target, losses=losses, return_outputs=return_outputs)
         self._sum_shared_gradients()
-        return losses
+        return losses, outputs
 
     def _sum_shared_gradients(self) -> None:
         for name, held in self.shared:
