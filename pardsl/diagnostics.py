@@ -53,6 +53,14 @@ ERROR_CODES: dict[str, str] = {
     "E061": "operation whose result shape depends on the data",
     "E062": "in-place operation on a view",
     "E064": "memory bound that is no bound",
+    "E070": "pipeline axis that is not a mesh axis",
+    "E071": "unknown pipeline schedule",
+    "E072": "pipeline cut that names no submodule",
+    "E073": "pipeline cuts out of order, or a stage left empty",
+    "E074": "batch the micro-batches cannot split",
+    "E075": "stage count the schedule or the mesh cannot take",
+    "E076": "layout split or partial on the pipeline axis",
+    "E078": "what a pipelined plan does not support yet",
 }
 
 
