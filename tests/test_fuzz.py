@@ -24,7 +24,7 @@ from pardsl.diagnostics import ERROR_CODES
 
 EXAMPLES = int(os.environ.get("PARDSL_FUZZ_EXAMPLES", "60"))
 SEEDS = ["examples/mlp.par", "examples/mlp_dp.par", "examples/mlp_inferred.par", "examples/mlp_zero3.par",
-         "examples/tp_schemes/mlp_2d.par", "examples/tp_schemes/mlp_3d.par"]
+         "examples/tp_schemes/mlp_2d.par", "examples/tp_schemes/mlp_3d.par", "examples/mlp_pp2.par"]
 TEXTS = [open(path, encoding="utf-8").read() for path in SEEDS]
 ALPHABET = st.sampled_from(list("abcxyzSBP0123456789[](){}:=,@.*#-_ \n\t\"\\") +
                            ["\f", "\v", "\u2028", "\x85", "\ufeff", "é", "\x00", "𝔘"])
