@@ -154,6 +154,7 @@ def main(argv=None) -> None:
             if args.save_at == step + 1:
                 save(model, optimizer, plan, step + 1, args, progress)
     if not args.serial:
+        dist.barrier()  # no rank tears gloo down while another's last collective is in flight
         dist.destroy_process_group()
 
 

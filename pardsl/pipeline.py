@@ -365,7 +365,7 @@ def shared_parameters(stages: list[Stage]) -> tuple[tuple[str, tuple[int, ...]],
 def stages_of_rank(rank: int, axis_size: int, stages: int, schedule: str) -> list[int]:
     """The stages one rank along the pipeline axis runs, in order: round robin, or for the V-shaped
     schedules (ZBVZeroBubble, DualPipeV) rank r runs stages r and 2p - 1 - r."""
-    if SCHEDULES[schedule][1] == 2 and schedule in ("ZBVZeroBubble", "DualPipeV"):
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
         return [rank, 2 * axis_size - 1 - rank]
     return [s for s in range(stages) if s % axis_size == rank]
 

@@ -93,9 +93,11 @@ class Pipeline:
         single = len(self.stages) == 1 and table["stages_per_rank"] == 1
         self.schedule = cls(self.stages[0] if single else self.stages, self.microbatches, loss_fn=loss_fn,
                             scale_grads=scale_grads)
-        self.shared = [(name, tuple(held)) for name, held in generated.SHARED_PARAMETERS
-                       if any(stage in modules for stage in held)]
-        self._shared_groups = {held: self._group_of(held) for _, held in self.shared}
+        every = [(name, tuple(held)) for name, held in generated.SHARED_PARAMETERS]
+        # groups are made on every rank, in one order (dist.new_group is collective), then kept where used
+        groups = {held: self._group_of(held) for _, held in every}
+        self.shared = [(name, held) for name, held in every if any(stage in modules for stage in held)]
+        self._shared_groups = {held: groups[held] for _, held in self.shared}
 
     @staticmethod
     def of_rank(generated, rt) -> list[int]:

@@ -96,15 +96,53 @@ def _run(tmp_path, plan: str, nproc: int, factory: str, layers: int) -> list[dic
     return [json.loads((tmp_path / f"result.rank-{rank}.json").read_text()) for rank in range(nproc)]
 
 
+GPT2_PP4 = """mesh     pp = 4
+model    examples.hf_models:HFGPT2(layers=4)
+input    input_ids : int64[8, 16] in [0, 256)
+input    labels : int64[8, 16] in [0, 256)
+pipeline pp : schedule 1F1B, microbatches 4, cut before model.transformer.h.1, model.transformer.h.2, model.transformer.h.3
+"""
+
+GPT2_PP2_TP2 = """mesh     pp = 2, tp = 2
+model    examples.hf_models:HFGPT2(layers=2)
+input    input_ids : int64[8, 16] in [0, 256)
+input    labels : int64[8, 16] in [0, 256)
+pipeline pp : schedule 1F1B, microbatches 4, cut before model.transformer.h.1
+layout {
+    model.transformer.h.*.attn.c_attn.weight : S(1, blocks=3) @ tp
+    model.transformer.h.*.attn.c_attn.bias   : S(0, blocks=3) @ tp
+    model.transformer.h.*.attn.c_proj.weight : S(0) @ tp
+    model.transformer.h.*.mlp.c_fc.weight    : S(1) @ tp
+    model.transformer.h.*.mlp.c_fc.bias      : S(0) @ tp
+    model.transformer.h.*.mlp.c_proj.weight  : S(0) @ tp
+}
+"""
+
+GPT2_PP2_DP2 = """mesh     pp = 2, dp = 2
+model    examples.hf_models:HFGPT2(layers=2)
+input    input_ids : int64[8, 16] in [0, 256)
+input    labels : int64[8, 16] in [0, 256)
+pipeline pp : schedule GPipe, microbatches 4, cut before model.transformer.h.1
+layout {
+    input_ids : S(0) @ dp
+    labels    : S(0) @ dp
+}
+"""
+
+
 @pytest.mark.parametrize("plan, nproc, factory, layers, microbatches, stages", [
     ("examples/hf_llama_pp2.par", 2, "HFLlama", 2, 4, 2),
     (llama("pp : schedule GPipe, microbatches 2, cut before model.model.layers.1"), 2, "HFLlama", 2, 2, 2),
     ("examples/hf_llama_pp2_tp2.par", 4, "HFLlama", 4, 4, 2),
     ("examples/hf_llama_pp2_dp2.par", 4, "HFLlama", 2, 2, 2),
     ("examples/hf_gpt2_pp2.par", 2, "HFGPT2", 2, 2, 2),
+    (GPT2_PP4, 4, "HFGPT2", 4, 4, 4),  # the tied embedding on ranks 0 and 3: a group of its own
+    (GPT2_PP2_TP2, 4, "HFGPT2", 2, 4, 2),
+    (GPT2_PP2_DP2, 4, "HFGPT2", 2, 4, 2),
     (llama("pp : schedule Interleaved1F1B, stages per rank 2, microbatches 4, cut balanced", layers=4),
      2, "HFLlama", 4, 4, 4),
-], ids=["llama-pp2-1f1b", "llama-pp2-gpipe", "llama-pp2xtp2", "llama-pp2xdp2", "gpt2-pp2-tied", "llama-interleaved"])
+], ids=["llama-pp2-1f1b", "llama-pp2-gpipe", "llama-pp2xtp2", "llama-pp2xdp2", "gpt2-pp2-tied", "gpt2-pp4-tied",
+        "gpt2-pp2xtp2", "gpt2-pp2xdp2", "llama-interleaved"])
 def test_pipelined_training_equals_serial(tmp_path, plan, nproc, factory, layers, microbatches, stages):
     ranks = _run(tmp_path, plan, nproc, factory, layers)
     for rank in ranks:
@@ -115,12 +153,12 @@ def test_pipelined_training_equals_serial(tmp_path, plan, nproc, factory, layers
         else:
             assert rank["losses"] == []
     # every micro-batch crosses every boundary once each way: 2 × micro-batches × (stages − 1) per pipeline
-    pipelines = nproc // 2
+    pipeline_ranks = stages // (2 if "stages per rank 2" in plan else 1)
+    pipelines = nproc // pipeline_ranks
     sends = sum(r["counts"].get("sends", {}).get(phase, 0) for r in ranks for phase in ("forward", "backward"))
     assert sends == pipelines * 2 * microbatches * (stages - 1)
-    # the ranks of one pipeline together hold every parameter
-    assert set().union(*(r["parameters"] for r in ranks[:2 if "tp" not in plan and "dp" not in plan else nproc])) \
-        >= set(ranks[-1]["parameters"])
+    # the ranks together hold every parameter of the serial model
+    assert len(set().union(*(r["parameters"] for r in ranks))) == ranks[0]["serial_parameter_count"]
 
 
 def test_data_parallel_gradients_are_synchronised_once_per_step_not_per_micro_batch(tmp_path):

@@ -34,7 +34,8 @@ serial_parameters = dict(serial.named_parameters(remove_duplicate=False))
 
 generator = torch.Generator().manual_seed(1)
 record = {"rank": dist.get_rank(), "losses": [], "serial_losses": [], "norms": [], "serial_norms": [],
-          "is_last_stage": model.is_last_stage, "is_first_stage": model.is_first_stage}
+          "is_last_stage": model.is_last_stage, "is_first_stage": model.is_first_stage,
+          "serial_parameter_count": len(list(serial.parameters()))}  # tied weights once
 for step in range(args.steps):
     batch = torch.randint(0, 256, (8, 16), generator=generator)
     model.rt.counter.reset()
