@@ -140,13 +140,12 @@ class Plan:
         """torch's schedule calls loss(stage output, target micro-batch) on the last stage."""
         if loss_fn is not None:
             return lambda output, target: loss_fn(pytree.tree_unflatten(list(output), self.out_spec), target)
-        program = self.compiled.program
-        scalars = [index for index, (slot, (dtype, grad)) in enumerate(zip(program.outputs, self.compiled.pipeline.output_meta))
-                   if not slot.shape and grad]
-        if len(scalars) != 1:
-            raise TypeError(f"{self.compiled.par.model.text} returns {'no' if not scalars else 'more than one'} "
-                            "scalar loss: pass `loss_fn(output, target)` to `plan.module()` and the target to `step`")
-        index = scalars[0]
+        from .schedule import loss_output
+
+        index = loss_output(self._generated.STAGES[-1].OUTPUTS)
+        if index is None:
+            raise TypeError(f"{self.compiled.par.model.text} returns no single scalar loss: pass "
+                            "`loss_fn(output, target)` to `plan.module()` and the target to `step`")
         return lambda output, target: output[index]
 
     # -- inputs ----------------------------------------------------------------------------------------

@@ -7,15 +7,14 @@ the one the user gave, dict orders fixed by the graph).
 from __future__ import annotations
 
 import functools
-import math
 import json
 import types
 from importlib import resources
 
 import jinja2
-import torch
 
 from . import __version__
+from .cost import slot_bytes
 from .lowering import LoweredProgram, format_bytes, named_layout
 from .program import Arg, Instruction, Items, Text, Var
 
@@ -145,7 +144,7 @@ def render_pipeline(stages: list[LoweredProgram], plan) -> str:
         metas = plan.output_meta if last else [(i.dtype, i.requires_grad) for i in stages[index + 1].inputs]
         for output, (dtype, requires_grad) in zip(outputs, metas):
             output.update(dtype=dtype, requires_grad=requires_grad)
-        sent = 0 if last else sum(_local_bytes(slot) for slot in stages[index + 1].inputs)
+        sent = 0 if last else sum(slot_bytes(slot.local_shape, slot.dtype) for slot in stages[index + 1].inputs)
         begins = "the start" if index == 0 else f"`{plan.cut_before[index - 1]}`"
         ends = "to the end" if last else f"up to `{plan.cut_before[index]}`"
         rendered.append({
@@ -178,11 +177,6 @@ def render_pipeline(stages: list[LoweredProgram], plan) -> str:
         shared=[(name, list(held)) for name, held in plan.shared_parameters],
         stages=rendered,
     )
-
-
-def _local_bytes(slot) -> int:
-    dtype = getattr(torch, slot.dtype.removeprefix("torch."))
-    return math.prod(slot.local_shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def load_module(source: str, name: str = "pardsl_module") -> types.ModuleType:

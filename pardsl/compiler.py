@@ -77,19 +77,14 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
     start = time.perf_counter()
     typed = infer(bound)
     seconds["infer"] = time.perf_counter() - start
+    pp.check_unsplit(typed, decl)
     start = time.perf_counter()
     stage_of, cut_before = pp.stage_of_nodes(typed, decl, machine)
-    count = len(cut_before) + 1
-    parts: list = []
-
-    def split(*program):
-        parts.extend(pp.split_program(typed, stage_of, count, *program))
-        return [(s.statements, s.parameters, s.buffers, s.inputs, s.outputs) for s in parts]
-
-    program, stages = lower_in_stages(typed, bucket_mb, split)
+    program, stages = lower_in_stages(
+        typed, bucket_mb, lambda *whole: pp.split_program(typed, stage_of, len(cut_before) + 1, *whole))
     outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
     plan = pp.PipelinePlan(decl.axis, decl.schedule, decl.microbatches, decl.stages_per_rank, tuple(cut_before),
-                           pp.shared_parameters(parts), outputs)
+                           pp.shared_parameters(stages), outputs)
     seconds["lower"] = time.perf_counter() - start
     start = time.perf_counter()
     source = render_pipeline(stages, plan)

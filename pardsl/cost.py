@@ -223,28 +223,32 @@ class Estimate:
                 "seconds": {k: round(v, 9) for k, v in self.seconds.items()}, "memory": self.memory}
 
 
+def repeated_layer(path: str | None) -> str:
+    """The repeated block a module path is in (`model.layers.3`), else ""."""
+    segments = (path or "").split(".")
+    return next((".".join(segments[:i + 1]) for i, part in enumerate(segments) if part.isdigit()), "")
+
+
 def layer_of(path: str | None) -> str:
     """The repeated block a module path is in (`model.layers.3`), else the module itself, else ""."""
-    if not path:
-        return ""
-    segments = path.split(".")
-    for index, part in enumerate(segments):
-        if part.isdigit():
-            return ".".join(segments[:index + 1])
-    return path
+    return repeated_layer(path) or path or ""
 
 
 def _nbytes(shape, dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
-    """The plan's step time and memory per rank on `machine`. `optimizer`: the state it keeps per
-    parameter (Adam's two moments; SGD without momentum none)."""
-    typed, program, mesh = compiled.typed, compiled.program, compiled.program.mesh
-    bound = compiled.bound
+def slot_bytes(shape, dtype_name: str) -> int:
+    """Bytes of a tensor of this shape and dtype (`torch.float32` or `float32`)."""
+    return _nbytes(shape, _dtype(dtype_name))
+
+
+def op_costs(typed, machine: Machine, slow: float = 1.0) -> list[OpCost]:
+    """Each op's compute, in graph order, at the share of it its layouts leave a rank: the roofline of its
+    FLOPs and the bytes it reads and writes, plus the machine's overhead per op; backward twice forward.
+    `slow`: the machine's slowdown with this many ranks sharing it."""
+    bound, mesh = typed.bound, typed.mesh
     flops = global_flops(bound)
-    slow = machine.slowdown(mesh.size)
     ops = []
     for name, node in typed.nodes.items():
         share = math.prod(mesh.axis_sizes[a] for a, p in enumerate(node.op_layout.placements) if p.kind != "B")
@@ -257,6 +261,16 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
         backward = 2 * forward if name in typed.requires_grad else 0.0
         ops.append(OpCost(name, node.op.removeprefix("aten."), layer_of(bound.module_paths.get(name)),
                           local_flops, moved, forward, backward))
+    return ops
+
+
+def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
+    """The plan's step time and memory per rank on `machine`. `optimizer`: the state it keeps per
+    parameter (Adam's two moments; SGD without momentum none)."""
+    typed, program, mesh = compiled.typed, compiled.program, compiled.program.mesh
+    bound = compiled.bound
+    slow = machine.slowdown(mesh.size)
+    ops = op_costs(typed, machine, slow)
 
     def seconds(c) -> float:
         return slow * machine.collective_seconds(c.kind, c.bytes, mesh.axis_sizes[mesh.axis_index(c.axis)])

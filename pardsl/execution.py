@@ -119,6 +119,37 @@ class ProgressFile:
         os.replace(self.path + ".tmp", self.path)
 
 
+class _Tally:
+    """One rank's comparison with serial over its steps: the largest difference per kind (output, grad),
+    absolute and relative to the tensor's magnitude, which tensor it was, and the step times."""
+
+    def __init__(self):
+        self.errors = {"output": 0.0, "grad": 0.0}
+        self.relative = {"output": 0.0, "grad": 0.0}
+        self.worst = {"output": None, "grad": None}
+        self.compiled_ms, self.serial_ms = [], []
+        self.serial_finite = True
+
+    def note(self, kind: str, what: str, got: torch.Tensor | None, expected: torch.Tensor | None) -> None:
+        err = float("inf") if got is None or expected is None else _max_err(got, expected)
+        scale = max(1.0, expected.detach().abs().max().item()) if expected is not None and expected.numel() else 1.0
+        rel = err / scale if math.isfinite(scale) else float("inf")
+        self.errors[kind] = max(self.errors[kind], err)
+        if self.worst[kind] is None or rel > self.relative[kind]:
+            self.relative[kind], self.worst[kind] = rel, what
+
+    def report(self, counts: dict) -> dict:
+        return {
+            "rank": dist.get_rank() if dist.is_initialized() else 0,
+            "serial_finite": self.serial_finite,
+            "max_abs_err": self.errors,
+            "max_rel_err": self.relative,
+            "worst": self.worst,
+            "step_ms": {"compiled": statistics.median(self.compiled_ms), "serial": statistics.median(self.serial_ms)},
+            **counts,
+        }
+
+
 def run_rank(job: RankJob) -> dict:
     """One rank's part: build, shard, run `steps` steps of compiled and serial, compare. Needs the
     process group initialised (any world size equal to the mesh size)."""
@@ -160,19 +191,8 @@ def run_rank(job: RankJob) -> dict:
 
     grad_generator = torch.Generator().manual_seed(job.seed + 2)
     output_grads = None
-    errors = {"output": 0.0, "grad": 0.0}
-    relative = {"output": 0.0, "grad": 0.0}
-    worst = {"output": None, "grad": None}
-    compiled_ms, serial_ms, counts = [], [], None
-    serial_finite = True
-
-    def note(kind: str, what: str, got: torch.Tensor | None, expected: torch.Tensor | None) -> None:
-        err = float("inf") if got is None or expected is None else _max_err(got, expected)
-        scale = max(1.0, expected.detach().abs().max().item()) if expected is not None and expected.numel() else 1.0
-        rel = err / scale if math.isfinite(scale) else float("inf")
-        errors[kind] = max(errors[kind], err)
-        if worst[kind] is None or rel > relative[kind]:
-            relative[kind], worst[kind] = rel, what
+    tally, counts = _Tally(), None
+    note = tally.note
 
     for step in range(job.steps):
         if progress:
@@ -190,7 +210,7 @@ def run_rank(job: RankJob) -> dict:
         torch.autograd.backward([o for o in serial_out if o.requires_grad],
                                 [g for o, g in zip(serial_out, output_grads) if o.requires_grad])
         _sync(device)
-        serial_ms.append((time.perf_counter() - start) * 1000)
+        tally.serial_ms.append((time.perf_counter() - start) * 1000)
 
         rt.counter.reset()
         if progress:
@@ -207,10 +227,10 @@ def run_rank(job: RankJob) -> dict:
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs])
         _sync(device)
-        compiled_ms.append((time.perf_counter() - start) * 1000)
+        tally.compiled_ms.append((time.perf_counter() - start) * 1000)
         counts = rt.counter.summary()
 
-        serial_finite = serial_finite and all(bool(torch.isfinite(o).all()) for o in serial_out)
+        tally.serial_finite = tally.serial_finite and all(bool(torch.isfinite(o).all()) for o in serial_out)
         for index, (out, expected, (path, layout, _)) in enumerate(zip(local_out, serial_out, module.OUTPUTS)):
             if Layout.from_key(layout).has_partial:
                 note("output", path, rt.unshard(out, layout), expected)
@@ -229,15 +249,7 @@ def run_rank(job: RankJob) -> dict:
         serial_opt.step()
         compiled_opt.step()
 
-    return {
-        "rank": dist.get_rank() if dist.is_initialized() else 0,
-        "serial_finite": serial_finite,
-        "max_abs_err": errors,
-        "max_rel_err": relative,
-        "worst": worst,
-        "step_ms": {"compiled": statistics.median(compiled_ms), "serial": statistics.median(serial_ms)},
-        **counts,
-    }
+    return tally.report(counts)
 
 
 def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
@@ -247,7 +259,7 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
     sum over micro-batches). Compared: the loss or output on the last stage's ranks, and every gradient of
     this rank's stages."""
     from .binding import full_state, make_inputs
-    from .schedule import Pipeline
+    from .schedule import Pipeline, loss_output
 
     device = rt.device
     full = full_state(serial)
@@ -257,15 +269,15 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
     first_inputs = module.STAGES[0].INPUTS
     local_inputs = [rt.shard(x, layout) for x, (_, layout, _, _, _) in zip(full_inputs, first_inputs)]
     outputs = module.STAGES[-1].OUTPUTS
-    scalar = [i for i, (_, _, shape, dtype, grad) in enumerate(outputs) if not shape and dtype.is_floating_point and grad]
-    if len(scalar) != 1 and len(outputs) != 1:
+    loss = loss_output(outputs)
+    own_loss = loss is not None
+    if not own_loss and len(outputs) != 1:
         raise ValueError("`pardsl run` checks a pipelined plan whose model returns one scalar loss or one tensor; "
                          f"this one returns {len(outputs)} values")
-    own_loss = len(scalar) == 1
-    output_layout = outputs[scalar[0] if own_loss else 0][1]
+    output_layout = outputs[loss if own_loss else 0][1]
     gradient = None  # the whole batch's, made from serial's first output
     if own_loss:
-        pipeline = Pipeline(module, rt, modules, lambda output, target: output[scalar[0]])
+        pipeline = Pipeline(module, rt, modules, lambda output, target: output[loss])
     else:
         pipeline = Pipeline(module, rt, modules, lambda output, target: (output[0] * target).sum(), scale_grads=False)
     serial_params = dict(serial.named_parameters(remove_duplicate=False))
@@ -273,15 +285,8 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
                     for name, (attr, layout, _) in m.PARAMETERS.items()]
     serial_opt = OPTIMIZERS[job.optimizer](serial.parameters(), lr=job.lr)
     compiled_opt = OPTIMIZERS[job.optimizer]([p for m in modules.values() for p in m.parameters()], lr=job.lr)
-    errors, relative, worst = {"output": 0.0, "grad": 0.0}, {"output": 0.0, "grad": 0.0}, {"output": None, "grad": None}
-    compiled_ms, serial_ms, counts, serial_finite = [], [], None, True
-
-    def note(kind: str, what: str, got, expected) -> None:
-        err = _max_err(got, expected) if got is not None and expected is not None else float("inf")
-        scale = max(1.0, expected.detach().abs().max().item()) if expected is not None and expected.numel() else 1.0
-        errors[kind] = max(errors[kind], err)
-        if worst[kind] is None or err / scale > relative[kind]:
-            relative[kind], worst[kind] = err / scale, what
+    tally, counts = _Tally(), None
+    note = tally.note
 
     for step in range(job.steps):
         if progress:
@@ -293,11 +298,11 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         if not own_loss and gradient is None:
             gradient = _unit_norm(torch.randn(serial_out[0].shape, generator=torch.Generator().manual_seed(
                 job.seed + 2))).to(device, serial_out[0].dtype)
-        objective = serial_out[scalar[0]] if own_loss else (serial_out[0] * gradient).sum()
+        objective = serial_out[loss] if own_loss else (serial_out[0] * gradient).sum()
         serial_opt.zero_grad(set_to_none=True)
         objective.backward()
-        serial_ms.append((time.perf_counter() - start) * 1000)
-        serial_finite = serial_finite and all(bool(torch.isfinite(o).all()) for o in serial_out)
+        tally.serial_ms.append((time.perf_counter() - start) * 1000)
+        tally.serial_finite = tally.serial_finite and all(bool(torch.isfinite(o).all()) for o in serial_out)
 
         rt.counter.reset()
         if progress:
@@ -308,12 +313,12 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         target = None if own_loss else rt.shard(gradient, output_layout)
         losses, merged = pipeline.step(local_inputs, target, return_outputs=not own_loss)
         _sync(device)
-        compiled_ms.append((time.perf_counter() - start) * 1000)
+        tally.compiled_ms.append((time.perf_counter() - start) * 1000)
         counts = rt.counter.summary()
         if pipeline.is_last:
             if own_loss:
-                note("output", outputs[scalar[0]][0], torch.stack([l.detach() for l in losses]).mean(),
-                     serial_out[scalar[0]].detach())
+                note("output", outputs[loss][0], torch.stack([l.detach() for l in losses]).mean(),
+                     serial_out[loss].detach())
             else:
                 note("output", outputs[0][0], merged[0], rt.shard(serial_out[0].detach(), output_layout))
         for name, parameter, layout in stage_params:
@@ -324,15 +329,7 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         serial_opt.step()
         compiled_opt.step()
 
-    return {
-        "rank": dist.get_rank(),
-        "serial_finite": serial_finite,
-        "max_abs_err": errors,
-        "max_rel_err": relative,
-        "worst": worst,
-        "step_ms": {"compiled": statistics.median(compiled_ms), "serial": statistics.median(serial_ms)},
-        **counts,
-    }
+    return tally.report(counts)
 
 
 def _sync(device: torch.device) -> None:

@@ -55,6 +55,10 @@ class Statement:
     layouts: tuple[Layout, ...] = ()  # the layout of each variable it binds
     node: str = ""  # the graph op it is there for (a conversion: the op whose value it moves)
 
+    @property
+    def targets(self) -> list[str]:
+        return [t.strip() for t in self.target.split(",") if t.strip()]
+
 
 @dataclass(frozen=True)
 class TensorSlot:
@@ -157,9 +161,8 @@ class LoweredProgram:
             if var in (slot.var, f"self.{slot.var}"):
                 return slot.layout
         for statement in self.statements:
-            targets = [t.strip() for t in statement.target.split(",") if t.strip()]
-            if var in targets and statement.layouts:
-                return statement.layouts[targets.index(var)]
+            if var in statement.targets and statement.layouts:
+                return statement.layouts[statement.targets.index(var)]
         return None
 
     def collective_counts(self) -> dict[str, dict[str, int]]:

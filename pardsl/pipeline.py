@@ -23,16 +23,18 @@ stage times are as even as they can be.
 from __future__ import annotations
 
 import dataclasses
-import math
+import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from .cost import repeated_layer
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink
 from .layouts import B
 from .lowering import OutputSlot, Statement, TensorSlot
 from .syntax import ParFile, PipelineDecl
 
 # torch.distributed.pipelining's schedules by the names the `.par` file uses: (class name, stages per rank
-# it takes: None for any, else exactly that many), and whether it runs here (see `UNSUPPORTED`)
+# it takes: None for any, else exactly that many)
 SCHEDULES: dict[str, tuple[str, int | None]] = {
     "GPipe": ("ScheduleGPipe", 1),
     "1F1B": ("Schedule1F1B", 1),
@@ -127,6 +129,20 @@ def check_layouts(bound, pipeline: PipelineDecl) -> None:
     sink.raise_if_any()
 
 
+def check_unsplit(typed, pipeline: PipelineDecl) -> None:
+    """What inference completed is B on the pipeline axis too: a split there would make ranks running
+    different stages meet in a collective."""
+    axis = typed.mesh.axis_index(pipeline.axis)
+    layouts = [(name, node.op_layout) for name, node in typed.nodes.items()] + \
+        list(typed.placeholder_layouts.items())
+    split = [name for name, layout in layouts if layout.placements[axis] != B]
+    if split:
+        raise CompileError([Diagnostic(
+            "E076", f"inference split `{split[0]}` (and {len(split) - 1} more) on the pipeline axis "
+            f"`{pipeline.axis}`", pipeline.axis_span, ("write B on that axis for the tensors it reads",))],
+            typed.bound.par.source)
+
+
 # -- where the stages start ------------------------------------------------------------------------
 
 
@@ -149,7 +165,7 @@ def stage_of_nodes(typed, pipeline: PipelineDecl, machine=None) -> tuple[dict[st
         for module, span in pipeline.cuts:
             first = next((i for i, name in enumerate(order) if _inside(paths.get(name), module)), None)
             if first is None:
-                known = sorted({layer for layer in (_unit(paths.get(n)) for n in order) if layer})
+                known = sorted({layer for layer in (repeated_layer(paths.get(n)) for n in order) if layer})
                 sink.error("E072", f"`{module}` names no submodule the model's forward calls", span,
                            "cut before one of " + ", ".join(known[:6]) + (" ..." if len(known) > 6 else "")
                            if known else "name a submodule (model.layers.2)")
@@ -171,33 +187,18 @@ def stage_of_nodes(typed, pipeline: PipelineDecl, machine=None) -> tuple[dict[st
     return stage_of, names
 
 
-def _unit(path: str | None) -> str:
-    """The repeated layer a module path is in (`model.layers.3`), or ""."""
-    segments = (path or "").split(".")
-    return next((".".join(segments[:i + 1]) for i, part in enumerate(segments) if part.isdigit()), "")
-
-
 def _balanced_cuts(typed, stages: int, machine) -> tuple[list[int], list[str]]:
-    """Cuts at layer starts that minimise the largest stage's estimated compute (forward and backward
-    scale alike): a small dynamic program over the layer boundaries."""
+    """Cuts at layer starts that minimise the largest stage's estimated compute (the cost model's per op;
+    forward and backward scale alike): a small dynamic program over the layer boundaries."""
     from .compiler import default_machine
-    from .cost import global_flops
+    from .cost import op_costs
 
-    machine = machine or default_machine()
     bound = typed.bound
-    mesh = bound.mesh
-    flops = global_flops(bound)
     order = list(typed.nodes)
-    seconds = []
-    for name in order:
-        node = typed.nodes[name]
-        share = math.prod(mesh.axis_sizes[a] for a, p in enumerate(node.op_layout.placements) if p.kind != "B")
-        info = typed.info(name)
-        moved = math.prod(node.op_layout.local_shape(info.shape, mesh)) * info.itemsize
-        seconds.append(machine.compute_seconds(flops.get(name, 0) // share, moved) + machine.op_overhead_s)
+    seconds = [op.forward_s for op in op_costs(typed, machine or default_machine())]
     candidates, seen = [], set()
     for index, name in enumerate(order):
-        unit = _unit(bound.module_paths.get(name))
+        unit = repeated_layer(bound.module_paths.get(name))
         if unit and unit not in seen:
             seen.add(unit)
             if index > 0:
@@ -208,9 +209,7 @@ def _balanced_cuts(typed, stages: int, machine) -> tuple[list[int], list[str]]:
             "E075", f"`cut balanced` finds {len(candidates)} layer boundaries for {stages} stages",
             pipeline.cut_span, (f"the model has {len(seen)} repeated layers; use fewer stages or name the cuts",))],
             bound.par.source)
-    prefix = [0.0]
-    for s in seconds:
-        prefix.append(prefix[-1] + s)
+    prefix = [0.0, *itertools.accumulate(seconds)]
     points = [0] + [index for index, _ in candidates] + [len(order)]
 
     def span_seconds(i: int, j: int) -> float:  # from point i up to point j
@@ -231,9 +230,9 @@ def _balanced_cuts(typed, stages: int, machine) -> tuple[list[int], list[str]]:
 # -- the cut --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One stage's part of the program, before its buckets and gather groups are formed."""
+class Stage(NamedTuple):
+    """One stage's part of the program, before its buckets and gather groups are formed: what
+    `lowering.lower_in_stages` finishes into a stage's program."""
 
     statements: list[Statement]
     parameters: list[TensorSlot]
@@ -254,10 +253,6 @@ class PipelinePlan:
     shared_parameters: tuple[tuple[str, tuple[int, ...]], ...]  # (state-dict name, the stages that hold it)
     output_meta: tuple[tuple[str, bool], ...]  # the model's outputs: (dtype, whether it has a gradient)
 
-    @property
-    def stages(self) -> int:
-        return len(self.cut_before) + 1
-
 
 def split_program(typed, stage_of: dict[str, int], stages: int, statements: list[Statement],
                   parameters: list[TensorSlot], buffers: list[TensorSlot], inputs: list[TensorSlot],
@@ -266,7 +261,7 @@ def split_program(typed, stage_of: dict[str, int], stages: int, statements: list
     mesh = typed.mesh
     definer: dict[str, int] = {}
     for index, statement in enumerate(statements):
-        for target in _targets(statement):
+        for target in statement.targets:
             definer[target] = index
     reads = [[v for v in statement.instruction.reads() if not v.startswith("self.")] for statement in statements]
     from_parameters: set[int] = set()  # statements computed from parameters and buffers alone
@@ -300,7 +295,7 @@ def split_program(typed, stage_of: dict[str, int], stages: int, statements: list
     defined_in = {}
     for stage, indices in enumerate(members):
         for index in indices:
-            for target in _targets(statements[index]):
+            for target in statements[index].targets:
                 defined_in.setdefault(target, stage)
     read_in: dict[str, set[int]] = {}
     for stage, indices in enumerate(members):
@@ -311,7 +306,7 @@ def split_program(typed, stage_of: dict[str, int], stages: int, statements: list
         read_in.setdefault(var, set()).add(stages - 1)
     input_vars = [slot.var for slot in inputs]
     order = input_vars + [t for index, statement in enumerate(statements) if index not in from_parameters
-                          for t in _targets(statement)]
+                          for t in statement.targets]
     crossing: list[list[str]] = [[]]  # crossing[s]: what stage s receives (s >= 1)
     for stage in range(1, stages):
         crossing.append([v for v in dict.fromkeys(order)
@@ -334,26 +329,21 @@ def split_program(typed, stage_of: dict[str, int], stages: int, statements: list
     return result
 
 
-def _targets(statement: Statement) -> list[str]:
-    return [t.strip() for t in statement.target.split(",") if t.strip()]
-
-
 def _slot(var: str, statements, definer, input_slots, typed, mesh) -> TensorSlot:
     """A value crossing a stage boundary, as the receiving stage's input: its layout, shapes and dtype, and
     whether a gradient comes back for it."""
     if var in input_slots:
         return input_slots[var]
     statement = statements[definer[var]]
-    targets = _targets(statement)
-    layout = statement.layouts[targets.index(var)]
+    layout = statement.layouts[statement.targets.index(var)]
     origin = var if var in typed.bound.tensors else statement.node
     info = typed.info(origin)
     return TensorSlot(var, var, "activation", info.shape, layout.local_shape(info.shape, mesh), str(info.dtype),
                       layout, origin in typed.requires_grad)
 
 
-def shared_parameters(stages: list[Stage]) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """Parameters held by more than one stage (tied weights), with those stages."""
+def shared_parameters(stages) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Parameters held by more than one of the stages' programs (tied weights), with those stages."""
     holders: dict[str, list[int]] = {}
     for index, stage in enumerate(stages):
         for parameter in stage.parameters:
@@ -370,5 +360,5 @@ def stages_of_rank(rank: int, axis_size: int, stages: int, schedule: str) -> lis
     return [s for s in range(stages) if s % axis_size == rank]
 
 
-__all__ = ["SCHEDULES", "PipelinePlan", "Stage", "check_pipeline", "check_layouts", "micro_batched",
+__all__ = ["SCHEDULES", "PipelinePlan", "Stage", "check_pipeline", "check_layouts", "check_unsplit", "micro_batched",
            "split_program", "stage_of_nodes", "shared_parameters", "stages_of_rank", "schedule_class"]

@@ -25,18 +25,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
-from .layouts import collective_bytes
+from .layouts import Layout, collective_bytes
 from .pipeline import schedule_class, stages_of_rank
 
 
-def _meta(shape, dtype, requires_grad: bool, device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device).requires_grad_(requires_grad and dtype.is_floating_point)
+def _meta(entry: tuple, mesh) -> torch.Tensor:
+    """A stage's INPUTS or OUTPUTS row as the tensor torch's stage reads its static metadata from: this
+    rank's shape, the dtype, whether a gradient goes with it (on the meta device: nothing allocated)."""
+    _, layout, shape, dtype, grad = entry
+    local = Layout.from_key(layout).local_shape(tuple(shape), mesh)
+    return torch.empty(local, dtype=dtype, device="meta").requires_grad_(grad and dtype.is_floating_point)
 
 
-def _local_shape(shape, layout, rt) -> tuple[int, ...]:
-    from .layouts import Layout
-
-    return Layout.from_key(layout).local_shape(tuple(shape), rt.mesh)
+def loss_output(outputs: list[tuple]) -> int | None:
+    """Which of the last stage's OUTPUTS is the model's own loss: its one scalar with a gradient."""
+    scalars = [index for index, (_, _, shape, dtype, grad) in enumerate(outputs)
+               if not shape and dtype.is_floating_point and grad]
+    return scalars[0] if len(scalars) == 1 else None
 
 
 class CountedStage(PipelineStage):
@@ -46,11 +51,9 @@ class CountedStage(PipelineStage):
     def __init__(self, module: torch.nn.Module, index: int, count: int, rt, axis: str):
         module.sync_gradients = True
         module.held_gradients = {}
-        inputs = tuple(_meta(_local_shape(shape, layout, rt), dtype, grad, rt.device)
-                       for _, layout, shape, dtype, grad in module.INPUTS)
-        outputs = tuple(_meta(_local_shape(shape, layout, rt), dtype, grad, rt.device)
-                        for _, layout, shape, dtype, grad in module.OUTPUTS)
-        super().__init__(module, index, count, rt.device, input_args=inputs, output_args=outputs,
+        super().__init__(module, index, count, rt.device,
+                         input_args=tuple(_meta(entry, rt.mesh) for entry in module.INPUTS),
+                         output_args=tuple(_meta(entry, rt.mesh) for entry in module.OUTPUTS),
                          group=rt.groups[axis])
         self._counter = rt.counter
         self._axis = axis
@@ -154,21 +157,14 @@ class Pipeline:
         return losses, outputs
 
     def _sum_shared_gradients(self) -> None:
+        """A tied parameter's gradient: the sum of every holding stage's, on each of them. The copies on
+        this rank are added first, then one all-reduce over the holding ranks."""
         for name, held in self.shared:
+            copies = [getattr(self.modules[i], self.modules[i].PARAMETERS[name][0]) for i in held if i in self.modules]
+            grad = sum((p.grad for p in copies if p.grad is not None), torch.zeros_like(copies[0]))
             group = self._shared_groups[held]
-            for index, module in self.modules.items():
-                if index != min(i for i in held if i in self.modules) or name not in module.PARAMETERS:
-                    continue
-                parameter = getattr(module, module.PARAMETERS[name][0])
-                grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
-                local_copies = [getattr(self.modules[i], self.modules[i].PARAMETERS[name][0])
-                                for i in held if i in self.modules and i != index]
-                for copy in local_copies:  # several holders on this rank (V schedules): add them first
-                    if copy.grad is not None:
-                        grad = grad + copy.grad
-                self.rt.counter.record("backward", "all_reduce", collective_bytes(
-                    "all_reduce", grad.numel() * grad.element_size(), group.size()), self.axis)
-                dist.all_reduce(grad, group=group)
-                parameter.grad = grad
-                for copy in local_copies:
-                    copy.grad = grad.clone()
+            self.rt.counter.record("backward", "all_reduce", collective_bytes(
+                "all_reduce", grad.numel() * grad.element_size(), group.size()), self.axis)
+            dist.all_reduce(grad, group=group)
+            for index, copy in enumerate(copies):
+                copy.grad = grad if index == 0 else grad.clone()

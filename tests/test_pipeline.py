@@ -86,6 +86,19 @@ def test_cut_balanced_evens_out_the_estimated_stage_times():
     assert compiled.pipeline.cut_before == ("model.model.layers.1", "model.model.layers.2", "model.model.layers.3")
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Each rank's record of a training run, one run per plan for every test that reads it."""
+    runs: dict[tuple[str, int], list[dict]] = {}
+
+    def run(plan: str, nproc: int, factory: str, layers: int) -> list[dict]:
+        if (plan, nproc) not in runs:
+            runs[plan, nproc] = _run(tmp_path_factory.mktemp("run"), plan, nproc, factory, layers)
+        return runs[plan, nproc]
+
+    return run
+
+
 def _run(tmp_path, plan: str, nproc: int, factory: str, layers: int) -> list[dict]:
     if not plan.startswith("examples/"):
         path = tmp_path / "plan.par"
@@ -143,8 +156,8 @@ layout {
      2, "HFLlama", 4, 4, 4),
 ], ids=["llama-pp2-1f1b", "llama-pp2-gpipe", "llama-pp2xtp2", "llama-pp2xdp2", "gpt2-pp2-tied", "gpt2-pp4-tied",
         "gpt2-pp2xtp2", "gpt2-pp2xdp2", "llama-interleaved"])
-def test_pipelined_training_equals_serial(tmp_path, plan, nproc, factory, layers, microbatches, stages):
-    ranks = _run(tmp_path, plan, nproc, factory, layers)
+def test_pipelined_training_equals_serial(trained, plan, nproc, factory, layers, microbatches, stages):
+    ranks = trained(plan, nproc, factory, layers)
     for rank in ranks:
         assert rank["grad_error"] < 1e-5, rank["rank"]
         assert rank["norms"] == pytest.approx(rank["serial_norms"], rel=1e-5)
@@ -161,14 +174,14 @@ def test_pipelined_training_equals_serial(tmp_path, plan, nproc, factory, layers
     assert len(set().union(*(r["parameters"] for r in ranks))) == ranks[0]["serial_parameter_count"]
 
 
-def test_data_parallel_gradients_are_synchronised_once_per_step_not_per_micro_batch(tmp_path):
-    ranks = _run(tmp_path, "examples/hf_llama_pp2_dp2.par", 4, "HFLlama", 2)
+def test_data_parallel_gradients_are_synchronised_once_per_step_not_per_micro_batch(trained):
+    ranks = trained("examples/hf_llama_pp2_dp2.par", 4, "HFLlama", 2)
     for rank in ranks:  # one bucket per stage, 2 micro-batches: one all-reduce over dp per step
         assert rank["counts"]["collectives_by_axis"]["backward"].get("dp:all_reduce") == 1
 
 
-def test_the_tied_embeddings_gradient_is_summed_over_its_stages_once_per_step(tmp_path):
-    ranks = _run(tmp_path, "examples/hf_gpt2_pp2.par", 2, "HFGPT2", 2)
+def test_the_tied_embeddings_gradient_is_summed_over_its_stages_once_per_step(trained):
+    ranks = trained("examples/hf_gpt2_pp2.par", 2, "HFGPT2", 2)
     for rank in ranks:
         assert rank["counts"]["collectives_by_axis"]["backward"] == {
             "pp:all_reduce": 1, **({"pp:send": 2} if rank["is_last_stage"] else {})}
