@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import pardsl
+from tests.scripts import shut_down
 from examples.hf_models import llama_causal_lm
 
 
@@ -45,10 +46,7 @@ def main() -> None:
         planned = plan.compiled.program.collective_counts_by_axis()["backward"]
         with open(out_path, "w") as handle:
             json.dump({"error": max(errors), "counts": counts, "planned": planned}, handle)
-    # every rank done communicating before any tears gloo down (a rank leaving early has aborted its peer
-    # with "terminate called without an active exception")
-    dist.barrier()
-    dist.destroy_process_group()
+    shut_down()
 
 
 if __name__ == "__main__":

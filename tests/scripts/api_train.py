@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import pardsl
+from tests.scripts import shut_down
 
 SHAPES = [(4, 16), (2, 8), (6, 12), (2, 6)]  # (batch, seq) per step
 
@@ -46,10 +47,7 @@ def main() -> None:
         with open(out_path, "w") as handle:
             json.dump({"losses": losses, "norms": norms, "output": type(out).__name__,
                        "logits": list(out.logits.shape)}, handle)
-    # every rank done communicating before any tears gloo down (a rank leaving early has aborted its peer
-    # with "terminate called without an active exception")
-    dist.barrier()
-    dist.destroy_process_group()
+    shut_down()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import examples.hf_models
 import pardsl
+from tests.scripts import shut_down
 
 parser = argparse.ArgumentParser()
 parser.add_argument("plan")
@@ -59,5 +60,4 @@ for step in range(args.steps):
 
 with open(f"{args.out}.rank-{dist.get_rank()}.json", "w") as handle:
     json.dump(record, handle)
-dist.barrier()
-dist.destroy_process_group()
+shut_down()
