@@ -67,6 +67,22 @@ TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 1e-2, torc
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
+class _NothingToOptimize:
+    """The optimizer of a model without parameters (a bare LayerNorm without weights): torch's refuse an
+    empty list."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+
+def _optimizer(name: str, parameters, lr: float):
+    parameters = list(parameters)
+    return OPTIMIZERS[name](parameters, lr=lr) if parameters else _NothingToOptimize()
+
+
 def tolerance_for(dtypes) -> float:
     """The loosest tolerance of the floating dtypes the program computes in (DESIGN: wrong numbers are the
     worst outcome, so a float32 program is judged at float32's)."""
@@ -186,8 +202,8 @@ def run_rank(job: RankJob) -> dict:
     serial_buffers = dict(serial.named_buffers(remove_duplicate=False))
     compiled_params = {name: getattr(compiled, attr) for name, (attr, _, _) in module.PARAMETERS.items()}
     layouts = {name: layout for name, (_, layout, _) in module.PARAMETERS.items()}
-    serial_opt = OPTIMIZERS[job.optimizer](serial.parameters(), lr=job.lr)
-    compiled_opt = OPTIMIZERS[job.optimizer](compiled.parameters(), lr=job.lr)
+    serial_opt = _optimizer(job.optimizer, serial.parameters(), job.lr)
+    compiled_opt = _optimizer(job.optimizer, compiled.parameters(), job.lr)
 
     grad_generator = torch.Generator().manual_seed(job.seed + 2)
     output_grads = None
@@ -283,8 +299,8 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
     serial_params = dict(serial.named_parameters(remove_duplicate=False))
     stage_params = [(name, getattr(m, attr), layout) for m in modules.values()
                     for name, (attr, layout, _) in m.PARAMETERS.items()]
-    serial_opt = OPTIMIZERS[job.optimizer](serial.parameters(), lr=job.lr)
-    compiled_opt = OPTIMIZERS[job.optimizer]([p for m in modules.values() for p in m.parameters()], lr=job.lr)
+    serial_opt = _optimizer(job.optimizer, serial.parameters(), job.lr)
+    compiled_opt = _optimizer(job.optimizer, [p for m in modules.values() for p in m.parameters()], job.lr)
     tally, counts = _Tally(), None
     note = tally.note
 

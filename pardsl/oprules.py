@@ -184,7 +184,9 @@ RULES: dict[Any, Rule] = {
     aten._softmax.default: Rule("normalize", dim_arg=1),
     aten.log_softmax.int: Rule("normalize", dim_arg=1),
     aten._log_softmax.default: Rule("normalize", dim_arg=1),
-    aten.layer_norm.default: Rule("normalize", dim_arg=1),
+    # layer norm: a split normalised dim is Optimus's and Tesseract's distributed form (the statistics
+    # of the row are summed over the ranks that hold its parts)
+    aten.layer_norm.default: Rule("normalize", dim_arg=1, parallel_form="layer_norm"),
     # running sums along a dim that stays whole
     aten.cumsum.default: Rule("normalize", linear="sum", dim_arg=1),
     # convolutions: an einsum over channels with windows over the spatial dims, which stay whole (a split
@@ -689,6 +691,14 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
         trailing = tuple(in_letters[d] for d in normalized)
         operand_letters = [in_letters] + [trailing for _ in shapes[1:]]
         output = in_letters
+        if rule.parallel_form and len(normalized) == 1:
+            # x split along the normalised dim, weight and bias alike: per row, one all-reduce of its sum
+            # and sum of squares (float64) forward, one of the gradient's two sums backward
+            dim = normalized[0]
+            extra = (Signature((S(dim),) + (S(0),) * (len(shapes) - 1), S(dim), trailing[0], name="features",
+                               inner_all_reduces=(
+                                   InnerAllReduce(2, what="sum and sum of squares per row", itemsize=8),
+                                   InnerAllReduce(2, what="gradient sums per row", phase="backward"))),)
 
     elif rule.family == "reshape":
         in_letters, output, unsplittable = _reshape_letters(shapes[0], out_shape)

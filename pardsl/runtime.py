@@ -215,6 +215,17 @@ class Runtime:
                                                      momentum, eps, cudnn_enabled)
         return _SyncBatchNorm.apply(x, weight, bias, running_mean, running_var, momentum, eps, self, batch)
 
+    def layer_norm(self, x: torch.Tensor, normalized_shape, weight=None, bias=None, eps: float = 1e-5,
+                   cudnn_enable: bool = True, *, features: tuple[str, ...] = ()) -> torch.Tensor:
+        """aten.layer_norm of x whose normalised (last) dim is split over `features`, weight and bias
+        alike (Optimus's and Tesseract's distributed LayerNorm): each row's statistics are summed over the
+        ranks holding its parts. Forward: one all-reduce per axis of each row's sum and sum of squares
+        (float64: the variance is their difference); backward: one of the two sums the input's gradient
+        needs. The weight's and bias's gradients are this rank's own columns."""
+        if not features:
+            return torch.ops.aten.layer_norm.default(x, normalized_shape, weight, bias, eps, cudnn_enable)
+        return _SplitLayerNorm.apply(x, weight, bias, eps, self, features)
+
     def _chunk(self, axes: tuple[str, ...]) -> int:
         """This rank's chunk index of a dim split over `axes`, outermost first."""
         chunk = 0
@@ -529,3 +540,43 @@ class _SyncBatchNorm(torch.autograd.Function):
             grad_x = (grad - mean_grad - xhat * mean_grad_xhat) * scale.view(ctx.per_channel)
         return (grad_x, grad_weight if weight is not None else None, grad_bias if ctx.needs_input_grad[2] else None,
                 None, None, None, None, None, None)
+
+
+class _SplitLayerNorm(torch.autograd.Function):
+    """Layer norm over a last dim split across ranks (Runtime.layer_norm)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rt, axes):
+        count = x.shape[-1] * math.prod(rt.size[a] for a in axes)
+        local_mean = x.mean(-1)
+        centered = (x - local_mean.unsqueeze(-1)).square().sum(-1)
+        local_mean = local_mean.double()
+        # this rank's sum and sum of squares per row, the latter from its centered one (less cancellation)
+        stats = torch.stack([local_mean * x.shape[-1], centered.double() + x.shape[-1] * local_mean.square()])
+        for axis in axes:
+            stats = rt._all_reduce(stats, axis, "forward")
+        mean = stats[0] / count
+        variance = (stats[1] / count - mean.square()).clamp_min(0.0)
+        rstd = (variance + eps).rsqrt().to(x.dtype).unsqueeze(-1)
+        xhat = (x - mean.to(x.dtype).unsqueeze(-1)) * rstd
+        y = xhat if weight is None else xhat * weight
+        if bias is not None:
+            y = y + bias
+        ctx.save_for_backward(xhat, weight, rstd)
+        ctx.rt, ctx.axes, ctx.count, ctx.has_bias = rt, axes, count, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        xhat, weight, rstd = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_weight = (rows * xhat.reshape(rows.shape)).sum(0) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            scaled = grad if weight is None else grad * weight
+            sums = torch.stack([scaled.sum(-1), (scaled * xhat).sum(-1)])
+            for axis in ctx.axes:
+                sums = ctx.rt._all_reduce(sums, axis, "backward")
+            grad_x = (scaled - (sums[0] / ctx.count).unsqueeze(-1) - xhat * (sums[1] / ctx.count).unsqueeze(-1)) * rstd
+        return grad_x, grad_weight, grad_bias, None, None, None

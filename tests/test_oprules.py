@@ -40,7 +40,7 @@ def test_affine_add_does_not_pass_partial_sums():
     assert (("P",), "P") in _sigs(nodes["mul"])
 
 
-def test_softmax_dim_and_layer_norm_dims_are_never_split():
+def test_softmax_dim_is_never_split_and_layer_norms_only_by_its_distributed_form():
     class Norms(nn.Module):
         def __init__(self):
             super().__init__()
@@ -51,7 +51,12 @@ def test_softmax_dim_and_layer_norm_dims_are_never_split():
 
     nodes = _nodes(Norms(), torch.randn(4, 8))
     assert {out for _, out in _sigs(nodes["softmax"])} == {"B", "S(0)"}
-    assert {out for _, out in _sigs(nodes["layer_norm"])} == {"B", "S(0)"}
+    assert {out for _, out in _sigs(nodes["layer_norm"])} == {"B", "S(0)", "S(1)"}
+    [form] = dim_spec(nodes["layer_norm"], rule_for(nodes["layer_norm"])).extra
+    assert (form.name, form.operands, form.output) == ("features", (S(1), S(0), S(0)), S(1))
+    statistics, gradients = form.inner_all_reduces
+    assert (statistics.phase, statistics.nbytes((4, 4), S(1), 4)) == ("forward", 2 * 4 * 8)  # float64, per row
+    assert (gradients.phase, gradients.nbytes((4, 4), S(1), 4)) == ("backward", 2 * 4 * 4)
 
 
 def test_view_maps_a_split_through_merged_and_split_dims():
