@@ -181,7 +181,7 @@ def _memory_line(memory: dict, bound: int | None) -> str:
 
 _STYLE = """body{font:14px system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse}
 td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:left;font-variant-numeric:tabular-nums}
-h2{margin-top:1.5em}.num{text-align:right}pre{background:#f6f6f6;padding:1em;overflow:auto}"""
+h2{margin-top:1.5em}.num{text-align:right}pre{background:#f6f6f6;padding:1em;white-space:pre-wrap}"""
 _COLOURS = {"all_reduce": "#d9534f", "all_gather": "#5bc0de", "reduce_scatter": "#f0ad4e", "all_to_all": "#9b59b6"}
 
 
