@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .binding import BoundPlan
-from .cost import OPTIMIZER_STATES, Machine, global_flops, layer_of, serial_bytes
+from .cost import OPTIMIZER_STATES, Machine, global_flops, layer_of, repeated_layer, serial_bytes
 from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
 from .layouts import B, P, Layout, Placement, collective_bytes
 from .oprules import signatures
@@ -63,8 +63,11 @@ def memory_limit(bound: BoundPlan, optimizer: str = "adamw") -> int | None:
     if written is None:
         return None
     parameters = sum(bound.tensors[name].nbytes for name in bound.parameters)
-    activations = sum(info.nbytes for name, info in bound.tensors.items() if name not in bound.parameters
-                      and name not in bound.buffers and name not in bound.inputs and name not in bound.scalars)
+    # every op result (the graph's placeholders are parameters, buffers, inputs, and a tied parameter's
+    # second name), as LoweredProgram.memory counts activations
+    placeholders = {node.name for node in bound.exported.graph.nodes if node.op == "placeholder"}
+    activations = sum(info.nbytes for name, info in bound.tensors.items()
+                      if name not in placeholders and name not in bound.scalars)
     return written.bytes(serial_bytes(parameters, activations, optimizer))
 
 
@@ -336,6 +339,8 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             return pairs
 
         converted: dict[tuple, int] = {}  # once per value (class), from and to
+        gathered: dict[str, dict[int, float]] = {}  # per unit (layer, or "" outside): bytes gathered whole
+        copies: dict[str, int] = {}  # per unit: how many layers it stands for
 
         def convert(key, name: str, pairs, count: int) -> None:
             for (p, q), terms in pairs.items():
@@ -345,7 +350,9 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     column = program.column(count * conversion_seconds(name, p, q))
                     converted[key, p, q] = column
                     if name in bound.parameters and p.is_split and q == B:  # gathered whole while in use
-                        add_cost(memory, column, count * local_bytes(name, B))
+                        unit = repeated_layer(bound.parameters[name])
+                        add_cost(gathered.setdefault(unit, {}), column, local_bytes(name, B))
+                        copies[unit] = max(copies.get(unit, 1), count)
                 program.row(subtract({converted[key, p, q]: 1.0}, terms), 0.0, math.inf)
 
         slots: dict[str, list[dict[Placement, dict[int, float]]]] = {}  # per op and operand: its signatures' needs
@@ -420,6 +427,16 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     for column in placements[name][P]:
                         add_cost(objective, column, count * seconds)
 
+        if gathered:
+            # Gathered parameters are held one unit at a time, the next one prefetched (cost.memory_per_rank
+            # counts its two largest gather groups): twice the largest unit, a column scaled to [0, 1]
+            # (repeated layers share their columns, so one layer's row stands for all of them). Outside the
+            # layers counts as one unit, at least what lowering's groups there hold.
+            scale = sum(sum(unit.values()) for unit in gathered.values())
+            largest = program.column()
+            for unit in gathered.values():
+                program.row(subtract({largest: scale}, unit), 0.0, math.inf)
+            add_cost(memory, largest, min(2, sum(copies.values())) * scale)
         for column, seconds in objective.items():
             program.cost[column] += seconds
         memory_row = None

@@ -111,3 +111,21 @@ def test_a_searched_plan_runs_equal_to_serial(pools, compile_par):
 
 def test_a_searched_data_parallel_plan_runs_equal_to_serial(pools, compile_par):
     check(pools, compile_par("mesh dp = 2\n" + MLP.replace("[8, 32]", "[1024, 32]") + "layout {\n  x : ?\n}\n"))
+
+
+def test_zero3_storage_under_a_memory_bound_keeps_fsdps_parameter_gathers(pools, compile_par):
+    """examples/llama_zero3.par (weights and batch S(0) over dp) with a bound: the search prices gathered
+    parameters as memory_per_rank counts them (two units at a time, not the whole model), so the plan the
+    greedy pass writes fits and the search keeps its parameter traffic: one all-gather per layer and per
+    group outside, one reduce-scatter bucket backward, no activation exchanged but the loss's (on this
+    256-word vocabulary, gathering the logits is cheaper than the count form's two all-reduces)."""
+    text = open("examples/llama_zero3.par").read().replace("mesh   dp = 2\n", "mesh   dp = 2\nmemory <= 60 %\n")
+    searched, greedy = compile_par(text), compile_file("examples/llama_zero3.par")
+    assert "search" in searched.seconds
+    assert estimate(greedy, GLOO).memory["total"] <= searched.memory_bound  # the FSDP plan fits
+    assert estimate(searched, GLOO).memory["total"] <= searched.memory_bound
+    groups = [[m.attr for m in group.members] for group in searched.program.gathers]
+    assert groups == [[m.attr for m in group.members] for group in greedy.program.gathers]
+    assert searched.program.collective_counts_by_axis() == {"forward": {"dp:all_gather": len(groups) + 2},
+                                                            "backward": {"dp:reduce_scatter": 1}}
+    check(pools, searched)
