@@ -6,6 +6,9 @@
 2. Rediscovery: LLaMA, GPT-2 and BERT on tp 2 and 4 under `memory <= 60 %` and nothing else written,
    the searched plan's estimate (the cost model with gloo's defaults, or `--calibration FILE`) beside the
    Megatron plan of examples/hf_<model>_tp<n>.par, with each plan's collectives per step.
+3. The same at hidden 512 (vocabulary 1024, batch 2 × 64), where bandwidth outweighs gloo's latency:
+   bytes per rank per step beside the estimate, and whether the search met the bound Megatron's plan
+   needs.
 
     python benchmarks/search.py [--depths 2 8 32] [--calibration FILE]
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,6 +70,25 @@ def main() -> None:
             print(f"| {model} | {tp} | {mine.step_s * 1e3:.2f} | {mine.memory['total'] / 1024:.0f} / "
                   f"{searched.memory_bound / 1024:.0f} KiB | {counts(searched)} | {theirs.step_s * 1e3:.2f} | "
                   f"{theirs.memory['total'] / 1024:.0f} KiB | {counts(megatron)} |")
+
+    print()
+    print("| model (hidden 512) | tp | searched: step (ms) | bytes per step | memory / bound | Megatron: step (ms) | "
+          "bytes per step | memory |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model in ("llama", "gpt2", "bert"):
+        for tp in (2, 4):
+            path = f"examples/hf_{model}_tp{tp}.par"
+            text = re.sub(r"\(layers=2", "(layers=2, hidden=512, vocab=1024, positions=128" +
+                          (", ffn=1024" if model != "gpt2" else ""), open(path).read())
+            text = text.replace("[2, 16]", "[2, 64]").replace("[0, 256)", "[0, 1024)")
+            header = [line for line in text.splitlines(True) if line.split(" ", 1)[0] in ("mesh", "model", "input")]
+            searched = compile_text("".join(header) + "memory <= 60 %\n", f"<{model} tp {tp}>", machine=machine)
+            megatron = compile_text(text, f"<{model} tp {tp}, Megatron>", machine=machine)
+            mine, theirs = estimate(searched, machine), estimate(megatron, machine)
+            print(f"| {model} | {tp} | {mine.step_s * 1e3:.1f} | {sum(searched.program.collective_bytes().values()) / 2**20:.2f} MiB"
+                  f" | {mine.memory['total'] / 2**20:.1f} / {searched.memory_bound / 2**20:.1f} MiB | "
+                  f"{theirs.step_s * 1e3:.1f} | {sum(megatron.program.collective_bytes().values()) / 2**20:.2f} MiB | "
+                  f"{theirs.memory['total'] / 2**20:.1f} MiB |")
 
 
 if __name__ == "__main__":

@@ -158,6 +158,28 @@ def repeated_layers(bound: BoundPlan, names: list[str], fingerprint) -> dict[str
     return representative
 
 
+def blocks_wanted(specs, nodes: list[str], operands) -> dict[str, dict[str, set[int]]]:
+    """Per op, per letter of its output, block counts worth offering its signatures: where an op
+    downstream cuts a dim into m equal parts (a fused QKV projection's split into q, k and v), the dim can
+    be split in m blocks all the way from the parameters (Megatron's fused QKV: `S(1, blocks=3)`), each
+    rank then holding its share of every part. Inference offers only the blocks its operands already
+    carry, which a parameter left to the search never does."""
+    wanted: dict[str, dict[str, set[int]]] = {}
+    for name in reversed(nodes):  # consumers before producers
+        spec = specs[name]
+        asks = {letter: set(counts) for letter, counts in wanted.get(name, {}).items()}
+        if spec.cut is not None:
+            letter, parts = spec.cut
+            asks.setdefault(letter, set()).add(parts)
+        for o, letters in zip(operands[name], spec.operands):
+            if o not in specs:
+                continue  # a placeholder: its placements are its consumers' signatures'
+            for d, letter in enumerate(letters):
+                if letter in asks and d < len(specs[o].output) and specs[o].output[d] is not None:
+                    wanted.setdefault(o, {}).setdefault(specs[o].output[d], set()).update(asks[letter])
+    return wanted
+
+
 def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
            optimizer: str = "adamw") -> TypedGraph:
     specs, graph_nodes, placeholders, operands, requires_grad = prepare(bound)
@@ -165,6 +187,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
     flops = global_flops(bound)
     states = OPTIMIZER_STATES[optimizer]
     nodes = [node.name for node in graph_nodes]
+    cut_blocks = blocks_wanted(specs, nodes, operands)
     consumers: dict[str, list[tuple[str, int]]] = {name: [] for name in placeholders + nodes}
     for name in nodes:
         for slot, o in enumerate(operands[name]):
@@ -222,7 +245,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             domain[name] = [pinned(name, axis) or B]
         for name in nodes:
             spec = specs[name]
-            offered: dict[str, set[int]] = {}
+            offered = {letter: set(counts) for letter, counts in cut_blocks.get(name, {}).items()}
             for o, letters in zip(operands[name], spec.operands):
                 if o in free:
                     continue
