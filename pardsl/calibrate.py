@@ -1,8 +1,11 @@
 """`pardsl calibrate`: measure the cost model's figures on this machine and backend, into a file.
 
-Each collective kind is timed over `nproc` ranks at sizes from a few KiB to several MiB; α and β are the
-least-squares line through (per-rank volume, seconds), with the volumes of DESIGN's table; its intercept,
-divided by the ring's steps, is α per step. With every rank computing at once (CPU ranks share the
+Each collective kind is timed over `nproc` ranks at sizes from a few KiB to several MiB; α and β are a
+line through (per-rank volume, seconds), with the volumes of DESIGN's table: Theil–Sen's (the median of
+the slopes between every two sizes), which one slow timing does not tip over, as it did least squares on
+a busy CPU (a β of zero: bytes for free). β is at least a copy's per byte at the measured memory
+bandwidth, since no collective moves bytes faster than memory does. The intercept, divided by the ring's
+steps, is α per step. With every rank computing at once (CPU ranks share the
 cores, as in a run), a square matmul gives the throughput, a large elementwise add the memory bandwidth
 and a tiny add the overhead of one op; an all-reduce issued asynchronously beside matmuls gives the
 share of communication that hides behind compute. Ranks use the threads a `pardsl run` on as many ranks
@@ -12,6 +15,7 @@ would.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -25,7 +29,7 @@ from .cost import LinkCost, Machine, ring_steps
 from .layouts import COLLECTIVE_KINDS, collective_bytes
 
 SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)  # bytes of one rank's tensor
-QUICK_SIZES = (1 << 12, 1 << 16, 1 << 20)
+QUICK_SIZES = (1 << 12, 1 << 18, 1 << 22)  # as far apart as the full set: β needs the large end
 
 
 def _time(fn, device: torch.device, repeats: int, together: bool = True) -> float:
@@ -106,15 +110,12 @@ def _rank(rank: int, nproc: int, port: int, backend: str, sizes, repeats: int, r
         dist.destroy_process_group()
 
 
-def fit(points: list[tuple[int, float]]) -> LinkCost:
-    """α and β of the least-squares line through (bytes, seconds); neither below zero."""
-    xs = [float(x) for x, _ in points]
-    ys = [float(y) for _, y in points]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
-    beta = max(beta, 1e-15)
-    alpha = max(mean_y - beta * mean_x, 0.0)
+def fit(points: list[tuple[int, float]], beta_floor: float = 0.0) -> LinkCost:
+    """α and β of the Theil–Sen line through (bytes, seconds): β the median of the slopes between every
+    two points, at least `beta_floor`; α the median intercept at that β, at least zero."""
+    slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(sorted(points), 2) if x2 != x1]
+    beta = max(statistics.median(slopes) if slopes else 0.0, beta_floor, 1e-15)
+    alpha = max(statistics.median(y - beta * x for x, y in points), 0.0)
     return LinkCost(alpha, beta)
 
 
@@ -133,7 +134,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, repeat
             raw = json.load(handle)
     collectives = {}
     for kind, points in raw["points"].items():
-        line = fit(points)  # its intercept is the latency of ring_steps steps over nproc ranks
+        line = fit(points, 1.0 / raw["bytes_per_s"])  # its intercept: the latency of ring_steps steps
         collectives[kind] = LinkCost(line.alpha_s / ring_steps(kind, nproc), line.beta_s_per_byte)
     machine = Machine(backend, collectives, raw["flops_per_s"], raw["bytes_per_s"], raw["op_overhead_s"],
                       "calibrated", nproc, 0 if backend == "nccl" else (os.cpu_count() or 1), raw["overlap"])
