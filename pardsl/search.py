@@ -158,6 +158,24 @@ def repeated_layers(bound: BoundPlan, names: list[str], fingerprint) -> dict[str
     return representative
 
 
+def _gather_units(bound: BoundPlan, nodes: list[str], operands) -> dict[str, str]:
+    """Per parameter, the group lowering gathers it in (lowering.GatherGroup): its repeated layer, or the
+    parameters outside the layers used before the first layer, or those used after it."""
+    first_use: dict[str, int] = {}
+    first_layer = None
+    for index, name in enumerate(nodes):
+        if first_layer is None and repeated_layer(bound.module_paths.get(name)):
+            first_layer = index
+        for o in operands[name]:
+            first_use.setdefault(o, index)
+    units = {}
+    for name, path in bound.parameters.items():
+        layer = repeated_layer(path)
+        before = first_layer is None or first_use.get(name, 0) < first_layer
+        units[name] = layer or ("outside, before the layers" if before else "outside, after the layers")
+    return units
+
+
 def blocks_wanted(specs, nodes: list[str], operands) -> dict[str, dict[str, set[int]]]:
     """Per op, per letter of its output, block counts worth offering its signatures: where an op
     downstream cuts a dim into m equal parts (a fused QKV projection's split into q, k and v), the dim can
@@ -188,6 +206,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
     states = OPTIMIZER_STATES[optimizer]
     nodes = [node.name for node in graph_nodes]
     cut_blocks = blocks_wanted(specs, nodes, operands)
+    gather_unit = _gather_units(bound, nodes, operands)
     consumers: dict[str, list[tuple[str, int]]] = {name: [] for name in placeholders + nodes}
     for name in nodes:
         for slot, o in enumerate(operands[name]):
@@ -362,8 +381,8 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             return pairs
 
         converted: dict[tuple, int] = {}  # once per value (class), from and to
-        gathered: dict[str, dict[int, float]] = {}  # per unit (layer, or "" outside): bytes gathered whole
-        copies: dict[str, int] = {}  # per unit: how many layers it stands for
+        gathered: dict[str, dict[int, float]] = {}  # per gather group: its conversions' columns → bytes whole
+        copies: dict[str, int] = {}  # per gather group: how many layers it stands for
 
         def convert(key, name: str, pairs, count: int) -> None:
             for (p, q), terms in pairs.items():
@@ -373,7 +392,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     column = program.column(count * conversion_seconds(name, p, q))
                     converted[key, p, q] = column
                     if name in bound.parameters and p.is_split and q == B:  # gathered whole while in use
-                        unit = repeated_layer(bound.parameters[name])
+                        unit = gather_unit[name]
                         add_cost(gathered.setdefault(unit, {}), column, local_bytes(name, B))
                         copies[unit] = max(copies.get(unit, 1), count)
                 program.row(subtract({converted[key, p, q]: 1.0}, terms), 0.0, math.inf)
@@ -451,10 +470,9 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                         add_cost(objective, column, count * seconds)
 
         if gathered:
-            # Gathered parameters are held one unit at a time, the next one prefetched (cost.memory_per_rank
-            # counts its two largest gather groups): twice the largest unit, a column scaled to [0, 1]
-            # (repeated layers share their columns, so one layer's row stands for all of them). Outside the
-            # layers counts as one unit, at least what lowering's groups there hold.
+            # Gathered parameters are held one group at a time, the next one prefetched (cost.memory_per_rank
+            # counts its two largest gather groups): twice the largest, a column scaled to [0, 1] (repeated
+            # layers share their columns, so one layer's row stands for all of them).
             scale = sum(sum(unit.values()) for unit in gathered.values())
             largest = program.column()
             for unit in gathered.values():

@@ -148,3 +148,16 @@ def test_the_search_splits_a_fused_qkv_projection_in_blocks(compile_par):
         assert layouts[prefix + "mlp.c_fc.weight"] == (S(1),)
         assert layouts[prefix + "mlp.c_proj.weight"] == (S(0),)
     assert not any(c.kind == "all_to_all" and ".attn" in c.reason for c in compiled.program.collectives)
+
+
+def test_the_search_groups_gathered_parameters_as_lowering_does():
+    """Memory of parameters gathered for use counts two groups at a time; the groups are lowering's: a
+    layer's parameters, or those outside the layers before them and after them (the embedding alone; the
+    final norm with the head)."""
+    compiled = compile_file("examples/llama_zero3.par")
+    typed = compiled.typed
+    units = search._gather_units(compiled.bound, list(typed.nodes),
+                                 {name: node.operands for name, node in typed.nodes.items()})
+    lowered = [{"p_" + m.attr for m in group.members} for group in compiled.program.gathers]
+    assert sorted(map(sorted, lowered)) == sorted(
+        sorted(p for p in units if units[p] == unit) for unit in set(units.values()))
