@@ -11,12 +11,13 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from . import __version__
 from .binding import BoundPlan, bind
 from .codegen import render, render_pipeline
 from .inference import TypedGraph, infer
-from .cost import memory_per_rank
+from .cost import estimate, memory_per_rank
 from .search import memory_limit, search, wants_search
 from .diagnostics import Diagnostic
 from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
@@ -50,20 +51,51 @@ def compile_par(par: ParFile, bucket_mb: float = DEFAULT_BUCKET_MB, machine=None
         return _compile_pipelined(par, bucket_mb, machine)
     bound = bind(par)
     seconds = dict(bound.seconds)
-    start = time.perf_counter()
     if wants_search(bound):
-        typed = search(bound, machine or default_machine(), memory_limit(bound))
-        seconds["search"] = time.perf_counter() - start
+        typed, program = _searched_or_greedy(bound, machine or default_machine(), bucket_mb, seconds)
     else:
-        typed = infer(bound)
-        seconds["infer"] = time.perf_counter() - start
-    start = time.perf_counter()
-    program = lower(typed, bucket_mb)
-    seconds["lower"] = time.perf_counter() - start
-    start = time.perf_counter()
-    source = render(program)
-    seconds["codegen"] = time.perf_counter() - start
+        typed = _timed(seconds, "infer", lambda: infer(bound))
+        program = _timed(seconds, "lower", lambda: lower(typed, bucket_mb))
+    source = _timed(seconds, "codegen", lambda: render(program))
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(par, program))
+
+
+def _timed(seconds: dict, stage: str, work):
+    start = time.perf_counter()
+    result = work()
+    seconds[stage] = time.perf_counter() - start
+    return result
+
+
+class _Candidate(NamedTuple):
+    """A completed plan, as the cost model reads it."""
+
+    bound: BoundPlan
+    typed: TypedGraph
+    program: LoweredProgram
+
+
+def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: dict) -> tuple[TypedGraph, LoweredProgram]:
+    """The search decides one mesh axis at a time, so on some meshes the greedy completion of the same
+    file is estimated faster than what it finds: of the two, the plan the cost model rates faster (the
+    greedy one only where it meets the memory bound), with note N004 when it is the greedy one."""
+    limit = memory_limit(bound)
+    searched = _timed(seconds, "search", lambda: search(bound, machine, limit))
+    program = _timed(seconds, "lower", lambda: lower(searched, bucket_mb))
+    greedy = _timed(seconds, "greedy", lambda: infer(bound))
+    greedy_program = lower(greedy, bucket_mb)
+    mine = estimate(_Candidate(bound, searched, program), machine)
+    theirs = estimate(_Candidate(bound, greedy, greedy_program), machine)
+    if theirs.step_s >= mine.step_s or (limit is not None and theirs.memory["total"] > limit):
+        return searched, program
+    par = bound.par
+    written = next((entry.span for entry in par.layouts if entry.layout.form == "searched"), None)
+    span = par.memory_bound.span if par.memory_bound is not None else written or par.mesh.span
+    greedy_program.notes.append(Diagnostic(
+        "N004", f"the greedy completion is estimated at {theirs.step_s * 1e3:.3g} ms per step, the layout "
+        f"search's plan at {mine.step_s * 1e3:.3g} ms: compiled the greedy one", span,
+        ("the search decides one mesh axis at a time; `pardsl explain` shows the plan",), severity="note"))
+    return greedy, greedy_program
 
 
 def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
@@ -74,21 +106,20 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
     bound = bind(pp.micro_batched(par))
     pp.check_layouts(bound, decl)
     seconds = dict(bound.seconds)
-    start = time.perf_counter()
-    typed = infer(bound)
-    seconds["infer"] = time.perf_counter() - start
+    typed = _timed(seconds, "infer", lambda: infer(bound))
     pp.check_unsplit(typed, decl)
-    start = time.perf_counter()
-    stage_of, cut_before = pp.stage_of_nodes(typed, decl, machine)
-    program, stages = lower_in_stages(
-        typed, bucket_mb, lambda *whole: pp.split_program(typed, stage_of, len(cut_before) + 1, *whole))
-    outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
-    plan = pp.PipelinePlan(decl.axis, decl.schedule, decl.microbatches, decl.stages_per_rank, tuple(cut_before),
-                           pp.shared_parameters(stages), outputs)
-    seconds["lower"] = time.perf_counter() - start
-    start = time.perf_counter()
-    source = render_pipeline(stages, plan)
-    seconds["codegen"] = time.perf_counter() - start
+
+    def lower_pipelined():
+        stage_of, cut_before = pp.stage_of_nodes(typed, decl, machine)
+        program, stages = lower_in_stages(
+            typed, bucket_mb, lambda *whole: pp.split_program(typed, stage_of, len(cut_before) + 1, *whole))
+        outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
+        plan = pp.PipelinePlan(decl.axis, decl.schedule, decl.microbatches, decl.stages_per_rank,
+                               tuple(cut_before), pp.shared_parameters(stages), outputs)
+        return program, stages, plan
+
+    program, stages, plan = _timed(seconds, "lower", lower_pipelined)
+    source = _timed(seconds, "codegen", lambda: render_pipeline(stages, plan))
     return Compiled(par, bound, typed, program, source, seconds, None, plan, tuple(stages))
 
 
