@@ -749,8 +749,8 @@ class _Lowerer:
         for axis, signature in forms.items():
             placement = typed_node.operand_layouts[0].placements[axis]
             for inner in signature.inner_all_reduces:
-                if inner.phase == "backward" and operand not in self.typed.requires_grad:
-                    continue  # the form's backward reduces for its input's gradient only
+                if not inner.made(operand in self.typed.requires_grad):
+                    continue
                 nbytes = inner.nbytes(local, placement, info.itemsize)
                 collectives.append(Collective(
                     "all_reduce", self.mesh.axis_names[axis], inner.phase,

@@ -309,6 +309,10 @@ class InnerAllReduce:
     def nbytes(self, local_shape: tuple[int, ...], placement: Placement, operand_itemsize: int) -> int:
         return self.values(local_shape, placement) * (self.itemsize or operand_itemsize)
 
+    def made(self, input_needs_grad: bool) -> bool:
+        """A backward reduction is for the input's gradient: none where the input needs none."""
+        return self.phase == "forward" or input_needs_grad
+
 
 @dataclass(frozen=True)
 class Signature:

@@ -413,6 +413,8 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                 compute = machine.compute_seconds(flops.get(name, 0) / share / split, moved)
                 add_cost(objective, column, backward * compute)
                 for inner in signature.inner_all_reduces:
+                    if not inner.made(operands[name][0] in requires_grad):
+                        continue
                     first, placement = bound.tensors[operands[name][0]], signature.operands[0]
                     local = layout(value[operands[name][0]], placement).local_shape(first.shape, mesh)
                     add_cost(objective, column, machine.collective_seconds(
