@@ -335,9 +335,11 @@ class _Lowerer:
     # -- pass 1: who needs what ----------------------------------------------------------------------
 
     def plan_uses(self) -> None:
+        source: dict[str, str] = {}  # conversion variable → the name it converts
         for node in self.typed.nodes.values():
             for slot, (operand, needed) in enumerate(zip(node.operands, node.operand_layouts)):
                 var = self._conversion_target(operand, needed)
+                source[var] = operand
                 partial = frozenset(
                     a for a in range(self.mesh.ndim)
                     if needed.placements[a] == B and node.op_layout.placements[a] != B
@@ -361,6 +363,23 @@ class _Lowerer:
                     self.reduce_scatter_backward.add((var, a))
             for use in uses:
                 use.partial_axes = frozenset(a for a in use.partial_axes if (var, a) not in self.reduce_scatter_backward)
+
+        # A parameter gathered for use on one axis, whose gradient is reduce-scattered there in a bucket, and
+        # read by computation split over further axes (a 2.5-D weight replicated over depth): the same
+        # bucket all-reduces the reduce-scattered gradient over those axes, a shard's bytes, instead of an
+        # all-reduce of the gathered gradient of its own.
+        self.partial_in_bucket: dict[str, frozenset[int]] = {}
+        for var, uses in self.uses.items():
+            steps = self.conversion_steps.get(var, [])
+            name = source.get(var)
+            if name is None or not self._is_parameter(name) or len(steps) != 1 or steps[0].kind != "all_gather" \
+                    or (var, steps[0].axis) not in self.reduce_scatter_backward:
+                continue
+            partial = {use.partial_axes for use in uses}
+            if len(partial) == 1 and next(iter(partial)):
+                self.partial_in_bucket[var] = next(iter(partial))
+                for use in uses:
+                    use.partial_axes = frozenset()
 
     def plan_fused_linears(self) -> None:
         """Linears that read one value through Megatron's f (B, gradient all-reduced) or through SP's g (just
@@ -522,9 +541,12 @@ class _Lowerer:
         what = f"all-gathered in @@group{index}@@ (forward, prefetched)"
         args: tuple = (Var(self.var[name]), Slot("gather", index))
         if (var, step.axis) in self.reduce_scatter_backward and name in self.typed.requires_grad:
-            sync = self._sync("reduce_scatter", (axis,), name, step.src_dim, step.src_blocks, whole)
+            further = tuple(self.mesh.axis_names[a] for a in sorted(self.partial_in_bucket.get(var, ()))
+                            if self.mesh.axis_sizes[a] > 1)
+            sync = self._sync("reduce_scatter", (axis, *further), name, step.src_dim, step.src_blocks, whole)
             args += (Slot("sync", sync),)
-            what += f"; its gradient reduce-scattered in @@bucket{sync}@@ (backward)"
+            also = f", then all-reduced over {', '.join(further)}," if further else ""
+            what += f"; its gradient reduce-scattered{also} in @@bucket{sync}@@ (backward)"
         self.emit(var, Instruction("param_gather", "sync.all_gather", args), f"{arrow}: {what} — {reason}",
                   layouts=(step.target,))
 
@@ -581,8 +603,13 @@ class _Lowerer:
             first = self.syncs[indices[0]]
             sizes_by_axis = {a: self.mesh.axis_sizes[self.mesh.axis_index(a)] for a in first.axes}
             what = f"gradients of {len(indices)} parameter{'s' if len(indices) != 1 else ''}, bucket {bucket}"
-            collectives = tuple(Collective(first.kind, a, "backward", collective_bytes(first.kind, sizes[bucket], n),
-                                           f"bucket {bucket}", what) for a, n in sizes_by_axis.items())
+            # the first axis's collective, then all-reduces over the further axes of what it left
+            left = sizes[bucket] // next(iter(sizes_by_axis.values())) if first.kind == "reduce_scatter" else sizes[bucket]
+            collectives = tuple(
+                Collective(first.kind, a, "backward", collective_bytes(first.kind, sizes[bucket], n), f"bucket {bucket}", what)
+                if i == 0 else
+                Collective("all_reduce", a, "backward", collective_bytes("all_reduce", left, n), f"bucket {bucket}", what)
+                for i, (a, n) in enumerate(sizes_by_axis.items()))
             buckets.append(GradientBucket(first.kind, first.axes,
                                           tuple((self.syncs[i].attr, self.syncs[i].dim, self.syncs[i].blocks)
                                                 for i in indices), sizes[bucket], collectives))

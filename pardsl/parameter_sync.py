@@ -7,7 +7,8 @@ never outlives a step, and a copy of the module shares none:
 
 - **gradients** (DDP's reducer, FSDP's reduce-scatter): each parameter's partial gradient is handed to
   its bucket as backward produces it; when a bucket's last gradient arrives, the bucket's one collective
-  (an all-reduce, or a reduce-scatter back to the shards) is issued asynchronously and backward goes on.
+  (an all-reduce, or a reduce-scatter back to the shards) is issued asynchronously and backward goes on;
+  a gradient partial over further axes as well is all-reduced over them once that has finished.
   At the end of backward (a callback queued on autograd's engine) every bucket is waited on and its
   results added to the parameters' `.grad`. Each backward's contribution is reduced on its own and added,
   so accumulating gradients over several backwards before a step stays exact. A pipeline stage
@@ -139,7 +140,7 @@ class ParameterSync:
             work = dist.all_reduce(flat, group=self.rt.groups[axis], async_op=True)
             self._launched.append((bucket, work, flat, [(m, grads[m].shape) for m in order]))
             return
-        (axis,) = axes
+        axis = axes[0]  # the further axes are all-reduced once it has finished (_finish)
         n = self.rt.size[axis]
         rows = []
         for m in order:
