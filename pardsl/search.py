@@ -199,7 +199,8 @@ def blocks_wanted(specs, nodes: list[str], operands) -> dict[str, dict[str, set[
 
 
 def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
-           optimizer: str = "adamw") -> TypedGraph:
+           optimizer: str = "adamw", order: tuple[int, ...] | None = None) -> TypedGraph:
+    """`order`: the mesh axes in the order they are decided (default: the mesh's)."""
     specs, graph_nodes, placeholders, operands, requires_grad = prepare(bound)
     mesh = bound.mesh
     flops = global_flops(bound)
@@ -216,39 +217,41 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         if name:
             outputs_of.setdefault(name, []).append(index)
 
-    value: dict[str, list[Placement]] = {name: [] for name in placeholders + nodes}
-    op_out: dict[str, list[Placement]] = {name: [] for name in nodes}
-    needs: dict[str, list[list[Placement]]] = {name: [[] for _ in operands[name]] for name in nodes}
-    candidates: dict[str, list[list[Candidate]]] = {name: [] for name in nodes}
+    # per name, what is decided so far, by mesh axis
+    value: dict[str, dict[int, Placement]] = {name: {} for name in placeholders + nodes}
+    op_out: dict[str, dict[int, Placement]] = {name: {} for name in nodes}
+    needs: dict[str, list[dict[int, Placement]]] = {name: [{} for _ in operands[name]] for name in nodes}
+    candidates: dict[str, dict[int, list[Candidate]]] = {name: {} for name in nodes}
 
     def pinned(name: str, axis: int) -> Placement | None:
         pin = bound.pins.get(name)
         return pin.layout.placements[axis] if pin is not None else None
 
-    for axis in range(mesh.ndim):
+    order = tuple(range(mesh.ndim)) if order is None else order
+    for position, axis in enumerate(order):
         n = mesh.axis_sizes[axis]
-        later = math.prod(mesh.axis_sizes[axis + 1:])
+        later = math.prod(mesh.axis_sizes[a] for a in order[position + 1:])
 
-        def layout(decided: list[Placement], placement: Placement) -> Layout:
-            return Layout(tuple(decided[:axis]) + (placement,) + (B,) * (mesh.ndim - axis - 1))
+        def layout(decided: dict[int, Placement], placement: Placement) -> Layout:
+            return Layout(tuple(placement if a == axis else decided.get(a, B) for a in range(mesh.ndim)))
 
         def local_bytes(name: str, placement: Placement) -> int:
             info = bound.tensors[name]
             return math.prod(layout(value[name], placement).local_shape(info.shape, mesh)) * info.itemsize
 
-        def fits(name: str, placement: Placement, decided: list[Placement] | None = None) -> bool:
+        def fits(name: str, placement: Placement, decided: dict[int, Placement] | None = None) -> bool:
             shape = bound.tensors[name].shape
             return layout(value[name], placement).fits(shape, mesh) and \
                 (decided is None or layout(decided, placement).fits(shape, mesh))
 
         if n == 1:  # nothing moves on a one-rank axis: every layout is the same tensor
             for name in placeholders + nodes:
-                value[name].append(pinned(name, axis) or B)
+                value[name][axis] = pinned(name, axis) or B
             for name in nodes:
                 for slot in range(len(operands[name])):
-                    needs[name][slot].append(B)
-                op_out[name].append(B)
-                candidates[name].append([Candidate(signatures(specs[name])[0], 0, 0, 0, 0, 0, 0, True)])
+                    needs[name][slot][axis] = B
+                op_out[name][axis] = B
+                candidates[name][axis] = [Candidate(signatures(specs[name])[0], 0, 0, 0, 0, 0, 0, True)]
             continue
 
         free = {name for name in placeholders if pinned(name, axis) is None and
@@ -290,10 +293,10 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             info = bound.tensors[name]
             links = tuple(("in", position[o]) if o in position else ("out", bound.tensors[o].shape)
                           for o in operands.get(name, ()))
-            return (info.shape, str(info.dtype), tuple(domain[name]), tuple(value[name]), name in free,
-                    name in requires_grad, tuple(s for _, s in legal.get(name, ())), links,
-                    tuple(tuple(need) for need in needs.get(name, ())), tuple(op_out.get(name, ())),
-                    name in outputs_of)
+            return (info.shape, str(info.dtype), tuple(domain[name]), tuple(sorted(value[name].items())),
+                    name in free, name in requires_grad, tuple(s for _, s in legal.get(name, ())), links,
+                    tuple(tuple(sorted(need.items())) for need in needs.get(name, ())),
+                    tuple(sorted(op_out.get(name, {}).items())), name in outputs_of)
 
         shared = repeated_layers(bound, placeholders + nodes, fingerprint)
 
@@ -400,7 +403,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         slots: dict[str, list[dict[Placement, dict[int, float]]]] = {}  # per op and operand: its signatures' needs
         whole: dict[str, dict[int, float]] = {}  # per op: its signatures whose output is B
         for name in nodes:
-            share = math.prod(mesh.axis_sizes[a] for a, p in enumerate(op_out[name]) if p.kind != "B")
+            share = math.prod(mesh.axis_sizes[a] for a, p in op_out[name].items() if p.kind != "B")
             backward = 3 if name in requires_grad else 1
             by_slot: list[dict[Placement, dict[int, float]]] = [{} for _ in operands[name]]
             whole_output: dict[int, float] = {}  # the signatures whose output is B
@@ -497,19 +500,25 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             return max(range(len(columns)), key=lambda i: solution[columns[i]])
 
         for name in placeholders:
-            value[name].append(domain[name][taken(name)] if name in free else domain[name][0])
+            value[name][axis] = domain[name][taken(name)] if name in free else domain[name][0]
         for name in nodes:
             index = taken(name)
             signature = legal[name][index][1]
             for slot, req in enumerate(signature.operands):
-                needs[name][slot].append(req)
-            op_out[name].append(signature.output)
-            value[name].append(pinned(name, axis) or signature.output)
+                needs[name][slot][axis] = req
+            op_out[name][axis] = signature.output
+            value[name][axis] = pinned(name, axis) or signature.output
         for name in nodes:
-            candidates[name].append(_priced(name, axis, legal[name], legal[name][taken(name)][1], operands[name],
-                                            value, requires_grad, bound, local_bytes, n))
-    return typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad, value, needs, op_out,
-                       candidates)
+            candidates[name][axis] = _priced(name, axis, legal[name], legal[name][taken(name)][1], operands[name],
+                                             value, requires_grad, bound, local_bytes, n)
+    def by_axis(decided: dict[int, object]) -> list:
+        return [decided[a] for a in range(mesh.ndim)]
+
+    return typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad,
+                       {name: by_axis(v) for name, v in value.items()},
+                       {name: [by_axis(need) for need in v] for name, v in needs.items()},
+                       {name: by_axis(v) for name, v in op_out.items()},
+                       {name: by_axis(v) for name, v in candidates.items()})
 
 
 def _priced(name, axis, legal, chosen, operands, value, requires_grad, bound, local_bytes, n) -> list[Candidate]:
