@@ -298,6 +298,7 @@ class InnerAllReduce:
     what: str = ""
     phase: str = "forward"  # or backward: the form's autograd function reduces in its backward
     itemsize: int | None = None  # bytes per value when not operand 0's (statistics reduced in float64)
+    min_itemsize: int = 0  # at least this many (sums of a half-precision operand reduced in float32)
 
     def values(self, local_shape: tuple[int, ...], placement: Placement) -> int:
         """How many values it reduces, for operand 0 of this local shape and placement on the axis."""
@@ -307,7 +308,7 @@ class InnerAllReduce:
         return self.per_row * rows + per_index * local_shape[dim] + self.fixed
 
     def nbytes(self, local_shape: tuple[int, ...], placement: Placement, operand_itemsize: int) -> int:
-        return self.values(local_shape, placement) * (self.itemsize or operand_itemsize)
+        return self.values(local_shape, placement) * max(self.itemsize or operand_itemsize, self.min_itemsize)
 
     def made(self, input_needs_grad: bool) -> bool:
         """A backward reduction is for the input's gradient: none where the input needs none."""
@@ -702,7 +703,8 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
             extra = (Signature((S(dim),) + (S(0),) * (len(shapes) - 1), S(dim), trailing[0], name="features",
                                inner_all_reduces=(
                                    InnerAllReduce(2, what="sum and sum of squares per row", itemsize=8),
-                                   InnerAllReduce(2, what="gradient sums per row", phase="backward"))),)
+                                   InnerAllReduce(2, what="gradient sums per row", phase="backward",
+                                                  min_itemsize=4))),)
 
     elif rule.family == "reshape":
         in_letters, output, unsplittable = _reshape_letters(shapes[0], out_shape)

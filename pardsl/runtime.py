@@ -543,13 +543,15 @@ class _SyncBatchNorm(torch.autograd.Function):
 
 
 class _SplitLayerNorm(torch.autograd.Function):
-    """Layer norm over a last dim split across ranks (Runtime.layer_norm)."""
+    """Layer norm over a last dim split across ranks (Runtime.layer_norm). Half-precision inputs are
+    normalised in float32 and the result cast back, as aten's layer norm accumulates."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, rt, axes):
+        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         count = x.shape[-1] * math.prod(rt.size[a] for a in axes)
-        local_mean = x.mean(-1)
-        centered = (x - local_mean.unsqueeze(-1)).square().sum(-1)
+        local_mean = wide.mean(-1)
+        centered = (wide - local_mean.unsqueeze(-1)).square().sum(-1)
         local_mean = local_mean.double()
         # this rank's sum and sum of squares per row, the latter from its centered one (less cancellation)
         stats = torch.stack([local_mean * x.shape[-1], centered.double() + x.shape[-1] * local_mean.square()])
@@ -557,26 +559,32 @@ class _SplitLayerNorm(torch.autograd.Function):
             stats = rt._all_reduce(stats, axis, "forward")
         mean = stats[0] / count
         variance = (stats[1] / count - mean.square()).clamp_min(0.0)
-        rstd = (variance + eps).rsqrt().to(x.dtype).unsqueeze(-1)
-        xhat = (x - mean.to(x.dtype).unsqueeze(-1)) * rstd
-        y = xhat if weight is None else xhat * weight
+        rstd = (variance + eps).rsqrt().to(wide.dtype).unsqueeze(-1)
+        xhat = (wide - mean.to(wide.dtype).unsqueeze(-1)) * rstd
+        y = xhat if weight is None else xhat * weight.to(wide.dtype)
         if bias is not None:
-            y = y + bias
+            y = y + bias.to(wide.dtype)
         ctx.save_for_backward(xhat, weight, rstd)
         ctx.rt, ctx.axes, ctx.count, ctx.has_bias = rt, axes, count, bias is not None
-        return y
+        ctx.dtypes = (x.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+        return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         xhat, weight, rstd = ctx.saved_tensors
+        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        grad = grad.to(xhat.dtype)
         rows = grad.reshape(-1, grad.shape[-1])
-        grad_weight = (rows * xhat.reshape(rows.shape)).sum(0) if weight is not None and ctx.needs_input_grad[1] else None
-        grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        grad_x = None
+        grad_weight = grad_bias = grad_x = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (rows * xhat.reshape(rows.shape)).sum(0).to(weight_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0).to(bias_dtype)
         if ctx.needs_input_grad[0]:
-            scaled = grad if weight is None else grad * weight
+            scaled = grad if weight is None else grad * weight.to(xhat.dtype)
             sums = torch.stack([scaled.sum(-1), (scaled * xhat).sum(-1)])
             for axis in ctx.axes:
                 sums = ctx.rt._all_reduce(sums, axis, "backward")
             grad_x = (scaled - (sums[0] / ctx.count).unsqueeze(-1) - xhat * (sums[1] / ctx.count).unsqueeze(-1)) * rstd
+            grad_x = grad_x.to(x_dtype)
         return grad_x, grad_weight, grad_bias, None, None, None

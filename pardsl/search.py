@@ -4,9 +4,12 @@ The search runs where the file asks for it: it has a `memory <=` bound, a layout
 at all. Elsewhere inference's greedy pass (inference.infer) completes the written plan, as before.
 
 As in inference, the mesh's axes are decided one after another (nd-SBP as the product of one-axis
-signatures); on each, one integer program (Alpa's formulation) chooses everything at once:
+signatures), in the order given (compile runs every order and keeps the plan the cost model rates
+fastest, the greedy completion included: compiler._searched_or_greedy); on each, one integer program
+(Alpa's formulation) chooses everything at once:
 
-- a binary per op and legal signature, exactly one taken; and per free tensor (a parameter or buffer the
+- a binary per op and legal signature, exactly one taken (a dim some op downstream cuts into m equal
+  parts is also offered split in m blocks: blocks_wanted); and per free tensor (a parameter or buffer the
   file leaves out, an input written `?`) per placement a consumer can use, exactly one taken. A written
   layout always stands;
 - converting a value from its placement to what a consumer's signature needs costs the catalogue's
@@ -228,9 +231,9 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         return pin.layout.placements[axis] if pin is not None else None
 
     order = tuple(range(mesh.ndim)) if order is None else order
-    for position, axis in enumerate(order):
+    for step, axis in enumerate(order):
         n = mesh.axis_sizes[axis]
-        later = math.prod(mesh.axis_sizes[a] for a in order[position + 1:])
+        later = math.prod(mesh.axis_sizes[a] for a in order[step + 1:])
 
         def layout(decided: dict[int, Placement], placement: Placement) -> Layout:
             return Layout(tuple(placement if a == axis else decided.get(a, B) for a in range(mesh.ndim)))

@@ -227,6 +227,18 @@ def test_distributed_layer_norm_keeps_a_split_hidden_dim_split_and_equals_serial
     check(pools, compiled)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_distributed_layer_norm_after_a_column_parallel_linear_equals_serial(pools, compile_par, dtype):
+    """The norm's input needs a gradient, so its backward all-reduce runs too; bfloat16 is normalised
+    in float32 and its two sums reduced in float32, as planned."""
+    compiled = compile_par(f'mesh tp = 2\nmodel tests.zoo:ProjectedNorm(width=64, dtype="{dtype}")\n'
+                           f"input x : {dtype}[8, 64]\nlayout {{\n  proj.weight : S(0)\n  proj.bias : S(0)\n"
+                           "  norm.weight : S(0)\n  norm.bias : S(0)\n  output : S(1)\n}\n")
+    forms = sorted((c.phase, c.bytes) for c in compiled.program.collectives if "per row" in c.reason)
+    assert forms == [("backward", 2 * 8 * 4), ("forward", 2 * 8 * 8)]  # float32 sums, float64 statistics
+    check(pools, compiled)
+
+
 def test_distributed_layer_norm_without_weights_equals_serial(pools, compile_par):
     compiled = compile_par("mesh tp = 2\nmodel torch.nn:LayerNorm(normalized_shape=256, elementwise_affine=False)\n"
                            "input input : float32[4, 2, 256]\nlayout {\n  input : S(2)\n  output : S(2)\n}\n")

@@ -261,3 +261,15 @@ class Overflowing(nn.Module):
 
     def forward(self, x):
         return self.lin(x) * 1e38 * 1e38
+
+
+class ProjectedNorm(nn.Module):
+    """A linear, then a layer norm of its output, in any dtype: the norm's input needs a gradient."""
+
+    def __init__(self, width: int = 64, dtype: str = "float32", affine: bool = True):
+        super().__init__()
+        self.proj = nn.Linear(width, width, dtype=getattr(torch, dtype))
+        self.norm = nn.LayerNorm(width, elementwise_affine=affine, dtype=getattr(torch, dtype))
+
+    def forward(self, x):
+        return self.norm(self.proj(x))
