@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pardsl.compiler import compile_file, compile_text  # noqa: E402
+from pardsl.compiler import compile_text  # noqa: E402
 from pardsl.cost import DEFAULTS, estimate, load_machine  # noqa: E402
 
 LLAMA = """mesh   dp = 2, tp = 4
@@ -41,6 +41,15 @@ def counts(compiled) -> str:
         text = ", ".join(f"{n} {k.replace('_', '-')}" for k, n in kinds.items() if n) or "none"
         result.append(f"{phase} {text}")
     return "; ".join(result)
+
+
+def rediscovery(text: str, name: str, machine):
+    """The example's plan beside the search's for its mesh, model and inputs alone under `memory <= 60 %`:
+    (searched, Megatron's, and each one's estimate)."""
+    header = [line for line in text.splitlines(True) if line.split(" ", 1)[0] in ("mesh", "model", "input")]
+    searched = compile_text("".join(header) + "memory <= 60 %\n", f"<{name}>", machine=machine)
+    megatron = compile_text(text, f"<{name}, Megatron>", machine=machine)
+    return searched, megatron, estimate(searched, machine), estimate(megatron, machine)
 
 
 def main() -> None:
@@ -62,11 +71,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for model in ("llama", "gpt2", "bert"):
         for tp in (2, 4):
-            path = f"examples/hf_{model}_tp{tp}.par"
-            header = [line for line in open(path) if line.split(" ", 1)[0] in ("mesh", "model", "input")]
-            searched = compile_text("".join(header) + "memory <= 60 %\n", f"<{model} tp {tp}>", machine=machine)
-            megatron = compile_file(path)
-            mine, theirs = estimate(searched, machine), estimate(megatron, machine)
+            text = open(f"examples/hf_{model}_tp{tp}.par").read()
+            searched, megatron, mine, theirs = rediscovery(text, f"{model} tp {tp}", machine)
             print(f"| {model} | {tp} | {mine.step_s * 1e3:.2f} | {mine.memory['total'] / 1024:.0f} / "
                   f"{searched.memory_bound / 1024:.0f} KiB | {counts(searched)} | {theirs.step_s * 1e3:.2f} | "
                   f"{theirs.memory['total'] / 1024:.0f} KiB | {counts(megatron)} |")
@@ -81,10 +87,7 @@ def main() -> None:
             text = re.sub(r"\(layers=2", "(layers=2, hidden=512, vocab=1024, positions=128" +
                           (", ffn=1024" if model != "gpt2" else ""), open(path).read())
             text = text.replace("[2, 16]", "[2, 64]").replace("[0, 256)", "[0, 1024)")
-            header = [line for line in text.splitlines(True) if line.split(" ", 1)[0] in ("mesh", "model", "input")]
-            searched = compile_text("".join(header) + "memory <= 60 %\n", f"<{model} tp {tp}>", machine=machine)
-            megatron = compile_text(text, f"<{model} tp {tp}, Megatron>", machine=machine)
-            mine, theirs = estimate(searched, machine), estimate(megatron, machine)
+            searched, megatron, mine, theirs = rediscovery(text, f"{model} tp {tp}", machine)
             print(f"| {model} | {tp} | {mine.step_s * 1e3:.1f} | {sum(searched.program.collective_bytes().values()) / 2**20:.2f} MiB"
                   f" | {mine.memory['total'] / 2**20:.1f} / {searched.memory_bound / 2**20:.1f} MiB | "
                   f"{theirs.step_s * 1e3:.1f} | {sum(megatron.program.collective_bytes().values()) / 2**20:.2f} MiB | "

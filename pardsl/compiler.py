@@ -58,7 +58,7 @@ def compile_par(par: ParFile, bucket_mb: float = DEFAULT_BUCKET_MB, machine=None
         typed = _timed(seconds, "infer", lambda: infer(bound))
         program = _timed(seconds, "lower", lambda: lower(typed, bucket_mb))
     source = _timed(seconds, "codegen", lambda: render(program))
-    return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(par, program))
+    return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
 
 
 def _timed(seconds: dict, stage: str, work):
@@ -71,7 +71,6 @@ def _timed(seconds: dict, stage: str, work):
 class _Candidate(NamedTuple):
     """A completed plan, as the cost model reads it."""
 
-    bound: BoundPlan
     typed: TypedGraph
     program: LoweredProgram
 
@@ -86,7 +85,7 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
     seconds["search"] = seconds["lower"] = 0.0
 
     def rated(typed: TypedGraph, program: LoweredProgram):
-        plan = estimate(_Candidate(bound, typed, program), machine)
+        plan = estimate(_Candidate(typed, program), machine)
         return (limit is not None and plan.memory["total"] > limit, plan.step_s)
 
     sized = [a for a in range(bound.mesh.ndim) if bound.mesh.axis_sizes[a] > 1]
@@ -141,13 +140,14 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
     return Compiled(par, bound, typed, program, source, seconds, None, plan, tuple(stages))
 
 
-def _check_memory_bound(par: ParFile, program: LoweredProgram) -> int | None:
-    """The bound in bytes per rank; a plan that needs more is note N003 at the `memory` line."""
-    written = par.memory_bound
-    if written is None:
+def _check_memory_bound(bound: BoundPlan, program: LoweredProgram) -> int | None:
+    """The bound in bytes per rank (the one the search met); a plan that needs more is note N003 at the
+    `memory` line."""
+    limit = memory_limit(bound)
+    if limit is None:
         return None
+    written = bound.par.memory_bound
     memory = memory_per_rank(program)
-    limit = written.bytes(memory["serial_total"])
     if memory["total"] > limit:
         program.notes.append(Diagnostic(
             "N003", f"the plan needs {format_bytes(memory['total'])} per rank, more than the bound of "
@@ -170,8 +170,6 @@ def compile_text(text: str, path: str = "<string>", bucket_mb: float = DEFAULT_B
 def plan_json(compiled: Compiled, machine=None) -> dict:
     """What compile writes beside the module. `machine`: the cost model's figures for the estimate
     (default: the calibration file for this machine's backend, else the backend's defaults)."""
-    from .cost import estimate
-
     machine = machine or default_machine()
     program = compiled.program
     mesh = program.mesh

@@ -229,6 +229,12 @@ def repeated_layer(path: str | None) -> str:
     return next((".".join(segments[:i + 1]) for i, part in enumerate(segments) if part.isdigit()), "")
 
 
+def parameter_unit(path: str) -> str:
+    """The repeated block a parameter (`model.layers.3.mlp.up.weight`) belongs to, else "": FSDP's unit
+    its gather is grouped by."""
+    return repeated_layer(path.rpartition(".")[0])
+
+
 def layer_of(path: str | None) -> str:
     """The repeated block a module path is in (`model.layers.3`), else the module itself, else ""."""
     return repeated_layer(path) or path or ""
@@ -268,7 +274,7 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
     """The plan's step time and memory per rank on `machine`. `optimizer`: the state it keeps per
     parameter (Adam's two moments; SGD without momentum none)."""
     typed, program, mesh = compiled.typed, compiled.program, compiled.program.mesh
-    bound = compiled.bound
+    bound = typed.bound
     slow = machine.slowdown(mesh.size)
     ops = op_costs(typed, machine, slow)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cost import parameter_unit
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
 from .layouts import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
@@ -335,11 +336,9 @@ class _Lowerer:
     # -- pass 1: who needs what ----------------------------------------------------------------------
 
     def plan_uses(self) -> None:
-        source: dict[str, str] = {}  # conversion variable → the name it converts
         for node in self.typed.nodes.values():
             for slot, (operand, needed) in enumerate(zip(node.operands, node.operand_layouts)):
                 var = self._conversion_target(operand, needed)
-                source[var] = operand
                 partial = frozenset(
                     a for a in range(self.mesh.ndim)
                     if needed.placements[a] == B and node.op_layout.placements[a] != B
@@ -369,6 +368,7 @@ class _Lowerer:
         # bucket all-reduces the reduce-scattered gradient over those axes, a shard's bytes, instead of an
         # all-reduce of the gathered gradient of its own.
         self.partial_in_bucket: dict[str, frozenset[int]] = {}
+        source = {var: name for (name, _), var in self.conversion_var.items()}
         for var, uses in self.uses.items():
             steps = self.conversion_steps.get(var, [])
             name = source.get(var)
@@ -533,8 +533,7 @@ class _Lowerer:
         index = len(self.gathers)
         info = self.typed.info(name)
         whole = math.prod(step.target.local_shape(info.shape, self.mesh)) * info.itemsize
-        segments = self.bound.parameters[name].split(".")
-        unit = next((".".join(segments[:i + 1]) for i, part in enumerate(segments[:-1]) if part.isdigit()), "")
+        unit = parameter_unit(self.bound.parameters[name])
         self.gathers.append(ParameterGather(self.var[name].removeprefix("self."), axis, step.src_dim, step.src_blocks,
                                             unit, str(info.dtype), whole))
         arrow = f"{step.source.placements[step.axis]}→B@{axis}"
@@ -604,12 +603,12 @@ class _Lowerer:
             sizes_by_axis = {a: self.mesh.axis_sizes[self.mesh.axis_index(a)] for a in first.axes}
             what = f"gradients of {len(indices)} parameter{'s' if len(indices) != 1 else ''}, bucket {bucket}"
             # the first axis's collective, then all-reduces over the further axes of what it left
-            left = sizes[bucket] // next(iter(sizes_by_axis.values())) if first.kind == "reduce_scatter" else sizes[bucket]
-            collectives = tuple(
-                Collective(first.kind, a, "backward", collective_bytes(first.kind, sizes[bucket], n), f"bucket {bucket}", what)
-                if i == 0 else
-                Collective("all_reduce", a, "backward", collective_bytes("all_reduce", left, n), f"bucket {bucket}", what)
-                for i, (a, n) in enumerate(sizes_by_axis.items()))
+            (axis, n), *further = sizes_by_axis.items()
+            left = sizes[bucket] // n if first.kind == "reduce_scatter" else sizes[bucket]
+            collectives = (Collective(first.kind, axis, "backward", collective_bytes(first.kind, sizes[bucket], n),
+                                      f"bucket {bucket}", what),) + tuple(
+                Collective("all_reduce", a, "backward", collective_bytes("all_reduce", left, m), f"bucket {bucket}", what)
+                for a, m in further)
             buckets.append(GradientBucket(first.kind, first.axes,
                                           tuple((self.syncs[i].attr, self.syncs[i].dim, self.syncs[i].blocks)
                                                 for i in indices), sizes[bucket], collectives))

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .binding import BoundPlan
-from .cost import OPTIMIZER_STATES, Machine, global_flops, layer_of, repeated_layer, serial_bytes
+from .cost import OPTIMIZER_STATES, Machine, global_flops, layer_of, parameter_unit, repeated_layer, serial_bytes
 from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
 from .layouts import B, P, Layout, Placement, collective_bytes
 from .oprules import signatures
@@ -173,9 +173,8 @@ def _gather_units(bound: BoundPlan, nodes: list[str], operands) -> dict[str, str
             first_use.setdefault(o, index)
     units = {}
     for name, path in bound.parameters.items():
-        layer = repeated_layer(path)
         before = first_layer is None or first_use.get(name, 0) < first_layer
-        units[name] = layer or ("outside, before the layers" if before else "outside, after the layers")
+        units[name] = parameter_unit(path) or ("outside, before the layers" if before else "outside, after the layers")
     return units
 
 
@@ -514,6 +513,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         for name in nodes:
             candidates[name][axis] = _priced(name, axis, legal[name], legal[name][taken(name)][1], operands[name],
                                              value, requires_grad, bound, local_bytes, n)
+
     def by_axis(decided: dict[int, object]) -> list:
         return [decided[a] for a in range(mesh.ndim)]
 

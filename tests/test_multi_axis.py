@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pardsl.compiler import compile_file
-from pardsl.layouts import CONVERSION_OF_KIND, B, P, S, Layout, Mesh, plan_conversion
+from pardsl.layouts import CONVERSION_OF_KIND, B, P, S, Layout, Mesh, collective_bytes, plan_conversion
 
 from .test_distributed import check
 
@@ -295,8 +295,6 @@ def test_a_weight_gathered_for_use_and_replicated_over_depth_is_synchronised_in_
     depth d that splits the batch. Its gradient is reduce-scattered over r and the shard all-reduced over
     d by one bucket (equal to serial in test_tensor_parallel_schemes_of_the_literature_equal_serial),
     not all-reduced whole over d on its own."""
-    from pardsl.layouts import collective_bytes
-
     compiled = compile_file("examples/tp_schemes/mlp_2p5d.par")
     [bucket] = [b for b in compiled.program.buckets if b.kind == "reduce_scatter"]
     assert bucket.axes == ("r", "d") and [m[0] for m in bucket.members] == ["fc2_weight", "fc1_weight"]
