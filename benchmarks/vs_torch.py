@@ -8,13 +8,16 @@ Hugging Face's LlamaForCausalLM (examples/hf_models.py), 4 layers, trained on it
 | ZeRO-3 | batch `S(0)`, every weight `S(0)` | FSDP2: `fully_shard` per layer, then the root |
 | Megatron TP | q/k/v, gate, up `S(0)`; o, down `S(1)` | DTensor `parallelize_module`, Colwise/Rowwise |
 
-Two gloo ranks, one thread each (serial: one thread). Per plan, both parallel versions are checked
+Two gloo ranks, one thread each (serial: one thread). With `--device cuda` every rank's model and
+tensors are CUDA ones on GPU `local rank % GPUs`, over NCCL where each rank has a GPU of its own and
+over gloo where ranks share one (NCCL refuses two ranks on one GPU). Per plan, both parallel versions are checked
 against the serial model first (loss and every gradient), then each is timed: forward, backward and the
 gradients made ready (median of `--steps` after warm-up). pardsl's collectives per step come from its
 runtime counter, PyTorch's from `CommDebugMode` where it sees them (DTensor's; DDP and FSDP2 call
 collectives outside it).
 
     python benchmarks/vs_torch.py [--steps 10] [--plans dp,zero3,tp] [--profile] [--bucket-mb 25]
+                                  [--device cpu|cuda] [--backend gloo|nccl]
 
 `--profile` adds, per plan, where each step spends its time (torch.profiler, top ops by self time).
 """
@@ -47,8 +50,8 @@ LAYER_WEIGHTS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "se
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
 
-def par_text(plan: str, kwargs: dict, batch: int, seq: int) -> str:
-    lines = [f"mesh {'tp' if plan == 'tp' else 'dp'} = 2",
+def par_text(plan: str, kwargs: dict, batch: int, seq: int, ranks: int = 2) -> str:
+    lines = [f"mesh {'tp' if plan == 'tp' else 'dp'} = {ranks}",
              f"model examples.hf_models:llama_causal_lm({', '.join(f'{k}={v}' for k, v in kwargs.items())})",
              f"input input_ids : int64[{batch}, {seq}] in [0, {kwargs.get('vocab', 256)})",
              f"input labels : int64[{batch}, {seq}] in [0, {kwargs.get('vocab', 256)})",
@@ -67,7 +70,21 @@ def par_text(plan: str, kwargs: dict, batch: int, seq: int) -> str:
 
 
 def _full(grad: torch.Tensor) -> torch.Tensor:
-    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+    """A DTensor gradient (FSDP2's, DTensor's) made whole with plain c10d collectives: torch 2.11's
+    `full_tensor()` (functional collectives) crashes on gloo with CUDA tensors."""
+    if not hasattr(grad, "placements"):
+        return grad
+    (placement,), local = grad.placements, grad.to_local()
+    if placement.is_replicate():
+        return local
+    if placement.is_partial():
+        whole = local.clone()
+        dist.all_reduce(whole)
+        return whole
+    moved = local.movedim(placement.dim, 0).contiguous()
+    out = moved.new_empty((dist.get_world_size() * moved.shape[0], *moved.shape[1:]))
+    dist.all_gather_into_tensor(out, moved)
+    return out.movedim(0, placement.dim)
 
 
 def rank_main(job: dict) -> dict:
@@ -82,13 +99,18 @@ def rank_main(job: dict) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(job["backend"], timeout=datetime.timedelta(seconds=300))
     plan_name, kwargs, batch, seq = job["plan"], job["kwargs"], job["batch"], job["seq"]
     os.chdir(ROOT)
+    device = torch.device("cpu")
+    if job["device"] == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
 
     torch.manual_seed(0)
-    serial = llama_causal_lm(**kwargs)
-    ids = torch.randint(0, kwargs.get("vocab", 256), (batch, seq), generator=torch.Generator().manual_seed(1))
+    serial = llama_causal_lm(**kwargs).to(device)
+    ids = torch.randint(0, kwargs.get("vocab", 256), (batch, seq),
+                        generator=torch.Generator().manual_seed(1)).to(device)
     expected_loss = serial(input_ids=ids, labels=ids).loss
     expected_loss.backward()
     expected_grads = {name: p.grad.clone() for name, p in serial.named_parameters()}
@@ -98,8 +120,8 @@ def rank_main(job: dict) -> dict:
     # pardsl, through the public API
     plan = pardsl.load(job["par_path"], bucket_mb=job["bucket_mb"])
     torch.manual_seed(0)
-    model = plan.module()
-    local = plan.shard_inputs(input_ids=ids, labels=ids)
+    model = plan.module(device=device)
+    local = plan.shard_inputs(input_ids=ids, labels=ids, device=device)
     rt = model.rt
     loss = model(**local).loss
     loss.backward()
@@ -114,14 +136,16 @@ def rank_main(job: dict) -> dict:
     model.zero_grad(set_to_none=True)
 
     # PyTorch's tool
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp" if plan_name != "tp" else "tp",))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),),
+                            mesh_dim_names=("dp" if plan_name != "tp" else "tp",))
     torch_model = copy.deepcopy(serial)
-    half = slice(rank * batch // 2, (rank + 1) * batch // 2)
+    world = dist.get_world_size()
+    half = slice(rank * batch // world, (rank + 1) * batch // world)
     torch_ids = ids if plan_name == "tp" else ids[half]
     if plan_name == "dp":
         from torch.nn.parallel import DistributedDataParallel
 
-        torch_model = DistributedDataParallel(torch_model)
+        torch_model = DistributedDataParallel(torch_model, device_ids=[device] if device.type == "cuda" else None)
     elif plan_name == "zero3":
         from torch.distributed.fsdp import fully_shard
 
@@ -145,7 +169,7 @@ def rank_main(job: dict) -> dict:
     global_loss = loss.detach().clone()
     if plan_name != "tp":
         dist.all_reduce(global_loss)
-        global_loss /= 2
+        global_loss /= world
     errors["torch"] = abs(global_loss.item() - expected_loss.item())
     named = dict(torch_model.module.named_parameters() if plan_name == "dp" else torch_model.named_parameters())
     for name, want in expected_grads.items():
@@ -170,28 +194,32 @@ def rank_main(job: dict) -> dict:
         serial.zero_grad(set_to_none=True)
 
     result = {
-        "pardsl_ms": median_step_ms(pardsl_step, job["steps"]),
-        "torch_ms": median_step_ms(torch_step, job["steps"]),
-        "serial_ms": median_step_ms(serial_step, job["steps"]) if plan_name == "tp" else None,
+        "pardsl_ms": median_step_ms(pardsl_step, job["steps"], device=device),
+        "torch_ms": median_step_ms(torch_step, job["steps"], device=device),
+        "serial_ms": median_step_ms(serial_step, job["steps"], device=device) if plan_name == "tp" else None,
         "pardsl_counts": pardsl_counts,
         "torch_counts": torch_counts,
         "errors": errors,
         "profile": None,
     }
     if job["profile"]:  # every rank profiles (collectives need both); rank 0's tables are returned
-        tables = {"pardsl": _profile(pardsl_step), "PyTorch": _profile(torch_step)}
+        tables = {"pardsl": _profile(pardsl_step, device), "PyTorch": _profile(torch_step, device)}
         result["profile"] = tables if rank == 0 else None
     dist.destroy_process_group()
     return result
 
 
-def _profile(step) -> str:
+def _profile(step, device: torch.device) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    on_gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
         for _ in range(3):
             step()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+        if on_gpu:
+            torch.cuda.synchronize(device)
+    return prof.key_averages().table(sort_by="self_cuda_time_total" if on_gpu else "self_cpu_time_total",
+                                     row_limit=12)
 
 
 def _counts(counts: dict) -> str:
@@ -210,7 +238,13 @@ def main() -> None:
     parser.add_argument("--plans", default="dp,zero3,tp")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="pardsl's gradient bucket size (DDP's: 25)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                        help="default: nccl with a GPU for each rank, else gloo")
+    parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
+    if args.backend is None:
+        args.backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= args.nproc else "gloo"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows, notes = [], []
     with tempfile.TemporaryDirectory() as folder:
@@ -218,11 +252,11 @@ def main() -> None:
             kwargs, batch, seq, tool = PLANS[plan_name]
             par_path = os.path.join(folder, f"{plan_name}.par")
             with open(par_path, "w") as handle:
-                handle.write(par_text(plan_name, kwargs, batch, seq))
+                handle.write(par_text(plan_name, kwargs, batch, seq, args.nproc))
             job = {"plan": plan_name, "kwargs": kwargs, "batch": batch, "seq": seq, "steps": args.steps,
-                   "par_path": par_path, "profile": args.profile,
-                   "bucket_mb": args.bucket_mb}
-            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=f"vs-torch-{plan_name}",
+                   "par_path": par_path, "profile": args.profile, "bucket_mb": args.bucket_mb,
+                   "device": args.device, "backend": args.backend}
+            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"vs-torch-{plan_name}",
                                   rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                                   monitor_interval=0.1, start_method="spawn")
             result = elastic_launch(config, rank_main)(job)[0]
@@ -236,6 +270,8 @@ def main() -> None:
                          + (f"; {tool} (CommDebugMode) {result['torch_counts']}" if result["torch_counts"] else ""))
             for who, table in (result["profile"] or {}).items():
                 notes.append(f"\n{who}'s step, {TITLES[plan_name]}, rank 0, 3 steps:\n```\n{table}```")
+    print(f"{args.nproc} ranks, {args.backend}, {args.device} tensors"
+          + (f" ({torch.cuda.get_device_name(0)})" if args.device == "cuda" else "") + f", torch {torch.__version__}")
     print("| plan | pardsl | PyTorch | serial | pardsl / PyTorch | pardsl / serial |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
