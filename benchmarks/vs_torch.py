@@ -1,22 +1,23 @@
 """pardsl against PyTorch's own tools, one model, one run (issue 9).
 
-Hugging Face's LlamaForCausalLM (examples/hf_models.py), 4 layers, trained on its own loss, three plans:
+Hugging Face's LlamaForCausalLM (examples/hf_models.py), 4 layers, trained on its own loss, four plans:
 
 | plan | pardsl (.par file, through `pardsl.load`) | PyTorch |
 |---|---|---|
 | data parallel | batch `S(0)`, weights left to inference (B) | `DistributedDataParallel` (25 MiB buckets) |
 | ZeRO-3 | batch `S(0)`, every weight `S(0)` | FSDP2: `fully_shard` per layer, then the root |
 | Megatron TP | q/k/v, gate, up `S(0)`; o, down `S(1)` | DTensor `parallelize_module`, Colwise/Rowwise |
+| searched | `mesh tp = 2` and `memory <= 60 %`, no layout: the search's plan | DTensor, Megatron's plan |
 
 Two gloo ranks, one thread each (serial: one thread). With `--device cuda` every rank's model and
 tensors are CUDA ones on GPU `local rank % GPUs`, over NCCL where each rank has a GPU of its own and
-over gloo where ranks share one (NCCL refuses two ranks on one GPU). Per plan, both parallel versions are checked
-against the serial model first (loss and every gradient), then each is timed: forward, backward and the
+over gloo where ranks share one (NCCL refuses two ranks on one GPU). Per plan, both parallel versions
+are checked against the serial model first (loss and every gradient), then each is timed: forward, backward and the
 gradients made ready (median of `--steps` after warm-up). pardsl's collectives per step come from its
 runtime counter, PyTorch's from `CommDebugMode` where it sees them (DTensor's; DDP and FSDP2 call
 collectives outside it).
 
-    python benchmarks/vs_torch.py [--steps 10] [--plans dp,zero3,tp] [--profile] [--bucket-mb 25]
+    python benchmarks/vs_torch.py [--steps 10] [--plans dp,zero3,tp,searched] [--profile] [--bucket-mb 25]
                                   [--device cpu|cuda] [--backend gloo|nccl]
 
 `--profile` adds, per plan, where each step spends its time (torch.profiler, top ops by self time).
@@ -43,19 +44,23 @@ PLANS = {
     "dp": (dict(layers=4, hidden=256), 8, 64, "DDP"),
     "zero3": (dict(layers=4, hidden=256), 8, 64, "FSDP2"),
     "tp": (dict(layers=4, hidden=512), 4, 64, "DTensor"),
+    "searched": (dict(layers=4, hidden=512), 4, 64, "DTensor"),
 }
-TITLES = {"dp": "data parallel", "zero3": "ZeRO-3", "tp": "Megatron TP"}
+TITLES = {"dp": "data parallel", "zero3": "ZeRO-3", "tp": "Megatron TP", "searched": "searched, memory <= 60 %"}
+TENSOR_PARALLEL = ("tp", "searched")  # PyTorch's side of both is Megatron's plan in DTensor
 
 LAYER_WEIGHTS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
 
 def par_text(plan: str, kwargs: dict, batch: int, seq: int, ranks: int = 2) -> str:
-    lines = [f"mesh {'tp' if plan == 'tp' else 'dp'} = {ranks}",
+    lines = [f"mesh {'tp' if plan in TENSOR_PARALLEL else 'dp'} = {ranks}",
              f"model examples.hf_models:llama_causal_lm({', '.join(f'{k}={v}' for k, v in kwargs.items())})",
              f"input input_ids : int64[{batch}, {seq}] in [0, {kwargs.get('vocab', 256)})",
-             f"input labels : int64[{batch}, {seq}] in [0, {kwargs.get('vocab', 256)})",
-             "layout {"]
+             f"input labels : int64[{batch}, {seq}] in [0, {kwargs.get('vocab', 256)})"]
+    if plan == "searched":  # the mesh, the model and a memory bound: the layouts are the search's
+        return "\n".join(lines + ["memory <= 60 %", ""])
+    lines.append("layout {")
     if plan in ("dp", "zero3"):
         lines += ["    input_ids : S(0)", "    labels : S(0)"]
     if plan == "zero3":
@@ -101,6 +106,7 @@ def rank_main(job: dict) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group(job["backend"], timeout=datetime.timedelta(seconds=300))
     plan_name, kwargs, batch, seq = job["plan"], job["kwargs"], job["batch"], job["seq"]
+    tensor_parallel = plan_name in TENSOR_PARALLEL
     os.chdir(ROOT)
     device = torch.device("cpu")
     if job["device"] == "cuda":
@@ -137,11 +143,11 @@ def rank_main(job: dict) -> dict:
 
     # PyTorch's tool
     mesh = init_device_mesh(device.type, (dist.get_world_size(),),
-                            mesh_dim_names=("dp" if plan_name != "tp" else "tp",))
+                            mesh_dim_names=("tp" if tensor_parallel else "dp",))
     torch_model = copy.deepcopy(serial)
     world = dist.get_world_size()
     half = slice(rank * batch // world, (rank + 1) * batch // world)
-    torch_ids = ids if plan_name == "tp" else ids[half]
+    torch_ids = ids if tensor_parallel else ids[half]
     if plan_name == "dp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -167,7 +173,7 @@ def rank_main(job: dict) -> dict:
     loss = torch_loss()
     loss.backward()
     global_loss = loss.detach().clone()
-    if plan_name != "tp":
+    if not tensor_parallel:
         dist.all_reduce(global_loss)
         global_loss /= world
     errors["torch"] = abs(global_loss.item() - expected_loss.item())
@@ -196,7 +202,7 @@ def rank_main(job: dict) -> dict:
     result = {
         "pardsl_ms": median_step_ms(pardsl_step, job["steps"], device=device),
         "torch_ms": median_step_ms(torch_step, job["steps"], device=device),
-        "serial_ms": median_step_ms(serial_step, job["steps"], device=device) if plan_name == "tp" else None,
+        "serial_ms": median_step_ms(serial_step, job["steps"], device=device) if tensor_parallel else None,
         "pardsl_counts": pardsl_counts,
         "torch_counts": torch_counts,
         "errors": errors,
@@ -235,7 +241,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--plans", default="dp,zero3,tp")
+    parser.add_argument("--plans", default="dp,zero3,tp,searched")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="pardsl's gradient bucket size (DDP's: 25)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
