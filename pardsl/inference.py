@@ -317,6 +317,7 @@ def typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad
     """The typed graph from the placements chosen per axis: per name its value's, per op what it needs of
     each operand and what it computes. Outputs left out keep their layout, a partial sum finished."""
     mesh = bound.mesh
+    _whole_means(bound, specs, graph_nodes, operands, value, op_out, candidates)
     nodes = {
         n.name: TypedNode(
             n.name, op_name(n), specs[n.name], operands[n.name],
@@ -335,3 +336,37 @@ def typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad
             produced = Layout(tuple(value[node_name])) if node_name else Layout.broadcast(mesh)
             output_layouts.append(Layout(tuple(B if p == P else p for p in produced.placements)))
     return TypedGraph(bound, nodes, placeholder_layouts, output_layouts, requires_grad, candidates)
+
+
+def _whole_means(bound, specs, graph_nodes, operands, value, op_out, candidates) -> None:
+    """A mean loss over split rows that is only returned, as a partial mean (`counts`), would be finished
+    by a second all-reduce at the output: take the rule's `mean` signature instead (the same operands, the
+    local sum and count in one all-reduce, the mean whole). Same bytes, one latency fewer. Where the output
+    is written partial, or some of its partial axes have no such signature, the plan stays as it is."""
+    consumed = {o for node in graph_nodes for o in operands[node.name]}
+    returned: dict[str, list[int]] = {}
+    for index, (_, name) in enumerate(bound.outputs):
+        if name and name not in consumed:
+            returned.setdefault(name, []).append(index)
+    for node in graph_nodes:
+        name = node.name
+        if name not in returned or name in bound.pins:
+            continue
+        switches = {}
+        for axis, options in enumerate(candidates[name]):
+            chosen = next((c for c in options if c.chosen), None)
+            if op_out[name][axis] != P:
+                continue
+            if chosen is None or chosen.signature.name != "counts" or any(
+                    i in bound.output_pins and bound.output_pins[i].layout.placements[axis] != B for i in returned[name]):
+                switches = {}
+                break
+            whole = next((c for c in options if c.signature.name == "mean"
+                          and c.signature.operands == chosen.signature.operands), None)
+            if whole is None:
+                switches = {}
+                break
+            switches[axis] = whole
+        for axis, whole in switches.items():
+            op_out[name][axis] = value[name][axis] = B
+            candidates[name][axis] = [replace(c, chosen=c is whole) for c in candidates[name][axis]]

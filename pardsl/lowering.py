@@ -732,6 +732,7 @@ class _Lowerer:
                       if p.is_split and p.dim == 0] if rule.masked_lookup else []
         parallel_forms = self._extra_signatures_taken(typed_node) if rule.parallel_form else {}
         inner: tuple[Collective, ...] = ()
+        made: list[str] = []  # what the form's own all-reduces are, for the line's comment
         if rule.family == "project":
             expr = Instruction("project", "", (Var(operand_vars[0]), Text(str(fx_node.args[1]))))
         elif vocab_axes:
@@ -745,8 +746,11 @@ class _Lowerer:
                 forms.setdefault(signature.name, []).append(self.mesh.axis_names[axis])
             form_kwargs = [(form, Text(repr(tuple(axes)))) for form, axes in forms.items()]
             expr = Instruction("form", f"rt.{rule.parallel_form}", tuple(args), tuple(kwargs + form_kwargs))
-            inner = self._inner_collectives(typed_node, parallel_forms, reason)
-        self.emit(name, expr, self._value_comment(typed_node.op_layout, info), inner, (typed_node.op_layout,))
+            inner, made = self._inner_collectives(typed_node, parallel_forms, reason)
+        comment = self._value_comment(typed_node.op_layout, info)
+        if made:
+            comment += " — " + "; ".join(made)
+        self.emit(name, expr, comment, inner, (typed_node.op_layout,))
         if rule.mean:
             self._rescale_mean(typed_node, fx_node, name)
         value_var = self.var[name]  # named before pass 1: where the value layout will live
@@ -766,23 +770,26 @@ class _Lowerer:
                     taken[axis] = signature
         return taken
 
-    def _inner_collectives(self, typed_node, forms: dict[int, Signature], reason: str) -> tuple[Collective, ...]:
-        """The all-reduces a parallel form makes (the vocabulary-parallel loss's, the count of targets)."""
+    def _inner_collectives(self, typed_node, forms: dict[int, Signature],
+                           reason: str) -> tuple[tuple[Collective, ...], list[str]]:
+        """The all-reduces a parallel form makes (the vocabulary-parallel loss's, the count of targets), and
+        each one in words."""
         operand = typed_node.operands[0]
         info = self.typed.info(operand)
         local = typed_node.operand_layouts[0].local_shape(info.shape, self.mesh)
-        collectives = []
+        collectives, made = [], []
         for axis, signature in forms.items():
             placement = typed_node.operand_layouts[0].placements[axis]
             for inner in signature.inner_all_reduces:
                 if not inner.made(operand in self.typed.requires_grad):
                     continue
-                nbytes = inner.nbytes(local, placement, info.itemsize)
-                collectives.append(Collective(
-                    "all_reduce", self.mesh.axis_names[axis], inner.phase,
-                    collective_bytes("all_reduce", nbytes, self.mesh.axis_sizes[axis]), self.var[operand],
-                    f"{inner.what}, {signature.name} split — {reason}"))
-        return tuple(collectives)
+                axis_name = self.mesh.axis_names[axis]
+                moved = collective_bytes("all_reduce", inner.nbytes(local, placement, info.itemsize),
+                                         self.mesh.axis_sizes[axis])
+                made.append(f"all-reduce {format_bytes(moved)} over {axis_name} ({inner.phase}): {inner.what}")
+                collectives.append(Collective("all_reduce", axis_name, inner.phase, moved, self.var[operand],
+                                              f"{inner.what}, {signature.name} split — {reason}"))
+        return tuple(collectives), made
 
     def _intermediate_name(self, final: str, layout: Layout) -> str:
         """A step on the way to `final`, named by its own layout unless a conversion already uses that name."""

@@ -574,6 +574,13 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
                                          name="counts", inner_all_reduces=(
                                              InnerAllReduce(0, 1, what="count of targets"),))
                                for letter in batch)
+                # or the mean itself, where it is wanted whole: the local sum and count in one all-reduce
+                # (one latency where the partial mean and its all-reduce take two), reduced in float32 at least
+                extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), B, letter,
+                                         name="mean", inner_all_reduces=(
+                                             InnerAllReduce(0, 2, what="sum and count of targets",
+                                                            min_itemsize=4),))
+                               for letter in batch)
     elif rule.family == "pad":
         in_letters = tuple(fresh[: len(shapes[0])])
         amounts = call_arg(node, 1, "pad")  # (before, after) pairs from the last dim backwards

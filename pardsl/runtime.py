@@ -152,7 +152,7 @@ class Runtime:
 
     def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, weight=None, reduction: int = 1,
                       ignore_index: int = -100, label_smoothing: float = 0.0, *, classes: tuple[str, ...] = (),
-                      counts: tuple[str, ...] = ()) -> torch.Tensor:
+                      counts: tuple[str, ...] = (), mean: tuple[str, ...] = ()) -> torch.Tensor:
         """aten.cross_entropy_loss (no class weight) of logits whose class dim (1) is split over `classes`,
         and whose rows (reduction mean) are split over `counts`.
 
@@ -161,11 +161,15 @@ class Runtime:
         one. The sums go through the autograd all-reduce, whose backward is the identity: each rank gets its
         own classes' softmax minus one-hot, and backward needs no communication.
         Counts: the mean is the local sum over the global count of counted targets, a partial sum (P).
+        Mean: the mean itself (B), the local sum and count all-reduced together, one all-reduce per axis;
+        its backward is the identity's, so each rank's rows get the gradient over the global count.
         """
         assert weight is None, "a class weight has no parallel form"
+        assert not (mean and counts), "a mean is whole over every axis its rows are split on, or partial over all"
         count, work = None, None
         if reduction == 1:  # the count needs only the targets: its first all-reduce runs under the losses
-            count = (target != ignore_index).sum().to(logits.dtype).reshape(1)
+            counted = (target != ignore_index).sum()
+            count = counted.to(logits.dtype).reshape(1)
             work = self._all_reduce_started(count, counts[0], "forward") if counts else None
         if classes:
             losses = self._split_class_losses(logits, target, ignore_index, label_smoothing, classes)
@@ -175,6 +179,12 @@ class Runtime:
             return losses
         if reduction == 2:
             return losses.sum()
+        if mean:
+            wide = torch.promote_types(losses.dtype, torch.float32)
+            pair = torch.stack([losses.sum().to(wide), counted.to(wide)])
+            for axis in mean:
+                pair = self.all_reduce(pair, axis)
+            return (pair[0] / pair[1]).to(losses.dtype)
         if work is not None:
             work.wait()
         for axis in counts[1:]:

@@ -61,26 +61,26 @@ def test_causal_lm_loss_is_vocabulary_parallel():
 
 def test_causal_lm_loss_data_times_tensor_parallel(pools):
     compiled = compile_file("examples/hf_llama_loss_dp2_tp2.par")
-    # dp: the count of targets and the loss; the 21 parameter gradients (9 per layer, embedding, norm,
-    # head: 80 KiB in all) in one bucket
-    expected = {"forward": {"dp:all_reduce": 2, "tp:all_reduce": 7},
+    # dp: the loss's sum and count of targets, in one all-reduce; the 21 parameter gradients (9 per layer,
+    # embedding, norm, head: 80 KiB in all) in one bucket
+    expected = {"forward": {"dp:all_reduce": 1, "tp:all_reduce": 7},
                 "backward": {"dp:all_reduce": 1, "tp:all_reduce": 5}}
     [bucket] = compiled.program.buckets
     assert bucket.axes == ("dp",) and len(bucket.members) == 21
     assert compiled.program.collective_counts_by_axis() == expected
-    assert "counts=('dp',)" in compiled.source and "rt.all_gather" not in compiled.source
+    assert "mean=('dp',)" in compiled.source and "rt.all_gather" not in compiled.source
     check(pools, compiled)
 
 
 def test_zero3_on_llama_is_fsdps_communication(pools):
     """Every weight stored S(0) @ dp, the batch split: FSDP's units, one all-gather forward per layer and per
     run of weights outside the layers (the next one prefetched), the gradients reduce-scattered in buckets
-    backward, and nothing else but the loss's two numbers."""
+    backward, and nothing else but the loss's two numbers (its sum and count, in one all-reduce)."""
     compiled = compile_file("examples/llama_zero3.par")
     program = compiled.program
-    assert program.collective_counts_by_axis() == {"forward": {"dp:all_gather": 4, "dp:all_reduce": 2},
+    assert program.collective_counts_by_axis() == {"forward": {"dp:all_gather": 4, "dp:all_reduce": 1},
                                                    "backward": {"dp:reduce_scatter": 1}}
-    assert all(c.bytes <= 4 for c in program.collectives if c.kind == "all_reduce")  # the count, the loss
+    assert all(c.bytes <= 8 for c in program.collectives if c.kind == "all_reduce")  # the loss's sum and count
     groups = [[m.attr.removeprefix("model_").removesuffix("_weight") for m in g.members] for g in program.gathers]
     layer = ["input_layernorm", "self_attn_q_proj", "self_attn_k_proj", "self_attn_v_proj", "self_attn_o_proj",
              "post_attention_layernorm", "mlp_gate_proj", "mlp_up_proj", "mlp_down_proj"]

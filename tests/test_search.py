@@ -126,8 +126,9 @@ def test_zero3_storage_under_a_memory_bound_keeps_fsdps_parameter_gathers(pools,
     """examples/llama_zero3.par (weights and batch S(0) over dp) with a bound: the search prices gathered
     parameters as memory_per_rank counts them (two units at a time, not the whole model), so the plan the
     greedy pass writes fits and the search keeps its parameter traffic: one all-gather per layer and per
-    group outside, one reduce-scatter bucket backward, no activation exchanged but the loss's (on this
-    256-word vocabulary, gathering the logits is cheaper than the count form's two all-reduces)."""
+    group outside, one reduce-scatter bucket backward, and nothing else but the loss's sum and count in one
+    all-reduce (the rule's `mean` form: before it, the count and the partial mean took two all-reduces,
+    and gathering this 256-word vocabulary's logits for the loss was estimated cheaper)."""
     text = open("examples/llama_zero3.par").read().replace("mesh   dp = 2\n", "mesh   dp = 2\nmemory <= 60 %\n")
     searched, greedy = compile_par(text), compile_file("examples/llama_zero3.par")
     assert "search" in searched.seconds
@@ -135,8 +136,10 @@ def test_zero3_storage_under_a_memory_bound_keeps_fsdps_parameter_gathers(pools,
     assert estimate(searched, GLOO).memory["total"] <= searched.memory_bound
     groups = [[m.attr for m in group.members] for group in searched.program.gathers]
     assert groups == [[m.attr for m in group.members] for group in greedy.program.gathers]
-    assert searched.program.collective_counts_by_axis() == {"forward": {"dp:all_gather": len(groups) + 2},
+    assert searched.program.collective_counts_by_axis() == {"forward": {"dp:all_gather": len(groups),
+                                                                        "dp:all_reduce": 1},
                                                             "backward": {"dp:reduce_scatter": 1}}
+    assert "mean=('dp',)" in searched.source
     check(pools, searched)
 
 

@@ -117,8 +117,8 @@ def test_random_llama_sizes_and_splits_equal_serial(pools, compile_par, text):
 
 @pytest.mark.parametrize("reduction, x_layout, collectives", [
     ("sum", "S(0)", {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}),  # P loss; a DP bucket
-    # a split mean: the local sum over the global count of targets (one all-reduce), then the P result
-    ("mean", "S(0)", {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 1}}),
+    # a split mean, returned whole: the local sum and count of targets in one all-reduce
+    ("mean", "S(0)", {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}),
     ("none", "S(0)", {"forward": {}, "backward": {"all_reduce": 1}}),
     ("mean", "B", None),
 ])
@@ -128,6 +128,26 @@ def test_cross_entropy_loss(pools, compile_par, reduction, x_layout, collectives
                            f"layout {{\n  x : {x_layout}\n  labels : {x_layout}\n  *.weight : B\n  *.bias : B\n}}\n")
     if collectives is not None:
         assert _nonzero(compiled.program.collective_counts()) == collectives
+    check(pools, compiled)
+
+
+@pytest.mark.parametrize("output, form, forward", [
+    ("", "mean=('dp',)", [("all_reduce", 8)]),  # returned whole: the sum and the count in one all-reduce
+    ("  output : P\n", "counts=('dp',)", [("all_reduce", 4)]),  # written partial: the count alone
+])
+def test_a_split_mean_loss_returned_whole_reduces_its_sum_and_count_at_once(pools, compile_par, output, form,
+                                                                             forward):
+    """Over a split batch, the mean loss is every rank's summed losses over every rank's count of targets
+    (ignored ones, uneven per rank, left out). Returned whole, it takes the rule's `mean` form: both numbers
+    in one all-reduce, where the partial mean (`counts`) and its all-reduce at the output took two. The
+    generated line says what its all-reduce carries."""
+    compiled = compile_par("mesh dp = 2\nmodel tests.zoo:Classifier(d=16, classes=8, reduction=\"mean\", "
+                           "ignored_class=3)\ninput x : float32[8, 16]\ninput labels : int64[8] in [0, 8)\n"
+                           "layout {\n  x : S(0)\n  labels : S(0)\n  *.weight : B\n  *.bias : B\n" + output + "}\n")
+    assert form in compiled.source
+    assert [(c.kind, c.bytes) for c in compiled.program.collectives if c.phase == "forward"] == forward
+    what = "sum and count of targets" if "mean" in form else "count of targets"
+    assert f"all-reduce {forward[0][1]} B over dp (forward): {what}" in compiled.source
     check(pools, compiled)
 
 
