@@ -131,18 +131,20 @@ def test_cross_entropy_loss(pools, compile_par, reduction, x_layout, collectives
     check(pools, compiled)
 
 
-@pytest.mark.parametrize("output, form, forward", [
-    ("", "mean=('dp',)", [("all_reduce", 8)]),  # returned whole: the sum and the count in one all-reduce
-    ("  output : P\n", "counts=('dp',)", [("all_reduce", 4)]),  # written partial: the count alone
+@pytest.mark.parametrize("output, dtype, form, forward", [
+    ("", "float32", "mean=('dp',)", [("all_reduce", 8)]),  # returned whole: the sum and count in one all-reduce
+    ("", "bfloat16", "mean=('dp',)", [("all_reduce", 8)]),  # reduced in float32, cast back
+    ("  output : P\n", "float32", "counts=('dp',)", [("all_reduce", 4)]),  # written partial: the count alone
 ])
-def test_a_split_mean_loss_returned_whole_reduces_its_sum_and_count_at_once(pools, compile_par, output, form,
-                                                                             forward):
+def test_a_split_mean_loss_returned_whole_reduces_its_sum_and_count_at_once(pools, compile_par, output, dtype,
+                                                                             form, forward):
     """Over a split batch, the mean loss is every rank's summed losses over every rank's count of targets
     (ignored ones, uneven per rank, left out). Returned whole, it takes the rule's `mean` form: both numbers
     in one all-reduce, where the partial mean (`counts`) and its all-reduce at the output took two. The
     generated line says what its all-reduce carries."""
     compiled = compile_par("mesh dp = 2\nmodel tests.zoo:Classifier(d=16, classes=8, reduction=\"mean\", "
-                           "ignored_class=3)\ninput x : float32[8, 16]\ninput labels : int64[8] in [0, 8)\n"
+                           f"ignored_class=3, dtype=\"{dtype}\")\ninput x : {dtype}[8, 16]\n"
+                           "input labels : int64[8] in [0, 8)\n"
                            "layout {\n  x : S(0)\n  labels : S(0)\n  *.weight : B\n  *.bias : B\n" + output + "}\n")
     assert form in compiled.source
     assert [(c.kind, c.bytes) for c in compiled.program.collectives if c.phase == "forward"] == forward

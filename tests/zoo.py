@@ -94,11 +94,11 @@ def not_a_module():
 class Classifier(nn.Module):
     """Logits and a cross-entropy loss against integer labels."""
 
-    def __init__(self, d=16, classes=8, reduction="sum", label_smoothing=0.0, ignored_class=None):
+    def __init__(self, d=16, classes=8, reduction="sum", label_smoothing=0.0, ignored_class=None, dtype="float32"):
         super().__init__()
         self.reduction, self.label_smoothing, self.ignored_class = reduction, label_smoothing, ignored_class
-        self.body = nn.Linear(d, d)
-        self.head = nn.Linear(d, classes)
+        self.body = nn.Linear(d, d, dtype=getattr(torch, dtype))
+        self.head = nn.Linear(d, classes, dtype=getattr(torch, dtype))
 
     def forward(self, x, labels):
         logits = self.head(torch.relu(self.body(x)))
