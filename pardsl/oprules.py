@@ -635,7 +635,7 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
             # per channel (the rank's own, where another axis splits them): the sum and the centered sum of
             # squares, and the count, in float64; backward: the sums of the gradient and of it times x̂
             extra = (Signature((S(0),) + (B,) * (len(shapes) - 1), S(0), "n", name="batch", inner_all_reduces=(
-                InnerAllReduce(0, 1, (1, 2), "batch statistics per channel", itemsize=8),
+                InnerAllReduce(0, 0, (1, 2), "batch statistics per channel", itemsize=8),
                 InnerAllReduce(0, 0, (1, 2), "gradient sums per channel", phase="backward"))),)
         else:  # eval: running statistics, nothing to reduce
             unsplittable |= set(x_letters) - {"c", "n"}

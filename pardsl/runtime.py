@@ -511,11 +511,12 @@ class _SyncBatchNorm(torch.autograd.Function):
         local_mean = x.mean(reduced)
         centered = (x - local_mean.view(per_channel)).square().sum(reduced)
         local_mean = local_mean.double()
-        stats = torch.cat([local_mean * count, centered.double() + count * local_mean.square(),
-                           local_mean.new_full((1,), count)])
+        stats = torch.cat([local_mean * count, centered.double() + count * local_mean.square()])
         for axis in axes:
             stats = rt._all_reduce(stats, axis, "forward")
-        channels, total = x.shape[1], stats[-1]
+        # every rank holds as many rows (the plan splits the batch evenly): the total is known here, and
+        # reading it back from the device would stall the host on CUDA
+        channels, total = x.shape[1], float(count * math.prod(rt.size[axis] for axis in axes))
         mean = stats[:channels] / total
         variance = (stats[channels:2 * channels] / total - mean.square()).clamp_min(0.0)
         invstd = (variance + eps).rsqrt().to(x.dtype)
@@ -527,10 +528,10 @@ class _SyncBatchNorm(torch.autograd.Function):
             if running_mean is not None:
                 running_mean.mul_(1.0 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
             if running_var is not None:
-                unbiased = variance * (total / (total - 1).clamp_min(1.0))
+                unbiased = variance * (total / max(total - 1.0, 1.0))
                 running_var.mul_(1.0 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
         ctx.save_for_backward(xhat, weight, invstd)
-        ctx.rt, ctx.axes, ctx.total, ctx.reduced, ctx.per_channel = rt, axes, total.item(), reduced, per_channel
+        ctx.rt, ctx.axes, ctx.total, ctx.reduced, ctx.per_channel = rt, axes, total, reduced, per_channel
         return y
 
     @staticmethod
