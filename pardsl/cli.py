@@ -80,6 +80,9 @@ def _arguments() -> argparse.ArgumentParser:
     run.add_argument("file")
     run.add_argument("--nproc", type=int, required=True, metavar="N")
     run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="where each rank's tensors live (auto: CUDA under NCCL, else the CPU); gloo with "
+                          "cuda runs several ranks on one GPU, which NCCL refuses")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--steps", type=int, default=1, metavar="K",
                      help="training steps, each compared with serial from the same parameters")
@@ -330,14 +333,12 @@ def _main(args, quiet) -> int:
     if too_big is not None:
         return _report_errors(too_big, args.json)
     backend = resolve_backend(args.backend)
-    if backend == "nccl":
-        import torch
-
-        if torch.cuda.device_count() < args.nproc:
-            print(f"pardsl: error: --backend nccl needs {args.nproc} CUDA devices; this machine has "
-                  f"{torch.cuda.device_count()}", file=sys.stderr)
-            return EXIT_USAGE
-    job = job_for(compiled, seed=args.seed, steps=args.steps, backend=backend, timeout_s=args.timeout,
+    device = args.device if args.device != "auto" else "cuda" if backend == "nccl" else "cpu"
+    usage = _device_mistake(backend, device, args.nproc)
+    if usage:
+        print(f"pardsl: error: {usage}", file=sys.stderr)
+        return EXIT_USAGE
+    job = job_for(compiled, seed=args.seed, steps=args.steps, backend=backend, device=device, timeout_s=args.timeout,
                   lr=args.lr, optimizer=args.optimizer, stdout_to_stderr=args.json)
     try:
         report = launch(job, stall_s=args.stall_timeout)
@@ -353,7 +354,8 @@ def _main(args, quiet) -> int:
         print(_summary(compiled))
         verdict = "equivalent to serial" if report["ok"] else "DIFFERS from serial" if report["serial_finite"] \
             else "not comparable: the serial model itself gives non-finite values (lower --lr?)"
-        print(f"ran {report['steps']} step(s) on {report['world_size']} ranks ({report['backend']}): {verdict}")
+        print(f"ran {report['steps']} step(s) on {report['world_size']} ranks ({report['backend']}"
+              f"{', CUDA tensors' if report['device'] == 'cuda' else ''}): {verdict}")
         print(f"  max |compiled - serial|: output {report['max_abs_err']['output']:.3g}, "
               f"gradients {report['max_abs_err']['grad']:.3g}; relative {report['max_rel_err']['output']:.3g} and "
               f"{report['max_rel_err']['grad']:.3g} (tolerance {report['tolerance']:g}, each step from the same "
@@ -366,6 +368,21 @@ def _main(args, quiet) -> int:
                   f"{report['sends']['backward']} backward")
         print(f"  step time: compiled {report['step_ms']['compiled']:.2f} ms, serial {report['step_ms']['serial']:.2f} ms")
     return EXIT_OK if report["ok"] else EXIT_INPUT_ERROR
+
+
+def _device_mistake(backend: str, device: str, nproc: int) -> str | None:
+    """What is wrong with running `nproc` ranks on this backend and device here, if anything."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus == 0:
+        return "--device cuda needs a CUDA device; this machine has none"
+    if backend == "nccl" and device != "cuda":
+        return "--backend nccl moves CUDA tensors only: use --device cuda (or auto)"
+    if backend == "nccl" and gpus < nproc:
+        return (f"--backend nccl needs a GPU per rank, {nproc}; this machine has {gpus} (NCCL refuses two ranks "
+                f"on one GPU: --backend gloo --device cuda runs them there)")
+    return None
 
 
 if __name__ == "__main__":

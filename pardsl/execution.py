@@ -55,6 +55,7 @@ class RankJob:
     steps: int = 1
     lr: float = 0.01
     backend: str = "gloo"
+    device: str = "cpu"  # or "cuda": each rank on GPU `local rank % GPUs` (NCCL needs one GPU per rank)
     sys_path: tuple[str, ...] = ()
     timeout_s: float = 120.0
     tolerance: float = 1e-4  # relative to the tensor's magnitude: |compiled - serial| <= tol * max(1, max|serial|)
@@ -89,14 +90,17 @@ def tolerance_for(dtypes) -> float:
     return max([TOLERANCE.get(d, 1e-4) for d in dtypes if d.is_floating_point] or [1e-4])
 
 
-def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", timeout_s: float = 120.0,
-            lr: float = 0.01, optimizer: str = "sgd", stdout_to_stderr: bool = False) -> RankJob:
+def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", device: str | None = None,
+            timeout_s: float = 120.0, lr: float = 0.01, optimizer: str = "sgd",
+            stdout_to_stderr: bool = False) -> RankJob:
+    """`device`: "cpu" or "cuda" (default: CUDA under NCCL, else the CPU)."""
     from .binding import par_import_paths
 
     par = compiled.par
     tolerance = tolerance_for({info.dtype for info in compiled.bound.tensors.values()})
     return RankJob(compiled.source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
-                   par.inputs, seed, steps, lr=lr, backend=backend, sys_path=par_import_paths(par.source.path),
+                   par.inputs, seed, steps, lr=lr, backend=backend, device=device or ("cuda" if backend == "nccl" else "cpu"),
+                   sys_path=par_import_paths(par.source.path),
                    timeout_s=timeout_s, tolerance=tolerance, optimizer=optimizer, stdout_to_stderr=stdout_to_stderr)
 
 
@@ -176,8 +180,9 @@ def run_rank(job: RankJob) -> dict:
         if path not in sys.path:
             sys.path.insert(0, path)
     device = torch.device("cpu")
-    if job.backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    if job.device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     rt = Runtime(job.mesh, device)
     progress = ProgressFile(job.progress_dir, dist.get_rank() if dist.is_initialized() else 0) \
@@ -367,6 +372,7 @@ def combine(results: list[dict], job: RankJob) -> dict:
         "world_size": job.mesh.size,
         "mesh": dict(zip(job.mesh.axis_names, job.mesh.axis_sizes)),
         "backend": job.backend,
+        "device": job.device,
         "steps": job.steps,
         "serial_finite": serial_finite,
         "optimizer": job.optimizer,

@@ -89,6 +89,24 @@ def test_run_json_on_two_ranks_with_the_elastic_launcher(tmp_path):
     assert (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--device", "cuda"], "--device cuda needs a CUDA device; this machine has none"),
+    (["--backend", "nccl", "--device", "cpu"], "--backend nccl moves CUDA tensors only"),
+])
+def test_run_says_which_device_or_backend_cannot_run_here(capsys, monkeypatch, options, message):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert cli.main(["run", "examples/mlp.par", "--nproc", "2", *options]) == cli.EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+def test_nccl_needs_a_gpu_per_rank_and_gloo_shares_one(monkeypatch):
+    """What the H100 machine showed: NCCL refuses two ranks on one GPU; gloo moves CUDA tensors there."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    assert "needs a GPU per rank, 2; this machine has 1" in cli._device_mistake("nccl", "cuda", 2)
+    assert cli._device_mistake("gloo", "cuda", 2) is None and cli._device_mistake("nccl", "cuda", 1) is None
+
+
 @pytest.mark.timeout(240)
 def test_run_reports_a_failing_rank_and_exits_1(tmp_path):
     (tmp_path / "rank_models.py").write_text(
