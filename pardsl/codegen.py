@@ -9,11 +9,10 @@ from __future__ import annotations
 import functools
 import json
 import types
-from importlib import resources
 
 import jinja2
 
-from . import __version__
+from . import __version__, shipped
 from .cost import slot_bytes
 from .lowering import LoweredProgram, format_bytes, named_layout
 from .program import Arg, Instruction, Items, Text, Var
@@ -23,7 +22,7 @@ _COMMENT_COLUMN = 72
 
 @functools.cache
 def _template(name: str = "module.py.j2") -> jinja2.Template:
-    text = resources.files("pardsl.templates").joinpath(name).read_text()
+    text = shipped.read_text("pardsl.templates", name)
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined, autoescape=False)
     return env.from_string(text)

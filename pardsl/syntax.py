@@ -11,12 +11,12 @@ import functools
 import json
 import sys
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 import lark
 from lark import Transformer, v_args
 
+from . import shipped
 from .diagnostics import DiagnosticSink, SourceFile, Span
 
 
@@ -350,7 +350,7 @@ class _ToSyntaxTree(Transformer):
 
 @functools.cache
 def _parser() -> lark.Lark:
-    grammar = resources.files("pardsl.grammar").joinpath("par.lark").read_text()
+    grammar = shipped.read_text("pardsl.grammar", "par.lark")
     return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
 
 

@@ -1,5 +1,6 @@
 """The grammar and the templates ship inside the package."""
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -23,3 +24,22 @@ def test_wheel_contains_grammar_and_templates(tmp_path):
     assert "pardsl/grammar/par.lark" in names
     assert "pardsl/templates/module.py.j2" in names
     assert any(n.endswith("entry_points.txt") for n in names)
+
+
+@pytest.mark.timeout(120)
+def test_a_checkout_imported_without_an_install_in_place_finds_its_grammar_and_templates():
+    """A script in the repository puts the checkout first on sys.path; beside a plain `pip install .` (no
+    editable finder to map grammar/ and codegen/ into the package) pardsl still compiles a file."""
+    script = (
+        "import os, sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in repr(f)]\n"
+        "sys.path.insert(0, '.')\n"
+        "import pardsl\n"
+        "assert os.path.samefile(os.path.dirname(pardsl.__file__), 'pardsl'), pardsl.__file__\n"
+        "from pardsl.compiler import compile_text\n"
+        "compiled = compile_text(open('examples/mlp.par').read(), 'examples/mlp.par')\n"
+        "print('class CompiledModule' in compiled.source)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "True"
