@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from .diagnostics import MAX_PER_CODE, DiagnosticSink, Span
 from .layouts import B, Layout, Mesh, Placement
+from .grouped_query import fold_grouped_query_repeats
 from .in_place import functionalize_in_place
 from .oprules import concrete_size, op_name
 from .syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
@@ -641,6 +642,8 @@ def bind(par: ParFile) -> BoundPlan:
         sink.error("E062", f"in-place `{op_name(node)}` writes into a view, or into a tensor a view of which is read",
                    par.model.span, f"used in {where}",
                    "the write would change the other tensor too: write the op out of place (`x = x + y`)")
+    if mesh is not None:
+        fold_grouped_query_repeats(exported.graph_module, mesh.size)
     clock = time.perf_counter()
     graph_signature = exported.graph_signature
     parameters = dict(graph_signature.inputs_to_parameters)

@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pardsl.compiler import compile_file
+from pardsl.program import Text
 
 from .test_distributed import check, check_example
 
@@ -208,3 +209,40 @@ def test_more_transformers_families_under_megatron(pools, compile_par, family, l
     assert _nonzero(compiled.program.collective_counts()) == {"forward": {"all_reduce": forward},
                                                              "backward": {"all_reduce": backward}}
     check(pools, compiled)
+
+
+
+def test_grouped_query_attention_reads_its_key_value_heads_without_repeating_them(pools):
+    """Traced, Hugging Face repeats LLaMA's 4 key/value heads to its 8 query heads before SDPA (copies kept
+    for backward); eagerly it passes them with `enable_gqa`. Compiled, SDPA reads the 4 heads themselves
+    again, split over tp with the query heads, equal to serial."""
+    compiled = compile_file("examples/hf_llama_tp2.par")
+    attention = [s for s in compiled.program.statements
+                 if s.instruction.callee == "aten.scaled_dot_product_attention.default"]
+    assert len(attention) == 2 and all(("enable_gqa", Text("True")) in s.instruction.kwargs for s in attention)
+    assert [name for name, info in compiled.bound.tensors.items() if len(info.shape) == 5] == []  # no repeat
+    check(pools, compiled)
+
+
+def test_the_grouped_query_fold_needs_the_ranks_to_divide_the_key_value_heads():
+    """Where the ranks do not divide the key/value heads (8 ranks, 4 heads) the repeat stays: the repeated
+    heads are what a plan can split."""
+    import torch
+
+    from examples.hf_models import HFLlama
+    from pardsl.grouped_query import fold_grouped_query_repeats
+
+    model = HFLlama(layers=1, attention="sdpa")  # 8 query heads, 4 key/value heads
+    ids = torch.zeros(2, 16, dtype=torch.int64)
+
+    def traced():
+        return torch.export.export(model, (), {"input_ids": ids}).graph_module
+
+    def five_dimensional(graph_module):
+        return [n for n in graph_module.graph.nodes if len(getattr(n.meta.get("val"), "shape", ())) == 5]
+
+    kept, folded = traced(), traced()
+    assert fold_grouped_query_repeats(kept, 8) == 0 and len(five_dimensional(kept)) == 4  # unsqueeze, expand: k, v
+    assert fold_grouped_query_repeats(folded, 4) == 1 and five_dimensional(folded) == []
+    [attention] = [n for n in folded.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert attention.kwargs["enable_gqa"] is True and attention.args[1].meta["val"].shape[1] == 4
