@@ -12,8 +12,8 @@ Hugging Face's LlamaForCausalLM (examples/hf_models.py), 4 layers, trained on it
 Two gloo ranks, one thread each (serial: one thread). With `--device cuda` every rank's model and
 tensors are CUDA ones on GPU `local rank % GPUs`, over NCCL where each rank has a GPU of its own and
 over gloo where ranks share one (NCCL refuses two ranks on one GPU). Per plan, both parallel versions
-are checked against the serial model first (loss and every gradient), then each is timed: forward, backward and the
-gradients made ready (median of `--steps` after warm-up). pardsl's collectives per step come from its
+are checked against the serial model first (loss and every gradient), then each is timed: forward,
+backward and the gradients made ready (median of `--steps` after warm-up). pardsl's collectives per step come from its
 runtime counter, PyTorch's from `CommDebugMode` where it sees them (DTensor's; DDP and FSDP2 call
 collectives outside it).
 
@@ -101,6 +101,7 @@ def rank_main(job: dict) -> dict:
 
     import pardsl
     from examples.hf_models import llama_causal_lm
+    from pardsl.execution import rank_device
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -108,10 +109,7 @@ def rank_main(job: dict) -> dict:
     plan_name, kwargs, batch, seq = job["plan"], job["kwargs"], job["batch"], job["seq"]
     tensor_parallel = plan_name in TENSOR_PARALLEL
     os.chdir(ROOT)
-    device = torch.device("cpu")
-    if job["device"] == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = rank_device(job["device"])
 
     torch.manual_seed(0)
     serial = llama_causal_lm(**kwargs).to(device)

@@ -27,9 +27,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .diagnostics import MAX_PER_CODE, DiagnosticSink, Span
-from .layouts import B, Layout, Mesh, Placement
 from .grouped_query import fold_grouped_query_repeats
 from .in_place import functionalize_in_place
+from .layouts import B, Layout, Mesh, Placement
 from .oprules import concrete_size, op_name
 from .syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
 

@@ -310,7 +310,7 @@ def _main(args, quiet) -> int:
         return EXIT_OK
 
     # run
-    from .execution import RunFailed, job_for, launch, resolve_backend
+    from .execution import RunFailed, job_for, launch, resolve_backend, resolve_device
 
     mesh = compiled.program.mesh
     if args.nproc != mesh.size:
@@ -333,7 +333,7 @@ def _main(args, quiet) -> int:
     if too_big is not None:
         return _report_errors(too_big, args.json)
     backend = resolve_backend(args.backend)
-    device = args.device if args.device != "auto" else "cuda" if backend == "nccl" else "cpu"
+    device = resolve_device(args.device, backend)
     usage = _device_mistake(backend, device, args.nproc)
     if usage:
         print(f"pardsl: error: {usage}", file=sys.stderr)

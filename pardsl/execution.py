@@ -99,15 +99,31 @@ def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", d
     par = compiled.par
     tolerance = tolerance_for({info.dtype for info in compiled.bound.tensors.values()})
     return RankJob(compiled.source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
-                   par.inputs, seed, steps, lr=lr, backend=backend, device=device or ("cuda" if backend == "nccl" else "cpu"),
-                   sys_path=par_import_paths(par.source.path),
-                   timeout_s=timeout_s, tolerance=tolerance, optimizer=optimizer, stdout_to_stderr=stdout_to_stderr)
+                   par.inputs, seed, steps, lr=lr, backend=backend, device=resolve_device(device, backend),
+                   sys_path=par_import_paths(par.source.path), timeout_s=timeout_s, tolerance=tolerance, optimizer=optimizer, stdout_to_stderr=stdout_to_stderr)
 
 
 def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     return backend
+
+
+def resolve_device(device: str | None, backend: str) -> str:
+    """"cpu" or "cuda": as asked, else (None, "auto") CUDA under NCCL, which moves CUDA tensors only."""
+    if device in (None, "auto"):
+        return "cuda" if backend == "nccl" else "cpu"
+    return device
+
+
+def rank_device(kind: str) -> torch.device:
+    """This rank's device of that kind: GPU `local rank % GPUs` (made current), or the CPU."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -179,11 +195,7 @@ def run_rank(job: RankJob) -> dict:
     for path in job.sys_path:
         if path not in sys.path:
             sys.path.insert(0, path)
-    device = torch.device("cpu")
-    if job.device == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = rank_device(job.device)
     rt = Runtime(job.mesh, device)
     progress = ProgressFile(job.progress_dir, dist.get_rank() if dist.is_initialized() else 0) \
         if job.progress_dir else None

@@ -317,7 +317,7 @@ def typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad
     """The typed graph from the placements chosen per axis: per name its value's, per op what it needs of
     each operand and what it computes. Outputs left out keep their layout, a partial sum finished."""
     mesh = bound.mesh
-    _whole_means(bound, specs, graph_nodes, operands, value, op_out, candidates)
+    _whole_means(bound, graph_nodes, operands, value, op_out, candidates)
     nodes = {
         n.name: TypedNode(
             n.name, op_name(n), specs[n.name], operands[n.name],
@@ -338,7 +338,7 @@ def typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad
     return TypedGraph(bound, nodes, placeholder_layouts, output_layouts, requires_grad, candidates)
 
 
-def _whole_means(bound, specs, graph_nodes, operands, value, op_out, candidates) -> None:
+def _whole_means(bound, graph_nodes, operands, value, op_out, candidates) -> None:
     """A mean loss over split rows that is only returned, as a partial mean (`counts`), would be finished
     by a second all-reduce at the output: take the rule's `mean` signature instead (the same operands, the
     local sum and count in one all-reduce, the mean whole). Same bytes, one latency fewer. Where the output
@@ -348,25 +348,27 @@ def _whole_means(bound, specs, graph_nodes, operands, value, op_out, candidates)
     for index, (_, name) in enumerate(bound.outputs):
         if name and name not in consumed:
             returned.setdefault(name, []).append(index)
-    for node in graph_nodes:
-        name = node.name
-        if name not in returned or name in bound.pins:
+
+    def written_partial(name: str, axis: int) -> bool:
+        return any(i in bound.output_pins and bound.output_pins[i].layout.placements[axis] != B
+                   for i in returned[name])
+
+    for name in returned:
+        if name not in op_out or name in bound.pins:  # an input returned as it is; a written layout
             continue
-        switches = {}
-        for axis, options in enumerate(candidates[name]):
-            chosen = next((c for c in options if c.chosen), None)
-            if op_out[name][axis] != P:
-                continue
-            if chosen is None or chosen.signature.name != "counts" or any(
-                    i in bound.output_pins and bound.output_pins[i].layout.placements[axis] != B for i in returned[name]):
-                switches = {}
-                break
-            whole = next((c for c in options if c.signature.name == "mean"
-                          and c.signature.operands == chosen.signature.operands), None)
-            if whole is None:
-                switches = {}
-                break
-            switches[axis] = whole
-        for axis, whole in switches.items():
+        partial = [axis for axis, placement in enumerate(op_out[name]) if placement == P]
+        wholes = {axis: _mean_instead(candidates[name][axis]) for axis in partial if not written_partial(name, axis)}
+        if not partial or len(wholes) < len(partial) or None in wholes.values():
+            continue
+        for axis, whole in wholes.items():
             op_out[name][axis] = value[name][axis] = B
             candidates[name][axis] = [replace(c, chosen=c is whole) for c in candidates[name][axis]]
+
+
+def _mean_instead(options: list[Candidate]) -> Candidate | None:
+    """Where the partial mean (`counts`) was chosen, the `mean` candidate on the same operands."""
+    chosen = next((c for c in options if c.chosen), None)
+    if chosen is None or chosen.signature.name != "counts":
+        return None
+    return next((c for c in options if c.signature.name == "mean" and c.signature.operands == chosen.signature.operands),
+                None)

@@ -169,8 +169,9 @@ class Runtime:
         count, work = None, None
         if reduction == 1:  # the count needs only the targets: its first all-reduce runs under the losses
             counted = (target != ignore_index).sum()
-            count = counted.to(logits.dtype).reshape(1)
-            work = self._all_reduce_started(count, counts[0], "forward") if counts else None
+            if not mean:
+                count = counted.to(logits.dtype).reshape(1)
+                work = self._all_reduce_started(count, counts[0], "forward") if counts else None
         if classes:
             losses = self._split_class_losses(logits, target, ignore_index, label_smoothing, classes)
         else:

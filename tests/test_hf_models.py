@@ -211,7 +211,6 @@ def test_more_transformers_families_under_megatron(pools, compile_par, family, l
     check(pools, compiled)
 
 
-
 def test_grouped_query_attention_reads_its_key_value_heads_without_repeating_them(pools):
     """Traced, Hugging Face repeats LLaMA's 4 key/value heads to its 8 query heads before SDPA (copies kept
     for backward); eagerly it passes them with `enable_gqa`. Compiled, SDPA reads the 4 heads themselves
