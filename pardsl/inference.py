@@ -275,12 +275,12 @@ def infer(bound: BoundPlan) -> TypedGraph:
                         continue
                     forward += forward_only
                     backward += both - forward_only
-                for inner in signature.inner_all_reduces:  # a parallel form's own collectives
+                for inner in signature.inner_collectives:  # a parallel form's own collectives
                     if not inner.made(names[0] in requires_grad):
                         continue
                     first, placement = bound.tensors[names[0]], signature.operands[0]
                     local = layout_with(names[0], placement).local_shape(first.shape, mesh)
-                    cost = collective_bytes("all_reduce", inner.nbytes(local, placement, first.itemsize), n)
+                    cost = collective_bytes(inner.kind, inner.nbytes(local, placement, first.itemsize), n)
                     if inner.phase == "forward":
                         forward += cost
                     else:

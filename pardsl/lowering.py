@@ -732,7 +732,7 @@ class _Lowerer:
                       if p.is_split and p.dim == 0] if rule.masked_lookup else []
         parallel_forms = self._extra_signatures_taken(typed_node) if rule.parallel_form else {}
         inner: tuple[Collective, ...] = ()
-        made: list[str] = []  # what the form's own all-reduces are, for the line's comment
+        made: list[str] = []  # what the form's own collectives are, for the line's comment
         if rule.family == "project":
             expr = Instruction("project", "", (Var(operand_vars[0]), Text(str(fx_node.args[1]))))
         elif vocab_axes:
@@ -772,7 +772,7 @@ class _Lowerer:
 
     def _inner_collectives(self, typed_node, forms: dict[int, Signature],
                            reason: str) -> tuple[tuple[Collective, ...], list[str]]:
-        """The all-reduces a parallel form makes (the vocabulary-parallel loss's, the count of targets), and
+        """The collectives a parallel form makes (the vocabulary-parallel loss's, the count of targets), and
         each one in words."""
         operand = typed_node.operands[0]
         info = self.typed.info(operand)
@@ -780,14 +780,15 @@ class _Lowerer:
         collectives, made = [], []
         for axis, signature in forms.items():
             placement = typed_node.operand_layouts[0].placements[axis]
-            for inner in signature.inner_all_reduces:
+            for inner in signature.inner_collectives:
                 if not inner.made(operand in self.typed.requires_grad):
                     continue
                 axis_name = self.mesh.axis_names[axis]
-                moved = collective_bytes("all_reduce", inner.nbytes(local, placement, info.itemsize),
+                moved = collective_bytes(inner.kind, inner.nbytes(local, placement, info.itemsize),
                                          self.mesh.axis_sizes[axis])
-                made.append(f"all-reduce {format_bytes(moved)} over {axis_name} ({inner.phase}): {inner.what}")
-                collectives.append(Collective("all_reduce", axis_name, inner.phase, moved, self.var[operand],
+                made.append(f"{inner.kind.replace('_', '-')} {format_bytes(moved)} over {axis_name} ({inner.phase}): "
+                            f"{inner.what}")
+                collectives.append(Collective(inner.kind, axis_name, inner.phase, moved, self.var[operand],
                                               f"{inner.what}, {signature.name} split — {reason}"))
         return tuple(collectives), made
 

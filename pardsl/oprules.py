@@ -88,9 +88,10 @@ RULES: dict[Any, Rule] = {
     # attention: batch and heads split; sequence and head dims whole
     aten.scaled_dot_product_attention.default: Rule("attention"),
     # losses: with reduction="sum" a split batch gives a partial sum; with "mean" too, once the local sum
-    # is divided by the global count of non-ignored targets (one all-reduce of a count). Logits split over
-    # the classes (a column-parallel LM head's) are reduced where they lie, Megatron's vocabulary-parallel
-    # loss: a max and one fused sum per row are all-reduced, never the logits; backward is local.
+    # is divided by the global count of non-ignored targets (one all-reduce of a count), or whole, the sum
+    # and count all-reduced together. Logits split over the classes (a column-parallel LM head's) are
+    # reduced where they lie, Megatron's vocabulary-parallel loss: each rank's max, sum of exps and target
+    # logit per row are all-gathered in one collective, never the logits; backward is local.
     aten.cross_entropy_loss.default: Rule("loss", dim_arg=3, parallel_form="cross_entropy"),
     # tensors made from nothing: the same on every rank
     aten.arange.start: Rule("source"),
@@ -289,8 +290,10 @@ class DimSpec:
 
 
 @dataclass(frozen=True)
-class InnerAllReduce:
-    """An all-reduce a parallel form makes itself in forward, on the axis of its signature."""
+class InnerCollective:
+    """A collective a parallel form makes itself, on the axis of its signature: an all-reduce of what it
+    counts, or an all-gather of each rank's share (statistics that do not simply add up, such as a max
+    with the sum of exps below it)."""
 
     per_row: int  # values per row of operand 0: per index of its dims other than the split one
     fixed: int = 0  # and values besides
@@ -299,6 +302,7 @@ class InnerAllReduce:
     phase: str = "forward"  # or backward: the form's autograd function reduces in its backward
     itemsize: int | None = None  # bytes per value when not operand 0's (statistics reduced in float64)
     min_itemsize: int = 0  # at least this many (sums of a half-precision operand reduced in float32)
+    kind: str = "all_reduce"  # or all_gather: then each rank contributes these values, and gets everyone's
 
     def values(self, local_shape: tuple[int, ...], placement: Placement) -> int:
         """How many values it reduces, for operand 0 of this local shape and placement on the axis."""
@@ -325,7 +329,7 @@ class Signature:
     # An extra signature (DimSpec.extra) is computed by the rule's parallel form, which takes the op's own
     # arguments and, as keyword `name`, the axes it is taken on; it declares the all-reduces it makes.
     name: str = ""
-    inner_all_reduces: tuple[InnerAllReduce, ...] = ()
+    inner_collectives: tuple[InnerCollective, ...] = ()
 
 
 def is_tensor_valued(node: torch.fx.Node) -> bool:
@@ -565,20 +569,22 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
         sums_contraction = reduction == 2
         if rule.parallel_form and len(shapes) == 2:  # no class weight
             smoothing = call_arg(node, 5, "label_smoothing", 0.0) != 0.0
-            # a max per row, then (sum of exps, target logit[, logit sum]) per row in one all-reduce
-            extra = (Signature((S(1), B), B, classes, name="classes", inner_all_reduces=(
-                InnerAllReduce(1, what="max per row"),
-                InnerAllReduce(3 if smoothing else 2, what="sum of exps and target logit per row"))),)
+            # per row, each rank's max, sum of exps below it, target logit (and logit sum) in one all-gather,
+            # in float32 at least: every rank combines them alike (Megatron all-reduces the max first, then
+            # the sums: two latencies where this takes one, and as many bytes on two ranks)
+            extra = (Signature((S(1), B), B, classes, name="classes", inner_collectives=(
+                InnerCollective(4 if smoothing else 3, what="max, sum of exps and target logit per row",
+                                min_itemsize=4, kind="all_gather"),)),)
             if reduction == 1:  # the local sum over the global count of counted targets: a partial mean
                 extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), P, letter,
-                                         name="counts", inner_all_reduces=(
-                                             InnerAllReduce(0, 1, what="count of targets"),))
+                                         name="counts", inner_collectives=(
+                                             InnerCollective(0, 1, what="count of targets"),))
                                for letter in batch)
                 # or the mean itself, where it is wanted whole: the local sum and count in one all-reduce
                 # (one latency where the partial mean and its all-reduce take two), reduced in float32 at least
                 extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), B, letter,
-                                         name="mean", inner_all_reduces=(
-                                             InnerAllReduce(0, 2, what="sum and count of targets",
+                                         name="mean", inner_collectives=(
+                                             InnerCollective(0, 2, what="sum and count of targets",
                                                             min_itemsize=4),))
                                for letter in batch)
     elif rule.family == "pad":
@@ -634,9 +640,9 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
             unsplittable |= set(x_letters) - {"c"}
             # per channel (the rank's own, where another axis splits them): the sum and the centered sum of
             # squares, and the count, in float64; backward: the sums of the gradient and of it times x̂
-            extra = (Signature((S(0),) + (B,) * (len(shapes) - 1), S(0), "n", name="batch", inner_all_reduces=(
-                InnerAllReduce(0, 0, (1, 2), "batch statistics per channel", itemsize=8),
-                InnerAllReduce(0, 0, (1, 2), "gradient sums per channel", phase="backward"))),)
+            extra = (Signature((S(0),) + (B,) * (len(shapes) - 1), S(0), "n", name="batch", inner_collectives=(
+                InnerCollective(0, 0, (1, 2), "batch statistics per channel", itemsize=8),
+                InnerCollective(0, 0, (1, 2), "gradient sums per channel", phase="backward"))),)
         else:  # eval: running statistics, nothing to reduce
             unsplittable |= set(x_letters) - {"c", "n"}
     elif rule.family == "along":
@@ -708,9 +714,9 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
             # and sum of squares (float64) forward, one of the gradient's two sums backward
             dim = normalized[0]
             extra = (Signature((S(dim),) + (S(0),) * (len(shapes) - 1), S(dim), trailing[0], name="features",
-                               inner_all_reduces=(
-                                   InnerAllReduce(2, what="sum and sum of squares per row", itemsize=8),
-                                   InnerAllReduce(2, what="gradient sums per row", phase="backward",
+                               inner_collectives=(
+                                   InnerCollective(2, what="sum and sum of squares per row", itemsize=8),
+                                   InnerCollective(2, what="gradient sums per row", phase="backward",
                                                   min_itemsize=4))),)
 
     elif rule.family == "reshape":

@@ -156,10 +156,9 @@ class Runtime:
         """aten.cross_entropy_loss (no class weight) of logits whose class dim (1) is split over `classes`,
         and whose rows (reduction mean) are split over `counts`.
 
-        Classes: per axis, two all-reduces of one value per row: the max (for a stable exp), then the sum of
-        exps, the target's logit (held by one rank) and, with label smoothing, the logit sum, stacked into
-        one. The sums go through the autograd all-reduce, whose backward is the identity: each rank gets its
-        own classes' softmax minus one-hot, and backward needs no communication.
+        Classes: per axis, one all-gather of a few values per row from each rank: its max, its sum of exps
+        below that max, the target's logit (held by one rank) and, with label smoothing, its logit sum
+        (_ClassSplitCrossEntropy). Backward is local: each rank's classes' softmax minus one-hot.
         Counts: the mean is the local sum over the global count of counted targets, a partial sum (P).
         Mean: the mean itself (B), the local sum and count all-reduced together, one all-reduce per axis;
         its backward is the identity's, so each rank's rows get the gradient over the global count.
@@ -173,7 +172,7 @@ class Runtime:
                 count = counted.to(logits.dtype).reshape(1)
                 work = self._all_reduce_started(count, counts[0], "forward") if counts else None
         if classes:
-            losses = self._split_class_losses(logits, target, ignore_index, label_smoothing, classes)
+            losses = _ClassSplitCrossEntropy.apply(logits, target, ignore_index, label_smoothing, self, classes)
         else:
             losses = torch.ops.aten.cross_entropy_loss.default(logits, target, None, 0, ignore_index, label_smoothing)
         if reduction == 0:
@@ -191,28 +190,6 @@ class Runtime:
         for axis in counts[1:]:
             count = self._all_reduce(count, axis, "forward")
         return losses.sum() / count.reshape(())
-
-    def _split_class_losses(self, logits, target, ignore_index, label_smoothing, axes) -> torch.Tensor:
-        classes = logits.shape[1]
-        start = self._chunk(axes) * classes
-        with torch.no_grad():
-            row_max = logits.max(dim=1).values
-            for axis in axes:
-                row_max = self._all_reduce(row_max, axis, "forward", dist.ReduceOp.MAX)
-        shifted = logits - row_max.unsqueeze(1)
-        local_target = target - start
-        held = (local_target >= 0) & (local_target < classes)
-        picked = shifted.gather(1, local_target.clamp(0, classes - 1).unsqueeze(1)).squeeze(1)
-        sums = [shifted.exp().sum(dim=1), picked.masked_fill(~held, 0.0)]
-        if label_smoothing:
-            sums.append(shifted.sum(dim=1))
-        stacked = torch.stack(sums)
-        for axis in axes:
-            stacked = self.all_reduce(stacked, axis)
-        losses = stacked[0].log() - (1.0 - label_smoothing) * stacked[1]
-        if label_smoothing:
-            losses = losses - label_smoothing * stacked[2] / (classes * math.prod(self.size[a] for a in axes))
-        return losses.masked_fill(target == ignore_index, 0.0)
 
     def batch_norm(self, x: torch.Tensor, weight, bias, running_mean, running_var, training: bool, momentum: float,
                    eps: float, cudnn_enabled: bool = True, *, batch: tuple[str, ...] = ()) -> torch.Tensor:
@@ -498,6 +475,53 @@ class _ColumnParallelLinears(torch.autograd.Function):
             if grad_x is not None:
                 grad_x = rt._all_reduce(grad_x, axis, "backward")
         return (grad_x, None, None, None, *parameter_grads)
+
+
+class _ClassSplitCrossEntropy(torch.autograd.Function):
+    """Per row, the cross-entropy of logits whose class dim (1) is split over `axes` (Runtime.cross_entropy).
+
+    A max and a sum of exps do not add up across ranks, so Megatron all-reduces the max first and the sums
+    below it second. Here each rank sends its own (max m, sum of exps below m, target logit, logit sum) in
+    one all-gather per axis, and every rank combines them alike: the max M of the m, and Σ s·exp(m − M).
+    One latency instead of two, and on two ranks the same bytes. Statistics are kept in float32 at least.
+    Backward needs no communication: softmax (saved in forward) minus the smoothed one-hot."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, rt, axes):
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        classes = wide.shape[1]
+        local_target = target - rt._chunk(axes) * classes
+        held = (local_target >= 0) & (local_target < classes)
+        index = local_target.clamp(0, classes - 1).unsqueeze(1)
+        local_max = wide.amax(dim=1)
+        exps = (wide - local_max.unsqueeze(1)).exp()
+        stats = [local_max, exps.sum(dim=1), wide.gather(1, index).squeeze(1).masked_fill(~held, 0.0)]
+        if label_smoothing:
+            stats.append(wide.sum(dim=1))
+        stats = torch.stack(stats)
+        for axis in axes:
+            every = rt._all_gather(stats.unsqueeze(0), axis, 0, "forward")  # [ranks, statistic, rows...]
+            top = every[:, 0].amax(dim=0)
+            total = (every[:, 1] * (every[:, 0] - top).exp()).sum(dim=0)
+            stats = torch.cat([torch.stack([top, total]), every[:, 2:].sum(dim=0)])
+        top, total = stats[0], stats[1]
+        all_classes = classes * math.prod(rt.size[a] for a in axes)
+        losses = total.log() + top - (1.0 - label_smoothing) * stats[2]
+        if label_smoothing:
+            losses = losses - label_smoothing * stats[3] / all_classes
+        ignored = target == ignore_index
+        softmax = exps.mul_(((local_max - top).exp() / total).unsqueeze(1))
+        ctx.save_for_backward(softmax, index, held, ignored)
+        ctx.smoothing, ctx.all_classes, ctx.dtype = label_smoothing, all_classes, logits.dtype
+        return losses.masked_fill(ignored, 0.0).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, held, ignored = ctx.saved_tensors
+        grad_logits = softmax - ctx.smoothing / ctx.all_classes if ctx.smoothing else softmax.clone()
+        grad_logits.scatter_add_(1, index, held.unsqueeze(1).to(softmax.dtype) * -(1.0 - ctx.smoothing))
+        grad_logits.mul_(grad.to(softmax.dtype).masked_fill(ignored, 0.0).unsqueeze(1))
+        return grad_logits.to(ctx.dtype), None, None, None, None, None
 
 
 class _SyncBatchNorm(torch.autograd.Function):

@@ -20,7 +20,7 @@ fastest, the greedy completion included: compiler._searched_or_greedy); on each,
 - the all-reduce of a broadcast value's gradient where sharded computation reads it (a gathered value's
   gradient is reduce-scattered instead), once per value;
 - each op's compute at the share its signature leaves a rank (FLOP from torch's counter, or bytes moved),
-  backward twice forward; a parallel form's own all-reduces; finishing a partial output;
+  backward twice forward; a parallel form's own collectives; finishing a partial output;
 - a parameter's gradient is reduced in buckets behind backward, and on an axis that splits the batch its
   gather is prefetched behind forward: priced at the share the machine does not overlap (a bucket's
   latency is shared by many parameters: its bytes only).
@@ -417,13 +417,13 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     local_bytes(o, req) for o, req in zip(operands[name], signature.operands))
                 compute = machine.compute_seconds(flops.get(name, 0) / share / split, moved)
                 add_cost(objective, column, backward * compute)
-                for inner in signature.inner_all_reduces:
+                for inner in signature.inner_collectives:
                     if not inner.made(operands[name][0] in requires_grad):
                         continue
                     first, placement = bound.tensors[operands[name][0]], signature.operands[0]
                     local = layout(value[operands[name][0]], placement).local_shape(first.shape, mesh)
-                    add_cost(objective, column, machine.collective_seconds(
-                        "all_reduce", inner.nbytes(local, placement, first.itemsize), n))
+                    volume = collective_bytes(inner.kind, inner.nbytes(local, placement, first.itemsize), n)
+                    add_cost(objective, column, machine.collective_seconds(inner.kind, volume, n))
                 written = pinned(name, axis)
                 if written is not None and written != signature.output:
                     add_cost(objective, column, EPSILON_S + machine.steps_seconds(one_axis_collectives(

@@ -54,7 +54,7 @@ def test_softmax_dim_is_never_split_and_layer_norms_only_by_its_distributed_form
     assert {out for _, out in _sigs(nodes["layer_norm"])} == {"B", "S(0)", "S(1)"}
     [form] = dim_spec(nodes["layer_norm"], rule_for(nodes["layer_norm"])).extra
     assert (form.name, form.operands, form.output) == ("features", (S(1), S(0), S(0)), S(1))
-    statistics, gradients = form.inner_all_reduces
+    statistics, gradients = form.inner_collectives
     assert (statistics.phase, statistics.nbytes((4, 4), S(1), 4)) == ("forward", 2 * 4 * 8)  # float64, per row
     assert (gradients.phase, gradients.nbytes((4, 4), S(1), 4)) == ("backward", 2 * 4 * 4)
 
@@ -204,7 +204,7 @@ def test_synchronised_batch_norm_declares_its_reductions():
                 if op_name(n) == "aten.batch_norm.default")
     [form] = dim_spec(node, rule_for(node)).extra
     assert form.name == "batch"
-    statistics, gradients = form.inner_all_reduces
+    statistics, gradients = form.inner_collectives
     # per channel a sum and a sum of squares, in float64; the count is known (the batch splits evenly)
     assert (statistics.phase, statistics.nbytes((1, 6, 8, 8), S(0), 4)) == ("forward", 2 * 6 * 8)
     assert (gradients.phase, gradients.nbytes((1, 6, 8, 8), S(0), 4)) == ("backward", 2 * 6 * 4)

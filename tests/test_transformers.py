@@ -160,15 +160,39 @@ def test_a_split_mean_loss_returned_whole_reduces_its_sum_and_count_at_once(pool
     ('reduction="mean", label_smoothing=0.2, ignored_class=3', 1),
 ])
 def test_vocabulary_parallel_cross_entropy_never_gathers_the_logits(pools, compile_par, options, backward):
-    # The head is column parallel, so its logits are split over the classes: the loss all-reduces a max
-    # and one fused sum per row, and its backward is local (the one backward all-reduce is the head's input).
+    # The head is column parallel, so its logits are split over the classes: the loss all-gathers each
+    # rank's max, sum of exps and target logit per row in one collective, and its backward is local (the
+    # one backward all-reduce is the head's input).
     # (With few classes per row an all-to-all to a split batch moves fewer bytes, and inference takes it.)
     compiled = compile_par(f"mesh tp = 2\nmodel tests.zoo:Classifier(d=16, classes=64, {options})\n"
                            "input x : float32[8, 16]\ninput labels : int64[8] in [0, 64)\n"
                            "layout {\n  head.weight : S(0)\n  head.bias : S(0)\n}\n")
     assert "rt.cross_entropy(" in compiled.source
-    assert _nonzero(compiled.program.collective_counts()) == {"forward": {"all_reduce": 2},
+    assert _nonzero(compiled.program.collective_counts()) == {"forward": {"all_gather": 1},
                                                              "backward": {"all_reduce": backward}}
+    check(pools, compiled)
+
+
+@pytest.mark.parametrize("mesh, weight, dtype, expected", [
+    ("tp = 4", "S(0)", "float32", {"tp:all_gather": 1}),
+    ("tp = 2", "S(0)", "bfloat16", {"tp:all_gather": 1}),
+    ("dp = 2, tp = 2", "[S(0), S(0)]", "float32", {"dp:all_gather": 1, "tp:all_gather": 1}),  # classes over both
+])
+def test_vocabulary_parallel_cross_entropy_gathers_each_ranks_row_statistics_once_per_axis(
+        pools, compile_par, mesh, weight, dtype, expected):
+    """Each rank's max, sum of exps below it, target logit and logit sum (label smoothing) per row, in one
+    all-gather per axis; every rank combines them alike (the max of the maxima, each sum rescaled to it).
+    Float32 statistics for a bfloat16 head. A sum of exps taken as it is, without rescaling to the global
+    max, fails the float32 cases: the ranks' maxima differ."""
+    compiled = compile_par(f"mesh {mesh}\nmodel tests.zoo:Classifier(d=16, classes=64, reduction=\"mean\", "
+                           f"label_smoothing=0.1, ignored_class=3, dtype=\"{dtype}\")\n"
+                           f"input x : {dtype}[8, 16]\ninput labels : int64[8] in [0, 64)\n"
+                           f"layout {{\n  head.weight : {weight}\n  head.bias : {weight}\n}}\n")
+    by_axis = compiled.program.collective_counts_by_axis()
+    assert by_axis["forward"] == expected
+    ranks = 4 if mesh == "tp = 4" else 2  # per axis
+    loss = [c.bytes for c in compiled.program.collectives if "classes split" in c.reason]
+    assert loss == [8 * 4 * 4 * (ranks - 1)] * len(expected)  # 8 rows, 4 statistics, float32, from each other rank
     check(pools, compiled)
 
 
@@ -178,6 +202,6 @@ def test_vocabulary_parallel_cross_entropy_with_data_parallel_batch(pools, compi
                            "layout {\n  x : S(0) @ dp\n  labels : S(0) @ dp\n  head.weight : S(0) @ tp\n"
                            "  head.bias : S(0) @ tp\n}\n")
     by_axis = compiled.program.collective_counts_by_axis()
-    # tp: the loss's max and fused sum; dp: the summed loss's partial sums, once
-    assert by_axis["forward"] == {"dp:all_reduce": 1, "tp:all_reduce": 2}
+    # tp: the loss's statistics per row, in one all-gather; dp: the summed loss's partial sums, once
+    assert by_axis["forward"] == {"dp:all_reduce": 1, "tp:all_gather": 1}
     check(pools, compiled)
