@@ -9,6 +9,9 @@
 3. The same at hidden 512 (vocabulary 1024, batch 2 × 64), where bandwidth outweighs gloo's latency:
    bytes per rank per step beside the estimate, and whether the search met the bound Megatron's plan
    needs.
+4. The same models returning their own causal-LM loss (given labels), against Megatron-LM's whole plan:
+   the layers as above with the vocabulary-parallel embedding, head and loss (examples/hf_llama_loss_tp2.par's
+   layouts; GPT-2's embedding is tied to its head).
 
     python benchmarks/search.py [--depths 2 8 32] [--calibration FILE]
 """
@@ -33,6 +36,22 @@ layout {{
     input_ids : ?
 }}
 """
+
+# Megatron-LM's whole plan for a model trained on its own loss: column- and row-parallel layers, and the
+# vocabulary split for the embedding, the head and the loss
+TRAINED = {
+    "llama": ('HFLlama(layers=2, hidden=512, vocab=1024, ffn=1024, attention="sdpa")',
+              open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples/hf_llama_loss_tp2.par")).read().split("layout {\n")[1].rsplit("}", 1)[0]),
+    "gpt2": ('HFGPT2(layers=2, hidden=512, vocab=1024, positions=128, attention="sdpa")',
+             "    model.transformer.wte.weight : S(0)\n"  # tied with the head
+             "    model.transformer.h.*.attn.c_attn.weight : S(1, blocks=3)\n"
+             "    model.transformer.h.*.attn.c_attn.bias : S(0, blocks=3)\n"
+             "    model.transformer.h.*.attn.c_proj.weight : S(0)\n"
+             "    model.transformer.h.*.mlp.c_fc.weight : S(1)\n"
+             "    model.transformer.h.*.mlp.c_fc.bias : S(0)\n"
+             "    model.transformer.h.*.mlp.c_proj.weight : S(0)\n"),
+}
 
 
 def counts(compiled) -> str:
@@ -88,6 +107,22 @@ def main() -> None:
                           (", ffn=1024" if model != "gpt2" else ""), open(path).read())
             text = text.replace("[2, 16]", "[2, 64]").replace("[0, 256)", "[0, 1024)")
             searched, megatron, mine, theirs = rediscovery(text, f"{model} tp {tp}", machine)
+            print(f"| {model} | {tp} | {mine.step_s * 1e3:.1f} | {sum(searched.program.collective_bytes().values()) / 2**20:.2f} MiB"
+                  f" | {mine.memory['total'] / 2**20:.1f} / {searched.memory_bound / 2**20:.1f} MiB | "
+                  f"{theirs.step_s * 1e3:.1f} | {sum(megatron.program.collective_bytes().values()) / 2**20:.2f} MiB | "
+                  f"{theirs.memory['total'] / 2**20:.1f} MiB |")
+
+
+    print()
+    print("| model (hidden 512, own loss) | tp | searched: step (ms) | bytes per step | memory / bound | "
+          "Megatron-LM: step (ms) | bytes per step | memory |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model, (constructor, layouts) in TRAINED.items():
+        for tp in (2, 4):
+            text = (f"mesh tp = {tp}\nmodel examples.hf_models:{constructor}\n"
+                    "input input_ids : int64[2, 64] in [0, 1024)\ninput labels : int64[2, 64] in [0, 1024)\n"
+                    f"layout {{\n{layouts}}}\n")
+            searched, megatron, mine, theirs = rediscovery(text, f"{model} tp {tp}, own loss", machine)
             print(f"| {model} | {tp} | {mine.step_s * 1e3:.1f} | {sum(searched.program.collective_bytes().values()) / 2**20:.2f} MiB"
                   f" | {mine.memory['total'] / 2**20:.1f} / {searched.memory_bound / 2**20:.1f} MiB | "
                   f"{theirs.step_s * 1e3:.1f} | {sum(megatron.program.collective_bytes().values()) / 2**20:.2f} MiB | "
