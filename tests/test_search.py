@@ -217,9 +217,10 @@ def test_the_greedy_completion_is_compiled_where_the_cost_model_rates_it_faster(
 
 
 def test_the_search_decides_the_mesh_axes_in_every_order_and_compiles_the_fastest():
-    """On the 3-D layer deciding l, then j, then i is estimated faster than the mesh's own order (i, j, l)
-    and than the greedy completion: that is the plan compiled."""
-    compiled = compile_file("examples/tp_schemes/layer_3d.par")
+    """On the 3-D MLP the plan depends on the order the axes are decided in (deciding l first is estimated
+    1.7× slower); compile runs every order and keeps the fastest, here also faster than the greedy
+    completion."""
+    compiled = compile_file("examples/tp_schemes/mlp_3d.par")
     steps = {order: searched_step(compiled.bound, order) for order in itertools.permutations(range(3))}
-    assert estimate(compiled, GLOO).step_s == min(steps.values()) < steps[(0, 1, 2)]
+    assert estimate(compiled, GLOO).step_s == min(steps.values()) < steps[(2, 1, 0)]
     assert not any(n.code == "N004" for n in compiled.program.notes)
