@@ -71,6 +71,16 @@ def rediscovery(text: str, name: str, machine):
     return searched, megatron, estimate(searched, machine), estimate(megatron, machine)
 
 
+def bytes_row(model: str, tp: int, searched, megatron, mine, theirs) -> str:
+    """A line of the hidden-512 tables: each plan's estimated step, bytes per step and memory."""
+    def mib(compiled) -> float:
+        return sum(compiled.program.collective_bytes().values()) / 2**20
+
+    return (f"| {model} | {tp} | {mine.step_s * 1e3:.1f} | {mib(searched):.2f} MiB | {mine.memory['total'] / 2**20:.1f} / "
+            f"{searched.memory_bound / 2**20:.1f} MiB | {theirs.step_s * 1e3:.1f} | {mib(megatron):.2f} MiB | "
+            f"{theirs.memory['total'] / 2**20:.1f} MiB |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 8, 32])
@@ -106,12 +116,7 @@ def main() -> None:
             text = re.sub(r"\(layers=2", "(layers=2, hidden=512, vocab=1024, positions=128" +
                           (", ffn=1024" if model != "gpt2" else ""), open(path).read())
             text = text.replace("[2, 16]", "[2, 64]").replace("[0, 256)", "[0, 1024)")
-            searched, megatron, mine, theirs = rediscovery(text, f"{model} tp {tp}", machine)
-            print(f"| {model} | {tp} | {mine.step_s * 1e3:.1f} | {sum(searched.program.collective_bytes().values()) / 2**20:.2f} MiB"
-                  f" | {mine.memory['total'] / 2**20:.1f} / {searched.memory_bound / 2**20:.1f} MiB | "
-                  f"{theirs.step_s * 1e3:.1f} | {sum(megatron.program.collective_bytes().values()) / 2**20:.2f} MiB | "
-                  f"{theirs.memory['total'] / 2**20:.1f} MiB |")
-
+            print(bytes_row(model, tp, *rediscovery(text, f"{model} tp {tp}", machine)))
 
     print()
     print("| model (hidden 512, own loss) | tp | searched: step (ms) | bytes per step | memory / bound | "
@@ -122,11 +127,7 @@ def main() -> None:
             text = (f"mesh tp = {tp}\nmodel examples.hf_models:{constructor}\n"
                     "input input_ids : int64[2, 64] in [0, 1024)\ninput labels : int64[2, 64] in [0, 1024)\n"
                     f"layout {{\n{layouts}}}\n")
-            searched, megatron, mine, theirs = rediscovery(text, f"{model} tp {tp}, own loss", machine)
-            print(f"| {model} | {tp} | {mine.step_s * 1e3:.1f} | {sum(searched.program.collective_bytes().values()) / 2**20:.2f} MiB"
-                  f" | {mine.memory['total'] / 2**20:.1f} / {searched.memory_bound / 2**20:.1f} MiB | "
-                  f"{theirs.step_s * 1e3:.1f} | {sum(megatron.program.collective_bytes().values()) / 2**20:.2f} MiB | "
-                  f"{theirs.memory['total'] / 2**20:.1f} MiB |")
+            print(bytes_row(model, tp, *rediscovery(text, f"{model} tp {tp}, own loss", machine)))
 
 
 if __name__ == "__main__":

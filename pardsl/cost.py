@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .layouts import COLLECTIVE_KINDS
+from .layouts import COLLECTIVE_KINDS, collective_bytes
 from .oprules import rule_for
 
 CALIBRATION_VERSION = 1
@@ -60,6 +60,10 @@ class Machine:
     def collective_seconds(self, kind: str, nbytes: int, n: int) -> float:
         link = self.collectives[kind]
         return link.alpha_s * ring_steps(kind, n) + link.beta_s_per_byte * nbytes
+
+    def local_collective_seconds(self, kind: str, local_bytes: int, n: int) -> float:
+        """A collective whose input is `local_bytes` on each of n ranks, at its per-rank volume."""
+        return self.collective_seconds(kind, collective_bytes(kind, local_bytes, n), n)
 
     def steps_seconds(self, steps, n: int) -> float:
         """Of collectives given as (phase, kind, bytes per rank), over n ranks (inference.one_axis_collectives)."""

@@ -784,8 +784,7 @@ class _Lowerer:
                 if not inner.made(operand in self.typed.requires_grad):
                     continue
                 axis_name = self.mesh.axis_names[axis]
-                moved = collective_bytes(inner.kind, inner.nbytes(local, placement, info.itemsize),
-                                         self.mesh.axis_sizes[axis])
+                moved = inner.volume(local, placement, info.itemsize, self.mesh.axis_sizes[axis])
                 made.append(f"{inner.kind.replace('_', '-')} {format_bytes(moved)} over {axis_name} ({inner.phase}): "
                             f"{inner.what}")
                 collectives.append(Collective(inner.kind, axis_name, inner.phase, moved, self.var[operand],

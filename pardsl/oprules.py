@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .layouts import B, P, Placement, S
+from .layouts import B, P, Placement, S, collective_bytes
 
 Letters = tuple  # one letter (str) or None (a broadcast dim of size 1) per dim
 
@@ -313,6 +313,10 @@ class InnerCollective:
 
     def nbytes(self, local_shape: tuple[int, ...], placement: Placement, operand_itemsize: int) -> int:
         return self.values(local_shape, placement) * max(self.itemsize or operand_itemsize, self.min_itemsize)
+
+    def volume(self, local_shape: tuple[int, ...], placement: Placement, operand_itemsize: int, n: int) -> int:
+        """Bytes each rank sends for it over n ranks."""
+        return collective_bytes(self.kind, self.nbytes(local_shape, placement, operand_itemsize), n)
 
     def made(self, input_needs_grad: bool) -> bool:
         """A backward reduction is for the input's gradient: none where the input needs none."""

@@ -422,8 +422,8 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                         continue
                     first, placement = bound.tensors[operands[name][0]], signature.operands[0]
                     local = layout(value[operands[name][0]], placement).local_shape(first.shape, mesh)
-                    volume = collective_bytes(inner.kind, inner.nbytes(local, placement, first.itemsize), n)
-                    add_cost(objective, column, machine.collective_seconds(inner.kind, volume, n))
+                    add_cost(objective, column, machine.collective_seconds(
+                        inner.kind, inner.volume(local, placement, first.itemsize, n), n))
                 written = pinned(name, axis)
                 if written is not None and written != signature.output:
                     add_cost(objective, column, EPSILON_S + machine.steps_seconds(one_axis_collectives(
@@ -460,7 +460,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     # all-reduce of it serves every such consumer; a gathered one's adjoint reduce-scatters it
                     if (key, source) not in syncs:
                         kind = "reduce_scatter" if source.is_split else "all_reduce"
-                        seconds = machine.collective_seconds(kind, collective_bytes(kind, local_bytes(name, B), n), n)
+                        seconds = machine.local_collective_seconds(kind, local_bytes(name, B), n)
                         if name in bound.parameters:  # in a bucket: its bytes, behind the rest of backward
                             seconds = unhidden * (seconds - machine.collective_seconds(kind, 0, n))
                         syncs[key, source] = program.column(count * seconds)
@@ -472,7 +472,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                 if written is not None:
                     convert(key, name, edge(placements[name], {written: {}}), count)
                 elif P in placements[name]:
-                    seconds = machine.collective_seconds("all_reduce", collective_bytes("all_reduce", local_bytes(name, P), n), n)
+                    seconds = machine.local_collective_seconds("all_reduce", local_bytes(name, P), n)
                     for column in placements[name][P]:
                         add_cost(objective, column, count * seconds)
 
