@@ -363,20 +363,25 @@ class _Lowerer:
             for use in uses:
                 use.partial_axes = frozenset(a for a in use.partial_axes if (var, a) not in self.reduce_scatter_backward)
 
-        # A parameter gathered for use on one axis, whose gradient is reduce-scattered there in a bucket, and
-        # read by computation split over further axes (a 2.5-D weight replicated over depth): the same
-        # bucket all-reduces the reduce-scattered gradient over those axes, a shard's bytes, instead of an
-        # all-reduce of the gathered gradient of its own.
+        # A parameter gathered for use on one axis and read by computation split over further axes (a 2.5-D
+        # weight replicated over depth): its gradient is partial over those axes, and a bucket all-reduces
+        # it there as a shard, instead of an all-reduce of the gathered gradient of its own in backward's
+        # way. Where the gradient is partial on the gathered axis too, the bucket reduce-scatters it there
+        # first; where it is whole there, the gather's adjoint takes this rank's slice and the shard joins
+        # an all-reduce bucket.
+        # A parameter gathered over several axes (3-D: over j and l, the batch split over i) has the same:
+        # its shard all-reduced in a bucket, each gather's adjoint a slice.
         self.partial_in_bucket: dict[str, frozenset[int]] = {}
         source = {var: name for (name, _), var in self.conversion_var.items()}
         for var, uses in self.uses.items():
             steps = self.conversion_steps.get(var, [])
             name = source.get(var)
-            if name is None or not self._is_parameter(name) or len(steps) != 1 or steps[0].kind != "all_gather" \
-                    or (var, steps[0].axis) not in self.reduce_scatter_backward:
+            if name is None or not self._is_parameter(name) or not steps or \
+                    any(s.kind != "all_gather" or self.mesh.axis_sizes[s.axis] == 1 for s in steps) or \
+                    (len(steps) > 1 and any((var, s.axis) in self.reduce_scatter_backward for s in steps)):
                 continue
             partial = {use.partial_axes for use in uses}
-            if len(partial) == 1 and next(iter(partial)):
+            if len(partial) == 1 and next(iter(partial)) and not {s.axis for s in steps} & next(iter(partial)):
                 self.partial_in_bucket[var] = next(iter(partial))
                 for use in uses:
                     use.partial_axes = frozenset()
@@ -503,7 +508,8 @@ class _Lowerer:
         if gathered_for_use:
             self._emit_parameter_gather(name, var, steps[0], reason)
         else:
-            self._emit_steps(steps, self.var[name], var, reason,
+            source = self._shard_gradient_in_bucket(name, var) if var in self.partial_in_bucket else self.var[name]
+            self._emit_steps(steps, source, var, reason,
                              {a for (v, a) in self.reduce_scatter_backward if v == var}, name in self.typed.requires_grad)
             if pin is None:
                 self.exchanges += [(consumer, name, s) for s in steps
@@ -539,15 +545,34 @@ class _Lowerer:
         arrow = f"{step.source.placements[step.axis]}→B@{axis}"
         what = f"all-gathered in @@group{index}@@ (forward, prefetched)"
         args: tuple = (Var(self.var[name]), Slot("gather", index))
+        further = tuple(self.mesh.axis_names[a] for a in sorted(self.partial_in_bucket.get(var, ()))
+                        if self.mesh.axis_sizes[a] > 1)
         if (var, step.axis) in self.reduce_scatter_backward and name in self.typed.requires_grad:
-            further = tuple(self.mesh.axis_names[a] for a in sorted(self.partial_in_bucket.get(var, ()))
-                            if self.mesh.axis_sizes[a] > 1)
             sync = self._sync("reduce_scatter", (axis, *further), name, step.src_dim, step.src_blocks, whole)
             args += (Slot("sync", sync),)
             also = f", then all-reduced over {', '.join(further)}," if further else ""
             what += f"; its gradient reduce-scattered{also} in @@bucket{sync}@@ (backward)"
+        elif further:
+            args = (Var(self._shard_gradient_in_bucket(name, var)),) + args[1:]
         self.emit(var, Instruction("param_gather", "sync.all_gather", args), f"{arrow}: {what} — {reason}",
                   layouts=(step.target,))
+
+    def _shard_gradient_in_bucket(self, name: str, var: str) -> str:
+        """The stored parameter, its gradient (partial over `partial_in_bucket[var]`, whole on the axes it
+        is gathered over) all-reduced in a bucket: what the gathers start from, their adjoints slices."""
+        further = tuple(self.mesh.axis_names[a] for a in sorted(self.partial_in_bucket[var]) if self.mesh.axis_sizes[a] > 1)
+        if not further or name not in self.typed.requires_grad:
+            return self.var[name]
+        layout, info = self.typed.layout_of(name), self.typed.info(name)
+        shard = f"{self._base(name)}__f"
+        sync = self._sync("all_reduce", further, name, 0, 1,
+                          math.prod(layout.local_shape(info.shape, self.mesh)) * info.itemsize)
+        gathered = ", ".join(self.mesh.axis_names[s.axis] for s in self.conversion_steps[var])
+        self.emit(shard, Instruction("param_grad_sync", "sync.grad_all_reduce", (Var(self.var[name]), Slot("sync", sync))),
+                  f"gathered over {gathered} for use by computation split over {', '.join(further)}: this rank's "
+                  f"slice of its gradient all-reduced over {', '.join(further)} in @@bucket{sync}@@ (backward)",
+                  layouts=(layout,))
+        return shard
 
     def _gather_groups(self, chosen: list[int]) -> tuple[list[GatherGroup], dict[int, tuple[int, int]]]:
         """Consecutive gathers (of those `chosen`) of one layer (or of no layer), one axis and dtype: one

@@ -201,8 +201,11 @@ def blocks_wanted(specs, nodes: list[str], operands) -> dict[str, dict[str, set[
 
 
 def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
-           optimizer: str = "adamw", order: tuple[int, ...] | None = None) -> TypedGraph:
-    """`order`: the mesh axes in the order they are decided (default: the mesh's)."""
+           optimizer: str = "adamw", order: tuple[int, ...] | None = None,
+           start: TypedGraph | None = None) -> TypedGraph:
+    """`order`: the mesh axes in the order they are decided (default: the mesh's). With `start`, a plan of
+    the same file, the axes in `order` are decided again, each with every other axis as `start` has it:
+    one move of a descent over the mesh's axes, which a plan decided one axis at a time cannot make."""
     specs, graph_nodes, placeholders, operands, requires_grad = prepare(bound)
     mesh = bound.mesh
     flops = global_flops(bound)
@@ -225,6 +228,14 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
     needs: dict[str, list[dict[int, Placement]]] = {name: [{} for _ in operands[name]] for name in nodes}
     candidates: dict[str, dict[int, list[Candidate]]] = {name: {} for name in nodes}
 
+    if start is not None:
+        for name in placeholders + nodes:
+            value[name] = dict(enumerate(start.layout_of(name).placements))
+        for name, node in start.nodes.items():
+            op_out[name] = dict(enumerate(node.op_layout.placements))
+            needs[name] = [dict(enumerate(layout.placements)) for layout in node.operand_layouts]
+            candidates[name] = dict(enumerate(start.candidates[name]))
+
     def pinned(name: str, axis: int) -> Placement | None:
         pin = bound.pins.get(name)
         return pin.layout.placements[axis] if pin is not None else None
@@ -232,7 +243,14 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
     order = tuple(range(mesh.ndim)) if order is None else order
     for step, axis in enumerate(order):
         n = mesh.axis_sizes[axis]
-        later = math.prod(mesh.axis_sizes[a] for a in order[step + 1:])
+        # the axes still undecided (B so far), whose ranks share what this axis leaves per rank
+        later = 1 if start is not None else math.prod(mesh.axis_sizes[a] for a in order[step + 1:])
+        for name in placeholders + nodes:  # from `start`: this axis is decided afresh
+            value[name].pop(axis, None)
+        for name in nodes:
+            op_out[name].pop(axis, None)
+            for need in needs[name]:
+                need.pop(axis, None)
 
         def layout(decided: dict[int, Placement], placement: Placement) -> Layout:
             return Layout(tuple(placement if a == axis else decided.get(a, B) for a in range(mesh.ndim)))
