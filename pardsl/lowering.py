@@ -564,7 +564,7 @@ class _Lowerer:
         if not further or name not in self.typed.requires_grad:
             return self.var[name]
         layout, info = self.typed.layout_of(name), self.typed.info(name)
-        shard = f"{self._base(name)}__f"
+        shard = f"{self._base(name)}__shard__f"  # not `__f`: the parameter may be read as stored too
         sync = self._sync("all_reduce", further, name, 0, 1,
                           math.prod(layout.local_shape(info.shape, self.mesh)) * info.itemsize)
         gathered = ", ".join(self.mesh.axis_names[s.axis] for s in self.conversion_steps[var])

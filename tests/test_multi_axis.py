@@ -300,11 +300,10 @@ def test_a_weight_gathered_over_two_axes_for_a_batch_split_over_a_third_syncs_it
     compiled = compile_file("examples/tp_schemes/layer_3d.par")
     [bucket] = [b for b in compiled.program.buckets if "mlp_fc1_weight" in [m[0] for m in b.members]]
     assert (bucket.kind, bucket.axes) == ("all_reduce", ("i",))
-    shards = {m[0]: m for m in bucket.members}
-    assert {"mlp_fc1_weight", "mlp_fc2_weight"} <= set(shards)
+    assert {"mlp_fc1_weight", "mlp_fc2_weight"} <= {m[0] for m in bucket.members}
     assert not [c for c in compiled.program.collectives if c.axis == "i" and "weight" in c.value]
-    assert re.search(r"mlp_fc1_weight__f = sync\.grad_all_reduce\(self\.mlp_fc1_weight, bucket=\d+, member=\d+\) +"
-                     r"# gathered over j, l for use by computation split over i", compiled.source)
+    assert re.search(r"mlp_fc1_weight__shard__f = sync\.grad_all_reduce\(self\.mlp_fc1_weight, bucket=\d+, "
+                     r"member=\d+\) +# gathered over j, l for use by computation split over i", compiled.source)
 
 
 def test_a_weight_gathered_for_use_and_replicated_over_depth_is_synchronised_in_its_bucket():
