@@ -363,14 +363,13 @@ class _Lowerer:
             for use in uses:
                 use.partial_axes = frozenset(a for a in use.partial_axes if (var, a) not in self.reduce_scatter_backward)
 
-        # A parameter gathered for use on one axis and read by computation split over further axes (a 2.5-D
-        # weight replicated over depth): its gradient is partial over those axes, and a bucket all-reduces
-        # it there as a shard, instead of an all-reduce of the gathered gradient of its own in backward's
-        # way. Where the gradient is partial on the gathered axis too, the bucket reduce-scatters it there
-        # first; where it is whole there, the gather's adjoint takes this rank's slice and the shard joins
-        # an all-reduce bucket.
-        # A parameter gathered over several axes (3-D: over j and l, the batch split over i) has the same:
-        # its shard all-reduced in a bucket, each gather's adjoint a slice.
+        # A parameter gathered for use and read by computation split over further axes (a 2.5-D weight
+        # replicated over depth; a 3-D weight gathered over j and l, the batch split over i): its gradient
+        # is partial over those axes, and a bucket all-reduces it there as a shard, instead of an all-reduce
+        # of the gathered gradient of its own on backward's path. Gathered over one axis where the gradient
+        # is partial too, the bucket reduce-scatters it there first (`_emit_parameter_gather`); where it is
+        # whole on every gathered axis, each gather's adjoint takes this rank's slice and the stored shard
+        # joins an all-reduce bucket (`_shard_gradient_in_bucket`).
         self.partial_in_bucket: dict[str, frozenset[int]] = {}
         source = {var: name for (name, _), var in self.conversion_var.items()}
         for var, uses in self.uses.items():
@@ -545,8 +544,7 @@ class _Lowerer:
         arrow = f"{step.source.placements[step.axis]}→B@{axis}"
         what = f"all-gathered in @@group{index}@@ (forward, prefetched)"
         args: tuple = (Var(self.var[name]), Slot("gather", index))
-        further = tuple(self.mesh.axis_names[a] for a in sorted(self.partial_in_bucket.get(var, ()))
-                        if self.mesh.axis_sizes[a] > 1)
+        further = self._further_axes(var)
         if (var, step.axis) in self.reduce_scatter_backward and name in self.typed.requires_grad:
             sync = self._sync("reduce_scatter", (axis, *further), name, step.src_dim, step.src_blocks, whole)
             args += (Slot("sync", sync),)
@@ -557,10 +555,15 @@ class _Lowerer:
         self.emit(var, Instruction("param_gather", "sync.all_gather", args), f"{arrow}: {what} — {reason}",
                   layouts=(step.target,))
 
+    def _further_axes(self, var: str) -> tuple[str, ...]:
+        """The axes (of more than one rank) a gathered parameter's gradient is all-reduced over in its bucket."""
+        return tuple(self.mesh.axis_names[a] for a in sorted(self.partial_in_bucket.get(var, ()))
+                     if self.mesh.axis_sizes[a] > 1)
+
     def _shard_gradient_in_bucket(self, name: str, var: str) -> str:
         """The stored parameter, its gradient (partial over `partial_in_bucket[var]`, whole on the axes it
         is gathered over) all-reduced in a bucket: what the gathers start from, their adjoints slices."""
-        further = tuple(self.mesh.axis_names[a] for a in sorted(self.partial_in_bucket[var]) if self.mesh.axis_sizes[a] > 1)
+        further = self._further_axes(var)
         if not further or name not in self.typed.requires_grad:
             return self.var[name]
         layout, info = self.typed.layout_of(name), self.typed.info(name)
