@@ -19,7 +19,7 @@ from .binding import BoundPlan, bind
 from .codegen import render, render_pipeline
 from .inference import TypedGraph, infer
 from .cost import estimate, memory_per_rank
-from .search import memory_limit, search, wants_search
+from .search import graph_facts, memory_limit, search, wants_search
 from .diagnostics import Diagnostic
 from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
 from .syntax import ParFile, parse, parse_file
@@ -80,10 +80,12 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
     decided in, and on some meshes the greedy completion of the same file is estimated faster still. It
     runs in every order of the axes that have more than one rank; of those plans and the greedy completion
     the one the cost model rates fastest (a plan within the memory bound before one over it; the greedy
-    one only within it) is the start of a descent: each axis is decided again with the others fixed, kept
-    while the plan is rated faster. Note N004 says when the greedy completion is what is compiled."""
+    one only within it) is the start of a descent: pairs of axes decided again jointly with the others
+    fixed, kept while the plan is rated faster (_descended). Note N004 says when the greedy completion is
+    where the descent started."""
     limit = memory_limit(bound)
     seconds["search"] = seconds["lower"] = 0.0
+    facts = _timed(seconds, "search", lambda: graph_facts(bound))
 
     def rated(typed: TypedGraph, program: LoweredProgram):
         plan = estimate(_Candidate(typed, program), machine)
@@ -91,7 +93,7 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
 
     def searched(order: tuple[int, ...], start: TypedGraph | None = None):
         clock = time.perf_counter()
-        typed = search(bound, machine, limit, order=order, start=start)
+        typed = search(bound, machine, limit, order=order, start=start, facts=facts)
         seconds["search"] += time.perf_counter() - clock
         clock = time.perf_counter()
         program = lower(typed, bucket_mb)
@@ -125,13 +127,17 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
 
 
 def _descended(plan, axes: list[int], searched, rounds: int = 4):
-    """Block-coordinate descent over the mesh's axes: each axis decided again by the search with every
-    other axis fixed as the plan has it, the result kept where the cost model rates it faster; until a
-    round changes nothing (or `rounds` rounds, which bounds compile time on large models)."""
+    """Block-coordinate descent over the mesh's axes: each pair of axes decided again by one integer
+    program over both, with every other axis fixed as the plan has it and every op keeping its signature
+    on at least one of the two. That neighbourhood holds every move of one axis alone, and any mix of such
+    moves across ops, and the program solves in seconds where the whole product of two axes' choices takes
+    minutes. A move is kept where the cost model rates it faster, until a round changes nothing (or
+    `rounds` rounds, which bounds compile time on large models)."""
+    moves = [(pair,) for pair in itertools.combinations(axes, 2)]
     for _ in range(rounds):
         improved = False
-        for axis in axes:
-            moved = searched((axis,), start=plan[1])
+        for move in moves:
+            moved = searched(move, start=plan[1])
             if moved[0] < plan[0]:
                 plan, improved = moved, True
         if not improved:

@@ -286,6 +286,14 @@ def plan_conversion(
     """
     if source == target:
         return []
+    return list(_planned_conversion(source, target, tuple(shape), itemsize, mesh, with_backward))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _planned_conversion(source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int, mesh: Mesh,
+                        with_backward: bool) -> tuple[ConversionStep, ...]:
+    """plan_conversion's search, once per question: a joint layout search prices every pair of a
+    value's placements, and many values share a shape."""
     blocks = {p.blocks for p in (*source.placements, *target.placements) if p.is_split}
     candidates = [B, P] + [S(d, k) for d in range(len(shape)) for k in sorted(blocks | {1})]
     # Entries: (cost, steps, layout, push order, path); layouts are ordered, so ties are deterministic.
@@ -295,7 +303,7 @@ def plan_conversion(
     while frontier:
         cost, steps, layout, _, path = heapq.heappop(frontier)
         if layout == target:
-            return path
+            return tuple(path)
         if layout in settled:
             continue
         settled.add(layout)

@@ -6,7 +6,11 @@ at all. Elsewhere inference's greedy pass (inference.infer) completes the writte
 As in inference, the mesh's axes are decided one after another (nd-SBP as the product of one-axis
 signatures), in the order given (compile runs every order and keeps the plan the cost model rates
 fastest, the greedy completion included: compiler._searched_or_greedy); on each, one integer program
-(Alpa's formulation) chooses everything at once:
+(Alpa's formulation) chooses everything at once. A group of axes may be decided together by one
+program: an op's choices are then the combinations of its one-axis signatures whose layouts fit, a
+value's placement is one per axis of the group, and a conversion is priced as lowering plans it over
+all of them (layouts.plan_conversion). Compile's descent decides pairs of axes so, from a plan, each op
+keeping its signature on at least one of the two. The program:
 
 - a binary per op and legal signature, exactly one taken (a dim some op downstream cuts into m equal
   parts is also offered split in m blocks: blocks_wanted); and per free tensor (a parameter or buffer the
@@ -38,6 +42,7 @@ the program has one layer's size however deep the model is.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -47,11 +52,13 @@ import numpy as np
 from .binding import BoundPlan
 from .cost import OPTIMIZER_STATES, Machine, global_flops, layer_of, parameter_unit, repeated_layer, serial_bytes
 from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
-from .layouts import B, P, Layout, Placement, collective_bytes
+from .layouts import CONVERSION_OF_KIND, B, P, Layout, Placement, collective_bytes, plan_conversion
 from .oprules import signatures
 
 EPSILON_S = 1e-9  # a conversion, or a split of a free tensor, that saves nothing is not made
 TIME_LIMIT_S = 60.0
+
+Joint = tuple[Placement, ...]  # a value's placements on the axes decided together, in their order
 
 
 def wants_search(bound: BoundPlan) -> bool:
@@ -200,19 +207,30 @@ def blocks_wanted(specs, nodes: list[str], operands) -> dict[str, dict[str, set[
     return wanted
 
 
-def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
-           optimizer: str = "adamw", order: tuple[int, ...] | None = None,
-           start: TypedGraph | None = None) -> TypedGraph:
-    """`order`: the mesh axes in the order they are decided (default: the mesh's). With `start`, a plan of
-    the same file, the axes in `order` are decided again, each with every other axis as `start` has it:
-    one move of a descent over the mesh's axes, which a plan decided one axis at a time cannot make."""
+@dataclass(frozen=True)
+class GraphFacts:
+    """What the search reads from the bound graph and no move changes: computed once per compile
+    (graph_facts) and shared by every program it solves."""
+
+    specs: dict
+    graph_nodes: list
+    placeholders: list[str]
+    operands: dict[str, tuple[str, ...]]
+    requires_grad: set[str]
+    flops: dict[str, int]
+    cut_blocks: dict[str, dict[str, set[int]]]
+    gather_unit: dict[str, str]
+    consumers: dict[str, list[tuple[str, int]]]
+    outputs_of: dict[str, list[int]]
+
+    @property
+    def nodes(self) -> list[str]:
+        return [node.name for node in self.graph_nodes]
+
+
+def graph_facts(bound: BoundPlan) -> GraphFacts:
     specs, graph_nodes, placeholders, operands, requires_grad = prepare(bound)
-    mesh = bound.mesh
-    flops = global_flops(bound)
-    states = OPTIMIZER_STATES[optimizer]
     nodes = [node.name for node in graph_nodes]
-    cut_blocks = blocks_wanted(specs, nodes, operands)
-    gather_unit = _gather_units(bound, nodes, operands)
     consumers: dict[str, list[tuple[str, int]]] = {name: [] for name in placeholders + nodes}
     for name in nodes:
         for slot, o in enumerate(operands[name]):
@@ -221,6 +239,28 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
     for index, (_, name) in enumerate(bound.outputs):
         if name:
             outputs_of.setdefault(name, []).append(index)
+    return GraphFacts(specs, graph_nodes, placeholders, operands, requires_grad, global_flops(bound),
+                      blocks_wanted(specs, nodes, operands), _gather_units(bound, nodes, operands), consumers,
+                      outputs_of)
+
+
+def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
+           optimizer: str = "adamw", order: tuple[int | tuple[int, ...], ...] | None = None,
+           start: TypedGraph | None = None, facts: GraphFacts | None = None) -> TypedGraph:
+    """`order`: the mesh axes in the order they are decided (default: the mesh's, one at a time); an entry
+    that is a tuple of axes is decided jointly, by one program over every combination of their choices
+    (Alpa's strategies over a 2-D mesh). With `start`, a plan of the same file, the axes in `order` are
+    decided again, each with every other axis as `start` has it: one move of a descent over the mesh's
+    axes, which a plan decided one axis at a time cannot make; where an entry has several axes, every op
+    keeps its signature in `start` on at least one of them. `facts`: graph_facts(bound), where the caller
+    solves several programs."""
+    facts = facts or graph_facts(bound)
+    specs, graph_nodes, placeholders = facts.specs, facts.graph_nodes, facts.placeholders
+    operands, requires_grad, flops = facts.operands, facts.requires_grad, facts.flops
+    cut_blocks, gather_unit, consumers, outputs_of = facts.cut_blocks, facts.gather_unit, facts.consumers, facts.outputs_of
+    mesh = bound.mesh
+    states = OPTIMIZER_STATES[optimizer]
+    nodes = facts.nodes
 
     # per name, what is decided so far, by mesh axis
     value: dict[str, dict[int, Placement]] = {name: {} for name in placeholders + nodes}
@@ -236,78 +276,113 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             needs[name] = [dict(enumerate(layout.placements)) for layout in node.operand_layouts]
             candidates[name] = dict(enumerate(start.candidates[name]))
 
-    def pinned(name: str, axis: int) -> Placement | None:
+    groups = [(g,) if isinstance(g, int) else tuple(g) for g in (range(mesh.ndim) if order is None else order)]
+
+    def pinned(name: str, group: tuple[int, ...]) -> Joint | None:
         pin = bound.pins.get(name)
-        return pin.layout.placements[axis] if pin is not None else None
+        return tuple(pin.layout.placements[a] for a in group) if pin is not None else None
 
-    order = tuple(range(mesh.ndim)) if order is None else order
-    for step, axis in enumerate(order):
-        n = mesh.axis_sizes[axis]
-        # the axes still undecided (B so far), whose ranks share what this axis leaves per rank
-        later = 1 if start is not None else math.prod(mesh.axis_sizes[a] for a in order[step + 1:])
-        for name in placeholders + nodes:  # from `start`: this axis is decided afresh
-            value[name].pop(axis, None)
+    for step, group in enumerate(groups):
+        sizes = [mesh.axis_sizes[a] for a in group]
+        whole_joint = (B,) * len(group)
+        # the axes still undecided (B so far), whose ranks share what this group leaves per rank
+        later = 1 if start is not None else math.prod(mesh.axis_sizes[a] for g in groups[step + 1:] for a in g)
+        for name in placeholders + nodes:  # from `start`: these axes are decided afresh
+            for a in group:
+                value[name].pop(a, None)
         for name in nodes:
-            op_out[name].pop(axis, None)
-            for need in needs[name]:
-                need.pop(axis, None)
+            for a in group:
+                op_out[name].pop(a, None)
+                for need in needs[name]:
+                    need.pop(a, None)
 
-        def layout(decided: dict[int, Placement], placement: Placement) -> Layout:
-            return Layout(tuple(placement if a == axis else decided.get(a, B) for a in range(mesh.ndim)))
+        def layout(decided: dict[int, Placement], joint: Joint) -> Layout:
+            placements = [decided.get(a, B) for a in range(mesh.ndim)]
+            for a, placement in zip(group, joint):
+                placements[a] = placement
+            return Layout(tuple(placements))
 
-        def local_bytes(name: str, placement: Placement) -> int:
+        def local_bytes(name: str, joint: Joint) -> int:
             info = bound.tensors[name]
-            return math.prod(layout(value[name], placement).local_shape(info.shape, mesh)) * info.itemsize
+            return math.prod(layout(value[name], joint).local_shape(info.shape, mesh)) * info.itemsize
 
-        def fits(name: str, placement: Placement, decided: dict[int, Placement] | None = None) -> bool:
-            shape = bound.tensors[name].shape
-            return layout(value[name], placement).fits(shape, mesh) and \
-                (decided is None or layout(decided, placement).fits(shape, mesh))
+        fitted: dict[tuple, bool] = {}  # the same question comes back for every combination of a group
 
-        if n == 1:  # nothing moves on a one-rank axis: every layout is the same tensor
-            for name in placeholders + nodes:
-                value[name][axis] = pinned(name, axis) or B
-            for name in nodes:
-                for slot in range(len(operands[name])):
-                    needs[name][slot][axis] = B
-                op_out[name][axis] = B
-                candidates[name][axis] = [Candidate(signatures(specs[name])[0], 0, 0, 0, 0, 0, 0, True)]
+        def fits(name: str, joint: Joint, decided: dict[int, Placement] | None = None) -> bool:
+            key = (name, joint, id(decided))
+            if key not in fitted:
+                shape = bound.tensors[name].shape
+                fitted[key] = layout(value[name], joint).fits(shape, mesh) and \
+                    (decided is None or layout(decided, joint).fits(shape, mesh))
+            return fitted[key]
+
+        if math.prod(sizes) == 1:  # nothing moves on a one-rank axis: every layout is the same tensor
+            for a in group:
+                for name in placeholders + nodes:
+                    value[name][a] = pinned(name, (a,))[0] if name in bound.pins else B
+                for name in nodes:
+                    for slot in range(len(operands[name])):
+                        needs[name][slot][a] = B
+                    op_out[name][a] = B
+                    candidates[name][a] = [Candidate(signatures(specs[name])[0], 0, 0, 0, 0, 0, 0, True)]
             continue
 
-        free = {name for name in placeholders if pinned(name, axis) is None and
+        free = {name for name in placeholders if name not in bound.pins and
                 (name not in bound.inputs or name in bound.searched)}
-        batch_axis = any((pinned(name, axis) or B).is_split and pinned(name, axis).dim == 0 or name in free
-                         for name in bound.inputs)
+        batch_axes = {a for a in group if any(
+            name in free or (pinned(name, (a,)) or (B,))[0].is_split and pinned(name, (a,))[0].dim == 0
+            for name in bound.inputs)}
         unhidden = 1.0 - machine.overlap
 
-        # Legal signatures per op, given the axes decided before this one
-        legal: dict[str, list] = {}
-        domain: dict[str, list[Placement]] = {}
+        # Legal signatures per op, given the axes decided before these: on each axis of the group the
+        # rule's own, then every combination of them whose layouts fit
+        legal: dict[str, list[tuple[tuple[int, ...], tuple]]] = {}
+        legal_on: dict[str, list[list]] = {}  # per op, per axis of the group: its legal one-axis signatures
+        domain: dict[str, list[Joint]] = {}
         for name in placeholders:
-            domain[name] = [pinned(name, axis) or B]
+            domain[name] = [pinned(name, group) or whole_joint]
         for name in nodes:
             spec = specs[name]
-            offered = {letter: set(counts) for letter, counts in cut_blocks.get(name, {}).items()}
-            for o, letters in zip(operands[name], spec.operands):
-                if o in free:
+            per_axis = []
+            for i in range(len(group)):
+                offered = {letter: set(counts) for letter, counts in cut_blocks.get(name, {}).items()}
+                for o, letters in zip(operands[name], spec.operands):
+                    if o in free:
+                        continue
+                    for joint in domain[o]:
+                        placement = joint[i]
+                        if placement.is_split and placement.blocks > 1 and placement.dim < len(letters) and \
+                                letters[placement.dim] is not None:
+                            offered.setdefault(letters[placement.dim], set()).add(placement.blocks)
+                per_axis.append([
+                    (index, signature) for index, signature in enumerate(signatures(spec, offered))
+                    if all(fits(o, _on(i, len(group), B if (req == P and o in free) else req), needs[name][slot])
+                           for slot, (o, req) in enumerate(zip(operands[name], signature.operands)))
+                    and fits(name, _on(i, len(group), signature.output), op_out[name])])
+            legal_on[name] = per_axis
+            # a move from `start` over several axes: each op keeps its signature on at least one of them
+            kept = [{index for index, one in entries if _same_signature(start.nodes[name], a, one)}
+                    for a, entries in zip(group, per_axis)] if start is not None and len(group) > 1 else None
+            legal[name] = []
+            for combination in itertools.product(*per_axis):
+                indices = tuple(index for index, _ in combination)
+                if kept is not None and any(kept) and not any(i in k for i, k in zip(indices, kept)):
                     continue
-                for placement in domain[o]:
-                    if placement.is_split and placement.blocks > 1 and placement.dim < len(letters) and \
-                            letters[placement.dim] is not None:
-                        offered.setdefault(letters[placement.dim], set()).add(placement.blocks)
-            legal[name] = [
-                (index, signature) for index, signature in enumerate(signatures(spec, offered))
-                if all(fits(o, B if (req == P and o in free) else req, needs[name][slot])
-                       for slot, (o, req) in enumerate(zip(operands[name], signature.operands)))
-                and fits(name, signature.output, op_out[name])]
+                joint_signature = tuple(signature for _, signature in combination)
+                if len(group) == 1 or (
+                        all(fits(o, tuple(B if (s.operands[slot] == P and o in free) else s.operands[slot]
+                                          for s in joint_signature), needs[name][slot])
+                            for slot, o in enumerate(operands[name]))
+                        and fits(name, tuple(s.output for s in joint_signature), op_out[name])):
+                    legal[name].append((indices, joint_signature))
             assert legal[name], f"no legal signature for {name}"  # all-B always fits
-            written = pinned(name, axis)
+            written = pinned(name, group)
             domain[name] = [written] if written is not None else \
-                list(dict.fromkeys(signature.output for _, signature in legal[name]))
+                list(dict.fromkeys(_output(signature) for _, signature in legal[name]))
         for name in free:  # what its consumers can take it as (a partial sum: from B, locally)
-            wanted = [B] + [signature.operands[slot] for consumer, slot in consumers[name]
-                            for _, signature in legal[consumer]]
-            domain[name] = [p for p in dict.fromkeys(wanted) if p != P and fits(name, p)]
+            wanted = [whole_joint] + [_operand(signature, slot) for consumer, slot in consumers[name]
+                                      for _, signature in legal[consumer]]
+            domain[name] = [p for p in dict.fromkeys(wanted) if P not in p and fits(name, p)]
 
         def fingerprint(name: str, position: dict[str, int]) -> tuple:
             info = bound.tensors[name]
@@ -337,13 +412,13 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
 
         objective: dict[int, float] = {}
 
-        def placement_terms(name: str) -> dict[Placement, dict[int, float]]:
-            """The value's placement on this axis as sums of choice columns (a constant: one fixed column)."""
-            result: dict[Placement, dict[int, float]] = {}
+        def placement_terms(name: str) -> dict[Joint, dict[int, float]]:
+            """The value's placement on these axes as sums of choice columns (a constant: one fixed column)."""
+            result: dict[Joint, dict[int, float]] = {}
             columns = columns_of(name)
-            if name in legal and pinned(name, axis) is None:
+            if name in legal and pinned(name, group) is None:
                 for (_, signature), column in zip(legal[name], columns):
-                    result.setdefault(signature.output, {})[column] = 1.0
+                    result.setdefault(_output(signature), {})[column] = 1.0
             elif name in legal:  # written: whatever the op computes, the value is the written layout
                 result[domain[name][0]] = {column: 1.0 for column in columns}
             else:
@@ -351,11 +426,24 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     result[placement] = {column: 1.0}
             return result
 
-        def conversion_seconds(name: str, source: Placement, target: Placement) -> float:
-            seconds = machine.steps_seconds(
-                one_axis_collectives(source, target, local_bytes(name, source), n, name in requires_grad), n)
-            if name in bound.parameters and source.is_split and target == B and batch_axis:
-                seconds *= unhidden  # prefetched forward, reduce-scattered in buckets backward
+        def conversion_seconds(name: str, source: Joint, target: Joint) -> float:
+            """Converting a value: on one axis, the catalogue's step; on several, the steps lowering plans
+            (layouts.plan_conversion), a parameter's gathers on an axis that splits the batch prefetched."""
+            gradient, parameter = name in requires_grad, name in bound.parameters
+            if len(group) == 1:
+                seconds = machine.steps_seconds(one_axis_collectives(
+                    source[0], target[0], local_bytes(name, source), sizes[0], gradient), sizes[0])
+                if parameter and source[0].is_split and target[0] == B and group[0] in batch_axes:
+                    seconds *= unhidden  # prefetched forward, reduce-scattered in buckets backward
+                return seconds + EPSILON_S
+            info = bound.tensors[name]
+            seconds = 0.0
+            for conversion in plan_conversion(layout(value[name], source), layout(value[name], target),
+                                              info.shape, info.itemsize, mesh, gradient):
+                moved = machine.steps_seconds(_step_collectives(conversion, gradient), mesh.axis_sizes[conversion.axis])
+                if parameter and conversion.kind == "all_gather" and conversion.axis in batch_axes:
+                    moved *= unhidden
+                seconds += moved
             return seconds + EPSILON_S
 
         placements = {name: placement_terms(name) for name in placeholders + nodes}
@@ -377,7 +465,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     add_cost(memory, column, nbytes)
             if name in free:
                 for placement, terms in placements[name].items():
-                    if placement != B:
+                    if placement != whole_joint:
                         for column in terms:
                             add_cost(objective, column, EPSILON_S)
 
@@ -386,7 +474,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                 row[column] = row.get(column, 0.0) - v
             return row
 
-        def edge(source: dict[Placement, dict[int, float]], target: dict[Placement, dict[int, float]]):
+        def edge(source: dict[Joint, dict[int, float]], target: dict[Joint, dict[int, float]]):
             """The pair of placements a value is taken in, as terms per (from, to). Where either side has
             one choice the pair is the other side's; else a continuous variable per pair whose sums over
             each side equal that side's choice (a tight linearisation of their product)."""
@@ -414,54 +502,53 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                 if (key, p, q) not in converted:
                     column = program.column(count * conversion_seconds(name, p, q))
                     converted[key, p, q] = column
-                    if name in bound.parameters and p.is_split and q == B:  # gathered whole while in use
-                        unit = gather_unit[name]
-                        add_cost(gathered.setdefault(unit, {}), column, local_bytes(name, B))
+                    if name in bound.parameters and any(s.is_split and t == B for s, t in zip(p, q)):
+                        unit = gather_unit[name]  # gathered (more) whole while in use
+                        add_cost(gathered.setdefault(unit, {}), column, local_bytes(name, q))
                         copies[unit] = max(copies.get(unit, 1), count)
                 program.row(subtract({converted[key, p, q]: 1.0}, terms), 0.0, math.inf)
 
-        slots: dict[str, list[dict[Placement, dict[int, float]]]] = {}  # per op and operand: its signatures' needs
-        whole: dict[str, dict[int, float]] = {}  # per op: its signatures whose output is B
+        slots: dict[str, list[dict[Joint, dict[int, float]]]] = {}  # per op and operand: its signatures' needs
+        computed: dict[str, dict[int, Joint]] = {}  # per op: what each of its columns computes
         for name in nodes:
             share = math.prod(mesh.axis_sizes[a] for a, p in op_out[name].items() if p.kind != "B")
             backward = 3 if name in requires_grad else 1
-            by_slot: list[dict[Placement, dict[int, float]]] = [{} for _ in operands[name]]
-            whole_output: dict[int, float] = {}  # the signatures whose output is B
+            by_slot: list[dict[Joint, dict[int, float]]] = [{} for _ in operands[name]]
+            computed[name] = {}
             for (index, signature), column in zip(legal[name], columns_of(name)):
-                split = n if signature.output != B else 1
-                if signature.output == B:
-                    whole_output[column] = whole_output.get(column, 0.0) + 1.0
-                moved = local_bytes(name, signature.output) + sum(
-                    local_bytes(o, req) for o, req in zip(operands[name], signature.operands))
+                output = _output(signature)
+                computed[name][column] = output
+                split = math.prod(n for n, p in zip(sizes, output) if p != B)
+                moved = local_bytes(name, output) + sum(
+                    local_bytes(o, _operand(signature, slot)) for slot, o in enumerate(operands[name]))
                 compute = machine.compute_seconds(flops.get(name, 0) / share / split, moved)
                 add_cost(objective, column, backward * compute)
-                for inner in signature.inner_collectives:
-                    if not inner.made(operands[name][0] in requires_grad):
-                        continue
-                    first, placement = bound.tensors[operands[name][0]], signature.operands[0]
-                    local = layout(value[operands[name][0]], placement).local_shape(first.shape, mesh)
-                    add_cost(objective, column, machine.collective_seconds(
-                        inner.kind, inner.volume(local, placement, first.itemsize, n), n))
-                written = pinned(name, axis)
-                if written is not None and written != signature.output:
-                    add_cost(objective, column, EPSILON_S + machine.steps_seconds(one_axis_collectives(
-                        signature.output, written, local_bytes(name, signature.output), n, name in requires_grad), n))
-                for slot, req in enumerate(signature.operands):
-                    terms = by_slot[slot].setdefault(req, {})
+                for i, one in enumerate(signature):
+                    for inner in one.inner_collectives:
+                        if not inner.made(operands[name][0] in requires_grad):
+                            continue
+                        first = bound.tensors[operands[name][0]]
+                        local = layout(value[operands[name][0]], _operand(signature, 0)).local_shape(first.shape, mesh)
+                        add_cost(objective, column, machine.collective_seconds(
+                            inner.kind, inner.volume(local, one.operands[0], first.itemsize, sizes[i]), sizes[i]))
+                written = pinned(name, group)
+                if written is not None and written != output:
+                    add_cost(objective, column, conversion_seconds(name, output, written))
+                for slot in range(len(operands[name])):
+                    terms = by_slot[slot].setdefault(_operand(signature, slot), {})
                     terms[column] = terms.get(column, 0.0) + 1.0
             slots[name] = by_slot
-            whole[name] = whole_output
 
         # Each value's consumers, through the shared layers: values of repeated layers that are taken by
         # the same (shared) consumers are one class, whose conversions are priced once times its size
         classes: dict[tuple, list[str]] = {}
         for name in placeholders + nodes:
             uses = tuple(sorted((shared.get(v, v), slot) for v, slot in consumers[name]))
-            ends = tuple((i, bound.output_pins[i].layout.placements[axis] if i in bound.output_pins else None)
-                         for i in outputs_of.get(name, ()))
+            ends = tuple((i, tuple(bound.output_pins[i].layout.placements[a] for a in group)
+                          if i in bound.output_pins else None) for i in outputs_of.get(name, ()))
             if uses or ends:
                 classes.setdefault((shared.get(name, name), uses, ends), []).append(name)
-        syncs: dict[tuple, int] = {}  # (class, placement) → its gradient's reduction
+        syncs: dict[tuple, int] = {}  # (class, axis, placements) → its gradient's reduction over the axis
         for key, members in classes.items():
             name, uses, ends = members[0], key[1], key[2]
             count = len(members)
@@ -470,29 +557,35 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                 convert(key, name, pairs, count)
                 if name not in requires_grad:
                     continue
-                taken_whole = {c: x for c, x in whole[v].items() if c in slots[v][slot].get(B, {})}
-                for source in placements[name]:
-                    if (source, B) not in pairs:
-                        continue
-                    # taken whole by a signature that computes split, the value's gradient is partial: one
-                    # all-reduce of it serves every such consumer; a gathered one's adjoint reduce-scatters it
-                    if (key, source) not in syncs:
-                        kind = "reduce_scatter" if source.is_split else "all_reduce"
-                        seconds = machine.local_collective_seconds(kind, local_bytes(name, B), n)
-                        if name in bound.parameters:  # in a bucket: its bytes, behind the rest of backward
-                            seconds = unhidden * (seconds - machine.collective_seconds(kind, 0, n))
-                        syncs[key, source] = program.column(count * seconds)
-                    row = subtract({syncs[key, source]: 1.0}, pairs[source, B])
-                    for column, x in taken_whole.items():
-                        row[column] = row.get(column, 0.0) + x
-                    program.row(row, 0.0, math.inf)
+                for (source, target), terms in pairs.items():
+                    for i, a in enumerate(group):
+                        if target[i] != B:
+                            continue
+                        # taken whole on this axis by a signature that computes split, the value's gradient
+                        # is partial over it: one all-reduce of it serves every such consumer; a gathered
+                        # one's adjoint reduce-scatters it
+                        taken_whole = {c: 1.0 for c in slots[v][slot].get(target, {}) if computed[v][c][i] == B}
+                        if (key, i, source, target) not in syncs:
+                            kind = "reduce_scatter" if source[i].is_split else "all_reduce"
+                            seconds = machine.local_collective_seconds(kind, local_bytes(name, target), sizes[i])
+                            if name in bound.parameters:  # in a bucket: its bytes, behind the rest of backward
+                                seconds = unhidden * (seconds - machine.collective_seconds(kind, 0, sizes[i]))
+                            syncs[key, i, source, target] = program.column(count * seconds)
+                        row = subtract({syncs[key, i, source, target]: 1.0}, terms)
+                        for column, x in taken_whole.items():
+                            row[column] = row.get(column, 0.0) + x
+                        program.row(row, 0.0, math.inf)
             for _, written in ends:
                 if written is not None:
                     convert(key, name, edge(placements[name], {written: {}}), count)
-                elif P in placements[name]:
-                    seconds = machine.local_collective_seconds("all_reduce", local_bytes(name, P), n)
-                    for column in placements[name][P]:
-                        add_cost(objective, column, count * seconds)
+                    continue
+                for placement, terms in placements[name].items():
+                    for i, p in enumerate(placement):
+                        if p == P:  # a partial output is finished
+                            seconds = machine.local_collective_seconds("all_reduce", local_bytes(name, placement),
+                                                                       sizes[i])
+                            for column in terms:
+                                add_cost(objective, column, count * seconds)
 
         if gathered:
             # Gathered parameters are held one group at a time, the next one prefetched (cost.memory_per_rank
@@ -513,24 +606,30 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         if status == "infeasible" and memory_row is not None:  # the bound cannot be met: the cheapest plan, and N003
             status, solution = program.solve(frozenset({memory_row}))
         if status not in ("optimal", "time limit"):  # at the limit: the best plan found by then
-            raise RuntimeError(f"the layout search found no plan on axis {mesh.axis_names[axis]}: {status}")
+            names = ", ".join(mesh.axis_names[a] for a in group)
+            raise RuntimeError(f"the layout search found no plan on axis {names}: {status}")
 
         def taken(name: str) -> int:
             columns = columns_of(name)
             return max(range(len(columns)), key=lambda i: solution[columns[i]])
 
         for name in placeholders:
-            value[name][axis] = domain[name][taken(name)] if name in free else domain[name][0]
+            chosen = domain[name][taken(name)] if name in free else domain[name][0]
+            for i, a in enumerate(group):
+                value[name][a] = chosen[i]
         for name in nodes:
-            index = taken(name)
-            signature = legal[name][index][1]
-            for slot, req in enumerate(signature.operands):
-                needs[name][slot][axis] = req
-            op_out[name][axis] = signature.output
-            value[name][axis] = pinned(name, axis) or signature.output
+            signature = legal[name][taken(name)][1]
+            written = pinned(name, group)
+            for i, a in enumerate(group):
+                for slot, req in enumerate(signature[i].operands):
+                    needs[name][slot][a] = req
+                op_out[name][a] = signature[i].output
+                value[name][a] = written[i] if written is not None else signature[i].output
         for name in nodes:
-            candidates[name][axis] = _priced(name, axis, legal[name], legal[name][taken(name)][1], operands[name],
-                                             value, requires_grad, bound, local_bytes, n)
+            signature = legal[name][taken(name)][1]
+            for i, a in enumerate(group):
+                candidates[name][a] = _priced(name, a, legal_on[name][i], signature[i], operands[name], value,
+                                              requires_grad, bound, mesh, mesh.axis_sizes[a])
 
     def by_axis(decided: dict[int, object]) -> list:
         return [decided[a] for a in range(mesh.ndim)]
@@ -542,9 +641,44 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                        {name: by_axis(v) for name, v in candidates.items()})
 
 
-def _priced(name, axis, legal, chosen, operands, value, requires_grad, bound, local_bytes, n) -> list[Candidate]:
+def _same_signature(node, axis: int, signature) -> bool:
+    """Whether a one-axis signature is what the op computes on `axis` in `node` (a plan's)."""
+    return signature.output == node.op_layout.placements[axis] and \
+        all(req == layout.placements[axis] for req, layout in zip(signature.operands, node.operand_layouts))
+
+
+def _on(i: int, width: int, placement: Placement) -> Joint:
+    """A joint placement: `placement` on the group's i-th axis, B on its others."""
+    return (B,) * i + (placement,) + (B,) * (width - i - 1)
+
+
+def _output(signature: tuple) -> Joint:
+    return tuple(one.output for one in signature)
+
+
+def _operand(signature: tuple, slot: int) -> Joint:
+    return tuple(one.operands[slot] for one in signature)
+
+
+def _step_collectives(step, with_backward: bool) -> list[tuple[str, str, int]]:
+    """A planned conversion step's collectives, as inference.one_axis_collectives gives them."""
+    conversion = CONVERSION_OF_KIND[step.kind]
+    collectives = []
+    if conversion.forward:
+        collectives.append(("forward", conversion.forward, step.forward_bytes))
+    if with_backward and conversion.backward:
+        collectives.append(("backward", conversion.backward, step.backward_bytes))
+    return collectives
+
+
+def _priced(name, axis, legal, chosen, operands, value, requires_grad, bound, mesh, n) -> list[Candidate]:
     """Each legal signature priced in bytes against the placements chosen around it: what `explain`
     shows as runner-ups."""
+    def local_bytes(tensor: str, placement: Placement) -> int:
+        info = bound.tensors[tensor]
+        placements = tuple(placement if a == axis else value[tensor].get(a, B) for a in range(mesh.ndim))
+        return math.prod(Layout(placements).local_shape(info.shape, mesh)) * info.itemsize
+
     priced = []
     for index, signature in legal:
         forward = backward = changes = 0

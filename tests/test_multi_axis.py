@@ -190,7 +190,7 @@ SCHEME_COUNTS = {
     'layer_1d': {'forward': {'tp:all_reduce': 2}, 'backward': {'tp:all_reduce': 2}},
     'layer_2d': {'forward': {'c:all_gather': 5, 'c:all_reduce': 1, 'r:all_gather': 2}, 'backward': {'c:all_reduce': 1, 'c:reduce_scatter': 3, 'r:all_reduce': 1, 'r:reduce_scatter': 1}},
     'layer_2p5d': {'forward': {'c:all_gather': 5, 'c:all_reduce': 1, 'r:all_gather': 2}, 'backward': {'c:all_reduce': 1, 'c:reduce_scatter': 3, 'd:all_reduce': 2, 'r:all_reduce': 1, 'r:reduce_scatter': 1}},
-    'layer_3d': {'forward': {'j:all_gather': 3, 'j:all_reduce': 1, 'l:all_gather': 5}, 'backward': {'i:all_reduce': 2, 'j:all_reduce': 1, 'j:reduce_scatter': 1, 'l:all_gather': 1}},
+    'layer_3d': {'forward': {'j:all_gather': 2, 'j:all_reduce': 1, 'l:all_gather': 4}, 'backward': {'i:all_reduce': 1, 'j:all_reduce': 1, 'l:all_gather': 1}},
 }
 
 

@@ -220,26 +220,49 @@ def test_the_greedy_completion_is_compiled_where_the_cost_model_rates_it_faster(
                                                  for order in itertools.permutations(range(3)))
 
 
-def test_each_axis_decided_again_with_the_others_fixed_until_none_improves(pools, compile_par):
+def estimated_step(typed) -> float:
+    return estimate(_Candidate(typed, lower(typed)), GLOO).step_s
+
+
+def test_pairs_of_axes_are_decided_again_jointly_until_no_move_improves(pools, compile_par):
     """The search decides one mesh axis at a time, with the later ones still whole. On the 2-D layer
-    under a memory bound alone, the better plan of the two orders within the bound is improved on by
-    deciding one axis again with the other as that plan has it (estimated 3.0 against 3.5 ms): compile
-    descends so, and the plan it reaches cannot be improved by any one axis; it runs equal to serial."""
+    under a memory bound alone, compile descends from the better plan of the two orders: both axes decided
+    again by one program, every op keeping its signature on one of them. It reaches 2.4 ms where the best
+    order gives 3.5 and a descent deciding one axis at a time stops at 3.0; no move of one axis or of both
+    improves on it, and it runs equal to serial."""
     text = open("examples/tp_schemes/layer_2d.par").read()
     compiled = compile_par(text.split("layout {")[0] + "memory <= 30 %\nlayout {\n  x : ?\n}\n")
     limit, step = search.memory_limit(compiled.bound), estimate(compiled, GLOO).step_s
     assert estimate(compiled, GLOO).memory["total"] <= limit
-    orders = []  # the plan of either order within the bound
-    for order in itertools.permutations(range(2)):
-        typed = search.search(compiled.bound, GLOO, limit, order=order)
-        plan = estimate(_Candidate(typed, lower(typed)), GLOO)
-        orders += [plan.step_s] if plan.memory["total"] <= limit else []
-    assert orders and step < 0.9 * min(orders)
-    for axis in range(2):
-        again = search.search(compiled.bound, GLOO, search.memory_limit(compiled.bound), order=(axis,),
-                              start=compiled.typed)
-        assert estimate(_Candidate(again, lower(again)), GLOO).step_s >= step
+    plans = [search.search(compiled.bound, GLOO, limit, order=order) for order in itertools.permutations(range(2))]
+    best = min((p for p in plans if estimate(_Candidate(p, lower(p)), GLOO).memory["total"] <= limit),
+               key=estimated_step)
+    one_axis = best  # the descent one axis at a time, from the same start
+    for _ in range(4):
+        moves = [search.search(compiled.bound, GLOO, limit, order=(axis,), start=one_axis) for axis in range(2)]
+        better = min(moves, key=estimated_step)
+        if estimated_step(better) >= estimated_step(one_axis):
+            break
+        one_axis = better
+    assert step < 0.85 * estimated_step(one_axis) < 0.85 * estimated_step(best)
+    for move in ((0,), (1,), ((0, 1),)):
+        again = search.search(compiled.bound, GLOO, limit, order=move, start=compiled.typed)
+        assert estimated_step(again) >= step
     check(pools, compiled)
+
+
+def test_a_group_of_axes_is_decided_by_one_program_over_their_combinations(compile_par):
+    """`order=((0, 1),)`: both axes of the 2-D MLP at once, every op choosing among the combinations of
+    its one-axis signatures. Its plan meets the bound, splits ops over both axes, and is estimated no
+    slower than either order's."""
+    text = open("examples/tp_schemes/mlp_2d.par").read()
+    compiled = compile_par(text.split("layout {")[0] + "memory <= 30 %\nlayout {\n  x : ?\n}\n")
+    limit = search.memory_limit(compiled.bound)
+    joint = search.search(compiled.bound, GLOO, limit, order=((0, 1),))
+    assert estimate(_Candidate(joint, lower(joint)), GLOO).memory["total"] <= limit
+    assert any(all(p != B for p in node.op_layout.placements) for node in joint.nodes.values())
+    assert estimated_step(joint) <= 1.001 * min(searched_step(compiled.bound, order)
+                                                 for order in itertools.permutations(range(2)))
 
 
 def test_the_search_decides_the_mesh_axes_in_every_order_and_compiles_the_fastest():
