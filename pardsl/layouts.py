@@ -318,5 +318,15 @@ def _planned_conversion(source: Layout, target: Layout, shape: tuple[int, ...], 
     raise AssertionError(f"no conversion from {source} to {target} for shape {shape}")  # unreachable
 
 
+def step_collectives(step: ConversionStep, with_backward: bool = True) -> list[tuple[str, str, int]]:
+    """A planned step's collectives from its row of the catalogue, as (phase, kind, bytes per rank); the
+    adjoint's where the value needs a gradient."""
+    conversion = CONVERSION_OF_KIND[step.kind]
+    collectives = [("forward", conversion.forward, step.forward_bytes)] if conversion.forward else []
+    if with_backward and conversion.backward:
+        collectives.append(("backward", conversion.backward, step.backward_bytes))
+    return collectives
+
+
 def conversion_cost(steps: list[ConversionStep], with_backward: bool = True) -> int:
     return sum(s.forward_bytes + (s.backward_bytes if with_backward else 0) for s in steps)

@@ -27,7 +27,7 @@ import torch
 from .cost import parameter_unit
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
-from .layouts import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion
+from .layouts import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion, step_collectives
 from .oprules import Signature, rule_for
 from .program import Instruction, Items, Slot, Text, Var
 
@@ -665,9 +665,8 @@ class _Lowerer:
         method, kwargs = step_call(step, rs_backward)
         expr = Instruction("convert", f"rt.{method}", (Var(source), Text(f'"{axis}"')),
                            tuple((k, Text(f'"{v}"' if isinstance(v, str) else repr(v))) for k, v in kwargs.items()))
-        conversion = CONVERSION_OF_KIND[step.kind]
-        fwd = [conversion.forward] if conversion.forward else []
-        bwd = [(conversion.backward, step.backward_bytes)] if conversion.backward else []
+        fwd = [kind for phase, kind, _ in step_collectives(step) if phase == "forward"]
+        bwd = [(kind, nbytes) for phase, kind, nbytes in step_collectives(step) if phase == "backward"]
         if step.kind == "all_gather" and rs_backward:  # the adjoint reduce-scatters: T(n-1)/n both ways
             bwd = [("reduce_scatter", step.forward_bytes)]
         if self.mesh.axis_sizes[step.axis] == 1:  # every layout is the same on one rank: nothing moves

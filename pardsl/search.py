@@ -52,7 +52,7 @@ import numpy as np
 from .binding import BoundPlan
 from .cost import OPTIMIZER_STATES, Machine, global_flops, layer_of, parameter_unit, repeated_layer, serial_bytes
 from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
-from .layouts import CONVERSION_OF_KIND, B, P, Layout, Placement, collective_bytes, plan_conversion
+from .layouts import B, P, Layout, Placement, collective_bytes, plan_conversion, step_collectives
 from .oprules import signatures
 
 EPSILON_S = 1e-9  # a conversion, or a split of a free tensor, that saves nothing is not made
@@ -336,7 +336,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
 
         # Legal signatures per op, given the axes decided before these: on each axis of the group the
         # rule's own, then every combination of them whose layouts fit
-        legal: dict[str, list[tuple[tuple[int, ...], tuple]]] = {}
+        legal: dict[str, list[tuple]] = {}  # per op: its joint signatures, one one-axis signature per axis
         legal_on: dict[str, list[list]] = {}  # per op, per axis of the group: its legal one-axis signatures
         domain: dict[str, list[Joint]] = {}
         for name in placeholders:
@@ -373,15 +373,15 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                         all(fits(o, tuple(B if (s.operands[slot] == P and o in free) else s.operands[slot]
                                           for s in joint_signature), needs[name][slot])
                             for slot, o in enumerate(operands[name]))
-                        and fits(name, tuple(s.output for s in joint_signature), op_out[name])):
-                    legal[name].append((indices, joint_signature))
+                        and fits(name, _output(joint_signature), op_out[name])):
+                    legal[name].append(joint_signature)
             assert legal[name], f"no legal signature for {name}"  # all-B always fits
             written = pinned(name, group)
             domain[name] = [written] if written is not None else \
-                list(dict.fromkeys(_output(signature) for _, signature in legal[name]))
+                list(dict.fromkeys(_output(signature) for signature in legal[name]))
         for name in free:  # what its consumers can take it as (a partial sum: from B, locally)
             wanted = [whole_joint] + [_operand(signature, slot) for consumer, slot in consumers[name]
-                                      for _, signature in legal[consumer]]
+                                      for signature in legal[consumer]]
             domain[name] = [p for p in dict.fromkeys(wanted) if P not in p and fits(name, p)]
 
         def fingerprint(name: str, position: dict[str, int]) -> tuple:
@@ -389,7 +389,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             links = tuple(("in", position[o]) if o in position else ("out", bound.tensors[o].shape)
                           for o in operands.get(name, ()))
             return (info.shape, str(info.dtype), tuple(domain[name]), tuple(sorted(value[name].items())),
-                    name in free, name in requires_grad, tuple(s for _, s in legal.get(name, ())), links,
+                    name in free, name in requires_grad, tuple(legal.get(name, ())), links,
                     tuple(tuple(sorted(need.items())) for need in needs.get(name, ())),
                     tuple(sorted(op_out.get(name, {}).items())), name in outputs_of)
 
@@ -417,7 +417,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             result: dict[Joint, dict[int, float]] = {}
             columns = columns_of(name)
             if name in legal and pinned(name, group) is None:
-                for (_, signature), column in zip(legal[name], columns):
+                for signature, column in zip(legal[name], columns):
                     result.setdefault(_output(signature), {})[column] = 1.0
             elif name in legal:  # written: whatever the op computes, the value is the written layout
                 result[domain[name][0]] = {column: 1.0 for column in columns}
@@ -440,7 +440,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             seconds = 0.0
             for conversion in plan_conversion(layout(value[name], source), layout(value[name], target),
                                               info.shape, info.itemsize, mesh, gradient):
-                moved = machine.steps_seconds(_step_collectives(conversion, gradient), mesh.axis_sizes[conversion.axis])
+                moved = machine.steps_seconds(step_collectives(conversion, gradient), mesh.axis_sizes[conversion.axis])
                 if parameter and conversion.kind == "all_gather" and conversion.axis in batch_axes:
                     moved *= unhidden
                 seconds += moved
@@ -515,7 +515,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             backward = 3 if name in requires_grad else 1
             by_slot: list[dict[Joint, dict[int, float]]] = [{} for _ in operands[name]]
             computed[name] = {}
-            for (index, signature), column in zip(legal[name], columns_of(name)):
+            for signature, column in zip(legal[name], columns_of(name)):
                 output = _output(signature)
                 computed[name][column] = output
                 split = math.prod(n for n, p in zip(sizes, output) if p != B)
@@ -618,7 +618,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             for i, a in enumerate(group):
                 value[name][a] = chosen[i]
         for name in nodes:
-            signature = legal[name][taken(name)][1]
+            signature = legal[name][taken(name)]
             written = pinned(name, group)
             for i, a in enumerate(group):
                 for slot, req in enumerate(signature[i].operands):
@@ -626,7 +626,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                 op_out[name][a] = signature[i].output
                 value[name][a] = written[i] if written is not None else signature[i].output
         for name in nodes:
-            signature = legal[name][taken(name)][1]
+            signature = legal[name][taken(name)]
             for i, a in enumerate(group):
                 candidates[name][a] = _priced(name, a, legal_on[name][i], signature[i], operands[name], value,
                                               requires_grad, bound, mesh, mesh.axis_sizes[a])
@@ -658,17 +658,6 @@ def _output(signature: tuple) -> Joint:
 
 def _operand(signature: tuple, slot: int) -> Joint:
     return tuple(one.operands[slot] for one in signature)
-
-
-def _step_collectives(step, with_backward: bool) -> list[tuple[str, str, int]]:
-    """A planned conversion step's collectives, as inference.one_axis_collectives gives them."""
-    conversion = CONVERSION_OF_KIND[step.kind]
-    collectives = []
-    if conversion.forward:
-        collectives.append(("forward", conversion.forward, step.forward_bytes))
-    if with_backward and conversion.backward:
-        collectives.append(("backward", conversion.backward, step.backward_bytes))
-    return collectives
 
 
 def _priced(name, axis, legal, chosen, operands, value, requires_grad, bound, mesh, n) -> list[Candidate]:

@@ -251,14 +251,24 @@ def test_pairs_of_axes_are_decided_again_jointly_until_no_move_improves(pools, c
     check(pools, compiled)
 
 
-def test_a_group_of_axes_is_decided_by_one_program_over_their_combinations(compile_par):
-    """`order=((0, 1),)`: both axes of the 2-D MLP at once, every op choosing among the combinations of
-    its one-axis signatures. Its plan meets the bound, splits ops over both axes, and is estimated no
-    slower than either order's."""
+def test_a_group_of_axes_is_decided_by_one_program_over_their_combinations(compile_par, monkeypatch):
+    """`order=((0, 1),)`: both axes of the 2-D MLP at once, by one program whose choices are the
+    combinations of each op's one-axis signatures (more binaries than both one-axis programs together).
+    Its plan meets the bound, splits ops over both axes, and is estimated no slower than either order's."""
     text = open("examples/tp_schemes/mlp_2d.par").read()
     compiled = compile_par(text.split("layout {")[0] + "memory <= 30 %\nlayout {\n  x : ?\n}\n")
     limit = search.memory_limit(compiled.bound)
+    binaries = []
+    solve = search._Program.solve
+
+    def counting(program, *args):
+        binaries.append(sum(program.integer))
+        return solve(program, *args)
+
+    monkeypatch.setattr(search._Program, "solve", counting)
+    search.search(compiled.bound, GLOO, limit, order=(0, 1))
     joint = search.search(compiled.bound, GLOO, limit, order=((0, 1),))
+    assert len(binaries) == 3 and binaries[2] > binaries[0] + binaries[1]
     assert estimate(_Candidate(joint, lower(joint)), GLOO).memory["total"] <= limit
     assert any(all(p != B for p in node.op_layout.placements) for node in joint.nodes.values())
     assert estimated_step(joint) <= 1.001 * min(searched_step(compiled.bound, order)
