@@ -26,6 +26,19 @@ def searched_step(bound, order=None, machine=GLOO) -> float:
     return estimate(_Candidate(typed, lower(typed)), machine).step_s
 
 
+def binaries_solved(monkeypatch) -> list[int]:
+    """The number of binaries of each integer program the search solves from here on, in order."""
+    binaries = []
+    solve = search._Program.solve
+
+    def counting(program, *args):
+        binaries.append(sum(program.integer))
+        return solve(program, *args)
+
+    monkeypatch.setattr(search._Program, "solve", counting)
+    return binaries
+
+
 def layouts_of(compiled, prefix: str = "") -> dict[str, tuple]:
     names = compiled.bound.parameters
     return {names[p]: layout.placements for p, layout in compiled.typed.placeholder_layouts.items()
@@ -82,14 +95,7 @@ def test_the_memory_bound_is_met_where_it_can_be_and_noted_where_it_cannot(compi
 
 
 def test_repeated_layers_are_one_set_of_choices(compile_par, monkeypatch):
-    binaries = []
-    solve = search._Program.solve
-
-    def counting(program, *args):
-        binaries.append(sum(program.integer))
-        return solve(program, *args)
-
-    monkeypatch.setattr(search._Program, "solve", counting)
+    binaries = binaries_solved(monkeypatch)
     compile_par("mesh tp = 2\n" + LLAMA.format(layers=2) + "memory <= 60 %\n")
     compiled = compile_par("mesh tp = 2\n" + LLAMA.format(layers=4) + "memory <= 60 %\n")
     assert binaries[0] == binaries[1]  # the integer program does not grow with depth
@@ -258,14 +264,7 @@ def test_a_group_of_axes_is_decided_by_one_program_over_their_combinations(compi
     text = open("examples/tp_schemes/mlp_2d.par").read()
     compiled = compile_par(text.split("layout {")[0] + "memory <= 30 %\nlayout {\n  x : ?\n}\n")
     limit = search.memory_limit(compiled.bound)
-    binaries = []
-    solve = search._Program.solve
-
-    def counting(program, *args):
-        binaries.append(sum(program.integer))
-        return solve(program, *args)
-
-    monkeypatch.setattr(search._Program, "solve", counting)
+    binaries = binaries_solved(monkeypatch)
     search.search(compiled.bound, GLOO, limit, order=(0, 1))
     joint = search.search(compiled.bound, GLOO, limit, order=((0, 1),))
     assert len(binaries) == 3 and binaries[2] > binaries[0] + binaries[1]
