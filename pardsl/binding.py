@@ -103,6 +103,14 @@ class BoundPlan:
     def graph(self) -> torch.fx.Graph:
         return self.exported.graph_module.graph
 
+    @functools.cached_property
+    def flops(self) -> dict[str, int]:
+        """FLOP per op node at global shapes (cost.global_flops): counted once, read by every plan compile
+        searches and rates."""
+        from .cost import global_flops  # cost reads bound plans; imported here, where one exists
+
+        return global_flops(self)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Model loading

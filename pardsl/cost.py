@@ -258,7 +258,7 @@ def op_costs(typed, machine: Machine, slow: float = 1.0) -> list[OpCost]:
     FLOPs and the bytes it reads and writes, plus the machine's overhead per op; backward twice forward.
     `slow`: the machine's slowdown with this many ranks sharing it."""
     bound, mesh = typed.bound, typed.mesh
-    flops = global_flops(bound)
+    flops = bound.flops
     ops = []
     for name, node in typed.nodes.items():
         share = math.prod(mesh.axis_sizes[a] for a, p in enumerate(node.op_layout.placements) if p.kind != "B")

@@ -37,7 +37,9 @@ later axes can still divide.
 
 Repeated layers (model.layers.0, .1, … with the same ops, shapes and layouts) share their binaries, and
 values whose consumers are all shared form one class whose conversions are priced once times its size:
-the program has one layer's size however deep the model is.
+the program has one layer's size however deep the model is. Building it costs one layer's work too: an
+op's legal signatures, their seconds and its priced runner-ups are computed once per distinct question
+(a key of everything the answer reads), which the ops of repeated layers share.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .binding import BoundPlan
-from .cost import OPTIMIZER_STATES, Machine, global_flops, layer_of, parameter_unit, repeated_layer, serial_bytes
+from .cost import OPTIMIZER_STATES, Machine, layer_of, parameter_unit, repeated_layer, serial_bytes
 from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
 from .layouts import B, P, Layout, Placement, collective_bytes, plan_conversion, step_collectives
 from .oprules import signatures
@@ -239,7 +241,7 @@ def graph_facts(bound: BoundPlan) -> GraphFacts:
     for index, (_, name) in enumerate(bound.outputs):
         if name:
             outputs_of.setdefault(name, []).append(index)
-    return GraphFacts(specs, graph_nodes, placeholders, operands, requires_grad, global_flops(bound),
+    return GraphFacts(specs, graph_nodes, placeholders, operands, requires_grad, bound.flops,
                       blocks_wanted(specs, nodes, operands), _gather_units(bound, nodes, operands), consumers,
                       outputs_of)
 
@@ -302,9 +304,13 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                 placements[a] = placement
             return Layout(tuple(placements))
 
+        sized: dict[tuple[str, Joint], int] = {}  # the axes outside the group stay as they are while it is decided
+
         def local_bytes(name: str, joint: Joint) -> int:
-            info = bound.tensors[name]
-            return math.prod(layout(value[name], joint).local_shape(info.shape, mesh)) * info.itemsize
+            if (name, joint) not in sized:
+                info = bound.tensors[name]
+                sized[name, joint] = math.prod(layout(value[name], joint).local_shape(info.shape, mesh)) * info.itemsize
+            return sized[name, joint]
 
         fitted: dict[tuple, bool] = {}  # the same question comes back for every combination of a group
 
@@ -341,44 +347,24 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         domain: dict[str, list[Joint]] = {}
         for name in placeholders:
             domain[name] = [pinned(name, group) or whole_joint]
+        # Ops of repeated layers ask the same question: answered once per distinct question (everything
+        # the answer reads is in the key), so a deep model costs what its distinct ops cost
+        answered: dict[tuple, tuple[list, list, list]] = {}
+        legal_key: dict[str, tuple] = {}
         for name in nodes:
-            spec = specs[name]
-            per_axis = []
-            for i in range(len(group)):
-                offered = {letter: set(counts) for letter, counts in cut_blocks.get(name, {}).items()}
-                for o, letters in zip(operands[name], spec.operands):
-                    if o in free:
-                        continue
-                    for joint in domain[o]:
-                        placement = joint[i]
-                        if placement.is_split and placement.blocks > 1 and placement.dim < len(letters) and \
-                                letters[placement.dim] is not None:
-                            offered.setdefault(letters[placement.dim], set()).add(placement.blocks)
-                per_axis.append([
-                    (index, signature) for index, signature in enumerate(signatures(spec, offered))
-                    if all(fits(o, _on(i, len(group), B if (req == P and o in free) else req), needs[name][slot])
-                           for slot, (o, req) in enumerate(zip(operands[name], signature.operands)))
-                    and fits(name, _on(i, len(group), signature.output), op_out[name])])
-            legal_on[name] = per_axis
-            # a move from `start` over several axes: each op keeps its signature on at least one of them
-            kept = [{index for index, one in entries if _same_signature(start.nodes[name], a, one)}
-                    for a, entries in zip(group, per_axis)] if start is not None and len(group) > 1 else None
-            legal[name] = []
-            for combination in itertools.product(*per_axis):
-                indices = tuple(index for index, _ in combination)
-                if kept is not None and any(kept) and not any(i in k for i, k in zip(indices, kept)):
-                    continue
-                joint_signature = tuple(signature for _, signature in combination)
-                if len(group) == 1 or (
-                        all(fits(o, tuple(B if (s.operands[slot] == P and o in free) else s.operands[slot]
-                                          for s in joint_signature), needs[name][slot])
-                            for slot, o in enumerate(operands[name]))
-                        and fits(name, _output(joint_signature), op_out[name])):
-                    legal[name].append(joint_signature)
-            assert legal[name], f"no legal signature for {name}"  # all-B always fits
+            legal_key[name] = key = (
+                specs[name], _frozen(cut_blocks.get(name, {})), bound.tensors[name].shape, _items(value[name]),
+                _items(op_out[name]), pinned(name, group),
+                tuple((o in free, bound.tensors[o].shape, None if o in free else tuple(domain[o]), _items(value[o]),
+                       _items(needs[name][slot])) for slot, o in enumerate(operands[name])),
+                None if start is None or len(group) == 1 else _signature_on(start.nodes[name], group))
+            if key not in answered:
+                answered[key] = _legal(name, group, specs[name], cut_blocks.get(name, {}), operands[name], free,
+                                       domain, needs[name], op_out[name], fits,
+                                       start.nodes[name] if start is not None and len(group) > 1 else None)
+            legal_on[name], legal[name], outputs = answered[key]
             written = pinned(name, group)
-            domain[name] = [written] if written is not None else \
-                list(dict.fromkeys(_output(signature) for signature in legal[name]))
+            domain[name] = [written] if written is not None else outputs
         for name in free:  # what its consumers can take it as (a partial sum: from B, locally)
             wanted = [whole_joint] + [_operand(signature, slot) for consumer, slot in consumers[name]
                                       for signature in legal[consumer]]
@@ -388,10 +374,10 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             info = bound.tensors[name]
             links = tuple(("in", position[o]) if o in position else ("out", bound.tensors[o].shape)
                           for o in operands.get(name, ()))
-            return (info.shape, str(info.dtype), tuple(domain[name]), tuple(sorted(value[name].items())),
+            return (info.shape, str(info.dtype), tuple(domain[name]), _items(value[name]),
                     name in free, name in requires_grad, tuple(legal.get(name, ())), links,
-                    tuple(tuple(sorted(need.items())) for need in needs.get(name, ())),
-                    tuple(sorted(op_out.get(name, {}).items())), name in outputs_of)
+                    tuple(_items(need) for need in needs.get(name, ())), _items(op_out.get(name, {})),
+                    name in outputs_of)
 
         shared = repeated_layers(bound, placeholders + nodes, fingerprint)
 
@@ -508,32 +494,51 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                         copies[unit] = max(copies.get(unit, 1), count)
                 program.row(subtract({converted[key, p, q]: 1.0}, terms), 0.0, math.inf)
 
-        slots: dict[str, list[dict[Joint, dict[int, float]]]] = {}  # per op and operand: its signatures' needs
-        computed: dict[str, dict[int, Joint]] = {}  # per op: what each of its columns computes
-        for name in nodes:
+        def op_seconds(name: str) -> list[list[float]]:
+            """Per legal signature, the seconds it adds to its column: the op's compute at the share it leaves
+            a rank (backward twice forward), a parallel form's own collectives, converting to what is
+            written."""
             share = math.prod(mesh.axis_sizes[a] for a, p in op_out[name].items() if p.kind != "B")
             backward = 3 if name in requires_grad else 1
-            by_slot: list[dict[Joint, dict[int, float]]] = [{} for _ in operands[name]]
-            computed[name] = {}
-            for signature, column in zip(legal[name], columns_of(name)):
+            written = pinned(name, group)
+            result = []
+            for signature in legal[name]:
                 output = _output(signature)
-                computed[name][column] = output
                 split = math.prod(n for n, p in zip(sizes, output) if p != B)
                 moved = local_bytes(name, output) + sum(
                     local_bytes(o, _operand(signature, slot)) for slot, o in enumerate(operands[name]))
-                compute = machine.compute_seconds(flops.get(name, 0) / share / split, moved)
-                add_cost(objective, column, backward * compute)
+                terms = [backward * machine.compute_seconds(flops.get(name, 0) / share / split, moved)]
                 for i, one in enumerate(signature):
                     for inner in one.inner_collectives:
                         if not inner.made(operands[name][0] in requires_grad):
                             continue
                         first = bound.tensors[operands[name][0]]
                         local = layout(value[operands[name][0]], _operand(signature, 0)).local_shape(first.shape, mesh)
-                        add_cost(objective, column, machine.collective_seconds(
+                        terms.append(machine.collective_seconds(
                             inner.kind, inner.volume(local, one.operands[0], first.itemsize, sizes[i]), sizes[i]))
-                written = pinned(name, group)
                 if written is not None and written != output:
-                    add_cost(objective, column, conversion_seconds(name, output, written))
+                    terms.append(conversion_seconds(name, output, written))
+                result.append(terms)
+            return result
+
+        slots: dict[str, list[dict[Joint, dict[int, float]]]] = {}  # per op and operand: its signatures' needs
+        computed: dict[str, dict[int, Joint]] = {}  # per op: what each of its columns computes
+        costed: dict[tuple, list[list[float]]] = {}  # as `answered`: once per distinct question
+        for name in nodes:
+            key = (legal_key[name], flops.get(name, 0), name in requires_grad, str(bound.tensors[name].dtype),
+                   tuple((o in requires_grad, str(bound.tensors[o].dtype)) for o in operands[name]))
+            if key not in costed:
+                costed[key] = op_seconds(name)
+            for column, terms in zip(columns_of(name), costed[key]):
+                for seconds in terms:
+                    add_cost(objective, column, seconds)
+            if shared.get(name) in slots:  # a repeated layer's op: the same columns, the same needs
+                slots[name], computed[name] = slots[shared[name]], computed[shared[name]]
+                continue
+            by_slot: list[dict[Joint, dict[int, float]]] = [{} for _ in operands[name]]
+            computed[name] = {}
+            for signature, column in zip(legal[name], columns_of(name)):
+                computed[name][column] = _output(signature)
                 for slot in range(len(operands[name])):
                     terms = by_slot[slot].setdefault(_operand(signature, slot), {})
                     terms[column] = terms.get(column, 0.0) + 1.0
@@ -557,14 +562,15 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                 convert(key, name, pairs, count)
                 if name not in requires_grad:
                     continue
+                # taken whole on an axis by a signature that computes split, the value's gradient is partial
+                # over it: one all-reduce of it serves every such consumer; a gathered one's adjoint
+                # reduce-scatters it
+                taken_whole = {(target, i): [c for c in columns if computed[v][c][i] == B]
+                               for target, columns in slots[v][slot].items() for i in range(len(group))}
                 for (source, target), terms in pairs.items():
                     for i, a in enumerate(group):
                         if target[i] != B:
                             continue
-                        # taken whole on this axis by a signature that computes split, the value's gradient
-                        # is partial over it: one all-reduce of it serves every such consumer; a gathered
-                        # one's adjoint reduce-scatters it
-                        taken_whole = {c: 1.0 for c in slots[v][slot].get(target, {}) if computed[v][c][i] == B}
                         if (key, i, source, target) not in syncs:
                             kind = "reduce_scatter" if source[i].is_split else "all_reduce"
                             seconds = machine.local_collective_seconds(kind, local_bytes(name, target), sizes[i])
@@ -572,8 +578,8 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                                 seconds = unhidden * (seconds - machine.collective_seconds(kind, 0, sizes[i]))
                             syncs[key, i, source, target] = program.column(count * seconds)
                         row = subtract({syncs[key, i, source, target]: 1.0}, terms)
-                        for column, x in taken_whole.items():
-                            row[column] = row.get(column, 0.0) + x
+                        for column in taken_whole[target, i]:
+                            row[column] = row.get(column, 0.0) + 1.0
                         program.row(row, 0.0, math.inf)
             for _, written in ends:
                 if written is not None:
@@ -625,11 +631,17 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     needs[name][slot][a] = req
                 op_out[name][a] = signature[i].output
                 value[name][a] = written[i] if written is not None else signature[i].output
+        priced: dict[tuple, list[list[Candidate]]] = {}  # as `answered`: once per distinct question
         for name in nodes:
-            signature = legal[name][taken(name)]
+            index = taken(name)
+            key = (legal_key[name], index, _items(value[name]), str(bound.tensors[name].dtype),
+                   tuple((_items(value[o]), o in requires_grad, str(bound.tensors[o].dtype)) for o in operands[name]))
+            if key not in priced:
+                signature = legal[name][index]
+                priced[key] = [_priced(name, a, legal_on[name][i], signature[i], operands[name], value,
+                                       requires_grad, bound, mesh, mesh.axis_sizes[a]) for i, a in enumerate(group)]
             for i, a in enumerate(group):
-                candidates[name][a] = _priced(name, a, legal_on[name][i], signature[i], operands[name], value,
-                                              requires_grad, bound, mesh, mesh.axis_sizes[a])
+                candidates[name][a] = list(priced[key][i])
 
     def by_axis(decided: dict[int, object]) -> list:
         return [decided[a] for a in range(mesh.ndim)]
@@ -639,6 +651,60 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                        {name: [by_axis(need) for need in v] for name, v in needs.items()},
                        {name: by_axis(v) for name, v in op_out.items()},
                        {name: by_axis(v) for name, v in candidates.items()})
+
+
+def _items(decided: dict) -> tuple:
+    return tuple(sorted(decided.items()))
+
+
+def _frozen(offered: dict[str, set[int]]) -> tuple:
+    return tuple(sorted((letter, tuple(sorted(counts))) for letter, counts in offered.items()))
+
+
+def _signature_on(node, group: tuple[int, ...]) -> tuple:
+    """What a plan's op computes and needs on the group's axes."""
+    return tuple((node.op_layout.placements[a], tuple(layout.placements[a] for layout in node.operand_layouts))
+                 for a in group)
+
+
+def _legal(name, group, spec, cut_blocks, operands, free, domain, needs, op_out, fits, start_node):
+    """An op's legal signatures on a group of axes, given the axes decided before: on each axis the rule's
+    own whose layouts fit, then every combination of them whose layouts fit; with `start_node` (a move of
+    the descent over several axes) only those keeping its signature on at least one axis. Returns the
+    per-axis lists (index in the rule's order, signature), the joint signatures, and the op's domain."""
+    width = len(group)
+    per_axis = []
+    for i in range(width):
+        offered = {letter: set(counts) for letter, counts in cut_blocks.items()}
+        for o, letters in zip(operands, spec.operands):
+            if o in free:
+                continue
+            for joint in domain[o]:
+                placement = joint[i]
+                if placement.is_split and placement.blocks > 1 and placement.dim < len(letters) and \
+                        letters[placement.dim] is not None:
+                    offered.setdefault(letters[placement.dim], set()).add(placement.blocks)
+        per_axis.append([
+            (index, signature) for index, signature in enumerate(signatures(spec, offered))
+            if all(fits(o, _on(i, width, B if (req == P and o in free) else req), needs[slot])
+                   for slot, (o, req) in enumerate(zip(operands, signature.operands)))
+            and fits(name, _on(i, width, signature.output), op_out)])
+    kept = [{index for index, one in entries if _same_signature(start_node, a, one)}
+            for a, entries in zip(group, per_axis)] if start_node is not None else None
+    legal = []
+    for combination in itertools.product(*per_axis):
+        indices = tuple(index for index, _ in combination)
+        if kept is not None and any(kept) and not any(i in k for i, k in zip(indices, kept)):
+            continue
+        joint_signature = tuple(signature for _, signature in combination)
+        if width == 1 or (
+                all(fits(o, tuple(B if (s.operands[slot] == P and o in free) else s.operands[slot]
+                                  for s in joint_signature), needs[slot])
+                    for slot, o in enumerate(operands))
+                and fits(name, _output(joint_signature), op_out)):
+            legal.append(joint_signature)
+    assert legal, f"no legal signature for {name}"  # all-B always fits
+    return per_axis, legal, list(dict.fromkeys(_output(signature) for signature in legal))
 
 
 def _same_signature(node, axis: int, signature) -> bool:

@@ -94,11 +94,28 @@ def test_the_memory_bound_is_met_where_it_can_be_and_noted_where_it_cannot(compi
     assert [n.code for n in impossible.program.notes if n.code == "N003"] == ["N003"]
 
 
+def calls_counted(monkeypatch, name: str) -> list[int]:
+    """How often the search's module-level function `name` runs from here on (one entry per call)."""
+    calls = []
+    function = getattr(search, name)
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(search, name, counting)
+    return calls
+
+
 def test_repeated_layers_are_one_set_of_choices(compile_par, monkeypatch):
     binaries = binaries_solved(monkeypatch)
+    legal, priced = calls_counted(monkeypatch, "_legal"), calls_counted(monkeypatch, "_priced")
     compile_par("mesh tp = 2\n" + LLAMA.format(layers=2) + "memory <= 60 %\n")
+    asked = len(legal), len(priced)
     compiled = compile_par("mesh tp = 2\n" + LLAMA.format(layers=4) + "memory <= 60 %\n")
     assert binaries[0] == binaries[1]  # the integer program does not grow with depth
+    # nor does building it: a repeated layer's ops ask the questions the layer before asked
+    assert (len(legal) - asked[0], len(priced) - asked[1]) == asked
     layers = [{name.split(".", 4)[4]: layout for name, layout in layouts_of(compiled, f"model.model.layers.{i}.").items()}
               for i in range(4)]
     assert layers[0] and all(layer == layers[0] for layer in layers[1:])
