@@ -99,7 +99,10 @@ class _Program:
     def row(self, terms: dict[int, float], lower: float, upper: float) -> None:
         self.rows.append((terms, lower, upper))
 
-    def solve(self, skip_rows: frozenset[int] = frozenset()) -> tuple[str, list[float]]:
+    def solve(self, skip_rows: frozenset[int] = frozenset(), hint: dict[int, float] | None = None) -> tuple[str, list[float]]:
+        """`hint`: values of integer columns, a plan known to be among the program's choices; HiGHS
+        completes the continuous columns and, where the plan is feasible, starts branch and bound from it
+        (an incumbent prunes from the first node)."""
         import highspy
 
         highs = highspy.Highs()
@@ -129,6 +132,10 @@ class _Program:
         lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                            for i in self.integer]
         highs.passModel(lp)
+        if hint:
+            indices = sorted(hint)
+            highs.setSolution(len(indices), np.array(indices, dtype=np.int32),
+                              np.array([hint[i] for i in indices], dtype=float))
         highs.run()
         status = highs.getModelStatus()
         if status == highspy.HighsModelStatus.kInfeasible:
@@ -608,9 +615,11 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         if limit is not None:
             memory_row = len(program.rows)
             program.row(memory, -math.inf, limit * later - fixed_memory)
-        status, solution = program.solve()
+        # a descent's move starts from its plan, one of its choices: branch and bound starts there too
+        hint = _hint(start, group, choice, legal, domain) if start is not None else None
+        status, solution = program.solve(hint=hint)
         if status == "infeasible" and memory_row is not None:  # the bound cannot be met: the cheapest plan, and N003
-            status, solution = program.solve(frozenset({memory_row}))
+            status, solution = program.solve(frozenset({memory_row}), hint)
         if status not in ("optimal", "time limit"):  # at the limit: the best plan found by then
             names = ", ".join(mesh.axis_names[a] for a in group)
             raise RuntimeError(f"the layout search found no plan on axis {names}: {status}")
@@ -705,6 +714,22 @@ def _legal(name, group, spec, cut_blocks, operands, free, domain, needs, op_out,
             legal.append(joint_signature)
     assert legal, f"no legal signature for {name}"  # all-B always fits
     return per_axis, legal, list(dict.fromkeys(_output(signature) for signature in legal))
+
+
+def _hint(start: TypedGraph, group: tuple[int, ...], choice: dict[str, list[int]], legal, domain) -> dict[int, float]:
+    """The choice columns of the plan `start` on the group's axes: per op the signature it computes there,
+    per free tensor its placement (left out where the program does not offer it)."""
+    hint = {}
+    for name, columns in choice.items():
+        if name in legal:
+            taken = [j for j, signature in enumerate(legal[name])
+                     if all(_same_signature(start.nodes[name], a, one) for a, one in zip(group, signature))]
+        else:
+            before = tuple(start.layout_of(name).placements[a] for a in group)
+            taken = [j for j, joint in enumerate(domain[name]) if joint == before]
+        if taken:
+            hint.update({column: float(j == taken[0]) for j, column in enumerate(columns)})
+    return hint
 
 
 def _same_signature(node, axis: int, signature) -> bool:

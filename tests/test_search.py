@@ -31,9 +31,9 @@ def binaries_solved(monkeypatch) -> list[int]:
     binaries = []
     solve = search._Program.solve
 
-    def counting(program, *args):
+    def counting(program, *args, **kwargs):
         binaries.append(sum(program.integer))
-        return solve(program, *args)
+        return solve(program, *args, **kwargs)
 
     monkeypatch.setattr(search._Program, "solve", counting)
     return binaries
@@ -272,6 +272,38 @@ def test_pairs_of_axes_are_decided_again_jointly_until_no_move_improves(pools, c
         again = search.search(compiled.bound, GLOO, limit, order=move, start=compiled.typed)
         assert estimated_step(again) >= step
     check(pools, compiled)
+
+
+def test_a_descents_move_starts_branch_and_bound_from_the_plan_it_moves_from(compile_par, monkeypatch):
+    """The pair move's program is given its start plan as a hint: every binary, one choice per op and free
+    tensor. With those fixed the program is feasible (the plan is in the move's neighbourhood, within the
+    bound), costs what the hint's plan costs, and the move's own solution costs no more."""
+    text = open("examples/tp_schemes/layer_2d.par").read()
+    compiled = compile_par(text.split("layout {")[0] + "memory <= 30 %\nlayout {\n  x : ?\n}\n")
+    solved = []
+    solve = search._Program.solve
+
+    def keeping(program, *args, **kwargs):
+        result = solve(program, *args, **kwargs)
+        solved.append((program, kwargs.get("hint"), result))
+        return result
+
+    monkeypatch.setattr(search._Program, "solve", keeping)
+    search.search(compiled.bound, GLOO, search.memory_limit(compiled.bound), order=((0, 1),), start=compiled.typed)
+    (program, hint, (status, solution)), = solved
+    integer = [column for column, is_integer in enumerate(program.integer) if is_integer]
+    assert status == "optimal" and sorted(hint) == integer
+    fixed = search._Program(list(program.cost), list(program.integer), list(program.rows))
+    for column, value in hint.items():
+        fixed.row({column: 1.0}, value, value)
+    status, at_start = fixed.solve()
+    assert status == "optimal"
+    assert [round(at_start[c]) for c in integer] == [hint[c] for c in integer]
+
+    def cost(values):
+        return sum(c * v for c, v in zip(program.cost, values))
+
+    assert cost(solution) <= cost(at_start) + 1e-12
 
 
 def test_a_group_of_axes_is_decided_by_one_program_over_their_combinations(compile_par, monkeypatch):
