@@ -430,13 +430,15 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     seconds *= unhidden  # prefetched forward, reduce-scattered in buckets backward
                 return seconds + EPSILON_S
             info = bound.tensors[name]
+            steps = plan_conversion(layout(value[name], source), layout(value[name], target), info.shape,
+                                    info.itemsize, mesh, gradient)
+            # lowering prefetches a parameter's gather where it is one all-gather (lowering.GatherGroup);
+            # gathered over several axes, it is gathered where it is used, and reduce-scattered there
+            prefetched = parameter and len(steps) == 1 and steps[0].kind == "all_gather" and steps[0].axis in batch_axes
             seconds = 0.0
-            for conversion in plan_conversion(layout(value[name], source), layout(value[name], target),
-                                              info.shape, info.itemsize, mesh, gradient):
+            for conversion in steps:
                 moved = machine.steps_seconds(step_collectives(conversion, gradient), mesh.axis_sizes[conversion.axis])
-                if parameter and conversion.kind == "all_gather" and conversion.axis in batch_axes:
-                    moved *= unhidden
-                seconds += moved
+                seconds += moved * unhidden if prefetched else moved
             return seconds + EPSILON_S
 
         placements = {name: placement_terms(name) for name in placeholders + nodes}
