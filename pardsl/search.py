@@ -375,6 +375,8 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         for name in free:  # what its consumers can take it as (a partial sum: from B, locally)
             wanted = [whole_joint] + [_operand(signature, slot) for consumer, slot in consumers[name]
                                       for signature in legal[consumer]]
+            if start is not None:  # a move may keep it as it is (its consumers may no longer take it so)
+                wanted.append(tuple(start.layout_of(name).placements[a] for a in group))
             domain[name] = [p for p in dict.fromkeys(wanted) if P not in p and fits(name, p)]
 
         def fingerprint(name: str, position: dict[str, int]) -> tuple:
