@@ -385,5 +385,17 @@ def _device_mistake(backend: str, device: str, nproc: int) -> str | None:
     return None
 
 
+def entry() -> None:
+    """The `pardsl` command. After Ctrl-C, exits 130 at once: CPython remembers a KeyboardInterrupt that
+    crossed C code (torch's imports run some) even once caught, and would end the process by SIGINT
+    (status -2) instead of the 130 main returned; every child is already gone by then."""
+    code = main()
+    if code == EXIT_INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
