@@ -311,13 +311,13 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                 placements[a] = placement
             return Layout(tuple(placements))
 
-        sized: dict[tuple[str, Joint], int] = {}  # the axes outside the group stay as they are while it is decided
+        local_sizes: dict[tuple[str, Joint], int] = {}  # the axes outside the group stay as they are meanwhile
 
         def local_bytes(name: str, joint: Joint) -> int:
-            if (name, joint) not in sized:
+            if (name, joint) not in local_sizes:
                 info = bound.tensors[name]
-                sized[name, joint] = math.prod(layout(value[name], joint).local_shape(info.shape, mesh)) * info.itemsize
-            return sized[name, joint]
+                local_sizes[name, joint] = math.prod(layout(value[name], joint).local_shape(info.shape, mesh)) * info.itemsize
+            return local_sizes[name, joint]
 
         fitted: dict[tuple, bool] = {}  # the same question comes back for every combination of a group
 
@@ -534,10 +534,14 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
 
         slots: dict[str, list[dict[Joint, dict[int, float]]]] = {}  # per op and operand: its signatures' needs
         computed: dict[str, dict[int, Joint]] = {}  # per op: what each of its columns computes
+        def traits(name: str) -> tuple:
+            """What an op's seconds and prices read beyond its legal key: gradients and dtypes."""
+            return (name in requires_grad, str(bound.tensors[name].dtype),
+                    tuple((o in requires_grad, str(bound.tensors[o].dtype)) for o in operands[name]))
+
         costed: dict[tuple, list[list[float]]] = {}  # as `answered`: once per distinct question
         for name in nodes:
-            key = (legal_key[name], flops.get(name, 0), name in requires_grad, str(bound.tensors[name].dtype),
-                   tuple((o in requires_grad, str(bound.tensors[o].dtype)) for o in operands[name]))
+            key = (legal_key[name], flops.get(name, 0), traits(name))
             if key not in costed:
                 costed[key] = op_seconds(name)
             for column, terms in zip(columns_of(name), costed[key]):
@@ -647,8 +651,8 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         priced: dict[tuple, list[list[Candidate]]] = {}  # as `answered`: once per distinct question
         for name in nodes:
             index = taken(name)
-            key = (legal_key[name], index, _items(value[name]), str(bound.tensors[name].dtype),
-                   tuple((_items(value[o]), o in requires_grad, str(bound.tensors[o].dtype)) for o in operands[name]))
+            key = (legal_key[name], index, traits(name), _items(value[name]),
+                   tuple(_items(value[o]) for o in operands[name]))
             if key not in priced:
                 signature = legal[name][index]
                 priced[key] = [_priced(name, a, legal_on[name][i], signature[i], operands[name], value,
@@ -684,7 +688,8 @@ def _legal(name, group, spec, cut_blocks, operands, free, domain, needs, op_out,
     """An op's legal signatures on a group of axes, given the axes decided before: on each axis the rule's
     own whose layouts fit, then every combination of them whose layouts fit; with `start_node` (a move of
     the descent over several axes) only those keeping its signature on at least one axis. Returns the
-    per-axis lists (index in the rule's order, signature), the joint signatures, and the op's domain."""
+    per-axis lists (index in the rule's order, signature), the joint signatures, and their distinct
+    outputs (the op's domain, where its layout is not written)."""
     width = len(group)
     per_axis = []
     for i in range(width):

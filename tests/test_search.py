@@ -26,17 +26,22 @@ def searched_step(bound, order=None, machine=GLOO) -> float:
     return estimate(_Candidate(typed, lower(typed)), machine).step_s
 
 
-def binaries_solved(monkeypatch) -> list[int]:
-    """The number of binaries of each integer program the search solves from here on, in order."""
-    binaries = []
+def programs_solved(monkeypatch) -> list[tuple]:
+    """Each integer program the search solves from here on, in order: (program, hint, (status, solution))."""
+    solved = []
     solve = search._Program.solve
 
-    def counting(program, *args, **kwargs):
-        binaries.append(sum(program.integer))
-        return solve(program, *args, **kwargs)
+    def keeping(program, *args, **kwargs):
+        result = solve(program, *args, **kwargs)
+        solved.append((program, kwargs.get("hint"), result))
+        return result
 
-    monkeypatch.setattr(search._Program, "solve", counting)
-    return binaries
+    monkeypatch.setattr(search._Program, "solve", keeping)
+    return solved
+
+
+def binaries(solved: list[tuple]) -> list[int]:
+    return [sum(program.integer) for program, _, _ in solved]
 
 
 def layouts_of(compiled, prefix: str = "") -> dict[str, tuple]:
@@ -108,12 +113,12 @@ def calls_counted(monkeypatch, name: str) -> list[int]:
 
 
 def test_repeated_layers_are_one_set_of_choices(compile_par, monkeypatch):
-    binaries = binaries_solved(monkeypatch)
+    solved = programs_solved(monkeypatch)
     legal, priced = calls_counted(monkeypatch, "_legal"), calls_counted(monkeypatch, "_priced")
     compile_par("mesh tp = 2\n" + LLAMA.format(layers=2) + "memory <= 60 %\n")
     asked = len(legal), len(priced)
     compiled = compile_par("mesh tp = 2\n" + LLAMA.format(layers=4) + "memory <= 60 %\n")
-    assert binaries[0] == binaries[1]  # the integer program does not grow with depth
+    assert binaries(solved)[0] == binaries(solved)[1]  # the integer program does not grow with depth
     # nor does building it: a repeated layer's ops ask the questions the layer before asked
     assert (len(legal) - asked[0], len(priced) - asked[1]) == asked
     layers = [{name.split(".", 4)[4]: layout for name, layout in layouts_of(compiled, f"model.model.layers.{i}.").items()}
@@ -286,15 +291,7 @@ def test_a_descents_move_starts_branch_and_bound_from_the_plan_it_moves_from(com
     in the cost model's memory.)"""
     text = open(f"examples/tp_schemes/{scheme}.par").read()
     compiled = compile_par(text.split("layout {")[0] + "memory <= 30 %\nlayout {\n  x : ?\n}\n")
-    solved = []
-    solve = search._Program.solve
-
-    def keeping(program, *args, **kwargs):
-        result = solve(program, *args, **kwargs)
-        solved.append((program, kwargs.get("hint"), result))
-        return result
-
-    monkeypatch.setattr(search._Program, "solve", keeping)
+    solved = programs_solved(monkeypatch)
     search.search(compiled.bound, GLOO, search.memory_limit(compiled.bound), order=((0, 1),), start=compiled.typed)
     (program, hint, (status, solution)), *_ = solved
     integer = [column for column, is_integer in enumerate(program.integer) if is_integer]
@@ -337,10 +334,11 @@ def test_a_group_of_axes_is_decided_by_one_program_over_their_combinations(compi
     text = open("examples/tp_schemes/mlp_2d.par").read()
     compiled = compile_par(text.split("layout {")[0] + "memory <= 30 %\nlayout {\n  x : ?\n}\n")
     limit = search.memory_limit(compiled.bound)
-    binaries = binaries_solved(monkeypatch)
+    solved = programs_solved(monkeypatch)
     search.search(compiled.bound, GLOO, limit, order=(0, 1))
     joint = search.search(compiled.bound, GLOO, limit, order=((0, 1),))
-    assert len(binaries) == 3 and binaries[2] > binaries[0] + binaries[1]
+    one, other, both = binaries(solved)
+    assert both > one + other
     assert estimate(_Candidate(joint, lower(joint)), GLOO).memory["total"] <= limit
     assert any(all(p != B for p in node.op_layout.placements) for node in joint.nodes.values())
     assert estimated_step(joint) <= 1.001 * min(searched_step(compiled.bound, order)
