@@ -205,12 +205,25 @@ def rank_main(job: dict) -> dict:
         "torch_counts": torch_counts,
         "errors": errors,
         "profile": None,
+        "peak_mib": {"pardsl": _peak_mib(pardsl_step, device), "torch": _peak_mib(torch_step, device)}
+        if device.type == "cuda" else None,
     }
     if job["profile"]:  # every rank profiles (collectives need both); rank 0's tables are returned
         tables = {"pardsl": _profile(pardsl_step, device), "PyTorch": _profile(torch_step, device)}
         result["profile"] = tables if rank == 0 else None
     dist.destroy_process_group()
     return result
+
+
+def _peak_mib(step, device: torch.device) -> float:
+    """The most CUDA memory one step holds at once, on top of what is allocated before it (the model, its
+    inputs): activations kept for backward, parameters gathered, gradients."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
 def _profile(step, device: torch.device) -> str:
@@ -271,7 +284,9 @@ def main() -> None:
                         f"{result['pardsl_ms']:.1f} ms | {tool} {result['torch_ms']:.1f} ms | {serial} | "
                         f"**{result['pardsl_ms'] / result['torch_ms']:.2f}** | {versus_serial} |")
             notes.append(f"- {TITLES[plan_name]}: pardsl {_counts(result['pardsl_counts'])}"
-                         + (f"; {tool} (CommDebugMode) {result['torch_counts']}" if result["torch_counts"] else ""))
+                         + (f"; {tool} (CommDebugMode) {result['torch_counts']}" if result["torch_counts"] else "")
+                         + (f"; peak memory of a step on rank 0: pardsl {result['peak_mib']['pardsl']:.1f} MiB, "
+                            f"{tool} {result['peak_mib']['torch']:.1f} MiB" if result["peak_mib"] else ""))
             for who, table in (result["profile"] or {}).items():
                 notes.append(f"\n{who}'s step, {TITLES[plan_name]}, rank 0, 3 steps:\n```\n{table}```")
     print(f"{args.nproc} ranks, {args.backend}, {args.device} tensors"

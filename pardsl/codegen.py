@@ -71,6 +71,8 @@ def render_expression(instruction: Instruction) -> str:
         return f"{args[0]}.shape[{args[1]}]" + (f" * {args[2]}" if len(args) > 2 else "")
     if instruction.kind == "expression":
         return args[0]
+    if instruction.kind == "release":
+        return f"del {', '.join(args)}"
     parts = args + [f"{keyword}={_arg(value)}" for keyword, value in instruction.kwargs]
     return f"{instruction.callee}({', '.join(parts)})"
 
@@ -91,6 +93,10 @@ def _outputs(program: LoweredProgram) -> list[dict]:
         slot["path"] = output.path
         outputs.append(slot)
     return outputs
+
+
+def _resharded(program: LoweredProgram) -> list[str]:
+    return [f"({number}, {g.regather is not None})" for number, g in enumerate(program.gathers) if g.resharded]
 
 
 def _gathers(program: LoweredProgram) -> list[dict]:
@@ -128,6 +134,7 @@ def render(program: LoweredProgram) -> str:
         outputs=_outputs(program),
         lines=_lines(program),
         gathers=_gathers(program),
+        resharded=_resharded(program),
         buckets=_buckets(program),
     )
 

@@ -22,6 +22,7 @@ from .cost import estimate, memory_per_rank
 from .search import graph_facts, memory_limit, search, wants_search
 from .diagnostics import Diagnostic
 from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
+from .reshard import reshard_after_forward
 from .syntax import ParFile, parse, parse_file
 
 MODULE_FILE = "pardsl_module.py"
@@ -56,9 +57,19 @@ def compile_par(par: ParFile, bucket_mb: float = DEFAULT_BUCKET_MB, machine=None
         typed, program = _searched_or_greedy(bound, machine or default_machine(), bucket_mb, seconds)
     else:
         typed = _timed(seconds, "infer", lambda: infer(bound))
-        program = _timed(seconds, "lower", lambda: lower(typed, bucket_mb))
+        program = _timed(seconds, "lower", lambda: _lowered(typed, bucket_mb, None))
     source = _timed(seconds, "codegen", lambda: render(program))
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
+
+
+def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredProgram:
+    """The lowered program, its FSDP groups of gathered parameters resharded after forward
+    (pardsl/reshard.py) unless it keeps within the memory bound `limit` (bytes per rank) without: then no
+    group is gathered twice."""
+    program = lower(typed, bucket_mb)
+    if limit is not None and memory_per_rank(program)["total"] <= limit:
+        return program
+    return reshard_after_forward(program, typed)
 
 
 def _timed(seconds: dict, stage: str, work):
@@ -96,7 +107,7 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
         typed = search(bound, machine, limit, order=order, start=start, facts=facts)
         seconds["search"] += time.perf_counter() - clock
         clock = time.perf_counter()
-        program = lower(typed, bucket_mb)
+        program = _lowered(typed, bucket_mb, limit)
         seconds["lower"] += time.perf_counter() - clock
         return rated(typed, program), typed, program
 
@@ -105,7 +116,7 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
     plans = [searched(unsized + order) for order in itertools.permutations(sized)]
     best = best_searched = min(plans, key=lambda plan: plan[0])  # the mesh's own order on a tie
     greedy = _timed(seconds, "greedy", lambda: infer(bound))
-    greedy_program = lower(greedy, bucket_mb)
+    greedy_program = _lowered(greedy, bucket_mb, limit)
     theirs = rated(greedy, greedy_program)
     from_greedy = not theirs[0] and theirs < best[0]
     if from_greedy:

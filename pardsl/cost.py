@@ -289,6 +289,8 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
     placed = [(c, layer_of(bound.module_paths.get(c.node)), False, False)
               for statement in program.statements for c in statement.collectives]
     placed += [(group.collective, group.members[0].unit, True, False) for group in program.gathers]
+    placed += [(group.regather, group.members[0].unit, True, False) for group in program.gathers
+               if group.regather is not None]  # prefetched in backward as in forward
     placed += [(c, "", True, True) for bucket in program.buckets for c in bucket.collectives]
     costs = [CollectiveCost(c.kind, c.axis, c.phase, c.bytes, seconds(c), layer, c.reason, overlapped, bucket)
              for c, layer, overlapped, bucket in placed]
@@ -319,18 +321,26 @@ OPTIMIZER_STATES = {"sgd": 0, "adam": 2, "adamw": 2}  # tensors of state per par
 
 def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
     """Bytes one rank holds at its peak: parameters, gradients, optimizer state, activations kept for
-    backward (every op result: an upper bound), parameters gathered for use (this group and the
-    prefetched next); and what the serial model holds, for a bound written as a percentage."""
+    backward (every op result: an upper bound), parameters gathered for use (resharded after forward:
+    this group and the prefetched next; else all of them); and what the serial model holds, for a bound
+    written as a percentage."""
     activity = program.memory()
     gradients = sum(_nbytes(p.local_shape, _dtype(p.dtype)) for p in program.parameters if p.requires_grad)
     states = OPTIMIZER_STATES[optimizer]
-    groups = sorted((sum(m.nbytes for m in g.members) for g in program.gathers), reverse=True)
+    # resharded after forward (pardsl/reshard.py), a group is whole only while in use with the next one
+    # prefetched (the last group, whose backward comes first, likewise); autograd keeps every other gathered
+    # weight from its forward to its backward
+    sizes = [sum(m.nbytes for m in g.members) for g in program.gathers]
+    resharded = [i for i, g in enumerate(program.gathers) if g.resharded]
+    passing = resharded + [len(sizes) - 1] if resharded else []
+    gathered = sum(size for i, size in enumerate(sizes) if i not in passing) + \
+        sum(sorted((sizes[i] for i in passing), reverse=True)[:2])
     memory = {
         "parameters": activity["parameters_per_rank"],
         "gradients": gradients,
         "optimizer_state": states * gradients,
         "activations": activity["activations_per_rank"],
-        "gathered_parameters": sum(groups[:2]),
+        "gathered_parameters": gathered,
     }
     memory["total"] = sum(memory.values())
     memory["serial_total"] = serial_bytes(activity["parameters_total"], activity["activations_total"], optimizer)

@@ -105,6 +105,9 @@ class GatherGroup:
     axis: str
     members: tuple[ParameterGather, ...]
     collective: Collective
+    vars: tuple[str, ...] = ()  # the program's variables holding its members whole
+    resharded: bool = False  # dropped once the forward has used it (pardsl/reshard.py)
+    regather: Collective | None = None  # resharded and kept for backward: gathered again there
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ class LoweredProgram:
     @property
     def collectives(self) -> list[Collective]:
         return ([c for s in self.statements for c in s.collectives] + [g.collective for g in self.gathers] +
+                [g.regather for g in self.gathers if g.regather is not None] +
                 [c for b in self.buckets for c in b.collectives])
 
     def layout_of(self, var: str) -> Layout | None:
@@ -994,6 +998,12 @@ class _Lowerer:
             statement.instruction.replace_slots(collect)
         buckets, in_bucket = self._buckets(sorted(used["sync"]))
         groups, in_group = self._gather_groups(sorted(used["gather"]))
+        held: dict[int, list[str]] = {}
+        for statement in statements:
+            for arg in statement.instruction.args:
+                if isinstance(arg, Slot) and arg.kind == "gather":
+                    held.setdefault(in_group[arg.index][0], []).extend(statement.targets)
+        groups = [dataclasses.replace(g, vars=tuple(held.get(number, ()))) for number, g in enumerate(groups)]
         return LoweredProgram(self.mesh, self.bound.par.source.path, self.bound.par.model.text, parameters, buffers,
                               inputs, self._fill_placeholders(statements, in_bucket, in_group), outputs,
                               self.values(), self.notes, groups, buckets)

@@ -16,7 +16,11 @@ never outlives a step, and a copy of the module shares none:
   buckets carry their sum: one collective per bucket per step, not per micro-batch;
 - **all-gathers** (FSDP's units and forward prefetch): parameters are gathered in groups (a layer's, or
   consecutive ones outside the layers), one all-gather per group; when the forward takes group k, the
-  all-gather of group k + 1 is issued asynchronously, so it moves while group k's ops compute.
+  all-gather of group k + 1 is issued asynchronously, so it moves while group k's ops compute;
+- **reshard after forward** (pardsl/reshard.py): under `resharded_after_forward`, autograd keeps a
+  resharded group's gathered weights as their place in the group (saved-tensor hooks) while the forward
+  drops them after use; backward gathers the group again when it first needs one, and issues the
+  all-gather of the resharded group before it meanwhile.
 
 The autograd function that carries a parameter's gradient into a bucket returns no gradient for the
 parameter itself: the bucket writes `.grad` once the collective has finished.
@@ -25,6 +29,7 @@ parameter itself: the bucket writes `.grad` once the collective has finished.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,6 +49,10 @@ class ParameterSync:
         self._backward: int | None = None  # the autograd graph task whose gradients are arriving
         self._prefetched: tuple[int, object, torch.Tensor] | None = None  # (group, work, buffer)
         self._current: tuple[int, list[torch.Tensor]] | None = None  # the group being used: its parameters whole
+        self._resharded: dict[int, bool] = {}  # group → whether backward gathers it again
+        self._holding: dict[int, tuple[int, int]] = {}  # storage → (group, base): the resharded group in use
+        self._regathered: tuple[int, list[torch.Tensor]] | None = None  # backward: the group gathered again
+        self._prefetched_backward: tuple[int, object, torch.Tensor] | None = None
 
     def _parameter(self, attr: str) -> torch.nn.Parameter:
         return getattr(self._module, attr)
@@ -58,10 +67,54 @@ class ParameterSync:
 
     def _gathered(self, group: int, item: int) -> torch.Tensor:
         if item == 0 or self._current is None or self._current[0] != group:  # the forward takes items in order
-            self._current = (group, self._unpack(group, self._take(group)))
+            self._holding = {}  # the group before is released: its storage may be reused from here
+            buffer = self._take(group)
+            wholes = self._unpack(group, buffer)
+            self._current = (group, wholes)
+            if group in self._resharded:
+                for base, tensor in enumerate(_bases(wholes)):
+                    self._holding[tensor.untyped_storage().data_ptr()] = (group, base)
             if group + 1 < len(self.gathers):
                 self._prefetched = (group + 1, *self._issue_gather(group + 1))
         return self._current[1][item]
+
+    # -- reshard after forward ----------------------------------------------------------------------
+
+    def resharded_after_forward(self, groups: list[tuple[int, bool]]):
+        """A context for the forward: `groups` are (group, gathered again for backward)."""
+        self._resharded = dict(groups)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack_saved)
+
+    def _pack(self, tensor: torch.Tensor):
+        place = self._holding.get(tensor.untyped_storage().data_ptr()) if self._holding else None
+        if place is None:
+            return tensor.detach()  # not the tensor itself: an op's saved output would hold its own node
+        return _InGroup(*place, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+
+    def _unpack_saved(self, packed):
+        if not isinstance(packed, _InGroup):
+            return packed
+        return self._gathered_again(packed.group)[packed.base].as_strided(packed.shape, packed.stride, packed.offset)
+
+    def _gathered_again(self, group: int) -> list[torch.Tensor]:
+        """Backward: the group whole again (the same bases, in the same layout as forward's), and the
+        all-gather of the resharded group before it issued."""
+        if self._regathered is not None and self._regathered[0] == group:
+            return self._regathered[1]
+        self._regathered = None  # the group after it is done with
+        pending, self._prefetched_backward = self._prefetched_backward, None
+        if pending is not None and pending[0] == group:
+            _, work, buffer = pending
+        else:
+            if pending is not None:
+                pending[1].wait()
+            work, buffer = self._issue_gather(group, "backward")
+        work.wait()
+        self._regathered = (group, _bases(self._unpack(group, buffer)))
+        before = [g for g, again in self._resharded.items() if again and g < group]
+        if before:
+            self._prefetched_backward = (max(before), *self._issue_gather(max(before), "backward"))
+        return self._regathered[1]
 
     def _take(self, group: int):
         """The group's gathered buffer: its prefetched all-gather waited on, or issued now."""
@@ -75,12 +128,12 @@ class ParameterSync:
         work.wait()
         return buffer
 
-    def _issue_gather(self, group: int):
+    def _issue_gather(self, group: int, phase: str = "forward"):
         axis, members = self.gathers[group]
         n = self.rt.size[axis]
         flat = torch.cat([self._parameter(attr).detach().movedim(dim, 0).reshape(-1) for attr, dim, _ in members])
         buffer = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
-        self.rt.counter.record("forward", "all_gather", collective_bytes("all_gather", _nbytes(flat), n), axis)
+        self.rt.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(flat), n), axis)
         work = dist.all_gather_single(buffer, flat, group=self.rt.groups[axis], async_op=True)
         return work, buffer.view(n, flat.numel())
 
@@ -156,6 +209,10 @@ class ParameterSync:
     def _finish(self) -> None:
         """End of backward: issue what did not fill (gradients that never came), wait, write `.grad`."""
         self._backward = None
+        self._regathered = None
+        if self._prefetched_backward is not None:  # a group gathered again that no backward op read after all
+            self._prefetched_backward[1].wait()
+            self._prefetched_backward = None
         for bucket, arrived in enumerate(self._arrived):
             if arrived:
                 self._launch(bucket)
@@ -184,6 +241,30 @@ class ParameterSync:
                     parameter.grad = grad if grad.is_contiguous() else grad.contiguous()
                 else:
                     parameter.grad.add_(grad)
+
+
+class _InGroup(NamedTuple):
+    """A saved tensor that is a view of a resharded group's gathered parameters: where it lies in them."""
+
+    group: int
+    base: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _bases(wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One tensor per storage that holds a gathered group's members whole: the all-gather's buffer where a
+    member is a view of it, each member made whole by a copy (a group of several, or blocks); in a fixed
+    order, so backward's gather of the group finds each saved view's storage at the same place. Only what
+    the group's members keep alive: a freed storage's address may be reused by any tensor."""
+    bases, seen = [], set()
+    for tensor in wholes:
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in seen:
+            seen.add(pointer)
+            bases.append(tensor)
+    return bases
 
 
 def _nbytes(x: torch.Tensor) -> int:

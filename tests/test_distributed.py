@@ -16,7 +16,7 @@ def _nonzero(counts):
 
 def check(pools, compiled, steps=2):
     report = run_on(pools, compiled, steps=steps)
-    assert report["ok"], report
+    assert report["ok"], {k: v for k, v in report.items() if "collectives" not in k}
     assert report["collectives"] == compiled.program.collective_counts(), "measured collectives differ from the plan"
     assert report["collectives_by_axis"] == compiled.program.collective_counts_by_axis()
     assert report["bytes"] == compiled.program.collective_bytes()

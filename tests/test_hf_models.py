@@ -75,12 +75,16 @@ def test_causal_lm_loss_data_times_tensor_parallel(pools):
 
 def test_zero3_on_llama_is_fsdps_communication(pools):
     """Every weight stored S(0) @ dp, the batch split: FSDP's units, one all-gather forward per layer and per
-    run of weights outside the layers (the next one prefetched), the gradients reduce-scattered in buckets
-    backward, and nothing else but the loss's two numbers (its sum and count, in one all-reduce)."""
+    run of weights outside the layers (the next one prefetched), each layer's gathered again for backward
+    (resharded after forward: the embedding's backward reads no weight, the head's group comes first), the
+    gradients reduce-scattered in buckets backward, and nothing else but the loss's two numbers (its sum
+    and count, in one all-reduce)."""
     compiled = compile_file("examples/llama_zero3.par")
     program = compiled.program
     assert program.collective_counts_by_axis() == {"forward": {"dp:all_gather": 4, "dp:all_reduce": 1},
-                                                   "backward": {"dp:reduce_scatter": 1}}
+                                                   "backward": {"dp:all_gather": 2, "dp:reduce_scatter": 1}}
+    assert [(g.resharded, g.regather is not None) for g in program.gathers] == [
+        (True, False), (True, True), (True, True), (False, False)]
     assert all(c.bytes <= 8 for c in program.collectives if c.kind == "all_reduce")  # the loss's sum and count
     groups = [[m.attr.removeprefix("model_").removesuffix("_weight") for m in g.members] for g in program.gathers]
     layer = ["input_layernorm", "self_attn_q_proj", "self_attn_k_proj", "self_attn_v_proj", "self_attn_o_proj",
@@ -95,6 +99,67 @@ def test_zero3_on_llama_is_fsdps_communication(pools):
     check(pools, compiled)
 
 
+def _gathered_bytes_held(path: str) -> tuple[int, int]:
+    """On every rank: the bytes of gathered parameters still alive between forward and backward, and those of
+    the group gathered last."""
+    import gc
+    import weakref
+
+    import torch
+
+    import pardsl
+    from pardsl.parameter_sync import ParameterSync
+
+    made = []
+    unpack = ParameterSync._unpack
+
+    def watched(self, group, buffer):
+        wholes = unpack(self, group, buffer)
+        made.extend((weakref.ref(t.untyped_storage()), t.untyped_storage().nbytes()) for t in (buffer, *wholes))
+        return wholes
+
+    ParameterSync._unpack = watched
+    try:
+        plan = pardsl.load(path)
+        model = plan.module()
+        ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+        loss = model(**plan.shard_inputs(input_ids=ids, labels=ids))[0]
+        gc.collect()
+        storages = {ref().data_ptr(): nbytes for ref, nbytes in made if ref() is not None}
+        last = sum(m.nbytes for m in plan.compiled.program.gathers[-1].members)
+        loss.backward()
+        return sum(storages.values()), last
+    finally:
+        ParameterSync._unpack = unpack
+
+
+def test_zero3_releases_gathered_weights_after_forward_unless_the_bound_allows_keeping_them(pools, tmp_path):
+    """Resharded after forward, a rank holds between forward and backward the last group's weights whole and
+    no other gathered weight (autograd keeps where the others lie in their group); under a memory bound
+    they all fit in, every group autograd keeps stays gathered from forward to backward and nothing is
+    gathered twice. Held: the gathered storages still alive (weak references) once forward returns."""
+    import functools
+    import os
+
+    text = open("examples/llama_zero3.par").read()
+    kept = tmp_path / "kept.par"
+    kept.write_text(text.replace("mesh   dp = 2\n", "mesh   dp = 2\nmemory <= 100 %\n"))
+    resharded = compile_file("examples/llama_zero3.par")
+    keeping = compile_file(str(kept))
+    assert not any(g.resharded for g in keeping.program.gathers) and "RESHARDED" not in keeping.source
+    assert _nonzero(keeping.program.collective_counts())["backward"] == {"reduce_scatter": 1}
+    whole = [sum(m.nbytes for m in g.members) for g in resharded.program.gathers]
+    held, last = pools(2).run_on_every_rank(functools.partial(_gathered_bytes_held, os.path.abspath("examples/llama_zero3.par")))[0]
+    assert held == last == whole[-1]
+    held, _ = pools(2).run_on_every_rank(functools.partial(_gathered_bytes_held, str(kept)))[0]
+    assert held == sum(whole[1:])  # all but the embedding's table, whose backward reads the indices only
+    from pardsl.cost import memory_per_rank
+
+    assert memory_per_rank(resharded.program)["gathered_parameters"] == sum(sorted(whole)[-2:])  # two layers
+    assert memory_per_rank(keeping.program)["gathered_parameters"] == sum(whole)
+    check(pools, keeping)
+
+
 def test_zero3_with_small_buckets_issues_each_as_it_fills(pools):
     from pardsl.compiler import compile_text
 
@@ -106,7 +171,7 @@ def test_zero3_with_small_buckets_issues_each_as_it_fills(pools):
     assert buckets[0].members[0][0] == "lm_head_weight" and buckets[-1].members[-1][0] == "model_embed_tokens_weight"
     assert all(b.nbytes >= 50 * 1024 for b in buckets[:-1])
     report = check(pools, compiled)
-    assert report["collectives_by_axis"]["backward"] == {"dp:reduce_scatter": 6}
+    assert report["collectives_by_axis"]["backward"] == {"dp:all_gather": 2, "dp:reduce_scatter": 6}
 
 
 def test_sequence_parallel_llama(pools):

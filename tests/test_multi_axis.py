@@ -173,6 +173,21 @@ def two_by_two(draw):
             ).replace("'", '"')
 
 
+def test_a_resharded_group_no_op_keeps_for_backward_is_not_gathered_again(pools, compile_par):
+    """A bias stored split over dp and gathered alone (group 0) is read by an add, whose backward keeps no
+    operand: released after forward (reshard), and backward does not gather it again; the weight gathered
+    after it, for a matmul that keeps it, is the last group and stays gathered. Found by the test below."""
+    compiled = compile_par('mesh dp = 2, tp = 2\nmodel tests.zoo:Stack(widths=[4, 4, 4], acts=["relu", "relu"], '
+                           'biases=[True, False], residual=[True, True], tails=["none", "none"])\n'
+                           'input x : float32[8, 4]\nlayout {\n  x : [S(0), B]\n  layers.0.weight : [B, B]\n'
+                           '  layers.0.bias : [S(0), B]\n  layers.1.weight : [S(0), B]\n}\n')
+    gathers = compiled.program.gathers
+    assert [(g.resharded, g.regather) for g in gathers] == [(True, None), (False, None)]
+    assert [line.split("#")[0].strip() for line in compiled.source.splitlines() if line.strip().startswith("del ")] \
+        == ["del layers_0_bias__B_B"]
+    check(pools, compiled)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=two_by_two())
 def test_random_per_axis_layouts_on_2x2_meshes_equal_serial(pools, compile_par, text):

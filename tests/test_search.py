@@ -181,11 +181,12 @@ def test_a_searched_data_parallel_plan_runs_equal_to_serial(pools, compile_par):
 
 def test_zero3_storage_under_a_memory_bound_keeps_fsdps_parameter_gathers(pools, compile_par):
     """examples/llama_zero3.par (weights and batch S(0) over dp) with a bound: the search prices gathered
-    parameters as memory_per_rank counts them (two units at a time, not the whole model), so the plan the
-    greedy pass writes fits and the search keeps its parameter traffic: one all-gather per layer and per
-    group outside, one reduce-scatter bucket backward, and nothing else but the loss's sum and count in one
-    all-reduce (the rule's `mean` form: before it, the count and the partial mean took two all-reduces,
-    and gathering this 256-word vocabulary's logits for the loss was estimated cheaper)."""
+    parameters as memory_per_rank counts them resharded after forward (two units at a time, not the whole
+    model), so the plan the greedy pass writes fits and the search keeps its parameter traffic: one
+    all-gather per layer and per group outside, each layer's again backward (kept from forward to backward,
+    every group would not fit), one reduce-scatter bucket backward, and nothing else but the loss's sum
+    and count in one all-reduce (the rule's `mean` form: before it, the count and the partial mean took two
+    all-reduces, and gathering this 256-word vocabulary's logits for the loss was estimated cheaper)."""
     text = open("examples/llama_zero3.par").read().replace("mesh   dp = 2\n", "mesh   dp = 2\nmemory <= 60 %\n")
     searched, greedy = compile_par(text), compile_file("examples/llama_zero3.par")
     assert "search" in searched.seconds
@@ -195,7 +196,8 @@ def test_zero3_storage_under_a_memory_bound_keeps_fsdps_parameter_gathers(pools,
     assert groups == [[m.attr for m in group.members] for group in greedy.program.gathers]
     assert searched.program.collective_counts_by_axis() == {"forward": {"dp:all_gather": len(groups),
                                                                         "dp:all_reduce": 1},
-                                                            "backward": {"dp:reduce_scatter": 1}}
+                                                            "backward": {"dp:all_gather": 2, "dp:reduce_scatter": 1}}
+    assert [g.resharded for g in searched.program.gathers] == [True, True, True, False]
     assert "mean=('dp',)" in searched.source
     check(pools, searched)
 

@@ -1,0 +1,128 @@
+"""A pass over the lowered program: parameters gathered for forward are dropped once used (FSDP's
+reshard-after-forward, ZeRO-3's point), and gathered again for backward.
+
+Autograd keeps what an op needs for its backward, a gathered weight included: without this pass every
+group's whole parameters stay alive from forward to backward, as much memory as data parallelism. With
+it, each group except the last (its backward comes first, at once) is released after the statement that
+last reads it (`del`), and the generated forward runs under saved-tensor hooks
+(`ParameterSync.resharded_after_forward`) that keep, for a resharded group's weights, where they lie in
+the group instead of their bytes. Backward gathers the group again when it first needs one of them,
+the group before it prefetched meanwhile, so two groups at most are whole at a time in either phase.
+
+A group whose weights no op keeps for backward (an embedding's table: its backward reads the indices
+only) is released the same way and never gathered again. Compile applies the pass unless the plan keeps
+within its memory bound without it (compiler._lowered): re-gathering costs one all-gather per group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .inference import TypedGraph
+from .layouts import B
+from .lowering import Collective, LoweredProgram, Statement
+from .program import Instruction, Var
+
+def reshard_after_forward(program: LoweredProgram, typed: TypedGraph) -> LoweredProgram:
+    """The program with its FSDP groups but the last released after their last use in forward and, where an
+    op keeps one of their weights for backward, gathered again there; the program itself where there is
+    none. An FSDP group gathers, over an axis that splits the batch, parameters that are then whole on every
+    rank (ZeRO-3's shards of a replica); a tensor-parallel scheme's weight gathered on one axis and still
+    split on another (2-D, 2.5-D) stays gathered, as the schemes do. A group whose weights are among the
+    outputs stays too."""
+    outputs = {output.var for output in program.outputs}
+    graph = {node.name: node for node in typed.bound.exported.graph.nodes}
+    last_read: dict[str, int] = {}
+    kept: set[str] = set()  # variables some op keeps for backward
+    for index, statement in enumerate(program.statements):
+        instruction = statement.instruction
+        node = graph.get(statement.node)
+        for position, arg in enumerate(instruction.args):
+            for name in _names(arg):
+                last_read[name] = index
+                if instruction.kind != "compute" or not isinstance(arg, Var) or node is None or \
+                        _kept_for_backward(node, position, typed):
+                    kept.add(name)
+        for _, arg in instruction.kwargs:
+            for name in _names(arg):
+                last_read[name] = index
+                kept.add(name)
+    mesh = program.mesh
+    batch_axes = {mesh.axis_names[a] for slot in program.inputs for a, p in enumerate(slot.layout.placements)
+                  if p.is_split and p.dim == 0}
+    whole = {target for statement in program.statements if statement.instruction.kind == "param_gather"
+             for target, layout in zip(statement.targets, statement.layouts) if all(p == B for p in layout.placements)}
+    releases: dict[int, list[Statement]] = {}
+    groups = list(program.gathers)
+    for number, group in enumerate(groups[:-1]):
+        read = [last_read[v] for v in group.vars if v in last_read]
+        fsdp = group.axis in batch_axes and all(v in whole for v in group.vars)
+        if not read or not fsdp or outputs & set(group.vars):
+            continue
+        regathered = bool(kept & set(group.vars))
+        why = "gathered again for backward" if regathered else "backward does not read them"
+        releases.setdefault(max(read), []).append(Statement(
+            "", Instruction("release", "del", tuple(Var(v) for v in group.vars)),
+            f"group {number} used: released (resharded after forward); {why}"))
+        regather = Collective("all_gather", group.axis, "backward", group.collective.bytes, f"group {number}",
+                              f"{len(group.members)} parameter(s) of {group.members[0].unit or 'outside the layers'}, "
+                              "gathered again for backward") if regathered else None
+        groups[number] = dataclasses.replace(group, resharded=True, regather=regather)
+    if not releases:
+        return program
+    statements = []
+    for index, statement in enumerate(program.statements):
+        statements.append(statement)
+        statements.extend(releases.get(index, ()))
+    return dataclasses.replace(program, statements=statements, gathers=groups, notes=list(program.notes))
+
+
+def _names(arg) -> list[str]:
+    return Instruction("", "", (arg,)).reads()
+
+
+def _kept_for_backward(node: torch.fx.Node, position: int, typed: TypedGraph) -> bool:
+    """Whether autograd keeps the value of the op's operand at `position` (or of a view of it, through the
+    views its users take) for backward: the op run once on meta tensors of its example shapes, under
+    saved-tensor hooks that watch for it. Where the op cannot be run so, it is taken to keep it."""
+    try:
+        args = [_meta(a, typed) for a in node.args]
+        kwargs = {k: _meta(v, typed) for k, v in node.kwargs.items()}
+    except (TypeError, AttributeError, KeyError):
+        return True
+    operand = args[position]
+    if not isinstance(operand, torch.Tensor):
+        return True
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor is operand or tensor._base is operand)
+        return tensor
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            result = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - an op meta tensors cannot run: assume the worst
+        return True
+    if any(saved):
+        return True
+    if isinstance(result, torch.Tensor) and result._base is operand:  # a view: what its users keep of it
+        return any(_kept_for_backward(user, i, typed) for user in node.users
+                   for i, a in enumerate(user.args) if a is node)
+    return False
+
+
+def _meta(arg, typed: TypedGraph):
+    """An fx argument as the op takes it, its tensors on the meta device at their example shapes."""
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_meta(a, typed) for a in arg)
+    if not isinstance(arg, torch.fx.Node):
+        return arg
+    value = arg.meta["val"]
+    if isinstance(value, torch.SymInt):
+        return int(value.node.hint)
+    info = typed.info(arg.name)
+    gradient = arg.name in typed.requires_grad and info.dtype.is_floating_point
+    return torch.empty(info.shape, dtype=info.dtype, device="meta", requires_grad=gradient)
