@@ -33,6 +33,7 @@ def reshard_after_forward(program: LoweredProgram, typed: TypedGraph) -> Lowered
     split on another (2-D, 2.5-D) stays gathered, as the schemes do. A group whose weights are among the
     outputs stays too."""
     outputs = {output.var for output in program.outputs}
+    gathered = {v for group in program.gathers for v in group.vars}
     graph = {node.name: node for node in typed.bound.exported.graph.nodes}
     last_read: dict[str, int] = {}
     kept: set[str] = set()  # variables some op keeps for backward
@@ -42,8 +43,8 @@ def reshard_after_forward(program: LoweredProgram, typed: TypedGraph) -> Lowered
         for position, arg in enumerate(instruction.args):
             for name in _names(arg):
                 last_read[name] = index
-                if instruction.kind != "compute" or not isinstance(arg, Var) or node is None or \
-                        _kept_for_backward(node, position, typed):
+                if name in gathered and (instruction.kind != "compute" or not isinstance(arg, Var) or node is None
+                                         or _kept_for_backward(node, position, typed)):
                     kept.add(name)
         for _, arg in instruction.kwargs:
             for name in _names(arg):
