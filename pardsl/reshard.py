@@ -25,6 +25,7 @@ from .layouts import B
 from .lowering import Collective, LoweredProgram, Statement
 from .program import Instruction, Var
 
+
 def reshard_after_forward(program: LoweredProgram, typed: TypedGraph) -> LoweredProgram:
     """The program with its FSDP groups but the last released after their last use in forward and, where an
     op keeps one of their weights for backward, gathered again there; the program itself where there is
@@ -49,7 +50,8 @@ def reshard_after_forward(program: LoweredProgram, typed: TypedGraph) -> Lowered
         for _, arg in instruction.kwargs:
             for name in _names(arg):
                 last_read[name] = index
-                kept.add(name)
+                if name in gathered:
+                    kept.add(name)
     mesh = program.mesh
     batch_axes = {mesh.axis_names[a] for slot in program.inputs for a, p in enumerate(slot.layout.placements)
                   if p.is_split and p.dim == 0}
@@ -77,7 +79,7 @@ def reshard_after_forward(program: LoweredProgram, typed: TypedGraph) -> Lowered
     for index, statement in enumerate(program.statements):
         statements.append(statement)
         statements.extend(releases.get(index, ()))
-    return dataclasses.replace(program, statements=statements, gathers=groups, notes=list(program.notes))
+    return dataclasses.replace(program, statements=statements, gathers=groups)
 
 
 def _names(arg) -> list[str]:
