@@ -78,12 +78,14 @@ def render_expression(instruction: Instruction) -> str:
 
 
 def _lines(program: LoweredProgram) -> list[str]:
-    lines = []
+    codes: list[list[str]] = []  # per line: its code and its comment
     for statement in program.statements:
         expr = render_expression(statement.instruction)
-        code = f"{statement.target} = {expr}" if statement.target else expr
-        lines.append(f"{code.ljust(_COMMENT_COLUMN)}  # {statement.comment}")
-    return lines
+        if statement.instruction.kind == "release" and not statement.comment and codes:
+            codes[-1][0] += f"; {expr}"  # a value's last use: released at the end of the line that reads it
+            continue
+        codes.append([f"{statement.target} = {expr}" if statement.target else expr, statement.comment])
+    return [f"{code.ljust(_COMMENT_COLUMN)}  # {comment}" for code, comment in codes]
 
 
 def _outputs(program: LoweredProgram) -> list[dict]:

@@ -22,6 +22,7 @@ from .cost import estimate, memory_per_rank
 from .search import graph_facts, memory_limit, search, wants_search
 from .diagnostics import Diagnostic
 from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
+from .liveness import release_dead_values
 from .reshard import reshard_after_forward
 from .syntax import ParFile, parse, parse_file
 
@@ -58,6 +59,7 @@ def compile_par(par: ParFile, bucket_mb: float = DEFAULT_BUCKET_MB, machine=None
     else:
         typed = _timed(seconds, "infer", lambda: infer(bound))
         program = _timed(seconds, "lower", lambda: _lowered(typed, bucket_mb, None))
+    program = release_dead_values(program)
     source = _timed(seconds, "codegen", lambda: render(program))
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
 
@@ -174,7 +176,7 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
         outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
         plan = pp.PipelinePlan(decl.axis, decl.schedule, decl.microbatches, decl.stages_per_rank,
                                tuple(cut_before), pp.shared_parameters(stages), outputs)
-        return program, stages, plan
+        return program, [release_dead_values(stage) for stage in stages], plan
 
     program, stages, plan = _timed(seconds, "lower", lower_pipelined)
     source = _timed(seconds, "codegen", lambda: render_pipeline(stages, plan))

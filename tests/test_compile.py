@@ -125,7 +125,8 @@ def test_generated_module_is_annotated_and_valid_python():
     forward = source[source.index("def forward"):]
     for line in forward.splitlines()[3:-1]:
         assert "  # " in line, line  # every statement says its layout or why it communicates
-    assert re.search(r"rt\.all_reduce\(linear_1, \"tp\"\) +# P→B@tp: all-reduce 16\.0 KiB \(forward\)", source)
+    # a value's last read ends with its release (pardsl/liveness.py): the line stays one statement's
+    assert re.search(r"rt\.all_reduce\(linear_1, \"tp\"\); del linear_1 +# P→B@tp: all-reduce 16\.0 KiB \(forward\)", source)
     assert "S(1)@tp  [16, 1024] local [16, 512]" in source
 
 
