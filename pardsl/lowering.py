@@ -669,8 +669,9 @@ class _Lowerer:
         method, kwargs = step_call(step, rs_backward)
         expr = Instruction("convert", f"rt.{method}", (Var(source), Text(f'"{axis}"')),
                            tuple((k, Text(f'"{v}"' if isinstance(v, str) else repr(v))) for k, v in kwargs.items()))
-        fwd = [kind for phase, kind, _ in step_collectives(step) if phase == "forward"]
-        bwd = [(kind, nbytes) for phase, kind, nbytes in step_collectives(step) if phase == "backward"]
+        collectives = step_collectives(step)
+        fwd = [kind for phase, kind, _ in collectives if phase == "forward"]
+        bwd = [(kind, nbytes) for phase, kind, nbytes in collectives if phase == "backward"]
         if step.kind == "all_gather" and rs_backward:  # the adjoint reduce-scatters: T(n-1)/n both ways
             bwd = [("reduce_scatter", step.forward_bytes)]
         if self.mesh.axis_sizes[step.axis] == 1:  # every layout is the same on one rank: nothing moves

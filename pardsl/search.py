@@ -534,6 +534,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
 
         slots: dict[str, list[dict[Joint, dict[int, float]]]] = {}  # per op and operand: its signatures' needs
         computed: dict[str, dict[int, Joint]] = {}  # per op: what each of its columns computes
+
         def traits(name: str) -> tuple:
             """What an op's seconds and prices read beyond its legal key: gradients and dtypes."""
             return (name in requires_grad, str(bound.tensors[name].dtype),
