@@ -6,7 +6,7 @@ Hugging Face LLaMA, 4 layers (hidden 128), cut in two stages, on pp = 2 (2 gloo 
 - the idle fraction: 1 - (time in the stage's forward and backward chunks) / (step time): what the rank
   spends waiting for the other stage, the bubble;
 - the activation memory: the most micro-batches whose activations the stage holds at once (torch's
-  forward cache) times one micro-batch's activations (the stage program's op results, an upper bound);
+  forward cache) times one micro-batch's activations (what autograd keeps of the stage program's op results);
 
 and prints them beside the bubble formulas: (p - 1)/(m + p - 1) of a step for GPipe; (p - 1)/m of the ideal
 step for 1F1B (the same bubble, counted against the work instead of the step: 1F1B's gain is memory, p

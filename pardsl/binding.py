@@ -111,6 +111,14 @@ class BoundPlan:
 
         return global_flops(self)
 
+    @functools.cached_property
+    def kept_for_backward(self) -> frozenset[str]:
+        """The op results autograd keeps from forward to backward (saved_for_backward.py): found once, read
+        by the cost model and the search alike."""
+        from .saved_for_backward import kept_for_backward
+
+        return kept_for_backward(self.graph, self.tensors.get, self.parameters)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Model loading

@@ -67,11 +67,12 @@ def compile_par(par: ParFile, bucket_mb: float = DEFAULT_BUCKET_MB, machine=None
 def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredProgram:
     """The lowered program, its FSDP groups of gathered parameters resharded after forward
     (pardsl/reshard.py) unless it keeps within the memory bound `limit` (bytes per rank) without: then no
-    group is gathered twice."""
+    group is gathered twice. Over the bound, every group gathered whole is resharded, as the search counts
+    gathered parameters (two groups whole at a time)."""
     program = lower(typed, bucket_mb)
     if limit is not None and memory_per_rank(program)["total"] <= limit:
         return program
-    return reshard_after_forward(program, typed)
+    return reshard_after_forward(program, typed, any_axis=limit is not None)
 
 
 def _timed(seconds: dict, stage: str, work):

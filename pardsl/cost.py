@@ -321,7 +321,7 @@ OPTIMIZER_STATES = {"sgd": 0, "adam": 2, "adamw": 2}  # tensors of state per par
 
 def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
     """Bytes one rank holds at its peak: parameters, gradients, optimizer state, activations kept for
-    backward (every op result: an upper bound), parameters gathered for use (resharded after forward:
+    backward and the outputs (saved_for_backward.py), parameters gathered for use (resharded after forward:
     this group and the prefetched next; else all of them); and what the serial model holds, for a bound
     written as a percentage."""
     activity = program.memory()

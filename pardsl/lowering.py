@@ -184,8 +184,8 @@ class LoweredProgram:
         return {phase: dict(sorted(by_key.items())) for phase, by_key in counts.items()}
 
     def memory(self) -> dict[str, int]:
-        """Bytes per rank: parameters (and their full size, for the ratio), and activations: every op
-        result's local size, an upper bound on what autograd keeps for backward."""
+        """Bytes per rank: parameters (and their full size, for the ratio), and activations: the local size
+        of each op result autograd keeps for backward or the model returns (saved_for_backward.py)."""
         def nbytes(shape, dtype):
             return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
 
@@ -193,9 +193,9 @@ class LoweredProgram:
             "parameters_per_rank": sum(nbytes(p.local_shape, p.dtype) for p in self.parameters),
             "parameters_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters),
             "activations_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
-                                        if v.get("kind") == "activation"),
+                                        if v.get("kept_for_backward")),
             "activations_total": sum(nbytes(v["shape"], v["dtype"]) for v in self.values.values()
-                                     if v.get("kind") == "activation"),
+                                     if v.get("kept_for_backward")),
         }
 
     def collective_bytes(self) -> dict[str, int]:
@@ -976,13 +976,16 @@ class _Lowerer:
         values = {}
         for name, info in self.bound.tensors.items():
             layout = self.typed.layout_of(name)
+            activation = name in self.typed.nodes
             values[name] = {
-                "kind": "activation" if name in self.typed.nodes else "placeholder",
+                "kind": "activation" if activation else "placeholder",
                 "layout": named_layout(layout, self.mesh),
                 "shape": list(info.shape),
                 "local_shape": list(layout.local_shape(info.shape, self.mesh)),
                 "dtype": str(info.dtype).removeprefix("torch."),
             }
+            if activation:
+                values[name]["kept_for_backward"] = name in self.bound.kept_for_backward
         return values
 
     def finish(self, statements: list[Statement], parameters: list[TensorSlot], buffers: list[TensorSlot],

@@ -75,11 +75,8 @@ def memory_limit(bound: BoundPlan, optimizer: str = "adamw") -> int | None:
     if written is None:
         return None
     parameters = sum(bound.tensors[name].nbytes for name in bound.parameters)
-    # every op result (the graph's placeholders are parameters, buffers, inputs, and a tied parameter's
-    # second name), as LoweredProgram.memory counts activations
-    placeholders = {node.name for node in bound.exported.graph.nodes if node.op == "placeholder"}
-    activations = sum(info.nbytes for name, info in bound.tensors.items()
-                      if name not in placeholders and name not in bound.scalars)
+    # the op results autograd keeps for backward, as LoweredProgram.memory counts activations
+    activations = sum(bound.tensors[name].nbytes for name in bound.kept_for_backward)
     return written.bytes(serial_bytes(parameters, activations, optimizer))
 
 
@@ -449,7 +446,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         for name in placeholders + nodes:
             if name in bound.parameters:
                 factor = 1 + (1 + states) * (name in requires_grad)
-            elif name in legal:
+            elif name in bound.kept_for_backward:
                 factor = 1
             else:
                 continue
