@@ -26,14 +26,15 @@ keeping its signature on at least one of the two. The program:
 - each op's compute at the share its signature leaves a rank (FLOP from torch's counter, or bytes moved),
   backward twice forward; a parallel form's own collectives; finishing a partial output;
 - a parameter's gradient is reduced in buckets behind backward, and on an axis that splits the batch its
-  gather is prefetched behind forward: priced at the share the machine does not overlap (a bucket's
+  gather is prefetched behind forward and again behind backward (resharded after forward, as memory is
+  counted: two groups whole at a time): priced at the share the machine does not overlap (a bucket's
   latency is shared by many parameters: its bytes only).
 
 Costs are seconds of the cost model (pardsl/cost.py: α per ring step + β per byte, per kind; the
 machine's throughput and bandwidth), so the objective is the estimated step time of the axis's choices.
-The memory bound is a constraint: parameters with their gradients and optimizer state, activations, and
-parameters gathered whole while in use, per rank; an axis before the last gets the bound times what the
-later axes can still divide.
+The memory bound is a constraint: parameters with their gradients and optimizer state, the activations
+autograd keeps for backward (pardsl/saved_for_backward.py), and parameters gathered whole while in use,
+per rank; an axis before the last gets the bound times what the later axes can still divide.
 
 Repeated layers (model.layers.0, .1, … with the same ops, shapes and layouts) share their binaries, and
 values whose consumers are all shared form one class whose conversions are priced once times its size:
@@ -426,7 +427,10 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                 seconds = machine.steps_seconds(one_axis_collectives(
                     source[0], target[0], local_bytes(name, source), sizes[0], gradient), sizes[0])
                 if parameter and source[0].is_split and target[0] == B and group[0] in batch_axes:
-                    seconds *= unhidden  # prefetched forward, reduce-scattered in buckets backward
+                    # prefetched forward, gathered again for backward (resharded after forward, as memory
+                    # counts it), reduce-scattered in buckets backward
+                    again = one_axis_collectives(source[0], target[0], local_bytes(name, source), sizes[0], False)
+                    seconds = unhidden * (seconds + machine.steps_seconds(again, sizes[0]))
                 return seconds + EPSILON_S
             info = bound.tensors[name]
             steps = plan_conversion(layout(value[name], source), layout(value[name], target), info.shape,
@@ -437,7 +441,10 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             seconds = 0.0
             for conversion in steps:
                 moved = machine.steps_seconds(step_collectives(conversion, gradient), mesh.axis_sizes[conversion.axis])
-                seconds += moved * unhidden if prefetched else moved
+                if prefetched:  # and gathered again for backward
+                    moved = unhidden * (moved + machine.steps_seconds(step_collectives(conversion, False),
+                                                                      mesh.axis_sizes[conversion.axis]))
+                seconds += moved
             return seconds + EPSILON_S
 
         placements = {name: placement_terms(name) for name in placeholders + nodes}

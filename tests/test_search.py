@@ -263,7 +263,8 @@ def test_pairs_of_axes_are_decided_again_jointly_until_no_move_improves(pools, c
     """The search decides one mesh axis at a time, with the later ones still whole. On the 2-D layer
     under a memory bound alone, compile descends from the better plan of the two orders: both axes decided
     again by one program, every op keeping its signature on one of them. It reaches 2.4 ms where the best
-    order gives 3.5 and a descent deciding one axis at a time stops at 3.0; no move of one axis or of both
+    order gives 3.0 and a descent deciding one axis at a time cannot improve on that (with the backward
+    re-gather of resharded weights priced; without it, 3.5 and 3.0); no move of one axis or of both
     improves on it, and it runs equal to serial."""
     text = open("examples/tp_schemes/layer_2d.par").read()
     compiled = compile_par(text.split("layout {")[0] + "memory <= 30 %\nlayout {\n  x : ?\n}\n")
@@ -279,7 +280,7 @@ def test_pairs_of_axes_are_decided_again_jointly_until_no_move_improves(pools, c
         if estimated_step(better) >= estimated_step(one_axis):
             break
         one_axis = better
-    assert step < 0.85 * estimated_step(one_axis) < 0.85 * estimated_step(best)
+    assert step < 0.85 * estimated_step(one_axis) <= 0.85 * estimated_step(best)
     for move in ((0,), (1,), ((0, 1),)):
         again = search.search(compiled.bound, GLOO, limit, order=move, start=compiled.typed)
         assert estimated_step(again) >= step
