@@ -152,3 +152,13 @@ def test_an_injected_bug_still_fails(pools):
 def test_export_of_a_folder_that_is_no_checkpoint_is_an_error(tmp_path, capsys):
     assert cli.main(["export", str(tmp_path), "-o", str(tmp_path / "m.safetensors")]) == 1
     assert "neither a pardsl checkpoint" in capsys.readouterr().err
+
+
+def test_the_readmes_explain_example_is_what_explain_prints(capsys):
+    """The README shows `pardsl explain examples/mlp.par` with the gloo defaults (conftest points the
+    calibration folder at an empty one): its block must be the command's output, not an older one's."""
+    readme = open("README.md", encoding="utf-8").read()
+    command = "$ pardsl explain examples/mlp.par          # no calibration file: the gloo defaults\n"
+    shown = readme.split(command, 1)[1].split("\n```", 1)[0]
+    assert cli.main(["explain", "examples/mlp.par"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == shown
