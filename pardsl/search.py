@@ -496,6 +496,15 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         gathered: dict[str, dict[int, float]] = {}  # per gather group: its conversions' columns → bytes whole
         copies: dict[str, int] = {}  # per gather group: how many layers it stands for
 
+        def one_gather(name: str, source: Joint, target: Joint) -> bool:
+            """Whether converting the parameter is one all-gather, which lowering puts in a gather group."""
+            if len(group) == 1:
+                return True  # split → whole on one axis
+            info = bound.tensors[name]
+            steps = plan_conversion(layout(value[name], source), layout(value[name], target), info.shape,
+                                    info.itemsize, mesh, False)
+            return len(steps) == 1 and steps[0].kind == "all_gather"
+
         def convert(key, name: str, pairs, count: int) -> None:
             for (p, q), terms in pairs.items():
                 if p == q:
@@ -504,9 +513,12 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     column = program.column(count * conversion_seconds(name, p, q))
                     converted[key, p, q] = column
                     if name in bound.parameters and any(s.is_split and t == B for s, t in zip(p, q)):
-                        unit = gather_unit[name]  # gathered (more) whole while in use
-                        add_cost(gathered.setdefault(unit, {}), column, local_bytes(name, q))
-                        copies[unit] = max(copies.get(unit, 1), count)
+                        if one_gather(name, p, q):  # a gather group's (lowering.GatherGroup): held a group at a time
+                            unit = gather_unit[name]
+                            add_cost(gathered.setdefault(unit, {}), column, local_bytes(name, q))
+                            copies[unit] = max(copies.get(unit, 1), count)
+                        else:  # gathered where used, and kept by its op until backward, in every layer
+                            add_cost(memory, column, count * local_bytes(name, q))
                 program.row(subtract({converted[key, p, q]: 1.0}, terms), 0.0, math.inf)
 
         def op_seconds(name: str) -> list[list[float]]:
