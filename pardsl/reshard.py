@@ -39,6 +39,8 @@ def reshard_after_forward(program: LoweredProgram, typed: TypedGraph, any_axis: 
     graph = {node.name: node for node in typed.bound.exported.graph.nodes}
     last_read: dict[str, int] = {}
     kept: set[str] = set()  # variables some op keeps for backward
+    # parameters some op keeps (itself or through a view): what each op saves, probed once on meta tensors
+    kept_parameters = typed.bound.parameters_kept_for_backward
     for index, statement in enumerate(program.statements):
         instruction = statement.instruction
         node = graph.get(statement.node)
@@ -46,7 +48,7 @@ def reshard_after_forward(program: LoweredProgram, typed: TypedGraph, any_axis: 
             for name in _names(arg):
                 last_read[name] = index
                 if name in gathered and (instruction.kind != "compute" or not isinstance(arg, Var) or node is None
-                                         or _kept_for_backward(node, position, typed)):
+                                         or _keeps(node, position, kept_parameters)):
                     kept.add(name)
         for _, arg in instruction.kwargs:
             for name in _names(arg):
@@ -87,46 +89,8 @@ def _names(arg) -> list[str]:
     return Instruction("", "", (arg,)).reads()
 
 
-def _kept_for_backward(node: torch.fx.Node, position: int, typed: TypedGraph) -> bool:
-    """Whether autograd keeps the value of the op's operand at `position` (or of a view of it, through the
-    views its users take) for backward: the op run once on meta tensors of its example shapes, under
-    saved-tensor hooks that watch for it. Where the op cannot be run so, it is taken to keep it."""
-    try:
-        args = [_meta(a, typed) for a in node.args]
-        kwargs = {k: _meta(v, typed) for k, v in node.kwargs.items()}
-    except (TypeError, AttributeError, KeyError):
-        return True
-    operand = args[position]
-    if not isinstance(operand, torch.Tensor):
-        return True
-    saved = []
-
-    def pack(tensor):
-        saved.append(tensor is operand or tensor._base is operand)
-        return tensor
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            result = node.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - an op meta tensors cannot run: assume the worst
-        return True
-    if any(saved):
-        return True
-    if isinstance(result, torch.Tensor) and result._base is operand:  # a view: what its users keep of it
-        return any(_kept_for_backward(user, i, typed) for user in node.users
-                   for i, a in enumerate(user.args) if a is node)
-    return False
-
-
-def _meta(arg, typed: TypedGraph):
-    """An fx argument as the op takes it, its tensors on the meta device at their example shapes."""
-    if isinstance(arg, (list, tuple)):
-        return type(arg)(_meta(a, typed) for a in arg)
-    if not isinstance(arg, torch.fx.Node):
-        return arg
-    value = arg.meta["val"]
-    if isinstance(value, torch.SymInt):
-        return int(value.node.hint)
-    info = typed.info(arg.name)
-    gradient = arg.name in typed.requires_grad and info.dtype.is_floating_point
-    return torch.empty(info.shape, dtype=info.dtype, device="meta", requires_grad=gradient)
+def _keeps(node: torch.fx.Node, position: int, kept_parameters: frozenset[str]) -> bool:
+    """Whether the value the op reads at argument `position` is a parameter some op keeps for backward;
+    where that argument is not one graph value, it is taken to be kept."""
+    arg = node.args[position] if position < len(node.args) else None
+    return not isinstance(arg, torch.fx.Node) or arg.name in kept_parameters

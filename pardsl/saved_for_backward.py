@@ -65,9 +65,10 @@ def probe(target, args, kwargs) -> Saved:
 
 
 def kept_for_backward(graph: torch.fx.Graph, tensor_info, parameters) -> frozenset[str]:
-    """The op results (graph node names) autograd keeps from forward to backward, and the model's outputs,
-    a view resolved to the op result that owns its storage. `tensor_info(name)`: the value's global shape
-    and dtype, or None where it is not one tensor; `parameters`: the placeholders that are trained."""
+    """The values (graph node names: op results and placeholders) autograd keeps from forward to backward,
+    and the model's outputs, a view resolved to the value that owns its storage. `tensor_info(name)`: the
+    value's global shape and dtype, or None where it is not one tensor; `parameters`: the placeholders
+    that are trained."""
     requires_grad: dict[str, bool] = {}
     owner: dict[str, str] = {}  # a value → the value whose storage it is (itself, unless a view)
     saved_results: dict[str, frozenset[int]] = {}
@@ -128,5 +129,4 @@ def kept_for_backward(graph: torch.fx.Graph, tensor_info, parameters) -> frozens
             kept.add(owner.get(tensors[position], tensors[position]))
         if saved.results and tensor_info(node.name) is not None:
             kept.add(owner[node.name])
-    ops = {node.name for node in graph.nodes if node.op == "call_function"}
-    return frozenset(name for name in kept if name in ops)
+    return frozenset(kept)
