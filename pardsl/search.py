@@ -419,6 +419,12 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     result[placement] = {column: 1.0}
             return result
 
+        def conversion_steps(name: str, source: Joint, target: Joint) -> list:
+            """The one-axis steps lowering converts the value in (layouts.plan_conversion)."""
+            info = bound.tensors[name]
+            return plan_conversion(layout(value[name], source), layout(value[name], target), info.shape,
+                                   info.itemsize, mesh, name in requires_grad)
+
         def conversion_seconds(name: str, source: Joint, target: Joint) -> float:
             """Converting a value: on one axis, the catalogue's step; on several, the steps lowering plans
             (layouts.plan_conversion), a parameter's gathers on an axis that splits the batch prefetched."""
@@ -432,9 +438,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     again = one_axis_collectives(source[0], target[0], local_bytes(name, source), sizes[0], False)
                     seconds = unhidden * (seconds + machine.steps_seconds(again, sizes[0]))
                 return seconds + EPSILON_S
-            info = bound.tensors[name]
-            steps = plan_conversion(layout(value[name], source), layout(value[name], target), info.shape,
-                                    info.itemsize, mesh, gradient)
+            steps = conversion_steps(name, source, target)
             # lowering prefetches a parameter's gather where it is one all-gather (lowering.GatherGroup);
             # gathered over several axes, it is gathered where it is used, and reduce-scattered there
             prefetched = parameter and len(steps) == 1 and steps[0].kind == "all_gather" and steps[0].axis in batch_axes
@@ -500,9 +504,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             """Whether converting the parameter is one all-gather, which lowering puts in a gather group."""
             if len(group) == 1:
                 return True  # split → whole on one axis
-            info = bound.tensors[name]
-            steps = plan_conversion(layout(value[name], source), layout(value[name], target), info.shape,
-                                    info.itemsize, mesh, False)
+            steps = conversion_steps(name, source, target)
             return len(steps) == 1 and steps[0].kind == "all_gather"
 
         def convert(key, name: str, pairs, count: int) -> None:
