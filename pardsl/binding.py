@@ -112,23 +112,25 @@ class BoundPlan:
         return global_flops(self)
 
     @functools.cached_property
-    def _kept_values(self) -> frozenset[str]:
+    def kept(self):
+        """What autograd keeps from forward to backward (saved_for_backward.Kept): found once, read by the
+        cost model and the search alike."""
         from .saved_for_backward import kept_for_backward
 
         return kept_for_backward(self.graph, self.tensors.get, self.parameters)
 
     @functools.cached_property
     def kept_for_backward(self) -> frozenset[str]:
-        """The op results autograd keeps from forward to backward, and the outputs (saved_for_backward.py):
-        found once, read by the cost model and the search alike."""
+        """The op results autograd keeps from forward to backward, and the outputs: the serial model's
+        activations (a plan may hold some of them converted, saved_for_backward.py)."""
         ops = {node.name for node in self.graph.nodes if node.op == "call_function"}
-        return self._kept_values & ops
+        return self.kept.values & ops
 
     @functools.cached_property
     def parameters_kept_for_backward(self) -> frozenset[str]:
         """The parameters (placeholders) some op keeps for backward, itself or through a view: a weight
         gathered for use and released after forward must be gathered again (reshard.py)."""
-        return self._kept_values & set(self.parameters)
+        return self.kept.values & set(self.parameters)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -141,20 +141,23 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
 
 
 def _descended(plan, axes: list[int], searched, rounds: int = 4):
-    """Block-coordinate descent over the mesh's axes: each pair of axes decided again by one integer
-    program over both, with every other axis fixed as the plan has it and every op keeping its signature
-    on at least one of the two. That neighbourhood holds every move of one axis alone, and any mix of such
-    moves across ops, and the program solves in seconds where the whole product of two axes' choices takes
-    minutes. A move is kept where the cost model rates it faster, until a round changes nothing (or
-    `rounds` rounds, which bounds compile time on large models)."""
-    moves = [(pair,) for pair in itertools.combinations(axes, 2)]
+    """Descent over the mesh's axes: each axis decided again alone, with every other axis fixed as the
+    plan has it; where no such move improves, each pair of axes decided again by one integer program over
+    both, every op keeping its signature on at least one of the two (a neighbourhood that holds every move
+    of one axis alone, and any mix of such moves across ops, solved in seconds where the whole product of
+    two axes' choices takes minutes). Each round makes the move the cost model rates best, while it rates
+    it better than the plan, until a round changes nothing (or `rounds` rounds, which bounds compile time
+    on large models). The one-axis moves are not only cheaper: a program's optimum is the search's own
+    estimate's, which the cost model can rate behind a move of one axis (on the 2-D layer under 40 %, pairs
+    alone stopped at 2.02 ms where a move of one axis reaches 1.89)."""
+    neighbourhoods = ([(axis,) for axis in axes], [(pair,) for pair in itertools.combinations(axes, 2)])
     for _ in range(rounds):
-        improved = False
-        for move in moves:
-            moved = searched(move, start=plan[1])
-            if moved[0] < plan[0]:
-                plan, improved = moved, True
-        if not improved:
+        for moves in neighbourhoods:  # the pair programs, larger, only where no axis alone improves
+            best = min((searched(move, start=plan[1]) for move in moves), key=lambda moved: moved[0])
+            if best[0] < plan[0]:
+                plan = best
+                break
+        else:
             break
     return plan
 

@@ -322,8 +322,8 @@ OPTIMIZER_STATES = {"sgd": 0, "adam": 2, "adamw": 2}  # tensors of state per par
 def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
     """Bytes one rank holds at its peak: parameters, gradients, optimizer state, activations kept for
     backward and the outputs (saved_for_backward.py), parameters gathered for use (resharded after forward:
-    this group and the prefetched next; else all of them; gathered where used outside a group: all of
-    them); and what the serial model holds, for a bound written as a percentage."""
+    this group and the prefetched next; else all of them; converted where used outside a group, each copy
+    an op keeps for backward); and what the serial model holds, for a bound written as a percentage."""
     activity = program.memory()
     gradients = sum(_nbytes(p.local_shape, _dtype(p.dtype)) for p in program.parameters if p.requires_grad)
     states = OPTIMIZER_STATES[optimizer]
@@ -334,7 +334,7 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
     resharded = [i for i, g in enumerate(program.gathers) if g.resharded]
     passing = resharded + [len(sizes) - 1] if resharded else []
     gathered = sum(size for i, size in enumerate(sizes) if i not in passing) + \
-        sum(sorted((sizes[i] for i in passing), reverse=True)[:2]) + parameters_gathered_in_line(program)
+        sum(sorted((sizes[i] for i in passing), reverse=True)[:2]) + activity["parameter_copies_per_rank"]
     memory = {
         "parameters": activity["parameters_per_rank"],
         "gradients": gradients,
@@ -345,31 +345,6 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
     memory["total"] = sum(memory.values())
     memory["serial_total"] = serial_bytes(activity["parameters_total"], activity["activations_total"], optimizer)
     return memory
-
-
-def parameters_gathered_in_line(program) -> int:
-    """Bytes of the parameters converted where they are used, with an all-gather among the steps, outside
-    any prefetched gather group (a weight gathered over two axes, or gathered and moved on): the op that
-    reads one keeps it for backward (a matmul's weight), so each is held from forward to backward, in
-    every layer. The search counts these conversions the same way."""
-    origin = {f"self.{slot.var}": slot for slot in program.parameters}  # a value made from one → the parameter
-    gathered: set[str] = set()
-    read_by_ops: set[str] = set()
-    finals: dict[str, tuple] = {}
-    for statement in program.statements:
-        instruction = statement.instruction
-        reads = instruction.reads()
-        if instruction.kind == "param_grad_sync" and reads and reads[0] in origin:
-            origin[statement.target] = origin[reads[0]]
-        elif instruction.kind == "convert" and reads and reads[0] in origin:
-            origin[statement.target] = origin[reads[0]]
-            if reads[0] in gathered or any(c.kind == "all_gather" and c.phase == "forward" for c in statement.collectives):
-                gathered.add(statement.target)
-                finals[statement.target] = (origin[reads[0]], statement.layouts[0])
-        elif instruction.kind != "release":
-            read_by_ops.update(reads)
-    return sum(_nbytes(layout.local_shape(slot.shape, program.mesh), _dtype(slot.dtype))
-               for var, (slot, layout) in finals.items() if var in read_by_ops)
 
 
 def serial_bytes(parameters: int, activations: int, optimizer: str = "adamw") -> int:

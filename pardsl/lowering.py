@@ -184,8 +184,10 @@ class LoweredProgram:
         return {phase: dict(sorted(by_key.items())) for phase, by_key in counts.items()}
 
     def memory(self) -> dict[str, int]:
-        """Bytes per rank: parameters (and their full size, for the ratio), and activations: the local size
-        of each op result autograd keeps for backward or the model returns (saved_for_backward.py)."""
+        """Bytes per rank: parameters (and their full size, for the ratio); activations: what a rank holds
+        for backward or returns, at the layout it holds it (converted copies an op keeps included), and the
+        serial model's, for the ratio (saved_for_backward.py); the converted copies of parameters an op
+        keeps for backward outside gather groups."""
         def nbytes(shape, dtype):
             return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
 
@@ -193,7 +195,9 @@ class LoweredProgram:
             "parameters_per_rank": sum(nbytes(p.local_shape, p.dtype) for p in self.parameters),
             "parameters_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters),
             "activations_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
-                                        if v.get("kept_for_backward")),
+                                        if v.get("held_for_backward") and not v.get("parameter")),
+            "parameter_copies_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
+                                             if v.get("held_for_backward") and v.get("parameter")),
             "activations_total": sum(nbytes(v["shape"], v["dtype"]) for v in self.values.values()
                                      if v.get("kept_for_backward")),
         }
@@ -506,8 +510,7 @@ class _Lowerer:
         self.emitted.add(var)
         steps = self.conversion_steps[var]
         pin = self.bound.pins.get(name)
-        gathered_for_use = self._is_parameter(name) and len(steps) == 1 and steps[0].kind == "all_gather" \
-            and self.mesh.axis_sizes[steps[0].axis] > 1
+        gathered_for_use = self._gathered_in_group(name, var)
         if gathered_for_use:
             self._emit_parameter_gather(name, var, steps[0], reason)
         else:
@@ -523,6 +526,12 @@ class _Lowerer:
                 "N001", f"`{pin.entry.target}` is {pin.layout.render(self.mesh)} as written; {reason} needs "
                 f"{layout.render(self.mesh)}: inserted {', '.join(s.kind for s in steps)} "
                 f"({format_bytes(moved)} forward)", pin.entry.span, severity="note"))
+
+    def _gathered_in_group(self, name: str, var: str) -> bool:
+        """Whether converting a parameter is one all-gather, put in a prefetched gather group (ZeRO's)."""
+        steps = self.conversion_steps.get(var, [])
+        return self._is_parameter(name) and len(steps) == 1 and steps[0].kind == "all_gather" \
+            and self.mesh.axis_sizes[steps[0].axis] > 1
 
     def _is_parameter(self, name: str) -> bool:
         return name in self.bound.parameters and self.var[name].startswith("self.")
@@ -986,7 +995,41 @@ class _Lowerer:
             }
             if activation:
                 values[name]["kept_for_backward"] = name in self.bound.kept_for_backward
+                values[name]["held_for_backward"] = False
+        held, copies = self._held_for_backward()
+        for name in held:
+            if name in values and values[name]["kind"] == "activation":
+                values[name]["held_for_backward"] = True
+        for (name, layout), var in copies.items():
+            info = self.bound.tensors[name]
+            values[var] = {
+                "kind": "copy", "of": name, "parameter": name in self.bound.parameters,
+                "layout": named_layout(layout, self.mesh),
+                "shape": list(info.shape),
+                "local_shape": list(layout.local_shape(info.shape, self.mesh)),
+                "dtype": str(info.dtype).removeprefix("torch."),
+                "held_for_backward": True,
+            }
         return values
+
+    def _held_for_backward(self) -> tuple[set[str], dict[tuple[str, Layout], str]]:
+        """What a rank holds from forward to backward under this plan: each value autograd keeps, at its
+        own layout, and the converted copy an op keeps where it reads a value converted (a linear reading
+        the all-gather of a sequence-split activation keeps the whole copy). A parameter's copies likewise
+        (a weight gathered over two axes, or moved to another split), except those gathered in a
+        prefetched group, which memory counts a group at a time (reshard.py). The value itself is counted
+        even where every op that keeps it reads it converted (the split value is then freed once
+        converted): a little more than torch holds, in the integer program's own columns (search.py)."""
+        kept = self.bound.kept
+        copies = {}
+        for name, node in self.typed.nodes.items():
+            for operand, needed in zip(node.operands, node.operand_layouts):
+                if (name, operand) not in kept.reads or needed == self.typed.layout_of(operand):
+                    continue
+                var = self._conversion_target(operand, needed)
+                if not self._gathered_in_group(operand, var):
+                    copies[operand, needed] = var
+        return set(self.bound.kept_for_backward), copies
 
     def finish(self, statements: list[Statement], parameters: list[TensorSlot], buffers: list[TensorSlot],
                inputs: list[TensorSlot], outputs: list[OutputSlot]) -> LoweredProgram:

@@ -7,8 +7,12 @@ and the search count an op result's bytes only where something keeps it, at the 
 (an upper bound was every op result). A view owns no storage: a kept view keeps its base, which is
 counted instead. Ops that meta tensors cannot run, and tensors an op saves that are none of its operands
 (a composite op's intermediates: attention run in its reference form), are taken to keep all of the op's
-operands and its result, as a fused kernel does: what is unknown errs on the side of more memory. The
-model's outputs are held too, by the caller. Repeated layers ask the same question; it is answered once.
+operands, and its result where the intermediate is as large as it, as a fused kernel does: what is
+unknown errs on the side of more memory. The model's outputs are held too, by the caller. Repeated layers ask the same question; it is answered once.
+
+What a rank holds depends on the plan: an op that keeps an operand it reads converted (a linear reading
+the all-gather of a sequence-split activation) keeps the converted copy. So the answer also says which
+op keeps which of its operands (`reads`): the cost model and the search count those copies too.
 """
 
 from __future__ import annotations
@@ -54,9 +58,13 @@ def probe(target, args, kwargs) -> Saved:
             kept_operands.add(theirs)
         else:
             # Something of its own, made from its operands: a composite op run as its decomposition on
-            # meta tensors (attention's reference form), whose fused kernel keeps its operands and result.
+            # meta tensors. Its kernel keeps its operands, and where the intermediate is as large as the
+            # result (attention's weights in its reference form) the result too, as the fused kernel does;
+            # row statistics (layer norm's mean and reciprocal deviation) are not the result.
             kept_operands.update(range(len(operands)))
-            kept_results.add(0)
+            first = results[0] if results else None
+            if not isinstance(first, torch.Tensor) or tensor.numel() >= first.numel():
+                kept_results.add(0)
     view_of = None
     if isinstance(result, torch.Tensor) and result._base is not None:
         view_of = position(result, operands)
@@ -64,15 +72,23 @@ def probe(target, args, kwargs) -> Saved:
                  any(isinstance(r, torch.Tensor) and r.requires_grad for r in results))
 
 
-def kept_for_backward(graph: torch.fx.Graph, tensor_info, parameters) -> frozenset[str]:
-    """The values (graph node names: op results and placeholders) autograd keeps from forward to backward,
-    and the model's outputs, a view resolved to the value that owns its storage. `tensor_info(name)`: the
+@dataclass(frozen=True)
+class Kept:
+    """What autograd keeps of one forward (graph node names)."""
+    values: frozenset[str]  # every value kept, by something, a view resolved to its owner (the serial model's)
+    reads: frozenset[tuple[str, str]]  # (op, operand): the op keeps the operand as it reads it
+    owner: dict[str, str]  # a value → the value whose storage it is (itself, unless a view)
+
+
+def kept_for_backward(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
+    """What autograd keeps from forward to backward, and the model's outputs. `tensor_info(name)`: the
     value's global shape and dtype, or None where it is not one tensor; `parameters`: the placeholders
     that are trained."""
     requires_grad: dict[str, bool] = {}
     owner: dict[str, str] = {}  # a value → the value whose storage it is (itself, unless a view)
     saved_results: dict[str, frozenset[int]] = {}
     kept: set[str] = set()
+    reads: set[tuple[str, str]] = set()
     answered: dict[tuple, Saved] = {}
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -127,6 +143,7 @@ def kept_for_backward(graph: torch.fx.Graph, tensor_info, parameters) -> frozens
         saved_results[node.name] = saved.results
         for position in saved.operands:
             kept.add(owner.get(tensors[position], tensors[position]))
+            reads.add((node.name, tensors[position]))
         if saved.results and tensor_info(node.name) is not None:
             kept.add(owner[node.name])
-    return frozenset(kept)
+    return Kept(frozenset(kept), frozenset(reads), owner)

@@ -1,6 +1,8 @@
 """What autograd keeps for backward (pardsl/saved_for_backward.py): the activations the cost model and the
 search count, against what torch itself saves."""
 
+import json
+
 import pytest
 import torch
 
@@ -45,17 +47,11 @@ def test_in_a_llama_layer_the_results_backward_reads_are_kept_and_views_never():
 
 def _saved_by_torch(model, inputs) -> int:
     """Bytes of the distinct storages autograd saves in an eager forward, parameters and buffers aside."""
+    from tests.scripts.held_memory import saved_storages
+
     own = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in own:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(*inputs)
+    saved = saved_storages(lambda: model(*inputs), own)
+    saved.pop("outputs")
     return sum(saved.values())
 
 
@@ -71,3 +67,20 @@ def test_the_activations_counted_are_what_eager_torch_saves_and_the_outputs(exam
     model = build_model(compiled.par.model, path)
     measured = _saved_by_torch(model, make_inputs(compiled.par.inputs, torch.Generator().manual_seed(0)))
     assert measured <= counted <= 1.2 * measured, (counted, measured)
+
+
+def test_what_a_rank_holds_for_backward_is_what_torch_saves_on_it(tmp_path):
+    """Per rank, on 2 gloo ranks: the activations the cost model counts a rank holds (at the layouts it holds
+    them, with the converted copies its ops keep) against the storages torch saves in the generated
+    module's forward. Under Megatron-SP the projections keep the whole all-gathered copies of the norms'
+    split outputs: counted at the values' own (split) layouts, as before, the rank's count for Hugging
+    Face LLaMA was 9 % under what torch saves (178 against 195 KB); now 219 KB, 12 % over (a value read
+    only converted is counted as well as its copy, which keeps the search's program quick to solve)."""
+    from tests.launch import torchrun
+
+    plans = ["examples/hf_llama_sp_tp2.par", "examples/gpt_sp_tp2.par", "examples/llama_tp2.par",
+             "examples/hf_gpt2_tp2.par"]
+    out = tmp_path / "held.json"
+    torchrun(2, "tests/scripts/held_memory.py", str(out), *plans)
+    for path, held in json.loads(out.read_text()).items():
+        assert 0.98 * held["torch"] <= held["counted"] <= 1.2 * held["torch"], (path, held)

@@ -259,35 +259,43 @@ def estimated_step(typed) -> float:
     return estimate(_Candidate(typed, lower(typed)), GLOO).step_s
 
 
-def test_pairs_of_axes_are_decided_again_jointly_until_no_move_improves(pools, compile_par):
+@pytest.mark.parametrize("percent", [30, 40])
+def test_pairs_of_axes_are_decided_again_jointly_until_no_move_improves(pools, compile_par, percent):
     """The search decides one mesh axis at a time, with the later ones still whole. On the 2-D layer
-    under a memory bound alone, compile descends from the better plan of the two orders: both axes decided
-    again by one program, every op keeping its signature on one of them. It reaches 2.4 ms within the
-    bound where the best order gives 3.0 and a descent deciding one axis at a time cannot improve on that
-    (with the backward re-gather of resharded weights priced; without it, 3.5 and 3.0); no move of one
-    axis or of both improves on it, and it runs equal to serial. (Both orders' plans are 1.5 KiB over the
-    bound as the cost model counts memory: a weight gathered over both axes where it is used, held until
-    backward, which a program deciding one axis cannot see; the pair program counts it.)"""
+    under a memory bound alone, compile descends from the better plan of the two orders, each round making
+    the best-rated move: both axes decided again by one program (every op keeping its signature on one of
+    them), or one axis alone. At 30 % both orders' plans are over the bound as the cost model counts memory
+    (a weight moved where it is used and held until backward, which a program deciding one axis does not
+    see) and the descent ends within it at 2.48 ms. At 40 % it reaches 1.89 ms, which a descent of
+    pair moves alone missed (2.02 ms: the pair program's optimum is the search's own estimate's). Either
+    way it is no slower than a descent of one-axis moves, no move improves on it, and it runs equal to
+    serial."""
     text = open("examples/tp_schemes/layer_2d.par").read()
-    compiled = compile_par(text.split("layout {")[0] + "memory <= 30 %\nlayout {\n  x : ?\n}\n")
-    limit, step = search.memory_limit(compiled.bound), estimate(compiled, GLOO).step_s
-    assert estimate(compiled, GLOO).memory["total"] <= limit
+    compiled = compile_par(text.split("layout {")[0] + f"memory <= {percent} %\nlayout {{\n  x : ?\n}}\n")
+    limit = search.memory_limit(compiled.bound)
+
+    def rated(typed):  # as compile rates plans: one within the bound before one over it, then the faster
+        plan = estimate(_Candidate(typed, lower(typed)), GLOO)
+        return plan.memory["total"] > limit, plan.step_s
+
     plans = [search.search(compiled.bound, GLOO, limit, order=order) for order in itertools.permutations(range(2))]
-    # as compile rates them: a plan within the bound before one over it, then the faster
-    best = min(plans, key=lambda p: (estimate(_Candidate(p, lower(p)), GLOO).memory["total"] > limit,
-                                     estimated_step(p)))
-    one_axis = best  # the descent one axis at a time, from the same start
+    if percent == 30:
+        assert all(rated(plan)[0] for plan in plans)
+    one_axis = min(plans, key=rated)  # the descent one axis at a time, from the same start
     for _ in range(4):
-        moves = [search.search(compiled.bound, GLOO, limit, order=(axis,), start=one_axis) for axis in range(2)]
-        better = min(moves, key=estimated_step)
-        if estimated_step(better) >= estimated_step(one_axis):
+        better = min((search.search(compiled.bound, GLOO, limit, order=(axis,), start=one_axis) for axis in range(2)),
+                     key=rated)
+        if rated(better) >= rated(one_axis):
             break
         one_axis = better
-    assert step < 0.85 * estimated_step(one_axis) <= 0.85 * estimated_step(best)
+    ours = rated(compiled.typed)
+    assert not ours[0] and ours <= rated(one_axis) and ours < min(rated(plan) for plan in plans)
+    assert round(ours[1] * 1e3, 2) == {30: 2.48, 40: 1.89}[percent]
     for move in ((0,), (1,), ((0, 1),)):
         again = search.search(compiled.bound, GLOO, limit, order=move, start=compiled.typed)
-        assert estimated_step(again) >= step
-    check(pools, compiled)
+        assert rated(again) >= ours
+    if percent == 30:
+        check(pools, compiled)
 
 
 @pytest.mark.parametrize("scheme", ["layer_2d", "layer_3d"])
@@ -336,23 +344,35 @@ layout {
 """
 
 
-@pytest.mark.parametrize("scheme", ["layer_2d", "layer_2p5d", "layer_3d", "zero over two axes"])
+@pytest.mark.parametrize("scheme", ["layer_2d", "layer_2p5d", "layer_3d", "zero over two axes",
+                                    "sequence parallel"])
 def test_the_search_counts_a_plans_memory_as_the_cost_model_does(compile_par, monkeypatch, scheme):
     """A move from the compiled plan (pair moves start from a plan, so the bound is not scaled for axes
     decided later): the memory row of its integer program, at the solution, is cost.memory_per_rank of the
     plan it lowers to, byte for byte: activations autograd keeps, weights gathered a group at a time, and
     weights gathered where used over two axes (held until backward, in both: the 9 MLP weights of ZeRO
     over two axes, which the cost model left out and the search counted as prefetched groups, two layers'
-    worth)."""
+    worth); and, for Megatron-SP, the whole copies the projections keep of the norms' gathered outputs,
+    not the split values (which both left out, and counted instead)."""
+    order = ((0, 1),)
     if scheme == "zero over two axes":
         compiled = compile_par(ZERO_OVER_TWO_AXES)
-        assert cost.parameters_gathered_in_line(compiled.program) == 3 * 3 * 128 * 64 * 4
+        assert compiled.program.memory()["parameter_copies_per_rank"] == 3 * 3 * 128 * 64 * 4
+    elif scheme == "sequence parallel":
+        as_written = compile_file("examples/gpt_sp_tp2.par").program.values.values()
+        copies = {v["of"]: v for v in as_written if v["kind"] == "copy"}
+        # each layer's two norms' outputs, held whole by the projections that read them gathered
+        norms = [f"layer_norm{i}" for i in ("", "_1", "_2", "_3")]
+        assert all(copies[n]["layout"] == "B" and copies[n]["local_shape"] == [2, 16, 32] for n in norms)
+        text = open("examples/gpt_sp_tp2.par").read()
+        compiled = compile_par(text.replace("layout {", "memory <= 80 %\nlayout {"))
+        order = (0,)
     else:
         text = open(f"examples/tp_schemes/{scheme}.par").read()
         compiled = compile_par(text.split("layout {")[0] + "memory <= 30 %\nlayout {\n  x : ?\n}\n")
     limit = search.memory_limit(compiled.bound)
     solved = programs_solved(monkeypatch)
-    moved = search.search(compiled.bound, GLOO, limit, order=((0, 1),), start=compiled.typed)
+    moved = search.search(compiled.bound, GLOO, limit, order=order, start=compiled.typed)
     program, _, (status, solution) = solved[-1]
     terms, _, upper = program.rows[-1]  # the memory row: Σ bytes · choice <= limit − what no choice changes
     assert status == "optimal"

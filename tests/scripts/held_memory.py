@@ -1,0 +1,63 @@
+"""Run under torchrun by tests/test_saved_for_backward.py: what one rank's forward keeps for backward, by
+torch's own saved-tensor hooks, against what the cost model counts that rank holds. For each plan, rank 0
+writes both (bytes of distinct storages autograd saves, the rank's parameters, buffers and inputs aside;
+the outputs the caller holds added) as JSON.
+
+    held_memory.py OUT.json PLAN.par [PLAN.par ...]
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import pardsl
+from pardsl.binding import make_inputs
+from tests.scripts import shut_down
+
+
+def saved_storages(forward, own: set[int]) -> dict[int, int]:
+    """Bytes per storage autograd saves while `forward()` runs, storages in `own` (data pointers) aside."""
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in own:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        saved["outputs"] = forward()
+    return saved
+
+
+def saved_by_torch(module, inputs: dict) -> int:
+    own = {t.untyped_storage().data_ptr()
+           for t in [*module.parameters(), *module.buffers(), *inputs.values()] if isinstance(t, torch.Tensor)}
+    saved = saved_storages(lambda: module(**inputs), own)
+    for output in torch.utils._pytree.tree_leaves(saved.pop("outputs")):
+        if isinstance(output, torch.Tensor):
+            saved.setdefault(output.untyped_storage().data_ptr(), output.untyped_storage().nbytes())
+    return sum(saved.values())
+
+
+def main() -> None:
+    out_path, plans = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo")
+    results = {}
+    for path in plans:
+        plan = pardsl.load(path)
+        module = plan.module()
+        inputs = plan.shard_inputs(*make_inputs(plan.compiled.par.inputs, torch.Generator().manual_seed(0)))
+        memory = plan.compiled.program.memory()
+        results[path] = {"torch": saved_by_torch(module, inputs),
+                         "counted": memory["activations_per_rank"] + memory["parameter_copies_per_rank"]}
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as handle:
+            json.dump(results, handle)
+    shut_down()
+
+
+if __name__ == "__main__":
+    main()
