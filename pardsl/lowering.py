@@ -209,6 +209,12 @@ class LoweredProgram:
         return totals
 
 
+def one_group_gather(steps: list[ConversionStep], mesh: Mesh) -> bool:
+    """Whether a parameter's conversion is one all-gather over ranks, which lowering puts in a prefetched
+    gather group (ZeRO's) rather than converting it where it is used."""
+    return len(steps) == 1 and steps[0].kind == "all_gather" and mesh.axis_sizes[steps[0].axis] > 1
+
+
 def named_layout(layout: Layout, mesh: Mesh) -> str:
     """`S(1)@tp`, `P@dp, S(0)@tp`, `B`: every non-B placement with its axis."""
     parts = [f"{p}@{mesh.axis_names[a]}" for a, p in enumerate(layout.placements) if p != B]
@@ -528,10 +534,7 @@ class _Lowerer:
                 f"({format_bytes(moved)} forward)", pin.entry.span, severity="note"))
 
     def _gathered_in_group(self, name: str, var: str) -> bool:
-        """Whether converting a parameter is one all-gather, put in a prefetched gather group (ZeRO's)."""
-        steps = self.conversion_steps.get(var, [])
-        return self._is_parameter(name) and len(steps) == 1 and steps[0].kind == "all_gather" \
-            and self.mesh.axis_sizes[steps[0].axis] > 1
+        return self._is_parameter(name) and one_group_gather(self.conversion_steps.get(var, []), self.mesh)
 
     def _is_parameter(self, name: str) -> bool:
         return name in self.bound.parameters and self.var[name].startswith("self.")
@@ -993,14 +996,10 @@ class _Lowerer:
                 "local_shape": list(layout.local_shape(info.shape, self.mesh)),
                 "dtype": str(info.dtype).removeprefix("torch."),
             }
-            if activation:
-                values[name]["kept_for_backward"] = name in self.bound.kept_for_backward
-                values[name]["held_for_backward"] = False
-        held, copies = self._held_for_backward()
-        for name in held:
-            if name in values and values[name]["kind"] == "activation":
-                values[name]["held_for_backward"] = True
-        for (name, layout), var in copies.items():
+            if activation:  # held at its own layout wherever autograd keeps it (_copies_held_for_backward)
+                kept = name in self.bound.kept_for_backward
+                values[name]["kept_for_backward"] = values[name]["held_for_backward"] = kept
+        for (name, layout), var in self._copies_held_for_backward().items():
             info = self.bound.tensors[name]
             values[var] = {
                 "kind": "copy", "of": name, "parameter": name in self.bound.parameters,
@@ -1012,14 +1011,14 @@ class _Lowerer:
             }
         return values
 
-    def _held_for_backward(self) -> tuple[set[str], dict[tuple[str, Layout], str]]:
-        """What a rank holds from forward to backward under this plan: each value autograd keeps, at its
-        own layout, and the converted copy an op keeps where it reads a value converted (a linear reading
-        the all-gather of a sequence-split activation keeps the whole copy). A parameter's copies likewise
-        (a weight gathered over two axes, or moved to another split), except those gathered in a
-        prefetched group, which memory counts a group at a time (reshard.py). The value itself is counted
-        even where every op that keeps it reads it converted (the split value is then freed once
-        converted): a little more than torch holds, in the integer program's own columns (search.py)."""
+    def _copies_held_for_backward(self) -> dict[tuple[str, Layout], str]:
+        """Besides each value autograd keeps, at its own layout, a rank holds the converted copy an op keeps
+        where it reads a value converted (a linear reading the all-gather of a sequence-split activation
+        keeps the whole copy); a parameter's copies likewise (a weight gathered over two axes, or moved to
+        another split), except those gathered in a prefetched group, which memory counts a group at a time
+        (reshard.py). The value itself is counted even where every op that keeps it reads it converted (the
+        split value is then freed once converted): a little more than torch holds, in the integer
+        program's own columns (search.py)."""
         kept = self.bound.kept
         copies = {}
         for name, node in self.typed.nodes.items():
@@ -1029,7 +1028,7 @@ class _Lowerer:
                 var = self._conversion_target(operand, needed)
                 if not self._gathered_in_group(operand, var):
                     copies[operand, needed] = var
-        return set(self.bound.kept_for_backward), copies
+        return copies
 
     def finish(self, statements: list[Statement], parameters: list[TensorSlot], buffers: list[TensorSlot],
                inputs: list[TensorSlot], outputs: list[OutputSlot]) -> LoweredProgram:

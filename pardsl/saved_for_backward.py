@@ -8,7 +8,8 @@ and the search count an op result's bytes only where something keeps it, at the 
 counted instead. Ops that meta tensors cannot run, and tensors an op saves that are none of its operands
 (a composite op's intermediates: attention run in its reference form), are taken to keep all of the op's
 operands, and its result where the intermediate is as large as it, as a fused kernel does: what is
-unknown errs on the side of more memory. The model's outputs are held too, by the caller. Repeated layers ask the same question; it is answered once.
+unknown errs on the side of more memory. The model's outputs are held too, by the caller. Repeated
+layers ask the same question; it is answered once.
 
 What a rank holds depends on the plan: an op that keeps an operand it reads converted (a linear reading
 the all-gather of a sequence-split activation) keeps the converted copy. So the answer also says which

@@ -56,6 +56,7 @@ from .binding import BoundPlan
 from .cost import OPTIMIZER_STATES, Machine, layer_of, parameter_unit, repeated_layer, serial_bytes
 from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
 from .layouts import B, P, Layout, Placement, collective_bytes, plan_conversion, step_collectives
+from .lowering import one_group_gather
 from .oprules import signatures
 
 EPSILON_S = 1e-9  # a conversion, or a split of a free tensor, that saves nothing is not made
@@ -166,14 +167,14 @@ def _nearest_the_bound(program: _Program, memory_row: int, hint) -> tuple[str, l
     terms, lower, upper = program.rows[memory_row]
     scale = sum(v for v in terms.values() if v > 0) + 1.0  # the excess as a share of all there is to hold
     least = _Program([0.0] * len(program.cost), list(program.integer), list(program.rows))
-    excess = least.column(1.0)
-    least.row({**terms, excess: -scale}, lower, upper)
+    least_excess = least.column(1.0)
+    least.row({**terms, least_excess: -scale}, lower, upper)
     status, solution = least.solve(frozenset({memory_row}), hint)
     if status not in ("optimal", "time limit"):
         return program.solve(frozenset({memory_row}), hint)
     excess = program.column()
     program.row({**terms, excess: -scale}, lower, upper)
-    program.row({excess: 1.0}, 0.0, solution[-1] + 1e-6)
+    program.row({excess: 1.0}, 0.0, solution[least_excess] + 1e-6)
     return program.solve(frozenset({memory_row}), hint)
 
 
@@ -529,7 +530,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             return pairs
 
         # What an op keeps of an operand it reads converted (saved_for_backward.Kept.reads) is a copy held
-        # until backward, while some keeping reader takes it so (lowering._held_for_backward); in the
+        # until backward, while some keeping reader takes it so (lowering._copies_held_for_backward); in the
         # choices' own columns, which keeps the program as quick to solve as without it
         kept = bound.kept
         held_copies: dict[tuple, int] = {}  # (class, the copy's layout on other axes, on these) → its column
@@ -570,10 +571,10 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         copies: dict[str, int] = {}  # per gather group: how many layers it stands for
 
         def in_group(name: str, source: Layout, target: Layout) -> bool:
-            """Whether lowering gathers the parameter in a prefetched group (lowering._gathered_in_group)."""
+            """Whether lowering gathers the parameter in a prefetched group."""
             info = bound.tensors[name]
-            steps = plan_conversion(source, target, info.shape, info.itemsize, mesh, name in requires_grad)
-            return len(steps) == 1 and steps[0].kind == "all_gather" and mesh.axis_sizes[steps[0].axis] > 1
+            return one_group_gather(plan_conversion(source, target, info.shape, info.itemsize, mesh,
+                                                    name in requires_grad), mesh)
 
         def one_gather(name: str, source: Joint, target: Joint) -> bool:
             """Whether converting the parameter is one all-gather, which lowering puts in a gather group."""

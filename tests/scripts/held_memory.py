@@ -17,8 +17,9 @@ from pardsl.binding import make_inputs
 from tests.scripts import shut_down
 
 
-def saved_storages(forward, own: set[int]) -> dict[int, int]:
-    """Bytes per storage autograd saves while `forward()` runs, storages in `own` (data pointers) aside."""
+def saved_storages(forward, own: set[int]) -> tuple[dict[int, int], object]:
+    """Bytes per storage autograd saves while `forward()` runs, storages in `own` (data pointers) aside,
+    and what `forward()` returned."""
     saved: dict[int, int] = {}
 
     def pack(tensor):
@@ -28,15 +29,15 @@ def saved_storages(forward, own: set[int]) -> dict[int, int]:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        saved["outputs"] = forward()
-    return saved
+        outputs = forward()
+    return saved, outputs
 
 
 def saved_by_torch(module, inputs: dict) -> int:
     own = {t.untyped_storage().data_ptr()
            for t in [*module.parameters(), *module.buffers(), *inputs.values()] if isinstance(t, torch.Tensor)}
-    saved = saved_storages(lambda: module(**inputs), own)
-    for output in torch.utils._pytree.tree_leaves(saved.pop("outputs")):
+    saved, outputs = saved_storages(lambda: module(**inputs), own)
+    for output in torch.utils._pytree.tree_leaves(outputs):
         if isinstance(output, torch.Tensor):
             saved.setdefault(output.untyped_storage().data_ptr(), output.untyped_storage().nbytes())
     return sum(saved.values())
