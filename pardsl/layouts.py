@@ -295,7 +295,7 @@ def _planned_conversion(source: Layout, target: Layout, shape: tuple[int, ...], 
     """plan_conversion's search, once per question: a joint layout search prices every pair of a
     value's placements, and many values share a shape."""
     blocks = {p.blocks for p in (*source.placements, *target.placements) if p.is_split}
-    candidates = [B, P] + [S(d, k) for d in range(len(shape)) for k in sorted(blocks | {1})]
+    candidates = (B, P) + tuple(S(d, k) for d in range(len(shape)) for k in sorted(blocks | {1}))
     # Entries: (cost, steps, layout, push order, path); layouts are ordered, so ties are deterministic.
     frontier: list[tuple[int, int, Layout, int, list[ConversionStep]]] = [(0, 0, source, 0, [])]
     pushed = 0
@@ -307,15 +307,22 @@ def _planned_conversion(source: Layout, target: Layout, shape: tuple[int, ...], 
         if layout in settled:
             continue
         settled.add(layout)
-        for axis in range(mesh.ndim):
-            for placement in candidates:
-                step = _one_axis_step(layout, axis, placement, shape, itemsize, mesh)
-                if step is None or step.target in settled:
-                    continue
+        for step in _steps_from(layout, candidates, shape, itemsize, mesh):
+            if step.target not in settled:
                 step_cost = step.forward_bytes + (step.backward_bytes if with_backward else 0)
                 pushed += 1
                 heapq.heappush(frontier, (cost + step_cost, steps + 1, step.target, pushed, path + [step]))
     raise AssertionError(f"no conversion from {source} to {target} for shape {shape}")  # unreachable
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _steps_from(layout: Layout, candidates: tuple[Placement, ...], shape: tuple[int, ...], itemsize: int,
+                mesh: Mesh) -> tuple[ConversionStep, ...]:
+    """Every legal one-axis step out of a layout: plan_conversion's questions about one value meet the
+    same layouts again and again (a search asks thousands of them)."""
+    steps = (_one_axis_step(layout, axis, placement, shape, itemsize, mesh)
+             for axis in range(mesh.ndim) for placement in candidates)
+    return tuple(step for step in steps if step is not None)
 
 
 def step_collectives(step: ConversionStep, with_backward: bool = True) -> list[tuple[str, str, int]]:

@@ -101,6 +101,18 @@ def test_the_memory_bound_is_met_where_it_can_be_and_noted_where_it_cannot(compi
     assert estimate(impossible, GLOO).memory["total"] <= memory["total"] < estimate(loose, GLOO).memory["total"]
 
 
+def test_where_no_order_of_the_axes_meets_the_bound_the_plan_is_the_one_nearest_it(compile_par):
+    """Compile asks each order but the last not to look for the plan nearest an unmeetable bound (an
+    order whose plan meets the bound wins over it): such a search says the bound is unmet."""
+    impossible = compile_par("mesh dp = 2, tp = 2\n" + MLP + "memory <= 1 KiB\n")
+    with pytest.raises(search.BoundUnmet):
+        search.search(impossible.bound, GLOO, search.memory_limit(impossible.bound), order=(0, 1), nearest=False)
+    assert [n.code for n in impossible.program.notes if n.code == "N003"] == ["N003"]
+    tight = compile_par("mesh dp = 2, tp = 2\n" + MLP + "memory <= 50 %\n")
+    assert not any(n.code == "N003" for n in tight.program.notes)
+    assert estimate(impossible, GLOO).memory["total"] <= estimate(tight, GLOO).memory["total"]
+
+
 def calls_counted(monkeypatch, name: str) -> list[int]:
     """How often the search's module-level function `name` runs from here on (one entry per call)."""
     calls = []
