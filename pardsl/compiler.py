@@ -19,7 +19,7 @@ from .binding import BoundPlan, bind
 from .codegen import render, render_pipeline
 from .inference import TypedGraph, infer
 from .cost import estimate, memory_per_rank
-from .search import BoundUnmet, graph_facts, memory_limit, search, wants_search
+from .search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search, wants_search
 from .diagnostics import Diagnostic
 from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
 from .liveness import release_dead_values
@@ -162,7 +162,11 @@ def _descended(plan, axes: list[int], searched, rounds: int = 4):
     neighbourhoods = ([(axis,) for axis in axes], [(pair,) for pair in itertools.combinations(axes, 2)])
     for _ in range(rounds):
         for moves in neighbourhoods:  # the pair programs, larger, only where no axis alone improves
-            best = min((searched(move, start=plan[1]) for move in moves), key=lambda moved: moved[0])
+            found = []
+            for move in moves:
+                with contextlib.suppress(NoPlanFound):  # a move whose program gives no plan is not made
+                    found.append(searched(move, start=plan[1]))
+            best = min(found, key=lambda moved: moved[0], default=plan)
             if best[0] < plan[0]:
                 plan = best
                 break

@@ -73,7 +73,12 @@ FIRST_PLAN_S = 5.0
 Joint = tuple[Placement, ...]  # a value's placements on the axes decided together, in their order
 
 
-class BoundUnmet(Exception):
+class NoPlanFound(RuntimeError):
+    """An integer program gave no plan: HiGHS found none within its time (FIRST_PLAN_S where the memory
+    bound is hard to meet), or none exists."""
+
+
+class BoundUnmet(NoPlanFound):
     """A search asked not to look for the plan nearest an unmeetable memory bound met one."""
 
 
@@ -178,13 +183,15 @@ def _nearest_the_bound(program: _Program, memory_row: int, hint) -> tuple[str, l
     least = _Program([0.0] * len(program.cost), list(program.integer), list(program.rows))
     least_excess = least.column(1.0)
     least.row({**terms, least_excess: -scale}, lower, upper)
-    status, solution = least.solve(frozenset({memory_row}), hint)
+    status, solution = least.solve(frozenset({memory_row}), hint=hint)
     if status not in ("optimal", "time limit"):
-        return program.solve(frozenset({memory_row}), hint)
+        return program.solve(frozenset({memory_row}), hint=hint)
     excess = program.column()
+    assert excess == least_excess  # the least-excess plan is a plan of this program, column for column
     program.row({**terms, excess: -scale}, lower, upper)
     program.row({excess: 1.0}, 0.0, solution[least_excess] + 1e-6)
-    return program.solve(frozenset({memory_row}), hint)
+    # branch and bound starts from that plan: without it, HiGHS may find none within FIRST_PLAN_S
+    return program.solve(frozenset({memory_row}), hint=dict(enumerate(solution)))
 
 
 def _layer_key(path: str) -> tuple[str, str] | None:
@@ -738,7 +745,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             status, solution = _nearest_the_bound(program, memory_row, hint)
         if status not in ("optimal", "time limit"):  # at the limit: the best plan found by then
             names = ", ".join(mesh.axis_names[a] for a in group)
-            raise RuntimeError(f"the layout search found no plan on axis {names}: {status}")
+            raise NoPlanFound(f"the layout search found no plan on axis {names}: {status}")
 
         def taken(name: str) -> int:
             columns = columns_of(name)

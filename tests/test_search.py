@@ -113,6 +113,41 @@ def test_where_no_order_of_the_axes_meets_the_bound_the_plan_is_the_one_nearest_
     assert estimate(impossible, GLOO).memory["total"] <= estimate(tight, GLOO).memory["total"]
 
 
+def test_the_plan_nearest_the_bound_starts_from_the_least_excess_found(monkeypatch):
+    """The second of the two programs for an unmeetable bound (the fastest plan within the least excess)
+    is given the first's plan as HiGHS's first incumbent: without it a hard program can find no plan
+    within FIRST_PLAN_S, and a descent's move on T5 (dp 2 × tp 2, 30 %) ended in an error."""
+    solved = programs_solved(monkeypatch)
+    program = search._Program()
+    a, b = program.column(1.0, integer=True), program.column(2.0, integer=True)
+    program.row({a: 1.0, b: 1.0}, 1.0, 1.0)  # one of two choices
+    memory_row = len(program.rows)
+    program.row({a: 5.0, b: 3.0}, -float("inf"), 2.0)  # neither fits
+    status, solution = search._nearest_the_bound(program, memory_row, None)
+    assert status == "optimal" and round(solution[b]) == 1  # the smaller, though slower
+    (_, _, (_, least)), (last, hint, _) = solved[0], solved[-1]
+    assert hint == dict(enumerate(least))
+    for row, (terms, lower, upper) in enumerate(last.rows):  # a plan of the program the hint is given to
+        if row != memory_row:
+            assert lower - 1e-9 <= sum(v * hint[c] for c, v in terms.items()) <= upper + 1e-9
+
+
+def test_a_descents_move_whose_program_gives_no_plan_is_not_made(compile_par, monkeypatch):
+    from pardsl import compiler
+
+    real = compiler.search
+
+    def moves_fail(bound, machine, limit=None, optimizer="adamw", order=None, start=None, **kwargs):
+        if start is not None:
+            raise search.NoPlanFound("no plan")
+        return real(bound, machine, limit, optimizer, order, start, **kwargs)
+
+    monkeypatch.setattr(compiler, "search", moves_fail)
+    compiled = compile_par("mesh dp = 2, tp = 2\n" + MLP + "memory <= 50 %\n")
+    orders = [searched_step(compiled.bound, order) for order in itertools.permutations(range(2))]
+    assert estimate(compiled, GLOO).step_s == min(orders)  # the best order's plan, not an error
+
+
 def calls_counted(monkeypatch, name: str) -> list[int]:
     """How often the search's module-level function `name` runs from here on (one entry per call)."""
     calls = []
