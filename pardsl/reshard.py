@@ -30,10 +30,12 @@ def reshard_after_forward(program: LoweredProgram, typed: TypedGraph, any_axis: 
     """The program with its FSDP groups but the last released after their last use in forward and, where an
     op keeps one of their weights for backward, gathered again there; the program itself where there is
     none. An FSDP group gathers, over an axis that splits the batch, parameters that are then whole on every
-    rank (ZeRO-3's shards of a replica); `any_axis`: every group gathered whole, whichever axis (a searched
-    plan that splits the batch only after the embedding, as the search counts gathered memory). A
-    tensor-parallel scheme's weight gathered on one axis and still split on another (2-D, 2.5-D) stays
-    gathered, as the schemes do. A group whose weights are among the outputs stays too."""
+    rank (ZeRO-3's shards of a replica); a tensor-parallel scheme's weight gathered on one axis and still
+    split on another (2-D, 2.5-D) stays gathered, as the schemes do. `any_axis`: every group, whichever
+    axis and whether whole or not, as the search counts gathered memory (two groups at a time) for a plan
+    under a memory bound (a searched plan that splits the batch only after the embedding, or stores a
+    weight split over one axis and gathers it over another). A group whose weights are among the outputs
+    stays."""
     outputs = {output.var for output in program.outputs}
     gathered = {v for group in program.gathers for v in group.vars}
     graph = {node.name: node for node in typed.bound.exported.graph.nodes}
@@ -64,7 +66,7 @@ def reshard_after_forward(program: LoweredProgram, typed: TypedGraph, any_axis: 
     groups = list(program.gathers)
     for number, group in enumerate(groups[:-1]):
         read = [last_read[v] for v in group.vars if v in last_read]
-        fsdp = (any_axis or group.axis in batch_axes) and all(v in whole for v in group.vars)
+        fsdp = any_axis or (group.axis in batch_axes and all(v in whole for v in group.vars))
         if not read or not fsdp or outputs & set(group.vars):
             continue
         regathered = bool(kept & set(group.vars))

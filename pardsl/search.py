@@ -570,9 +570,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                     continue  # gathered in a group, counted a group at a time
                 copy = (key, _items(need), q)
                 if copy not in held_copies:
-                    info = bound.tensors[name]
-                    held_copies[copy] = held_column(
-                        count * math.prod(layout(need, q).local_shape(info.shape, mesh)) * info.itemsize)
+                    held_copies[copy] = held_column(count * taken_bytes(name, need, q))
                 if parameter:  # whether it is a group's gather depends on the pair
                     program.row(subtract({held_copies[copy]: 1.0}, terms), 0.0, math.inf)
                 elif (copy, reader_rep, slot) not in copy_rows:  # taken as q where the value is not q
@@ -586,6 +584,12 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         converted: dict[tuple, int] = {}  # once per value (class), from and to
         gathered: dict[str, dict[int, float]] = {}  # per gather group: its conversions' columns → bytes whole
         copies: dict[str, int] = {}  # per gather group: how many layers it stands for
+        gathered_before: dict[tuple, int] = {}  # (class, taken at) → a gather on axes decided before, held
+
+        def taken_bytes(name: str, need: dict[int, Placement], joint: Joint) -> int:
+            """A rank's bytes of the value as a reader takes it: `need` on the other axes, `joint` on these."""
+            info = bound.tensors[name]
+            return math.prod(layout(need, joint).local_shape(info.shape, mesh)) * info.itemsize
 
         def in_group(name: str, source: Layout, target: Layout) -> bool:
             """Whether lowering gathers the parameter in a prefetched group."""
@@ -600,9 +604,19 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             steps = conversion_steps(name, source, target)
             return len(steps) == 1 and steps[0].kind == "all_gather"
 
-        def convert(key, name: str, pairs, count: int) -> None:
+        def convert(key, name: str, pairs, count: int, need: dict[int, Placement] | None = None) -> None:
+            """`need`: what the reader takes on the other axes, where it is a parameter's reader."""
             for (p, q), terms in pairs.items():
                 if p == q:
+                    if need is not None and need != value[name] and in_group(name, layout(value[name], p), layout(need, q)):
+                        # gathered in a group on an axis decided before: held a group at a time, at the
+                        # bytes the pair leaves a rank on these axes
+                        if (key, q) not in gathered_before:
+                            gathered_before[key, q] = program.column()
+                            unit = gather_unit[name]
+                            add_cost(gathered.setdefault(unit, {}), gathered_before[key, q], taken_bytes(name, need, q))
+                            copies[unit] = max(copies.get(unit, 1), count)
+                        program.row(subtract({gathered_before[key, q]: 1.0}, terms), 0.0, math.inf)
                     continue
                 if (key, p, q) not in converted:
                     column = program.column(count * conversion_seconds(name, p, q))
@@ -684,8 +698,8 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             count = len(members)
             for v, slot in uses:
                 pairs = edge(placements[name], slots[v][slot])
-                convert(key, name, pairs, count)
                 reader = next(u for u, at in consumers[name] if shared.get(u, u) == v and at == slot)
+                convert(key, name, pairs, count, needs[reader][slot] if name in bound.parameters else None)
                 if (reader, name) in kept.reads:
                     hold(key, name, reader, v, slot, pairs, members)
                 if name not in requires_grad:
@@ -723,13 +737,18 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
 
         if gathered:
             # Gathered parameters are held one group at a time, the next one prefetched (cost.memory_per_rank
-            # counts its two largest gather groups): twice the largest, a column scaled to [0, 1] (repeated
-            # layers share their columns, so one layer's row stands for all of them).
+            # counts its two largest gather groups). The two largest, in the program: at its least over a
+            # level λ, 2λ + Σ each group's excess over λ (times the layers it stands for, at most 2: repeated
+            # layers share their columns); columns scaled to [0, 1].
             scale = sum(sum(unit.values()) for unit in gathered.values())
-            largest = program.column(HELD_S)
-            for unit in gathered.values():
-                program.row(subtract({largest: scale}, unit), 0.0, math.inf)
-            add_cost(memory, largest, min(2, sum(copies.values())) * scale)
+            held = min(2, sum(copies.values()))
+            level = program.column(HELD_S * held)  # HELD_S in proportion: at its least, the sum of the two
+            add_cost(memory, level, held * scale)
+            for unit, terms in gathered.items():
+                times = min(held, copies.get(unit, 1))
+                over = program.column(HELD_S * times)
+                program.row(subtract({over: scale, level: scale}, terms), 0.0, math.inf)
+                add_cost(memory, over, times * scale)
         for column, seconds in objective.items():
             program.cost[column] += seconds
         memory_row = None

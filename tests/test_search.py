@@ -315,10 +315,11 @@ def test_pairs_of_axes_are_decided_again_jointly_until_no_move_improves(pools, c
     the best-rated move: both axes decided again by one program (every op keeping its signature on one of
     them), or one axis alone. At 30 % both orders' plans are over the bound as the cost model counts memory
     (a weight moved where it is used and held until backward, which a program deciding one axis does not
-    see) and the descent ends within it at 2.48 ms. At 40 % it reaches 1.89 ms, which a descent of
-    pair moves alone missed (2.02 ms: the pair program's optimum is the search's own estimate's). Either
-    way it is no slower than a descent of one-axis moves, no move improves on it, and it runs equal to
-    serial."""
+    see) and the descent ends within it at 2.48 ms. At 40 % the better order's plan is within the bound
+    at 2.02 ms and no move improves on it. (It reached 1.89 ms from an order's plan the search had taken to be
+    within the bound: it left out a weight gathered on the axis decided first. Counting it, no order's
+    plan and no move leads there.) Either way it is no slower than a descent of one-axis moves, no move
+    improves on it, and it runs equal to serial."""
     text = open("examples/tp_schemes/layer_2d.par").read()
     compiled = compile_par(text.split("layout {")[0] + f"memory <= {percent} %\nlayout {{\n  x : ?\n}}\n")
     limit = search.memory_limit(compiled.bound)
@@ -338,8 +339,10 @@ def test_pairs_of_axes_are_decided_again_jointly_until_no_move_improves(pools, c
             break
         one_axis = better
     ours = rated(compiled.typed)
-    assert not ours[0] and ours <= rated(one_axis) and ours < min(rated(plan) for plan in plans)
-    assert round(ours[1] * 1e3, 2) == {30: 2.48, 40: 1.89}[percent]
+    assert not ours[0] and ours <= rated(one_axis) and ours <= min(rated(plan) for plan in plans)
+    if percent == 30:  # at 40 % the better order's plan is where the descent ends
+        assert ours < min(rated(plan) for plan in plans)
+    assert round(ours[1] * 1e3, 2) == {30: 2.48, 40: 2.02}[percent]
     for move in ((0,), (1,), ((0, 1),)):
         again = search.search(compiled.bound, GLOO, limit, order=move, start=compiled.typed)
         assert rated(again) >= ours
@@ -427,6 +430,26 @@ def test_the_search_counts_a_plans_memory_as_the_cost_model_does(compile_par, mo
     assert status == "optimal"
     counted = sum(v * solution[column] for column, v in terms.items()) + limit - upper
     assert round(counted) == memory_per_rank(lower(moved))["total"] <= limit
+
+
+def test_a_move_counts_the_weights_gathered_on_an_axis_it_does_not_decide(compile_par, monkeypatch):
+    """The MLP's weights stored split over a and gathered over it, a group per layer, resharded after
+    forward: a move deciding b alone holds two groups whole, though none of its choices gathers them. The
+    search had left them out (196,608 bytes: it took the move's plan to be within the bound, where the
+    cost model counts it 8.9 % over); on T5 dp 2 × tp 2 under 30 % every plan came out over the bound."""
+    from pardsl.compiler import _lowered
+    from pardsl.lowering import DEFAULT_BUCKET_MB
+
+    compiled = compile_par(ZERO_OVER_TWO_AXES.replace("[S(0), S(1)]", "[S(0), B]"))
+    limit = search.memory_limit(compiled.bound)
+    solved = programs_solved(monkeypatch)
+    moved = search.search(compiled.bound, GLOO, limit, order=(1,), start=compiled.typed)
+    program, _, (status, solution) = solved[-1]
+    terms, _, upper = program.rows[-1]
+    counted = sum(v * solution[column] for column, v in terms.items()) + limit - upper
+    memory = memory_per_rank(_lowered(moved, DEFAULT_BUCKET_MB, limit))
+    assert memory["gathered_parameters"] == 2 * 3 * 128 * 64 * 4  # two layers' three weights, whole
+    assert status == "optimal" and round(counted) == memory["total"] <= limit
 
 
 def test_a_pair_program_prices_a_parameter_gathered_over_both_axes_as_lowering_places_it(compile_par):
