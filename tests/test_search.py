@@ -452,6 +452,36 @@ def test_a_move_counts_the_weights_gathered_on_an_axis_it_does_not_decide(compil
     assert status == "optimal" and round(counted) == memory["total"] <= limit
 
 
+FSDP_WITH_TENSOR_PARALLELISM = """mesh dp = 2, tp = 2
+model examples.hf_models:HFLlama(layers=3, attention="sdpa")
+input input_ids : int64[4, 16] in [0, 256)
+memory <= 40 %
+layout {
+    input_ids : [S(0), B]
+    model.model.layers.*.self_attn.q_proj.weight : [S(1), S(0)]
+    model.model.layers.*.self_attn.k_proj.weight : [S(1), S(0)]
+    model.model.layers.*.self_attn.v_proj.weight : [S(1), S(0)]
+    model.model.layers.*.self_attn.o_proj.weight : [S(0), S(1)]
+    model.model.layers.*.mlp.gate_proj.weight : [S(1), S(0)]
+    model.model.layers.*.mlp.up_proj.weight : [S(1), S(0)]
+    model.model.layers.*.mlp.down_proj.weight : [S(0), S(1)]
+}
+"""
+
+
+def test_fsdp_with_tensor_parallelism_releases_its_groups_under_a_bound_and_runs_equal_to_serial(pools, compile_par):
+    """Weights stored split over dp and used Megatron-split over tp: each layer's group is gathered over dp
+    and stays split over tp. Under a bound the plan does not meet holding every group from forward to
+    backward, each group but the last is released after forward and gathered again for backward, as the
+    search counts them (two groups whole at a time); only groups gathered whole had been."""
+    compiled = compile_par(FSDP_WITH_TENSOR_PARALLELISM)
+    layers = [(g.axis, g.resharded, g.regather is not None) for g in compiled.program.gathers
+              if g.members[0].unit.startswith("model.model.layers")]
+    assert layers == [("dp", True, True)] * 3
+    assert estimate(compiled, GLOO).memory["total"] <= compiled.memory_bound
+    check(pools, compiled)
+
+
 def test_a_pair_program_prices_a_parameter_gathered_over_both_axes_as_lowering_places_it(compile_par):
     """Lowering prefetches a stored-split parameter's gather where it is one all-gather; gathered over two
     axes it is gathered where it is used and its gradient reduce-scattered there. A pair program that
