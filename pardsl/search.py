@@ -81,7 +81,7 @@ class NoPlanFound(RuntimeError):
 
 
 class BoundUnmet(NoPlanFound):
-    """A search asked not to look for the plan nearest an unmeetable memory bound met one."""
+    """No plan meets the memory bound, and the search was asked not to look for the plan nearest it."""
 
 
 def wants_search(bound: BoundPlan) -> bool:
@@ -586,7 +586,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         converted: dict[tuple, int] = {}  # once per value (class), from and to
         gathered: dict[str, dict[int, float]] = {}  # per gather group: its conversions' columns → bytes whole
         copies: dict[str, int] = {}  # per gather group: how many layers it stands for
-        gathered_before: dict[tuple, int] = {}  # (class, taken at) → a gather on axes decided before, held
+        gathered_elsewhere: dict[tuple, int] = {}  # (class, need elsewhere, taken at) → gathered on other axes
 
         def taken_bytes(name: str, need: dict[int, Placement], joint: Joint) -> int:
             """A rank's bytes of the value as a reader takes it: `need` on the other axes, `joint` on these."""
@@ -611,14 +611,15 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             for (p, q), terms in pairs.items():
                 if p == q:
                     if need is not None and need != value[name] and in_group(name, layout(value[name], p), layout(need, q)):
-                        # gathered in a group on an axis decided before: held a group at a time, at the
-                        # bytes the pair leaves a rank on these axes
-                        if (key, q) not in gathered_before:
-                            gathered_before[key, q] = program.column()
+                        # gathered in a group on an axis this program does not decide: held a group at a
+                        # time, at the bytes the pair leaves a rank on these axes
+                        taken = (key, _items(need), q)
+                        if taken not in gathered_elsewhere:
+                            gathered_elsewhere[taken] = program.column()
                             unit = gather_unit[name]
-                            add_cost(gathered.setdefault(unit, {}), gathered_before[key, q], taken_bytes(name, need, q))
+                            add_cost(gathered.setdefault(unit, {}), gathered_elsewhere[taken], taken_bytes(name, need, q))
                             copies[unit] = max(copies.get(unit, 1), count)
-                        program.row(subtract({gathered_before[key, q]: 1.0}, terms), 0.0, math.inf)
+                        program.row(subtract({gathered_elsewhere[taken]: 1.0}, terms), 0.0, math.inf)
                     continue
                 if (key, p, q) not in converted:
                     column = program.column(count * conversion_seconds(name, p, q))

@@ -133,6 +133,8 @@ def test_the_plan_nearest_the_bound_starts_from_the_least_excess_found(monkeypat
 
 
 def test_a_descents_move_whose_program_gives_no_plan_is_not_made(compile_par, monkeypatch):
+    """A move whose program HiGHS finds no plan for in its time is a move that does not improve: compile
+    keeps the plan it has (here, every move fails: the best order's plan), where it had raised."""
     from pardsl import compiler
 
     real = compiler.search
