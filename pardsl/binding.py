@@ -115,9 +115,9 @@ class BoundPlan:
     def kept(self):
         """What autograd keeps from forward to backward (saved_for_backward.Kept): found once, read by the
         cost model and the search alike."""
-        from .saved_for_backward import kept_for_backward
+        from .saved_for_backward import what_autograd_keeps
 
-        return kept_for_backward(self.graph, self.tensors.get, self.parameters)
+        return what_autograd_keeps(self.graph, self.tensors.get, self.parameters)
 
     @functools.cached_property
     def kept_for_backward(self) -> frozenset[str]:

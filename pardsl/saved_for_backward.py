@@ -81,7 +81,7 @@ class Kept:
     owner: dict[str, str]  # a value → the value whose storage it is (itself, unless a view)
 
 
-def kept_for_backward(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
+def what_autograd_keeps(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
     """What autograd keeps from forward to backward, and the model's outputs. `tensor_info(name)`: the
     value's global shape and dtype, or None where it is not one tensor; `parameters`: the placeholders
     that are trained."""
