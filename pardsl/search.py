@@ -601,10 +601,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
 
         def one_gather(name: str, source: Joint, target: Joint) -> bool:
             """Whether converting the parameter is one all-gather, which lowering puts in a gather group."""
-            if len(group) == 1:
-                return True  # split → whole on one axis
-            steps = conversion_steps(name, source, target)
-            return len(steps) == 1 and steps[0].kind == "all_gather"
+            return one_group_gather(conversion_steps(name, source, target), mesh)
 
         def convert(key, name: str, pairs, count: int, need: dict[int, Placement] | None = None) -> None:
             """`need`: what the reader takes on the other axes, where it is a parameter's reader."""
