@@ -195,9 +195,9 @@ class LoweredProgram:
             "parameters_per_rank": sum(nbytes(p.local_shape, p.dtype) for p in self.parameters),
             "parameters_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters),
             "activations_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
-                                        if v.get("held_for_backward") and not v.get("parameter")),
+                                        if v.get("kept_for_backward") or (v["kind"] == "copy" and not v["parameter"])),
             "parameter_copies_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
-                                             if v.get("held_for_backward") and v.get("parameter")),
+                                             if v["kind"] == "copy" and v["parameter"]),
             "activations_total": sum(nbytes(v["shape"], v["dtype"]) for v in self.values.values()
                                      if v.get("kept_for_backward")),
         }
@@ -997,8 +997,7 @@ class _Lowerer:
                 "dtype": str(info.dtype).removeprefix("torch."),
             }
             if activation:  # held at its own layout wherever autograd keeps it (_copies_held_for_backward)
-                kept = name in self.bound.kept_for_backward
-                values[name]["kept_for_backward"] = values[name]["held_for_backward"] = kept
+                values[name]["kept_for_backward"] = name in self.bound.kept_for_backward
         for (name, layout), var in self._copies_held_for_backward().items():
             info = self.bound.tensors[name]
             values[var] = {
@@ -1007,7 +1006,6 @@ class _Lowerer:
                 "shape": list(info.shape),
                 "local_shape": list(layout.local_shape(info.shape, self.mesh)),
                 "dtype": str(info.dtype).removeprefix("torch."),
-                "held_for_backward": True,
             }
         return values
 

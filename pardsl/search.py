@@ -599,33 +599,32 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             return one_group_gather(plan_conversion(source, target, info.shape, info.itemsize, mesh,
                                                     name in requires_grad), mesh)
 
-        def one_gather(name: str, source: Joint, target: Joint) -> bool:
-            """Whether converting the parameter is one all-gather, which lowering puts in a gather group."""
-            return one_group_gather(conversion_steps(name, source, target), mesh)
+        def gathered_in_group(name: str, column: int, nbytes: int, count: int) -> None:
+            """A parameter's gather in one of lowering's groups (GatherGroup), where `column` is taken: held a
+            group at a time."""
+            unit = gather_unit[name]
+            add_cost(gathered.setdefault(unit, {}), column, nbytes)
+            copies[unit] = max(copies.get(unit, 1), count)
 
         def convert(key, name: str, pairs, count: int, need: dict[int, Placement] | None = None) -> None:
             """`need`: what the reader takes on the other axes, where it is a parameter's reader."""
+            own = value[name]
             for (p, q), terms in pairs.items():
                 if p == q:
-                    if need is not None and need != value[name] and in_group(name, layout(value[name], p), layout(need, q)):
-                        # gathered in a group on an axis this program does not decide: held a group at a
-                        # time, at the bytes the pair leaves a rank on these axes
+                    if need is not None and need != own and in_group(name, layout(own, p), layout(need, q)):
+                        # gathered on an axis this program does not decide, at the bytes the pair leaves a rank
                         taken = (key, _items(need), q)
                         if taken not in gathered_elsewhere:
                             gathered_elsewhere[taken] = program.column()
-                            unit = gather_unit[name]
-                            add_cost(gathered.setdefault(unit, {}), gathered_elsewhere[taken], taken_bytes(name, need, q))
-                            copies[unit] = max(copies.get(unit, 1), count)
+                            gathered_in_group(name, gathered_elsewhere[taken], taken_bytes(name, need, q), count)
                         program.row(subtract({gathered_elsewhere[taken]: 1.0}, terms), 0.0, math.inf)
                     continue
                 if (key, p, q) not in converted:
                     column = program.column(count * conversion_seconds(name, p, q))
                     converted[key, p, q] = column
                     if name in bound.parameters and any(s.is_split and t == B for s, t in zip(p, q)) and \
-                            one_gather(name, p, q):  # a gather group's (lowering.GatherGroup): held a group at a time
-                        unit = gather_unit[name]
-                        add_cost(gathered.setdefault(unit, {}), column, local_bytes(name, q))
-                        copies[unit] = max(copies.get(unit, 1), count)
+                            in_group(name, layout(own, p), layout(own, q)):
+                        gathered_in_group(name, column, local_bytes(name, q), count)
                 program.row(subtract({converted[key, p, q]: 1.0}, terms), 0.0, math.inf)
 
         def op_seconds(name: str) -> list[list[float]]:
