@@ -270,7 +270,9 @@ def _shape_text(info, layout: Layout | None = None, mesh: Mesh | None = None) ->
 
 
 def _tag(layout: Layout) -> str:
-    return "_".join(str(p).replace("(", "").replace(")", "") for p in layout.placements)
+    """A layout as part of a Python name: `S0_B`, `S2blocks2` for `S(2, blocks=2)`."""
+    return "_".join(p.kind + (f"{p.dim}" if p.is_split else "") + (f"blocks{p.blocks}" if p.blocks > 1 else "")
+                    for p in layout.placements)
 
 
 def _render(value) -> str:

@@ -130,6 +130,17 @@ def test_generated_module_is_annotated_and_valid_python():
     assert "S(1)@tp  [16, 1024] local [16, 512]" in source
 
 
+def test_a_conversion_to_a_split_of_blocks_is_named_by_a_python_identifier(compile_par):
+    # `S(0, blocks=2)` once went into the variable's name as `sum_1__S0, blocks=2` (a SyntaxError when
+    # the rank loaded the module); the search reaches such conversions on its own (rotary tables, LLaMA).
+    compiled = compile_par(TWO_HEADS.replace("  output[0] : B\n", "  output[0] : B\n  output[1] : S(0, blocks=2)\n")
+                           % "  trunk.weight : B\n  trunk.bias : B\n")
+    compile(compiled.source, "pardsl_module.py", "exec")
+    assert ('sum_1__S0blocks2 = rt.split(sum_1, "tp", dim=0, blocks=2); del sum_1  '
+            in compiled.source)
+    assert "return (linear_3__B, sum_1__S0blocks2, )" in compiled.source
+
+
 def test_plan_json_lists_every_tensor_and_collective(tmp_path):
     compiled = compile_file("examples/mlp.par")
     _, plan_path = write_outputs(compiled, str(tmp_path))
