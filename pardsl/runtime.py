@@ -249,7 +249,7 @@ class Runtime:
         out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", _nbytes(x), n), axis)
         work = dist.reduce_scatter_single(out, moved, group=self.groups[axis], async_op=True)
-        return work, lambda: out.movedim(0, dim)
+        return work, lambda: out.movedim(0, dim).contiguous()
 
     def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:
         n = self.size[axis]
@@ -259,7 +259,8 @@ class Runtime:
         out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(x), n), axis)
         dist.all_gather_single(out, moved, group=self.groups[axis])
-        return block_major(out, n, blocks).movedim(0, dim)
+        # contiguous as the serial value was: the exported graph may `view` it (a copy only where dim > 0)
+        return block_major(out, n, blocks).movedim(0, dim).contiguous()
 
     def _reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:
         work, result = self._reduce_scatter_started(x, axis, dim, phase, blocks)

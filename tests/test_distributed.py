@@ -49,6 +49,17 @@ def test_inferred_example_on_2_ranks(pools):
     check(pools, compile_file("examples/mlp_inferred.par"), steps=3)
 
 
+def test_a_value_all_gathered_along_its_last_dim_can_be_viewed(pools, compile_par):
+    # The exported graph views the gathered value as serial's contiguous one; the all-gather along dim 2
+    # once returned a strided view of its buffer and the view failed on every rank (found by the
+    # search's T5 plan at 50 %, whose sequence-split activations are gathered along dim 1).
+    compiled = compile_par("mesh tp = 2\nmodel tests.zoo:MergedAfterGather(d=8)\ninput x : float32[1, 3, 8]\n"
+                           "layout {\n  x : B\n  inner.weight : S(0)\n  inner.bias : S(0)\n}\n")
+    assert 'tanh__B = rt.all_gather(tanh, "tp", dim=2, backward="slice")' in compiled.source
+    assert "view = aten.view.default(tanh__B, [1, 24])" in compiled.source
+    check(pools, compiled)
+
+
 @pytest.mark.parametrize("tp", [4])
 def test_megatron_mlp_on_4_ranks(pools, compile_par, tp):
     text = open("examples/mlp.par").read().replace("tp = 2", f"tp = {tp}")

@@ -273,3 +273,17 @@ class ProjectedNorm(nn.Module):
 
     def forward(self, x):
         return self.norm(self.proj(x))
+
+
+class MergedAfterGather(nn.Module):
+    """A column-parallel linear (its output split on the last dim), then a view merging that dim with the
+    one before: with the other dims too small to split, the view needs its input whole, so the all-gather
+    along the last dim must hand it a tensor it can view."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.inner = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        return torch.tanh(self.inner(x)).view(b, s * d)
