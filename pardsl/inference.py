@@ -318,6 +318,7 @@ def typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad
     each operand and what it computes. Outputs left out keep their layout, a partial sum finished."""
     mesh = bound.mesh
     _whole_means(bound, graph_nodes, operands, value, op_out, candidates)
+    _parts_taken_as_they_are(graph_nodes, operands, value, needs, op_out)
     nodes = {
         n.name: TypedNode(
             n.name, op_name(n), specs[n.name], operands[n.name],
@@ -336,6 +337,21 @@ def typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad
             produced = Layout(tuple(value[node_name])) if node_name else Layout.broadcast(mesh)
             output_layouts.append(Layout(tuple(B if p == P else p for p in produced.placements)))
     return TypedGraph(bound, nodes, placeholder_layouts, output_layouts, requires_grad, candidates)
+
+
+def _parts_taken_as_they_are(graph_nodes, operands, value, needs, op_out) -> None:
+    """A list of tensors (a split's parts) is not a tensor a collective can move: where a choice would
+    convert it for a getitem, the getitem takes its part in the list's layout and the part is converted
+    once taken (lowering converts an op's result whose value layout is not the one it computes). Each
+    part moves its own bytes, and only the parts that are read."""
+    for node in graph_nodes:
+        if rule_for(node).family != "project" or not isinstance(node.args[0].meta.get("val"), (list, tuple)):
+            continue
+        parts = operands[node.name][0]
+        for axis, held in enumerate(value[parts]):
+            if needs[node.name][0][axis] != held:
+                needs[node.name][0][axis] = held
+                op_out[node.name][axis] = held
 
 
 def _whole_means(bound, graph_nodes, operands, value, op_out, candidates) -> None:

@@ -847,14 +847,16 @@ class _Lowerer:
         return name
 
     def _convert_op_result(self, name: str, value_var: str) -> None:
-        """The op computed `op_layout`; the user wrote another layout for its result: convert at once."""
+        """The op computed `op_layout`; its value is held in another layout (the user wrote it, or it is a
+        part of a list, taken in the list's layout): convert at once."""
         typed_node = self.typed.nodes[name]
-        pin = self.bound.pins[name]
+        pin = self.bound.pins.get(name)
         info = self.typed.info(name)
         steps = plan_conversion(typed_node.op_layout, typed_node.value_layout, info.shape, info.itemsize,
                                 self.mesh, with_backward=name in self.typed.requires_grad)
-        self._emit_steps(steps, name, value_var, f"`{pin.entry.target}` written as "
-                         f"{pin.layout.render(self.mesh)}", set(), name in self.typed.requires_grad)
+        reason = f"`{pin.entry.target}` written as {pin.layout.render(self.mesh)}" if pin is not None else \
+            f"part {self._fx[name].args[1]} of {typed_node.operands[0]}, converted once taken"
+        self._emit_steps(steps, name, value_var, reason, set(), name in self.typed.requires_grad)
         self.var[name] = value_var
 
     def _emit_steps(self, steps: list[ConversionStep], source: str, final: str, reason: str,

@@ -320,6 +320,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
     mesh = bound.mesh
     states = OPTIMIZER_STATES[optimizer]
     nodes = facts.nodes
+    lists = {node.name for node in graph_nodes if isinstance(node.meta.get("val"), (list, tuple))}
 
     # per name, what is decided so far, by mesh axis
     value: dict[str, dict[int, Placement]] = {name: {} for name in placeholders + nodes}
@@ -698,7 +699,10 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             for v, slot in uses:
                 pairs = edge(placements[name], slots[v][slot])
                 reader = next(u for u, at in consumers[name] if shared.get(u, u) == v and at == slot)
-                convert(key, name, pairs, count, needs[reader][slot] if name in bound.parameters else None)
+                # a list (a split's parts) is converted part by part, as each getitem takes it
+                # (inference.typed_graph): each reader pays its own
+                once = (key, v, slot) if name in lists else key
+                convert(once, name, pairs, count, needs[reader][slot] if name in bound.parameters else None)
                 if (reader, name) in kept.reads:
                     hold(key, name, reader, v, slot, pairs, members)
                 if name not in requires_grad:

@@ -135,6 +135,38 @@ def test_chunk_split_narrow_and_cat_along_a_split_dim(pools, compile_par, layout
         assert _nonzero(report["collectives"]) == expected
 
 
+def test_a_part_of_a_split_wanted_in_another_layout_is_converted_once_taken(pools, compile_par):
+    # A plan may want a chunk's part in another layout than the chunk's (the search's GPT-2 plan at 20 %
+    # did): the list itself is no tensor a collective can move (`rt.reduce_scatter(split, ...)` failed on
+    # every rank), so the getitem takes its part as the list holds it and the part is converted then.
+    import dataclasses
+
+    from pardsl.inference import prepare, typed_graph
+    from pardsl.layouts import P, S, Layout
+    from pardsl.liveness import release_dead_values
+    from pardsl.codegen import render
+    from pardsl.lowering import lower
+
+    greedy = compile_par("mesh tp = 2\nmodel tests.zoo:Cuts(d=16)\ninput x : float32[4, 16]\n"
+                         "layout {\n  x : S(1)\n  up.weight : S(1)\n}\n")
+    assert "getitem = chunk[0]  " in greedy.source  # a partial sum, all-reduced for the relu
+    typed = greedy.typed
+    specs, graph_nodes, placeholders, operands, requires_grad = prepare(greedy.bound)
+    value = {name: list(typed.layout_of(name).placements) for name in [*placeholders, *typed.nodes]}
+    needs = {name: [list(layout.placements) for layout in node.operand_layouts] for name, node in typed.nodes.items()}
+    op_out = {name: list(node.op_layout.placements) for name, node in typed.nodes.items()}
+    needs["getitem"][0], op_out["getitem"], value["getitem"] = [S(1)], [S(1)], [S(1)]  # wanted split; the list is P
+    chosen = typed_graph(greedy.bound, specs, graph_nodes, placeholders, operands, requires_grad, value, needs,
+                         op_out, typed.candidates)
+    part = chosen.nodes["getitem"]
+    assert (part.operand_layouts[0], part.op_layout, part.value_layout) == (Layout((P,)), Layout((P,)), Layout((S(1),)))
+    program = release_dead_values(lower(chosen))
+    compiled = dataclasses.replace(greedy, typed=chosen, program=program, source=render(program))
+    assert 'getitem__S1 = rt.reduce_scatter(getitem, "tp", dim=1); del getitem' in compiled.source
+    assert "part 0 of chunk, converted once taken" in compiled.source
+    check(pools, compiled)
+
+
 def test_two_inputs_buffer_and_dict_output(pools, compile_par):
     check(pools, compile_par("mesh tp = 2\nmodel tests.zoo:DictOut(d=8)\ninput x : float32[4, 8]\n"
                              "input y : float32[4, 8]\nlayout {\n  enc.weight : S(0)\n  scale : S(0)\n"
