@@ -51,9 +51,17 @@ def main() -> None:
         plan = pardsl.load(path)
         module = plan.module()
         inputs = plan.shard_inputs(*make_inputs(plan.compiled.par.inputs, torch.Generator().manual_seed(0)))
-        memory = plan.compiled.program.memory()
+        program = plan.compiled.program
+        memory = program.memory()
+        # a weight gathered in a group that is not released after forward, where some op keeps it for
+        # backward (the first layer's weight is not kept where its input needs no gradient)
+        bound = plan.compiled.bound
+        kept = {bound.parameters[p] for p in bound.parameters_kept_for_backward}
+        name_of = {slot.var: slot.name for slot in program.parameters}
+        groups_kept = sum(m.nbytes for g in program.gathers if not g.resharded for m in g.members
+                          if name_of[m.attr] in kept)
         results[path] = {"torch": saved_by_torch(module, inputs),
-                         "counted": memory["activations_per_rank"] + memory["parameter_copies_per_rank"]}
+                         "counted": memory["activations_per_rank"] + memory["parameter_copies_per_rank"] + groups_kept}
     if dist.get_rank() == 0:
         with open(out_path, "w") as handle:
             json.dump(results, handle)
