@@ -89,14 +89,16 @@ class _Candidate(NamedTuple):
     program: LoweredProgram
 
 
-def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: dict) -> tuple[TypedGraph, LoweredProgram]:
+def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: dict,
+                        kept: tuple[int, ...] = ()) -> tuple[TypedGraph, LoweredProgram]:
     """The search decides one mesh axis at a time, so what it finds depends on the order the axes are
     decided in, and on some meshes the greedy completion of the same file is estimated faster still. It
     runs in every order of the axes that have more than one rank; of those plans and the greedy completion
     the one the cost model rates fastest (a plan within the memory bound before one over it; the greedy
     one only within it) is the start of a descent: pairs of axes decided again jointly with the others
     fixed, kept while the plan is rated faster (_descended). Note N004 says when the greedy completion is
-    where the descent started."""
+    where the descent started. Axes in `kept` (a pipeline's) are not searched: they stay as the greedy
+    completion has them (B), and every program starts from it."""
     limit = memory_limit(bound)
     seconds["search"] = seconds["lower"] = 0.0
     facts = _timed(seconds, "search", lambda: graph_facts(bound))
@@ -116,8 +118,10 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
         seconds["lower"] += time.perf_counter() - clock
         return rated(typed, program), typed, program
 
-    sized = [a for a in range(bound.mesh.ndim) if bound.mesh.axis_sizes[a] > 1]
-    unsized = tuple(a for a in range(bound.mesh.ndim) if a not in sized)
+    sized = [a for a in range(bound.mesh.ndim) if bound.mesh.axis_sizes[a] > 1 and a not in kept]
+    unsized = tuple(a for a in range(bound.mesh.ndim) if a not in sized and a not in kept)
+    greedy = _timed(seconds, "greedy", lambda: infer(bound))
+    start = greedy if kept else None
     # An order whose plan cannot meet the bound loses to one whose plan does: the plan nearest the bound
     # (two more programs, seconds at 32 layers) is looked for only in the last order, where no order
     # before it met the bound.
@@ -125,9 +129,8 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
     plans = []
     for i, order in enumerate(orders):
         with contextlib.suppress(BoundUnmet):
-            plans.append(searched(unsized + order, nearest=not plans and i == len(orders) - 1))
+            plans.append(searched(unsized + order, start=start, nearest=not plans and i == len(orders) - 1))
     best = best_searched = min(plans, key=lambda plan: plan[0])  # the mesh's own order on a tie
-    greedy = _timed(seconds, "greedy", lambda: infer(bound))
     greedy_program = _lowered(greedy, bucket_mb, limit)
     theirs = rated(greedy, greedy_program)
     from_greedy = not theirs[0] and theirs < best[0]
@@ -184,6 +187,12 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
     seconds = dict(bound.seconds)
     typed = _timed(seconds, "infer", lambda: infer(bound))
     pp.check_unsplit(typed, decl)
+    pipeline_axis = bound.mesh.axis_index(decl.axis)
+    if wants_search(bound) and any(size > 1 for axis, size in enumerate(bound.mesh.axis_sizes) if axis != pipeline_axis):
+        # the other axes searched (what the file marks `?`, or all of them where it writes no layout),
+        # for one micro-batch's step; the pipeline axis stays B
+        typed, _ = _searched_or_greedy(bound, machine or default_machine(), bucket_mb, seconds, kept=(pipeline_axis,))
+        pp.check_unsplit(typed, decl)
 
     def lower_pipelined():
         stage_of, cut_before = pp.stage_of_nodes(typed, decl, machine)

@@ -101,8 +101,9 @@ def check_pipeline(par: ParFile) -> PipelineDecl:
                     sink.error("E078", f"named dim `{name}` in a pipelined plan: stages exchange activations "
                                "of fixed shapes", span, "give the dim a fixed size")
     if par.memory_bound is not None:
-        sink.error("E078", "a pipelined plan cannot be searched yet", par.memory_bound.span,
-                   "write the layouts of the other axes and drop the memory bound")
+        sink.error("E078", "a pipelined plan cannot be searched under a memory bound yet", par.memory_bound.span,
+                   "drop the bound: layouts written `?` (or no layout block) are searched for the fastest "
+                   "step, or write the layouts of the other axes")
     sink.raise_if_any()
     return dataclasses.replace(pipeline, schedule=schedule)
 
@@ -123,9 +124,6 @@ def check_layouts(bound, pipeline: PipelineDecl) -> None:
             sink.error("E076", f"`{pin.entry.target}` is {pin.layout.placements[axis]} on the pipeline axis "
                        f"`{pipeline.axis}`", pin.entry.layout.span,
                        f"the ranks along {pipeline.axis} hold different stages, not shards: write B there")
-    if bound.searched:
-        sink.error("E078", "a pipelined plan cannot be searched yet: a layout is written `?`",
-                   pipeline.span, "write the layouts")
     sink.raise_if_any()
 
 

@@ -41,9 +41,11 @@ def llama(pipeline: str, layers: int = 2, mesh: str = "", extra: str = "") -> st
     (llama("pp : microbatches 4, microbatches 2, cut balanced"), "E003", 5, 31),
     (llama("pp : microbatches 4"), "E004", 5, 1),
     (llama("pp : microbatches 4, cut balanced, model.model.layers.1"), "E001", 5, 45),
+    (llama("pp : microbatches 4, cut before model.model.layers.1", mesh=", dp = 2", extra="memory <= 50 %\n"),
+     "E078", 6, 1),
 ], ids=["unknown-axis", "unknown-schedule", "no-submodule", "empty-first-stage", "out-of-order",
         "batch-not-divided", "stage-count", "stages-per-rank", "split-on-pipeline-axis", "option-twice",
-        "no-cut", "stray-name"])
+        "no-cut", "stray-name", "memory-bound"])
 def test_each_pipeline_mistake_is_a_located_error(text, code, line, column):
     with pytest.raises(CompileError) as raised:
         compile_text(text, "plan.par")
@@ -143,6 +145,30 @@ layout {
 """
 
 
+GPT2_PP2_SEARCHED = """mesh     pp = 2, dp = 2
+model    examples.hf_models:HFGPT2(layers=2)
+input    input_ids : int64[64, 32] in [0, 256)
+input    labels : int64[64, 32] in [0, 256)
+pipeline pp : schedule GPipe, microbatches 4, cut before model.transformer.h.1
+layout {
+    input_ids : ?
+    labels    : ?
+}
+"""
+
+
+def test_the_other_axes_of_a_pipelined_plan_are_searched_where_it_asks():
+    # `?` in a pipelined file: the search decides the dp axis for one micro-batch's step (here it splits
+    # the batch: 16 rows of each micro-batch are worth halving) and leaves the pipeline axis B
+    compiled = compile_text(GPT2_PP2_SEARCHED, "plan.par")
+    layouts = compiled.typed.placeholder_layouts
+    assert [str(p) for p in layouts["input_ids"].placements] == ["B", "S(0)"]
+    assert [str(p) for p in layouts["labels"].placements] == ["B", "S(0)"]
+    every = [*layouts.values(), *(node.op_layout for node in compiled.typed.nodes.values())]
+    assert all(layout.placements[0].kind == "B" for layout in every)
+    assert len(compiled.stages) == 2
+
+
 @pytest.mark.parametrize("plan, nproc, factory, layers, microbatches, stages", [
     ("examples/hf_llama_pp2.par", 2, "HFLlama", 2, 4, 2),
     (llama("pp : schedule GPipe, microbatches 2, cut before model.model.layers.1"), 2, "HFLlama", 2, 2, 2),
@@ -152,10 +178,11 @@ layout {
     (GPT2_PP4, 4, "HFGPT2", 4, 4, 4),  # the tied embedding on ranks 0 and 3: a group of its own
     (GPT2_PP2_TP2, 4, "HFGPT2", 2, 4, 2),
     (GPT2_PP2_DP2, 4, "HFGPT2", 2, 4, 2),
+    (GPT2_PP2_SEARCHED, 4, "HFGPT2", 2, 4, 2),
     (llama("pp : schedule Interleaved1F1B, stages per rank 2, microbatches 4, cut balanced", layers=4),
      2, "HFLlama", 4, 4, 4),
 ], ids=["llama-pp2-1f1b", "llama-pp2-gpipe", "llama-pp2xtp2", "llama-pp2xdp2", "gpt2-pp2-tied", "gpt2-pp4-tied",
-        "gpt2-pp2xtp2", "gpt2-pp2xdp2", "llama-interleaved"])
+        "gpt2-pp2xtp2", "gpt2-pp2xdp2", "gpt2-pp2xdp2-searched", "llama-interleaved"])
 def test_pipelined_training_equals_serial(trained, plan, nproc, factory, layers, microbatches, stages):
     ranks = trained(plan, nproc, factory, layers)
     for rank in ranks:

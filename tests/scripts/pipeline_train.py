@@ -37,8 +37,9 @@ generator = torch.Generator().manual_seed(1)
 record = {"rank": dist.get_rank(), "losses": [], "serial_losses": [], "norms": [], "serial_norms": [],
           "is_last_stage": model.is_last_stage, "is_first_stage": model.is_first_stage,
           "serial_parameter_count": len(list(serial.parameters()))}  # tied weights once
+shape = next(tuple(decl.shape) for decl in plan.compiled.par.inputs if decl.name == "input_ids")  # the whole batch
 for step in range(args.steps):
-    batch = torch.randint(0, 256, (8, 16), generator=generator)
+    batch = torch.randint(0, 256, shape, generator=generator)
     model.rt.counter.reset()
     loss = model.step(**plan.shard_inputs(input_ids=batch, labels=batch))
     record["counts"] = model.rt.counter.summary()
