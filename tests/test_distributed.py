@@ -136,15 +136,15 @@ def test_chunk_split_narrow_and_cat_along_a_split_dim(pools, compile_par, layout
 
 
 def test_a_part_of_a_split_wanted_in_another_layout_is_converted_once_taken(pools, compile_par):
-    # A plan may want a chunk's part in another layout than the chunk's (the search's GPT-2 plan at 20 %
+    # A plan may want a chunk's part in another layout than the chunk's (the search's GPT plan at 20 %
     # did): the list itself is no tensor a collective can move (`rt.reduce_scatter(split, ...)` failed on
     # every rank), so the getitem takes its part as the list holds it and the part is converted then.
     import dataclasses
 
+    from pardsl.codegen import render
     from pardsl.inference import prepare, typed_graph
     from pardsl.layouts import P, S, Layout
     from pardsl.liveness import release_dead_values
-    from pardsl.codegen import render
     from pardsl.lowering import lower
 
     greedy = compile_par("mesh tp = 2\nmodel tests.zoo:Cuts(d=16)\ninput x : float32[4, 16]\n"
