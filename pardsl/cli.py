@@ -144,6 +144,14 @@ def _summary(compiled) -> str:
     lines.append(f"  memory    parameters {format_bytes(memory['parameters_per_rank'])} per rank "
                  f"(of {format_bytes(memory['parameters_total'])}), activations "
                  f"{format_bytes(memory['activations_per_rank'])} per rank (of {format_bytes(memory['activations_total'])})")
+    if compiled.pipeline is not None:  # the lines above are one micro-batch through every stage
+        from .pipeline import memory_per_rank as pipelined_memory
+
+        ranks = program.mesh.axis_sizes[program.mesh.axis_index(compiled.pipeline.axis)]
+        held = pipelined_memory(list(compiled.stages), compiled.pipeline, ranks)
+        lines.append(f"  pipeline  the rank that holds most: {format_bytes(held['total'])} (its stages' parameters "
+                     f"{format_bytes(held['parameters'])}, activations of the micro-batches in flight "
+                     f"{format_bytes(held['activations'])})")
     return "\n".join(lines)
 
 

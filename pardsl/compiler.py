@@ -89,8 +89,8 @@ class _Candidate(NamedTuple):
     program: LoweredProgram
 
 
-def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: dict,
-                        kept: tuple[int, ...] = ()) -> tuple[TypedGraph, LoweredProgram]:
+def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: dict, kept: tuple[int, ...] = (),
+                        limit: int | None = None, activation_weight: float = 1.0) -> tuple[TypedGraph, LoweredProgram]:
     """The search decides one mesh axis at a time, so what it finds depends on the order the axes are
     decided in, and on some meshes the greedy completion of the same file is estimated faster still. It
     runs in every order of the axes that have more than one rank; of those plans and the greedy completion
@@ -98,19 +98,22 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
     one only within it) is the start of a descent: pairs of axes decided again jointly with the others
     fixed, kept while the plan is rated faster (_descended). Note N004 says when the greedy completion is
     where the descent started. Axes in `kept` (a pipeline's) are not searched: they stay as the greedy
-    completion has them (B), and every program starts from it."""
-    limit = memory_limit(bound)
+    completion has them (B), and every program starts from it. `limit` (default: the file's bound) is
+    met by the plan's memory with its activations counted `activation_weight` times."""
+    limit = memory_limit(bound) if limit is None else limit
     seconds["search"] = seconds["lower"] = 0.0
     facts = _timed(seconds, "search", lambda: graph_facts(bound))
 
     def rated(typed: TypedGraph, program: LoweredProgram):
         plan = estimate(_Candidate(typed, program), machine)
-        return (limit is not None and plan.memory["total"] > limit, plan.step_s)
+        held = plan.memory["total"] + (activation_weight - 1) * plan.memory["activations"]
+        return (limit is not None and held > limit, plan.step_s)
 
     def searched(order: tuple[int, ...], start: TypedGraph | None = None, nearest: bool = True):
         clock = time.perf_counter()
         try:
-            typed = search(bound, machine, limit, order=order, start=start, facts=facts, nearest=nearest)
+            typed = search(bound, machine, limit, order=order, start=start, facts=facts, nearest=nearest,
+                           activation_weight=activation_weight)
         finally:
             seconds["search"] += time.perf_counter() - clock
         clock = time.perf_counter()
@@ -188,10 +191,17 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
     typed = _timed(seconds, "infer", lambda: infer(bound))
     pp.check_unsplit(typed, decl)
     pipeline_axis = bound.mesh.axis_index(decl.axis)
+    ranks = bound.mesh.axis_sizes[pipeline_axis]
+    limit = memory_limit(bound, microbatches=decl.microbatches)
     if wants_search(bound) and any(size > 1 for axis, size in enumerate(bound.mesh.axis_sizes) if axis != pipeline_axis):
-        # the other axes searched (what the file marks `?`, or all of them where it writes no layout),
-        # for one micro-batch's step; the pipeline axis stays B
-        typed, _ = _searched_or_greedy(bound, machine or default_machine(), bucket_mb, seconds, kept=(pipeline_axis,))
+        # The other axes are searched (what the file marks `?`, or all of them where it writes no layout)
+        # for one micro-batch's step through the whole model, the pipeline axis kept B. A rank holds about
+        # 1/ranks of the parameters and, for the first rank, `held` micro-batches of its stage's
+        # activations: so the whole model's memory, its activations counted `held` times, is held to
+        # `ranks` times the bound. Lowered in stages, the plan is checked rank by rank (N003).
+        held = pp.micro_batches_held(decl.schedule, decl.microbatches, ranks, 0)
+        typed, _ = _searched_or_greedy(bound, machine or default_machine(), bucket_mb, seconds, kept=(pipeline_axis,),
+                                       limit=None if limit is None else limit * ranks, activation_weight=held)
         pp.check_unsplit(typed, decl)
 
     def lower_pipelined():
@@ -205,17 +215,19 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
 
     program, stages, plan = _timed(seconds, "lower", lower_pipelined)
     source = _timed(seconds, "codegen", lambda: render_pipeline(stages, plan))
-    return Compiled(par, bound, typed, program, source, seconds, None, plan, tuple(stages))
+    memory_bound = _check_memory_bound(bound, program, pp.memory_per_rank(stages, plan, ranks), limit)
+    return Compiled(par, bound, typed, program, source, seconds, memory_bound, plan, tuple(stages))
 
 
-def _check_memory_bound(bound: BoundPlan, program: LoweredProgram) -> int | None:
-    """The bound in bytes per rank (the one the search met); a plan that needs more is note N003 at the
-    `memory` line."""
-    limit = memory_limit(bound)
+def _check_memory_bound(bound: BoundPlan, program: LoweredProgram, memory: dict[str, int] | None = None,
+                        limit: int | None = None) -> int | None:
+    """The bound in bytes per rank (the one the search met); a plan that needs more (`memory`, default
+    the program's per rank) is note N003 at the `memory` line."""
+    limit = memory_limit(bound) if limit is None else limit
     if limit is None:
         return None
     written = bound.par.memory_bound
-    memory = memory_per_rank(program)
+    memory = memory_per_rank(program) if memory is None else memory
     if memory["total"] > limit:
         program.notes.append(Diagnostic(
             "N003", f"the plan needs {format_bytes(memory['total'])} per rank, more than the bound of "

@@ -1033,9 +1033,10 @@ class _Lowerer:
         return copies
 
     def finish(self, statements: list[Statement], parameters: list[TensorSlot], buffers: list[TensorSlot],
-               inputs: list[TensorSlot], outputs: list[OutputSlot]) -> LoweredProgram:
+               inputs: list[TensorSlot], outputs: list[OutputSlot], part: bool = False) -> LoweredProgram:
         """A program of `statements`: the buckets and gather groups of the gradients and gathers they use,
-        numbered from 0, filled in."""
+        numbered from 0, filled in. A `part` of the program (a pipeline stage) lists the values its own
+        statements compute, so its memory is its own."""
         used: dict[str, set[int]] = {"sync": set(), "gather": set()}
 
         def collect(slot: Slot) -> Slot:
@@ -1052,9 +1053,13 @@ class _Lowerer:
                 if isinstance(arg, Slot) and arg.kind == "gather":
                     held.setdefault(in_group[arg.index][0], []).extend(statement.targets)
         groups = [dataclasses.replace(g, vars=tuple(held.get(number, ()))) for number, g in enumerate(groups)]
+        values = self.values()
+        if part:
+            computed = {s.node for s in statements} | {t for s in statements for t in s.targets}
+            values = {name: v for name, v in values.items() if v["kind"] == "placeholder" or name in computed}
         return LoweredProgram(self.mesh, self.bound.par.source.path, self.bound.par.model.text, parameters, buffers,
                               inputs, self._fill_placeholders(statements, in_bucket, in_group), outputs,
-                              self.values(), self.notes, groups, buckets)
+                              values, self.notes, groups, buckets)
 
 
 def lower_in_stages(typed: TypedGraph, bucket_mb: float, split) -> tuple[LoweredProgram, list[LoweredProgram]]:
@@ -1066,7 +1071,7 @@ def lower_in_stages(typed: TypedGraph, bucket_mb: float, split) -> tuple[Lowered
     lowerer._note_exchanges()
     whole = lowerer.finish(lowerer.statements, lowerer.parameters, lowerer.buffers, lowerer.inputs, lowerer.outputs)
     parts = split(lowerer.statements, lowerer.parameters, lowerer.buffers, lowerer.inputs, lowerer.outputs)
-    return whole, [lowerer.finish(*part) for part in parts]
+    return whole, [lowerer.finish(*part, part=True) for part in parts]
 
 
 def lower(typed: TypedGraph, bucket_mb: float = DEFAULT_BUCKET_MB) -> LoweredProgram:

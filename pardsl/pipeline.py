@@ -100,10 +100,6 @@ def check_pipeline(par: ParFile) -> PipelineDecl:
                 if name is not None:
                     sink.error("E078", f"named dim `{name}` in a pipelined plan: stages exchange activations "
                                "of fixed shapes", span, "give the dim a fixed size")
-    if par.memory_bound is not None:
-        sink.error("E078", "a pipelined plan cannot be searched under a memory bound yet", par.memory_bound.span,
-                   "drop the bound: layouts written `?` (or no layout block) are searched for the fastest "
-                   "step, or write the layouts of the other axes")
     sink.raise_if_any()
     return dataclasses.replace(pipeline, schedule=schedule)
 
@@ -358,5 +354,36 @@ def stages_of_rank(rank: int, axis_size: int, stages: int, schedule: str) -> lis
     return [s for s in range(stages) if s % axis_size == rank]
 
 
+def micro_batches_held(schedule: str, microbatches: int, axis_size: int, rank: int) -> int:
+    """How many micro-batches' activations one of the rank's stages holds at once: 1F1B starts backward
+    once the pipeline is full, so rank r holds p - r of them; GPipe holds every micro-batch. For the
+    looped and zero-bubble schedules this is every micro-batch too, an upper bound."""
+    if schedule == "1F1B":
+        return min(microbatches, axis_size - rank)
+    return microbatches
+
+
+def memory_per_rank(stages: list, plan: PipelinePlan, axis_size: int, optimizer: str = "adamw") -> dict[str, int]:
+    """cost.memory_per_rank for a pipeline: the rank that holds the most, its stages' parameters,
+    gradients, optimizer state and gathered parameters, and each stage's activations for one micro-batch
+    times the micro-batches it holds at once."""
+    from .cost import memory_per_rank as program_memory
+
+    worst: dict[str, int] | None = None
+    for rank in range(axis_size):
+        held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0}
+        for stage in stages_of_rank(rank, axis_size, len(stages), plan.schedule):
+            memory = program_memory(stages[stage], optimizer)
+            for key in held:
+                held[key] += memory[key]
+            held["activations"] += memory["activations"] * (
+                micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank) - 1)
+        held["total"] = sum(held.values())
+        if worst is None or held["total"] > worst["total"]:
+            worst = held
+    return worst
+
+
 __all__ = ["SCHEDULES", "PipelinePlan", "Stage", "check_pipeline", "check_layouts", "check_unsplit", "micro_batched",
-           "split_program", "stage_of_nodes", "shared_parameters", "stages_of_rank", "schedule_class"]
+           "split_program", "stage_of_nodes", "shared_parameters", "stages_of_rank", "schedule_class",
+           "micro_batches_held", "memory_per_rank"]

@@ -89,15 +89,16 @@ def wants_search(bound: BoundPlan) -> bool:
     return par.memory_bound is not None or bool(bound.searched) or not par.layouts
 
 
-def memory_limit(bound: BoundPlan, optimizer: str = "adamw") -> int | None:
+def memory_limit(bound: BoundPlan, optimizer: str = "adamw", microbatches: int = 1) -> int | None:
     """The file's bound in bytes per rank (a percentage is of the serial model's bytes, as cost.py counts
-    them)."""
+    them; for a pipelined file, bound to one micro-batch, the serial model holds `microbatches` times its
+    activations)."""
     written = bound.par.memory_bound
     if written is None:
         return None
     parameters = sum(bound.tensors[name].nbytes for name in bound.parameters)
     # the op results autograd keeps for backward, as LoweredProgram.memory counts activations
-    activations = sum(bound.tensors[name].nbytes for name in bound.kept_for_backward)
+    activations = sum(bound.tensors[name].nbytes for name in bound.kept_for_backward) * microbatches
     return written.bytes(serial_bytes(parameters, activations, optimizer))
 
 
@@ -304,7 +305,8 @@ def graph_facts(bound: BoundPlan) -> GraphFacts:
 
 def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
            optimizer: str = "adamw", order: tuple[int | tuple[int, ...], ...] | None = None,
-           start: TypedGraph | None = None, facts: GraphFacts | None = None, nearest: bool = True) -> TypedGraph:
+           start: TypedGraph | None = None, facts: GraphFacts | None = None, nearest: bool = True,
+           activation_weight: float = 1.0) -> TypedGraph:
     """`order`: the mesh axes in the order they are decided (default: the mesh's, one at a time); an entry
     that is a tuple of axes is decided jointly, by one program over every combination of their choices
     (Alpa's strategies over a 2-D mesh). With `start`, a plan of the same file, the axes in `order` are
@@ -312,7 +314,9 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
     axes, which a plan decided one axis at a time cannot make; where an entry has several axes, every op
     keeps its signature in `start` on at least one of them. `facts`: graph_facts(bound), where the caller
     solves several programs. `nearest`: where the bound cannot be met, the plan nearest it (two more
-    programs); without it, BoundUnmet, for a caller that has another way to a plan within the bound."""
+    programs); without it, BoundUnmet, for a caller that has another way to a plan within the bound.
+    `activation_weight`: what the bound counts each byte of activations as (a pipeline's rank holds
+    several micro-batches' activations of its stage: compiler._compile_pipelined)."""
     facts = facts or graph_facts(bound)
     specs, graph_nodes, placeholders = facts.specs, facts.graph_nodes, facts.placeholders
     operands, requires_grad, flops = facts.operands, facts.requires_grad, facts.flops
@@ -511,7 +515,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             if name in bound.parameters:
                 factor = 1 + (1 + states) * (name in requires_grad)
             elif name in bound.kept_for_backward:  # held at its own layout, whoever reads it how
-                factor = 1
+                factor = activation_weight
             else:
                 continue
             for placement, terms in placements[name].items():
@@ -558,7 +562,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
 
         def held_column(bytes_held: float) -> int:
             column = program.column(HELD_S)  # at its least where nothing needs it held
-            add_cost(memory, column, bytes_held)
+            add_cost(memory, column, bytes_held * activation_weight)
             return column
 
         def hold(key, name: str, reader: str, reader_rep: str, slot: int, pairs, members: list[str]) -> None:
