@@ -184,7 +184,10 @@ class Plan:
             if local_batch:
                 layout = Layout(tuple(B if axis in self.data_parallel_axes else p
                                       for axis, p in enumerate(layout.placements)))
-            local[name] = rt.shard(value.to(rt.device), layout)
+            if self.pipelined:
+                local[name] = rt.shard_micro_batched(value.to(rt.device), layout, self.compiled.pipeline.microbatches)
+            else:
+                local[name] = rt.shard(value.to(rt.device), layout)
         return local
 
     def _check_sizes(self, name: str, value: torch.Tensor, layout: Layout, local_batch: bool) -> None:

@@ -300,7 +300,8 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
     full_inputs = [t.to(device) for t in make_inputs(job.inputs, torch.Generator().manual_seed(job.seed + 1))]
     input_names = [decl.name for decl in job.inputs]
     first_inputs = module.STAGES[0].INPUTS
-    local_inputs = [rt.shard(x, layout) for x, (_, layout, _, _, _) in zip(full_inputs, first_inputs)]
+    microbatches = module.PIPELINE["microbatches"]
+    local_inputs = [rt.shard_micro_batched(x, layout, microbatches) for x, (_, layout, _, _, _) in zip(full_inputs, first_inputs)]
     outputs = module.STAGES[-1].OUTPUTS
     loss = loss_output(outputs)
     own_loss = loss is not None

@@ -284,6 +284,13 @@ class Runtime:
 
     # -- host side: shards of full tensors, and full tensors from shards -----------------------------
 
+    def shard_micro_batched(self, full: torch.Tensor, layout: Layout | tuple[str, ...], microbatches: int) -> torch.Tensor:
+        """This rank's local batch for a pipeline: each micro-batch's own shard, one after another. The
+        schedule cuts the local batch into micro-batches along dim 0, so where the layout splits dim 0,
+        the rows a rank holds of micro-batch k must be chunk k of what it is given (a shard of the whole
+        batch would hand rank r rows of other micro-batches, mismatched with an input it holds whole)."""
+        return torch.cat([self.shard(part, layout) for part in full.tensor_split(microbatches)])
+
     def shard(self, full: torch.Tensor, layout: Layout | tuple[str, ...]) -> torch.Tensor:
         """This rank's local value of a full tensor (B: all of it, S(d): its chunk, P: on coordinate 0)."""
         layout = layout if isinstance(layout, Layout) else Layout.from_key(layout)

@@ -159,6 +159,11 @@ def test_the_other_axes_of_a_pipelined_plan_are_searched_where_it_asks():
     assert len(compiled.stages) == 2
 
 
+# the batch split over dp for one input and whole for the other: each rank's rows of micro-batch k must
+# be what the schedule takes as chunk k, or the ids and the labels of different rows meet
+LLAMA_PP2_DP2_MIXED = llama("pp : schedule 1F1B, microbatches 4, cut before model.model.layers.2", layers=4,
+                            mesh=", dp = 2", extra="layout {\n    input_ids : S(0) @ dp\n}\n")
+
 # LLaMA on pp 2 × tp 2 with nothing written but a bound: the tp axis is the search's
 LLAMA_PP2_TP2_BOUNDED = llama("pp : schedule 1F1B, microbatches 4, cut before model.model.layers.2", layers=4,
                               mesh=", tp = 2", extra="memory <= {percent} %\n")
@@ -195,10 +200,11 @@ def test_a_pipelined_plan_is_searched_under_a_memory_bound_held_rank_by_rank():
     (GPT2_PP2_DP2, 4, "HFGPT2", 2, 4, 2),
     (GPT2_PP2_SEARCHED, 4, "HFGPT2", 2, 4, 2),
     (LLAMA_PP2_TP2_BOUNDED.format(percent=30), 4, "HFLlama", 4, 4, 2),
+    (LLAMA_PP2_DP2_MIXED, 4, "HFLlama", 4, 4, 2),
     (llama("pp : schedule Interleaved1F1B, stages per rank 2, microbatches 4, cut balanced", layers=4),
      2, "HFLlama", 4, 4, 4),
 ], ids=["llama-pp2-1f1b", "llama-pp2-gpipe", "llama-pp2xtp2", "llama-pp2xdp2", "gpt2-pp2-tied", "gpt2-pp4-tied",
-        "gpt2-pp2xtp2", "gpt2-pp2xdp2", "gpt2-pp2xdp2-searched", "llama-pp2xtp2-bounded", "llama-interleaved"])
+        "gpt2-pp2xtp2", "gpt2-pp2xdp2", "gpt2-pp2xdp2-searched", "llama-pp2xtp2-bounded", "llama-pp2xdp2-mixed", "llama-interleaved"])
 def test_pipelined_training_equals_serial(trained, plan, nproc, factory, layers, microbatches, stages):
     ranks = trained(plan, nproc, factory, layers)
     for rank in ranks:
@@ -236,3 +242,15 @@ def test_pardsl_run_checks_a_pipelined_plan_against_serial():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "equivalent to serial" in result.stdout
     assert "point-to-point sends between stages, all ranks (measured): 4 forward, 4 backward" in result.stdout
+
+
+def test_pardsl_run_gives_each_rank_its_rows_of_each_micro_batch(tmp_path):
+    # `pardsl run` shards the inputs itself: with the ids split over dp and the labels whole, each rank's
+    # ids of micro-batch k are chunk k of its local batch (they were rows of other micro-batches: the run
+    # differed from serial by 12 % in the gradients)
+    path = tmp_path / "plan.par"
+    path.write_text(LLAMA_PP2_DP2_MIXED)
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", str(path), "--nproc", "4", "--steps", "1",
+                             "--timeout", "120"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "equivalent to serial" in result.stdout
