@@ -66,6 +66,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for path in files:
             original = open(path).read()
+            pipeline = re.search(r"^pipeline\s+(\w+)", original, flags=re.M)
+            if args.mesh and pipeline and not re.search(rf"\b{pipeline.group(1)}\s*=", args.mesh):
+                print(f"skipped  {os.path.relpath(path, ROOT)}: --mesh has no axis {pipeline.group(1)} for its pipeline")
+                continue
             for percent in args.bounds:
                 text = searched_text(original, percent, args.mesh)
                 nproc = ranks(text)
