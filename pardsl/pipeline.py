@@ -27,7 +27,7 @@ import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .cost import repeated_layer
+from .cost import memory_per_rank as program_memory_per_rank, repeated_layer
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink
 from .layouts import B
 from .lowering import OutputSlot, Statement, TensorSlot
@@ -367,17 +367,14 @@ def memory_per_rank(stages: list, plan: PipelinePlan, axis_size: int, optimizer:
     """cost.memory_per_rank for a pipeline: the rank that holds the most, its stages' parameters,
     gradients, optimizer state and gathered parameters, and each stage's activations for one micro-batch
     times the micro-batches it holds at once."""
-    from .cost import memory_per_rank as program_memory
-
     worst: dict[str, int] | None = None
     for rank in range(axis_size):
+        in_flight = micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank)
         held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0}
         for stage in stages_of_rank(rank, axis_size, len(stages), plan.schedule):
-            memory = program_memory(stages[stage], optimizer)
+            memory = program_memory_per_rank(stages[stage], optimizer)
             for key in held:
-                held[key] += memory[key]
-            held["activations"] += memory["activations"] * (
-                micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank) - 1)
+                held[key] += memory[key] * (in_flight if key == "activations" else 1)
         held["total"] = sum(held.values())
         if worst is None or held["total"] > worst["total"]:
             worst = held
