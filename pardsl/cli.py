@@ -147,8 +147,7 @@ def _summary(compiled) -> str:
     if compiled.pipeline is not None:  # the lines above are one micro-batch through every stage
         from .pipeline import memory_per_rank as pipelined_memory
 
-        ranks = program.mesh.axis_sizes[program.mesh.axis_index(compiled.pipeline.axis)]
-        held = pipelined_memory(list(compiled.stages), compiled.pipeline, ranks)
+        held = pipelined_memory(compiled.stages, compiled.pipeline)
         lines.append(f"  pipeline  the rank that holds most: {format_bytes(held['total'])} (its stages' parameters "
                      f"{format_bytes(held['parameters'])}, activations of the micro-batches in flight "
                      f"{format_bytes(held['activations'])})")

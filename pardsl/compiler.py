@@ -215,7 +215,7 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
 
     program, stages, plan = _timed(seconds, "lower", lower_pipelined)
     source = _timed(seconds, "codegen", lambda: render_pipeline(stages, plan))
-    memory_bound = _check_memory_bound(bound, program, pp.memory_per_rank(stages, plan, ranks), limit)
+    memory_bound = _check_memory_bound(bound, program, pp.memory_per_rank(stages, plan), limit)
     return Compiled(par, bound, typed, program, source, seconds, memory_bound, plan, tuple(stages))
 
 

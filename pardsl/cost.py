@@ -317,9 +317,8 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
     if pipeline is not None:  # a rank holds its stages, with the micro-batches in flight (pipeline.py)
         from .pipeline import memory_per_rank as pipelined_memory
 
-        ranks = program.mesh.axis_sizes[program.mesh.axis_index(pipeline.axis)]
         activity = program.memory()
-        memory = {**pipelined_memory(list(compiled.stages), pipeline, ranks, optimizer),
+        memory = {**pipelined_memory(compiled.stages, pipeline, optimizer),
                   "serial_total": serial_bytes(activity["parameters_total"],
                                                activity["activations_total"] * pipeline.microbatches, optimizer)}
     return Estimate(machine, ops, costs, memory, seconds)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from .binding import MOE_HINT, BoundPlan, TensorInfo
 from .diagnostics import DiagnosticSink
 from .layouts import CONVERSIONS, B, P, Layout, Mesh, Placement, collective_bytes
-from .oprules import DimSpec, Signature, dim_spec, is_tensor_valued, op_name, rule_for, signatures, tensor_operands, unmet_requirement
+from .oprules import DimSpec, Signature, dim_spec, is_tensor_list, is_tensor_valued, op_name, rule_for, signatures, tensor_operands, unmet_requirement
 
 
 @dataclass(frozen=True)
@@ -345,7 +345,7 @@ def _parts_taken_as_they_are(graph_nodes, operands, value, needs, op_out) -> Non
     once taken (lowering converts an op's result whose value layout is not the one it computes). Each
     part moves its own bytes, and only the parts that are read."""
     for node in graph_nodes:
-        if rule_for(node).family != "project" or not isinstance(node.args[0].meta.get("val"), (list, tuple)):
+        if rule_for(node).family != "project" or not is_tensor_list(node.args[0]):
             continue
         parts = operands[node.name][0]
         for axis, held in enumerate(value[parts]):

@@ -336,11 +336,15 @@ class Signature:
     inner_collectives: tuple[InnerCollective, ...] = ()
 
 
+def is_tensor_list(node: torch.fx.Node) -> bool:
+    """A list of tensors: the result of split, which getitem projects (no collective moves it whole)."""
+    value = node.meta.get("val")
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, torch.Tensor) for v in value)
+
+
 def is_tensor_valued(node: torch.fx.Node) -> bool:
     """A tensor, or a list of tensors (the result of split, projected by getitem)."""
-    value = node.meta.get("val")
-    return isinstance(value, torch.Tensor) or (
-        isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, torch.Tensor) for v in value))
+    return isinstance(node.meta.get("val"), torch.Tensor) or is_tensor_list(node)
 
 
 def tensor_operands(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -363,10 +363,12 @@ def micro_batches_held(schedule: str, microbatches: int, axis_size: int, rank: i
     return microbatches
 
 
-def memory_per_rank(stages: list, plan: PipelinePlan, axis_size: int, optimizer: str = "adamw") -> dict[str, int]:
+def memory_per_rank(stages, plan: PipelinePlan, optimizer: str = "adamw") -> dict[str, int]:
     """cost.memory_per_rank for a pipeline: the rank that holds the most, its stages' parameters,
     gradients, optimizer state and gathered parameters, and each stage's activations for one micro-batch
     times the micro-batches it holds at once."""
+    mesh = stages[0].mesh
+    axis_size = mesh.axis_sizes[mesh.axis_index(plan.axis)]
     worst: dict[str, int] | None = None
     for rank in range(axis_size):
         in_flight = micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank)

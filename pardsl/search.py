@@ -57,7 +57,7 @@ from .cost import OPTIMIZER_STATES, Machine, layer_of, parameter_unit, repeated_
 from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
 from .layouts import B, P, Layout, Placement, collective_bytes, plan_conversion, step_collectives
 from .lowering import one_group_gather
-from .oprules import signatures
+from .oprules import is_tensor_list, signatures
 
 EPSILON_S = 1e-9  # a conversion, or a split of a free tensor, that saves nothing is not made
 HELD_S = 1e-15  # a copy held for backward is counted where something holds it, not beyond
@@ -324,7 +324,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
     mesh = bound.mesh
     states = OPTIMIZER_STATES[optimizer]
     nodes = facts.nodes
-    lists = {node.name for node in graph_nodes if isinstance(node.meta.get("val"), (list, tuple))}
+    lists = {node.name for node in graph_nodes if is_tensor_list(node)}
 
     # per name, what is decided so far, by mesh axis
     value: dict[str, dict[int, Placement]] = {name: {} for name in placeholders + nodes}

@@ -178,7 +178,7 @@ def test_a_pipelined_plan_is_searched_under_a_memory_bound_held_rank_by_rank():
     from pardsl.pipeline import memory_per_rank
 
     def per_rank(compiled):
-        return memory_per_rank(list(compiled.stages), compiled.pipeline, 2)["total"]
+        return memory_per_rank(compiled.stages, compiled.pipeline)["total"]
 
     unbounded = compile_text(LLAMA_PP2_TP2_BOUNDED.replace("memory <= {percent} %\n", ""), "plan.par")
     bounded = compile_text(LLAMA_PP2_TP2_BOUNDED.format(percent=30), "plan.par")
