@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .cost import LinkCost, Machine, ring_steps
 from .layouts import COLLECTIVE_KINDS, collective_bytes
+from .runtime import reduce_scatter_started, reduces_by_all_to_all
 
 SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)  # bytes of one rank's tensor
 QUICK_SIZES = (1 << 12, 1 << 18, 1 << 22)  # as far apart as the full set: β needs the large end
@@ -56,9 +57,15 @@ def _collective(kind: str, local_bytes: int, n: int, device: torch.device):
     if kind == "all_gather":
         out = torch.empty(elements * n, device=device)
         return lambda: dist.all_gather_single(out, x)
-    if kind == "reduce_scatter":
-        out = torch.empty(elements // n, device=device)
-        return lambda: dist.reduce_scatter_single(out, x)
+    if kind == "reduce_scatter":  # as the runtime does it on this backend (an all-to-all and a sum on gloo)
+        by_all_to_all = reduces_by_all_to_all(dist.get_backend())
+
+        def reduce_scatter():
+            work, summed = reduce_scatter_started(x, n, None, by_all_to_all)
+            work.wait()
+            return summed()
+
+        return reduce_scatter
     out = torch.empty_like(x)
     return lambda: dist.all_to_all_single(out, x)
 

@@ -45,7 +45,8 @@ class ParameterSync:
         self.gathers = gathers  # groups in forward order: (axis, [(parameter attribute, dim, blocks), ...])
         self.buckets = buckets  # (collective, axes, [(parameter attribute, dim, blocks), ...])
         self._arrived: list[dict[int, torch.Tensor]] = [{} for _ in buckets]
-        self._launched: list[tuple] = []  # (bucket, work, result, [(member, gradient shape)]), in launch order
+        # (bucket, work, a function giving its result once waited on, [(member, gradient shape)]), in launch order
+        self._launched: list[tuple] = []
         self._backward: int | None = None  # the autograd graph task whose gradients are arriving
         self._prefetched: tuple[int, object, torch.Tensor] | None = None  # (group, work, buffer)
         self._current: tuple[int, list[torch.Tensor]] | None = None  # the group being used: its parameters whole
@@ -191,7 +192,7 @@ class ParameterSync:
             self.rt.counter.record("backward", "all_reduce",
                                    collective_bytes("all_reduce", _nbytes(flat), self.rt.size[axis]), axis)
             work = dist.all_reduce(flat, group=self.rt.groups[axis], async_op=True)
-            self._launched.append((bucket, work, flat, [(m, grads[m].shape) for m in order]))
+            self._launched.append((bucket, work, lambda: flat, [(m, grads[m].shape) for m in order]))
             return
         axis = axes[0]  # the further axes are all-reduced once it has finished (_finish)
         n = self.rt.size[axis]
@@ -200,11 +201,10 @@ class ParameterSync:
             _, dim, blocks = members[m]
             rows.append(rank_major(grads[m].movedim(dim, 0), n, blocks).reshape(n, -1))
         flat = torch.cat(rows, dim=1)
-        result = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
         self.rt.counter.record("backward", "reduce_scatter",
                                collective_bytes("reduce_scatter", _nbytes(flat), n), axis)
-        work = dist.reduce_scatter_single(result, flat.reshape(-1), group=self.rt.groups[axis], async_op=True)
-        self._launched.append((bucket, work, result, [(m, grads[m].shape) for m in order]))
+        work, summed = self.rt.reduce_scatter_started(flat.reshape(-1), axis)
+        self._launched.append((bucket, work, summed, [(m, grads[m].shape) for m in order]))
 
     def _finish(self) -> None:
         """End of backward: issue what did not fill (gradients that never came), wait, write `.grad`."""
@@ -217,8 +217,9 @@ class ParameterSync:
             if arrived:
                 self._launch(bucket)
         launched, self._launched = self._launched, []
-        for bucket, work, result, shapes in launched:
+        for bucket, work, reduced, shapes in launched:
             work.wait()
+            result = reduced()
             kind, axes, members = self.buckets[bucket]
             for axis in axes[1:]:  # a gradient partial over several axes: the further ones in turn
                 self.rt.counter.record("backward", "all_reduce",
