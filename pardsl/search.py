@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -124,7 +126,7 @@ class _Program:
         (an incumbent prunes from the first node)."""
         import highspy
 
-        highs = highspy.Highs()
+        highs = _quiet_highs()
         highs.setOptionValue("output_flag", False)
         highs.setOptionValue("random_seed", 0)
         highs.setOptionValue("mip_rel_gap", MIP_GAP)
@@ -174,6 +176,32 @@ class _Program:
                                                        highspy.HighsModelStatus.kTimeLimit):
             return str(status), []
         return "optimal" if status == highspy.HighsModelStatus.kOptimal else "time limit", solution
+
+
+_HIGHS_STARTED = False
+
+
+def _quiet_highs():
+    """A HiGHS instance, its banner unprinted. HiGHS 1.16 writes it to the process's stdout (file
+    descriptor 1, below Python's sys.stdout) when the first instance is made, whatever `output_flag`
+    says; it would land in the middle of `pardsl compile --json`'s output."""
+    global _HIGHS_STARTED
+    import highspy
+
+    if _HIGHS_STARTED:
+        return highspy.Highs()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        highs = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+    _HIGHS_STARTED = True
+    return highs
 
 
 def _nearest_the_bound(program: _Program, memory_row: int, hint) -> tuple[str, list[float]]:

@@ -71,6 +71,20 @@ def test_generated_module_runs_on_its_own(tmp_path):
     torch.testing.assert_close(model(x)[0], serial(x))
 
 
+@pytest.mark.timeout(120)
+def test_compile_json_of_a_searched_plan_is_json_alone(tmp_path):
+    # HiGHS 1.16 prints a banner on stdout (below Python) when its first instance is made: it once came
+    # before the JSON. A fresh process, so that the search makes its first instance here.
+    par = tmp_path / "searched.par"
+    par.write_text("mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
+                   "memory <= 60 %\n")
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "compile", str(par), "-o", str(tmp_path / "out"),
+                             "--json"], capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and "HiGHS" not in result.stdout + result.stderr
+
+
 @pytest.mark.timeout(240)
 def test_run_json_on_two_ranks_with_the_elastic_launcher(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
