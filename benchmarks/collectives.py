@@ -1,9 +1,10 @@
 """The runtime's reduce-scatter against the backend's own, per size, on N local ranks (issue 9).
 
 On gloo, `dist.reduce_scatter_single` all-reduces the whole input and copies this rank's chunk out; the
-runtime's reduce-scatter there is an all-to-all and a local sum (pardsl/runtime.py,
-`reduce_scatter_started`). This times both, and an all-reduce and an all-gather of the same input for
-scale: per size, the median of `--repeats` timings of ten back-to-back calls, the ranks started together.
+runtime's reduce-scatter there is an all-to-all and a local sum (pardsl/runtime.py). This times both,
+and for scale an all-reduce of the same input, the same all-reduce as two all-to-alls (a reduce-scatter
+and an all-gather, each one exchange: not used, see benchmarks/README.md), and an all-gather: per size,
+the median of `--repeats` timings of ten back-to-back calls, the ranks started together.
 
     python benchmarks/collectives.py [--nproc 2] [--repeats 7] [--backend gloo]
 """
@@ -21,7 +22,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-SIZES = (1 << 15, 1 << 18, 1 << 20, 1 << 22)  # bytes of each rank's input
+SIZES = (1 << 15, 1 << 17, 1 << 19, 1 << 20, 1 << 22)  # bytes of each rank's input
 
 
 def _rank(rank: int, nproc: int, port: int, backend: str, repeats: int) -> None:
@@ -35,9 +36,10 @@ def _rank(rank: int, nproc: int, port: int, backend: str, repeats: int) -> None:
         by_all_to_all = reduces_by_all_to_all(backend)
         if rank == 0:
             how = "an all-to-all and a sum" if by_all_to_all else "the backend's own"
-            print(f"{nproc} ranks, {backend}; the runtime's reduce-scatter is {how}")
-            print("| input per rank | backend's reduce-scatter | runtime's reduce-scatter | all-reduce | all-gather |")
-            print("|---|---|---|---|---|")
+            print(f"{nproc} ranks, {backend}; the runtime's reduce-scatter: {how}")
+            print("| input per rank | backend's reduce-scatter | runtime's | all-reduce | all-reduce as two "
+                  "all-to-alls | all-gather |")
+            print("|---|---|---|---|---|---|")
         for size in SIZES:
             elements = size // 4 // nproc * nproc
             x = torch.ones(elements, device=device)
@@ -53,11 +55,17 @@ def _rank(rank: int, nproc: int, port: int, backend: str, repeats: int) -> None:
             def all_reduce():
                 dist.all_reduce(x.clone())
 
+            def all_reduce_by_all_to_alls():
+                received = torch.empty_like(x)
+                dist.all_to_all_single(received, x)
+                summed = received.view(nproc, -1).sum(0)
+                dist.all_to_all_single(torch.empty_like(x), summed.repeat(nproc))
+
             def all_gather():
                 dist.all_gather_single(torch.empty(elements * nproc, device=device), x)
 
             row = []
-            for call in (own, runtimes, all_reduce, all_gather):
+            for call in (own, runtimes, all_reduce, all_reduce_by_all_to_alls, all_gather):
                 call()
                 times = []
                 for _ in range(repeats):

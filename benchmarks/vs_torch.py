@@ -18,9 +18,12 @@ runtime counter, PyTorch's from `CommDebugMode` where it sees them (DTensor's; D
 collectives outside it).
 
     python benchmarks/vs_torch.py [--steps 10] [--plans dp,zero3,tp,searched] [--profile] [--bucket-mb 25]
-                                  [--device cpu|cuda] [--backend gloo|nccl]
+                                  [--device cpu|cuda] [--backend gloo|nccl] [--own-collectives]
 
 `--profile` adds, per plan, where each step spends its time (torch.profiler, top ops by self time).
+`--own-collectives` also times pardsl's module with gloo's own reduce-scatter instead of the runtime's
+all-to-all and sum. The versions' steps are taken in turn (benchmarks/timing.py), so that
+the machine's slow spells fall on all of them alike.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.timing import median_step_ms  # noqa: E402
+from benchmarks.timing import interleaved_median_ms  # noqa: E402
 
 # name: (model kwargs, batch, sequence, what pardsl is compared with)
 PLANS = {
@@ -197,10 +200,24 @@ def rank_main(job: dict) -> dict:
         serial(input_ids=ids, labels=ids).loss.backward()
         serial.zero_grad(set_to_none=True)
 
+    steps = {"pardsl": pardsl_step, "torch": torch_step}
+    if tensor_parallel:
+        steps["serial"] = serial_step
+    if job["own_collectives"] and rt.reduce_scatter_by_all_to_all:
+        def pardsl_own_step():  # the same module with gloo's own reduce-scatter
+            rt.reduce_scatter_by_all_to_all = False
+            try:
+                pardsl_step()
+            finally:
+                rt.reduce_scatter_by_all_to_all = True
+
+        steps["pardsl_own"] = pardsl_own_step
+    medians = interleaved_median_ms(steps, job["steps"], device=device)
     result = {
-        "pardsl_ms": median_step_ms(pardsl_step, job["steps"], device=device),
-        "torch_ms": median_step_ms(torch_step, job["steps"], device=device),
-        "serial_ms": median_step_ms(serial_step, job["steps"], device=device) if tensor_parallel else None,
+        "pardsl_ms": medians["pardsl"],
+        "torch_ms": medians["torch"],
+        "serial_ms": medians.get("serial"),
+        "pardsl_own_ms": medians.get("pardsl_own"),
         "pardsl_counts": pardsl_counts,
         "torch_counts": torch_counts,
         "errors": errors,
@@ -259,6 +276,9 @@ def main() -> None:
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="default: nccl with a GPU for each rank, else gloo")
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--own-collectives", action="store_true",
+                        help="also time pardsl with gloo's own reduce-scatter (the runtime's is an all-to-all "
+                             "and a sum on gloo)")
     args = parser.parse_args()
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= args.nproc else "gloo"
@@ -272,7 +292,7 @@ def main() -> None:
                 handle.write(par_text(plan_name, kwargs, batch, seq, args.nproc))
             job = {"plan": plan_name, "kwargs": kwargs, "batch": batch, "seq": seq, "steps": args.steps,
                    "par_path": par_path, "profile": args.profile, "bucket_mb": args.bucket_mb,
-                   "device": args.device, "backend": args.backend}
+                   "device": args.device, "backend": args.backend, "own_collectives": args.own_collectives}
             config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"vs-torch-{plan_name}",
                                   rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                                   monitor_interval=0.1, start_method="spawn")
@@ -285,6 +305,8 @@ def main() -> None:
                         f"**{result['pardsl_ms'] / result['torch_ms']:.2f}** | {versus_serial} |")
             notes.append(f"- {TITLES[plan_name]}: pardsl {_counts(result['pardsl_counts'])}"
                          + (f"; {tool} (CommDebugMode) {result['torch_counts']}" if result["torch_counts"] else "")
+                         + (f"; pardsl with gloo's own reduce-scatter {result['pardsl_own_ms']:.1f} ms"
+                            if result["pardsl_own_ms"] else "")
                          + (f"; peak memory of a step on rank 0: pardsl {result['peak_mib']['pardsl']:.1f} MiB, "
                             f"{tool} {result['peak_mib']['torch']:.1f} MiB" if result["peak_mib"] else ""))
             for who, table in (result["profile"] or {}).items():

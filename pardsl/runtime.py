@@ -67,6 +67,12 @@ def _device_mesh(mesh: Mesh, device_type: str):
     return _MESH_CACHE[key]
 
 
+def reduces_by_all_to_all(backend: str) -> bool:
+    """Whether a reduce-scatter on this backend is an all-to-all and a local sum: gloo's own is slower
+    (`python benchmarks/collectives.py`)."""
+    return backend == "gloo"
+
+
 def reduce_scatter_started(moved: torch.Tensor, n: int, group, by_all_to_all: bool):
     """Start summing `moved` over the n ranks of `group`, each rank keeping its chunk of dim 0 (moved is
     contiguous, chunk r of dim 0 is rank r's): (the work to wait on, a function giving this rank's sum
@@ -74,9 +80,8 @@ def reduce_scatter_started(moved: torch.Tensor, n: int, group, by_all_to_all: bo
 
     `by_all_to_all`: gloo's reduce-scatter all-reduces the whole input and copies this rank's chunk out,
     twice a ring reduce-scatter's bytes and as slow as an all-reduce (2 to 8 times slower than an
-    all-to-all of the same input on 2 and 4 CPU ranks, measured in benchmarks/README.md). An all-to-all
-    hands every rank the n contributions to its chunk, the ring's per-rank volume, and the rank sums them
-    in rank order."""
+    all-to-all of the same input on 2 and 4 CPU ranks). An all-to-all hands every rank the n
+    contributions to its chunk, the ring's per-rank volume, and the rank sums them in rank order."""
     if by_all_to_all:
         received = torch.empty_like(moved)
         work = dist.all_to_all_single(received, moved, group=group, async_op=True)
@@ -84,11 +89,6 @@ def reduce_scatter_started(moved: torch.Tensor, n: int, group, by_all_to_all: bo
     out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
     work = dist.reduce_scatter_single(out, moved, group=group, async_op=True)
     return work, lambda: out
-
-
-def reduces_by_all_to_all(backend: str) -> bool:
-    """Whether a reduce-scatter on this backend is an all-to-all and a local sum (gloo's own is slow)."""
-    return backend == "gloo"
 
 
 class Runtime:
