@@ -70,7 +70,30 @@ class Plan:
         device = torch.device(device) if device is not None else default_device()
         if device not in self._runtimes:
             self._runtimes[device] = Runtime(self.mesh, device)
+            if self.mesh.size > 1:
+                self._agree_across_ranks(device)
         return self._runtimes[device]
+
+    def _agree_across_ranks(self, device: torch.device) -> None:
+        """Every rank compiles the file itself; their modules must be the same one, or the ranks would
+        issue different collectives and hang or compute nonsense. Files that differ between machines,
+        different versions of torch or of the model's code, or a search stopped by its time limit at
+        different points on ranks of different speed would do that: one all-gather of a digest of the
+        generated module finds it before the first step."""
+        digest = hashlib.sha256(self.compiled.source.encode()).digest()
+        mine = torch.tensor([int.from_bytes(digest[:7], "big")], dtype=torch.int64, device=device)
+        everyone = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
+        dist.all_gather_single(everyone, mine)
+        digests = everyone.tolist()
+        if len(set(digests)) > 1:
+            groups: dict[int, list[int]] = {}
+            for rank, value in enumerate(digests):
+                groups.setdefault(value, []).append(rank)
+            described = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {value:014x}"
+                                  for value, ranks in groups.items())
+            raise RuntimeError(f"the ranks compiled {self.compiled.par.source.path} into different modules "
+                               f"({described}; this is rank {dist.get_rank()}, {digests[dist.get_rank()]:014x}): "
+                               "give every rank the same file, torch and model code")
 
     # -- the model -------------------------------------------------------------------------------------
 

@@ -245,3 +245,33 @@ def _a_backward_that_raises_then_one_that_does_not():
 def test_gradient_buckets_recover_from_a_backward_that_raised(pools):
     for raised, error in pools(2).run_on_every_rank(_a_backward_that_raises_then_one_that_does_not):
         assert raised and error < 1e-5
+
+
+def _modules_from_files_that_differ_by_rank():
+    """Rank 1's copy of the file splits the MLP another way, as a stale copy on one machine would."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import pardsl
+
+    first, second = ("S(0)", "S(1)") if dist.get_rank() == 0 else ("S(1)", "S(0)")
+    text = (f"mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
+            f"layout {{\n  fc1.weight : {first}\n  fc2.weight : {second}\n}}\n")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "mlp.par")
+        with open(path, "w") as handle:
+            handle.write(text)
+        plan = pardsl.load(path)
+        try:
+            plan.module()
+        except RuntimeError as error:
+            return str(error)
+    return None
+
+
+def test_ranks_whose_modules_differ_are_told_so_before_the_first_step(pools):
+    # each rank compiles the file itself: different modules would hang, or sum the wrong things
+    for rank, message in enumerate(pools(2).run_on_every_rank(_modules_from_files_that_differ_by_rank)):
+        assert message is not None and "the ranks compiled" in message and "into different modules" in message
+        assert f"this is rank {rank}" in message and "rank 0:" in message and "rank 1:" in message
