@@ -93,7 +93,9 @@ class Plan:
                                   for value, ranks in groups.items())
             raise RuntimeError(f"the ranks compiled {self.compiled.par.source.path} into different modules "
                                f"({described}; this is rank {dist.get_rank()}, {digests[dist.get_rank()]:014x}): "
-                               "give every rank the same file, torch and model code")
+                               "give every rank the same file, torch and model code; a layout search that "
+                               "stopped at its time limit on some programs (slow ranks find less by then) is "
+                               "the other cause: write the layouts it chose into the file")
 
     # -- the model -------------------------------------------------------------------------------------
 
