@@ -80,7 +80,9 @@ class Plan:
         different versions of torch or of the model's code, or a search stopped by its time limit at
         different points on ranks of different speed would do that: one all-gather of a digest of the
         generated module finds it before the first step."""
-        digest = hashlib.sha256(self.compiled.source.encode()).digest()
+        # the file's path is in the module's header, and may differ between machines that agree on the rest
+        source = self.compiled.source.replace(self.compiled.par.source.path, "FILE.par")
+        digest = hashlib.sha256(source.encode()).digest()
         mine = torch.tensor([int.from_bytes(digest[:7], "big")], dtype=torch.int64, device=device)
         everyone = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
         dist.all_gather_single(everyone, mine)

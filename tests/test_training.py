@@ -248,30 +248,35 @@ def test_gradient_buckets_recover_from_a_backward_that_raised(pools):
 
 
 def _modules_from_files_that_differ_by_rank():
-    """Rank 1's copy of the file splits the MLP another way, as a stale copy on one machine would."""
+    """Each rank writes the file in a folder of its own, as machines may hold it at different paths: the
+    same text agrees; then rank 1's copy splits the MLP the other way, as a stale copy on one machine
+    would."""
     import tempfile
 
     import torch.distributed as dist
 
     import pardsl
 
-    first, second = ("S(0)", "S(1)") if dist.get_rank() == 0 else ("S(1)", "S(0)")
-    text = (f"mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
-            f"layout {{\n  fc1.weight : {first}\n  fc2.weight : {second}\n}}\n")
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "mlp.par")
-        with open(path, "w") as handle:
-            handle.write(text)
-        plan = pardsl.load(path)
-        try:
-            plan.module()
-        except RuntimeError as error:
-            return str(error)
-    return None
+    messages = []
+    for differ in (False, True):
+        first, second = ("S(1)", "S(0)") if differ and dist.get_rank() == 1 else ("S(0)", "S(1)")
+        text = (f"mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
+                f"layout {{\n  fc1.weight : {first}\n  fc2.weight : {second}\n}}\n")
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "mlp.par")
+            with open(path, "w") as handle:
+                handle.write(text)
+            try:
+                pardsl.load(path).module()
+                messages.append(None)
+            except RuntimeError as error:
+                messages.append(str(error))
+    return messages
 
 
 def test_ranks_whose_modules_differ_are_told_so_before_the_first_step(pools):
     # each rank compiles the file itself: different modules would hang, or sum the wrong things
-    for rank, message in enumerate(pools(2).run_on_every_rank(_modules_from_files_that_differ_by_rank)):
-        assert message is not None and "the ranks compiled" in message and "into different modules" in message
-        assert f"this is rank {rank}" in message and "rank 0:" in message and "rank 1:" in message
+    for rank, (same, differing) in enumerate(pools(2).run_on_every_rank(_modules_from_files_that_differ_by_rank)):
+        assert same is None, same  # the same file at different paths is the same module
+        assert differing is not None and "the ranks compiled" in differing and "into different modules" in differing
+        assert f"this is rank {rank}" in differing and "rank 0:" in differing and "rank 1:" in differing
