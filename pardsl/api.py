@@ -81,7 +81,8 @@ class Plan:
         different points on ranks of different speed would do that: one all-gather of a digest of the
         generated module finds it before the first step."""
         # the file's path is in the module's header, and may differ between machines that agree on the rest
-        source = self.compiled.source.replace(self.compiled.par.source.path, "FILE.par")
+        path = self.compiled.par.source.path
+        source = self.compiled.source.replace(path, "FILE.par") if path else self.compiled.source
         digest = hashlib.sha256(source.encode()).digest()
         mine = torch.tensor([int.from_bytes(digest[:7], "big")], dtype=torch.int64, device=device)
         everyone = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
