@@ -63,8 +63,8 @@ class ConversionRoundTrip:
 @dataclass(frozen=True)
 class ReduceScatterAgainstGloo:
     """Run on every rank: the runtime's reduce-scatter (on gloo an all-to-all and a local sum) against
-    gloo's own `reduce_scatter_single`, along each dim, in one block and in two; and the same through a
-    gradient bucket's flat form."""
+    gloo's own `reduce_scatter_single`, along each dim, in one block and in two. (ZeRO-3's gradient
+    buckets take the same path, flat: the ZeRO-3 tests run them equal to serial.)"""
 
     mesh: Mesh
 
