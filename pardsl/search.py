@@ -121,39 +121,25 @@ class _Program:
         self.rows.append((terms, lower, upper))
 
     def solve(self, skip_rows: frozenset[int] = frozenset(), hint: dict[int, float] | None = None) -> tuple[str, list[float]]:
-        """`hint`: values of integer columns, a plan known to be among the program's choices; HiGHS
-        completes the continuous columns and, where the plan is feasible, starts branch and bound from it
-        (an incumbent prunes from the first node)."""
+        """`hint`: values of integer columns, a plan known to be among the program's choices. Where it sets
+        every integer column and the plan is feasible, it is completed into a whole solution (an LP over the
+        continuous columns) that branch and bound starts from (an incumbent prunes from the first node), and
+        the program's answer is never worse than it. A partial hint is left to HiGHS to complete: since
+        1.16 HiGHS may not keep a completed partial hint as its incumbent, and stopped within the gap at a
+        plan 0.08 % worse than the one a descent's move started from."""
         import highspy
 
         highs = _quiet_highs()
         highs.setOptionValue("output_flag", False)
         highs.setOptionValue("random_seed", 0)
         highs.setOptionValue("mip_rel_gap", MIP_GAP)
-        lp = highspy.HighsLp()
         columns = len(self.cost)
         rows = [r for i, r in enumerate(self.rows) if i not in skip_rows]
-        lp.num_col_, lp.num_row_ = columns, len(rows)
-        lp.col_cost_ = np.array(self.cost, dtype=float)
-        lp.col_lower_ = np.zeros(columns)
-        lp.col_upper_ = np.ones(columns)
-        lp.row_lower_ = np.array([lower for _, lower, _ in rows], dtype=float)
-        lp.row_upper_ = np.array([upper for _, _, upper in rows], dtype=float)
-        starts, indices, values = [0], [], []
-        for terms, _, _ in rows:
-            for column, value in sorted(terms.items()):
-                indices.append(column)
-                values.append(value)
-            starts.append(len(indices))
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = columns, len(rows)
-        lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
-        lp.a_matrix_.index_ = np.array(indices, dtype=np.int32)
-        lp.a_matrix_.value_ = np.array(values, dtype=float)
-        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
-                           for i in self.integer]
-        highs.passModel(lp)
-        if hint:
+        highs.passModel(self._lp(rows))
+        start = self._completed(rows, hint) if hint else None
+        if start is not None:
+            highs.setSolution(columns, np.arange(columns, dtype=np.int32), np.array(start, dtype=float))
+        elif hint:
             indices = sorted(hint)
             highs.setSolution(len(indices), np.array(indices, dtype=np.int32),
                               np.array([hint[i] for i in indices], dtype=float))
@@ -175,7 +161,62 @@ class _Program:
         if len(solution) != columns or status not in (highspy.HighsModelStatus.kOptimal,
                                                        highspy.HighsModelStatus.kTimeLimit):
             return str(status), []
+        if start is not None and self.objective(start) < self.objective(solution):
+            solution = start
         return "optimal" if status == highspy.HighsModelStatus.kOptimal else "time limit", solution
+
+    def objective(self, values: list[float]) -> float:
+        return float(np.dot(self.cost, values))
+
+    def _completed(self, rows, hint: dict[int, float]) -> list[float] | None:
+        """The hint's plan as a whole solution: its integer columns fixed, the continuous ones at their
+        least cost; None where the hint leaves an integer column unset or the plan is infeasible (over
+        the memory bound)."""
+        import highspy
+
+        if not all(column in hint for column, is_integer in enumerate(self.integer) if is_integer):
+            return None
+        highs = _quiet_highs()
+        highs.setOptionValue("output_flag", False)
+        highs.passModel(self._lp(rows, fixed=hint))
+        highs.run()
+        if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        values = list(highs.getSolution().col_value)
+        for column, value in hint.items():
+            values[column] = value  # exact, where the LP's values carry its tolerances
+        return values
+
+    def _lp(self, rows, fixed: dict[int, float] | None = None):
+        """The program in HiGHS's terms; with `fixed`, those columns fixed at their values and every
+        column continuous (an LP)."""
+        import highspy
+
+        lp = highspy.HighsLp()
+        columns = len(self.cost)
+        lp.num_col_, lp.num_row_ = columns, len(rows)
+        lp.col_cost_ = np.array(self.cost, dtype=float)
+        lower, upper = np.zeros(columns), np.ones(columns)
+        for column, value in (fixed or {}).items():
+            lower[column] = upper[column] = value
+        lp.col_lower_, lp.col_upper_ = lower, upper
+        lp.row_lower_ = np.array([lower for _, lower, _ in rows], dtype=float)
+        lp.row_upper_ = np.array([upper for _, _, upper in rows], dtype=float)
+        starts, indices, values = [0], [], []
+        for terms, _, _ in rows:
+            for column, value in sorted(terms.items()):
+                indices.append(column)
+                values.append(value)
+            starts.append(len(indices))
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = columns, len(rows)
+        lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
+        lp.a_matrix_.index_ = np.array(indices, dtype=np.int32)
+        lp.a_matrix_.value_ = np.array(values, dtype=float)
+        if fixed is None:
+            lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                               for i in self.integer]
+        return lp
 
 
 _HIGHS_STARTED = False
