@@ -24,14 +24,21 @@ from .compiler import Compiled, compile_par
 from .codegen import load_module
 from .layouts import B, Layout
 from .lowering import DEFAULT_BUCKET_MB
+from .search import LogMismatch, SolutionLog
 from .syntax import parse
 
-_CACHE: dict[tuple[str, str, str, float], Compiled] = {}
+# per file content, working directory and options: the compiled plan and its search's answers (SolutionLog)
+_CACHE: dict[tuple[str, str, str, float], tuple[Compiled, list]] = {}
 
 
 def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> "Plan":
     """Compile a `.par` file into a Plan. Compiles once per process for the same file content, working
     directory and options; a mistake in the file raises `CompileError` (its `render()` points into the file).
+
+    Under an initialised process group of more than one rank, `load` is collective (every rank calls it):
+    the ranks compile at once, and any rank whose layout search answered differently from rank 0's (an
+    integer program stopped by its time limit finds less on a slower rank) compiles again on rank 0's
+    answers, so that every rank runs rank 0's plan.
 
     `bucket_mb`: parameter gradients are synchronised during backward in buckets of this size (MiB), each
     issued as soon as its last gradient is ready (DDP's default, 25)."""
@@ -39,8 +46,28 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> "Plan":
         text = handle.read()
     key = (os.path.abspath(path), os.getcwd(), hashlib.sha256(text.encode()).hexdigest(), float(bucket_mb))
     if key not in _CACHE:
-        _CACHE[key] = compile_par(parse(text, path), bucket_mb)
-    return Plan(_CACHE[key])
+        with SolutionLog() as log:
+            compiled = compile_par(parse(text, path), bucket_mb)
+        _CACHE[key] = (compiled, log.entries)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        _CACHE[key] = _as_rank_0_compiled(_CACHE[key], text, path, bucket_mb)
+    return Plan(_CACHE[key][0])
+
+
+def _as_rank_0_compiled(mine: tuple[Compiled, list], text: str, path: str, bucket_mb: float) -> tuple[Compiled, list]:
+    """Rank 0's search answers, sent to every rank; a rank whose own differ compiles again on rank 0's
+    (replayed, HiGHS is not run), which gives rank 0's plan where the file, torch and model code agree."""
+    compiled, answers = mine
+    sent = [answers if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(sent, src=0)
+    if sent[0] == answers:
+        return mine
+    try:
+        with SolutionLog(sent[0]):
+            return compile_par(parse(text, path), bucket_mb), sent[0]
+    except LogMismatch as mismatch:
+        raise RuntimeError(f"rank {dist.get_rank()} cannot compile {path} as rank 0 did ({mismatch}): give "
+                           "every rank the same file, torch and model code") from None
 
 
 def default_device() -> torch.device:
@@ -77,9 +104,10 @@ class Plan:
     def _agree_across_ranks(self, device: torch.device) -> None:
         """Every rank compiles the file itself; their modules must be the same one, or the ranks would
         issue different collectives and hang or compute nonsense. Files that differ between machines,
-        different versions of torch or of the model's code, or a search stopped by its time limit at
-        different points on ranks of different speed would do that: one all-gather of a digest of the
-        generated module finds it before the first step."""
+        different versions of torch or of the model's code would do that, and so would a search stopped by
+        its time limit at different points on ranks of different speed where `load` ran before the
+        process group was initialised (after, `load` gives every rank rank 0's plan): one all-gather of
+        a digest of the generated module finds it before the first step."""
         # the file's path is in the module's header, and may differ between machines that agree on the rest
         path = self.compiled.par.source.path
         source = self.compiled.source.replace(path, "FILE.par") if path else self.compiled.source
@@ -98,7 +126,8 @@ class Plan:
                                f"({described}; this is rank {dist.get_rank()}, {digests[dist.get_rank()]:014x}): "
                                "give every rank the same file, torch and model code; a layout search that "
                                "stopped at its time limit on some programs (slow ranks find less by then) is "
-                               "the other cause: write the layouts it chose into the file")
+                               "the other cause: call pardsl.load after init_process_group, which gives "
+                               "every rank rank 0's plan")
 
     # -- the model -------------------------------------------------------------------------------------
 

@@ -121,6 +121,16 @@ class _Program:
         self.rows.append((terms, lower, upper))
 
     def solve(self, skip_rows: frozenset[int] = frozenset(), hint: dict[int, float] | None = None) -> tuple[str, list[float]]:
+        """The program's solution, from HiGHS, or the next one of a log being replayed (SolutionLog)."""
+        log = SolutionLog.active
+        if log is not None and log.replaying:
+            return log.next(self, skip_rows)
+        answer = self._solve(skip_rows, hint)
+        if log is not None:
+            log.record(self, skip_rows, answer)
+        return answer
+
+    def _solve(self, skip_rows: frozenset[int], hint: dict[int, float] | None) -> tuple[str, list[float]]:
         """`hint`: values of integer columns, a plan known to be among the program's choices. Where it sets
         every integer column and the plan is feasible, it is completed into a whole solution (an LP over the
         continuous columns) that branch and bound starts from (an incumbent prunes from the first node), and
@@ -217,6 +227,49 @@ class _Program:
             lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                                for i in self.integer]
         return lp
+
+
+class SolutionLog:
+    """The integer programs' answers in the order a compile asked for them, to give other processes the
+    same plan. A program that hits its time limit returns the best plan found by then, so ranks of
+    different speed compiling the same file could choose different plans; replaying one rank's log, the
+    others skip HiGHS and build the same programs with the same answers (compile is deterministic given
+    them). Each entry keeps the program's size, so a rank whose file or model differs is told so."""
+
+    active: "SolutionLog | None" = None
+
+    def __init__(self, entries: list | None = None):
+        self.replaying = entries is not None
+        self.entries = list(entries or [])
+        self._next = 0
+
+    def __enter__(self) -> "SolutionLog":
+        SolutionLog.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        SolutionLog.active = None
+
+    @staticmethod
+    def _shape(program: _Program, skip_rows: frozenset[int]) -> tuple[int, int]:
+        return len(program.cost), len(program.rows) - len(skip_rows)
+
+    def record(self, program: _Program, skip_rows: frozenset[int], answer: tuple[str, list[float]]) -> None:
+        self.entries.append((self._shape(program, skip_rows), answer))
+
+    def next(self, program: _Program, skip_rows: frozenset[int]) -> tuple[str, list[float]]:
+        shape = self._shape(program, skip_rows)
+        if self._next >= len(self.entries) or self.entries[self._next][0] != shape:
+            raise LogMismatch(f"integer program {self._next + 1} has {shape[0]} columns and {shape[1]} rows "
+                              "here, which the replayed compile did not ask for")
+        _, answer = self.entries[self._next]
+        self._next += 1
+        return answer
+
+
+class LogMismatch(RuntimeError):
+    """A replayed compile asked for a program the recorded one did not: the two compiled different files,
+    models or versions."""
 
 
 _HIGHS_STARTED = False

@@ -536,3 +536,19 @@ def test_the_search_decides_the_mesh_axes_in_every_order_and_compiles_the_fastes
     steps = {order: searched_step(compiled.bound, order) for order in itertools.permutations(range(3))}
     assert estimate(compiled, GLOO).step_s == min(steps.values()) < steps[(2, 1, 0)]
     assert not any(n.code == "N004" for n in compiled.program.notes)
+
+
+def test_a_compile_replaying_another_files_answers_is_told_they_differ(compile_par):
+    """SolutionLog (how `pardsl.load` gives every rank rank 0's plan): replaying a compile's answers gives
+    the same module without HiGHS; replayed on another file, the first program of another size stops it."""
+    text = open("examples/mlp.par").read().split("layout {")[0] + "memory <= 30 %\nlayout {\n  x : ?\n}\n"
+    with search.SolutionLog() as log:
+        recorded = compile_par(text)
+    assert log.entries and not search.SolutionLog.active
+    with search.SolutionLog(log.entries):
+        assert compile_par(text).source == recorded.source
+    other = open("examples/tp_schemes/layer_1d.par").read().split("layout {")[0]
+    other += "memory <= 30 %\nlayout {\n  x : ?\n}\n"
+    with pytest.raises(search.LogMismatch, match="integer program 1 has"):
+        with search.SolutionLog(log.entries):
+            compile_par(other)

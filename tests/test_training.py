@@ -247,6 +247,66 @@ def test_gradient_buckets_recover_from_a_backward_that_raised(pools):
         assert raised and error < 1e-5
 
 
+def _plans_of_a_search_that_answers_differently_on_rank_1():
+    """examples/mlp.par with its layouts left to the search under a bound. Rank 1's integer programs stop
+    at their first plan (a gap of 100 %), as a slower rank's stop at their time limit having found less:
+    compiled alone it gets another module; through `pardsl.load` it gets rank 0's plan, compiled again on
+    rank 0's answers without running HiGHS, and its step equals serial."""
+    import hashlib
+    import tempfile
+
+    import torch.distributed as dist
+
+    import pardsl
+    from examples.models import MLP
+    from pardsl import search
+    from pardsl.compiler import compile_text
+
+    text = open(os.path.join(REPO, "examples/mlp.par")).read().split("layout {")[0]
+    text += "memory <= 30 %\nlayout {\n  x : ?\n}\n"
+    solve, gap = search._Program._solve, search.MIP_GAP
+    solved_while_replaying = []
+
+    def counted(self, *args):
+        if search.SolutionLog.active is not None and search.SolutionLog.active.replaying:
+            solved_while_replaying.append(len(self.cost))
+        return solve(self, *args)
+
+    try:
+        search._Program._solve = counted
+        if dist.get_rank() == 1:
+            search.MIP_GAP = 1.0
+        alone = hashlib.sha256(compile_text(text, "mlp.par").source.encode()).hexdigest()
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "mlp.par")
+            with open(path, "w") as handle:
+                handle.write(text)
+            plan = pardsl.load(path)
+            torch.manual_seed(0)
+            model = plan.module()
+    finally:
+        search._Program._solve, search.MIP_GAP = solve, gap
+    loaded = hashlib.sha256(plan.compiled.source.replace(path, "mlp.par").encode()).hexdigest()
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(3))
+    model(**plan.shard_inputs(x=x)).sum().backward()
+    torch.manual_seed(0)
+    serial = MLP(d_model=256, d_ff=1024)
+    serial(x).sum().backward()
+    expected = dict(serial.named_parameters())
+    error = max((p.grad - model.rt.shard(expected[name].grad, layout)).abs().max().item()
+                for name, p, layout in model.named_shards())
+    return alone, loaded, solved_while_replaying, error
+
+
+def test_a_rank_whose_search_answers_differently_is_given_rank_0s_plan(pools):
+    (alone_0, loaded_0, replayed_0, error_0), (alone_1, loaded_1, replayed_1, error_1) = \
+        pools(2).run_on_every_rank(_plans_of_a_search_that_answers_differently_on_rank_1)
+    assert alone_1 != alone_0  # rank 1's own search chose another plan
+    assert loaded_0 == loaded_1 == alone_0  # both run rank 0's
+    assert replayed_0 == replayed_1 == []  # rank 1 compiled again on rank 0's answers, HiGHS not run
+    assert error_0 < 1e-4 and error_1 < 1e-4
+
+
 def _modules_from_files_that_differ_by_rank():
     """Each rank writes the file in a folder of its own, as machines may hold it at different paths: the
     same text agrees; then rank 1's copy splits the MLP the other way, as a stale copy on one machine
