@@ -214,11 +214,23 @@ def test_inputs_are_bound_by_name_in_any_order(compile_par):
     assert [o.path for o in compiled.program.outputs] == ["output.loss", "output.logits"]
 
 
+def _mlp_gradient_error(model, x) -> float:
+    """The largest difference between a compiled examples MLP's gradient shards (after one backward of
+    `sum()`) and serial's, the serial MLP made from seed 0 as plan.module() makes it."""
+    from examples.models import MLP
+
+    torch.manual_seed(0)
+    serial = MLP(d_model=256, d_ff=1024)
+    serial(x).sum().backward()
+    expected = dict(serial.named_parameters())
+    return max((p.grad - model.rt.shard(expected[name].grad, layout)).abs().max().item()
+               for name, p, layout in model.named_shards())
+
+
 def _a_backward_that_raises_then_one_that_does_not():
     """On every rank of a dp 2 pool: a backward stopped by an exception after some of its gradient buckets
     were issued, then a whole one. The second's gradients are serial's: nothing of the first is left."""
     import pardsl
-    from examples.models import MLP
 
     plan = pardsl.load(os.path.join(REPO, "examples/mlp_dp.par"))
     torch.manual_seed(0)
@@ -233,12 +245,7 @@ def _a_backward_that_raises_then_one_that_does_not():
         raised = True
     model.zero_grad(set_to_none=True)
     model(**plan.shard_inputs(x=x)).sum().backward()
-    torch.manual_seed(0)
-    serial = MLP(d_model=256, d_ff=1024)
-    serial(x).sum().backward()
-    expected = dict(serial.named_parameters())
-    error = max((p.grad - model.rt.shard(expected[name].grad, layout)).abs().max().item()
-                for name, p, layout in model.named_shards())
+    error = _mlp_gradient_error(model, x)
     return raised, error
 
 
@@ -258,7 +265,6 @@ def _plans_of_a_search_that_answers_differently_on_rank_1():
     import torch.distributed as dist
 
     import pardsl
-    from examples.models import MLP
     from pardsl import search
     from pardsl.compiler import compile_text
 
@@ -289,12 +295,7 @@ def _plans_of_a_search_that_answers_differently_on_rank_1():
     loaded = hashlib.sha256(plan.compiled.source.replace(path, "mlp.par").encode()).hexdigest()
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(3))
     model(**plan.shard_inputs(x=x)).sum().backward()
-    torch.manual_seed(0)
-    serial = MLP(d_model=256, d_ff=1024)
-    serial(x).sum().backward()
-    expected = dict(serial.named_parameters())
-    error = max((p.grad - model.rt.shard(expected[name].grad, layout)).abs().max().item()
-                for name, p, layout in model.named_shards())
+    error = _mlp_gradient_error(model, x)
     return alone, loaded, solved_while_replaying, error
 
 
