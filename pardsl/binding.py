@@ -31,6 +31,7 @@ from .grouped_query import fold_grouped_query_repeats
 from .in_place import functionalize_in_place
 from .layouts import B, Layout, Mesh, Placement
 from .oprules import concrete_size, op_name
+from .progress import report
 from .syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
 
 DTYPES: dict[str, torch.dtype] = {
@@ -638,6 +639,7 @@ def bind(par: ParFile) -> BoundPlan:
     written = [(entry, layout_from_syntax(entry.layout, mesh, sink) if mesh else None) for entry in par.layouts]
     # No full model on any rank: the structure is built with parameters on the meta device, and traced
     # on meta with meta inputs; only buffers (small, and sometimes computed in __init__) hold values.
+    report("building the model on the meta device")
     with parameters_on_meta():
         model = build_model(par.model, par.source.path, sink)
     seconds = {"build": time.perf_counter() - clock}
@@ -654,6 +656,7 @@ def bind(par: ParFile) -> BoundPlan:
     signature = inspect.signature(model.forward)
     example = {decl.name: torch.empty(decl.shape, dtype=DTYPES[decl.dtype], device="meta") for decl in par.inputs}
     clock = time.perf_counter()
+    report("exporting the model (torch.export)")
     try:
         with import_paths(*par_import_paths(par.source.path)):
             exported = trace(model.to("meta"), example, _dynamic_shapes(par))

@@ -264,11 +264,28 @@ def _explain(args, compiled) -> int:
     return EXIT_OK
 
 
+@contextlib.contextmanager
+def _status_on_terminal(args):
+    """On a terminal, one status line on stderr says what the compile is doing (a searched plan can take
+    minutes), gone when it ends; elsewhere (a pipe, a file, --json) nothing is written."""
+    if getattr(args, "json", False) or not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    from .progress import reported_to
+
+    name = os.path.basename(args.file)  # one line on a narrow terminal
+    with Console(stderr=True).status(f"{name}: parsing", spinner="dots") as status:
+        with reported_to(lambda message: status.update(f"{name}: {message}")):
+            yield
+
+
 def _main(args, quiet) -> int:
     from .compiler import compile_file, plan_json, write_outputs
 
     try:
-        with quiet:
+        with quiet, _status_on_terminal(args):
             bucket_mb = getattr(args, "bucket_mb", None)
             compiled = compile_file(args.file, **({"bucket_mb": bucket_mb} if bucket_mb is not None else {}))
     except FileNotFoundError as error:

@@ -23,6 +23,7 @@ from .search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search, 
 from .diagnostics import Diagnostic
 from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
 from .liveness import release_dead_values
+from .progress import report
 from .reshard import reshard_after_forward
 from .syntax import ParFile, parse, parse_file
 
@@ -75,7 +76,14 @@ def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredP
     return reshard_after_forward(program, typed, any_axis=limit is not None)
 
 
+# what each stage is doing, in words, for a terminal's status line (pardsl/progress.py)
+_STAGE_WORDS = {"infer": "completing the layouts",
+                "search": "searching the layouts", "greedy": "completing the layouts greedily, to compare",
+                "lower": "lowering to collectives", "codegen": "writing the module"}
+
+
 def _timed(seconds: dict, stage: str, work):
+    report(_STAGE_WORDS.get(stage, stage))
     start = time.perf_counter()
     result = work()
     seconds[stage] = time.perf_counter() - start

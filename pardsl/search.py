@@ -60,6 +60,7 @@ from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typ
 from .layouts import B, P, Layout, Placement, collective_bytes, plan_conversion, step_collectives
 from .lowering import one_group_gather
 from .oprules import is_tensor_list, signatures
+from .progress import report
 
 EPSILON_S = 1e-9  # a conversion, or a split of a free tensor, that saves nothing is not made
 HELD_S = 1e-15  # a copy held for backward is counted where something holds it, not beyond
@@ -886,6 +887,9 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             program.row(memory, -math.inf, limit * later - fixed_memory)
         # a descent's move starts from its plan, one of its choices: branch and bound starts there too
         hint = _hint(start, group, choice, legal, domain) if start is not None else None
+        report(f"searching the layouts: deciding {', '.join(mesh.axis_names[a] for a in group)}"
+               f"{' again, from a plan' if start is not None else ''}: an integer program of "
+               f"{len(program.cost):,} columns and {len(program.rows):,} rows (up to {TIME_LIMIT_S:.0f} s)")
         status, solution = program.solve(hint=hint)
         if status == "infeasible" and memory_row is not None:  # the bound cannot be met: N003
             if not nearest:

@@ -85,6 +85,48 @@ def test_compile_json_of_a_searched_plan_is_json_alone(tmp_path):
     assert report["ok"] is True and "HiGHS" not in result.stdout + result.stderr
 
 
+def test_a_compile_reports_its_stages_and_each_integer_program_to_a_listener(compile_par):
+    from pardsl.progress import reported_to
+
+    heard = []
+    with reported_to(heard.append):
+        compile_par("mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
+                    "memory <= 60 %\n")
+    stages = [m for m in dict.fromkeys(heard) if not m.startswith("searching the layouts:")]
+    assert stages == ["building the model on the meta device", "exporting the model (torch.export)",
+                      "searching the layouts", "completing the layouts greedily, to compare", "writing the module"]
+    programs = [m for m in heard if m.startswith("searching the layouts: deciding tp")]
+    assert programs and all(" columns and " in m and "(up to 20 s)" in m for m in programs)
+
+
+@pytest.mark.timeout(120)
+def test_on_a_terminal_check_shows_what_the_compile_is_doing_on_stderr_and_clears_it(tmp_path):
+    """A searched plan can take minutes: on a terminal a status line (rich) says what the compile is doing;
+    piped, nothing is added (test_compile_json_of_a_searched_plan_is_json_alone)."""
+    import pty
+
+    par = tmp_path / "searched.par"
+    par.write_text("mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
+                   "memory <= 60 %\n")
+    leader, follower = pty.openpty()
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "check", str(par)], stdout=subprocess.PIPE,
+                            stderr=follower, text=True, timeout=100, env={**os.environ, "TERM": "xterm", "COLUMNS": "200"})
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal's other end is closed: everything is read
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert result.returncode == 0 and result.stdout.strip() == f"{par}: ok"
+    # the line is redrawn a dozen times a second, so a quick stage may never show; the last always does
+    assert b"searched.par: writing the module" in shown
+
+
 @pytest.mark.timeout(240)
 def test_run_json_on_two_ranks_with_the_elastic_launcher(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
