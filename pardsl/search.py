@@ -45,6 +45,7 @@ op's legal signatures, their seconds and its priced runner-ups are computed once
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import os
@@ -74,6 +75,11 @@ MIP_GAP = 1e-3
 # A memory bound no plan meets is slow to prove unmeetable (a minute for GPT-2 on dp 2 × tp 2 at 30 %):
 # where branch and bound has found no plan within the bound by then, it is taken as unmet
 FIRST_PLAN_S = 5.0
+
+# Answers of the programs solved last, by everything they depend on: on a mesh whose axes are alike (dp 2 ×
+# tp 2 with nothing written) both orders' first programs are the same one, and on T5 it runs to its limit
+ANSWERS_KEPT = 32
+_ANSWERS: dict[str, tuple[str, list[float]]] = {}
 
 Joint = tuple[Placement, ...]  # a value's placements on the axes decided together, in their order
 
@@ -126,10 +132,21 @@ class _Program:
         log = SolutionLog.active
         if log is not None and log.replaying:
             return log.next(self, skip_rows)
-        answer = self._solve(skip_rows, hint)
+        key = self._key(skip_rows, hint)
+        answer = _ANSWERS.pop(key, None) or self._solve(skip_rows, hint)
+        _ANSWERS[key] = answer
+        answer = answer[0], list(answer[1])  # the caller's own copy
+        while len(_ANSWERS) > ANSWERS_KEPT:
+            del _ANSWERS[next(iter(_ANSWERS))]  # the least recently asked
         if log is not None:
             log.record(self, skip_rows, answer)
         return answer
+
+    def _key(self, skip_rows: frozenset[int], hint: dict[int, float] | None) -> str:
+        """Everything an answer depends on: the program, its hint and the solver's limits."""
+        rows = [r for i, r in enumerate(self.rows) if i not in skip_rows]
+        text = repr((self.cost, self.integer, rows, sorted((hint or {}).items()), MIP_GAP, TIME_LIMIT_S, FIRST_PLAN_S))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def _solve(self, skip_rows: frozenset[int], hint: dict[int, float] | None) -> tuple[str, list[float]]:
         """`hint`: values of integer columns, a plan known to be among the program's choices. Where it sets

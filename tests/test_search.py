@@ -552,3 +552,22 @@ def test_a_compile_replaying_another_files_answers_is_told_they_differ(compile_p
     with pytest.raises(search.LogMismatch, match="integer program 1 has"):
         with search.SolutionLog(log.entries):
             compile_par(other)
+
+
+def test_a_program_asked_again_is_answered_without_solving_it_again(compile_par, monkeypatch):
+    """On a mesh whose axes are alike, with nothing written, both orders' first programs are the same
+    program (on T5 under a bound it runs to its 20 s limit): HiGHS solves it once. A change of the solver's
+    limits is another question."""
+    monkeypatch.setattr(search, "_ANSWERS", {})
+    asked, solved = [], []
+    solve, ask = search._Program._solve, search._Program.solve
+    monkeypatch.setattr(search._Program, "_solve", lambda self, *a: solved.append(1) or solve(self, *a))
+    monkeypatch.setattr(search._Program, "solve", lambda self, *a, **k: asked.append(1) or ask(self, *a, **k))
+    text = "mesh a = 2, b = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[8, 16]\nmemory <= 60 %\n"
+    first = compile_par(text)
+    assert len(solved) < len(asked)
+    again = len(solved)
+    assert compile_par(text).source == first.source and len(solved) == again  # every answer kept
+    monkeypatch.setattr(search, "MIP_GAP", 1e-2)
+    compile_par(text)
+    assert len(solved) > again
