@@ -152,9 +152,10 @@ class _Program:
         """`hint`: values of integer columns, a plan known to be among the program's choices. Where it sets
         every integer column and the plan is feasible, it is completed into a whole solution (an LP over the
         continuous columns) that branch and bound starts from (an incumbent prunes from the first node), and
-        the program's answer is never worse than it. A partial hint is left to HiGHS to complete: since
-        1.16 HiGHS may not keep a completed partial hint as its incumbent, and stopped within the gap at a
-        plan 0.08 % worse than the one a descent's move started from."""
+        the program's answer is never worse than it: HiGHS 1.16, given the integer columns alone, did not
+        keep that plan as its incumbent on the 2-D layer's pair move and stopped within the gap at a plan
+        0.08 % worse. A partial hint (the start plan has a placement the program does not offer) is
+        passed as it is, for HiGHS to complete."""
         import highspy
 
         highs = _quiet_highs()
