@@ -1,6 +1,6 @@
 """What a long compile is doing, told to whoever listens: the CLI shows it on a terminal (a rich status
 line on stderr), since a searched plan can take minutes (T5 on dp 2 × tp 2 under a bound: five integer
-programs run to their 20 s limit). Stages report through `report`; nothing listens by default, so the
+programs run to their time limit). Stages report through `report`; nothing listens by default, so the
 library prints nothing."""
 
 from __future__ import annotations

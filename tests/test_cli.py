@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pardsl import cli
+from pardsl import cli, search
 
 
 def test_check_prints_ok(capsys):
@@ -96,7 +96,8 @@ def test_a_compile_reports_its_stages_and_each_integer_program_to_a_listener(com
     assert stages == ["building the model on the meta device", "exporting the model (torch.export)",
                       "searching the layouts", "completing the layouts greedily, to compare", "writing the module"]
     programs = [m for m in heard if m.startswith("searching the layouts: deciding tp")]
-    assert programs and all(" columns and " in m and "(up to 20 s)" in m for m in programs)
+    limit = f"(up to {search.TIME_LIMIT_S:.0f} s)"
+    assert programs and all(" columns and " in m and limit in m for m in programs)
 
 
 @pytest.mark.timeout(120)

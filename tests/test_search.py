@@ -573,7 +573,7 @@ def test_a_compile_replaying_another_files_answers_is_told_they_differ(compile_p
 
 def test_a_program_asked_again_is_answered_without_solving_it_again(compile_par, monkeypatch):
     """On a mesh whose axes are alike, with nothing written, both orders' first programs are the same
-    program (on T5 under a bound it runs to its 20 s limit): HiGHS solves it once. A change of the solver's
+    program (on T5 under a bound it runs to its time limit): HiGHS solves it once. A change of the solver's
     limits is another question."""
     monkeypatch.setattr(search, "_ANSWERS", {})
     asked, solved = [], []
