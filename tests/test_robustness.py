@@ -114,24 +114,39 @@ def _children(pid: int) -> list[str]:
     return subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
 
 
+def _interruptible() -> None:
+    """In the child: SIGINT as a terminal's foreground job has it. A shell without job control (a CI script
+    run in the background) starts its children with SIGINT ignored, and Python then installs no
+    KeyboardInterrupt handler: the run would ignore the test's Ctrl-C, as it should in such a job."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("when", ["compiling", "ranks-starting", "ranks-running"])
 def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process(when):
     # steps enough that the run is still going when interrupted, however fast the machine (50 took under 8 s)
     process = subprocess.Popen([sys.executable, "-m", "pardsl.cli", "run", "examples/hf_llama8_tp2.par", "--nproc", "2",
-                                "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if when == "compiling":
-        time.sleep(2)
-    else:  # the launcher's first children appear when the ranks are being spawned, still importing torch
-        deadline = time.monotonic() + 120
-        while len(_children(process.pid)) < 2 and time.monotonic() < deadline and process.poll() is None:
-            time.sleep(0.05)
-        time.sleep(0 if when == "ranks-starting" else 8)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=60)
-    assert process.returncode == 130
-    assert err.strip().splitlines()[-1] == "pardsl: interrupted" and "Traceback" not in err
-    leftovers = subprocess.run(["pgrep", "-f", "hf_llama8_tp2.par"], capture_output=True, text=True).stdout.split()
-    assert leftovers == []
+                                "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_interruptible, start_new_session=True)
+    try:
+        if when == "compiling":
+            time.sleep(2)
+        else:  # the launcher's first children appear when the ranks are being spawned, still importing torch
+            deadline = time.monotonic() + 120
+            while len(_children(process.pid)) < 2 and time.monotonic() < deadline and process.poll() is None:
+                time.sleep(0.05)
+            time.sleep(0 if when == "ranks-starting" else 8)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 130
+        assert err.strip().splitlines()[-1] == "pardsl: interrupted" and "Traceback" not in err
+        leftovers = subprocess.run(["pgrep", "-f", "hf_llama8_tp2.par"], capture_output=True, text=True).stdout.split()
+        assert leftovers == []
+    finally:  # a failure above must not leave the launcher and its ranks running (its own session: its group)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
 
 
 def test_nesting_500_deep_is_located():
