@@ -29,7 +29,7 @@ from .diagnostics import Diagnostic
 from .inference import TypedGraph
 from .layouts import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion, step_collectives
 from .oprules import Signature, rule_for
-from .program import Instruction, Items, Slot, Text, Var
+from .program import Arg, Instruction, Items, Slot, Text, Var
 
 
 @dataclass(frozen=True)
@@ -752,17 +752,7 @@ class _Lowerer:
         ]
         info = self.typed.info(name)
         tensor_nodes = iter(operand_vars)
-
-        def arg(value):
-            if isinstance(value, torch.fx.Node) and value.name in self.bound.scalars:
-                return Var(value.name)  # a size, global, computed at the top of forward()
-            if isinstance(value, torch.fx.Node):
-                return Var(next(tensor_nodes))
-            if isinstance(value, (list, tuple)) and any(isinstance(v, torch.fx.Node) for v in value):
-                return Items(tuple(arg(v) for v in value))
-            return Text(_render(value))
-
-        args = [arg(a) for a in fx_node.args]
+        args = [_node_arg(a, tensor_nodes, self.bound.scalars) for a in fx_node.args]
         local_code = local_sizes(info, typed_node.op_layout, self.mesh)
         if rule.shape_arg is not None and rule.shape_arg < len(args):
             args[rule.shape_arg] = Text(_render(local_code))
@@ -772,7 +762,7 @@ class _Lowerer:
             part = local_code[dim]
             sizes = fx_node.args[rule.size_arg]
             args[rule.size_arg] = Text(_render([part] * len(sizes) if isinstance(sizes, (list, tuple)) else part))
-        kwargs = [(k, arg(v)) for k, v in fx_node.kwargs.items()]
+        kwargs = [(k, _node_arg(v, tensor_nodes, self.bound.scalars)) for k, v in fx_node.kwargs.items()]
         expr = Instruction("compute", typed_node.op, tuple(args), tuple(kwargs))
         vocab_axes = [self.mesh.axis_names[a] for a, p in enumerate(typed_node.operand_layouts[0].placements)
                       if p.is_split and p.dim == 0] if rule.masked_lookup else []
@@ -1072,6 +1062,18 @@ def lower_in_stages(typed: TypedGraph, bucket_mb: float, split) -> tuple[Lowered
     whole = lowerer.finish(lowerer.statements, lowerer.parameters, lowerer.buffers, lowerer.inputs, lowerer.outputs)
     parts = split(lowerer.statements, lowerer.parameters, lowerer.buffers, lowerer.inputs, lowerer.outputs)
     return whole, [lowerer.finish(*part, part=True) for part in parts]
+
+
+def _node_arg(value, tensor_nodes, scalars) -> Arg:
+    """An fx argument as the program's: an operand the next of `tensor_nodes` (its converted value), a size
+    its global. A module function, not a closure: a recursive closure is a reference cycle per op lowered."""
+    if isinstance(value, torch.fx.Node) and value.name in scalars:
+        return Var(value.name)  # a size, global, computed at the top of forward()
+    if isinstance(value, torch.fx.Node):
+        return Var(next(tensor_nodes))
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.fx.Node) for v in value):
+        return Items(tuple(_node_arg(v, tensor_nodes, scalars) for v in value))
+    return Text(_render(value))
 
 
 def lower(typed: TypedGraph, bucket_mb: float = DEFAULT_BUCKET_MB) -> LoweredProgram:

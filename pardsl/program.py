@@ -70,28 +70,31 @@ class Instruction:
     def reads(self) -> list[str]:
         """The values this instruction reads, in argument order."""
         found: list[str] = []
-
-        def visit(arg: Arg) -> None:
-            if isinstance(arg, Var):
-                found.append(arg.name)
-            elif isinstance(arg, Items):
-                for item in arg.items:
-                    visit(item)
-
         for arg in self.args:
-            visit(arg)
+            _collect_vars(arg, found)
         for _, arg in self.kwargs:
-            visit(arg)
+            _collect_vars(arg, found)
         return found
 
     def replace_slots(self, fill) -> "Instruction":
         """The instruction with each Slot replaced by `fill(slot)` (an Arg)."""
-        def swap(arg: Arg) -> Arg:
-            if isinstance(arg, Slot):
-                return fill(arg)
-            if isinstance(arg, Items):
-                return Items(tuple(swap(a) for a in arg.items), arg.brackets)
-            return arg
+        return Instruction(self.kind, self.callee, tuple(_filled(a, fill) for a in self.args),
+                           tuple((k, _filled(v, fill)) for k, v in self.kwargs))
 
-        return Instruction(self.kind, self.callee, tuple(swap(a) for a in self.args),
-                           tuple((k, swap(v)) for k, v in self.kwargs))
+
+# Module functions, not closures: a recursive closure is a reference cycle, left for the cyclic collector,
+# and these run for every instruction of every candidate plan a compile lowers
+def _collect_vars(arg: Arg, found: list[str]) -> None:
+    if isinstance(arg, Var):
+        found.append(arg.name)
+    elif isinstance(arg, Items):
+        for item in arg.items:
+            _collect_vars(item, found)
+
+
+def _filled(arg: Arg, fill) -> Arg:
+    if isinstance(arg, Slot):
+        return fill(arg)
+    if isinstance(arg, Items):
+        return Items(tuple(_filled(a, fill) for a in arg.items), arg.brackets)
+    return arg
