@@ -556,15 +556,17 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             domain[name] = [pinned(name, group) or whole_joint]
         # Ops of repeated layers ask the same question: answered once per distinct question (everything
         # the answer reads is in the key), so a deep model costs what its distinct ops cost
-        answered: dict[tuple, tuple[list, list, list]] = {}
-        legal_key: dict[str, tuple] = {}
+        answered: dict[int, tuple[list, list, list]] = {}
+        question: dict[tuple, int] = {}  # each distinct question a small number, hashed once
+        legal_key: dict[str, int] = {}
         for name in nodes:
-            legal_key[name] = key = (
+            key = (
                 specs[name], _frozen(cut_blocks.get(name, {})), bound.tensors[name].shape, _items(value[name]),
                 _items(op_out[name]), pinned(name, group),
                 tuple((o in free, bound.tensors[o].shape, None if o in free else tuple(domain[o]), _items(value[o]),
                        _items(needs[name][slot])) for slot, o in enumerate(operands[name])),
                 None if start is None or len(group) == 1 else _signature_on(start.nodes[name], group))
+            legal_key[name] = key = question.setdefault(key, len(question))
             if key not in answered:
                 answered[key] = _legal(name, group, specs[name], cut_blocks.get(name, {}), operands[name], free,
                                        domain, needs[name], op_out[name], fits,
