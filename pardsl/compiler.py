@@ -52,8 +52,12 @@ class Compiled:
 def compile_par(par: ParFile, bucket_mb: float = DEFAULT_BUCKET_MB, machine=None) -> Compiled:
     """`machine`: the cost model's figures the layout search minimises (default: this machine's
     calibration file for its backend, else the backend's defaults); only a searched plan reads them."""
+    clock = time.perf_counter()
     with _cyclic_collector_paused():
-        return _compile(par, bucket_mb, machine)
+        compiled = _compile(par, bucket_mb, machine)
+    # what no stage counts (the collection, checks between stages), so that the stages add up to the whole
+    compiled.seconds["other"] = max(0.0, time.perf_counter() - clock - sum(compiled.seconds.values()))
+    return compiled
 
 
 @contextlib.contextmanager
@@ -62,8 +66,8 @@ def _cyclic_collector_paused():
     objects that live until it ends (graphs, the search's programs, the candidates' lowered programs), and
     each of them triggered full collections that traversed them all again: on the 32-layer LLaMA of
     benchmarks/search.py the compile after export takes 12.0 s without them, 15.6 s with them, for 70 MiB
-    more at the peak (672 → 742 MiB). What the compile leaves of cycles the collector takes once it is
-    back on (0.3 s there)."""
+    more at the peak (672 → 742 MiB). What the compile leaves of cycles is collected as it ends (0.17 s
+    there), in compile's time, not at some later allocation of the caller's."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -71,6 +75,7 @@ def _cyclic_collector_paused():
     finally:
         if enabled:
             gc.enable()
+            gc.collect(0)
 
 
 def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
@@ -109,7 +114,7 @@ def _timed(seconds: dict, stage: str, work):
     report(_STAGE_WORDS.get(stage, stage))
     start = time.perf_counter()
     result = work()
-    seconds[stage] = time.perf_counter() - start
+    seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - start
     return result
 
 
@@ -149,8 +154,9 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
             seconds["search"] += time.perf_counter() - clock
         clock = time.perf_counter()
         program = _lowered(typed, bucket_mb, limit)
+        plan = rated(typed, program), typed, program
         seconds["lower"] += time.perf_counter() - clock
-        return rated(typed, program), typed, program
+        return plan
 
     sized = [a for a in range(bound.mesh.ndim) if bound.mesh.axis_sizes[a] > 1 and a not in kept]
     unsized = tuple(a for a in range(bound.mesh.ndim) if a not in sized and a not in kept)
@@ -165,8 +171,10 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
         with contextlib.suppress(BoundUnmet):
             plans.append(searched(unsized + order, start=start, nearest=not plans and i == len(orders) - 1))
     best = best_searched = min(plans, key=lambda plan: plan[0])  # the mesh's own order on a tie
+    clock = time.perf_counter()
     greedy_program = _lowered(greedy, bucket_mb, limit)
     theirs = rated(greedy, greedy_program)
+    seconds["greedy"] += time.perf_counter() - clock
     from_greedy = not theirs[0] and theirs < best[0]
     if from_greedy:
         best = (theirs, greedy, greedy_program)
