@@ -145,17 +145,31 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
         held = plan.memory["total"] + (activation_weight - 1) * plan.memory["activations"]
         return (limit is not None and held > limit, plan.step_s)
 
+    # A descent's move often returns the plan it started from (every move of its last round does): lowered
+    # and rated once per plan, as lowering reads nothing of a plan but its layouts. Nor is an axis decided
+    # alone again from a plan that such a program proved optimal (TypedGraph.settled): the descent's first
+    # move of the order's last axis, and of the axis its last move decided, found its start again.
+    lowered: dict[tuple, tuple[tuple, set[int]]] = {}  # per plan's layouts: (rating, typed, program), settled axes
+
     def searched(order: tuple[int, ...], start: TypedGraph | None = None, nearest: bool = True):
+        if start is not None and len(order) == 1:
+            plan, settled = lowered.get(_layouts_of(start), (None, ()))
+            if order[0] in settled:
+                return plan
         clock = time.perf_counter()
         try:
             typed = search(bound, machine, limit, order=order, start=start, facts=facts, nearest=nearest,
                            activation_weight=activation_weight)
         finally:
             seconds["search"] += time.perf_counter() - clock
-        clock = time.perf_counter()
-        program = _lowered(typed, bucket_mb, limit)
-        plan = rated(typed, program), typed, program
-        seconds["lower"] += time.perf_counter() - clock
+        key = _layouts_of(typed)
+        if key not in lowered:
+            clock = time.perf_counter()
+            program = _lowered(typed, bucket_mb, limit)
+            lowered[key] = (rated(typed, program), typed, program), set()
+            seconds["lower"] += time.perf_counter() - clock
+        plan, settled = lowered[key]
+        settled.update(typed.settled)
         return plan
 
     sized = [a for a in range(bound.mesh.ndim) if bound.mesh.axis_sizes[a] > 1 and a not in kept]
@@ -192,6 +206,11 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
         f"search's plan at {mine * 1e3:.3g} ms: compiled the greedy one{descent}", span,
         ("the search decides one mesh axis at a time; `pardsl explain` shows the plan",), severity="note"))
     return typed, program
+
+
+def _layouts_of(typed: TypedGraph) -> tuple:
+    """Everything of a plan that lowering reads."""
+    return (tuple(typed.nodes.values()), tuple(typed.placeholder_layouts.items()), tuple(typed.output_layouts))
 
 
 def _descended(plan, axes: list[int], searched, rounds: int = 4):

@@ -82,6 +82,9 @@ class TypedGraph:
     output_layouts: list[Layout]  # per flat output
     requires_grad: set[str]
     candidates: dict[str, list[list[Candidate]]]  # per op node, per mesh axis: what was chosen among
+    # the mesh axes whose integer program, the others fixed as this plan has them, proved this plan its
+    # optimum (search.search): deciding such an axis alone again from this plan finds it again
+    settled: frozenset[int] = frozenset()
 
     @property
     def mesh(self) -> Mesh:

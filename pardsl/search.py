@@ -491,7 +491,9 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         pin = bound.pins.get(name)
         return tuple(pin.layout.placements[a] for a in group) if pin is not None else None
 
+    proven = None  # the last group, where its program proved its plan optimal
     for step, group in enumerate(groups):
+        proven = None
         sizes = [mesh.axis_sizes[a] for a in group]
         whole_joint = (B,) * len(group)
         # the axes still undecided (B so far), whose ranks share what this group leaves per rank
@@ -915,6 +917,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                f"{' again, from a plan' if start is not None else ''}: an integer program of "
                f"{len(program.cost):,} columns and {len(program.rows):,} rows (up to {TIME_LIMIT_S:.0f} s)")
         status, solution = program.solve(hint=hint)
+        proven = group if status == "optimal" else None
         if status == "infeasible" and memory_row is not None:  # the bound cannot be met: N003
             if not nearest:
                 raise BoundUnmet()
@@ -954,11 +957,14 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
     def by_axis(decided: dict[int, object]) -> list:
         return [decided[a] for a in range(mesh.ndim)]
 
-    return typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad,
-                       {name: by_axis(v) for name, v in value.items()},
-                       {name: [by_axis(need) for need in v] for name, v in needs.items()},
-                       {name: by_axis(v) for name, v in op_out.items()},
-                       {name: by_axis(v) for name, v in candidates.items()})
+    typed = typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad,
+                        {name: by_axis(v) for name, v in value.items()},
+                        {name: [by_axis(need) for need in v] for name, v in needs.items()},
+                        {name: by_axis(v) for name, v in op_out.items()},
+                        {name: by_axis(v) for name, v in candidates.items()})
+    if proven is not None and len(proven) == 1:
+        typed.settled = frozenset(proven)
+    return typed
 
 
 def _items(decided: dict) -> tuple:
