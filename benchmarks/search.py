@@ -25,6 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pardsl import search  # noqa: E402
 from pardsl.compiler import compile_text  # noqa: E402
 from pardsl.cost import DEFAULTS, estimate, load_machine  # noqa: E402
 
@@ -91,6 +92,9 @@ def main() -> None:
     print("| LLaMA layers | search (s) | export (s) | everything after export (s) | collectives per step |")
     print("|---|---|---|---|---|")
     for depth in args.depths:
+        # Every depth's programs are the same program (one layer's size): each row solves its own, as a
+        # compile in a new process would, instead of reading the last depth's answers
+        search._ANSWERS.clear()
         compiled = compile_text(LLAMA.format(layers=depth), f"<llama {depth}>", machine=machine)
         print(f"| {depth} | {compiled.seconds['search']:.2f} | {compiled.seconds['export']:.2f} | "
               f"{compiled.seconds_after_export:.2f} | {counts(compiled)} |")

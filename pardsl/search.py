@@ -840,7 +840,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         # the same (shared) consumers are one class, whose conversions are priced once times its size
         classes: dict[tuple, list[str]] = {}
         for name in placeholders + nodes:
-            uses = tuple(sorted((shared.get(v, v), slot) for v, slot in consumers[name]))
+            uses = tuple(sorted({(shared.get(v, v), slot) for v, slot in consumers[name]}))
             ends = tuple((i, tuple(bound.output_pins[i].layout.placements[a] for a in group)
                           if i in bound.output_pins else None) for i in outputs_of.get(name, ()))
             if uses or ends:
