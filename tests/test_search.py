@@ -515,8 +515,9 @@ layout {
 def test_fsdp_with_tensor_parallelism_releases_its_groups_under_a_bound_and_runs_equal_to_serial(pools, compile_par):
     """Weights stored split over dp and used Megatron-split over tp: each layer's group is gathered over dp
     and stays split over tp. Under a bound the plan does not meet holding every group from forward to
-    backward, each group but the last is released after forward and gathered again for backward, as the
-    search counts them (two groups whole at a time); only groups gathered whole had been."""
+    backward, each group but the last is released after forward, and gathered again for backward where
+    backward reads its weights (every layer's), as the search counts them (two groups whole at a time);
+    only groups gathered whole had been."""
     compiled = compile_par(FSDP_WITH_TENSOR_PARALLELISM)
     groups = compiled.program.gathers
     assert [g.axis for g in groups if g.members[0].unit.startswith("model.model.layers")] == ["dp"] * 3
