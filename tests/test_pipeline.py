@@ -3,7 +3,9 @@ stages, and training through the public API under torch.distributed.pipelining's
 gloo ranks, composed with tensor and data parallelism, equal to serial (losses, clipped norms, every
 gradient), with exact point-to-point counts and gradient synchronisation once per step."""
 
+import functools
 import json
+import os
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ from pardsl.compiler import compile_text
 from pardsl.codegen import load_module
 from pardsl.diagnostics import CompileError
 from tests.launch import REPO, torchrun
+from tests.scripts.pipeline_train import train
 
 LLAMA = """mesh     pp = 2{mesh}
 model    examples.hf_models:HFLlama(layers={layers})
@@ -86,27 +89,36 @@ def test_cut_balanced_evens_out_the_estimated_stage_times():
     assert compiled.pipeline.cut_before == ("model.model.layers.1", "model.model.layers.2", "model.model.layers.3")
 
 
+# run as a user's script is, under torch's launcher; every other plan runs in the tests' worker pool, which
+# saves each run the launcher's and its ranks' start (seconds per rank on this kind of machine)
+LAUNCHED = "examples/hf_llama_pp2.par"
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, pools):
     """Each rank's record of a training run, one run per plan for every test that reads it."""
     runs: dict[tuple[str, int], list[dict]] = {}
 
     def run(plan: str, nproc: int, factory: str, layers: int) -> list[dict]:
         if (plan, nproc) not in runs:
-            runs[plan, nproc] = _run(tmp_path_factory.mktemp("run"), plan, nproc, factory, layers)
+            runs[plan, nproc] = _run(tmp_path_factory.mktemp("run"), pools, plan, nproc, factory, layers)
         return runs[plan, nproc]
 
     return run
 
 
-def _run(tmp_path, plan: str, nproc: int, factory: str, layers: int) -> list[dict]:
-    if not plan.startswith("examples/"):
+def _run(tmp_path, pools, plan: str, nproc: int, factory: str, layers: int) -> list[dict]:
+    if plan == LAUNCHED:
+        out = tmp_path / "result"
+        torchrun(nproc, "tests/scripts/pipeline_train.py", plan, str(out), factory, "--layers", str(layers))
+        return [json.loads((tmp_path / f"result.rank-{rank}.json").read_text()) for rank in range(nproc)]
+    if plan.startswith("examples/"):
+        plan = os.path.join(REPO, plan)
+    else:
         path = tmp_path / "plan.par"
         path.write_text(plan)
         plan = str(path)
-    out = tmp_path / "result"
-    torchrun(nproc, "tests/scripts/pipeline_train.py", plan, str(out), factory, "--layers", str(layers))
-    return [json.loads((tmp_path / f"result.rank-{rank}.json").read_text()) for rank in range(nproc)]
+    return pools(nproc).run_on_every_rank(functools.partial(train, plan, factory, layers))
 
 
 GPT2_PP4 = """mesh     pp = 4

@@ -1,7 +1,8 @@
-"""Training through the public API (`import pardsl`) as users do, under torch's launcher on 2 and 4 gloo
-ranks: Hugging Face models on their own losses with AdamW and clipping, equal to serial step by step;
-batch and sequence length varying across steps; checkpoints saved under one mesh and loaded, resharded,
-under another, bit for bit; the training example and the README's script."""
+"""Training through the public API (`import pardsl`) as users do, on 2 and 4 gloo ranks (under torch's
+launcher, or in the tests' worker pool where the launcher's start would only cost time): Hugging Face
+models on their own losses with AdamW and clipping, equal to serial step by step; batch and sequence
+length varying across steps; checkpoints saved under one mesh and loaded, resharded, under another, bit
+for bit; the training example and the README's script."""
 
 import functools
 import json
@@ -13,7 +14,8 @@ import torch
 
 from examples.hf_models import gpt2_lm_head, llama_causal_lm
 from tests.launch import REPO, torchrun
-from tests.scripts.api_train import batches
+from tests.scripts.accumulate import accumulate
+from tests.scripts.api_train import batches, train
 
 
 def serial_training(factory) -> dict:
@@ -31,19 +33,23 @@ def serial_training(factory) -> dict:
     return {"losses": losses, "norms": norms}
 
 
-@pytest.mark.parametrize("plan, factory, nproc, extra, logits", [
-    ("examples/llama_train_tp2.par", llama_causal_lm, 2, (), [2, 6, 128]),  # logits split over the vocabulary
-    ("examples/gpt2_train_dp2_tp2.par", gpt2_lm_head, 4, ("--local-batch",), [1, 6, 256]),  # batch split over dp
-    ("examples/llama_zero3.par", llama_causal_lm, 2, (), [1, 6, 256]),  # FSDP: weights gathered, batch split
+@pytest.mark.parametrize("plan, factory, nproc, local_batch, logits", [
+    ("examples/llama_train_tp2.par", llama_causal_lm, 2, False, [2, 6, 128]),  # logits split over the vocabulary
+    ("examples/gpt2_train_dp2_tp2.par", gpt2_lm_head, 4, True, [1, 6, 256]),  # batch split over dp
+    ("examples/llama_zero3.par", llama_causal_lm, 2, False, [1, 6, 256]),  # FSDP: weights gathered, batch split
 ], ids=["llama-tp2", "gpt2-dp2xtp2-local-batch", "llama-zero3"])
-def test_adamw_on_the_models_own_loss_equals_serial_with_varying_shapes(tmp_path, plan, factory, nproc, extra, logits):
-    out = tmp_path / "result.json"
-    torchrun(nproc, "tests/scripts/api_train.py", plan, str(out), *extra)
-    result = json.loads(out.read_text())
+def test_adamw_on_the_models_own_loss_equals_serial_with_varying_shapes(tmp_path, pools, plan, factory, nproc,
+                                                                        local_batch, logits):
+    if plan == "examples/llama_train_tp2.par":  # as a user's script runs, under torch's launcher
+        out = tmp_path / "result.json"
+        torchrun(nproc, "tests/scripts/api_train.py", plan, str(out), *(["--local-batch"] if local_batch else []))
+        result = json.loads(out.read_text())
+    else:  # in the worker pool, which saves the launcher's and the ranks' start
+        result = pools(nproc).run_on_every_rank(functools.partial(train, os.path.join(REPO, plan), local_batch))[0]
     expected = serial_training(factory)
     expected_output = "CausalLMOutputWithCrossAttentions" if factory is gpt2_lm_head else "CausalLMOutputWithPast"
     assert result["output"] == expected_output
-    assert result["logits"] == logits  # the last step's (batch 2, seq 6), this rank's local value
+    assert result["logits"] == logits  # the last step's (batch 2, seq 6), rank 0's local value
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(expected["norms"]), rtol=1e-5, atol=1e-6)
 
@@ -52,11 +58,9 @@ def test_adamw_on_the_models_own_loss_equals_serial_with_varying_shapes(tmp_path
     ("examples/llama_zero3.par", 2),  # gradients reduce-scattered in buckets
     ("examples/llama_train_dp2_tp2.par", 4),  # all-reduced in buckets over dp; Megatron's f over tp
 ], ids=["zero3", "dp2xtp2"])
-def test_gradients_accumulated_over_micro_batches_equal_serial(tmp_path, plan, nproc):
+def test_gradients_accumulated_over_micro_batches_equal_serial(pools, plan, nproc):
     """Two backwards before a step: each backward's buckets are reduced on their own and added to .grad."""
-    out = tmp_path / "result.json"
-    torchrun(nproc, "tests/scripts/accumulate.py", plan, str(out))
-    result = json.loads(out.read_text())
+    result = pools(nproc).run_on_every_rank(functools.partial(accumulate, os.path.join(REPO, plan)))[0]
     assert result["error"] < 1e-5
     assert result["counts"] == [result["planned"], result["planned"]]
 

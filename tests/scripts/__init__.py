@@ -1,4 +1,5 @@
-"""Scripts the tests run under torchrun, and how each of them ends."""
+"""What the tests run on every rank, in their worker pool or as scripts under torchrun, and how such a
+script ends."""
 
 import os
 import sys

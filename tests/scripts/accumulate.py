@@ -1,25 +1,18 @@
-"""Run under torchrun by tests/test_training.py: gradients accumulated over two micro-batches (two
-backwards before one step), through pardsl's public API. Every rank compares its gradient shards with
-its shards of the serial model's accumulated gradients, and its collectives per backward with the plan's;
-rank 0 writes the largest difference and the counts as JSON.
-
-    accumulate.py PLAN.par OUT.json
-"""
-
-import json
-import sys
+"""Gradients accumulated over two micro-batches (two backwards before one step), through pardsl's public
+API. Every rank compares its gradient shards with its shards of the serial model's accumulated gradients,
+and its collectives per backward with the plan's. `accumulate` runs on every rank of a process group (the
+tests' worker pool)."""
 
 import torch
 import torch.distributed as dist
 
 import pardsl
-from tests.scripts import shut_down
 from examples.hf_models import llama_causal_lm
 
 
-def main() -> None:
-    plan_path, out_path = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
+def accumulate(plan_path: str) -> dict:
+    """On every rank of an initialised process group: the largest difference of any rank's gradient shards
+    from serial's, the collectives of each backward by axis, and the plan's."""
     generator = torch.Generator().manual_seed(7)
     micro_batches = [torch.randint(0, 256, (4, 16), generator=generator) for _ in range(2)]
 
@@ -42,12 +35,5 @@ def main() -> None:
                 for name, parameter, layout in model.named_shards())
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
-    if dist.get_rank() == 0:
-        planned = plan.compiled.program.collective_counts_by_axis()["backward"]
-        with open(out_path, "w") as handle:
-            json.dump({"error": max(errors), "counts": counts, "planned": planned}, handle)
-    shut_down()
-
-
-if __name__ == "__main__":
-    main()
+    planned = plan.compiled.program.collective_counts_by_axis()["backward"]
+    return {"error": max(errors), "counts": counts, "planned": planned}

@@ -1,5 +1,6 @@
-"""Run under torchrun by tests/test_training.py: AdamW through pardsl's public API, a batch and sequence
-length that change every step, clipping; rank 0 writes the losses and gradient norms as JSON.
+"""AdamW through pardsl's public API, a batch and sequence length that change every step, clipping. `train`
+runs on every rank of a process group (the tests' worker pool); run under torchrun, rank 0 writes the
+losses and gradient norms as JSON:
 
     api_train.py PLAN.par OUT.json [--local-batch]
 
@@ -24,10 +25,9 @@ def batches():
     return [torch.randint(0, 256, shape, generator=generator) for shape in SHAPES]
 
 
-def main() -> None:
-    plan_path, out_path = sys.argv[1], sys.argv[2]
-    local_batch = "--local-batch" in sys.argv
-    dist.init_process_group("gloo")
+def train(plan_path: str, local_batch: bool = False) -> dict:
+    """On every rank of an initialised process group: the losses and clipped gradient norms of each step,
+    and the last step's output type and local logits' shape."""
     torch.manual_seed(0)
     plan = pardsl.load(plan_path)
     model = plan.module()
@@ -43,10 +43,16 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(out.loss.item())
+    return {"losses": losses, "norms": norms, "output": type(out).__name__, "logits": list(out.logits.shape)}
+
+
+def main() -> None:
+    plan_path, out_path = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    result = train(plan_path, "--local-batch" in sys.argv)
     if dist.get_rank() == 0:
         with open(out_path, "w") as handle:
-            json.dump({"losses": losses, "norms": norms, "output": type(out).__name__,
-                       "logits": list(out.logits.shape)}, handle)
+            json.dump(result, handle)
     shut_down()
 
 
