@@ -561,6 +561,18 @@ class _NameIndex:
         return self._sorted_names
 
 
+def _close_names(target: str, index: _NameIndex) -> list[str]:
+    """The names nearest an unknown one. A pattern is offered patterns: each name with the same number of
+    parts, its parts where the target has a `*` written as the target has them, so that
+    `layers.*.attn.q_prj.weight` is offered `layers.*.attn.q_proj.weight`, not one layer's name."""
+    names = index.sorted_names()
+    if "*" in target:
+        parts = target.split(".")
+        names = sorted({".".join(t if "*" in t else n for t, n in zip(parts, name.split(".")))
+                        for name in names if name.count(".") == len(parts) - 1}) or names
+    return difflib.get_close_matches(target, names, 3)
+
+
 def _resolve(entry: LayoutEntry, index: _NameIndex, sink: DiagnosticSink) -> list[_Named]:
     target = entry.target
     table = index.table
@@ -571,8 +583,7 @@ def _resolve(entry: LayoutEntry, index: _NameIndex, sink: DiagnosticSink) -> lis
                    (n.name == target or n.name.startswith(target + ".") or n.name.startswith(target + "["))]
     if not matches:
         # suggestions cost a search over every name: only for the errors that will be shown
-        close = difflib.get_close_matches(target, index.sorted_names(), 3) \
-            if sink.count("E040") < MAX_PER_CODE else []
+        close = _close_names(target, index) if sink.count("E040") < MAX_PER_CODE else []
         notes = ["did you mean " + " or ".join(f"`{m}`" for m in close) + "?"] if close else []
         what = "matches no tensor" if "*" in target else "is not a parameter, buffer, input, output or submodule"
         sink.error("E040", f"`{target}` {what}", entry.target_span, *notes)
@@ -748,6 +759,7 @@ def bind(par: ParFile) -> BoundPlan:
     index = _NameIndex(table)
     searched: set[str] = set()
     for entry, layout in written:
+        reported = len(sink.diagnostics)
         for named in _resolve(entry, index, sink):
             if entry.layout.form == "searched":
                 if named.kind != "output":
@@ -778,6 +790,7 @@ def bind(par: ParFile) -> BoundPlan:
                            f"first given on line {previous.entry.span.line}: `{previous.entry.target}`")
                 continue
             store.setdefault(key, pin)
+        sink.one_per_place_since(reported)
     sink.raise_if_any()
     seconds["bind"] = time.perf_counter() - clock
     return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,

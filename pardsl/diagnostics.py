@@ -7,6 +7,7 @@ write ends in a Python traceback.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 # Every error code pardsl reports, with a one-line title. Codes are stable: tests and users match on them.
@@ -148,6 +149,34 @@ class CompileError(Exception):
 
 
 MAX_PER_CODE = 20
+SAME_PLACE_NAMED = 3  # of the other tensors a collapsed error also concerns, how many are named
+
+
+def _one_per_place(diagnostics: list[Diagnostic]) -> list[Diagnostic]:
+    """One diagnostic per code and place, the first, with a note naming the others (the first backquoted
+    name of each message)."""
+    first: dict[tuple, int] = {}
+    others: dict[int, list[str]] = {}
+    kept: list[Diagnostic] = []
+    for diagnostic in diagnostics:
+        place = (diagnostic.code, diagnostic.span)
+        if diagnostic.span is None or place not in first:
+            first[place] = len(kept)
+            kept.append(diagnostic)
+            continue
+        name = re.search(r"`([^`]+)`", diagnostic.message)
+        others.setdefault(first[place], []).append(name.group(1) if name else "")
+    for index, names in others.items():
+        named = [f"`{n}`" for n in dict.fromkeys(names) if n][:SAME_PLACE_NAMED]
+        rest = len(names) - len(named)
+        if named:
+            also = "for " + ", ".join(named) + (f" and {rest} more" if rest else "")
+        else:
+            also = f"{rest} more time{'s' if rest > 1 else ''}"
+        last = kept[index]
+        kept[index] = Diagnostic(last.code, last.message, last.span, last.notes + (f"also {also}",),
+                                 last.severity)
+    return kept
 
 
 class DiagnosticSink:
@@ -165,6 +194,17 @@ class DiagnosticSink:
 
     def count(self, code: str) -> int:
         return self._counts.get(code, 0)
+
+    def one_per_place_since(self, start: int) -> None:
+        """Of the diagnostics from `start` on (one written line's, for each tensor it names), keep one per
+        code and place: `layers.*.fc.weight : S(5)` is one mistake, fixed once, whatever the depth."""
+        if len(self.diagnostics) - start < 2:
+            return
+        for diagnostic in self.diagnostics[start:]:
+            self._counts[diagnostic.code] -= 1
+        self.diagnostics[start:] = _one_per_place(self.diagnostics[start:])
+        for diagnostic in self.diagnostics[start:]:
+            self._counts[diagnostic.code] += 1
 
     def raise_if_any(self) -> None:
         """Raise every diagnostic, in file order; past MAX_PER_CODE of one code, the last one shown says

@@ -130,6 +130,25 @@ def test_unknown_name_suggests_the_closest(compile_par):
     assert caught.value.diagnostics[0].notes[0].startswith("did you mean `fc1.weight`")
 
 
+DEEP = "mesh tp = 2\nmodel examples.models:DeepMLP(depth=5, d_model=8, d_ff=16)\ninput x : float32[4, 8]\n"
+
+
+def test_an_unknown_pattern_is_offered_the_pattern_it_meant(compile_par):
+    with pytest.raises(CompileError) as caught:
+        compile_par(layout("blocks.*.fc1.wieght : S(0)", head=DEEP))
+    assert caught.value.diagnostics[0].notes[0].startswith("did you mean `blocks.*.fc1.weight`")
+
+
+def test_a_line_naming_several_tensors_reports_its_mistake_once(compile_par):
+    # one line, five tensors with the same mistake: one error at the line, naming the others in a note
+    with pytest.raises(CompileError) as caught:
+        compile_par(layout("blocks.*.fc1.weight : S(2)", "blocks.*.fc2.bias : S(0)", head=DEEP))
+    (error,) = caught.value.diagnostics
+    assert (error.code, error.span.line, error.span.column) == ("E053", 5, 25)
+    assert "`blocks.0.fc1.weight`" in error.message
+    assert error.notes == ("also for `blocks.1.fc1.weight`, `blocks.2.fc1.weight`, `blocks.3.fc1.weight` and 1 more",)
+
+
 @pytest.mark.parametrize("text, code", [(CASES[0][1], "E001"), (layout("x : P"), "E055"),
                                         ("mesh tp = 2\nmodel no_such_module:MLP()\n", "E020"),
                                         # torch logs the failing trace's traceback itself; it must not show

@@ -43,8 +43,10 @@ def test_blocked_split_needs_divisible_blocks(compile_par):
     text = open("examples/gpt_tp2.par").read().replace("c_attn.weight : S(0, blocks=3)", "c_attn.weight : S(0, blocks=5)")
     with pytest.raises(CompileError) as caught:
         compile_par(text)
-    assert [d.code for d in caught.value.diagnostics] == ["E054", "E054"]  # h.0 and h.1
-    assert "not divisible by tp = 2 × 5 blocks" in caught.value.diagnostics[0].message
+    [error] = caught.value.diagnostics  # one line, one error: h.0's, naming h.1 in a note
+    assert error.code == "E054" and "not divisible by tp = 2 × 5 blocks" in error.message
+    assert "h.0.attn.c_attn.weight`" in error.message and error.notes[-1].startswith("also for `")
+    assert error.notes[-1].endswith("h.1.attn.c_attn.weight`")
 
 
 def test_vocabulary_parallel_embedding_is_a_masked_lookup():
