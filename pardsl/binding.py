@@ -62,8 +62,9 @@ class TensorInfo:
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property
-    def is_float(self) -> bool:
-        return self.dtype.is_floating_point
+    def is_differentiable(self) -> bool:
+        """A dtype autograd carries a gradient in: floating point, or complex (an FFT's result)."""
+        return self.dtype.is_floating_point or self.dtype.is_complex
 
 
 @dataclass(frozen=True)

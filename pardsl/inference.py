@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from .binding import MOE_HINT, BoundPlan, TensorInfo
 from .diagnostics import DiagnosticSink
 from .layouts import CONVERSIONS, B, P, Layout, Mesh, Placement, collective_bytes
-from .oprules import DimSpec, Signature, dim_spec, is_tensor_list, is_tensor_valued, op_name, rule_for, signatures, tensor_operands, unmet_requirement
+from .oprules import DimSpec, Signature, dim_spec, is_random, is_tensor_list, is_tensor_valued, op_name, rule_for, signatures, tensor_operands, unmet_requirement
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,8 @@ def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
         if rule is not None and rule.family == "check":
             continue
         if rule is None or not is_tensor_valued(node):
-            unsupported.setdefault((op_name(node), ""), []).append(where)
+            unsupported.setdefault((op_name(node), " (random: each rank would draw its own values)"
+                                    if is_random(node) else ""), []).append(where)
             continue
         problem = unmet_requirement(node, rule)
         if problem is not None:
@@ -162,9 +163,9 @@ def prepare(bound: BoundPlan):
     graph_nodes = [n for n in bound.graph.nodes if n.op == "call_function" and n.name in specs]
     placeholders = [n.name for n in bound.graph.nodes if n.op == "placeholder"]
     operands = {n.name: tuple(o.name for o in tensor_operands(n)) for n in graph_nodes}
-    requires_grad = {name for name in bound.parameters if bound.tensors[name].is_float}
+    requires_grad = {name for name in bound.parameters if bound.tensors[name].is_differentiable}
     for node in graph_nodes:
-        if bound.tensors[node.name].is_float and rule_for(node).differentiable and \
+        if bound.tensors[node.name].is_differentiable and rule_for(node).differentiable and \
                 any(o in requires_grad for o in operands[node.name]):
             requires_grad.add(node.name)
     return specs, graph_nodes, placeholders, operands, requires_grad

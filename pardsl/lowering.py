@@ -28,7 +28,7 @@ from .cost import parameter_unit
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
 from .layouts import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion, step_collectives
-from .oprules import Signature, rule_for
+from .oprules import WHOLE, Signature, op_name, rule_for
 from .program import Arg, Instruction, Items, Slot, Text, Var
 
 
@@ -920,6 +920,27 @@ class _Lowerer:
             f"{step.target.placements[step.axis]}@{axis}{shapes}", self.bound.par.mesh.span, (hint,),
             severity="note"))
 
+    def _note_computed_whole(self) -> None:
+        """N005: operators pardsl has no rule for, computed whole on every rank (oprules.WHOLE)."""
+        places: dict[str, list[str]] = {}
+        for name in self.typed.nodes:
+            node = self._fx[name]
+            if rule_for(node) is WHOLE:
+                places.setdefault(op_name(node), []).append(
+                    self.bound.module_paths.get(name) or "the model's own forward()")
+        if not places:
+            return
+        by_place: dict[str, list[str]] = {}  # the ops used in the same modules, listed together
+        for op, where in places.items():
+            by_place.setdefault(", ".join(sorted(set(where))[:3]), []).append(f"`{op}`")
+        ops = "; ".join(f"{', '.join(names)} in {where}" for where, names in by_place.items())
+        self.notes.append(Diagnostic(
+            "N005", f"{len(places)} operator(s) without a rule are computed whole on every rank, each tensor "
+            f"they read made whole first (B): {ops}", self.bound.par.model.span,
+            ("correct for any operator whose result depends only on its operands; where one reads a split "
+             "value, that costs a gather (and the rank's whole copy) which a rule in pardsl/oprules.py would "
+             "avoid",), severity="note"))
+
     def _rescale_mean(self, typed_node, fx_node, name: str) -> None:
         operand_layout = typed_node.operand_layouts[0]
         info = self.typed.info(typed_node.operands[0])
@@ -934,6 +955,7 @@ class _Lowerer:
     def lower(self) -> LoweredProgram:
         self.emit_program()
         self._note_exchanges()
+        self._note_computed_whole()
         return self.finish(self.statements, self.parameters, self.buffers, self.inputs, self.outputs)
 
     def emit_program(self) -> None:

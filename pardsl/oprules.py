@@ -387,12 +387,37 @@ def unmet_requirement(node: torch.fx.Node, rule: Rule) -> str | None:
     return None
 
 
+# An operator without a row is computed whole: its tensor operands converted to B, the op run alike on
+# every rank, its result B. That is right for any operator whose result depends only on its operands,
+# which excludes the random ones (tagged nondeterministic_seeded: each rank would draw its own), and it
+# costs the gathers of its operands, which lowering's note N005 names.
+WHOLE = Rule("whole")
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def computes_whole(node: torch.fx.Node) -> bool:
+    """An ATen operator without a rule that can be computed whole on every rank: one tensor result, from
+    its operands alone. Other namespaces' operators (a library's custom ops) may keep state or mutate
+    what they are given, which their schema need not say: they stay unsupported (E060)."""
+    target = node.target
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+            and not target._schema.is_mutable and not is_random(node)
+            and isinstance(node.meta.get("val"), torch.Tensor)
+            and sum(len(_shape(o)) for o in tensor_operands(node)) + len(_shape(node)) <= len(_LETTERS))
+
+
 def rule_for(node: torch.fx.Node) -> Rule | None:
     """The node's rule; an in-place op (what binding leaves of them: updates of graph inputs) has its
-    functional op's rule, and computes in place on the local value."""
+    functional op's rule, and computes in place on the local value. An operator without one is WHOLE
+    where it can be computed so."""
     rule = RULES.get(node.target)
     if rule is None and functional_overload(node.target) is not None:
         rule = RULES.get(functional_overload(node.target))
+    if rule is None and computes_whole(node):
+        rule = WHOLE
     return rule
 
 
@@ -534,6 +559,12 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
 
     if rule.family == "check":
         return DimSpec((), (), "none", (), ())
+    if rule.family == "whole":  # every dim of every tensor its own letter, none ever split: B in, B out
+        letters = iter(fresh)
+        operand_letters = [tuple(next(letters) for _ in shape) for shape in shapes]
+        output = tuple(next(letters) for _ in out_shape)
+        return DimSpec(tuple(operand_letters), output, "none", (), (),
+                       frozenset(l for ls in (*operand_letters, output) for l in ls))
     if rule.family in ("einsum", "matmul"):
         spec = rule.spec if rule.family == "einsum" else _matmul_spec(len(shapes[0]), len(shapes[1]))
         operand_letters, output = _einsum(spec, shapes, out_shape)

@@ -32,6 +32,10 @@ class Saved:
     requires_grad: bool  # whether its results need a gradient
 
 
+def _differentiable(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def probe(target, args, kwargs) -> Saved:
     """Run `target` on `args`/`kwargs` (meta tensors in place of the graph's values) and see what it saves."""
     operands = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
@@ -94,7 +98,7 @@ def what_autograd_keeps(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
     for node in graph.nodes:
         if node.op == "placeholder":
             info = tensor_info(node.name)
-            requires_grad[node.name] = node.name in parameters and info is not None and info.dtype.is_floating_point
+            requires_grad[node.name] = node.name in parameters and info is not None and _differentiable(info.dtype)
             owner[node.name] = node.name
             continue
         if node.op == "output":
@@ -129,7 +133,7 @@ def what_autograd_keeps(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
                 return literal
             info = tensor_info(arg.name)
             shape, dtype = (tuple(info.shape), info.dtype) if info is not None else (tuple(value.shape), value.dtype)
-            gradient = requires_grad.get(arg.name, False) and dtype.is_floating_point
+            gradient = requires_grad.get(arg.name, False) and _differentiable(dtype)
             key.append((shape, dtype, gradient))
             tensors.append(arg.name)
             return torch.empty(shape, dtype=dtype, device="meta", requires_grad=gradient)

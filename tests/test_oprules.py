@@ -269,3 +269,20 @@ def test_every_rule_has_one_golden_line():
 
 def test_rule_keys_are_operators():
     assert all(isinstance(op, torch._ops.OpOverload) or op is operator.getitem for op in RULES)
+
+
+def test_an_aten_operator_without_a_rule_is_computed_whole():
+    """Without a row, an ATen operator with one tensor result is WHOLE: its one signature reads every
+    operand whole and gives a whole result. A random one, one with two results and one outside ATen are
+    not (E060)."""
+    from pardsl.oprules import WHOLE
+
+    class Mixed(nn.Module):
+        def forward(self, x, y):
+            return torch.lerp(x, y, torch.cumprod(x, 1)), torch.rand_like(x), torch.cummax(x, 0).values
+
+    nodes = _nodes(Mixed(), torch.randn(4, 8), torch.randn(4, 8))
+    assert RULES.get(nodes["cumprod"].target) is None and rule_for(nodes["cumprod"]) is WHOLE
+    assert _sigs(nodes["cumprod"]) == {(("B",), "B")}
+    assert _sigs(nodes["lerp"]) == {(("B", "B", "B"), "B")}
+    assert rule_for(nodes["rand_like"]) is None and rule_for(nodes["cummax"]) is None

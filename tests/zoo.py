@@ -287,3 +287,21 @@ class MergedAfterGather(nn.Module):
     def forward(self, x):
         b, s, d = x.shape
         return torch.tanh(self.inner(x)).view(b, s * d)
+
+
+class WithoutRules(nn.Module):
+    """Operators pardsl has no rule for, between Megatron's column- and row-parallel linears: a spectral
+    mix (fft, then the real part), a running product over the sequence, a log-cumulative-sum-exp and a
+    flip. Each reads a split value, is computed whole on every rank and gives a whole value."""
+
+    def __init__(self, d: int = 16, d_ff: int = 32):
+        super().__init__()
+        self.up = nn.Linear(d, d_ff)
+        self.down = nn.Linear(d_ff, d)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))                          # split over d_ff (column parallel)
+        spectral = torch.fft.fft(h, dim=-1).real            # whole: an fft over the split dim
+        running = torch.cumprod(torch.sigmoid(h), dim=1)    # whole
+        mixed = spectral + running + torch.logcumsumexp(h, dim=1) + torch.flip(h, dims=[1])
+        return self.down(mixed)
