@@ -226,17 +226,19 @@ WITHOUT_RULES = "mesh tp = 2\nmodel tests.zoo:WithoutRules()\ninput x : float32[
 @pytest.mark.parametrize("layouts", ["layout {\n  up.weight : S(0)\n  up.bias : S(0)\n  down.weight : S(1)\n}\n",
                                      "memory <= 60 %\n"], ids=["megatron", "searched"])
 def test_operators_without_a_rule_are_computed_whole_and_noted(pools, compile_par, layouts):
-    """fft, real, cumprod, logcumsumexp and flip have no rule: each is computed whole on every rank from
+    """fft, real, cumprod, logcumsumexp, flip and cummax (two results) have no rule: each is computed
+    whole on every rank from
     its operands made whole, in a written plan and a searched one, equal to serial with the planned
     collectives (the fft's complex result carries its gradient: the split of the sum after it is
     all-gathered backward, as planned). Note N005 names them and where they are used."""
     compiled = compile_par(WITHOUT_RULES + layouts)
     [note] = [n for n in compiled.program.notes if n.code == "N005"]
     assert note.severity == "note" and (note.span.line, note.span.column) == (2, 1)
-    assert note.message.startswith("5 operator(s) without a rule are computed whole on every rank")
+    assert note.message.startswith("6 operator(s) without a rule are computed whole on every rank")
     assert note.message.endswith("`aten.fft_fft.default`, `aten.real.default`, `aten.cumprod.default`, "
-                                 "`aten.logcumsumexp.default`, `aten.flip.default` in the model's own forward()")
-    for op in ("fft_fft", "real", "cumprod", "logcumsumexp", "flip"):
+                                 "`aten.logcumsumexp.default`, `aten.flip.default`, `aten.cummax.default` in the "
+                                 "model's own forward()")
+    for op in ("fft_fft", "real", "cumprod", "logcumsumexp", "flip", "cummax"):
         [line] = [line for line in compiled.source.splitlines() if f"= aten.{op}.default(" in line]
         assert line.rstrip().split("# ")[-1].startswith("B "), line  # computed whole
     check(pools, compiled)

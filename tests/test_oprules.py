@@ -272,9 +272,8 @@ def test_rule_keys_are_operators():
 
 
 def test_an_aten_operator_without_a_rule_is_computed_whole():
-    """Without a row, an ATen operator with one tensor result is WHOLE: its one signature reads every
-    operand whole and gives a whole result. A random one, one with two results and one outside ATen are
-    not (E060)."""
+    """Without a row, an ATen operator with tensor results is WHOLE: its one signature reads every operand
+    whole and gives whole results. A random one is not (E060)."""
     from pardsl.oprules import WHOLE
 
     class Mixed(nn.Module):
@@ -285,4 +284,5 @@ def test_an_aten_operator_without_a_rule_is_computed_whole():
     assert RULES.get(nodes["cumprod"].target) is None and rule_for(nodes["cumprod"]) is WHOLE
     assert _sigs(nodes["cumprod"]) == {(("B",), "B")}
     assert _sigs(nodes["lerp"]) == {(("B", "B", "B"), "B")}
-    assert rule_for(nodes["rand_like"]) is None and rule_for(nodes["cummax"]) is None
+    assert rule_for(nodes["cummax"]) is WHOLE and _sigs(nodes["cummax"]) == {(("B",), "B")}  # values, indices
+    assert rule_for(nodes["rand_like"]) is None

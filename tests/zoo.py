@@ -291,8 +291,9 @@ class MergedAfterGather(nn.Module):
 
 class WithoutRules(nn.Module):
     """Operators pardsl has no rule for, between Megatron's column- and row-parallel linears: a spectral
-    mix (fft, then the real part), a running product over the sequence, a log-cumulative-sum-exp and a
-    flip. Each reads a split value, is computed whole on every rank and gives a whole value."""
+    mix (fft, then the real part), a running product and a running max (values and indices) over the
+    sequence, a log-cumulative-sum-exp and a flip. Each reads a split value, is computed whole on every
+    rank and gives whole values."""
 
     def __init__(self, d: int = 16, d_ff: int = 32):
         super().__init__()
@@ -303,5 +304,5 @@ class WithoutRules(nn.Module):
         h = torch.relu(self.up(x))                          # split over d_ff (column parallel)
         spectral = torch.fft.fft(h, dim=-1).real            # whole: an fft over the split dim
         running = torch.cumprod(torch.sigmoid(h), dim=1)    # whole
-        mixed = spectral + running + torch.logcumsumexp(h, dim=1) + torch.flip(h, dims=[1])
+        mixed = spectral + running + torch.logcumsumexp(h, dim=1) + torch.flip(h, dims=[1]) + torch.cummax(h, 1).values
         return self.down(mixed)
