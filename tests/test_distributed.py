@@ -187,7 +187,7 @@ def test_two_axis_mesh_data_times_tensor_parallel(pools, compile_par):
 # sizes that divide the mesh; random legal layouts of parameters and input; 1, 2 and 4 ranks.
 
 ACTIVATIONS = ["relu", "gelu", "silu", "tanh", "sigmoid", "none"]
-TAILS = ["none", "scale", "square", "shift"]
+TAILS = ["none", "scale", "square", "shift", "logcumsumexp", "flip"]  # the last two have no rule
 
 
 @st.composite
@@ -227,10 +227,9 @@ WITHOUT_RULES = "mesh tp = 2\nmodel tests.zoo:WithoutRules()\ninput x : float32[
                                      "memory <= 60 %\n"], ids=["megatron", "searched"])
 def test_operators_without_a_rule_are_computed_whole_and_noted(pools, compile_par, layouts):
     """fft, real, cumprod, logcumsumexp, flip and cummax (two results) have no rule: each is computed
-    whole on every rank from
-    its operands made whole, in a written plan and a searched one, equal to serial with the planned
-    collectives (the fft's complex result carries its gradient: the split of the sum after it is
-    all-gathered backward, as planned). Note N005 names them and where they are used."""
+    whole on every rank from its operands made whole, in a written plan and a searched one, equal to
+    serial with the planned collectives (the fft's complex result carries its gradient: the split of the
+    sum after it is all-gathered backward, as planned). Note N005 names them and where they are used."""
     compiled = compile_par(WITHOUT_RULES + layouts)
     [note] = [n for n in compiled.program.notes if n.code == "N005"]
     assert note.severity == "note" and (note.span.line, note.span.column) == (2, 1)

@@ -12,7 +12,9 @@ ACTIVATIONS = {
 
 class Stack(nn.Module):
     """Linear layers `widths[i] -> widths[i+1]`, each with an activation, optionally a bias, a residual add
-    (where the widths match) and an elementwise tail (`scale`: * 0.5, `square`: x * x, `shift`: + 1)."""
+    (where the widths match) and a tail: elementwise (`scale`: * 0.5, `square`: x * x, `shift`: + 1) or
+    an operator pardsl has no rule for, computed whole (`logcumsumexp` along the features, `flip` of the
+    batch)."""
 
     def __init__(self, widths, acts, biases, residual, tails):
         super().__init__()
@@ -32,6 +34,10 @@ class Stack(nn.Module):
                 h = h * h
             elif tail == "shift":
                 h = h + 1.0
+            elif tail == "logcumsumexp":
+                h = torch.logcumsumexp(h, dim=-1)
+            elif tail == "flip":
+                h = torch.flip(h, dims=[0])
             x = h
         return x
 
