@@ -54,7 +54,7 @@ class Rule:
     masked_lookup: bool = False  # embedding: a split vocabulary is a masked local lookup, its result P
     whole_dims: tuple[int, ...] = ()  # output dims never split (tril's matrix dims)
     size_arg: int | None = None  # sizes along a cut dim (split's split_size), made local when it is split
-    dim_default: int = 0  # the dim when the call leaves it out (diff's is -1)
+    dim_default: int | tuple = 0  # the dim when the call leaves it out (diff's is -1; roll's (): every dim)
     differentiable: bool = True  # False: no gradient flows through (detach)
     fill_arg: int | None = None  # pad's fill value: P passes a zero fill only
     joins: bool = False  # cat: m equal operands split along the dim join into S(dim, blocks=m)
@@ -79,7 +79,16 @@ def _elementwise(linear: str = "none", **kw) -> Rule:
 
 
 _UNARY = ["relu", "gelu", "silu", "tanh", "sigmoid", "exp", "log", "rsqrt", "sqrt", "abs", "sin", "cos",
-          "reciprocal", "erf", "log1p", "expm1", "softplus", "hardtanh", "leaky_relu", "elu", "square"]
+          "reciprocal", "erf", "log1p", "expm1", "softplus", "hardtanh", "leaky_relu", "elu", "square",
+          "relu6", "selu", "celu", "mish", "hardswish", "hardsigmoid", "log_sigmoid", "logit", "sinh", "cosh",
+          "tan", "asin", "acos", "atan", "asinh", "acosh", "atanh", "erfc", "erfinv", "log2", "log10", "exp2",
+          "sign", "sgn", "signbit", "floor", "ceil", "round", "trunc", "frac", "nan_to_num", "isnan", "isinf",
+          "isfinite", "digamma", "lgamma", "i0"]
+# elementwise operators of several operands (broadcasting) or of a scalar and a tensor
+_ELEMENTWISE = ["atan2.default", "hypot.default", "xlogy.Tensor", "fmod.Tensor", "fmod.Scalar", "remainder.Tensor",
+                "remainder.Scalar", "clamp.Tensor", "clamp_max.default", "clamp_min.Tensor", "lerp.Scalar",
+                "lerp.Tensor", "pow.Tensor_Tensor", "pow.Scalar", "div.Tensor_mode", "floor_divide.default",
+                "copysign.Tensor", "fmax.default", "fmin.default", "logical_xor.default", "bitwise_xor.Tensor"]
 
 RULES: dict[Any, Rule] = {
     # lookups: an embedding is one_hot(ids) @ weight, so a split vocabulary (v) is a contraction → P
@@ -174,6 +183,7 @@ RULES: dict[Any, Rule] = {
     aten.triu.default: _elementwise(whole_dims=(-2, -1)),
     aten.outer.default: Rule("einsum", "i,j->ij", linear="product"),
     **{_op(f"{name}.default"): _elementwise() for name in _UNARY},
+    **{_op(name): _elementwise() for name in _ELEMENTWISE},
     # reductions
     aten.sum.dim_IntList: Rule("reduce", linear="sum", dim_arg=1, keepdim_arg=2),
     aten.sum.default: Rule("reduce", linear="sum"),
@@ -215,6 +225,14 @@ RULES: dict[Any, Rule] = {
     aten.batch_norm.default: Rule("batch_norm", training_arg=5, parallel_form="batch_norm"),
     # group norm: statistics per sample over a group of channels and the spatial dims: batch split only
     aten.group_norm.default: Rule("group_norm"),
+    # running products, log-sum-exps, maxima and minima: the dim they run along stays whole
+    aten.cumprod.default: Rule("along", dim_arg=1),
+    aten.logcumsumexp.default: Rule("along", dim_arg=1),
+    aten.cummax.default: Rule("along", dim_arg=1),
+    aten.cummin.default: Rule("along", dim_arg=1),
+    # reversing or rotating dims, which stay whole; linear, so a partial sum passes
+    aten.flip.default: Rule("along", linear="sum", dim_arg=1),
+    aten.roll.default: Rule("along", linear="sum", dim_arg=2, dim_default=()),  # no dims: rolls it flattened
     # routing (mixture of experts): ops along one dim, which stays whole; the other dims split alike in
     # every operand of the same rank and size there (scatter's index and source), the rest whole
     aten.topk.default: Rule("along", dim_arg=2, dim_default=-1, resized=True),
@@ -439,9 +457,14 @@ def concrete_size(size) -> int:
 
 
 def call_arg(node: torch.fx.Node, position: int, name: str, default: Any = None) -> Any:
+    """The argument at `position`, or given by keyword: `name`, or the name the operator's schema gives
+    that position (flip's and roll's `dims`)."""
     if position < len(node.args):
         return node.args[position]
-    return node.kwargs.get(name, default)
+    if name in node.kwargs:
+        return node.kwargs[name]
+    arguments = getattr(getattr(node.target, "_schema", None), "arguments", ())
+    return node.kwargs.get(arguments[position].name, default) if position < len(arguments) else default
 
 
 _LETTERS = string.ascii_lowercase + string.ascii_uppercase
@@ -687,14 +710,18 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
     elif rule.family == "along":
         rank = len(shapes[0])
         x_letters = tuple(fresh[: rank])
-        dim = call_arg(node, rule.dim_arg, "dim", rule.dim_default) % rank
+        dim = call_arg(node, rule.dim_arg, "dim", rule.dim_default)
+        # one dim, or a list of them (flip's, roll's); roll without dims shifts the flattened tensor
+        along = set(range(rank)) if dim in ([], ()) else \
+            {d % rank for d in (dim if isinstance(dim, (list, tuple)) else [dim])}
         spare = iter("KLMNOPQRSTUVWXYZ")
         operand_letters = [x_letters] + [
-            tuple(x_letters[d] if d != dim and len(shape) == rank and shape[d] == shapes[0][d] else next(spare)
+            tuple(x_letters[d] if d not in along and len(shape) == rank and shape[d] == shapes[0][d] else next(spare)
                   for d in range(len(shape)))
             for shape in shapes[1:]]
-        output = tuple("J" if d == dim and rule.resized else letter for d, letter in enumerate(x_letters))
-        unsplittable |= {x_letters[dim], "J"} | {l for letters in operand_letters for l in letters if l not in x_letters}
+        output = tuple("J" if d in along and rule.resized else letter for d, letter in enumerate(x_letters))
+        unsplittable |= {x_letters[d] for d in along} | {"J"} | \
+            {l for letters in operand_letters for l in letters if l not in x_letters}
     elif rule.family == "index_put":
         rank = len(shapes[0])
         x_letters = tuple(fresh[: rank])

@@ -187,7 +187,7 @@ def test_two_axis_mesh_data_times_tensor_parallel(pools, compile_par):
 # sizes that divide the mesh; random legal layouts of parameters and input; 1, 2 and 4 ranks.
 
 ACTIVATIONS = ["relu", "gelu", "silu", "tanh", "sigmoid", "none"]
-TAILS = ["none", "scale", "square", "shift", "logcumsumexp", "flip"]  # the last two have no rule
+TAILS = ["none", "scale", "square", "shift", "logcumsumexp", "flip", "fft"]  # fft has no rule: computed whole
 
 
 @st.composite
@@ -226,18 +226,17 @@ WITHOUT_RULES = "mesh tp = 2\nmodel tests.zoo:WithoutRules()\ninput x : float32[
 @pytest.mark.parametrize("layouts", ["layout {\n  up.weight : S(0)\n  up.bias : S(0)\n  down.weight : S(1)\n}\n",
                                      "memory <= 60 %\n"], ids=["megatron", "searched"])
 def test_operators_without_a_rule_are_computed_whole_and_noted(pools, compile_par, layouts):
-    """fft, real, cumprod, logcumsumexp, flip and cummax (two results) have no rule: each is computed
-    whole on every rank from its operands made whole, in a written plan and a searched one, equal to
-    serial with the planned collectives (the fft's complex result carries its gradient: the split of the
-    sum after it is all-gathered backward, as planned). Note N005 names them and where they are used."""
+    """fft, real, kron and linalg_qr (two results) have no rule: each is computed whole on every rank
+    from its operands made whole, in a written plan and a searched one, equal to serial with the planned
+    collectives (the fft's complex result carries its gradient: the split of the sum after it is
+    all-gathered backward, as planned). Note N005 names them and where they are used."""
     compiled = compile_par(WITHOUT_RULES + layouts)
     [note] = [n for n in compiled.program.notes if n.code == "N005"]
     assert note.severity == "note" and (note.span.line, note.span.column) == (2, 1)
-    assert note.message.startswith("6 operator(s) without a rule are computed whole on every rank")
-    assert note.message.endswith("`aten.fft_fft.default`, `aten.real.default`, `aten.cumprod.default`, "
-                                 "`aten.logcumsumexp.default`, `aten.flip.default`, `aten.cummax.default` in the "
-                                 "model's own forward()")
-    for op in ("fft_fft", "real", "cumprod", "logcumsumexp", "flip", "cummax"):
+    assert note.message.startswith("4 operator(s) without a rule are computed whole on every rank")
+    assert note.message.endswith("`aten.fft_fft.default`, `aten.real.default`, `aten.kron.default`, "
+                                 "`aten.linalg_qr.default` in the model's own forward()")
+    for op in ("fft_fft", "real", "kron", "linalg_qr"):
         [line] = [line for line in compiled.source.splitlines() if f"= aten.{op}.default(" in line]
         assert line.rstrip().split("# ")[-1].startswith("B "), line  # computed whole
     check(pools, compiled)

@@ -278,11 +278,28 @@ def test_an_aten_operator_without_a_rule_is_computed_whole():
 
     class Mixed(nn.Module):
         def forward(self, x, y):
-            return torch.lerp(x, y, torch.cumprod(x, 1)), torch.rand_like(x), torch.cummax(x, 0).values
+            return torch.kron(x, y), torch.linalg.qr(x).Q, torch.rand_like(x)
 
     nodes = _nodes(Mixed(), torch.randn(4, 8), torch.randn(4, 8))
-    assert RULES.get(nodes["cumprod"].target) is None and rule_for(nodes["cumprod"]) is WHOLE
-    assert _sigs(nodes["cumprod"]) == {(("B",), "B")}
-    assert _sigs(nodes["lerp"]) == {(("B", "B", "B"), "B")}
-    assert rule_for(nodes["cummax"]) is WHOLE and _sigs(nodes["cummax"]) == {(("B",), "B")}  # values, indices
+    assert RULES.get(nodes["kron"].target) is None and rule_for(nodes["kron"]) is WHOLE
+    assert _sigs(nodes["kron"]) == {(("B", "B"), "B")}
+    assert rule_for(nodes["linalg_qr"]) is WHOLE and _sigs(nodes["linalg_qr"]) == {(("B",), "B")}  # Q and R
     assert rule_for(nodes["rand_like"]) is None
+
+
+def test_running_and_reversing_operators_keep_their_other_dims_split():
+    """cumprod, logcumsumexp, cummax, flip and roll: the dims they run along or reverse stay whole, the
+    others split; flip and roll are linear (a partial sum passes), the running ones are not. roll without
+    dims rolls the flattened tensor: every dim whole."""
+
+    class Running(nn.Module):
+        def forward(self, x):
+            return (torch.cumprod(x, 1), torch.logcumsumexp(x, 1), torch.cummax(x, 1).values,
+                    torch.flip(x, dims=[0, 2]), torch.roll(x, 1, dims=2), torch.roll(x, 1))
+
+    nodes = _nodes(Running(), torch.randn(2, 4, 6))
+    for name in ("cumprod", "logcumsumexp", "cummax"):
+        assert _sigs(nodes[name]) == {(("B",), "B"), (("S(0)",), "S(0)"), (("S(2)",), "S(2)")}, name
+    assert _sigs(nodes["flip"]) == {(("B",), "B"), (("S(1)",), "S(1)"), (("P",), "P")}
+    assert _sigs(nodes["roll"]) == {(("B",), "B"), (("S(0)",), "S(0)"), (("S(1)",), "S(1)"), (("P",), "P")}
+    assert _sigs(nodes["roll_1"]) == {(("B",), "B"), (("P",), "P")}

@@ -12,9 +12,9 @@ ACTIVATIONS = {
 
 class Stack(nn.Module):
     """Linear layers `widths[i] -> widths[i+1]`, each with an activation, optionally a bias, a residual add
-    (where the widths match) and a tail: elementwise (`scale`: * 0.5, `square`: x * x, `shift`: + 1) or
-    an operator pardsl has no rule for, computed whole (`logcumsumexp` along the features, `flip` of the
-    batch)."""
+    (where the widths match) and a tail: elementwise (`scale`: * 0.5, `square`: x * x, `shift`: + 1),
+    running along the features (`logcumsumexp`), reversing the batch (`flip`), or an operator pardsl has
+    no rule for, computed whole (`fft`: the real part of the features' FFT)."""
 
     def __init__(self, widths, acts, biases, residual, tails):
         super().__init__()
@@ -38,6 +38,8 @@ class Stack(nn.Module):
                 h = torch.logcumsumexp(h, dim=-1)
             elif tail == "flip":
                 h = torch.flip(h, dims=[0])
+            elif tail == "fft":
+                h = torch.fft.fft(h, dim=-1).real
             x = h
         return x
 
@@ -297,18 +299,18 @@ class MergedAfterGather(nn.Module):
 
 class WithoutRules(nn.Module):
     """Operators pardsl has no rule for, between Megatron's column- and row-parallel linears: a spectral
-    mix (fft, then the real part), a running product and a running max (values and indices) over the
-    sequence, a log-cumulative-sum-exp and a flip. Each reads a split value, is computed whole on every
-    rank and gives whole values."""
+    mix (fft, then the real part), a Kronecker product with a fixed matrix, and a QR factorisation (two
+    results). Each reads a split value, is computed whole on every rank and gives whole values."""
 
     def __init__(self, d: int = 16, d_ff: int = 32):
         super().__init__()
         self.up = nn.Linear(d, d_ff)
         self.down = nn.Linear(d_ff, d)
+        self.register_buffer("pair", torch.tensor([[1.0], [-0.5]]))
 
     def forward(self, x):
         h = torch.relu(self.up(x))                          # split over d_ff (column parallel)
         spectral = torch.fft.fft(h, dim=-1).real            # whole: an fft over the split dim
-        running = torch.cumprod(torch.sigmoid(h), dim=1)    # whole
-        mixed = spectral + running + torch.logcumsumexp(h, dim=1) + torch.flip(h, dims=[1]) + torch.cummax(h, 1).values
-        return self.down(mixed)
+        doubled = torch.kron(h[0], self.pair)               # [2 * seq, d_ff]: whole
+        q, r = torch.linalg.qr(doubled)                     # [2 * seq, d_ff] and [d_ff, d_ff]: whole
+        return self.down(spectral + (q @ r)[: h.shape[1]])
