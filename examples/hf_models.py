@@ -1,7 +1,8 @@
 """Hugging Face `transformers` models as their library writes them, in small configurations.
 
 Each factory builds the library's own class (GPT2LMHeadModel, LlamaForCausalLM, BertModel) from a
-config, with dropout 0 so compiled and serial runs can be compared, and returns a module whose forward
+config, with dropout 0 unless asked (GPT-2's `dropout`: pardsl draws serial's masks, so runs with it
+compare too), and returns a module whose forward
 takes tensors and returns one tensor: what `pardsl` traces with `torch.export`. `attention` picks the
 library's attention code: "sdpa" (scaled_dot_product_attention with a boolean mask) or "eager"
 (matmul, the mask applied with where/masked_fill, softmax).
@@ -23,10 +24,11 @@ class HFGPT2(torch.nn.Module):
     """GPT-2: learned positions, fused QKV in a Conv1D (weight [in, 3·out]), tied LM head."""
 
     def __init__(self, layers: int = 2, hidden: int = 64, heads: int = 8, vocab: int = 256, positions: int = 64,
-                 attention: str = "sdpa"):
+                 attention: str = "sdpa", dropout: float = 0.0):
         super().__init__()
+        # `dropout`: GPT-2's residual, embedding and attention dropout (the library's default is 0.1)
         config = transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers,
-                                         n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         n_head=heads, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
                                          bos_token_id=0, eos_token_id=0, attn_implementation=attention)
         self.model = transformers.GPT2LMHeadModel(config)
 

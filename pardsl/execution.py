@@ -7,7 +7,8 @@ step) on both, comparing its local outputs and gradients with its shards of the 
 step. Every step starts from the same parameters: after each step the compiled shards are set to the
 serial model's new values. Without that, a few steps of training on random output gradients amplify
 rounding differences (serial itself, perturbed by 1e-7, drifts the same way), and a difference would
-not mean a bug.
+not mean a bug. Every step's compiled forward also starts from the random generator's state serial's
+forward started from, so a dropout draws the masks serial drew.
 
 The tolerance follows the dtype: |compiled − serial| ≤ tol × max(1, max |serial|) per tensor, with tol
 1e-4 for float32 and float64, 1e-2 for float16 and 5e-2 for bfloat16 (8 bits of mantissa: a sum computed
@@ -233,6 +234,7 @@ def run_rank(job: RankJob) -> dict:
         if step:  # the same parameters as serial's (module doc): each step is compared on its own
             compiled.load_full_state_dict(full)
         start = time.perf_counter()
+        generator = _generator_state(device)  # the compiled step draws its random values from where serial's did
         serial_out = torch.utils._pytree.tree_leaves(serial(**dict(zip(input_names, full_inputs))))
         if output_grads is None:
             # unit-norm output gradients (a mean, not a sum, of outputs × random weights): the objective is
@@ -252,6 +254,7 @@ def run_rank(job: RankJob) -> dict:
             dist.barrier()
         start = time.perf_counter()
         compiled_opt.zero_grad(set_to_none=True)
+        _set_generator_state(device, generator)
         local_out = compiled(*local_inputs)
         # The gradient of an S output is its shard; of a B or P output, the full gradient (DESIGN §2).
         seeds = [g if Layout.from_key(layout).has_partial else rt.shard(g, layout)
@@ -283,6 +286,18 @@ def run_rank(job: RankJob) -> dict:
         compiled_opt.step()
 
     return tally.report(counts)
+
+
+def _generator_state(device: torch.device):
+    """The default generator's state for `device` (dropout's), to draw a second time what was drawn."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_generator_state(device: torch.device, state) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
 
 
 def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
@@ -328,6 +343,7 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         for stage in modules.values():  # every step starts from serial's parameters (run_rank's reason)
             stage.load_full_state_dict(full)
         start = time.perf_counter()
+        generator = _generator_state(device)  # the compiled step draws its random values from where serial's did
         serial_out = torch.utils._pytree.tree_leaves(serial(**dict(zip(input_names, full_inputs))))
         if not own_loss and gradient is None:
             gradient = _unit_norm(torch.randn(serial_out[0].shape, generator=torch.Generator().manual_seed(

@@ -127,6 +127,11 @@ def _one_axis_cost(source: Placement, target: Placement, local_bytes: int, n: in
     return sum(nbytes for _, _, nbytes in one_axis_collectives(source, target, local_bytes, n, with_backward))
 
 
+ATTENTION_DROPOUT_HINT = ("the fused attention draws its dropout inside the kernel, per rank's heads, not serial's "
+                          "mask; eager attention (Hugging Face's attn_implementation=\"eager\") applies dropout "
+                          "as an op, which pardsl draws as serial does; or set the attention dropout to 0")
+
+
 def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
     specs: dict[str, DimSpec] = {}
     unsupported: dict[tuple[str, str], list[str]] = {}
@@ -150,7 +155,8 @@ def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
         sink.error("E060", f"operation `{op}`{detail} is not supported", bound.par.model.span,
                    f"used in {', '.join(sorted(set(places))[:3])}",
                    "pardsl knows the ops listed in pardsl/oprules.py (RULES)",
-                   *([MOE_HINT] if any("expert" in place for place in places) else []))
+                   *([MOE_HINT] if any("expert" in place for place in places) else []),
+                   *([ATTENTION_DROPOUT_HINT] if "dropout_p" in detail else []))
     return specs
 
 

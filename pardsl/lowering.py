@@ -775,6 +775,10 @@ class _Lowerer:
             # Each rank holds a slice of the vocabulary: look up the ids it holds, zeros for the rest (P).
             expr = Instruction("masked_lookup", "rt.masked_embedding", (Var(operand_vars[0]), Var(operand_vars[1]),
                                                                         *(Text(f'"{a}"') for a in vocab_axes)))
+        elif rule.drawn_as:
+            # random: every rank draws serial's whole tensor and keeps its part of it, so the values are serial's
+            expr = Instruction("form", f"rt.{rule.drawn_as}", tuple(args),
+                               tuple(kwargs + [("layout", Text(repr(typed_node.op_layout.key())))]))
         elif parallel_forms:
             # the rule's parallel form takes the op's own arguments, and per form the axes it is taken on
             forms = {}

@@ -63,6 +63,7 @@ class Rule:
     groups_arg: int | None = None  # conv: the `groups` argument (grouped channels are not split)
     training_arg: int | None = None  # batch_norm: the `training` argument
     resized: bool = False  # along: the op's dim has another size in the output (topk's k)
+    drawn_as: str = ""  # a random op: the runtime function that draws serial's whole values, keeps this rank's
 
 
 aten = torch.ops.aten  # RULES is keyed by OpOverload: a key naming no operator fails at import
@@ -95,7 +96,8 @@ RULES: dict[Any, Rule] = {
     aten.embedding.default: Rule("einsum", "vd,...->...d", linear="product", linear_operands=(0,),
                                    masked_lookup=True),
     # attention: batch and heads split; sequence and head dims whole
-    aten.scaled_dot_product_attention.default: Rule("attention"),
+    # (its dropout draws inside the fused kernel, per rank's heads: not serial's mask, so refused)
+    aten.scaled_dot_product_attention.default: Rule("attention", requires=((4, "dropout_p", 0.0),)),
     # losses: with reduction="sum" a split batch gives a partial sum; with "mean" too, once the local sum
     # is divided by the global count of non-ignored targets (one all-reduce of a count), or whole, the sum
     # and count all-reduced together. Logits split over the classes (a column-parallel LM head's) are
@@ -151,7 +153,9 @@ RULES: dict[Any, Rule] = {
     aten.contiguous.default: _elementwise("sum"),
     aten.alias.default: _elementwise("sum"),
     aten.detach.default: _elementwise("sum", differentiable=False),
-    aten.dropout.default: _elementwise("sum", requires=((1, "p", 0.0),)),
+    # dropout: each rank draws the whole tensor's mask as serial's call does (the generator advances alike)
+    # and keeps its part, so every layout gives serial's values; linear in x for a given mask, so P passes
+    aten.dropout.default: _elementwise("sum", drawn_as="dropout"),
     aten.to.dtype: _elementwise("sum"),
     aten.to.dtype_layout: _elementwise("sum"),
     aten.to.device: _elementwise("sum"),

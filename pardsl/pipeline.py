@@ -27,6 +27,8 @@ import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
+
 from .cost import memory_per_rank as program_memory_per_rank, repeated_layer
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink
 from .layouts import B
@@ -112,8 +114,17 @@ def micro_batched(par: ParFile) -> ParFile:
 
 
 def check_layouts(bound, pipeline: PipelineDecl) -> None:
-    """A layout written with a split or partial sum on the pipeline axis is E076: the axis holds stages."""
+    """A layout written with a split or partial sum on the pipeline axis is E076: the axis holds stages.
+    Dropout in training is E078: serial draws one mask for the whole batch, micro-batches one each, in the
+    schedule's order."""
     sink = DiagnosticSink(bound.par.source)
+    dropouts = [node for node in bound.graph.nodes if node.target is torch.ops.aten.dropout.default
+                and node.args[1] != 0 and (len(node.args) < 3 or node.args[2])]
+    if dropouts:
+        where = bound.module_paths.get(dropouts[0].name) or "the model's own forward()"
+        sink.error("E078", f"dropout with p = {dropouts[0].args[1]} in a pipelined plan (in {where})",
+                   bound.par.model.span, "micro-batches cannot draw the mask serial draws for the whole batch: "
+                   "set the model's dropout to 0, or leave the pipeline out")
     axis = bound.mesh.axis_index(pipeline.axis)
     for pin in bound.pins.values():
         if pin.layout.placements[axis] != B:

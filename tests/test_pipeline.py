@@ -44,9 +44,11 @@ def llama(pipeline: str, layers: int = 2, mesh: str = "", extra: str = "") -> st
     (llama("pp : microbatches 4, microbatches 2, cut balanced"), "E003", 5, 31),
     (llama("pp : microbatches 4"), "E004", 5, 1),
     (llama("pp : microbatches 4, cut balanced, model.model.layers.1"), "E001", 5, 45),
+    (llama("pp : microbatches 4, cut balanced").replace("HFLlama(layers=2)", 'HFGPT2(attention="eager", dropout=0.1)'),
+     "E078", 2, 1),
 ], ids=["unknown-axis", "unknown-schedule", "no-submodule", "empty-first-stage", "out-of-order",
         "batch-not-divided", "stage-count", "stages-per-rank", "split-on-pipeline-axis", "option-twice",
-        "no-cut", "stray-name"])
+        "no-cut", "stray-name", "dropout"])
 def test_each_pipeline_mistake_is_a_located_error(text, code, line, column):
     with pytest.raises(CompileError) as raised:
         compile_text(text, "plan.par")

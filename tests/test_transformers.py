@@ -70,10 +70,34 @@ def test_unsupported_op_names_the_op_and_the_module(compile_par):
     assert error.notes[0] == "used in inner"
 
 
-def test_dropout_with_p_above_zero_is_refused(compile_par):
+GPT2_DROPOUT = open("examples/hf_gpt2_tp2.par").read().replace('attention="eager")', 'attention="eager", dropout=0.1)')
+
+
+@pytest.mark.parametrize("text", [
+    GPT2_DROPOUT,  # Megatron: attention weights' dropout split by heads, the residuals' after the all-reduce
+    GPT2_DROPOUT.replace("mesh   tp = 2", "mesh   tp = 2\nmemory <= 60 %").split("layout {")[0],  # searched
+    'mesh dp = 2\nmodel examples.hf_models:HFGPT2(attention="eager", dropout=0.2)\n'
+    "input input_ids : int64[4, 16] in [0, 256)\ninput labels : int64[4, 16] in [0, 256)\n"
+    "layout {\n  input_ids : S(0)\n  labels : S(0)\n}\n",  # data parallel, the library's own loss
+], ids=["megatron", "searched", "data-parallel"])
+def test_dropout_draws_serials_masks_under_any_layout(pools, compile_par, text):
+    """GPT-2 with dropout 0.1 (embeddings, attention weights, residuals) equals serial: each rank draws the
+    whole tensor's mask as serial's call does and keeps its part (the check restores the generator serial
+    started from). The plan's collectives are the same as without dropout."""
+    compiled = compile_par(text)
+    assert "rt.dropout(" in compiled.source and "aten.dropout" not in compiled.source
+    without = compile_par(text.replace("dropout=0.1", "dropout=0.0").replace("dropout=0.2", "dropout=0.0"))
+    assert compiled.program.collective_counts() == without.program.collective_counts()
+    check(pools, compiled)
+
+
+def test_attention_dropout_inside_the_fused_kernel_is_refused_with_what_to_write(compile_par):
     with pytest.raises(CompileError) as caught:
-        compile_par("mesh tp = 2\nmodel examples.language_models:GPT(dropout=0.1)\ninput idx : int64[2, 16] in [0, 256)\n")
-    assert "aten.dropout.default` with p=0.1" in caught.value.diagnostics[0].message
+        compile_par(GPT2_DROPOUT.replace('attention="eager", ', ""))
+    [error] = caught.value.diagnostics
+    assert error.message == ("operation `aten.scaled_dot_product_attention.default` with dropout_p=0.1 (pardsl "
+                             "supports dropout_p=0.0) is not supported")
+    assert 'eager attention (Hugging Face\'s attn_implementation="eager")' in error.notes[-1]
 
 
 class _Inner(__import__("torch").nn.Module):
