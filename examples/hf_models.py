@@ -146,8 +146,8 @@ def llama_causal_lm(layers: int = 2, hidden: int = 64, heads: int = 8, kv_heads:
 
 
 def gpt2_lm_head(layers: int = 2, hidden: int = 64, heads: int = 8, vocab: int = 256, positions: int = 128,
-                 dtype: str = "float32") -> transformers.GPT2LMHeadModel:
+                 dtype: str = "float32", attention: str = "sdpa", dropout: float = 0.0) -> transformers.GPT2LMHeadModel:
     config = transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers,
-                                     n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     bos_token_id=0, eos_token_id=0, use_cache=False, attn_implementation="sdpa")
+                                     n_head=heads, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                     bos_token_id=0, eos_token_id=0, use_cache=False, attn_implementation=attention)
     return transformers.GPT2LMHeadModel(config).to(getattr(torch, dtype))

@@ -776,7 +776,10 @@ class _Lowerer:
             expr = Instruction("masked_lookup", "rt.masked_embedding", (Var(operand_vars[0]), Var(operand_vars[1]),
                                                                         *(Text(f'"{a}"') for a in vocab_axes)))
         elif rule.drawn_as:
-            # random: every rank draws serial's whole tensor and keeps its part of it, so the values are serial's
+            # random: every rank draws serial's whole tensor and keeps its part of it, so the values are serial's.
+            # Traced in training, it draws while the module is in training mode: `.eval()` stops it, as serial's.
+            if len(args) > 2 and fx_node.args[2] is True:
+                args[2] = Text("self.training")
             expr = Instruction("form", f"rt.{rule.drawn_as}", tuple(args),
                                tuple(kwargs + [("layout", Text(repr(typed_node.op_layout.key())))]))
         elif parallel_forms:

@@ -56,6 +56,43 @@ def test_adamw_on_the_models_own_loss_equals_serial_with_varying_shapes(tmp_path
     torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(expected["norms"]), rtol=1e-5, atol=1e-6)
 
 
+def test_training_with_dropout_through_the_api_equals_serial_training_with_it(pools, tmp_path):
+    """GPT-2 with dropout 0.1 (embeddings, eager attention's weights, residuals) on dp 2 × tp 2, trained
+    through the API from the seed serial starts from: every rank draws serial's masks, so the losses and
+    clipped norms are serial's, step by step; and the masks matter (without them the losses differ)."""
+    model = 'gpt2_lm_head(layers=2, attention="eager", dropout=0.1)'
+    plan = tmp_path / "gpt2_dropout.par"
+    plan.write_text(open(os.path.join(REPO, "examples/gpt2_train_dp2_tp2.par")).read()
+                    .replace("gpt2_lm_head(layers=2)", model))
+    result = pools(4).run_on_every_rank(functools.partial(train, str(plan)))[0]
+    expected = serial_training(functools.partial(gpt2_lm_head, attention="eager", dropout=0.1))
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(expected["norms"]), rtol=1e-5, atol=1e-6)
+    without = serial_training(functools.partial(gpt2_lm_head, attention="eager"))
+    assert all(abs(a - b) > 1e-4 for a, b in zip(expected["losses"], without["losses"]))
+    # in eval mode (`model.eval()`, as for serial) nothing is dropped: the loss is serial's eval loss
+    train_loss, eval_loss = pools(4).run_on_every_rank(functools.partial(_losses_in_both_modes, str(plan)))[0]
+    torch.manual_seed(0)
+    serial = gpt2_lm_head(layers=2, attention="eager", dropout=0.1).eval()
+    ids = batches()[0]
+    assert eval_loss == pytest.approx(serial(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
+    assert abs(train_loss - eval_loss) > 1e-4
+
+
+def _losses_in_both_modes(path: str) -> tuple[float, float]:
+    import pardsl
+
+    torch.manual_seed(0)
+    plan = pardsl.load(path)
+    model = plan.module()
+    ids = batches()[0]
+    local = plan.shard_inputs(input_ids=ids, labels=ids)
+    with torch.no_grad():
+        train_loss = model(**local).loss.item()
+        model.eval()
+        return train_loss, model(**local).loss.item()
+
+
 @pytest.mark.parametrize("plan, nproc", [
     ("examples/llama_zero3.par", 2),  # gradients reduce-scattered in buckets
     ("examples/llama_train_dp2_tp2.par", 4),  # all-reduced in buckets over dp; Megatron's f over tp
