@@ -762,6 +762,9 @@ class _Lowerer:
             part = local_code[dim]
             sizes = fx_node.args[rule.size_arg]
             args[rule.size_arg] = Text(_render([part] * len(sizes) if isinstance(sizes, (list, tuple)) else part))
+        if rule.training_arg is not None and rule.training_arg < len(args) and fx_node.args[rule.training_arg] is True:
+            # traced in training: the op follows the module's mode, so `.eval()` works as it does on serial's
+            args[rule.training_arg] = Text("self.training")
         kwargs = [(k, _node_arg(v, tensor_nodes, self.bound.scalars)) for k, v in fx_node.kwargs.items()]
         expr = Instruction("compute", typed_node.op, tuple(args), tuple(kwargs))
         vocab_axes = [self.mesh.axis_names[a] for a, p in enumerate(typed_node.operand_layouts[0].placements)
@@ -776,10 +779,7 @@ class _Lowerer:
             expr = Instruction("masked_lookup", "rt.masked_embedding", (Var(operand_vars[0]), Var(operand_vars[1]),
                                                                         *(Text(f'"{a}"') for a in vocab_axes)))
         elif rule.drawn_as:
-            # random: every rank draws serial's whole tensor and keeps its part of it, so the values are serial's.
-            # Traced in training, it draws while the module is in training mode: `.eval()` stops it, as serial's.
-            if len(args) > 2 and fx_node.args[2] is True:
-                args[2] = Text("self.training")
+            # random: every rank draws serial's whole tensor and keeps its part of it, so the values are serial's
             expr = Instruction("form", f"rt.{rule.drawn_as}", tuple(args),
                                tuple(kwargs + [("layout", Text(repr(typed_node.op_layout.key())))]))
         elif parallel_forms:

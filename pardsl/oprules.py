@@ -61,7 +61,8 @@ class Rule:
     parallel_form: str = ""  # runtime function computing the op where it takes one of its extra signatures
     spatial: int = 0  # conv / window ops: how many trailing spatial dims (conv2d's 2); 0: from the weight
     groups_arg: int | None = None  # conv: the `groups` argument (grouped channels are not split)
-    training_arg: int | None = None  # batch_norm: the `training` argument
+    training_arg: int | None = None  # the `training` argument (batch_norm's, dropout's): traced True, it follows
+    # the module's mode in the generated code
     resized: bool = False  # along: the op's dim has another size in the output (topk's k)
     drawn_as: str = ""  # a random op: the runtime function that draws serial's whole values, keeps this rank's
 
@@ -155,7 +156,7 @@ RULES: dict[Any, Rule] = {
     aten.detach.default: _elementwise("sum", differentiable=False),
     # dropout: each rank draws the whole tensor's mask as serial's call does (the generator advances alike)
     # and keeps its part, so every layout gives serial's values; linear in x for a given mask, so P passes
-    aten.dropout.default: _elementwise("sum", drawn_as="dropout"),
+    aten.dropout.default: _elementwise("sum", drawn_as="dropout", training_arg=2),
     aten.to.dtype: _elementwise("sum"),
     aten.to.dtype_layout: _elementwise("sum"),
     aten.to.device: _elementwise("sum"),

@@ -71,26 +71,49 @@ def test_training_with_dropout_through_the_api_equals_serial_training_with_it(po
     without = serial_training(functools.partial(gpt2_lm_head, attention="eager"))
     assert all(abs(a - b) > 1e-4 for a, b in zip(expected["losses"], without["losses"]))
     # in eval mode (`model.eval()`, as for serial) nothing is dropped: the loss is serial's eval loss
-    train_loss, eval_loss = pools(4).run_on_every_rank(functools.partial(_losses_in_both_modes, str(plan)))[0]
+    ids = batches()[0]
+    train_loss, eval_loss = pools(4).run_on_every_rank(
+        functools.partial(_losses_in_both_modes, str(plan), {"input_ids": ids, "labels": ids}))[0]
     torch.manual_seed(0)
     serial = gpt2_lm_head(layers=2, attention="eager", dropout=0.1).eval()
-    ids = batches()[0]
     assert eval_loss == pytest.approx(serial(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
     assert abs(train_loss - eval_loss) > 1e-4
 
 
-def _losses_in_both_modes(path: str) -> tuple[float, float]:
+def test_batch_norm_in_eval_mode_uses_the_running_statistics_as_serials_does(pools):
+    """A ResNet with its batch split (synchronised batch norm in training): a forward in training mode
+    updates the running statistics with the whole batch's, and after `model.eval()` the forward uses
+    them, each loss serial's."""
+    from examples.vision_models import HFResNet
+
+    generator = torch.Generator().manual_seed(3)
+    inputs = {"pixel_values": torch.randn(4, 3, 32, 32, generator=generator),
+              "labels": torch.randint(0, 4, (4,), generator=generator)}
+    got = pools(2).run_on_every_rank(functools.partial(
+        _losses_in_both_modes, os.path.join(REPO, "examples/hf_resnet_dp2.par"), inputs))[0]
+    torch.manual_seed(0)
+    serial = HFResNet()
+    with torch.no_grad():
+        expected = serial(**inputs).item(), serial.eval()(**inputs).item()
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert abs(expected[0] - expected[1]) > 1e-4
+
+
+def _losses_in_both_modes(path: str, inputs: dict) -> tuple[float, float]:
+    """On every rank: the model's loss on `inputs` in training mode, then after `.eval()`."""
     import pardsl
 
     torch.manual_seed(0)
     plan = pardsl.load(path)
     model = plan.module()
-    ids = batches()[0]
-    local = plan.shard_inputs(input_ids=ids, labels=ids)
+    local = plan.shard_inputs(**inputs)
+    losses = []
     with torch.no_grad():
-        train_loss = model(**local).loss.item()
-        model.eval()
-        return train_loss, model(**local).loss.item()
+        for mode in (model.train, model.eval):
+            mode()
+            out = model(**local)
+            losses.append((out.loss if hasattr(out, "loss") else out).item())
+    return tuple(losses)
 
 
 @pytest.mark.parametrize("plan, nproc", [
