@@ -343,7 +343,6 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         for stage in modules.values():  # every step starts from serial's parameters (run_rank's reason)
             stage.load_full_state_dict(full)
         start = time.perf_counter()
-        generator = _generator_state(device)  # the compiled step draws its random values from where serial's did
         serial_out = torch.utils._pytree.tree_leaves(serial(**dict(zip(input_names, full_inputs))))
         if not own_loss and gradient is None:
             gradient = _unit_norm(torch.randn(serial_out[0].shape, generator=torch.Generator().manual_seed(

@@ -1,7 +1,8 @@
-"""Run under torchrun by tests/test_saved_for_backward.py: what one rank's forward keeps for backward, by
-torch's own saved-tensor hooks, against what the cost model counts that rank holds. For each plan, rank 0
-writes both (bytes of distinct storages autograd saves, the rank's parameters, buffers and inputs aside;
-the outputs the caller holds added) as JSON.
+"""What one rank's forward keeps for backward, by torch's own saved-tensor hooks, against what the cost
+model counts that rank holds (tests/test_saved_for_backward.py). `held` runs on every rank of a process
+group (the tests' worker pool) and gives both per plan: bytes of distinct storages autograd saves, the
+rank's parameters, buffers and inputs aside, the outputs the caller holds added. Run under torchrun,
+rank 0 writes them as JSON:
 
     held_memory.py OUT.json PLAN.par [PLAN.par ...]
 """
@@ -43,9 +44,8 @@ def saved_by_torch(module, inputs: dict) -> int:
     return sum(saved.values())
 
 
-def main() -> None:
-    out_path, plans = sys.argv[1], sys.argv[2:]
-    dist.init_process_group("gloo")
+def held(plans: list[str]) -> dict[str, dict[str, int]]:
+    """Per plan: what torch saves on this rank, and what the cost model counts it holds."""
     results = {}
     for path in plans:
         plan = pardsl.load(path)
@@ -62,6 +62,13 @@ def main() -> None:
                           if name_of[m.attr] in kept)
         results[path] = {"torch": saved_by_torch(module, inputs),
                          "counted": memory["activations_per_rank"] + memory["parameter_copies_per_rank"] + groups_kept}
+    return results
+
+
+def main() -> None:
+    out_path, plans = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo")
+    results = held(plans)
     if dist.get_rank() == 0:
         with open(out_path, "w") as handle:
             json.dump(results, handle)
