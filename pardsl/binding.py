@@ -30,7 +30,7 @@ from .diagnostics import MAX_PER_CODE, DiagnosticSink, Span
 from .grouped_query import fold_grouped_query_repeats
 from .in_place import functionalize_in_place
 from .layouts import B, Layout, Mesh, Placement
-from .oprules import concrete_size, op_name
+from .oprules import carries_gradient, concrete_size, op_name
 from .progress import report
 from .syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
 
@@ -63,8 +63,7 @@ class TensorInfo:
 
     @property
     def is_differentiable(self) -> bool:
-        """A dtype autograd carries a gradient in: floating point, or complex (an FFT's result)."""
-        return self.dtype.is_floating_point or self.dtype.is_complex
+        return carries_gradient(self.dtype)
 
 
 @dataclass(frozen=True)

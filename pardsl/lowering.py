@@ -780,8 +780,9 @@ class _Lowerer:
                                                                         *(Text(f'"{a}"') for a in vocab_axes)))
         elif rule.drawn_as:
             # random: every rank draws serial's whole tensor and keeps its part of it, so the values are serial's
-            expr = Instruction("form", f"rt.{rule.drawn_as}", tuple(args),
-                               tuple(kwargs + [("layout", Text(repr(typed_node.op_layout.key())))]))
+            splits = tuple((self.mesh.axis_names[a], p.dim, p.blocks)
+                           for a, p in enumerate(typed_node.op_layout.placements) if p.is_split)
+            expr = Instruction("form", f"rt.{rule.drawn_as}", tuple(args), tuple(kwargs + [("splits", Text(repr(splits)))]))
         elif parallel_forms:
             # the rule's parallel form takes the op's own arguments, and per form the axes it is taken on
             forms = {}

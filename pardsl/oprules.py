@@ -417,6 +417,11 @@ def unmet_requirement(node: torch.fx.Node, rule: Rule) -> str | None:
 WHOLE = Rule("whole")
 
 
+def carries_gradient(dtype: torch.dtype) -> bool:
+    """A dtype autograd carries a gradient in: floating point, or complex (an FFT's result)."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def is_random(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 

@@ -145,22 +145,20 @@ class Runtime:
     def split(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> torch.Tensor:
         return _Split.apply(x, self, axis, dim, blocks)
 
-    def dropout(self, x: torch.Tensor, p: float, train: bool, layout: tuple[str, ...]) -> torch.Tensor:
-        """Dropout with serial's mask, whatever `layout` (x's): the whole tensor's mask is drawn by the op
-        serial calls, on ones of the whole shape, dtype and device (so the generator advances as serial's
-        does, and each rank draws the same), and this rank keeps its part (its S placements' chunks; B
-        and P hold all of it, a partial sum's every part scaled alike)."""
+    def dropout(self, x: torch.Tensor, p: float, train: bool, splits: tuple[tuple[str, int, int], ...]) -> torch.Tensor:
+        """Dropout with serial's mask, whatever x's layout: the whole tensor's mask is drawn by the op serial
+        calls, on ones of the whole shape, dtype and device (so the generator advances as serial's does,
+        and each rank draws the same), and this rank keeps its part: its chunk along each (axis, dim,
+        blocks) of `splits`, x's S placements in mesh order (B and P hold all of it, a partial sum's every
+        part scaled alike)."""
         if not train or p == 0:
             return torch.ops.aten.dropout.default(x, p, train)
-        placements = Layout.from_key(layout).placements
         shape = list(x.shape)
-        for axis, placement in zip(self.mesh.axis_names, placements):
-            if placement.kind == "S":
-                shape[placement.dim] *= self.size[axis]
+        for axis, dim, _ in splits:
+            shape[dim] *= self.size[axis]
         scaled_mask = torch.ops.aten.dropout.default(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
-        for axis, placement in zip(self.mesh.axis_names, placements):
-            if placement.kind == "S":
-                scaled_mask = self._slice(scaled_mask, axis, placement.dim, placement.blocks)
+        for axis, dim, blocks in splits:
+            scaled_mask = self._slice(scaled_mask, axis, dim, blocks)
         return x * scaled_mask
 
     def to_partial(self, x: torch.Tensor, axis: str) -> torch.Tensor:

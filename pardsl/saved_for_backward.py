@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .oprules import carries_gradient
+
 
 @dataclass(frozen=True)
 class Saved:
@@ -30,10 +32,6 @@ class Saved:
     results: frozenset[int]  # positions of its own results it keeps
     view_of: int | None  # the operand whose storage its (one) result is a view of
     requires_grad: bool  # whether its results need a gradient
-
-
-def _differentiable(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
 
 
 def probe(target, args, kwargs) -> Saved:
@@ -98,7 +96,7 @@ def what_autograd_keeps(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
     for node in graph.nodes:
         if node.op == "placeholder":
             info = tensor_info(node.name)
-            requires_grad[node.name] = node.name in parameters and info is not None and _differentiable(info.dtype)
+            requires_grad[node.name] = node.name in parameters and info is not None and carries_gradient(info.dtype)
             owner[node.name] = node.name
             continue
         if node.op == "output":
@@ -133,7 +131,7 @@ def what_autograd_keeps(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
                 return literal
             info = tensor_info(arg.name)
             shape, dtype = (tuple(info.shape), info.dtype) if info is not None else (tuple(value.shape), value.dtype)
-            gradient = requires_grad.get(arg.name, False) and _differentiable(dtype)
+            gradient = requires_grad.get(arg.name, False) and carries_gradient(dtype)
             key.append((shape, dtype, gradient))
             tensors.append(arg.name)
             return torch.empty(shape, dtype=dtype, device="meta", requires_grad=gradient)
