@@ -104,6 +104,12 @@ class BoundPlan:
     def graph(self) -> torch.fx.Graph:
         return self.exported.graph_module.graph
 
+    @property
+    def constant_values(self) -> dict[str, torch.Tensor]:
+        """The tensors the forward makes from Python data, lifted by export: in no state dict of the model."""
+        names = (getattr(self.exported.graph_signature, "inputs_to_lifted_tensor_constants", None) or {}).values()
+        return {name: self.buffer_values[name] for name in names if name in self.buffer_values}
+
     @functools.cached_property
     def flops(self) -> dict[str, int]:
         """FLOP per op node at global shapes (cost.global_flops): counted once, read by every plan compile
@@ -315,6 +321,34 @@ def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
         logging.disable(previous)
     inline_grad_mode_regions(exported.graph_module)
     return exported
+
+
+def constant_values(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor], dynamic_shapes: dict | None,
+                    constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The values of the tensors a forward makes from Python data (`x[..., [-2]]`, `torch.tensor([3.0],
+    device=x.device)`), which export lifts as constants: traced on meta they have none. The model is traced
+    again on fake CPU tensors (nothing allocated), where such a tensor keeps its value, and each constant is
+    taken by name from that trace; it must have the meta one's shape and dtype."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = copy.deepcopy(model)  # a meta model: nothing is copied but its structure
+    with FakeTensorMode(allow_non_fake_inputs=True):  # meta tensors in, fake CPU ones out
+        fake = fake.to_empty(device="cpu")
+        inputs = {name: torch.empty(x.shape, dtype=x.dtype) for name, x in example_inputs.items()}
+    real = trace(fake, inputs, dynamic_shapes).constants
+    values = {}
+    for name, meta in constants.items():
+        value = real.get(name)
+        if not isinstance(meta, torch.Tensor) or meta.device.type != "meta":
+            values[name] = meta
+        elif (not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor
+              or value.shape != meta.shape or value.dtype != meta.dtype):
+            raise ValueError(f"constant `{name}` ({meta.dtype}{list(meta.shape)}) has no value in a trace on the CPU")
+        else:
+            values[name] = value
+    return values
 
 
 def inline_grad_mode_regions(graph_module: torch.fx.GraphModule) -> None:
@@ -698,7 +732,16 @@ def bind(par: ParFile) -> BoundPlan:
     inputs = _user_input_names(exported)
     # tensors the forward makes from constants, lifted by export (non-persistent buffers are there too,
     # traced on meta: the values built above stand)
-    buffer_values.update((k, v) for k, v in exported.constants.items() if k not in buffer_values)
+    constants = {k: v for k, v in exported.constants.items() if k not in buffer_values}
+    if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in constants.values()):
+        try:
+            with import_paths(*par_import_paths(par.source.path)):
+                constants = constant_values(model, example, _dynamic_shapes(par), constants)
+        except Exception as error:  # noqa: BLE001 - reported with the model's line, as a failed trace is
+            sink.error("E035", f"`{par.model.text}` cannot be traced for the values of its constants",
+                       par.model.span, f"{type(error).__name__}: {str(error).strip().splitlines()[0]}")
+            sink.raise_if_any()
+    buffer_values.update(constants)
 
     tensors: dict[str, TensorInfo] = {}
     module_paths: dict[str, str] = {}

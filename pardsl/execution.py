@@ -63,6 +63,9 @@ class RankJob:
     optimizer: str = "sgd"  # sgd | adam | adamw
     stdout_to_stderr: bool = False  # what the model prints goes to stderr (the CLI's --json owns stdout)
     progress_dir: str | None = None  # each rank records its progress here for `launch`'s watchdog
+    # tensors the forward makes from Python data (export's lifted constants): the serial model's state has
+    # none of them, the plan has their values
+    constants: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -101,7 +104,8 @@ def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", d
     tolerance = tolerance_for({info.dtype for info in compiled.bound.tensors.values()})
     return RankJob(compiled.source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
                    par.inputs, seed, steps, lr=lr, backend=backend, device=resolve_device(device, backend),
-                   sys_path=par_import_paths(par.source.path), timeout_s=timeout_s, tolerance=tolerance, optimizer=optimizer, stdout_to_stderr=stdout_to_stderr)
+                   sys_path=par_import_paths(par.source.path), timeout_s=timeout_s, tolerance=tolerance, optimizer=optimizer,
+                  stdout_to_stderr=stdout_to_stderr, constants=compiled.bound.constant_values)
 
 
 def resolve_backend(backend: str) -> str:
@@ -211,7 +215,7 @@ def run_rank(job: RankJob) -> dict:
     if hasattr(module, "STAGES"):
         return _run_pipelined_rank(job, module, rt, serial, progress)
     compiled = module.CompiledModule(rt)
-    full = full_state(serial)  # by every name: tied weights, non-persistent buffers
+    full = {**full_state(serial), **job.constants}  # by every name: tied weights, non-persistent buffers
     compiled.load_full_state_dict(full)
     full_inputs = [t.to(device) for t in make_inputs(job.inputs, torch.Generator().manual_seed(job.seed + 1))]
     local_inputs = compiled.shard_inputs(*full_inputs)
@@ -310,7 +314,7 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
     from .schedule import Pipeline, loss_output
 
     device = rt.device
-    full = full_state(serial)
+    full = {**full_state(serial), **job.constants}
     modules = {index: module.STAGES[index](rt) for index in Pipeline.of_rank(module, rt)}
     full_inputs = [t.to(device) for t in make_inputs(job.inputs, torch.Generator().manual_seed(job.seed + 1))]
     input_names = [decl.name for decl in job.inputs]

@@ -314,3 +314,23 @@ class WithoutRules(nn.Module):
         doubled = torch.kron(h[0], self.pair)               # [2 * seq, d_ff]: whole
         q, r = torch.linalg.qr(doubled)                     # [2 * seq, d_ff] and [d_ff, d_ff]: whole
         return self.down(spectral + (q @ r)[: h.shape[1]])
+
+
+class MadeFromData(nn.Module):
+    """Tensors the forward makes from Python data, which export lifts as constants: Falcon's split of its
+    fused projection (`x[..., [-2], :]`, an index list) and a table written in the forward. Traced on the
+    meta device they have no values."""
+
+    def __init__(self, d: int = 8, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.fused = nn.Linear(d, d * (heads + 2) // heads)
+        self.out = nn.Linear(d // heads, d)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        fused = self.fused(x).view(b, s, self.heads + 2, -1)
+        query, key = fused[..., :-2, :], fused[..., [-2], :]
+        scores = (query * key).sum(-1, keepdim=True)
+        weights = torch.tensor([0.5, -1.0, 2.0, 0.25], device=x.device)[: self.heads, None]
+        return self.out(query * scores * weights).sum(2)
