@@ -173,7 +173,8 @@ class _Tally:
 
     def note(self, kind: str, what: str, got: torch.Tensor | None, expected: torch.Tensor | None) -> None:
         err = float("inf") if got is None or expected is None else _max_err(got, expected)
-        scale = max(1.0, expected.detach().abs().max().item()) if expected is not None and expected.numel() else 1.0
+        # in double: a bool or integer buffer (GPTBigCode's causal mask) is compared as the floats are
+        scale = max(1.0, expected.detach().double().abs().max().item()) if expected is not None and expected.numel() else 1.0
         rel = err / scale if math.isfinite(scale) else float("inf")
         self.errors[kind] = max(self.errors[kind], err)
         if self.worst[kind] is None or rel > self.relative[kind]:

@@ -231,7 +231,8 @@ def test_constants_the_forward_makes_from_python_data_keep_their_values(pools, c
     """An index list and a table written in the forward are lifted by export as constants, which a trace
     on the meta device leaves without values (Falcon's `x[..., [-2], :]` loaded an empty buffer, or failed
     to load: no state dict holds them). Compile takes them from a trace on fake CPU tensors; `pardsl run`'s
-    ranks and `plan.module()` both get them, and the plan equals serial."""
+    ranks and `plan.module()` both get them, and the plan equals serial. (`pardsl run` compares buffers
+    too: a bool one, as GPTBigCode's causal mask is, once failed there.)"""
     compiled = compile_par(MADE_FROM_DATA + layouts)
     values = {name.rsplit(".", 1)[-1]: value.tolist() for name, value in compiled.bound.constant_values.items()}
     assert sorted(values.values(), key=len) == [[-2], [0.5, -1.0, 2.0, 0.25]]

@@ -319,13 +319,14 @@ class WithoutRules(nn.Module):
 class MadeFromData(nn.Module):
     """Tensors the forward makes from Python data, which export lifts as constants: Falcon's split of its
     fused projection (`x[..., [-2], :]`, an index list) and a table written in the forward. Traced on the
-    meta device they have no values."""
+    meta device they have no values. And a bool buffer, as GPTBigCode's causal mask is."""
 
     def __init__(self, d: int = 8, heads: int = 4):
         super().__init__()
         self.heads = heads
         self.fused = nn.Linear(d, d * (heads + 2) // heads)
         self.out = nn.Linear(d // heads, d)
+        self.register_buffer("kept", torch.tensor([True, False, True, True])[:heads, None])
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -333,4 +334,4 @@ class MadeFromData(nn.Module):
         query, key = fused[..., :-2, :], fused[..., [-2], :]
         scores = (query * key).sum(-1, keepdim=True)
         weights = torch.tensor([0.5, -1.0, 2.0, 0.25], device=x.device)[: self.heads, None]
-        return self.out(query * scores * weights).sum(2)
+        return self.out(torch.where(self.kept, query * scores * weights, query)).sum(2)
