@@ -99,6 +99,15 @@ class BoundPlan:
     dims: dict[str, tuple[str, str, int]] = field(default_factory=dict)
     scalars: dict[str, str] = field(default_factory=dict)  # graph node → expression, for sizes (sym_size)
     searched: frozenset[str] = frozenset()  # graph nodes written `?`: their layouts are the search's to choose
+    # parameters the model freezes (`requires_grad_(False)`: Whisper's sinusoidal positions, a fine-tune's
+    # frozen layers), by every name: no gradient, no optimizer state, nothing to synchronise
+    frozen: frozenset[str] = frozenset()
+
+    @property
+    def trained_parameters(self) -> list[str]:
+        """The parameter placeholders a gradient is computed for: not frozen, of a dtype that has one."""
+        return [p for p, name in self.parameters.items()
+                if name not in self.frozen and self.tensors[p].is_differentiable]
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -698,6 +707,7 @@ def bind(par: ParFile) -> BoundPlan:
     tied: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         tied.setdefault(id(parameter), []).append(name)
+    frozen = frozenset(name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
     signature = inspect.signature(model.forward)
     example = {decl.name: torch.empty(decl.shape, dtype=DTYPES[decl.dtype], device="meta") for decl in par.inputs}
     clock = time.perf_counter()
@@ -839,7 +849,7 @@ def bind(par: ParFile) -> BoundPlan:
     return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
                      module_paths, seconds, buffer_values, persistent,
                      {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars,
-                     frozenset(searched - set(pins)))
+                     frozenset(searched - set(pins)), frozen)
 
 
 def _check_input_values(par: ParFile, exported, inputs: dict[str, str], sink: DiagnosticSink) -> None:

@@ -319,7 +319,7 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
 
         activity = program.memory()
         memory = {**pipelined_memory(compiled.stages, pipeline, optimizer),
-                  "serial_total": serial_bytes(activity["parameters_total"],
+                  "serial_total": serial_bytes(activity["parameters_total"], activity["parameters_trained_total"],
                                                activity["activations_total"] * pipeline.microbatches, optimizer)}
     return Estimate(machine, ops, costs, memory, seconds)
 
@@ -351,14 +351,15 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
         "gathered_parameters": gathered,
     }
     memory["total"] = sum(memory.values())
-    memory["serial_total"] = serial_bytes(activity["parameters_total"], activity["activations_total"], optimizer)
+    memory["serial_total"] = serial_bytes(activity["parameters_total"], activity["parameters_trained_total"],
+                                          activity["activations_total"], optimizer)
     return memory
 
 
-def serial_bytes(parameters: int, activations: int, optimizer: str = "adamw") -> int:
-    """What the serial model holds: parameters with their gradients and optimizer state, and activations;
-    a `memory <= N %` bound is a share of it."""
-    return parameters * (2 + OPTIMIZER_STATES[optimizer]) + activations
+def serial_bytes(parameters: int, trained: int, activations: int, optimizer: str = "adamw") -> int:
+    """What the serial model holds: its parameters, the gradients and optimizer state of those it trains
+    (`trained` of the `parameters` bytes), and activations; a `memory <= N %` bound is a share of it."""
+    return parameters + trained * (1 + OPTIMIZER_STATES[optimizer]) + activations
 
 
 def _dtype(name: str) -> torch.dtype:

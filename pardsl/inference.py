@@ -169,7 +169,7 @@ def prepare(bound: BoundPlan):
     graph_nodes = [n for n in bound.graph.nodes if n.op == "call_function" and n.name in specs]
     placeholders = [n.name for n in bound.graph.nodes if n.op == "placeholder"]
     operands = {n.name: tuple(o.name for o in tensor_operands(n)) for n in graph_nodes}
-    requires_grad = {name for name in bound.parameters if bound.tensors[name].is_differentiable}
+    requires_grad = set(bound.trained_parameters)
     for node in graph_nodes:
         if bound.tensors[node.name].is_differentiable and rule_for(node).differentiable and \
                 any(o in requires_grad for o in operands[node.name]):

@@ -194,6 +194,7 @@ class LoweredProgram:
         return {
             "parameters_per_rank": sum(nbytes(p.local_shape, p.dtype) for p in self.parameters),
             "parameters_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters),
+            "parameters_trained_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters if p.requires_grad),
             "activations_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
                                         if v.get("kept_for_backward") or (v["kind"] == "copy" and not v["parameter"])),
             "parameter_copies_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()

@@ -110,9 +110,10 @@ def memory_limit(bound: BoundPlan, optimizer: str = "adamw", microbatches: int =
     if written is None:
         return None
     parameters = sum(bound.tensors[name].nbytes for name in bound.parameters)
+    trained = sum(bound.tensors[name].nbytes for name in bound.trained_parameters)
     # the op results autograd keeps for backward, as LoweredProgram.memory counts activations
     activations = sum(bound.tensors[name].nbytes for name in bound.kept_for_backward) * microbatches
-    return written.bytes(serial_bytes(parameters, activations, optimizer))
+    return written.bytes(serial_bytes(parameters, trained, activations, optimizer))
 
 
 @dataclass

@@ -2,6 +2,7 @@
 with the collectives the runtime counts equal to the plan's."""
 
 import functools
+import math
 
 import pytest
 import torch
@@ -257,6 +258,23 @@ def _output_through_the_api(path: str, x):
     with torch.no_grad():
         out = plan.module()(**plan.shard_inputs(x=x))
     return out.detach()
+
+
+@pytest.mark.parametrize("layouts", ["layout {\n  ids : S(0)\n}\n", "memory <= 60 %\n"], ids=["written", "searched"])
+def test_a_frozen_parameter_has_no_gradient_to_compute_or_synchronise(pools, compile_par, layouts):
+    """A parameter the model freezes is generated frozen: the data-parallel plan all-reduces the trained
+    parameters' gradients only (it all-reduced the frozen embedding's too, and an optimizer then moved
+    it), the search counts no gradient or optimizer state for it, and the plan equals serial, whose
+    embedding has no gradient."""
+    compiled = compile_par("mesh dp = 2\nmodel tests.zoo:PartlyFrozen()\ninput ids : int64[8, 4] in [0, 64)\n" + layouts)
+    [embedding] = [line for line in compiled.source.splitlines() if "self.embed_weight = nn.Parameter(" in line]
+    assert "requires_grad=False" in embedding
+    trained = [p for p in compiled.program.parameters if p.requires_grad]
+    assert sorted(p.name for p in trained) == ["down.bias", "down.weight", "up.bias", "up.weight"]
+    if "ids : S(0)" in layouts:
+        # one all-reduce of the trained gradients; on 2 ranks it moves 2 (n - 1) / n = 1 times their bytes
+        assert compiled.program.collective_bytes()["backward"] == sum(4 * math.prod(p.shape) for p in trained)
+    check(pools, compiled)
 
 
 WITHOUT_RULES = "mesh tp = 2\nmodel tests.zoo:WithoutRules()\ninput x : float32[2, 6, 16]\n"

@@ -335,3 +335,18 @@ class MadeFromData(nn.Module):
         scores = (query * key).sum(-1, keepdim=True)
         weights = torch.tensor([0.5, -1.0, 2.0, 0.25], device=x.device)[: self.heads, None]
         return self.out(torch.where(self.kept, query * scores * weights, query)).sum(2)
+
+
+class PartlyFrozen(nn.Module):
+    """A fine-tune's model: the embedding frozen (`requires_grad_(False)`, as Whisper freezes its
+    sinusoidal positions), the layers above it trained."""
+
+    def __init__(self, vocab: int = 64, d: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.embed.requires_grad_(False)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, ids):
+        return self.down(torch.relu(self.up(self.embed(ids))))
