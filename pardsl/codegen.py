@@ -138,7 +138,17 @@ def render(program: LoweredProgram) -> str:
         gathers=_gathers(program),
         resharded=_resharded(program),
         buckets=_buckets(program),
+        training_only=_training_only_message(program.training_only),
     )
+
+
+def _training_only_message(draws: list[str]) -> str | None:
+    if not draws:
+        return None
+    shown = ", ".join(draws[:3]) + (f" and {len(draws) - 3} more" if len(draws) > 3 else "")
+    return (f"this module was traced in training mode, where the model draws random values outside dropout "
+            f"({shown}); it has no eval-mode forward: evaluate with the serial model, or compile the model "
+            f"with those draws turned off (a stochastic depth rate of 0)")
 
 
 def render_pipeline(stages: list[LoweredProgram], plan) -> str:

@@ -28,7 +28,7 @@ from .cost import parameter_unit
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
 from .layouts import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion, step_collectives
-from .oprules import WHOLE, Signature, op_name, rule_for
+from .oprules import WHOLE, Signature, is_random, op_name, rule_for
 from .program import Arg, Instruction, Items, Slot, Text, Var
 
 
@@ -153,6 +153,9 @@ class LoweredProgram:
     notes: list[Diagnostic] = field(default_factory=list)
     gathers: list[GatherGroup] = field(default_factory=list)
     buckets: list[GradientBucket] = field(default_factory=list)
+    # random draws the model makes in training mode outside dropout (stochastic depth's `rand`), as
+    # "`op` in module": traced in training mode, the forward draws them in eval mode too, so it refuses that
+    training_only: list[str] = field(default_factory=list)
 
     @property
     def collectives(self) -> list[Collective]:
@@ -929,6 +932,10 @@ class _Lowerer:
             f"{step.target.placements[step.axis]}@{axis}{shapes}", self.bound.par.mesh.span, (hint,),
             severity="note"))
 
+    def _training_only(self) -> list[str]:
+        return [f"`{op_name(self._fx[name])}` in {self.bound.module_paths.get(name) or 'the forward'}"
+                for name in self.typed.nodes if rule_for(self._fx[name]) is WHOLE and is_random(self._fx[name])]
+
     def _note_computed_whole(self) -> None:
         """N005: operators pardsl has no rule for, computed whole on every rank (oprules.WHOLE)."""
         places: dict[str, list[str]] = {}
@@ -943,12 +950,15 @@ class _Lowerer:
         for op, where in places.items():
             by_place.setdefault(", ".join(sorted(set(where))[:3]), []).append(f"`{op}`")
         ops = "; ".join(f"{', '.join(names)} in {where}" for where, names in by_place.items())
+        hints = ["correct for any operator whose result depends only on its operands; where one reads a split "
+                 "value, that costs a gather (and the rank's whole copy) which a rule in pardsl/oprules.py would "
+                 "avoid"]
+        if self._training_only():
+            hints.append("a random one draws serial's values on every rank from the same generator state (seed "
+                         "every rank alike); traced in training mode, the module raises in eval mode")
         self.notes.append(Diagnostic(
             "N005", f"{len(places)} operator(s) without a rule are computed whole on every rank, each tensor "
-            f"they read made whole first (B): {ops}", self.bound.par.model.span,
-            ("correct for any operator whose result depends only on its operands; where one reads a split "
-             "value, that costs a gather (and the rank's whole copy) which a rule in pardsl/oprules.py would "
-             "avoid",), severity="note"))
+            f"they read made whole first (B): {ops}", self.bound.par.model.span, tuple(hints), severity="note"))
 
     def _rescale_mean(self, typed_node, fx_node, name: str) -> None:
         operand_layout = typed_node.operand_layouts[0]
@@ -1080,7 +1090,7 @@ class _Lowerer:
             values = {name: v for name, v in values.items() if v["kind"] == "placeholder" or name in computed}
         return LoweredProgram(self.mesh, self.bound.par.source.path, self.bound.par.model.text, parameters, buffers,
                               inputs, self._fill_placeholders(statements, in_bucket, in_group), outputs,
-                              values, self.notes, groups, buckets)
+                              values, self.notes, groups, buckets, self._training_only())
 
 
 def lower_in_stages(typed: TypedGraph, bucket_mb: float, split) -> tuple[LoweredProgram, list[LoweredProgram]]:

@@ -428,11 +428,13 @@ def is_random(node: torch.fx.Node) -> bool:
 
 def computes_whole(node: torch.fx.Node) -> bool:
     """An ATen operator without a rule that can be computed whole on every rank: tensor results (one, or
-    several that getitem takes), from its operands alone. Other namespaces' operators (a library's custom ops) may keep state or mutate
-    what they are given, which their schema need not say: they stay unsupported (E060)."""
+    several that getitem takes), from its operands alone. A random one (stochastic depth's `rand`) too:
+    every rank draws the whole tensor from the same generator state, in serial's order, so each draws
+    serial's values. Other namespaces' operators (a library's custom ops) may keep state or mutate what
+    they are given, which their schema need not say: they stay unsupported (E060)."""
     target = node.target
     return (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
-            and not target._schema.is_mutable and not is_random(node)
+            and not target._schema.is_mutable
             and (isinstance(node.meta.get("val"), torch.Tensor) or is_tensor_list(node))
             and sum(len(_shape(o)) for o in tensor_operands(node)) + len(_shape(node)) <= len(_LETTERS))
 

@@ -33,6 +33,7 @@ from .cost import memory_per_rank as program_memory_per_rank, repeated_layer
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink
 from .layouts import B
 from .lowering import OutputSlot, Statement, TensorSlot
+from .oprules import WHOLE, is_random, op_name, rule_for
 from .syntax import ParFile, PipelineDecl
 
 # torch.distributed.pipelining's schedules by the names the `.par` file uses: (class name, stages per rank
@@ -118,13 +119,14 @@ def check_layouts(bound, pipeline: PipelineDecl) -> None:
     Dropout in training is E078: serial draws one mask for the whole batch, micro-batches one each, in the
     schedule's order."""
     sink = DiagnosticSink(bound.par.source)
-    dropouts = [node for node in bound.graph.nodes if node.target is torch.ops.aten.dropout.default
-                and node.args[1] != 0 and (len(node.args) < 3 or node.args[2])]
-    if dropouts:
-        where = bound.module_paths.get(dropouts[0].name) or "the model's own forward()"
-        sink.error("E078", f"dropout with p = {dropouts[0].args[1]} in a pipelined plan (in {where})",
-                   bound.par.model.span, "micro-batches cannot draw the mask serial draws for the whole batch: "
-                   "set the model's dropout to 0, or leave the pipeline out")
+    draws = [node for node in bound.graph.nodes if node.op == "call_function" and _draws(node)]
+    if draws:
+        where = bound.module_paths.get(draws[0].name) or "the model's own forward()"
+        what = (f"dropout with p = {draws[0].args[1]}" if draws[0].target is torch.ops.aten.dropout.default
+                else f"a random draw (`{op_name(draws[0])}`)")
+        sink.error("E078", f"{what} in a pipelined plan (in {where})",
+                   bound.par.model.span, "micro-batches cannot draw the values serial draws for the whole batch: "
+                   "set the model's dropout (and stochastic depth) to 0, or leave the pipeline out")
     axis = bound.mesh.axis_index(pipeline.axis)
     for pin in bound.pins.values():
         if pin.layout.placements[axis] != B:
@@ -132,6 +134,14 @@ def check_layouts(bound, pipeline: PipelineDecl) -> None:
                        f"`{pipeline.axis}`", pin.entry.layout.span,
                        f"the ranks along {pipeline.axis} hold different stages, not shards: write B there")
     sink.raise_if_any()
+
+
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether the op draws random values: dropout in training with p > 0, a random op computed whole
+    (stochastic depth's `rand`). (Attention is tagged random for its dropout, which is E060 where not 0.)"""
+    if node.target is torch.ops.aten.dropout.default:
+        return node.args[1] != 0 and (len(node.args) < 3 or bool(node.args[2]))
+    return is_random(node) and rule_for(node) is WHOLE
 
 
 def check_unsplit(typed, pipeline: PipelineDecl) -> None:

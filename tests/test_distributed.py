@@ -277,6 +277,42 @@ def test_a_frozen_parameter_has_no_gradient_to_compute_or_synchronise(pools, com
     check(pools, compiled)
 
 
+STOCHASTIC_DEPTH = "mesh dp = 2\nmodel tests.zoo:StochasticDepth()\ninput x : float32[8, 16]\n"
+
+
+@pytest.mark.parametrize("layouts", ["layout {\n  x : S(0)\n}\n", "memory <= 60 %\n"], ids=["written", "searched"])
+def test_random_draws_without_a_rule_are_serials_on_every_rank(pools, compile_par, tmp_path, layouts):
+    """Stochastic depth's `rand` and a `randn` are computed whole: every rank draws the whole tensor from
+    the generator state serial starts from, in serial's order, and keeps its part (here its samples), so
+    the step equals serial's (E060 before: Swin and Segformer did not compile). Traced in training mode,
+    the module refuses an eval-mode forward instead of drawing there."""
+    compiled = compile_par(STOCHASTIC_DEPTH + layouts)
+    [note] = [n for n in compiled.program.notes if n.code == "N005"]
+    assert "`aten.rand.default`" in note.message and "`aten.randn.default`" in note.message
+    assert any("random one draws serial's values" in hint for hint in note.notes)
+    assert [line.strip() for line in compiled.source.splitlines() if "rand" in line and "= aten." in line] and all(
+        line.rstrip().split("# ")[-1].startswith("B ") for line in compiled.source.splitlines()
+        if "= aten.rand" in line)
+    check(pools, compiled, steps=2)
+    path = tmp_path / "stochastic_depth.par"
+    path.write_text(STOCHASTIC_DEPTH + layouts)
+    for message in pools(2).run_on_every_rank(functools.partial(_eval_forward_error, str(path))):
+        assert message.startswith("this module was traced in training mode") and "aten.rand.default" in message
+
+
+def _eval_forward_error(path: str) -> str:
+    import pardsl
+
+    torch.manual_seed(0)
+    plan = pardsl.load(path)
+    model = plan.module().eval()
+    try:
+        model(**plan.shard_inputs(x=torch.ones(8, 16)))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
 WITHOUT_RULES = "mesh tp = 2\nmodel tests.zoo:WithoutRules()\ninput x : float32[2, 6, 16]\n"
 
 

@@ -273,7 +273,8 @@ def test_rule_keys_are_operators():
 
 def test_an_aten_operator_without_a_rule_is_computed_whole():
     """Without a row, an ATen operator with tensor results is WHOLE: its one signature reads every operand
-    whole and gives whole results. A random one is not (E060)."""
+    whole and gives whole results. A random one too: every rank draws serial's values from the same
+    generator state (test_distributed.py runs one)."""
     from pardsl.oprules import WHOLE
 
     class Mixed(nn.Module):
@@ -284,7 +285,7 @@ def test_an_aten_operator_without_a_rule_is_computed_whole():
     assert RULES.get(nodes["kron"].target) is None and rule_for(nodes["kron"]) is WHOLE
     assert _sigs(nodes["kron"]) == {(("B", "B"), "B")}
     assert rule_for(nodes["linalg_qr"]) is WHOLE and _sigs(nodes["linalg_qr"]) == {(("B",), "B")}  # Q and R
-    assert rule_for(nodes["rand_like"]) is None
+    assert rule_for(nodes["rand_like"]) is WHOLE and _sigs(nodes["rand_like"]) == {(("B",), "B")}
 
 
 def test_running_and_reversing_operators_keep_their_other_dims_split():

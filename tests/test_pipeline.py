@@ -47,9 +47,11 @@ def llama(pipeline: str, layers: int = 2, mesh: str = "", extra: str = "") -> st
     (llama("pp : microbatches 4, cut balanced, model.model.layers.1"), "E001", 5, 45),
     (llama("pp : microbatches 4, cut balanced").replace("HFLlama(layers=2)", 'HFGPT2(attention="eager", dropout=0.1)'),
      "E078", 2, 1),
+    ("mesh pp = 2\nmodel tests.zoo:StochasticDepth()\ninput x : float32[8, 16]\n"
+     "pipeline pp : microbatches 4, cut before blocks.1\n", "E078", 2, 1),
 ], ids=["unknown-axis", "unknown-schedule", "no-submodule", "empty-first-stage", "out-of-order",
         "batch-not-divided", "stage-count", "stages-per-rank", "split-on-pipeline-axis", "option-twice",
-        "no-cut", "stray-name", "dropout"])
+        "no-cut", "stray-name", "dropout", "random-draw"])
 def test_each_pipeline_mistake_is_a_located_error(text, code, line, column):
     with pytest.raises(CompileError) as raised:
         compile_text(text, "plan.par")

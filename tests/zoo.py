@@ -350,3 +350,23 @@ class PartlyFrozen(nn.Module):
 
     def forward(self, ids):
         return self.down(torch.relu(self.up(self.embed(ids))))
+
+
+class StochasticDepth(nn.Module):
+    """Residual blocks each skipped for some samples at random in training (stochastic depth, drawn as
+    Hugging Face's and timm's drop_path draw it: `rand` of [batch, 1]), and noise added to the output:
+    random operators without a rule."""
+
+    def __init__(self, d: int = 16, blocks: int = 2, rate: float = 0.5):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(blocks))
+        self.rate = rate
+
+    def forward(self, x):
+        for block in self.blocks:
+            update = torch.tanh(block(x))
+            if self.training:
+                keep = torch.rand(x.shape[0], 1, dtype=x.dtype, device=x.device) >= self.rate
+                update = update * keep / (1 - self.rate)
+            x = x + update
+        return x + 0.1 * torch.randn(x.shape, dtype=x.dtype, device=x.device) if self.training else x
