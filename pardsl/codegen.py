@@ -98,7 +98,9 @@ def _outputs(program: LoweredProgram) -> list[dict]:
 
 
 def _resharded(program: LoweredProgram) -> list[str]:
-    return [f"({number}, {g.regather is not None})" for number, g in enumerate(program.gathers) if g.resharded]
+    """In the order backward needs them: the reverse of the forward's last reads."""
+    groups = sorted((g.last_read, number, g) for number, g in enumerate(program.gathers) if g.resharded)
+    return [f"({number}, {g.regather is not None})" for _, number, g in reversed(groups)]
 
 
 def _gathers(program: LoweredProgram) -> list[dict]:

@@ -108,6 +108,9 @@ class GatherGroup:
     vars: tuple[str, ...] = ()  # the program's variables holding its members whole
     resharded: bool = False  # dropped once the forward has used it (pardsl/reshard.py)
     regather: Collective | None = None  # resharded and kept for backward: gathered again there
+    # where the forward last reads it (a statement number): backward needs the resharded groups in the
+    # reverse order of these, which is not their own where a tied head reads the first group last
+    last_read: int = -1
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ parameter itself: the bucket writes `.grad` once the collective has finished.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -50,8 +51,9 @@ class ParameterSync:
         self._backward: int | None = None  # the autograd graph task whose gradients are arriving
         self._prefetched: tuple[int, object, torch.Tensor] | None = None  # (group, work, buffer)
         self._current: tuple[int, list[torch.Tensor]] | None = None  # the group being used: its parameters whole
-        self._resharded: dict[int, bool] = {}  # group → whether backward gathers it again
-        self._holding: dict[int, tuple[int, int]] = {}  # storage → (group, base): the resharded group in use
+        self._resharded: dict[int, bool] = {}  # group → whether backward gathers it again; in backward's order
+        # storage → (group, base, the base tensor, weakly): the resharded groups gathered in this forward
+        self._holding: dict[int, tuple[int, int, weakref.ref]] = {}
         self._regathered: tuple[int, list[torch.Tensor]] | None = None  # backward: the group gathered again
         self._prefetched_backward: tuple[int, object, torch.Tensor] | None = None
 
@@ -68,13 +70,12 @@ class ParameterSync:
 
     def _gathered(self, group: int, item: int) -> torch.Tensor:
         if item == 0 or self._current is None or self._current[0] != group:  # the forward takes items in order
-            self._holding = {}  # the group before is released: its storage may be reused from here
             buffer = self._take(group)
             wholes = self._unpack(group, buffer)
             self._current = (group, wholes)
             if group in self._resharded:
                 for base, tensor in enumerate(_bases(wholes)):
-                    self._holding[tensor.untyped_storage().data_ptr()] = (group, base)
+                    self._holding[tensor.untyped_storage().data_ptr()] = (group, base, weakref.ref(tensor))
             if group + 1 < len(self.gathers):
                 self._prefetched = (group + 1, *self._issue_gather(group + 1))
         return self._current[1][item]
@@ -88,9 +89,12 @@ class ParameterSync:
 
     def _pack(self, tensor: torch.Tensor):
         place = self._holding.get(tensor.untyped_storage().data_ptr()) if self._holding else None
-        if place is None:
+        # A group stays in `_holding` after the next is taken: a weight read again later in the forward (a
+        # tied head's) is kept by its place too. Its base alive means its storage is; once the base is freed,
+        # the address may be any tensor's.
+        if place is None or place[2]() is None:
             return tensor.detach()  # not the tensor itself: an op's saved output would hold its own node
-        return _InGroup(*place, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        return _InGroup(place[0], place[1], tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
 
     def _unpack_saved(self, packed):
         if not isinstance(packed, _InGroup):
@@ -112,9 +116,11 @@ class ParameterSync:
             work, buffer = self._issue_gather(group, "backward")
         work.wait()
         self._regathered = (group, _bases(self._unpack(group, buffer)))
-        before = [g for g, again in self._resharded.items() if again and g < group]
-        if before:
-            self._prefetched_backward = (max(before), *self._issue_gather(max(before), "backward"))
+        # the next group backward gathers again (`_resharded` is in backward's order)
+        order = [g for g, again in self._resharded.items() if again]
+        after = order[order.index(group) + 1:] if group in order else []
+        if after:
+            self._prefetched_backward = (after[0], *self._issue_gather(after[0], "backward"))
         return self._regathered[1]
 
     def _take(self, group: int):

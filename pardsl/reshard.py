@@ -77,7 +77,7 @@ def reshard_after_forward(program: LoweredProgram, typed: TypedGraph, any_axis: 
         regather = Collective("all_gather", group.axis, "backward", group.collective.bytes, f"group {number}",
                               f"{len(group.members)} parameter(s) of {group.members[0].unit or 'outside the layers'}, "
                               "gathered again for backward") if regathered else None
-        groups[number] = dataclasses.replace(group, resharded=True, regather=regather)
+        groups[number] = dataclasses.replace(group, resharded=True, regather=regather, last_read=max(read))
     if not releases:
         return program
     statements = []
