@@ -90,6 +90,24 @@ class HFT5(torch.nn.Module):
         return result.logits if labels is None else result.loss
 
 
+class HFWhisper(torch.nn.Module):
+    """Whisper: a two-convolution front end over mel features, an encoder whose sinusoidal positions are a
+    frozen parameter, and a decoder with cross-attention; returns the logits."""
+
+    def __init__(self, layers: int = 1, hidden: int = 64, heads: int = 8, ffn: int = 128, vocab: int = 128,
+                 mel_bins: int = 16, frames: int = 32, positions: int = 32):
+        super().__init__()
+        config = transformers.WhisperConfig(
+            vocab_size=vocab, d_model=hidden, encoder_layers=layers, decoder_layers=layers,
+            encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn,
+            num_mel_bins=mel_bins, max_source_positions=frames // 2, max_target_positions=positions,
+            pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+        self.model = transformers.WhisperForConditionalGeneration(config)
+
+    def forward(self, input_features, decoder_input_ids):
+        return self.model(input_features=input_features, decoder_input_ids=decoder_input_ids, use_cache=False).logits
+
+
 class HFCausalLM(torch.nn.Module):
     """Any of transformers' decoder-only families (Mistral, Qwen2, Qwen3, Gemma, Olmo, StableLm, Phi,
     GPTNeoX, ...) built from its config class with a small shape, through AutoModelForCausalLM."""

@@ -2,7 +2,8 @@
 
 `HFResNet` is `ResNetForImageClassification` (convolutions, batch norm in training mode, max and adaptive
 average pooling, in-place ReLU and residual adds); `HFViT` is `ViTForImageClassification` (a conv2d patch
-projection, then a transformer encoder). Each forward returns the logits, or the library's own loss when
+projection, then a transformer encoder); `HFSwin` is `SwinForImageClassification` (shifted windows: rolls,
+window partitions, patch merging; stochastic depth, a random draw per sample). Each forward returns the logits, or the library's own loss when
 labels are given.
 """
 
@@ -43,6 +44,23 @@ class HFViT(torch.nn.Module):
                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                         attn_implementation="sdpa")
         self.model = transformers.ViTForImageClassification(config)
+
+    def forward(self, pixel_values, labels=None):
+        result = self.model(pixel_values=pixel_values, labels=labels)
+        return result.logits if labels is None else result.loss
+
+
+class HFSwin(torch.nn.Module):
+    """Swin: 4×4 patches, two stages of windowed attention (windows of 4×4 patches, shifted in the second
+    block), patch merging between them, and stochastic depth at `drop_path` (the library's default 0.1)."""
+
+    def __init__(self, embed: int = 16, depths: tuple[int, ...] = (2, 1), heads: tuple[int, ...] = (2, 4),
+                 image: int = 32, patch: int = 4, window: int = 4, labels: int = 4, drop_path: float = 0.1):
+        super().__init__()
+        config = transformers.SwinConfig(image_size=image, patch_size=patch, embed_dim=embed, depths=list(depths),
+                                         num_heads=list(heads), window_size=window, num_labels=labels,
+                                         drop_path_rate=drop_path, attn_implementation="eager")
+        self.model = transformers.SwinForImageClassification(config)
 
     def forward(self, pixel_values, labels=None):
         result = self.model(pixel_values=pixel_values, labels=labels)
