@@ -9,11 +9,16 @@ functional ops only, with the rules it already has.
 Two cases stay as they are:
 - a write into a graph input (a buffer such as batch norm's `num_batches_tracked`, or a user input):
   each rank updates its own local value, which is what the serial model does to its tensor;
-- a write into a view, or into a tensor some view of which is read: the write changes the other tensor
-  too. These are reported (E062), since rewriting them would silently change the program.
+- a write into a view, or into a tensor a view of which is read, where a tensor sharing the memory (the
+  view's base, another view of it) is read after the write: the write changes that tensor too. These are
+  reported (E062), since rewriting them would silently change the program. Where nothing else sharing
+  the memory is read after it (MobileNetV2's in-place dropout on the flattened pooling), the write is
+  rewritten like any other.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -54,7 +59,8 @@ def functionalize_in_place(graph_module: torch.fx.GraphModule) -> list[torch.fx.
         functional = functional_overload(node.target)
         if not isinstance(written, torch.fx.Node) or written.op == "placeholder" or functional is None:
             continue  # an input's own update, or an op with no functional twin (E060 names it)
-        if is_view(written) or any(is_view(user) for user in written.users):
+        if (is_view(written) or any(is_view(user) for user in written.users)) and \
+                _shared_memory_read_after(written, node, order):
             refused.append(node)
             continue
         node.target, rewritten = functional, True
@@ -65,3 +71,23 @@ def functionalize_in_place(graph_module: torch.fx.GraphModule) -> list[torch.fx.
         graph.lint()
         graph_module.recompile()
     return refused
+
+
+def _shared_memory_read_after(written: torch.fx.Node, write: torch.fx.Node, order: dict) -> bool:
+    """Whether a tensor sharing `written`'s memory (the base it is a view of, every view of that base)
+    other than `written` itself is read after `write`, or the base is a graph input (whose update would
+    outlive the forward)."""
+    root = written
+    while is_view(root) and isinstance(root.args[0], torch.fx.Node):
+        root = root.args[0]
+    if root.op == "placeholder":
+        return True
+    aliases, stack = {root}, [root]
+    while stack:  # every view of the base, and the parts of a split (getitem of a view's list)
+        for user in stack.pop().users:
+            aliasing = is_view(user) or (user.op == "call_function" and user.target is operator.getitem)
+            if aliasing and user not in aliases:
+                aliases.add(user)
+                stack.append(user)
+    return any(order.get(user, -1) > order[write] for alias in aliases - {written}
+               for user in alias.users if user is not write)

@@ -1,5 +1,6 @@
 """In-place ops, handled once (pardsl/in_place.py): each becomes its functional op and later reads see
-its result; an input's own update stays in place; a write into a view is a located error (E062)."""
+its result; an input's own update stays in place; a write into a view whose memory is read again after
+it is a located error (E062)."""
 
 import pytest
 import torch
@@ -36,6 +37,24 @@ class WritesIntoAView(nn.Module):
         return y
 
 
+class WritesIntoAViewNothingReadsAgain(nn.Module):
+    """MobileNetV2's classifier: in-place dropout on the flattened pooling (a view), whose base nothing
+    reads after the write; and a write into a tensor of which a view was read before the write only."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        pooled = self.linear(x).view(4, 2, 4)
+        flat = pooled.flatten(1)
+        flat.mul_(2.0)
+        h = self.linear(x)
+        peek = h.view(-1).sum()
+        h.add_(1.0)
+        return self.linear(flat) + h * peek
+
+
 def _par(model: str, layouts: str = "") -> str:
     return (f"mesh dp = 2\nmodel tests.test_in_place:{model}()\ninput x : float32[4, 8]\n"
             f"layout {{\n    x : S(0)\n{layouts}}}\n")
@@ -56,3 +75,9 @@ def test_a_write_into_a_view_is_located(compile_par):
     [error] = caught.value.diagnostics
     assert (error.code, error.span.line, error.span.column) == ("E062", 2, 1)
     assert "aten.add_.Tensor" in error.message
+
+
+def test_a_write_into_a_view_nothing_reads_again_becomes_functional(compile_par, pools):
+    compiled = compile_par(_par("WritesIntoAViewNothingReadsAgain"))
+    assert "aten.mul_" not in compiled.source and "aten.add_" not in compiled.source
+    assert run_on(pools, compiled, steps=2)["ok"]
