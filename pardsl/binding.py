@@ -332,12 +332,35 @@ def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
     return exported
 
 
+@contextlib.contextmanager
+def _python_random_seeded(seed: int):
+    """NumPy's (where installed) and Python's global generators seeded with `seed`, and given back their
+    state after."""
+    import random
+
+    try:
+        import numpy
+    except ImportError:  # a model without NumPy draws nothing from it
+        numpy = None
+    states = random.getstate(), numpy.random.get_state() if numpy else None
+    random.seed(seed)
+    if numpy:
+        numpy.random.seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        if numpy:
+            numpy.random.set_state(states[1])
+
+
 def constant_values(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor], dynamic_shapes: dict | None,
                     constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The values of the tensors a forward makes from Python data (`x[..., [-2]]`, `torch.tensor([3.0],
-    device=x.device)`), which export lifts as constants: traced on meta they have none. The model is traced
-    again on fake CPU tensors (nothing allocated), where such a tensor keeps its value, and each constant is
-    taken by name from that trace; it must have the meta one's shape and dtype."""
+    device=x.device)`), which export lifts as constants: traced on meta, those made on the input's device
+    have none. The model is traced again on fake CPU tensors (nothing allocated), where such a tensor keeps
+    its value, and each constant is taken by name from that trace; it must have the first trace's shape and
+    dtype."""
     import copy
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -350,13 +373,13 @@ def constant_values(model: torch.nn.Module, example_inputs: dict[str, torch.Tens
     values = {}
     for name, meta in constants.items():
         value = real.get(name)
-        if not isinstance(meta, torch.Tensor) or meta.device.type != "meta":
+        if not isinstance(meta, torch.Tensor):
             values[name] = meta
         elif (not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor
               or value.shape != meta.shape or value.dtype != meta.dtype):
-            raise ValueError(f"constant `{name}` ({meta.dtype}{list(meta.shape)}) has no value in a trace on the CPU")
+            raise ValueError(f"constant `{name}` ({meta.dtype}{list(meta.shape)}) is not one in a trace on the CPU")
         else:
-            values[name] = value
+            values[name] = value.clone()  # a later trace may hand back the same tensor, refilled
     return values
 
 
@@ -743,14 +766,32 @@ def bind(par: ParFile) -> BoundPlan:
     # tensors the forward makes from constants, lifted by export (non-persistent buffers are there too,
     # traced on meta: the values built above stand)
     constants = {k: v for k, v in exported.constants.items() if k not in buffer_values}
-    if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in constants.values()):
+    if any(isinstance(v, torch.Tensor) for v in constants.values()):
         try:
             with import_paths(*par_import_paths(par.source.path)):
-                constants = constant_values(model, example, _dynamic_shapes(par), constants)
+                # Traced on meta, a constant may have no value: it is taken from traces on fake CPU tensors.
+                # Twice, NumPy's and Python's generators seeded apart: a value made from their random
+                # numbers (Wav2Vec2's SpecAugment mask) differs between the traces, where a constant does not.
+                traced = []
+                for seed in (0, 1):
+                    with _python_random_seeded(seed):
+                        traced.append(constant_values(model, example, _dynamic_shapes(par), constants))
         except Exception as error:  # noqa: BLE001 - reported with the model's line, as a failed trace is
             sink.error("E035", f"`{par.model.text}` cannot be traced for the values of its constants",
                        par.model.span, f"{type(error).__name__}: {str(error).strip().splitlines()[0]}")
             sink.raise_if_any()
+        drawn = [name for name, value in traced[0].items()
+                 if isinstance(value, torch.Tensor) and not torch.equal(value, traced[1][name])]
+        if drawn:
+            value = traced[0][drawn[0]]
+            sink.error("E063", f"the forward makes `{drawn[0]}` ({str(value.dtype).removeprefix('torch.')}"
+                       f"{list(value.shape)}) from values that change from call to call outside torch",
+                       par.model.span, f"used in {drawn[0].rsplit('.', 1)[0] or 'the model'}",
+                       "NumPy's or Python's random numbers (Wav2Vec2's SpecAugment masks) are fixed to one draw "
+                       "when the forward is traced, where serial draws anew each call: turn them off in the "
+                       "model (`mask_time_prob=0`), or draw them with torch, whose draws pardsl makes as serial")
+            sink.raise_if_any()
+        constants = traced[0]
     buffer_values.update(constants)
 
     tensors: dict[str, TensorInfo] = {}

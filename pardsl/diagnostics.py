@@ -53,6 +53,7 @@ ERROR_CODES: dict[str, str] = {
     "E060": "operation not supported",
     "E061": "operation whose result shape depends on the data",
     "E062": "in-place operation on a view",
+    "E063": "the forward makes a tensor from Python-side random numbers, which a trace fixes",
     "E064": "memory bound that is no bound",
     "E070": "pipeline axis that is not a mesh axis",
     "E071": "unknown pipeline schedule",

@@ -71,12 +71,21 @@ CASES = [
      [("E061", 2, 1)]),
     ("module-called-twice", "mesh tp = 2\nmodel tests.test_errors:Twice()\ninput x : float32[4, 8]\n"
                             "layout {\n  lin() : B\n}\n", [("E044", 5, 3)]),
+    ("numpy-random", "mesh tp = 2\nmodel tests.test_errors:DrawsWithNumPy()\ninput x : float32[4, 8]\n",
+     [("E063", 2, 1)]),
 ]
 
 
 class Unsupported(__import__("torch").nn.Module):
     def forward(self, x):  # the fused attention draws its dropout per rank's heads inside the kernel
         return __import__("torch").nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=0.5)
+
+
+class DrawsWithNumPy(__import__("torch").nn.Module):
+    def forward(self, x):  # a mask drawn outside torch, as Wav2Vec2's SpecAugment draws it: a trace fixes it
+        import numpy
+        import torch
+        return x * torch.tensor(numpy.random.rand(x.shape[0]) > 0.5, device=x.device)[:, None]
 
 
 class BooleanMask(__import__("torch").nn.Module):
