@@ -174,7 +174,13 @@ def prepare(bound: BoundPlan):
         if bound.tensors[node.name].is_differentiable and rule_for(node).differentiable and \
                 any(o in requires_grad for o in operands[node.name]):
             requires_grad.add(node.name)
-    return specs, graph_nodes, placeholders, operands, requires_grad
+    # A gradient reaches only what an output is computed from: a branch whose result the model does not
+    # return (BERT's pooler under a model that returns the hidden states) gets none, nor do its weights.
+    reaches_output = {name for _, name in bound.outputs if name in requires_grad}
+    for node in reversed(graph_nodes):
+        if node.name in reaches_output:
+            reaches_output.update(o for o in operands[node.name] if o in requires_grad)
+    return specs, graph_nodes, placeholders, operands, requires_grad & reaches_output
 
 
 def infer(bound: BoundPlan) -> TypedGraph:

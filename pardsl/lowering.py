@@ -365,7 +365,7 @@ class _Lowerer:
                 partial = frozenset(
                     a for a in range(self.mesh.ndim)
                     if needed.placements[a] == B and node.op_layout.placements[a] != B
-                    and operand in self.typed.requires_grad
+                    and operand in self.typed.requires_grad and node.name in self.typed.requires_grad
                 )
                 self.uses.setdefault(var, []).append(_Use(node.name, slot, partial))
         for (_, node_name), layout in zip(self.bound.outputs, self.typed.output_layouts):
@@ -986,6 +986,8 @@ class _Lowerer:
         self._fx = {n.name: n for n in bound.graph.nodes}
         taken: set[str] = set()
         parameters, buffers, inputs = [], [], []
+        # a parameter is generated trainable as serial's is, whether or not a gradient reaches it in this graph
+        trained = set(bound.trained_parameters)
         for placeholder in (n.name for n in bound.graph.nodes if n.op == "placeholder"):
             info = typed.info(placeholder)
             layout = typed.placeholder_layouts[placeholder]
@@ -1000,7 +1002,7 @@ class _Lowerer:
                 attr = _attr_name(name, taken)
                 self.var[placeholder] = f"self.{attr}"
                 slot = TensorSlot(name, attr, "parameter" if is_param else "buffer", info.shape, local,
-                                  str(info.dtype), layout, placeholder in typed.requires_grad)
+                                  str(info.dtype), layout, placeholder in trained)
                 (parameters if is_param else buffers).append(slot)
             else:
                 continue  # the unused name of a tied weight: the graph reads the other one

@@ -277,6 +277,18 @@ def test_a_frozen_parameter_has_no_gradient_to_compute_or_synchronise(pools, com
     check(pools, compiled)
 
 
+def test_weights_of_a_branch_the_model_does_not_return_get_no_gradient_to_synchronise(pools, compile_par):
+    """RoBERTa's pooler under a model returning the hidden states: its weights were in the data-parallel
+    gradient bucket, whose all-reduce then moved fewer bytes than planned (the pooler's gradient never
+    came). Only what an output is computed from needs a gradient; the pooler stays trainable, as serial's."""
+    compiled = compile_par("mesh dp = 2\nmodel tests.zoo:ReturnsPart()\ninput x : float32[8, 4, 16]\n"
+                           "layout {\n  x : S(0)\n}\n")
+    [bucket] = compiled.program.buckets
+    assert sorted(m[0] for m in bucket.members) == ["encoder_body_bias", "encoder_body_weight"]
+    assert all(p.requires_grad for p in compiled.program.parameters)
+    check(pools, compiled)  # the measured bytes are the planned ones
+
+
 STOCHASTIC_DEPTH = "mesh dp = 2\nmodel tests.zoo:StochasticDepth()\ninput x : float32[8, 16]\n"
 
 

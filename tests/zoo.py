@@ -370,3 +370,25 @@ class StochasticDepth(nn.Module):
                 update = update * keep / (1 - self.rate)
             x = x + update
         return x + 0.1 * torch.randn(x.shape, dtype=x.dtype, device=x.device) if self.training else x
+
+
+class ReturnsPart(nn.Module):
+    """An encoder that computes a pooled summary its wrapper does not return, as BERT's and RoBERTa's
+    pooler under a model that returns the hidden states: no gradient reaches the pooler."""
+
+    class Encoder(nn.Module):
+        def __init__(self, d: int):
+            super().__init__()
+            self.body = nn.Linear(d, d)
+            self.pooler = nn.Linear(d, d)
+
+        def forward(self, x):
+            h = torch.relu(self.body(x))
+            return h, torch.tanh(self.pooler(h[:, 0]))
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.encoder = ReturnsPart.Encoder(d)
+
+    def forward(self, x):
+        return self.encoder(x)[0]
