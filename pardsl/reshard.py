@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from .in_place import is_view
 from .inference import TypedGraph
 from .layouts import B
 from .lowering import Collective, LoweredProgram, Statement
@@ -43,20 +44,29 @@ def reshard_after_forward(program: LoweredProgram, typed: TypedGraph, any_axis: 
     kept: set[str] = set()  # variables some op keeps for backward
     # parameters some op keeps (itself or through a view): what each op saves, probed once on meta tensors
     kept_parameters = typed.bound.parameters_kept_for_backward
+    # a variable that is a gathered weight under another name (its gradient's all-reduce, an identity
+    # forward; a view of it): its reads are the weight's (GPT-2's tied head reads the embedding's so)
+    alias: dict[str, str] = {}
     for index, statement in enumerate(program.statements):
         instruction = statement.instruction
         node = graph.get(statement.node)
         for position, arg in enumerate(instruction.args):
             for name in _names(arg):
-                last_read[name] = index
-                if name in gathered and (instruction.kind != "compute" or not isinstance(arg, Var) or node is None
+                root = alias.get(name, name)
+                last_read[name] = last_read[root] = index
+                if root in gathered and (instruction.kind != "compute" or not isinstance(arg, Var) or node is None
                                          or _keeps(node, position, kept_parameters)):
-                    kept.add(name)
+                    kept.add(root)
         for _, arg in instruction.kwargs:
             for name in _names(arg):
-                last_read[name] = index
-                if name in gathered:
-                    kept.add(name)
+                root = alias.get(name, name)
+                last_read[name] = last_read[root] = index
+                if root in gathered:
+                    kept.add(root)
+        first = instruction.args[0] if instruction.args else None
+        if isinstance(first, Var) and alias.get(first.name, first.name) in gathered and (
+                instruction.kind == "grad_sync" or (instruction.kind == "compute" and node is not None and is_view(node))):
+            alias.update((target, alias.get(first.name, first.name)) for target in statement.targets)
     mesh = program.mesh
     batch_axes = {mesh.axis_names[a] for slot in program.inputs for a, p in enumerate(slot.layout.placements)
                   if p.is_split and p.dim == 0}
