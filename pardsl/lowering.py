@@ -772,6 +772,9 @@ class _Lowerer:
         if rule.training_arg is not None and rule.training_arg < len(args) and fx_node.args[rule.training_arg] is True:
             # traced in training: the op follows the module's mode, so `.eval()` works as it does on serial's
             args[rule.training_arg] = Text("self.training")
+        if fx_node.target is torch.ops.aten.add_.Tensor and self._counts_batches(fx_node) and args[1] == Text("1"):
+            # batch norm counts the batches it normalises in training only (`if self.training`, traced away)
+            args[1] = Text("int(self.training)")
         kwargs = [(k, _node_arg(v, tensor_nodes, self.bound.scalars)) for k, v in fx_node.kwargs.items()]
         expr = Instruction("compute", typed_node.op, tuple(args), tuple(kwargs))
         vocab_axes = [self.mesh.axis_names[a] for a, p in enumerate(typed_node.operand_layouts[0].placements)
@@ -934,6 +937,12 @@ class _Lowerer:
             f"{step.source.placements[step.axis]}@{axis}, which {what} needs as "
             f"{step.target.placements[step.axis]}@{axis}{shapes}", self.bound.par.mesh.span, (hint,),
             severity="note"))
+
+    def _counts_batches(self, fx_node: torch.fx.Node) -> bool:
+        """Whether the op updates a batch norm's `num_batches_tracked` buffer in place."""
+        target = fx_node.args[0] if fx_node.args else None
+        return (isinstance(target, torch.fx.Node) and target.name in self.bound.buffers
+                and self.bound.buffers[target.name].rsplit(".", 1)[-1] == "num_batches_tracked")
 
     def _training_only(self) -> list[str]:
         return [f"`{op_name(self._fx[name])}` in {self.bound.module_paths.get(name) or 'the forward'}"

@@ -83,24 +83,28 @@ def test_training_with_dropout_through_the_api_equals_serial_training_with_it(po
 def test_batch_norm_in_eval_mode_uses_the_running_statistics_as_serials_does(pools):
     """A ResNet with its batch split (synchronised batch norm in training): a forward in training mode
     updates the running statistics with the whole batch's, and after `model.eval()` the forward uses
-    them, each loss serial's."""
+    them, each loss serial's; batch norm counts the batch in training mode only (`num_batches_tracked`
+    went on counting in eval mode)."""
     from examples.vision_models import HFResNet
 
     generator = torch.Generator().manual_seed(3)
     inputs = {"pixel_values": torch.randn(4, 3, 32, 32, generator=generator),
               "labels": torch.randint(0, 4, (4,), generator=generator)}
-    got = pools(2).run_on_every_rank(functools.partial(
+    got, counted = pools(2).run_on_every_rank(functools.partial(
         _losses_in_both_modes, os.path.join(REPO, "examples/hf_resnet_dp2.par"), inputs))[0]
     torch.manual_seed(0)
     serial = HFResNet()
     with torch.no_grad():
         expected = serial(**inputs).item(), serial.eval()(**inputs).item()
     assert got == pytest.approx(expected, rel=1e-5)
+    assert counted == [int(b) for name, b in serial.named_buffers() if name.endswith("num_batches_tracked")] == \
+        [1] * len(counted)
     assert abs(expected[0] - expected[1]) > 1e-4
 
 
-def _losses_in_both_modes(path: str, inputs: dict) -> tuple[float, float]:
-    """On every rank: the model's loss on `inputs` in training mode, then after `.eval()`."""
+def _losses_in_both_modes(path: str, inputs: dict) -> tuple[tuple[float, float], list[int]]:
+    """On every rank: the model's loss on `inputs` in training mode, then after `.eval()`; and the batches
+    each batch norm counted."""
     import pardsl
 
     torch.manual_seed(0)
@@ -113,7 +117,7 @@ def _losses_in_both_modes(path: str, inputs: dict) -> tuple[float, float]:
             mode()
             out = model(**local)
             losses.append((out.loss if hasattr(out, "loss") else out).item())
-    return tuple(losses)
+    return tuple(losses), [int(b) for name, b in model.named_buffers() if name.endswith("num_batches_tracked")]
 
 
 @pytest.mark.parametrize("plan, nproc", [
