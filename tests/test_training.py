@@ -72,7 +72,7 @@ def test_training_with_dropout_through_the_api_equals_serial_training_with_it(po
     assert all(abs(a - b) > 1e-4 for a, b in zip(expected["losses"], without["losses"]))
     # in eval mode (`model.eval()`, as for serial) nothing is dropped: the loss is serial's eval loss
     ids = batches()[0]
-    train_loss, eval_loss = pools(4).run_on_every_rank(
+    (train_loss, eval_loss), _ = pools(4).run_on_every_rank(
         functools.partial(_losses_in_both_modes, str(plan), {"input_ids": ids, "labels": ids}))[0]
     torch.manual_seed(0)
     serial = gpt2_lm_head(layers=2, attention="eager", dropout=0.1).eval()
