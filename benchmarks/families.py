@@ -77,14 +77,13 @@ def main() -> None:
     from pardsl.compiler import compile_text
     from pardsl.diagnostics import CompileError
     from pardsl.execution import job_for
-    from pardsl.layouts import Mesh
     from pardsl.pool import WorkerPool
 
     ranks = 1
     for axis in args.mesh.split(","):
         ranks *= int(axis.split("=")[1])
     bound = 60 if ranks <= 2 else 40
-    print(f"| family | equal to serial | measured = planned | compile (s) | collectives per step | notes |")
+    print("| family | equal to serial | measured = planned | compile (s) | collectives per step | notes |")
     print("|---|---|---|---|---|---|")
     pool = WorkerPool(ranks, timeout_s=300)
     try:

@@ -104,8 +104,8 @@ def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", d
     tolerance = tolerance_for({info.dtype for info in compiled.bound.tensors.values()})
     return RankJob(compiled.source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
                    par.inputs, seed, steps, lr=lr, backend=backend, device=resolve_device(device, backend),
-                   sys_path=par_import_paths(par.source.path), timeout_s=timeout_s, tolerance=tolerance, optimizer=optimizer,
-                  stdout_to_stderr=stdout_to_stderr, constants=compiled.bound.constant_values)
+                   sys_path=par_import_paths(par.source.path), timeout_s=timeout_s, tolerance=tolerance,
+                   optimizer=optimizer, stdout_to_stderr=stdout_to_stderr, constants=compiled.bound.constant_values)
 
 
 def resolve_backend(backend: str) -> str:

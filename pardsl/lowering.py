@@ -28,7 +28,7 @@ from .cost import parameter_unit
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
 from .layouts import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion, step_collectives
-from .oprules import WHOLE, Signature, is_random, op_name, rule_for
+from .oprules import WHOLE, Signature, is_drawn_whole, op_name, rule_for
 from .program import Arg, Instruction, Items, Slot, Text, Var
 
 
@@ -946,7 +946,7 @@ class _Lowerer:
 
     def _training_only(self) -> list[str]:
         return [f"`{op_name(self._fx[name])}` in {self.bound.module_paths.get(name) or 'the forward'}"
-                for name in self.typed.nodes if rule_for(self._fx[name]) is WHOLE and is_random(self._fx[name])]
+                for name in self.typed.nodes if is_drawn_whole(self._fx[name])]
 
     def _note_computed_whole(self) -> None:
         """N005: operators pardsl has no rule for, computed whole on every rank (oprules.WHOLE)."""
@@ -965,7 +965,7 @@ class _Lowerer:
         hints = ["correct for any operator whose result depends only on its operands; where one reads a split "
                  "value, that costs a gather (and the rank's whole copy) which a rule in pardsl/oprules.py would "
                  "avoid"]
-        if self._training_only():
+        if any(is_drawn_whole(self._fx[name]) for name in self.typed.nodes):
             hints.append("a random one draws serial's values on every rank from the same generator state (seed "
                          "every rank alike); traced in training mode, the module raises in eval mode")
         self.notes.append(Diagnostic(

@@ -439,6 +439,12 @@ def computes_whole(node: torch.fx.Node) -> bool:
             and sum(len(_shape(o)) for o in tensor_operands(node)) + len(_shape(node)) <= len(_LETTERS))
 
 
+def is_drawn_whole(node: torch.fx.Node) -> bool:
+    """A random operator without a rule (stochastic depth's `rand`): computed whole, each rank drawing
+    serial's values. Attention is tagged random for its own dropout, and has a rule."""
+    return is_random(node) and rule_for(node) is WHOLE
+
+
 def rule_for(node: torch.fx.Node) -> Rule | None:
     """The node's rule; an in-place op (what binding leaves of them: updates of graph inputs) has its
     functional op's rule, and computes in place on the local value. An operator without one is WHOLE

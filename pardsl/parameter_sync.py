@@ -54,7 +54,6 @@ class ParameterSync:
         self._resharded: dict[int, bool] = {}  # group → whether backward gathers it again; in backward's order
         # storage → (group, base, the base tensor, weakly): the resharded groups gathered in this forward
         self._holding: dict[int, tuple[int, int, weakref.ref]] = {}
-        self._handed: dict[int, list[weakref.ref]] = {}  # storage → the gathered weights handed to the forward
         self._regathered: tuple[int, list[torch.Tensor]] | None = None  # backward: the group gathered again
         self._prefetched_backward: tuple[int, object, torch.Tensor] | None = None
 
@@ -67,10 +66,7 @@ class ParameterSync:
                    member: int = 0) -> torch.Tensor:
         """Parameter `item` of gather group `group`, whole on the group's axis. Backward: the gradient goes to
         `bucket` to be reduce-scattered; without a bucket, this rank's slice of it is the gradient."""
-        gathered = _GatheredParameter.apply(parameter, self, group, item, bucket, member)
-        if group in self._resharded:  # the forward's own references: the group is in use while one lives
-            self._handed.setdefault(gathered.untyped_storage().data_ptr(), []).append(weakref.ref(gathered))
-        return gathered
+        return _GatheredParameter.apply(parameter, self, group, item, bucket, member)
 
     def _gathered(self, group: int, item: int) -> torch.Tensor:
         if item == 0 or self._current is None or self._current[0] != group:  # the forward takes items in order
@@ -94,10 +90,9 @@ class ParameterSync:
     def _pack(self, tensor: torch.Tensor):
         place = self._holding.get(tensor.untyped_storage().data_ptr()) if self._holding else None
         # A group stays in `_holding` after the next is taken: a weight read again later in the forward (a
-        # tied head's) is kept by its place too. Its base or a weight handed out alive means its storage is;
-        # once they are all freed, the address may be any tensor's.
-        pointer = tensor.untyped_storage().data_ptr()
-        if place is None or (place[2]() is None and not any(r() is not None for r in self._handed.get(pointer, ()))):
+        # tied head's) is kept by its place too. Its base alive means its storage is; once the base is freed,
+        # the address may be any tensor's.
+        if place is None or place[2]() is None:
             return tensor.detach()  # not the tensor itself: an op's saved output would hold its own node
         return _InGroup(place[0], place[1], tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
 

@@ -33,7 +33,7 @@ from .cost import memory_per_rank as program_memory_per_rank, repeated_layer
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink
 from .layouts import B
 from .lowering import OutputSlot, Statement, TensorSlot
-from .oprules import WHOLE, is_random, op_name, rule_for
+from .oprules import is_drawn_whole, op_name
 from .syntax import ParFile, PipelineDecl
 
 # torch.distributed.pipelining's schedules by the names the `.par` file uses: (class name, stages per rank
@@ -138,10 +138,10 @@ def check_layouts(bound, pipeline: PipelineDecl) -> None:
 
 def _draws(node: torch.fx.Node) -> bool:
     """Whether the op draws random values: dropout in training with p > 0, a random op computed whole
-    (stochastic depth's `rand`). (Attention is tagged random for its dropout, which is E060 where not 0.)"""
+    (stochastic depth's `rand`)."""
     if node.target is torch.ops.aten.dropout.default:
         return node.args[1] != 0 and (len(node.args) < 3 or bool(node.args[2]))
-    return is_random(node) and rule_for(node) is WHOLE
+    return is_drawn_whole(node)
 
 
 def check_unsplit(typed, pipeline: PipelineDecl) -> None:
