@@ -138,6 +138,26 @@ class _GradientSync:
 
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket size
+
+
+@dataclass(frozen=True)
+class LinearForm:
+    """Where a linear-like op keeps its input, weight and bias among its operands; `op` names it to the
+    runtime's column-parallel step (runtime.PROJECTIONS), which knows how the weight is stored."""
+    op: str
+    input: int
+    weight: int
+    bias: int | None
+
+
+# The ops a column-parallel step computes for its readers of one input: linear's weight is [out, in],
+# the others' [in, out] (GPT-2's Conv1D is an addmm; `x @ W` an mm or matmul)
+LINEAR_FORMS = {
+    torch.ops.aten.linear.default: LinearForm("linear", 0, 1, 2),
+    torch.ops.aten.addmm.default: LinearForm("addmm", 1, 2, 0),
+    torch.ops.aten.mm.default: LinearForm("mm", 0, 1, None),
+    torch.ops.aten.matmul.default: LinearForm("matmul", 0, 1, None),
+}
 _PLACEHOLDER = re.compile(r"@@(sync|bucket|gather|group)(\d+)@@")  # a bucket or group not yet formed
 FIRST_BUCKET_MB = 1.0  # DDP's first bucket: the first collective starts early in backward
 
@@ -421,7 +441,7 @@ class _Lowerer:
                     and not any(u.partial_axes for u in uses):
                 names = [use.node for use in uses]
                 if self.mesh.axis_sizes[steps[0].axis] > 1 and len(set(names)) == len(names) \
-                        and all(self._fusable_linear(use) for use in uses):
+                        and self._fusable_linears(uses):
                     self.fused[names[0]] = (var, (steps[0].axis,), names, steps[0])
                     self.fused_later.update(names[1:])
                 continue
@@ -432,17 +452,29 @@ class _Lowerer:
             for axes, group in groups.items():
                 names = [use.node for use in group]
                 if not any(self.mesh.axis_sizes[a] > 1 for a in axes) or len(set(names)) != len(names) \
-                        or not all(self._fusable_linear(use) for use in group):
+                        or not self._fusable_linears(group):
                     continue
                 self.fused[names[0]] = (var, tuple(sorted(axes)), names, None)
                 self.fused_later.update(names[1:])
 
+    def _linear_form(self, name: str) -> LinearForm | None:
+        return LINEAR_FORMS.get(self._fx[name].target) if name in self._fx else None
+
+    def _fusable_linears(self, uses: list[_Use]) -> bool:
+        """Every use is the input of one linear-like op of the same form (they share a runtime step)."""
+        return len({self._linear_form(use.node) for use in uses}) == 1 and all(self._fusable_linear(u) for u in uses)
+
     def _fusable_linear(self, use: _Use) -> bool:
         node = self.typed.nodes.get(use.node)
-        if node is None or node.op != "aten.linear.default" or use.slot != 0 or self._fx[use.node].kwargs \
-                or node.value_layout != node.op_layout:
+        form = self._linear_form(use.node)
+        if node is None or form is None or use.slot != form.input or self._fx[use.node].kwargs \
+                or node.value_layout != node.op_layout or len(node.operands) > 3:
             return False
-        for slot, (operand, needed) in enumerate(zip(node.operands[1:], node.operand_layouts[1:]), start=1):
+        parameters = [form.weight] + ([form.bias] if form.bias is not None and form.bias < len(node.operands) else [])
+        if len(node.operands) != 1 + len(parameters) or len(self.typed.info(node.operands[form.weight]).shape) != 2:
+            return False
+        for slot in parameters:
+            operand, needed = node.operands[slot], node.operand_layouts[slot]
             if needed != self.typed.layout_of(operand) or not self._is_parameter(operand):
                 return False
             if any(u.partial_axes for u in self.uses.get(self.var[operand], []) if u.node == use.node and u.slot == slot):
@@ -452,35 +484,38 @@ class _Lowerer:
     def _lower_fused_linears(self, first: str) -> None:
         var, axes, names, gather = self.fused[first]
         node = self.typed.nodes[first]
+        form = self._linear_form(first)
         where = self.bound.module_paths.get(first)
-        reason = f"linear.default {first}" + (f" in {where}" if where else "")
-        source = node.operands[0]
+        reason = f"{node.op.removeprefix('aten.')} {first}" + (f" in {where}" if where else "")
+        source = node.operands[form.input]
         pairs = []
         for name in names:
             operands = self.typed.nodes[name].operands
-            bias = Var(self.var[operands[2]]) if len(operands) > 2 else Text("None")
-            pairs.append(Items((Var(self.var[operands[1]]), bias), "()"))
+            has_bias = form.bias is not None and len(operands) == 3
+            bias = Var(self.var[operands[form.bias]]) if has_bias else Text("None")
+            pairs.append(Items((Var(self.var[operands[form.weight]]), bias), "()"))
         axis_names = tuple(self.mesh.axis_names[a] for a in axes)
+        op = (("op", Text(repr(form.op))),) if form.op != "linear" else ()
         if gather is None:  # f: x is B; its gradient, partial, is all-reduced
-            x = self._ensure(source, node.operand_layouts[0], reason)
+            x = self._ensure(source, node.operand_layouts[form.input], reason)
             info = self.typed.info(source)
-            local = math.prod(node.operand_layouts[0].local_shape(info.shape, self.mesh)) * info.itemsize
+            local = math.prod(node.operand_layouts[form.input].local_shape(info.shape, self.mesh)) * info.itemsize
             collectives = tuple(
                 Collective("all_reduce", a, "backward", collective_bytes("all_reduce", local, n), x,
                            "gradient of a broadcast value read by sharded computation")
                 for a, n in ((a, self.mesh.axis_sizes[self.mesh.axis_index(a)]) for a in axis_names) if n > 1)
-            extra, what = (), "its gradient all-reduced once"
+            extra, what = op, "its gradient all-reduced once"
         else:  # SP's g: x is split; gathered here, its gradient reduce-scattered back
             x = self.var[source]
             self.emitted.add(var)
             collectives = (Collective("all_gather", axis_names[0], "forward", gather.forward_bytes, var, reason),
                            Collective("reduce_scatter", axis_names[0], "backward", gather.forward_bytes, var, reason))
             blocks = (("blocks", Text(str(gather.src_blocks))),) if gather.src_blocks > 1 else ()
-            extra, what = (("gather_dim", Text(str(gather.src_dim))),) + blocks, \
+            extra, what = (("gather_dim", Text(str(gather.src_dim))),) + blocks + op, \
                 "gathered first; its gradient reduce-scattered"
         moved = ", ".join(f"{c.kind.replace('_', '-')} {format_bytes(c.bytes)} ({c.phase})" for c in collectives)
         targets = ", ".join(names) + ("," if len(names) == 1 else "")
-        comment = (f"{self._value_comment(node.op_layout, self.typed.info(first))}; {len(names)} linear(s) of one "
+        comment = (f"{self._value_comment(node.op_layout, self.typed.info(first))}; {len(names)} {form.op}(s) of one "
                    f"input, {what} while the weights' gradients are computed ({moved})")
         with self._moving(source):
             self.emit(targets, Instruction("fused_linears", "rt.column_parallel_linears",

@@ -168,14 +168,18 @@ class Runtime:
         return _GradAllReduce.apply(x, self, axes)
 
     def column_parallel_linears(self, x: torch.Tensor, axes: tuple[str, ...], *linears, gather_dim: int | None = None,
-                                blocks: int = 1) -> tuple[torch.Tensor, ...]:
+                                blocks: int = 1, op: str = "linear") -> tuple[torch.Tensor, ...]:
         """Megatron's f and the linears that read its value, as one step: `linears` are (weight, bias or
         None) pairs, the results are each linear of x. Backward computes x's gradient first, issues its
         all-reduce over `axes` and computes the weights' gradients while it moves (Megatron's overlap).
 
         With `gather_dim` (Megatron-SP's g), x is split on that dim over the one axis and all-gathered
-        first; backward reduce-scatters its gradient instead, overlapped the same way."""
-        return _ColumnParallelLinears.apply(x, self, axes, (gather_dim, blocks), *(t for pair in linears for t in pair))
+        first; backward reduce-scatters its gradient instead, overlapped the same way.
+
+        `op`: the ATen op each linear is, as the serial model computes it (`PROJECTIONS`): `linear` (weight
+        [out, in]), or `addmm`, `mm`, `matmul` (weight [in, out]: GPT-2's Conv1D, `x @ W`)."""
+        return _ColumnParallelLinears.apply(x, self, axes, (gather_dim, blocks, PROJECTIONS[op]),
+                                            *(t for pair in linears for t in pair))
 
     def masked_embedding(self, weight: torch.Tensor, ids: torch.Tensor, *axes: str) -> torch.Tensor:
         """Embedding with the vocabulary split over `axes` (outermost first): rows for the ids this rank
@@ -479,6 +483,22 @@ class _GradAllReduce(torch.autograd.Function):
         return grad, None, None
 
 
+@dataclass(frozen=True)
+class Projection:
+    """A linear-like ATen op of an input and a parameter: how forward computes it, and how its weight is
+    stored ([in, out] or linear's [out, in]), which backward's matrix products follow."""
+    compute: object  # (x, weight, bias or None) -> result
+    weight_in_out: bool
+
+
+PROJECTIONS = {
+    "linear": Projection(lambda x, w, b: torch.ops.aten.linear.default(x, w, b), False),
+    "addmm": Projection(lambda x, w, b: torch.ops.aten.addmm.default(b, x, w), True),
+    "mm": Projection(lambda x, w, b: torch.ops.aten.mm.default(x, w), True),
+    "matmul": Projection(lambda x, w, b: torch.ops.aten.matmul.default(x, w), True),
+}
+
+
 class _ColumnParallelLinears(torch.autograd.Function):
     """f (or SP's g), then linears of its value. Backward: the input's gradient (summed over the linears)
     first, its all-reduce (or reduce-scatter) issued asynchronously, the weights' and biases' gradients
@@ -488,22 +508,22 @@ class _ColumnParallelLinears(torch.autograd.Function):
     def forward(ctx, x, rt, axes, gather, *weights_and_biases):
         weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
         ctx.rt, ctx.axes, ctx.gather, ctx.has_bias = rt, axes, gather, [b is not None for b in biases]
-        gather_dim, blocks = gather
+        gather_dim, blocks, projection = gather
         if gather_dim is not None:
             x = rt._all_gather(x, axes[0], gather_dim, "forward", blocks)
         ctx.save_for_backward(x, *weights)
-        return tuple(torch.ops.aten.linear.default(x, w, b) for w, b in zip(weights, biases))
+        return tuple(projection.compute(x, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         rt = ctx.rt
-        gather_dim, blocks = ctx.gather
+        gather_dim, blocks, projection = ctx.gather
         grad_x, work, result = None, None, None
         if ctx.needs_input_grad[0]:
             for grad, weight in zip(grads, weights):
                 if grad is not None:
-                    part = grad.matmul(weight)
+                    part = grad.matmul(weight.t() if projection.weight_in_out else weight)
                     grad_x = part if grad_x is None else grad_x.add_(part)
             if grad_x is not None and gather_dim is not None:
                 work, result = rt._reduce_scatter_started(grad_x, ctx.axes[0], gather_dim, "backward", blocks)
@@ -517,7 +537,7 @@ class _ColumnParallelLinears(torch.autograd.Function):
             if grad is not None:
                 grad_rows = grad.reshape(-1, grad.shape[-1])
                 if ctx.needs_input_grad[4 + 2 * index]:
-                    grad_w = grad_rows.t().matmul(rows)
+                    grad_w = rows.t().matmul(grad_rows) if projection.weight_in_out else grad_rows.t().matmul(rows)
                 if has_bias and ctx.needs_input_grad[5 + 2 * index]:
                     grad_b = grad_rows.sum(0)
             parameter_grads += [grad_w, grad_b]

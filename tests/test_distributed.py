@@ -64,6 +64,30 @@ def test_a_value_all_gathered_along_its_last_dim_can_be_viewed(pools, compile_pa
     check(pools, compiled)
 
 
+RAW_PROJECTIONS = ("mesh tp = 2\nmodel tests.zoo:RawProjections(d=8, h=16)\ninput x : float32[2, 4, 8]\nlayout {\n"
+                   "  up : S(1)\n  gate : S(1)\n  down : S(0)\n  head : S(1)\n  head_bias : S(0)\n  out : S(0)\n"
+                   "  last : S(1)\n  output : B\n%s}\n")
+
+
+@pytest.mark.parametrize("sequence_split", [False, True])
+def test_projections_by_weights_stored_in_out_overlap_their_input_gradients_collective(pools, compile_par,
+                                                                                       sequence_split):
+    """`x @ W`, `torch.mm` and `torch.addmm` (GPT-2's Conv1D) with column-parallel weights are computed as
+    Megatron's f (or SP's g) and their projections in one step, as linears are: backward all-reduces (or
+    reduce-scatters) the input's gradient while the weights' gradients are computed."""
+    compiled = compile_par(RAW_PROJECTIONS % ("  x : S(1)\n" if sequence_split else ""))
+    gathered = ", gather_dim=1" if sequence_split else ""
+    source = compiled.source
+    assert f"matmul, matmul_1 = rt.column_parallel_linears(mul, ('tp',), (self.up, None), (self.gate, None){gathered}, " \
+           "op='matmul')" in source
+    assert "addmm, = rt.column_parallel_linears(reshape, ('tp',), (self.head, self.head_bias), op='addmm')" in source
+    assert "mm_1, = rt.column_parallel_linears(tanh_2, ('tp',), (self.last, None), op='mm')" in source
+    assert "rt.grad_all_reduce(" not in source  # f is inside each step
+    backward = {"all_reduce": 3} | ({"reduce_scatter": 1} if sequence_split else {})
+    assert _nonzero(compiled.program.collective_counts())["backward"] == backward
+    check(pools, compiled)
+
+
 @pytest.mark.parametrize("tp", [4])
 def test_megatron_mlp_on_4_ranks(pools, compile_par, tp):
     text = open("examples/mlp.par").read().replace("tp = 2", f"tp = {tp}")

@@ -243,6 +243,15 @@ def test_column_parallel_linears_overlap_the_input_gradients_all_reduce():
             "None), (self.model_model_layers_0_mlp_up_proj_weight, None))") in source
 
 
+def test_gpt2_conv1d_projections_overlap_the_input_gradients_all_reduce():
+    # GPT-2's Conv1D is an addmm with its weight stored [in, out]: c_attn and c_fc each one step, as linears are
+    source = compile_file("examples/hf_gpt2_tp2.par").source
+    assert source.count("rt.column_parallel_linears(") == 4 and source.count(", op='addmm')") == 4
+    assert "grad_all_reduce" not in source
+    assert ("addmm_2, = rt.column_parallel_linears(view_8, ('tp',), (self.model_transformer_h_0_mlp_c_fc_weight, "
+            "self.model_transformer_h_0_mlp_c_fc_bias), op='addmm')") in source
+
+
 def test_mask_construction_is_replicated_not_gathered():
     # HF builds its causal mask from position ids with diff/cumsum/index: all on every rank, no collective
     source = compile_file("examples/hf_llama_tp2.par").source

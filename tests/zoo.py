@@ -297,6 +297,30 @@ class MergedAfterGather(nn.Module):
         return torch.tanh(self.inner(x)).view(b, s * d)
 
 
+class RawProjections(nn.Module):
+    """Projections written as products with parameters stored [in, out], as GPT-2's Conv1D and hand-written
+    models keep them: two of one input (`x @ W`, a matmul of a 3-D input), one with a bias (`torch.addmm`)
+    and one of a flattened input (`torch.mm`), each followed by a product that sums them back."""
+
+    def __init__(self, d: int = 8, h: int = 16):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(d) + 0.5)
+        self.up = nn.Parameter(torch.randn(d, h) / d ** 0.5)
+        self.gate = nn.Parameter(torch.randn(d, h) / d ** 0.5)
+        self.down = nn.Parameter(torch.randn(h, d) / h ** 0.5)
+        self.head = nn.Parameter(torch.randn(d, h) / d ** 0.5)
+        self.head_bias = nn.Parameter(torch.randn(h) / 4)
+        self.out = nn.Parameter(torch.randn(h, d) / h ** 0.5)
+        self.last = nn.Parameter(torch.randn(d, h) / d ** 0.5)
+
+    def forward(self, x):
+        x = x * self.scale
+        y = torch.tanh(x + (torch.tanh(x @ self.up) * (x @ self.gate)) @ self.down)
+        rows = y.reshape(-1, y.shape[-1])
+        z = torch.tanh(torch.mm(torch.relu(torch.addmm(self.head_bias, rows, self.head)), self.out))
+        return torch.mm(z, self.last)
+
+
 class WithoutRules(nn.Module):
     """Operators pardsl has no rule for, between Megatron's column- and row-parallel linears: a spectral
     mix (fft, then the real part), a Kronecker product with a fixed matrix, and a QR factorisation (two
