@@ -79,8 +79,8 @@ def main() -> None:
               f"{rows[-1][3]:8.2f} ms", flush=True)
     predicted, measured = [r[2] for r in rows], [r[3] for r in rows]
     print()
-    print(f"| plan | ranks | predicted ms | measured ms | predicted rank | measured rank |")
-    print(f"|---|---|---|---|---|---|")
+    print("| plan | ranks | predicted ms | measured ms | predicted rank | measured rank |")
+    print("|---|---|---|---|---|---|")
     order_p = sorted(range(len(rows)), key=lambda i: predicted[i])
     order_m = sorted(range(len(rows)), key=lambda i: measured[i])
     for i, (name, ranks, p, m) in enumerate(rows):

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from pardsl import cost, search
+from pardsl import search
 from pardsl.compiler import _Candidate, compile_file
 from pardsl.cost import DEFAULTS, estimate, memory_per_rank
 from pardsl.diagnostics import CompileError
@@ -155,9 +155,9 @@ def test_the_plan_nearest_the_bound_starts_from_the_least_excess_found(monkeypat
     assert status == "optimal" and round(solution[b]) == 1  # the smaller, though slower
     (_, _, (_, least)), (last, hint, _) = solved[0], solved[-1]
     assert hint == dict(enumerate(least))
-    for row, (terms, lower, upper) in enumerate(last.rows):  # a plan of the program the hint is given to
+    for row, (terms, low, high) in enumerate(last.rows):  # a plan of the program the hint is given to
         if row != memory_row:
-            assert lower - 1e-9 <= sum(v * hint[c] for c, v in terms.items()) <= upper + 1e-9
+            assert low - 1e-9 <= sum(v * hint[c] for c, v in terms.items()) <= high + 1e-9
 
 
 def test_a_descents_move_whose_program_gives_no_plan_is_not_made(compile_par, monkeypatch):
@@ -421,10 +421,10 @@ def test_a_descents_move_starts_branch_and_bound_from_the_plan_it_moves_from(com
     assert status == "optimal"
     assert [round(at_start[c]) for c in integer] == [hint[c] for c in integer]
 
-    def cost(values):
+    def objective(values):
         return sum(c * v for c, v in zip(program.cost, values))
 
-    assert cost(solution) <= cost(at_start) + 1e-12
+    assert objective(solution) <= objective(at_start) + 1e-12
 
 
 # ZeRO-3 over both axes of a 2 × 2 mesh for the MLPs of a 3-layer LLaMA: each weight is gathered over
