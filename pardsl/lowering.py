@@ -149,6 +149,10 @@ class LinearForm:
     weight: int
     bias: int | None
 
+    def parameter_slots(self, operands: int) -> tuple[int, ...]:
+        """The weight's slot, then the bias's where the op of `operands` operands has one."""
+        return (self.weight,) + ((self.bias,) if self.bias is not None and self.bias < operands else ())
+
 
 # The ops a column-parallel step computes for its readers of one input: linear's weight is [out, in],
 # the others' [in, out] (GPT-2's Conv1D is an addmm; `x @ W` an mm or matmul)
@@ -468,9 +472,9 @@ class _Lowerer:
         node = self.typed.nodes.get(use.node)
         form = self._linear_form(use.node)
         if node is None or form is None or use.slot != form.input or self._fx[use.node].kwargs \
-                or node.value_layout != node.op_layout or len(node.operands) > 3:
+                or node.value_layout != node.op_layout:
             return False
-        parameters = [form.weight] + ([form.bias] if form.bias is not None and form.bias < len(node.operands) else [])
+        parameters = form.parameter_slots(len(node.operands))
         if len(node.operands) != 1 + len(parameters) or len(self.typed.info(node.operands[form.weight]).shape) != 2:
             return False
         for slot in parameters:
@@ -491,9 +495,8 @@ class _Lowerer:
         pairs = []
         for name in names:
             operands = self.typed.nodes[name].operands
-            has_bias = form.bias is not None and len(operands) == 3
-            bias = Var(self.var[operands[form.bias]]) if has_bias else Text("None")
-            pairs.append(Items((Var(self.var[operands[form.weight]]), bias), "()"))
+            weight, *bias = (Var(self.var[operands[slot]]) for slot in form.parameter_slots(len(operands)))
+            pairs.append(Items((weight, bias[0] if bias else Text("None")), "()"))
         axis_names = tuple(self.mesh.axis_names[a] for a in axes)
         op = (("op", Text(repr(form.op))),) if form.op != "linear" else ()
         if gather is None:  # f: x is B; its gradient, partial, is all-reduced
@@ -1000,7 +1003,7 @@ class _Lowerer:
         hints = ["correct for any operator whose result depends only on its operands; where one reads a split "
                  "value, that costs a gather (and the rank's whole copy) which a rule in pardsl/oprules.py would "
                  "avoid"]
-        if any(is_drawn_whole(self._fx[name]) for name in self.typed.nodes):
+        if self._training_only():
             hints.append("a random one draws serial's values on every rank from the same generator state (seed "
                          "every rank alike); traced in training mode, the module raises in eval mode")
         self.notes.append(Diagnostic(

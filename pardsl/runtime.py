@@ -505,10 +505,10 @@ class _ColumnParallelLinears(torch.autograd.Function):
     computed meanwhile, then waited on."""
 
     @staticmethod
-    def forward(ctx, x, rt, axes, gather, *weights_and_biases):
+    def forward(ctx, x, rt, axes, how, *weights_and_biases):
         weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
-        ctx.rt, ctx.axes, ctx.gather, ctx.has_bias = rt, axes, gather, [b is not None for b in biases]
-        gather_dim, blocks, projection = gather
+        ctx.rt, ctx.axes, ctx.how, ctx.has_bias = rt, axes, how, [b is not None for b in biases]
+        gather_dim, blocks, projection = how
         if gather_dim is not None:
             x = rt._all_gather(x, axes[0], gather_dim, "forward", blocks)
         ctx.save_for_backward(x, *weights)
@@ -518,7 +518,7 @@ class _ColumnParallelLinears(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         rt = ctx.rt
-        gather_dim, blocks, projection = ctx.gather
+        gather_dim, blocks, projection = ctx.how
         grad_x, work, result = None, None, None
         if ctx.needs_input_grad[0]:
             for grad, weight in zip(grads, weights):
