@@ -20,15 +20,16 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from .compiler import Compiled, compile_par
+from .compiler import Compiled, compile_par, default_machine
 from .codegen import load_module
 from .layouts import B, Layout
 from .lowering import DEFAULT_BUCKET_MB
 from .search import LogMismatch, SolutionLog
 from .syntax import parse
 
-# per file content, working directory and options: the compiled plan and its search's answers (SolutionLog)
-_CACHE: dict[tuple[str, str, str, float], tuple[Compiled, list]] = {}
+# per file content, working directory, options and cost model: the compiled plan, its search's answers
+# (SolutionLog) and the cost model's figures (cost.Machine) it was searched with
+_CACHE: dict[tuple[str, str, str, float, str], tuple[Compiled, list, object]] = {}
 
 
 def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> "Plan":
@@ -37,34 +38,40 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> "Plan":
 
     Under an initialised process group of more than one rank, `load` is collective (every rank calls it):
     the ranks compile at once, and any rank whose layout search answered differently from rank 0's (an
-    integer program stopped by its time limit finds less on a slower rank) compiles again on rank 0's
-    answers, so that every rank runs rank 0's plan.
+    integer program stopped by its time limit finds less on a slower rank; a machine calibrated apart from
+    rank 0's rates plans otherwise) compiles again on rank 0's answers and cost figures, so that every
+    rank runs rank 0's plan.
 
     `bucket_mb`: parameter gradients are synchronised during backward in buckets of this size (MiB), each
     issued as soon as its last gradient is ready (DDP's default, 25)."""
     with open(path, encoding="utf-8") as handle:
         text = handle.read()
-    key = (os.path.abspath(path), os.getcwd(), hashlib.sha256(text.encode()).hexdigest(), float(bucket_mb))
+    machine = default_machine()
+    key = (os.path.abspath(path), os.getcwd(), hashlib.sha256(text.encode()).hexdigest(), float(bucket_mb),
+           repr(machine))
     if key not in _CACHE:
         with SolutionLog() as log:
-            compiled = compile_par(parse(text, path), bucket_mb)
-        _CACHE[key] = (compiled, log.entries)
+            compiled = compile_par(parse(text, path), bucket_mb, machine)
+        _CACHE[key] = (compiled, log.entries, machine)
     if dist.is_initialized() and dist.get_world_size() > 1:
         _CACHE[key] = _as_rank_0_compiled(_CACHE[key], text, path, bucket_mb)
     return Plan(_CACHE[key][0])
 
 
-def _as_rank_0_compiled(mine: tuple[Compiled, list], text: str, path: str, bucket_mb: float) -> tuple[Compiled, list]:
-    """Rank 0's search answers, sent to every rank; a rank whose own differ compiles again on rank 0's
-    (replayed, HiGHS is not run), which gives rank 0's plan where the file, torch and model code agree."""
-    compiled, answers = mine
-    sent = [answers if dist.get_rank() == 0 else None]
+def _as_rank_0_compiled(mine: tuple[Compiled, list, object], text: str, path: str,
+                        bucket_mb: float) -> tuple[Compiled, list, object]:
+    """Rank 0's search answers and cost figures, sent to every rank; a rank whose own differ compiles
+    again on rank 0's (answers replayed, HiGHS is not run; plans rated with rank 0's figures where the
+    compile compares them), which gives rank 0's plan where the file, torch and model code agree."""
+    _, answers, machine = mine
+    sent = [(answers, machine) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(sent, src=0)
-    if sent[0] == answers:
+    if sent[0] == (answers, machine):
         return mine
+    answers, machine = sent[0]
     try:
-        with SolutionLog(sent[0]):
-            return compile_par(parse(text, path), bucket_mb), sent[0]
+        with SolutionLog(answers):
+            return compile_par(parse(text, path), bucket_mb, machine), answers, machine
     except LogMismatch as mismatch:
         raise RuntimeError(f"rank {dist.get_rank()} cannot compile {path} as rank 0 did ({mismatch}): give "
                            "every rank the same file, torch and model code") from None

@@ -284,13 +284,13 @@ def test_inputs_are_bound_by_name_in_any_order(compile_par):
     assert [o.path for o in compiled.program.outputs] == ["output.loss", "output.logits"]
 
 
-def _mlp_gradient_error(model, x) -> float:
+def _mlp_gradient_error(model, x, d_model: int = 256, d_ff: int = 1024) -> float:
     """The largest difference between a compiled examples MLP's gradient shards (after one backward of
     `sum()`) and serial's, the serial MLP made from seed 0 as plan.module() makes it."""
     from examples.models import MLP
 
     torch.manual_seed(0)
-    serial = MLP(d_model=256, d_ff=1024)
+    serial = MLP(d_model=d_model, d_ff=d_ff)
     serial(x).sum().backward()
     expected = dict(serial.named_parameters())
     return max((p.grad - model.rt.shard(expected[name].grad, layout)).abs().max().item()
@@ -325,11 +325,15 @@ def test_gradient_buckets_recover_from_a_backward_that_raised(pools):
 
 
 def _plans_of_a_search_that_answers_differently_on_rank_1():
-    """examples/mlp.par with its layouts left to the search under a bound. Rank 1's integer programs stop
-    at their first plan (a gap of 100 %), as a slower rank's stop at their time limit having found less:
-    compiled alone it gets another module; through `pardsl.load` it gets rank 0's plan, compiled again on
-    rank 0's answers without running HiGHS, and its step equals serial."""
+    """examples/tp_schemes/mlp_2d.par (2 x 2 mesh, every intermediate searched). Rank 1's machine was
+    calibrated apart from rank 0's (its own calibration file: collectives and compute a hundred times
+    faster), so its search rates plans otherwise: compiled alone it gets another module, and rank 0's
+    answers replayed with its own figures ask for programs rank 0's compile did not (the descent compares
+    plans by their estimates). Through `pardsl.load` it gets rank 0's plan, compiled again on rank 0's
+    answers and figures without running HiGHS, and its step equals serial."""
+    import dataclasses
     import hashlib
+    import json
     import tempfile
 
     import torch.distributed as dist
@@ -337,10 +341,10 @@ def _plans_of_a_search_that_answers_differently_on_rank_1():
     import pardsl
     from pardsl import search
     from pardsl.compiler import compile_text
+    from pardsl.cost import DEFAULTS, LinkCost
 
-    text = open(os.path.join(REPO, "examples/mlp.par")).read().split("layout {")[0]
-    text += "memory <= 30 %\nlayout {\n  x : ?\n}\n"
-    solve, gap = search._Program._solve, search.MIP_GAP
+    text = open(os.path.join(REPO, "examples/tp_schemes/mlp_2d.par")).read()
+    solve, cache_dir = search._Program._solve, os.environ["PARDSL_CACHE_DIR"]
     solved_while_replaying = []
 
     def counted(self, *args):
@@ -348,34 +352,42 @@ def _plans_of_a_search_that_answers_differently_on_rank_1():
             solved_while_replaying.append(len(self.cost))
         return solve(self, *args)
 
-    try:
-        search._Program._solve = counted
-        if dist.get_rank() == 1:
-            search.MIP_GAP = 1.0
-        alone = hashlib.sha256(compile_text(text, "mlp.par").source.encode()).hexdigest()
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "mlp.par")
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            search._Program._solve = counted
+            if dist.get_rank() == 1:
+                gloo = DEFAULTS["gloo"]
+                faster = {kind: LinkCost(link.alpha_s / 100, link.beta_s_per_byte / 100)
+                          for kind, link in gloo.collectives.items()}
+                calibrated = dataclasses.replace(gloo, collectives=faster, flops_per_s=gloo.flops_per_s * 100)
+                os.environ["PARDSL_CACHE_DIR"] = folder
+                with open(os.path.join(folder, "calibration-gloo.json"), "w") as handle:
+                    json.dump(calibrated.to_json(), handle)
+            alone = hashlib.sha256(compile_text(text, "mlp_2d.par").source.encode()).hexdigest()
+            path = os.path.join(folder, "mlp_2d.par")
             with open(path, "w") as handle:
                 handle.write(text)
             plan = pardsl.load(path)
             torch.manual_seed(0)
             model = plan.module()
-    finally:
-        search._Program._solve, search.MIP_GAP = solve, gap
-    loaded = hashlib.sha256(plan.compiled.source.replace(path, "mlp.par").encode()).hexdigest()
-    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(3))
+        finally:
+            search._Program._solve = solve
+            os.environ["PARDSL_CACHE_DIR"] = cache_dir
+    loaded = hashlib.sha256(plan.compiled.source.replace(path, "mlp_2d.par").encode()).hexdigest()
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
     model(**plan.shard_inputs(x=x)).sum().backward()
-    error = _mlp_gradient_error(model, x)
+    error = _mlp_gradient_error(model, x, d_model=64, d_ff=256)
     return alone, loaded, solved_while_replaying, error
 
 
 def test_a_rank_whose_search_answers_differently_is_given_rank_0s_plan(pools):
-    (alone_0, loaded_0, replayed_0, error_0), (alone_1, loaded_1, replayed_1, error_1) = \
-        pools(2).run_on_every_rank(_plans_of_a_search_that_answers_differently_on_rank_1)
-    assert alone_1 != alone_0  # rank 1's own search chose another plan
-    assert loaded_0 == loaded_1 == alone_0  # both run rank 0's
-    assert replayed_0 == replayed_1 == []  # rank 1 compiled again on rank 0's answers, HiGHS not run
-    assert error_0 < 1e-4 and error_1 < 1e-4
+    results = pools(4).run_on_every_rank(_plans_of_a_search_that_answers_differently_on_rank_1)
+    alone, loaded, replayed, errors = zip(*results)
+    assert alone[1] != alone[0]  # rank 1's own search chose another plan
+    assert alone[2] == alone[3] == alone[0]
+    assert set(loaded) == {alone[0]}  # every rank runs rank 0's
+    assert replayed == ([],) * 4  # rank 1 compiled again on rank 0's answers, HiGHS not run
+    assert max(errors) < 1e-4
 
 
 def _modules_from_files_that_differ_by_rank():
