@@ -62,19 +62,26 @@ def _as_rank_0_compiled(mine: tuple[Compiled, list, object], text: str, path: st
                         bucket_mb: float) -> tuple[Compiled, list, object]:
     """Rank 0's search answers and cost figures, sent to every rank; a rank whose own differ compiles
     again on rank 0's (answers replayed, HiGHS is not run; plans rated with rank 0's figures where the
-    compile compares them), which gives rank 0's plan where the file, torch and model code agree."""
+    compile compares them), which gives rank 0's plan where the file, torch and model code agree. Where
+    they do not, the replay asks for programs rank 0's compile did not: every rank raises, naming the
+    ranks, as the others would otherwise wait for that rank at their next collective until timeout."""
     _, answers, machine = mine
     sent = [(answers, machine) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(sent, src=0)
-    if sent[0] == (answers, machine):
-        return mine
-    answers, machine = sent[0]
-    try:
-        with SolutionLog(answers):
-            return compile_par(parse(text, path), bucket_mb, machine), answers, machine
-    except LogMismatch as mismatch:
-        raise RuntimeError(f"rank {dist.get_rank()} cannot compile {path} as rank 0 did ({mismatch}): give "
-                           "every rank the same file, torch and model code") from None
+    result, failure = mine, None
+    if sent[0] != (answers, machine):
+        answers, machine = sent[0]
+        try:
+            with SolutionLog(answers):
+                result = compile_par(parse(text, path), bucket_mb, machine), answers, machine
+        except LogMismatch as mismatch:
+            failure = f"rank {dist.get_rank()} cannot compile {path} as rank 0 did ({mismatch})"
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    if any(failures):
+        raise RuntimeError("; ".join(f for f in failures if f) + ": give every rank the same file, torch and "
+                           f"model code (this is rank {dist.get_rank()})")
+    return result
 
 
 def default_device() -> torch.device:

@@ -394,27 +394,51 @@ def _modules_from_files_that_differ_by_rank():
     """Each rank writes the file in a folder of its own, as machines may hold it at different paths: the
     same text agrees; then rank 1's copy splits the MLP the other way, as a stale copy on one machine
     would."""
-    import tempfile
-
     import torch.distributed as dist
-
-    import pardsl
 
     messages = []
     for differ in (False, True):
         first, second = ("S(1)", "S(0)") if differ and dist.get_rank() == 1 else ("S(0)", "S(1)")
         text = (f"mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
                 f"layout {{\n  fc1.weight : {first}\n  fc2.weight : {second}\n}}\n")
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "mlp.par")
-            with open(path, "w") as handle:
-                handle.write(text)
-            try:
-                pardsl.load(path).module()
-                messages.append(None)
-            except RuntimeError as error:
-                messages.append(str(error))
+        messages.append(_error_loading_a_copy_of(text, lambda plan: plan.module()))
     return messages
+
+
+def _error_loading_a_copy_of(text: str, then=lambda plan: None) -> str | None:
+    """The error of `pardsl.load` (and `then` on its plan) on this rank's copy of `text`, in a folder of
+    its own, as each machine holds its file at a path of its own; None if there is none."""
+    import tempfile
+
+    import pardsl
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "mlp.par")
+        with open(path, "w") as handle:
+            handle.write(text)
+        try:
+            then(pardsl.load(path))
+        except RuntimeError as error:
+            return str(error)
+    return None
+
+
+def _a_searched_file_one_rank_holds_otherwise():
+    """A file whose layouts are searched, rank 1's copy with one layout more written (a stale copy): its
+    search asks other programs than rank 0's, so it cannot replay rank 0's answers."""
+    import torch.distributed as dist
+
+    written = "  fc1.weight : S(0)\n" if dist.get_rank() == 1 else ""
+    text = ("mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
+            f"memory <= 60 %\nlayout {{\n  x : ?\n{written}}}\n")
+    return _error_loading_a_copy_of(text)
+
+
+def test_a_rank_that_cannot_compile_as_rank_0_did_fails_every_rank_at_load(pools):
+    # not rank 1 alone, with rank 0 waiting for it at its first collective until the timeout
+    for rank, message in enumerate(pools(2).run_on_every_rank(_a_searched_file_one_rank_holds_otherwise)):
+        assert message is not None and "rank 1 cannot compile" in message and "as rank 0 did" in message
+        assert "integer program 1 has" in message and f"(this is rank {rank})" in message
 
 
 def test_ranks_whose_modules_differ_are_told_so_before_the_first_step(pools):
