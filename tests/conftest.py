@@ -12,7 +12,9 @@ if REPO not in sys.path:
 
 # The cost model reads a calibration file from the user's cache when there is one: tests see none, so
 # that every estimate they check is from the defaults or a file they write themselves.
-os.environ["PARDSL_CACHE_DIR"] = tempfile.mkdtemp(prefix="pardsl-test-cache-")
+# (removed as the process ends, as every run left one behind)
+_CACHE_DIR = tempfile.TemporaryDirectory(prefix="pardsl-test-cache-")
+os.environ["PARDSL_CACHE_DIR"] = _CACHE_DIR.name
 
 _POOLS = {}
 
