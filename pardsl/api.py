@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from .compiler import Compiled, compile_par, default_machine
+from .cost import Machine
 from .codegen import load_module
 from .layouts import B, Layout
 from .lowering import DEFAULT_BUCKET_MB
@@ -29,7 +30,7 @@ from .syntax import parse
 
 # per file content, working directory, options and cost model: the compiled plan, its search's answers
 # (SolutionLog) and the cost model's figures (cost.Machine) it was searched with
-_CACHE: dict[tuple[str, str, str, float, str], tuple[Compiled, list, object]] = {}
+_CACHE: dict[tuple[str, str, str, float, str], tuple[Compiled, list, Machine]] = {}
 
 
 def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> "Plan":
@@ -58,8 +59,8 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> "Plan":
     return Plan(_CACHE[key][0])
 
 
-def _as_rank_0_compiled(mine: tuple[Compiled, list, object], text: str, path: str,
-                        bucket_mb: float) -> tuple[Compiled, list, object]:
+def _as_rank_0_compiled(mine: tuple[Compiled, list, Machine], text: str, path: str,
+                        bucket_mb: float) -> tuple[Compiled, list, Machine]:
     """Rank 0's search answers and cost figures, sent to every rank; a rank whose own differ compiles
     again on rank 0's (answers replayed, HiGHS is not run; plans rated with rank 0's figures where the
     compile compares them), which gives rank 0's plan where the file, torch and model code agree. Where

@@ -914,7 +914,10 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             any_bucket = program.column(latency)
             for column, _ in members:
                 program.row({any_bucket: 1.0, column: -1.0}, 0.0, math.inf)
-            # (written whatever the bytes, so that the program's size does not grow with depth)
+            # (written whatever the bytes, so that the program's size does not grow with depth). An integer:
+            # a continuous column, the tightest of them included, charges a plan that reduces part of the
+            # gradients past the first bucket a fraction of that bucket's latency (benchmarks/README.md:
+            # it found a LLaMA plan estimate rates 2.5 % slower); branching on it slows some programs.
             most = max(sum(nbytes for _, nbytes in members), first_bucket)
             second = program.column(latency, integer=True, derived=True)
             program.row({column: float(nbytes) for column, nbytes in members} | {second: -float(most)},
