@@ -44,19 +44,43 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> "Plan":
     rank runs rank 0's plan.
 
     `bucket_mb`: parameter gradients are synchronised during backward in buckets of this size (MiB), each
-    issued as soon as its last gradient is ready (DDP's default, 25)."""
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read()
-    machine = default_machine()
-    key = (os.path.abspath(path), os.getcwd(), hashlib.sha256(text.encode()).hexdigest(), float(bucket_mb),
-           repr(machine))
-    if key not in _CACHE:
-        with SolutionLog() as log:
-            compiled = compile_par(parse(text, path), bucket_mb, machine)
-        _CACHE[key] = (compiled, log.entries, machine)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    issued as soon as its last gradient is ready (DDP's default, 25).
+
+    Where some rank cannot read or compile the file (missing on one machine, a stale copy with a mistake),
+    that rank raises its own error and every other rank a RuntimeError naming it, instead of waiting for
+    it at the next collective until the process group's timeout."""
+    grouped = dist.is_initialized() and dist.get_world_size() > 1
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+        machine = default_machine()
+        key = (os.path.abspath(path), os.getcwd(), hashlib.sha256(text.encode()).hexdigest(), float(bucket_mb),
+               repr(machine))
+        if key not in _CACHE:
+            with SolutionLog() as log:
+                compiled = compile_par(parse(text, path), bucket_mb, machine)
+            _CACHE[key] = (compiled, log.entries, machine)
+    except Exception as error:
+        if grouped:
+            _raise_on_every_rank(f"rank {dist.get_rank()} cannot compile {path} ({type(error).__name__})", error)
+        raise
+    if grouped:
+        _raise_on_every_rank(None)
         _CACHE[key] = _as_rank_0_compiled(_CACHE[key], text, path, bucket_mb)
     return Plan(_CACHE[key][0])
+
+
+def _raise_on_every_rank(failure: str | None, error: Exception | None = None) -> None:
+    """Collective: each rank's failure (None where it has none), gathered; where any rank has one, this
+    rank raises `error`, its own, or else a RuntimeError naming the ranks that failed."""
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    if not any(failures):
+        return
+    if error is not None:
+        raise error
+    raise RuntimeError("; ".join(f for f in failures if f) + ": give every rank the same file, torch and "
+                       f"model code (this is rank {dist.get_rank()})")
 
 
 def _as_rank_0_compiled(mine: tuple[Compiled, list, Machine], text: str, path: str,
@@ -65,7 +89,7 @@ def _as_rank_0_compiled(mine: tuple[Compiled, list, Machine], text: str, path: s
     again on rank 0's (answers replayed, HiGHS is not run; plans rated with rank 0's figures where the
     compile compares them), which gives rank 0's plan where the file, torch and model code agree. Where
     they do not, the replay asks for programs rank 0's compile did not: every rank raises, naming the
-    ranks, as the others would otherwise wait for that rank at their next collective until timeout."""
+    ranks."""
     _, answers, machine = mine
     sent = [(answers, machine) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(sent, src=0)
@@ -77,11 +101,7 @@ def _as_rank_0_compiled(mine: tuple[Compiled, list, Machine], text: str, path: s
                 result = compile_par(parse(text, path), bucket_mb, machine), answers, machine
         except LogMismatch as mismatch:
             failure = f"rank {dist.get_rank()} cannot compile {path} as rank 0 did ({mismatch})"
-    failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    if any(failures):
-        raise RuntimeError("; ".join(f for f in failures if f) + ": give every rank the same file, torch and "
-                           f"model code (this is rank {dist.get_rank()})")
+    _raise_on_every_rank(failure)
     return result
 
 

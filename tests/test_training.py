@@ -441,6 +441,30 @@ def test_a_rank_that_cannot_compile_as_rank_0_did_fails_every_rank_at_load(pools
         assert "integer program 1 has" in message and f"(this is rank {rank})" in message
 
 
+def _a_file_one_rank_holds_with_a_mistake():
+    """Rank 1's copy of the file names a layer the model does not have (a stale copy): its compile
+    fails; rank 0's does not."""
+    import torch.distributed as dist
+
+    from pardsl.diagnostics import CompileError
+
+    name = "fc3" if dist.get_rank() == 1 else "fc1"
+    text = ("mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
+            f"layout {{\n  {name}.weight : S(0)\n}}\n")
+    try:
+        return _error_loading_a_copy_of(text)
+    except CompileError as error:
+        return "CompileError: " + error.render()
+
+
+def test_a_rank_whose_copy_does_not_compile_fails_every_rank_at_load(pools):
+    # its own diagnostics on rank 1; rank 0 told which rank failed, not left waiting at the broadcast
+    own, told = pools(2).run_on_every_rank(_a_file_one_rank_holds_with_a_mistake)[::-1]
+    assert own.startswith("CompileError: ") and "fc3" in own
+    assert told is not None and "rank 1 cannot compile" in told and "(CompileError)" in told
+    assert "(this is rank 0)" in told
+
+
 def test_ranks_whose_modules_differ_are_told_so_before_the_first_step(pools):
     # each rank compiles the file itself: different modules would hang, or sum the wrong things
     for rank, (same, differing) in enumerate(pools(2).run_on_every_rank(_modules_from_files_that_differ_by_rank)):
