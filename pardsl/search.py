@@ -27,9 +27,8 @@ keeping its signature on at least one of the two. The program:
   backward twice forward; a parallel form's own collectives; finishing a partial output;
 - a parameter's gradient is reduced in buckets behind backward, and on an axis that splits the batch its
   gather is prefetched behind forward and again behind backward (resharded after forward, as memory is
-  counted: two groups whole at a time): priced at the share the machine does not overlap; a bucket's
-  latency, shared by its parameters, once per bucket the plan fills on the axis (one, or two beyond
-  lowering's first bucket), so a plan that reduces no parameter's gradient there saves it.
+  counted: two groups whole at a time): priced at the share the machine does not overlap (a bucket's
+  latency is shared by many parameters: its bytes only).
 
 Costs are seconds of the cost model (pardsl/cost.py: α per ring step + β per byte, per kind; the
 machine's throughput and bandwidth), so the objective is the estimated step time of the axis's choices.
@@ -60,7 +59,7 @@ from .binding import BoundPlan
 from .cost import OPTIMIZER_STATES, Machine, layer_of, parameter_unit, repeated_layer, serial_bytes
 from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
 from .layouts import B, P, Layout, Placement, collective_bytes, plan_conversion, step_collectives
-from .lowering import FIRST_BUCKET_MB, one_group_gather
+from .lowering import one_group_gather
 from .oprules import is_tensor_list, signatures
 from .progress import report
 
@@ -124,14 +123,10 @@ class _Program:
     cost: list[float] = field(default_factory=list)  # every column lies in [0, 1]
     integer: list[bool] = field(default_factory=list)
     rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
-    # integer columns that the choices determine (a count of buckets): a hint of choices need not set them
-    derived: set[int] = field(default_factory=set)
 
-    def column(self, cost: float = 0.0, integer: bool = False, derived: bool = False) -> int:
+    def column(self, cost: float = 0.0, integer: bool = False) -> int:
         self.cost.append(cost)
         self.integer.append(integer)
-        if derived:
-            self.derived.add(len(self.cost) - 1)
         return len(self.cost) - 1
 
     def row(self, terms: dict[int, float], lower: float, upper: float) -> None:
@@ -208,13 +203,12 @@ class _Program:
         return float(np.dot(self.cost, values))
 
     def _completed(self, rows, hint: dict[int, float]) -> list[float] | None:
-        """The hint's plan as a whole solution: its integer columns fixed, the continuous ones (and the
-        derived integer ones) at their least cost; None where the hint leaves a choice unset or the plan is
-        infeasible (over the memory bound)."""
+        """The hint's plan as a whole solution: its integer columns fixed, the continuous ones at their
+        least cost; None where the hint leaves an integer column unset or the plan is infeasible (over
+        the memory bound)."""
         import highspy
 
-        if not all(column in hint for column, is_integer in enumerate(self.integer)
-                   if is_integer and column not in self.derived):
+        if not all(column in hint for column, is_integer in enumerate(self.integer) if is_integer):
             return None
         highs = _quiet_highs()
         highs.setOptionValue("output_flag", False)
@@ -229,7 +223,7 @@ class _Program:
 
     def _lp(self, rows, fixed: dict[int, float] | None = None):
         """The program in HiGHS's terms; with `fixed`, those columns fixed at their values and every
-        other column continuous but the derived integer ones."""
+        column continuous (an LP)."""
         import highspy
 
         lp = highspy.HighsLp()
@@ -253,10 +247,9 @@ class _Program:
         lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
         lp.a_matrix_.index_ = np.array(indices, dtype=np.int32)
         lp.a_matrix_.value_ = np.array(values, dtype=float)
-        integer = self.integer if fixed is None else [i in self.derived for i in range(columns)]
-        if any(integer):
+        if fixed is None:
             lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
-                               for i in integer]
+                               for i in self.integer]
         return lp
 
 
@@ -854,7 +847,6 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             if uses or ends:
                 classes.setdefault((shared.get(name, name), uses, ends), []).append(name)
         syncs: dict[tuple, int] = {}  # (class, axis, placements) → its gradient's reduction over the axis
-        bucketed: dict[tuple[int, str], list[tuple[int, int]]] = {}  # (axis, kind) → (sync column, bytes)
         for key, members in classes.items():
             name, uses, ends = members[0], key[1], key[2]
             count = len(members)
@@ -881,13 +873,9 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                         if (key, i, source, target) not in syncs:
                             kind = "reduce_scatter" if source[i].is_split else "all_reduce"
                             seconds = machine.local_collective_seconds(kind, local_bytes(name, target), sizes[i])
-                            in_bucket = name in bound.parameters  # its bytes, behind the rest of backward
-                            if in_bucket:
+                            if name in bound.parameters:  # in a bucket: its bytes, behind the rest of backward
                                 seconds = unhidden * (seconds - machine.collective_seconds(kind, 0, sizes[i]))
                             syncs[key, i, source, target] = program.column(count * seconds)
-                            if in_bucket:
-                                bucketed.setdefault((i, kind), []).append(
-                                    (syncs[key, i, source, target], count * local_bytes(name, target)))
                         row = subtract({syncs[key, i, source, target]: 1.0}, terms)
                         for column in taken_whole[target, i]:
                             row[column] = row.get(column, 0.0) + 1.0
@@ -903,25 +891,6 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                                                                        sizes[i])
                             for column in terms:
                                 add_cost(objective, column, count * seconds)
-
-        # The buckets' latencies, which their parameters share: one where any gradient is reduced in a
-        # bucket on the axis, a second where they fill more than lowering's first bucket (FIRST_BUCKET_MB).
-        # A plan that reduces no parameter's gradient there (Megatron's, whose replicated weights see
-        # whole activations) saves them, as cost.estimate counts it.
-        first_bucket = int(FIRST_BUCKET_MB * (1 << 20))
-        for (i, kind), members in bucketed.items():
-            latency = unhidden * machine.collective_seconds(kind, 0, sizes[i])
-            any_bucket = program.column(latency)
-            for column, _ in members:
-                program.row({any_bucket: 1.0, column: -1.0}, 0.0, math.inf)
-            # (written whatever the bytes, so that the program's size does not grow with depth). An integer:
-            # a continuous column, the tightest of them included, charges a plan that reduces part of the
-            # gradients past the first bucket a fraction of that bucket's latency (benchmarks/README.md:
-            # it found a LLaMA plan estimate rates 2.5 % slower); branching on it slows some programs.
-            most = max(sum(nbytes for _, nbytes in members), first_bucket)
-            second = program.column(latency, integer=True, derived=True)
-            program.row({column: float(nbytes) for column, nbytes in members} | {second: -float(most)},
-                        -math.inf, float(first_bucket))
 
         if gathered:
             # Gathered parameters are held one group at a time, the next one prefetched (cost.memory_per_rank
