@@ -1,3 +1,4 @@
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -12,9 +13,11 @@ if REPO not in sys.path:
 
 # The cost model reads a calibration file from the user's cache when there is one: tests see none, so
 # that every estimate they check is from the defaults or a file they write themselves.
-# (removed as the process ends, as every run left one behind)
-_CACHE_DIR = tempfile.TemporaryDirectory(prefix="pardsl-test-cache-")
-os.environ["PARDSL_CACHE_DIR"] = _CACHE_DIR.name
+# Made by pytest's process and removed as it ends; the pools' workers (spawned children, which import
+# this file through the tests' modules) inherit it, as they are stopped without running finalizers.
+if multiprocessing.parent_process() is None:
+    _CACHE_DIR = tempfile.TemporaryDirectory(prefix="pardsl-test-cache-")
+    os.environ["PARDSL_CACHE_DIR"] = _CACHE_DIR.name
 
 _POOLS = {}
 
