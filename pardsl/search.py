@@ -28,7 +28,9 @@ keeping its signature on at least one of the two. The program:
 - a parameter's gradient is reduced in buckets behind backward, and on an axis that splits the batch its
   gather is prefetched behind forward and again behind backward (resharded after forward, as memory is
   counted: two groups whole at a time): priced at the share the machine does not overlap (a bucket's
-  latency is shared by many parameters: its bytes only).
+  latency is shared by many parameters: its bytes only). The latencies of the buckets a plan fills are
+  weighed after the program is solved (_fewer_buckets): a plan that reduces no parameter's gradient on
+  an axis (Megatron's, whose replicated weights see whole activations) saves them.
 
 Costs are seconds of the cost model (pardsl/cost.py: α per ring step + β per byte, per kind; the
 machine's throughput and bandwidth), so the objective is the estimated step time of the axis's choices.
@@ -59,7 +61,7 @@ from .binding import BoundPlan
 from .cost import OPTIMIZER_STATES, Machine, layer_of, parameter_unit, repeated_layer, serial_bytes
 from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
 from .layouts import B, P, Layout, Placement, collective_bytes, plan_conversion, step_collectives
-from .lowering import one_group_gather
+from .lowering import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, one_group_gather
 from .oprules import is_tensor_list, signatures
 from .progress import report
 
@@ -341,6 +343,43 @@ def _nearest_the_bound(program: _Program, memory_row: int, hint) -> tuple[str, l
     program.row({excess: 1.0}, 0.0, solution[least_excess] + 1e-6)
     # branch and bound starts from that plan: without it, HiGHS may find none within FIRST_PLAN_S
     return program.solve(frozenset({memory_row}), hint=dict(enumerate(solution)))
+
+
+def _bucket_seconds(solution: list[float], latencies: dict) -> float:
+    """The latencies of the gradient buckets a plan fills: per axis and kind, lowering's first bucket, then
+    one per DEFAULT_BUCKET_MB of the gradients beyond it."""
+    first, later = FIRST_BUCKET_MB * (1 << 20), DEFAULT_BUCKET_MB * (1 << 20)
+    seconds = 0.0
+    for latency, members in latencies.values():
+        nbytes = sum(nbytes for column, nbytes in members if solution[column] > 0.5)
+        if nbytes:
+            seconds += latency * (1 + math.ceil(max(0.0, nbytes - first) / later))
+    return seconds
+
+
+def _fewer_buckets(program: _Program, latencies: dict, status: str, solution: list[float],
+                   hint) -> tuple[str, list[float]]:
+    """The program's plan, or a plan that reduces no parameter's gradient on an axis where it would save
+    those buckets' latencies. The program prices a bucketed gradient at its bytes alone: a latency shared
+    by whatever a plan puts in the bucket is a maximum over the gradients, and written as a column of the
+    program (any gradient on the axis ≤ the column) it made the three-axis schemes' programs ten times
+    slower to solve (benchmarks/README.md). So the plan's latencies are added afterwards, and for each
+    axis and kind the plan fills buckets on, one more program without those gradients is solved, cut off
+    where its objective alone passes the plan's whole estimate, which HiGHS proves quickly where, as
+    under data parallelism, every plan must reduce the gradients."""
+    best = program.objective(solution) + _bucket_seconds(solution, latencies)
+    used = [key for key, (_, members) in latencies.items() if any(solution[c] > 0.5 for c, _ in members)]
+    for key in sorted(used, key=lambda key: -latencies[key][0]):
+        without = _Program(list(program.cost), list(program.integer), list(program.rows))
+        for column, _ in latencies[key][1]:
+            without.row({column: 1.0}, 0.0, 0.0)
+        found, values = without.solve(hint=hint)
+        if found not in ("optimal", "time limit"):
+            continue
+        seconds = program.objective(values) + _bucket_seconds(values, latencies)
+        if seconds < best:
+            best, status, solution = seconds, found, values
+    return status, solution
 
 
 def _layer_key(path: str) -> tuple[str, str] | None:
@@ -847,6 +886,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             if uses or ends:
                 classes.setdefault((shared.get(name, name), uses, ends), []).append(name)
         syncs: dict[tuple, int] = {}  # (class, axis, placements) → its gradient's reduction over the axis
+        bucketed: dict[tuple[int, str], list[tuple[int, int]]] = {}  # (axis, kind) → (sync column, bytes)
         for key, members in classes.items():
             name, uses, ends = members[0], key[1], key[2]
             count = len(members)
@@ -873,9 +913,11 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                         if (key, i, source, target) not in syncs:
                             kind = "reduce_scatter" if source[i].is_split else "all_reduce"
                             seconds = machine.local_collective_seconds(kind, local_bytes(name, target), sizes[i])
+                            syncs[key, i, source, target] = column = program.column()
                             if name in bound.parameters:  # in a bucket: its bytes, behind the rest of backward
                                 seconds = unhidden * (seconds - machine.collective_seconds(kind, 0, sizes[i]))
-                            syncs[key, i, source, target] = program.column(count * seconds)
+                                bucketed.setdefault((i, kind), []).append((column, count * local_bytes(name, target)))
+                            program.cost[column] = count * seconds
                         row = subtract({syncs[key, i, source, target]: 1.0}, terms)
                         for column in taken_whole[target, i]:
                             row[column] = row.get(column, 0.0) + 1.0
@@ -918,11 +960,16 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                f"{' again, from a plan' if start is not None else ''}: an integer program of "
                f"{len(program.cost):,} columns and {len(program.rows):,} rows (up to {TIME_LIMIT_S:.0f} s)")
         status, solution = program.solve(hint=hint)
-        proven = group if status == "optimal" else None
         if status == "infeasible" and memory_row is not None:  # the bound cannot be met: N003
             if not nearest:
                 raise BoundUnmet()
             status, solution = _nearest_the_bound(program, memory_row, hint)
+        elif status in ("optimal", "time limit"):
+            # where the batch may be split, every parameter's gradient is reduced: no other plan to try
+            latencies = {key: (unhidden * machine.collective_seconds(key[1], 0, sizes[key[0]]), members)
+                         for key, members in bucketed.items() if group[key[0]] not in batch_axes}
+            status, solution = _fewer_buckets(program, latencies, status, solution, hint)
+        proven = group if status == "optimal" else None
         if status not in ("optimal", "time limit"):  # at the limit: the best plan found by then
             names = ", ".join(mesh.axis_names[a] for a in group)
             raise NoPlanFound(f"the layout search found no plan on axis {names}: {status}")
