@@ -156,10 +156,18 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
             plan, settled = lowered.get(_layouts_of(start), (None, ()))
             if order[0] in settled:
                 return plan
+        plan, saved_buckets = found(order, start, nearest, True)
+        if saved_buckets:
+            # the bucket latencies are the search's own estimate, after its programs: the cost model rates
+            # its plan against the one the programs alone give (whose answers the search has kept)
+            plan = min(plan, found(order, start, nearest, False)[0], key=lambda plan: plan[0])
+        return plan
+
+    def found(order: tuple[int, ...], start: TypedGraph | None, nearest: bool, fewer_buckets: bool):
         clock = time.perf_counter()
         try:
             typed = search(bound, machine, limit, order=order, start=start, facts=facts, nearest=nearest,
-                           activation_weight=activation_weight)
+                           activation_weight=activation_weight, fewer_buckets=fewer_buckets)
         finally:
             seconds["search"] += time.perf_counter() - clock
         key = _layouts_of(typed)
@@ -170,7 +178,7 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
             seconds["lower"] += time.perf_counter() - clock
         plan, settled = lowered[key]
         settled.update(typed.settled)
-        return plan
+        return plan, typed.saved_buckets
 
     sized = [a for a in range(bound.mesh.ndim) if bound.mesh.axis_sizes[a] > 1 and a not in kept]
     unsized = tuple(a for a in range(bound.mesh.ndim) if a not in sized and a not in kept)

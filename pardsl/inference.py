@@ -85,6 +85,9 @@ class TypedGraph:
     # the mesh axes whose integer program, the others fixed as this plan has them, proved this plan its
     # optimum (search.search): deciding such an axis alone again from this plan finds it again
     settled: frozenset[int] = frozenset()
+    # a program's plan gave way to one without an axis's bucketed gradients, which its own estimate rated
+    # faster (search._fewer_buckets): compile rates the plan found without that step too
+    saved_buckets: bool = False
 
     @property
     def mesh(self) -> Mesh:

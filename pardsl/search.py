@@ -125,6 +125,8 @@ class _Program:
     cost: list[float] = field(default_factory=list)  # every column lies in [0, 1]
     integer: list[bool] = field(default_factory=list)
     rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
+    # plans whose objective is not below it are of no use to the caller: branch and bound prunes them
+    cutoff: float = math.inf
 
     def column(self, cost: float = 0.0, integer: bool = False) -> int:
         self.cost.append(cost)
@@ -152,7 +154,8 @@ class _Program:
     def _key(self, skip_rows: frozenset[int], hint: dict[int, float] | None) -> str:
         """Everything an answer depends on: the program, its hint and the solver's limits."""
         rows = [r for i, r in enumerate(self.rows) if i not in skip_rows]
-        text = repr((self.cost, self.integer, rows, sorted((hint or {}).items()), MIP_GAP, TIME_LIMIT_S, FIRST_PLAN_S))
+        text = repr((self.cost, self.integer, rows, sorted((hint or {}).items()), MIP_GAP, TIME_LIMIT_S, FIRST_PLAN_S,
+                     self.cutoff))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _solve(self, skip_rows: frozenset[int], hint: dict[int, float] | None) -> tuple[str, list[float]]:
@@ -169,6 +172,8 @@ class _Program:
         highs.setOptionValue("output_flag", False)
         highs.setOptionValue("random_seed", 0)
         highs.setOptionValue("mip_rel_gap", MIP_GAP)
+        if self.cutoff < math.inf:
+            highs.setOptionValue("objective_bound", self.cutoff)
         columns = len(self.cost)
         rows = [r for i, r in enumerate(self.rows) if i not in skip_rows]
         highs.passModel(self._lp(rows))
@@ -363,16 +368,22 @@ def _fewer_buckets(program: _Program, latencies: dict, status: str, solution: li
     those buckets' latencies. The program prices a bucketed gradient at its bytes alone: a latency shared
     by whatever a plan puts in the bucket is a maximum over the gradients, and written as a column of the
     program (any gradient on the axis ≤ the column) it made the three-axis schemes' programs ten times
-    slower to solve (benchmarks/README.md). So the plan's latencies are added afterwards, and for each
-    axis and kind the plan fills buckets on, one more program without those gradients is solved, cut off
-    where its objective alone passes the plan's whole estimate, which HiGHS proves quickly where, as
-    under data parallelism, every plan must reduce the gradients."""
+    slower to solve (benchmarks/README.md). So the plan's latencies are added afterwards, and for each axis
+    the plan fills buckets on, the program is solved again without those gradients where its linear
+    relaxation (a lower bound, and quick) leaves room for a faster plan, cut off at the plan's seconds."""
     best = program.objective(solution) + _bucket_seconds(solution, latencies)
-    used = [key for key, (_, members) in latencies.items() if any(solution[c] > 0.5 for c, _ in members)]
-    for key in sorted(used, key=lambda key: -latencies[key][0]):
+    filled = sorted({axis for (axis, _), (_, members) in latencies.items()
+                     if any(solution[column] > 0.5 for column, _ in members)})
+    for axis in filled:
+        columns = [column for (on, _), (_, members) in latencies.items() if on == axis for column, _ in members]
         without = _Program(list(program.cost), list(program.integer), list(program.rows))
-        for column, _ in latencies[key][1]:
+        for column in columns:
             without.row({column: 1.0}, 0.0, 0.0)
+        relaxed = _Program(without.cost, [False] * len(without.cost), without.rows)
+        found, values = relaxed.solve()
+        if found != "optimal" or relaxed.objective(values) >= best:
+            continue
+        without.cutoff = best
         found, values = without.solve(hint=hint)
         if found not in ("optimal", "time limit"):
             continue
@@ -491,7 +502,7 @@ def graph_facts(bound: BoundPlan) -> GraphFacts:
 def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
            optimizer: str = "adamw", order: tuple[int | tuple[int, ...], ...] | None = None,
            start: TypedGraph | None = None, facts: GraphFacts | None = None, nearest: bool = True,
-           activation_weight: float = 1.0) -> TypedGraph:
+           activation_weight: float = 1.0, fewer_buckets: bool = True) -> TypedGraph:
     """`order`: the mesh axes in the order they are decided (default: the mesh's, one at a time); an entry
     that is a tuple of axes is decided jointly, by one program over every combination of their choices
     (Alpa's strategies over a 2-D mesh). With `start`, a plan of the same file, the axes in `order` are
@@ -501,7 +512,9 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
     solves several programs. `nearest`: where the bound cannot be met, the plan nearest it (two more
     programs); without it, BoundUnmet, for a caller that has another way to a plan within the bound.
     `activation_weight`: what the bound counts each byte of activations as (a pipeline's rank holds
-    several micro-batches' activations of its stage: compiler._compile_pipelined)."""
+    several micro-batches' activations of its stage: compiler._compile_pipelined). `fewer_buckets`: a
+    program's plan may give way to one without an axis's bucketed gradients (_fewer_buckets); where one
+    did, the plan says so (TypedGraph.saved_buckets), and compile rates the plan found without them too."""
     facts = facts or graph_facts(bound)
     specs, graph_nodes, placeholders = facts.specs, facts.graph_nodes, facts.placeholders
     operands, requires_grad, flops = facts.operands, facts.requires_grad, facts.flops
@@ -532,6 +545,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
         return tuple(pin.layout.placements[a] for a in group) if pin is not None else None
 
     proven = None  # the last group, where its program proved its plan optimal
+    saved_buckets = False  # a program's plan gave way to one without an axis's bucketed gradients
     for step, group in enumerate(groups):
         proven = None
         sizes = [mesh.axis_sizes[a] for a in group]
@@ -968,8 +982,12 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             # where the batch may be split, every parameter's gradient is reduced: no other plan to try
             latencies = {key: (unhidden * machine.collective_seconds(key[1], 0, sizes[key[0]]), members)
                          for key, members in bucketed.items() if group[key[0]] not in batch_axes}
-            status, solution = _fewer_buckets(program, latencies, status, solution, hint)
-        proven = group if status == "optimal" else None
+            if fewer_buckets:
+                found = solution
+                status, solution = _fewer_buckets(program, latencies, status, solution, hint)
+                saved_buckets |= solution is not found
+        # (the program alone, where `fewer_buckets` is off, is not what deciding the group again asks)
+        proven = group if status == "optimal" and fewer_buckets else None
         if status not in ("optimal", "time limit"):  # at the limit: the best plan found by then
             names = ", ".join(mesh.axis_names[a] for a in group)
             raise NoPlanFound(f"the layout search found no plan on axis {names}: {status}")
@@ -1012,6 +1030,7 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                         {name: by_axis(v) for name, v in candidates.items()})
     if proven is not None and len(proven) == 1:
         typed.settled = frozenset(proven)
+    typed.saved_buckets = saved_buckets
     return typed
 
 

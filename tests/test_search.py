@@ -655,7 +655,8 @@ def test_a_descent_asks_no_program_whose_answer_it_has_and_lowers_each_plan_once
 
     def searching(bound, machine, limit, order=None, start=None, **kwargs):
         typed = real_search(bound, machine, limit, order=order, start=start, **kwargs)
-        asked.append((order, start, typed, machine))
+        if kwargs.get("fewer_buckets", True):  # not the second look where the plan saved buckets
+            asked.append((order, start, typed, machine))
         return typed
 
     monkeypatch.setattr(compiler, "search", searching)
