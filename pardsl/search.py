@@ -974,20 +974,20 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                f"{' again, from a plan' if start is not None else ''}: an integer program of "
                f"{len(program.cost):,} columns and {len(program.rows):,} rows (up to {TIME_LIMIT_S:.0f} s)")
         status, solution = program.solve(hint=hint)
+        # (the program alone, where `fewer_buckets` is off, is not what deciding the group again asks)
+        proven = group if status == "optimal" and fewer_buckets else None
         if status == "infeasible" and memory_row is not None:  # the bound cannot be met: N003
             if not nearest:
                 raise BoundUnmet()
             status, solution = _nearest_the_bound(program, memory_row, hint)
-        elif status in ("optimal", "time limit"):
+        elif status in ("optimal", "time limit") and fewer_buckets:
             # where the batch may be split, every parameter's gradient is reduced: no other plan to try
             latencies = {key: (unhidden * machine.collective_seconds(key[1], 0, sizes[key[0]]), members)
                          for key, members in bucketed.items() if group[key[0]] not in batch_axes}
-            if fewer_buckets:
-                found = solution
-                status, solution = _fewer_buckets(program, latencies, status, solution, hint)
-                saved_buckets |= solution is not found
-        # (the program alone, where `fewer_buckets` is off, is not what deciding the group again asks)
-        proven = group if status == "optimal" and fewer_buckets else None
+            programs_own = solution
+            status, solution = _fewer_buckets(program, latencies, status, solution, hint)
+            saved_buckets |= solution is not programs_own
+            proven = group if status == "optimal" else None
         if status not in ("optimal", "time limit"):  # at the limit: the best plan found by then
             names = ", ".join(mesh.axis_names[a] for a in group)
             raise NoPlanFound(f"the layout search found no plan on axis {names}: {status}")
