@@ -1,10 +1,11 @@
-"""The runtime's reduce-scatter against the backend's own, per size, on N local ranks (issue 9).
+"""The runtime's collectives against the backend's own, per size, on N local ranks (issue 9).
 
-On gloo, `dist.reduce_scatter_single` all-reduces the whole input and copies this rank's chunk out; the
-runtime's reduce-scatter there is an all-to-all and a local sum (pardsl/runtime.py). This times both,
-and for scale an all-reduce of the same input, the same all-reduce as two all-to-alls (a reduce-scatter
-and an all-gather, each one exchange: not used, see benchmarks/README.md), and an all-gather: per size,
-the median of `--repeats` timings of ten back-to-back calls, the ranks started together.
+On gloo the runtime builds some collectives on gloo's all-to-all (pardsl/runtime.py,
+`collectives_by_all_to_all`): a reduce-scatter is an all-to-all and a local sum (gloo's own all-reduces
+the whole input); an all-gather of up to `EXCHANGE_MAX_BYTES` per rank is one all-to-all of n copies of
+the input (gloo's own is a ring of n − 1 steps); an all-reduce of up to that size over two ranks is one
+exchange of the whole tensors and a sum (gloo's ring takes two dependent steps). This times each pair:
+per size, the median of `--repeats` timings of ten back-to-back calls, the ranks started together.
 
     python benchmarks/collectives.py [--nproc 2] [--repeats 7] [--backend gloo]
 """
@@ -26,46 +27,41 @@ SIZES = (1 << 15, 1 << 17, 1 << 19, 1 << 20, 1 << 22)  # bytes of each rank's in
 
 
 def _rank(rank: int, nproc: int, port: int, backend: str, repeats: int) -> None:
-    from pardsl.runtime import reduce_scatter_started, reduces_by_all_to_all
+    from pardsl.runtime import all_gather_started, all_reduce_started, collectives_by_all_to_all, reduce_scatter_started
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     dist.init_process_group(backend, rank=rank, world_size=nproc, timeout=datetime.timedelta(seconds=120))
     try:
-        by_all_to_all = reduces_by_all_to_all(backend)
+        ours = collectives_by_all_to_all(backend)
         if rank == 0:
-            how = "an all-to-all and a sum" if by_all_to_all else "the backend's own"
-            print(f"{nproc} ranks, {backend}; the runtime's reduce-scatter: {how}")
-            print("| input per rank | backend's reduce-scatter | runtime's | all-reduce | all-reduce as two "
-                  "all-to-alls | all-gather |")
-            print("|---|---|---|---|---|---|")
+            how = "built on the all-to-all" if ours else "the backend's own"
+            print(f"{nproc} ranks, {backend}; the runtime's collectives: {how}")
+            print("| input per rank | backend's reduce-scatter | runtime's | backend's all-reduce | runtime's | "
+                  "backend's all-gather | runtime's |")
+            print("|---|---|---|---|---|---|---|")
         for size in SIZES:
             elements = size // 4 // nproc * nproc
             x = torch.ones(elements, device=device)
+            gathered = torch.empty(elements * nproc, device=device)
 
-            def own():
-                dist.reduce_scatter_single(torch.empty(elements // nproc, device=device), x)
-
-            def runtimes():
+            def reduce_scatter(by_all_to_all):
                 work, summed = reduce_scatter_started(x, nproc, None, by_all_to_all)
                 work.wait()
                 summed()
 
-            def all_reduce():
-                dist.all_reduce(x.clone())
+            def all_reduce(by_all_to_all):
+                work, summed = all_reduce_started(x.clone(), nproc, None, by_all_to_all)
+                work.wait()
+                summed()
 
-            def all_reduce_by_all_to_alls():
-                received = torch.empty_like(x)
-                dist.all_to_all_single(received, x)
-                summed = received.view(nproc, -1).sum(0)
-                dist.all_to_all_single(torch.empty_like(x), summed.repeat(nproc))
+            def all_gather(by_all_to_all):
+                all_gather_started(gathered, x, nproc, None, by_all_to_all).wait()
 
-            def all_gather():
-                dist.all_gather_single(torch.empty(elements * nproc, device=device), x)
-
+            calls = [lambda c=c, b=b: c(b) for c in (reduce_scatter, all_reduce, all_gather) for b in (False, ours)]
             row = []
-            for call in (own, runtimes, all_reduce, all_reduce_by_all_to_alls, all_gather):
+            for call in calls:
                 call()
                 times = []
                 for _ in range(repeats):

@@ -21,8 +21,8 @@ collectives outside it).
                                   [--device cpu|cuda] [--backend gloo|nccl] [--own-collectives]
 
 `--profile` adds, per plan, where each step spends its time (torch.profiler, top ops by self time).
-`--own-collectives` also times pardsl's module with gloo's own reduce-scatter instead of the runtime's
-all-to-all and sum. The versions' steps are taken in turn (benchmarks/timing.py), so that
+`--own-collectives` also times pardsl's module with gloo's own reduce-scatter, all-gather and all-reduce
+instead of the runtime's, built on gloo's all-to-all (pardsl/runtime.py, `collectives_by_all_to_all`). The versions' steps are taken in turn (benchmarks/timing.py), so that
 the machine's slow spells fall on all of them alike.
 """
 
@@ -203,13 +203,13 @@ def rank_main(job: dict) -> dict:
     steps = {"pardsl": pardsl_step, "torch": torch_step}
     if tensor_parallel:
         steps["serial"] = serial_step
-    if job["own_collectives"] and rt.reduce_scatter_by_all_to_all:
-        def pardsl_own_step():  # the same module with gloo's own reduce-scatter
-            rt.reduce_scatter_by_all_to_all = False
+    if job["own_collectives"] and rt.by_all_to_all:
+        def pardsl_own_step():  # the same module with gloo's own collectives
+            rt.by_all_to_all = False
             try:
                 pardsl_step()
             finally:
-                rt.reduce_scatter_by_all_to_all = True
+                rt.by_all_to_all = True
 
         steps["pardsl_own"] = pardsl_own_step
     medians = interleaved_median_ms(steps, job["steps"], device=device)
@@ -277,8 +277,8 @@ def main() -> None:
                         help="default: nccl with a GPU for each rank, else gloo")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--own-collectives", action="store_true",
-                        help="also time pardsl with gloo's own reduce-scatter (the runtime's is an all-to-all "
-                             "and a sum on gloo)")
+                        help="also time pardsl with gloo's own collectives (the runtime builds its reduce-scatter, "
+                             "and small all-gathers and all-reduces, on gloo's all-to-all)")
     args = parser.parse_args()
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= args.nproc else "gloo"
@@ -305,7 +305,7 @@ def main() -> None:
                         f"**{result['pardsl_ms'] / result['torch_ms']:.2f}** | {versus_serial} |")
             notes.append(f"- {TITLES[plan_name]}: pardsl {_counts(result['pardsl_counts'])}"
                          + (f"; {tool} (CommDebugMode) {result['torch_counts']}" if result["torch_counts"] else "")
-                         + (f"; pardsl with gloo's own reduce-scatter {result['pardsl_own_ms']:.1f} ms"
+                         + (f"; pardsl with gloo's own collectives {result['pardsl_own_ms']:.1f} ms"
                             if result["pardsl_own_ms"] else "")
                          + (f"; peak memory of a step on rank 0: pardsl {result['peak_mib']['pardsl']:.1f} MiB, "
                             f"{tool} {result['peak_mib']['torch']:.1f} MiB" if result["peak_mib"] else ""))

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .cost import LinkCost, Machine, ring_steps
 from .layouts import COLLECTIVE_KINDS, collective_bytes
-from .runtime import reduce_scatter_started, reduces_by_all_to_all
+from .runtime import all_gather_started, all_reduce_started, collectives_by_all_to_all, reduce_scatter_started
 
 SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)  # bytes of one rank's tensor
 QUICK_SIZES = (1 << 12, 1 << 18, 1 << 22)  # as far apart as the full set: β needs the large end
@@ -52,14 +52,19 @@ def _time(fn, device: torch.device, repeats: int, together: bool = True) -> floa
 def _collective(kind: str, local_bytes: int, n: int, device: torch.device):
     elements = max(n, local_bytes // 4 // n * n)  # divisible by n for the splitting collectives
     x = torch.ones(elements, device=device)
+    # as the runtime does them: on gloo, built on its all-to-all (runtime.collectives_by_all_to_all)
+    by_all_to_all = collectives_by_all_to_all(dist.get_backend())
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(x)
+        def all_reduce():
+            work, summed = all_reduce_started(x, n, None, by_all_to_all)
+            work.wait()
+            return summed()
+
+        return all_reduce
     if kind == "all_gather":
         out = torch.empty(elements * n, device=device)
-        return lambda: dist.all_gather_single(out, x)
-    if kind == "reduce_scatter":  # as the runtime does it on this backend (an all-to-all and a sum on gloo)
-        by_all_to_all = reduces_by_all_to_all(dist.get_backend())
-
+        return lambda: all_gather_started(out, x, n, None, by_all_to_all).wait()
+    if kind == "reduce_scatter":
         def reduce_scatter():
             work, summed = reduce_scatter_started(x, n, None, by_all_to_all)
             work.wait()

@@ -33,7 +33,6 @@ import weakref
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from .layouts import collective_bytes
 from .runtime import block_major, rank_major
@@ -141,7 +140,7 @@ class ParameterSync:
         flat = torch.cat([self._parameter(attr).detach().movedim(dim, 0).reshape(-1) for attr, dim, _ in members])
         buffer = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
         self.rt.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(flat), n), axis)
-        work = dist.all_gather_single(buffer, flat, group=self.rt.groups[axis], async_op=True)
+        work = self.rt.all_gather_started(buffer, flat, axis)
         return work, buffer.view(n, flat.numel())
 
     def _unpack(self, group: int, buffer: torch.Tensor) -> list[torch.Tensor]:
@@ -197,8 +196,8 @@ class ParameterSync:
             axis = axes[0]
             self.rt.counter.record("backward", "all_reduce",
                                    collective_bytes("all_reduce", _nbytes(flat), self.rt.size[axis]), axis)
-            work = dist.all_reduce(flat, group=self.rt.groups[axis], async_op=True)
-            self._launched.append((bucket, work, lambda: flat, [(m, grads[m].shape) for m in order]))
+            work, summed = self.rt.all_reduce_started(flat, axis)
+            self._launched.append((bucket, work, summed, [(m, grads[m].shape) for m in order]))
             return
         axis = axes[0]  # the further axes are all-reduced once it has finished (_finish)
         n = self.rt.size[axis]
@@ -230,7 +229,9 @@ class ParameterSync:
             for axis in axes[1:]:  # a gradient partial over several axes: the further ones in turn
                 self.rt.counter.record("backward", "all_reduce",
                                        collective_bytes("all_reduce", _nbytes(result), self.rt.size[axis]), axis)
-                dist.all_reduce(result, group=self.rt.groups[axis])
+                work, summed = self.rt.all_reduce_started(result, axis)
+                work.wait()
+                result = summed()
             offset = 0
             for member, full_shape in shapes:
                 attr, dim, _ = members[member]

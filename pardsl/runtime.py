@@ -67,10 +67,45 @@ def _device_mesh(mesh: Mesh, device_type: str):
     return _MESH_CACHE[key]
 
 
-def reduces_by_all_to_all(backend: str) -> bool:
-    """Whether a reduce-scatter on this backend is an all-to-all and a local sum: gloo's own is slower
-    (`python benchmarks/collectives.py`)."""
+def collectives_by_all_to_all(backend: str) -> bool:
+    """Whether this backend's reduce-scatters, small all-gathers and small all-reduces over two ranks are
+    built on its all-to-all (reduce_scatter_started, all_gather_started, all_reduce_started): gloo's own
+    are slower (`python benchmarks/collectives.py`)."""
     return backend == "gloo"
+
+
+# The largest tensor (bytes per rank) all-gathered, or all-reduced over two ranks, by an all-to-all: above
+# it the copies cost more than the exchange saves, and gloo's own are as fast (benchmarks/collectives.py)
+EXCHANGE_MAX_BYTES = 1 << 20
+
+
+def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool):
+    """Start summing x (contiguous) over the n ranks of `group`: (the work to wait on, a function giving the
+    sum once it has finished; x itself, summed in place, where the backend's all-reduce does it).
+
+    `by_all_to_all`: gloo's all-reduce is a ring, two dependent steps on two ranks, each a wake-up of gloo's
+    threads on both. As one all-to-all, each of two ranks sends the other its whole tensor (the ring's
+    bytes on two ranks) and both add the two in rank order: x0 + x1, the ring's sum bit for bit (a sum of
+    two is the same either way round). Up to EXCHANGE_MAX_BYTES; over more ranks it would move more bytes."""
+    if by_all_to_all and n == 2 and _nbytes(x) <= EXCHANGE_MAX_BYTES:
+        received = torch.empty((2, *x.shape), dtype=x.dtype, device=x.device)
+        work = dist.all_to_all_single(received, x.expand(2, *x.shape).contiguous(), group=group, async_op=True)
+        return work, lambda: received[0] + received[1]
+    work = dist.all_reduce(x, group=group, async_op=True)
+    return work, lambda: x
+
+
+def all_gather_started(out: torch.Tensor, x: torch.Tensor, n: int, group, by_all_to_all: bool):
+    """Start gathering x (contiguous) from the n ranks of `group` into `out` (n times x's size, rank r's at
+    chunk r of dim 0): the work to wait on.
+
+    `by_all_to_all`: every rank sends its x to each other rank in one all-to-all of n copies of it: a ring
+    all-gather's bytes in one step instead of n − 1 (gloo's own takes 2 to 6 times as long for up to
+    EXCHANGE_MAX_BYTES here); the copies are a local write of n times x."""
+    if by_all_to_all and _nbytes(x) <= EXCHANGE_MAX_BYTES:
+        copies = x.expand(n, *x.shape).contiguous().view(out.shape)
+        return dist.all_to_all_single(out, copies, group=group, async_op=True)
+    return dist.all_gather_single(out, x, group=group, async_op=True)
 
 
 def reduce_scatter_started(moved: torch.Tensor, n: int, group, by_all_to_all: bool):
@@ -101,7 +136,7 @@ class Runtime:
         self.groups: dict[str, object] = {}
         self.coordinate: dict[str, int] = {name: 0 for name in mesh.axis_names}
         self.size = dict(zip(mesh.axis_names, mesh.axis_sizes))
-        self.reduce_scatter_by_all_to_all = False
+        self.by_all_to_all = False  # collectives_by_all_to_all
         if mesh.size > 1 or (dist.is_available() and dist.is_initialized()):
             if not dist.is_initialized():
                 raise RuntimeError(f"a mesh of {mesh.size} ranks needs torch.distributed to be initialized")
@@ -112,7 +147,7 @@ class Runtime:
             for name in mesh.axis_names:
                 self.groups[name] = device_mesh.get_group(name)
                 self.coordinate[name] = device_mesh.get_local_rank(name)
-            self.reduce_scatter_by_all_to_all = reduces_by_all_to_all(dist.get_backend())
+            self.by_all_to_all = collectives_by_all_to_all(dist.get_backend())
 
     @staticmethod
     def require_divisible(size: int, ways: int, dim: str) -> None:
@@ -216,7 +251,7 @@ class Runtime:
             counted = (target != ignore_index).sum()
             if not mean:
                 count = counted.to(logits.dtype).reshape(1)
-                work = self._all_reduce_started(count, counts[0], "forward") if counts else None
+                work, summed = self._all_reduce_started(count, counts[0], "forward") if counts else (None, None)
         if classes:
             losses = _ClassSplitCrossEntropy.apply(logits, target, ignore_index, label_smoothing, self, classes)
         else:
@@ -233,6 +268,7 @@ class Runtime:
             return (pair[0] / pair[1]).to(losses.dtype)
         if work is not None:
             work.wait()
+            count = summed()
         for axis in counts[1:]:
             count = self._all_reduce(count, axis, "forward")
         return losses.sum() / count.reshape(())
@@ -269,22 +305,26 @@ class Runtime:
 
     # -- the primitives, counted ----------------------------------------------------------------------
 
-    def _all_reduce(self, x: torch.Tensor, axis: str, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        n = self.size[axis]
-        if n == 1:
+    def _all_reduce(self, x: torch.Tensor, axis: str, phase: str) -> torch.Tensor:
+        if self.size[axis] == 1:
             return x
-        out = x.contiguous().clone()
-        self.counter.record(phase, "all_reduce", collective_bytes("all_reduce", _nbytes(x), n), axis)
-        dist.all_reduce(out, op=op, group=self.groups[axis])
-        return out
+        work, summed = self._all_reduce_started(x.contiguous().clone(), axis, phase)
+        work.wait()
+        return summed()
 
     def _all_reduce_started(self, x: torch.Tensor, axis: str, phase: str):
-        """All-reduce x in place, asynchronously: the work to wait on (None over one rank)."""
+        """Sum x (contiguous; the backend may sum it in place) over `axis`, asynchronously: (work or None,
+        a function giving the sum once waited on)."""
         n = self.size[axis]
         if n == 1:
-            return None
+            return None, lambda: x
         self.counter.record(phase, "all_reduce", collective_bytes("all_reduce", _nbytes(x), n), axis)
-        return dist.all_reduce(x, group=self.groups[axis], async_op=True)
+        return self.all_reduce_started(x, axis)
+
+    def all_reduce_started(self, x: torch.Tensor, axis: str):
+        """Start an all-reduce of x (contiguous) over `axis`, the way this backend does it fastest: (work,
+        a function giving the sum once waited on)."""
+        return all_reduce_started(x, self.size[axis], self.groups[axis], self.by_all_to_all)
 
     def _reduce_scatter_started(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1):
         """Reduce-scatter x asynchronously: (work or None, a function giving the result once waited on)."""
@@ -299,7 +339,12 @@ class Runtime:
     def reduce_scatter_started(self, moved: torch.Tensor, axis: str):
         """Start a reduce-scatter of `moved` (contiguous, rank r's chunk first along dim 0 at r) over
         `axis`, the way this backend does it fastest: (work, a function giving the result once waited)."""
-        return reduce_scatter_started(moved, self.size[axis], self.groups[axis], self.reduce_scatter_by_all_to_all)
+        return reduce_scatter_started(moved, self.size[axis], self.groups[axis], self.by_all_to_all)
+
+    def all_gather_started(self, out: torch.Tensor, x: torch.Tensor, axis: str):
+        """Start an all-gather of x (contiguous) over `axis` into `out`, the way this backend does it
+        fastest: the work to wait on."""
+        return all_gather_started(out, x, self.size[axis], self.groups[axis], self.by_all_to_all)
 
     def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:
         n = self.size[axis]
@@ -308,7 +353,7 @@ class Runtime:
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(x), n), axis)
-        dist.all_gather_single(out, moved, group=self.groups[axis])
+        self.all_gather_started(out, moved, axis).wait()
         # contiguous as the serial value was: the exported graph may `view` it (a copy only where dim > 0)
         return block_major(out, n, blocks).movedim(0, dim).contiguous()
 
@@ -528,8 +573,7 @@ class _ColumnParallelLinears(torch.autograd.Function):
             if grad_x is not None and gather_dim is not None:
                 work, result = rt._reduce_scatter_started(grad_x, ctx.axes[0], gather_dim, "backward", blocks)
             elif grad_x is not None:
-                grad_x = grad_x.contiguous()
-                work = rt._all_reduce_started(grad_x, ctx.axes[0], "backward")
+                work, result = rt._all_reduce_started(grad_x.contiguous(), ctx.axes[0], "backward")
         rows = x.reshape(-1, x.shape[-1])
         parameter_grads = []
         for index, (grad, has_bias) in enumerate(zip(grads, ctx.has_bias)):
