@@ -100,8 +100,8 @@ def all_gather_started(out: torch.Tensor, x: torch.Tensor, n: int, group, by_all
     chunk r of dim 0): the work to wait on.
 
     `by_all_to_all`: every rank sends its x to each other rank in one all-to-all of n copies of it: a ring
-    all-gather's bytes in one step instead of n − 1 (gloo's own takes 2 to 6 times as long for up to
-    EXCHANGE_MAX_BYTES here); the copies are a local write of n times x."""
+    all-gather's bytes in one step instead of n − 1 (a sequence-parallel step on two gloo ranks here took
+    66 ms with gloo's own, 60 with this); the copies are a local write of n times x."""
     if by_all_to_all and _nbytes(x) <= EXCHANGE_MAX_BYTES:
         copies = x.expand(n, *x.shape).contiguous().view(out.shape)
         return dist.all_to_all_single(out, copies, group=group, async_op=True)
