@@ -30,6 +30,7 @@ from .inference import TypedGraph
 from .layouts import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion, step_collectives
 from .oprules import WHOLE, Signature, is_drawn_whole, op_name, rule_for
 from .program import Arg, Instruction, Items, Slot, Text, Var
+from .runtime import PROJECTIONS
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,8 @@ DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket size
 @dataclass(frozen=True)
 class LinearForm:
     """Where a linear-like op keeps its input, weight and bias among its operands; `op` names it to the
-    runtime's column-parallel step (runtime.PROJECTIONS), which knows how the weight is stored."""
+    runtime's column-parallel step (runtime.PROJECTIONS, where the slots come from), which knows how the
+    weight is stored."""
     op: str
     input: int
     weight: int
@@ -154,14 +156,10 @@ class LinearForm:
         return (self.weight,) + ((self.bias,) if self.bias is not None and self.bias < operands else ())
 
 
-# The ops a column-parallel step computes for its readers of one input: linear's weight is [out, in],
-# the others' [in, out] (GPT-2's Conv1D is an addmm; `x @ W` an mm or matmul)
-LINEAR_FORMS = {
-    torch.ops.aten.linear.default: LinearForm("linear", 0, 1, 2),
-    torch.ops.aten.addmm.default: LinearForm("addmm", 1, 2, 0),
-    torch.ops.aten.mm.default: LinearForm("mm", 0, 1, None),
-    torch.ops.aten.matmul.default: LinearForm("matmul", 0, 1, None),
-}
+# The ops a column-parallel step computes for its readers of one input, keyed by their overloads: the
+# runtime's list (runtime.PROJECTIONS), so that the two cannot disagree
+LINEAR_FORMS = {getattr(torch.ops.aten, op).default: LinearForm(op, p.input, p.weight, p.bias)
+                for op, p in PROJECTIONS.items()}
 _PLACEHOLDER = re.compile(r"@@(sync|bucket|gather|group)(\d+)@@")  # a bucket or group not yet formed
 FIRST_BUCKET_MB = 1.0  # DDP's first bucket: the first collective starts early in backward
 

@@ -530,17 +530,23 @@ class _GradAllReduce(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Projection:
-    """A linear-like ATen op of an input and a parameter: how forward computes it, and how its weight is
-    stored ([in, out] or linear's [out, in]), which backward's matrix products follow."""
+    """A linear-like ATen op of an input and a parameter: how forward computes it, how its weight is
+    stored ([in, out] or linear's [out, in]), which backward's matrix products follow, and where the op
+    keeps its input, weight and bias among its operands (lowering.LINEAR_FORMS reads them)."""
     compute: object  # (x, weight, bias or None) -> result
     weight_in_out: bool
+    input: int
+    weight: int
+    bias: int | None
 
 
+# The ops a column-parallel step computes for its readers of one input: linear's weight is [out, in],
+# the others' [in, out] (GPT-2's Conv1D is an addmm; `x @ W` an mm or matmul)
 PROJECTIONS = {
-    "linear": Projection(lambda x, w, b: torch.ops.aten.linear.default(x, w, b), False),
-    "addmm": Projection(lambda x, w, b: torch.ops.aten.addmm.default(b, x, w), True),
-    "mm": Projection(lambda x, w, b: torch.ops.aten.mm.default(x, w), True),
-    "matmul": Projection(lambda x, w, b: torch.ops.aten.matmul.default(x, w), True),
+    "linear": Projection(lambda x, w, b: torch.ops.aten.linear.default(x, w, b), False, 0, 1, 2),
+    "addmm": Projection(lambda x, w, b: torch.ops.aten.addmm.default(b, x, w), True, 1, 2, 0),
+    "mm": Projection(lambda x, w, b: torch.ops.aten.mm.default(x, w), True, 0, 1, None),
+    "matmul": Projection(lambda x, w, b: torch.ops.aten.matmul.default(x, w), True, 0, 1, None),
 }
 
 
