@@ -79,9 +79,10 @@ def collectives_by_all_to_all(backend: str) -> bool:
 EXCHANGE_MAX_BYTES = 1 << 20
 
 
-def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool):
+def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool, overwrite: bool = True):
     """Start summing x (contiguous) over the n ranks of `group`: (the work to wait on, a function giving the
-    sum once it has finished; x itself, summed in place, where the backend's all-reduce does it).
+    sum once it has finished). `overwrite`: the backend's all-reduce may sum into x itself (else into a
+    copy; the exchange below never writes x).
 
     `by_all_to_all`: gloo's all-reduce is a ring, two dependent steps on two ranks, each a wake-up of gloo's
     threads on both. As one all-to-all, each of two ranks sends the other its whole tensor (the ring's
@@ -91,6 +92,8 @@ def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool):
         received = torch.empty((2, *x.shape), dtype=x.dtype, device=x.device)
         work = dist.all_to_all_single(received, x.expand(2, *x.shape).contiguous(), group=group, async_op=True)
         return work, lambda: received[0] + received[1]
+    if not overwrite:
+        x = x.clone()
     work = dist.all_reduce(x, group=group, async_op=True)
     return work, lambda: x
 
@@ -308,23 +311,23 @@ class Runtime:
     def _all_reduce(self, x: torch.Tensor, axis: str, phase: str) -> torch.Tensor:
         if self.size[axis] == 1:
             return x
-        work, summed = self._all_reduce_started(x.contiguous().clone(), axis, phase)
+        work, summed = self._all_reduce_started(x.contiguous(), axis, phase, overwrite=False)
         work.wait()
         return summed()
 
-    def _all_reduce_started(self, x: torch.Tensor, axis: str, phase: str):
-        """Sum x (contiguous; the backend may sum it in place) over `axis`, asynchronously: (work or None,
-        a function giving the sum once waited on)."""
+    def _all_reduce_started(self, x: torch.Tensor, axis: str, phase: str, overwrite: bool = True):
+        """Sum x (contiguous) over `axis`, asynchronously: (work or None, a function giving the sum once
+        waited on). `overwrite`: the backend may sum into x itself."""
         n = self.size[axis]
         if n == 1:
             return None, lambda: x
         self.counter.record(phase, "all_reduce", collective_bytes("all_reduce", _nbytes(x), n), axis)
-        return self.all_reduce_started(x, axis)
+        return self.all_reduce_started(x, axis, overwrite)
 
-    def all_reduce_started(self, x: torch.Tensor, axis: str):
+    def all_reduce_started(self, x: torch.Tensor, axis: str, overwrite: bool = True):
         """Start an all-reduce of x (contiguous) over `axis`, the way this backend does it fastest: (work,
-        a function giving the sum once waited on)."""
-        return all_reduce_started(x, self.size[axis], self.groups[axis], self.by_all_to_all)
+        a function giving the sum once waited on). `overwrite`: the backend may sum into x itself."""
+        return all_reduce_started(x, self.size[axis], self.groups[axis], self.by_all_to_all, overwrite)
 
     def _reduce_scatter_started(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1):
         """Reduce-scatter x asynchronously: (work or None, a function giving the result once waited on)."""

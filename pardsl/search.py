@@ -974,8 +974,8 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                f"{' again, from a plan' if start is not None else ''}: an integer program of "
                f"{len(program.cost):,} columns and {len(program.rows):,} rows (up to {TIME_LIMIT_S:.0f} s)")
         status, solution = program.solve(hint=hint)
-        # (the program alone, where `fewer_buckets` is off, is not what deciding the group again asks)
-        proven = group if status == "optimal" and fewer_buckets else None
+        # `proven` is set below, after the buckets are weighed: the program alone (`fewer_buckets` off) is
+        # not what deciding the group again asks, and a plan nearest an unmeetable bound is not proven
         if status == "infeasible" and memory_row is not None:  # the bound cannot be met: N003
             if not nearest:
                 raise BoundUnmet()
