@@ -489,6 +489,50 @@ def describe_failure(error: BaseException) -> str:
 
 
 _LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+_HELD_INTERRUPT_RETRY_S = 0.05
+
+
+@contextlib.contextmanager
+def _ctrl_c_held_while_spawning():
+    """Ctrl-C while the launcher is spawning the ranks takes effect once they are all started. Taken at
+    once, it leaves a rank whose launcher closed the pipe before writing its start-up data (the rank
+    prints multiprocessing's EOFError traceback) or a started rank the launcher does not yet know of
+    (never ended). Once they are started, the launcher's own clean-up ends them by SIGTERM. Where SIGINT
+    is not Python's KeyboardInterrupt (ignored in a background job, or the user's own handler), or
+    outside the main thread, nothing changes."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    import torch.multiprocessing
+
+    spawning = torch.multiprocessing.start_processes.__code__
+    timers: list[threading.Timer] = []
+
+    def send_again() -> None:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    def on_interrupt(signum, frame) -> None:
+        while frame is not None:
+            if frame.f_code is spawning:
+                timer = threading.Timer(_HELD_INTERRUPT_RETRY_S, send_again)
+                timer.daemon = True
+                timers.append(timer)
+                timer.start()
+                return
+            frame = frame.f_back
+        timers.clear()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for timer in timers:
+            timer.cancel()
+        if timers:  # held, and the launch ended before the interrupt was sent again
+            raise KeyboardInterrupt
 
 
 def launch(job: RankJob, stall_s: float = 60.0) -> dict:
@@ -521,7 +565,8 @@ def launch(job: RankJob, stall_s: float = 60.0) -> dict:
         handlers = {number: signal.getsignal(number) for number in _LAUNCHER_SIGNALS}
         handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # the launcher sets it from the config
         try:
-            results = elastic_launch(config, _elastic_entry)(job_path)
+            with _ctrl_c_held_while_spawning():
+                results = elastic_launch(config, _elastic_entry)(job_path)
         except SignalException as error:  # the launcher has already ended the ranks
             raise RunFailed(f"the launcher received {error.sigval.name} and ended the ranks") from None
         except Exception as error:

@@ -301,3 +301,50 @@ def test_a_serial_model_that_is_itself_non_finite_is_not_comparable_rather_than_
     out = capsys.readouterr().out
     assert "not comparable: the serial model itself gives non-finite values" in out
     assert "DIFFERS" not in out
+
+
+_SLOW_SPAWN_LAUNCHER = """
+import multiprocessing.util, sys, time
+spawn = multiprocessing.util.spawnv_passfds
+def spawn_then_wait(*args, **kwargs):  # widens the window between starting a process and writing it its data
+    pid = spawn(*args, **kwargs)
+    time.sleep(1.5)
+    return pid
+multiprocessing.util.spawnv_passfds = spawn_then_wait
+from pardsl.cli import entry
+sys.argv = ["pardsl"] + sys.argv[1:]
+entry()
+"""
+
+
+@pytest.mark.parametrize("ranks_started", [1, 2])
+def test_ctrl_c_while_a_rank_is_being_spawned_waits_until_all_are_started_then_ends_them(tmp_path, ranks_started):
+    # Taken at once, it left the rank multiprocessing's EOFError traceback, or a started rank the launcher
+    # never ended. This launcher pauses 1.5 s after starting each process, so the Ctrl-C lands in that window.
+    launcher = tmp_path / "slow_spawn_launcher.py"
+    launcher.write_text(_SLOW_SPAWN_LAUNCHER)
+    process = subprocess.Popen([sys.executable, str(launcher), "run", "examples/hf_llama8_tp2.par", "--nproc", "2",
+                                "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_interruptible, start_new_session=True)
+
+    def ranks() -> list[str]:
+        return subprocess.run(["pgrep", "-s", str(process.pid), "-f", "spawn_main"], capture_output=True,
+                              text=True).stdout.split()
+
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks()) < ranks_started and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert len(ranks()) == ranks_started
+        time.sleep(0.3)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 130
+        assert err.strip().splitlines() == ["pardsl: interrupted"]
+        assert ranks() == []
+    finally:  # a failure above must not leave the launcher and its ranks running
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
