@@ -9,7 +9,7 @@ steps, is α per step. With every rank computing at once (CPU ranks share the
 cores, as in a run), a square matmul gives the throughput, a large elementwise add the memory bandwidth
 and a tiny add the overhead of one op; an all-reduce issued asynchronously beside matmuls gives the
 share of communication that hides behind compute. Ranks use the threads a `pardsl run` on as many ranks
-would.
+would. Every figure is a median over rounds, each of which times every probe once (`_timed_in_rounds`).
 """
 
 from __future__ import annotations
@@ -75,6 +75,30 @@ def _collective(kind: str, local_bytes: int, n: int, device: torch.device):
     return lambda: dist.all_to_all_single(out, x)
 
 
+def _timed_in_rounds(cases: dict, device: torch.device, rounds: int) -> dict[object, list[float]]:
+    """Seconds per call of each case, given as key → (function, calls it makes), in each of `rounds`
+    rounds. Each round times every case once, so a stretch where the machine runs slow (a shared VM's
+    speed drifts over seconds) falls on all of them alike, not on one kind of collective or on compute
+    alone: the search weighs them against each other. Timed one after the other, the all-to-all's latency
+    came out 0.7 to 2.4 times the all-reduce's from one run to the next, and the plans it chose for the
+    same model moved 2.5 to 9.4 MiB a step."""
+    for function, _ in cases.values():
+        function()  # warm up
+    times = {key: [] for key in cases}
+    for _ in range(rounds):
+        for key, (function, calls) in cases.items():
+            times[key].append(_time(function, device, 1) / calls)
+    return times
+
+
+def _matmuls_as_long_as(collective, matmul, device: torch.device) -> int:
+    """How many matmuls take about as long as the collective, the same on every rank (the most any asks)."""
+    ratio = _time(collective, device, 3) / _time(matmul, device, 3)
+    count = torch.tensor([max(1, round(ratio))], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
 def _rank(rank: int, nproc: int, port: int, backend: str, sizes, repeats: int, result_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
@@ -83,25 +107,29 @@ def _rank(rank: int, nproc: int, port: int, backend: str, sizes, repeats: int, r
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=nproc, timeout=datetime.timedelta(seconds=120))
     try:
-        points = {kind: [] for kind in COLLECTIVE_KINDS}
-        for kind in COLLECTIVE_KINDS:
-            for size in sizes:
-                one = _collective(kind, size, nproc, device)
-                # ten back to back per timing: one barrier's skew between ranks is spread over ten
-                seconds = _time(lambda: [one() for _ in range(10)], device, repeats) / 10
-                points[kind].append((collective_bytes(kind, size, nproc), seconds))
+        def back_to_back(function, calls: int):
+            return lambda: [function() for _ in range(calls)], calls
+
+        # a collective ten times back to back per timing: one barrier's skew between ranks is spread over ten
+        cases = {(kind, size): back_to_back(_collective(kind, size, nproc, device), 10)
+                 for kind in COLLECTIVE_KINDS for size in sizes}
         # Compute is timed with every rank computing at once, as in a run: CPU ranks share the cores.
         a = torch.randn(512, 512, device=device)
-        matmul_s = _time(lambda: a @ a, device, repeats)
         big = torch.randn(1 << 22, device=device)
-        add_s = _time(lambda: big + big, device, repeats)
+        # into one buffer: a fresh 16 MiB result each time is mapped anew, and its page faults made the
+        # bandwidth 4 to 15 GB/s from one run to the next
+        added = torch.empty_like(big)
         tiny = torch.ones(4, device=device)
-        overhead_s = _time(lambda: [tiny + tiny for _ in range(100)], device, repeats) / 100
-        # Overlap: an all-reduce issued asynchronously while matmuls run, against the two one after the other.
-        x = torch.ones(1 << 20, device=device)
+        # Overlap: an all-reduce of a gradient bucket's size (gloo's own ring, as buckets over the runtime's
+        # exchange limit take) issued asynchronously while matmuls run, against the two one after the
+        # other, with as many matmuls as take about as long as the all-reduce: the share hidden is a
+        # difference of timings, and against a short all-reduce (1 MiB beside 8 matmuls before) a few ms
+        # of noise in the compute made it anything from 0 to 100 % between runs.
+        x = torch.ones(1 << 22, device=device)
+        matmuls = _matmuls_as_long_as(lambda: dist.all_reduce(x), lambda: a @ a, device)
 
         def compute():
-            for _ in range(8):
+            for _ in range(matmuls):
                 a @ a
 
         def both():
@@ -109,14 +137,21 @@ def _rank(rank: int, nproc: int, port: int, backend: str, sizes, repeats: int, r
             compute()
             handle.wait()
 
-        comm_s = _time(lambda: dist.all_reduce(x), device, repeats)
-        compute_s = _time(compute, device, repeats)
-        both_s = _time(both, device, repeats)
-        hidden = (comm_s + compute_s - both_s) / min(comm_s, compute_s)
+        cases.update({"matmul": back_to_back(lambda: a @ a, 8), "add": back_to_back(lambda: torch.add(big, big, out=added), 8),
+                      "overhead": back_to_back(lambda: tiny + tiny, 100),
+                      "comm": back_to_back(lambda: dist.all_reduce(x), 1), "compute": back_to_back(compute, 1),
+                      "both": back_to_back(both, 1)})
+        rounds = _timed_in_rounds(cases, device, repeats)
+        seconds = {key: statistics.median(timed) for key, timed in rounds.items()}
+        points = {kind: [(collective_bytes(kind, size, nproc), seconds[kind, size]) for size in sizes]
+                  for kind in COLLECTIVE_KINDS}
+        # per round, where the three ran one after the other, then the median
+        hidden = statistics.median((comm + compute - both) / min(comm, compute)
+                                   for comm, compute, both in zip(rounds["comm"], rounds["compute"], rounds["both"]))
         if rank == 0:
             with open(result_path, "w") as handle:
-                json.dump({"points": points, "flops_per_s": 2 * 512 ** 3 / matmul_s,
-                           "bytes_per_s": 3 * big.numel() * 4 / add_s, "op_overhead_s": overhead_s,
+                json.dump({"points": points, "flops_per_s": 2 * 512 ** 3 / seconds["matmul"],
+                           "bytes_per_s": 3 * big.numel() * 4 / seconds["add"], "op_overhead_s": seconds["overhead"],
                            "overlap": min(1.0, max(0.0, hidden))}, handle)
     finally:
         dist.destroy_process_group()
