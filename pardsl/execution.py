@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import inspect
 import json
 import logging
 import math
@@ -494,19 +495,23 @@ _HELD_INTERRUPT_RETRY_S = 0.05
 
 @contextlib.contextmanager
 def _ctrl_c_held_while_spawning():
-    """Ctrl-C while the launcher is spawning the ranks takes effect once they are all started. Taken at
-    once, it leaves a rank whose launcher closed the pipe before writing its start-up data (the rank
-    prints multiprocessing's EOFError traceback) or a started rank the launcher does not yet know of
-    (never ended). Once they are started, the launcher's own clean-up ends them by SIGTERM. Where SIGINT
-    is not Python's KeyboardInterrupt (ignored in a background job, or the user's own handler), or
-    outside the main thread, nothing changes."""
+    """Ctrl-C while the launcher is spawning the ranks takes effect once they are all started and the
+    agent holds them (`LocalElasticAgent._start_workers` has returned). Taken at once, it leaves a rank
+    whose launcher closed the pipe before writing its start-up data (the rank prints multiprocessing's
+    EOFError traceback) or a started rank the agent does not yet know of (never ended). Once it holds
+    them, the agent's own clean-up ends them by SIGTERM. Where SIGINT is not Python's KeyboardInterrupt
+    (ignored in a background job, or the user's own handler), or outside the main thread, nothing
+    changes."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
         return
     import torch.multiprocessing
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    spawning = torch.multiprocessing.start_processes.__code__
+    # unwrapped: torch's metrics decorator gives every agent method one wrapper's code, the monitor loop's too
+    spawning = (inspect.unwrap(LocalElasticAgent._start_workers).__code__,
+                torch.multiprocessing.start_processes.__code__)
     timers: list[threading.Timer] = []
 
     def send_again() -> None:
@@ -514,7 +519,7 @@ def _ctrl_c_held_while_spawning():
 
     def on_interrupt(signum, frame) -> None:
         while frame is not None:
-            if frame.f_code is spawning:
+            if frame.f_code in spawning:
                 timer = threading.Timer(_HELD_INTERRUPT_RETRY_S, send_again)
                 timer.daemon = True
                 timers.append(timer)
