@@ -22,8 +22,9 @@ collectives outside it).
 
 `--profile` adds, per plan, where each step spends its time (torch.profiler, top ops by self time).
 `--own-collectives` also times pardsl's module with gloo's own reduce-scatter, all-gather and all-reduce
-instead of the runtime's, built on gloo's all-to-all (pardsl/runtime.py, `collectives_by_all_to_all`). The versions' steps are taken in turn (benchmarks/timing.py), so that
-the machine's slow spells fall on all of them alike.
+instead of the runtime's, built on gloo's all-to-all (pardsl/runtime.py, `collectives_by_all_to_all`).
+The versions' steps are taken in turn (benchmarks/timing.py), so that the machine's slow spells fall on
+all of them alike.
 """
 
 from __future__ import annotations

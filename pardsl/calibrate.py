@@ -33,8 +33,9 @@ SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)  # bytes of one rank's ten
 QUICK_SIZES = (1 << 12, 1 << 18, 1 << 22)  # as far apart as the full set: β needs the large end
 
 
-def _time(fn, device: torch.device, repeats: int, together: bool = True) -> float:
-    fn()  # warm up
+def _time(fn, device: torch.device, repeats: int, together: bool = True, warm_up: bool = True) -> float:
+    if warm_up:
+        fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     times = []
@@ -87,7 +88,7 @@ def _timed_in_rounds(cases: dict, device: torch.device, rounds: int) -> dict[obj
     times = {key: [] for key in cases}
     for _ in range(rounds):
         for key, (function, calls) in cases.items():
-            times[key].append(_time(function, device, 1) / calls)
+            times[key].append(_time(function, device, 1, warm_up=False) / calls)  # warmed up above
     return times
 
 
