@@ -39,6 +39,16 @@ def pools():
 
 
 @pytest.fixture
+def round_figures(monkeypatch):
+    """Compile without a calibration file under tests/figures.py's ROUND_GLOO, not today's defaults."""
+    from pardsl import cost
+
+    from .figures import ROUND_GLOO
+
+    monkeypatch.setitem(cost.DEFAULTS, "gloo", ROUND_GLOO)
+
+
+@pytest.fixture
 def compile_par(tmp_path):
     """Compile .par text written to a file in a temporary folder (so spans and paths are real)."""
     def compile_(text: str, name: str = "model.par"):

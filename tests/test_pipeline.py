@@ -161,12 +161,12 @@ layout {
 
 
 # the dp plan's file with its inputs written `?` and a batch the search finds worth splitting
-GPT2_PP2_SEARCHED = GPT2_PP2_DP2.replace("[8, 16]", "[64, 32]").replace("S(0) @ dp", "?")
+GPT2_PP2_SEARCHED = GPT2_PP2_DP2.replace("[8, 16]", "[96, 32]").replace("S(0) @ dp", "?")
 
 
 def test_the_other_axes_of_a_pipelined_plan_are_searched_where_it_asks():
     # `?` in a pipelined file: the search decides the dp axis for one micro-batch's step (here it splits
-    # the batch: 16 rows of each micro-batch are worth halving) and leaves the pipeline axis B
+    # the batch: 24 rows of each micro-batch are worth halving) and leaves the pipeline axis B
     compiled = compile_text(GPT2_PP2_SEARCHED, "plan.par")
     layouts = compiled.typed.placeholder_layouts
     assert [str(p) for p in layouts["input_ids"].placements] == ["B", "S(0)"]

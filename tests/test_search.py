@@ -14,9 +14,14 @@ from pardsl.diagnostics import CompileError
 from pardsl.layouts import B, S
 from pardsl.lowering import DEFAULT_BUCKET_MB, lower
 
+from .figures import ROUND_GLOO
 from .test_distributed import check
 
-GLOO = DEFAULTS["gloo"]
+# The search's mechanics are checked under the round figures they were worked out with; what the search
+# finds on a machine like this one (rediscovery) under gloo's defaults, this VM's measured figures.
+pytestmark = pytest.mark.usefixtures("round_figures")
+GLOO = ROUND_GLOO
+MEASURED = DEFAULTS["gloo"]  # read at import, before any test pins the defaults
 LLAMA = 'model examples.hf_models:HFLlama(layers={layers}, attention="sdpa")\ninput input_ids : int64[2, 16] in [0, 256)\n'
 MLP = "model examples.models:ResidualMLP(d_model=32, d_ff=128, n_classes=8)\ninput x : float32[8, 32]\n"
 
@@ -213,19 +218,39 @@ def test_repeated_layers_are_one_set_of_choices(compile_par, monkeypatch):
     assert any(p != (B,) for p in layers[0].values())  # the bound made it shard
 
 
+# Megatron-LM's own plan also splits what the examples keep whole at tp 2: the embedding by vocabulary
+# (an all-reduce of its masked lookup) and the head by columns (its logits gathered); tp 4's examples do
+MEGATRON_LM_ENDS = {"llama": ["model.model.embed_tokens.weight : S(0)", "model.lm_head.weight : S(0)"],
+                    "gpt2": ["model.transformer.wte.weight : S(0)"],  # tied with the head
+                    "bert": ["model.embeddings.word_embeddings.weight : S(0)"]}
+
+
+def _megatron_lm(text: str, model: str, tp: int) -> str:
+    """The example's text with Megatron-LM's ends (the tp 4 examples have them)."""
+    return text if tp == 4 else text.replace("    output ", "    " + "\n    ".join(MEGATRON_LM_ENDS[model]) + "\n    output ")
+
+
 @pytest.mark.parametrize("model", ["llama", "gpt2", "bert"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_the_search_finds_megatrons_plan_or_one_estimated_cheaper(compile_par, model, tp):
-    """Rediscovery: nothing written but a bound that forces sharding; the search's plan meets it and is
-    estimated no slower than the Megatron plan of examples/hf_<model>_tp<tp>.par."""
+def test_the_search_finds_megatrons_plan_or_one_estimated_cheaper(model, tp):
+    """Rediscovery under gloo's defaults: nothing written but a bound that forces sharding (60 %); the
+    search's plan meets it, and is estimated no slower and moves no more bytes than the fastest Megatron
+    plan that meets it too: the example's, or Megatron-LM's with the embedding and head split by
+    vocabulary (the tp 2 examples keep them whole and are over the bound for LLaMA, GPT-2 and BERT)."""
     path = f"examples/hf_{model}_tp{tp}.par"
-    megatron = compile_file(path)
-    # the example's mesh, model and inputs; its layouts left out
-    header = [line for line in open(path) if line.split(" ", 1)[0] in ("mesh", "model", "input")]
-    searched = compile_par("".join(header) + "memory <= 60 %\n")
-    mine, theirs = estimate(searched, GLOO), estimate(megatron, GLOO)
+    text = open(path).read()
+    header = "".join(line for line in text.splitlines(keepends=True) if line.split(" ", 1)[0] in ("mesh", "model", "input"))
+    searched = compile_text(header + "memory <= 60 %\n", "searched.par", machine=MEASURED)
+    mine = estimate(searched, MEASURED)
     assert mine.memory["total"] <= searched.memory_bound
-    assert mine.step_s <= theirs.step_s * 1.001, (mine.seconds, theirs.seconds)
+    fitting = []
+    for plan in (compile_text(text, path, machine=MEASURED), compile_text(_megatron_lm(text, model, tp), "lm.par", machine=MEASURED)):
+        theirs = estimate(plan, MEASURED)
+        if theirs.memory["total"] <= searched.memory_bound:
+            fitting.append((theirs.step_s, sum(plan.program.collective_bytes().values())))
+    step, moved = min(fitting)
+    assert mine.step_s <= step * 1.001, (mine.seconds, step)
+    assert sum(searched.program.collective_bytes().values()) <= moved
 
 
 # This VM's gloo as `pardsl calibrate` measured it (2026-11-25, two ranks, rounded), its overlap taken as
@@ -234,17 +259,6 @@ LATENCY_BOUND = Machine("gloo", {"all_reduce": LinkCost(8.8e-4, 5.5e-10), "all_g
                                  "reduce_scatter": LinkCost(2.0e-4, 1.4e-9), "all_to_all": LinkCost(1.8e-4, 5.7e-10)},
                         9.3e10, 1.3e10, 1.6e-6, "this VM, measured", cores=2, overlap=0.0)
 
-
-# This VM's gloo as `pardsl calibrate` measured it on 2026-11-25 (two ranks, rounded), after the runtime's
-# all-gathers and two-rank all-reduces became one all-to-all: what compile reads here once calibrated
-CALIBRATED = Machine("gloo", {"all_reduce": LinkCost(2.1e-4, 1.43e-9), "all_gather": LinkCost(3.6e-4, 1.57e-9),
-                              "reduce_scatter": LinkCost(7.1e-4, 2.06e-9), "all_to_all": LinkCost(2.9e-4, 1.09e-9)},
-                     6.2e10, 1.54e10, 3.7e-6, "this VM, measured", cores=2, overlap=0.02)
-# Megatron-LM's own plan also splits what the examples keep whole at tp 2: the embedding by vocabulary
-# (an all-reduce of its masked lookup) and the head by columns (its logits gathered); tp 4's examples do
-MEGATRON_LM_ENDS = {"llama": ["model.model.embed_tokens.weight : S(0)", "model.lm_head.weight : S(0)"],
-                    "gpt2": ["model.transformer.wte.weight : S(0)"],  # tied with the head
-                    "bert": ["model.embeddings.word_embeddings.weight : S(0)"]}
 
 
 def _at_hidden_512(model: str, path: str) -> str:
@@ -275,26 +289,23 @@ def test_where_latency_dominates_the_search_finds_megatrons_plan_itself(model):
 
 
 @pytest.mark.parametrize("model, tp", [("llama", 2), ("gpt2", 2), ("bert", 2), ("llama", 4)])
-def test_with_this_vms_calibrated_figures_the_search_is_megatron_per_layer_and_moves_no_more_than_megatron_lm(
-        pools, model, tp):
-    """Rediscovery on the machine at hand: hidden 512, a bound Megatron's plans meet (70 %), nothing written
-    but the bound and the example's output (what the caller receives). The search's layers are Megatron's:
-    every weight the example splits is split as it is, and the step's collectives are all-reduces but for
-    the logits' gather, no more of them in either phase than Megatron-LM's plan has. The plan is estimated
-    no slower than the example's and moves no more bytes than Megatron-LM's plan. (Where the plan splits the head that the
-    tp 2 example keeps whole, it moves that head's gather and gradient all-reduce more than the example:
-    LLaMA, 2.50 against 2.00 MiB, measured 69.3 against 72.2 ms a step on 2 gloo ranks; GPT-2's measured
-    85.1 against 82.8 ms: benchmarks/README.)"""
+def test_on_gloos_defaults_the_search_is_megatron_per_layer_and_moves_no_more_than_megatron_lm(pools, model, tp):
+    """Rediscovery at hidden 512 under gloo's defaults (this VM's measured figures): a bound Megatron's
+    plans meet (70 %), nothing written but the bound and the example's output (what the caller receives).
+    The search's layers are Megatron's: every weight the example splits is split as it is, and the step's
+    collectives are all-reduces but for one gather, no more of them in either phase than Megatron-LM's plan
+    has. The plan is estimated no slower than the example's and moves no more bytes than Megatron-LM's.
+    (Where it splits the head that the tp 2 example keeps whole, it moves more than the example: LLaMA
+    2.62 against 2.00 MiB, estimated 47.7 against 49.2 ms. Under the round figures that were gloo's
+    defaults before, 20 GFLOP/s, every case here fails: those plans are sequence-parallel, benchmarks/README.)"""
     path = f"examples/hf_{model}_tp{tp}.par"
     text = _at_hidden_512(model, path)
-    megatron = compile_text(text, path, machine=CALIBRATED)
-    megatron_lm = megatron if tp == 4 else compile_text(
-        text.replace("    output ", "    " + "\n    ".join(MEGATRON_LM_ENDS[model]) + "\n    output "), "lm.par",
-        machine=CALIBRATED)
+    megatron = compile_text(text, path, machine=MEASURED)
+    megatron_lm = megatron if tp == 4 else compile_text(_megatron_lm(text, model, tp), "lm.par", machine=MEASURED)
     header = "".join(line for line in text.splitlines(keepends=True) if line.split(" ", 1)[0] in ("mesh", "model", "input"))
     output = "".join(line for line in text.splitlines(keepends=True) if line.strip().startswith("output"))
-    searched = compile_text(header + "memory <= 70 %\nlayout {\n" + output + "}\n", "searched.par", machine=CALIBRATED)
-    mine, theirs = estimate(searched, CALIBRATED), estimate(megatron, CALIBRATED)
+    searched = compile_text(header + "memory <= 70 %\nlayout {\n" + output + "}\n", "searched.par", machine=MEASURED)
+    mine, theirs = estimate(searched, MEASURED), estimate(megatron, MEASURED)
     assert theirs.memory["total"] <= searched.memory_bound and mine.memory["total"] <= searched.memory_bound
     assert mine.step_s <= theirs.step_s * 1.001
     split = {name: p for name, p in layouts_of(megatron).items() if re.search(r"\.\d+\.", name) and p != (B,)}

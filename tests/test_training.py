@@ -356,10 +356,9 @@ def _plans_of_a_search_that_answers_differently_on_rank_1():
         try:
             search._Program._solve = counted
             if dist.get_rank() == 1:
-                gloo = DEFAULTS["gloo"]
-                faster = {kind: LinkCost(link.alpha_s / 100, link.beta_s_per_byte / 100)
-                          for kind, link in gloo.collectives.items()}
-                calibrated = dataclasses.replace(gloo, collectives=faster, flops_per_s=gloo.flops_per_s * 100)
+                gloo = DEFAULTS["gloo"]  # rank 1's calibration measured no latency: bytes alone decide
+                no_latency = {kind: LinkCost(0.0, link.beta_s_per_byte) for kind, link in gloo.collectives.items()}
+                calibrated = dataclasses.replace(gloo, collectives=no_latency)
                 os.environ["PARDSL_CACHE_DIR"] = folder
                 with open(os.path.join(folder, "calibration-gloo.json"), "w") as handle:
                     json.dump(calibrated.to_json(), handle)

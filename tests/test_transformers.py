@@ -80,10 +80,11 @@ GPT2_DROPOUT = open("examples/hf_gpt2_tp2.par").read().replace('attention="eager
     "input input_ids : int64[4, 16] in [0, 256)\ninput labels : int64[4, 16] in [0, 256)\n"
     "layout {\n  input_ids : S(0)\n  labels : S(0)\n}\n",  # data parallel, the library's own loss
 ], ids=["megatron", "searched", "data-parallel"])
-def test_dropout_draws_serials_masks_under_any_layout(pools, compile_par, text):
+def test_dropout_draws_serials_masks_under_any_layout(pools, round_figures, compile_par, text):
     """GPT-2 with dropout 0.1 (embeddings, attention weights, residuals) equals serial: each rank draws the
     whole tensor's mask as serial's call does and keeps its part (the check restores the generator serial
-    started from). The plan's collectives are the same as without dropout."""
+    started from). The plan's collectives are the same as without dropout (under the round figures; under
+    gloo's defaults the searched plan with dropout has one all-gather more forward than without)."""
     compiled = compile_par(text)
     assert "rt.dropout(" in compiled.source and "aten.dropout" not in compiled.source
     without = compile_par(text.replace("dropout=0.1", "dropout=0.0").replace("dropout=0.2", "dropout=0.0"))
