@@ -685,6 +685,13 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             return plan_conversion(layout(value[name], source), layout(value[name], target), info.shape,
                                    info.itemsize, mesh, name in requires_grad)
 
+        def regathered(gathered_to: Layout) -> bool:
+            """Whether backward gathers a parameter's prefetched group again (reshard.py, as compile applies
+            it): without a bound, an FSDP group, one that leaves its parameters whole; under a bound, every
+            group, as the program counts gathered memory (two groups at a time), though compile keeps them
+            gathered where the plan fits without."""
+            return limit is not None or all(p == B for p in gathered_to.placements)
+
         def conversion_seconds(name: str, source: Joint, target: Joint) -> float:
             """Converting a value: on one axis, the catalogue's step; on several, the steps lowering plans
             (layouts.plan_conversion), a parameter's gathers on an axis that splits the batch prefetched."""
@@ -693,10 +700,12 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
                 seconds = machine.steps_seconds(one_axis_collectives(
                     source[0], target[0], local_bytes(name, source), sizes[0], gradient), sizes[0])
                 if parameter and source[0].is_split and target[0] == B and group[0] in batch_axes:
-                    # prefetched forward, gathered again for backward (resharded after forward, as memory
-                    # counts it), reduce-scattered in buckets backward
-                    again = one_axis_collectives(source[0], target[0], local_bytes(name, source), sizes[0], False)
-                    seconds = unhidden * (seconds + machine.steps_seconds(again, sizes[0]))
+                    # prefetched forward, reduce-scattered in buckets backward, and where compile reshards
+                    # the group after forward, gathered again for backward
+                    if regathered(layout(value[name], target)):
+                        again = one_axis_collectives(source[0], target[0], local_bytes(name, source), sizes[0], False)
+                        seconds += machine.steps_seconds(again, sizes[0])
+                    seconds *= unhidden
                 return seconds + EPSILON_S
             steps = conversion_steps(name, source, target)
             # lowering prefetches a parameter's gather where it is one all-gather (lowering.GatherGroup);
@@ -705,9 +714,11 @@ def search(bound: BoundPlan, machine: Machine, limit: int | None = None,
             seconds = 0.0
             for conversion in steps:
                 moved = machine.steps_seconds(step_collectives(conversion, gradient), mesh.axis_sizes[conversion.axis])
-                if prefetched:  # and gathered again for backward
-                    moved = unhidden * (moved + machine.steps_seconds(step_collectives(conversion, False),
-                                                                      mesh.axis_sizes[conversion.axis]))
+                if prefetched:
+                    if regathered(conversion.target):
+                        moved += machine.steps_seconds(step_collectives(conversion, False),
+                                                       mesh.axis_sizes[conversion.axis])
+                    moved *= unhidden
                 seconds += moved
             return seconds + EPSILON_S
 
