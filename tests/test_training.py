@@ -326,8 +326,8 @@ def test_gradient_buckets_recover_from_a_backward_that_raised(pools):
 
 def _plans_of_a_search_that_answers_differently_on_rank_1():
     """examples/tp_schemes/mlp_2d.par (2 x 2 mesh, every intermediate searched). Rank 1's machine was
-    calibrated apart from rank 0's (its own calibration file: collectives and compute a hundred times
-    faster), so its search rates plans otherwise: compiled alone it gets another module, and rank 0's
+    calibrated apart from rank 0's (its own calibration file: every byte a collective moves a thousand times
+    dearer, a congested link), so its search rates plans otherwise: compiled alone it gets another module, and rank 0's
     answers replayed with its own figures ask for programs rank 0's compile did not (the descent compares
     plans by their estimates). Through `pardsl.load` it gets rank 0's plan, compiled again on rank 0's
     answers and figures without running HiGHS, and its step equals serial."""
@@ -356,9 +356,10 @@ def _plans_of_a_search_that_answers_differently_on_rank_1():
         try:
             search._Program._solve = counted
             if dist.get_rank() == 1:
-                gloo = DEFAULTS["gloo"]  # rank 1's calibration measured no latency: bytes alone decide
-                no_latency = {kind: LinkCost(0.0, link.beta_s_per_byte) for kind, link in gloo.collectives.items()}
-                calibrated = dataclasses.replace(gloo, collectives=no_latency)
+                gloo = DEFAULTS["gloo"]  # rank 1's calibration measured a congested link
+                congested = {kind: LinkCost(link.alpha_s, 1000 * link.beta_s_per_byte)
+                             for kind, link in gloo.collectives.items()}
+                calibrated = dataclasses.replace(gloo, collectives=congested)
                 os.environ["PARDSL_CACHE_DIR"] = folder
                 with open(os.path.join(folder, "calibration-gloo.json"), "w") as handle:
                     json.dump(calibrated.to_json(), handle)
