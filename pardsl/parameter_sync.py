@@ -6,8 +6,10 @@ order backward fills them). Each forward makes one `ParameterSync`, which its ba
 never outlives a step, and a copy of the module shares none:
 
 - **gradients** (DDP's reducer, FSDP's reduce-scatter): each parameter's partial gradient is handed to
-  its bucket as backward produces it; when a bucket's last gradient arrives, the bucket's one collective
-  (an all-reduce, or a reduce-scatter back to the shards) is issued asynchronously and backward goes on;
+  its bucket as backward produces it, copied at once into its place in the bucket's one buffer (DDP's
+  copy, made while the gradient is still in cache, and the gradient freed), so that when a bucket's last
+  gradient arrives, the bucket's one collective (an all-reduce, or a reduce-scatter back to the shards)
+  is issued on that buffer asynchronously and backward goes on;
   a gradient partial over further axes as well is all-reduced over them once that has finished.
   At the end of backward (a callback queued on autograd's engine) every bucket is waited on and its
   results added to the parameters' `.grad`. Each backward's contribution is reduced on its own and added,
@@ -28,6 +30,7 @@ parameter itself: the bucket writes `.grad` once the collective has finished.
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from typing import NamedTuple
@@ -44,7 +47,11 @@ class ParameterSync:
         self._module = module
         self.gathers = gathers  # groups in forward order: (axis, [(parameter attribute, dim, blocks), ...])
         self.buckets = buckets  # (collective, axes, [(parameter attribute, dim, blocks), ...])
-        self._arrived: list[dict[int, torch.Tensor]] = [{} for _ in buckets]
+        # per bucket, this backward's: the buffer its gradients are copied into (allocated at the first), and
+        # the members that have arrived with their gradients' shapes
+        self._buffers: list[torch.Tensor | None] = [None] * len(buckets)
+        self._arrived: list[dict[int, torch.Size]] = [{} for _ in buckets]
+        self._offsets: list[list[int]] | None = None  # per bucket, where each member's columns start
         # (bucket, work, a function giving its result once waited on, [(member, gradient shape)]), in launch order
         self._launched: list[tuple] = []
         self._backward: int | None = None  # the autograd graph task whose gradients are arriving
@@ -175,41 +182,63 @@ class ParameterSync:
         if self._backward != backward:
             # the first gradient of this backward; what an earlier one left (it raised before its end)
             # is dropped, as autograd drops that backward's gradients
+            self._buffers = [None] * len(self.buckets)
             self._arrived = [{} for _ in self.buckets]
             for _, work, _, _ in self._launched:
                 work.wait()
             self._launched = []
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._backward = backward
+        kind, axes, members = self.buckets[bucket]
+        if self._buffers[bucket] is None:
+            # one row of every member's gradient (all-reduce), or n rows of its rank-major chunks
+            # (reduce-scatter, chunk r in row r): a member's place is its parameter's size, in member order
+            rows = 1 if kind == "all_reduce" else self.rt.size[axes[0]]
+            columns = sum(self._parameter(attr).numel() for attr, _, _ in members)
+            self._buffers[bucket] = grad.new_empty((rows, columns))
+        if kind == "all_reduce":
+            rows = grad.reshape(1, -1)
+        else:
+            _, dim, blocks = members[member]
+            n = self.rt.size[axes[0]]
+            rows = rank_major(grad.movedim(dim, 0), n, blocks).reshape(n, -1)
+        place = self._place(bucket, member)
         arrived = self._arrived[bucket]
-        arrived[member] = arrived[member] + grad if member in arrived else grad
-        if len(arrived) == len(self.buckets[bucket][2]):
+        if member in arrived:  # a second contribution in the same backward
+            place.add_(rows)
+        else:
+            place.copy_(rows)
+            arrived[member] = grad.shape
+        if len(arrived) == len(members):
             self._launch(bucket)
+
+    def _place(self, bucket: int, member: int) -> torch.Tensor:
+        """Where the member's gradient lies in the bucket's buffer."""
+        return self._buffers[bucket][:, self._columns(bucket, member)]
+
+    def _columns(self, bucket: int, member: int) -> slice:
+        """The member's columns in its bucket's buffer: its parameter's size, after the members before it."""
+        if self._offsets is None:
+            self._offsets = [list(itertools.accumulate((self._parameter(attr).numel() for attr, _, _ in members),
+                                                       initial=0)) for _, _, members in self.buckets]
+        offsets = self._offsets[bucket]
+        return slice(offsets[member], offsets[member + 1])
 
     def _launch(self, bucket: int) -> None:
         kind, axes, members = self.buckets[bucket]
-        grads = self._arrived[bucket]
-        self._arrived[bucket] = {}
-        order = sorted(grads)
-        if kind == "all_reduce":
-            flat = torch.cat([grads[m].reshape(-1) for m in order])
-            axis = axes[0]
-            self.rt.counter.record("backward", "all_reduce",
-                                   collective_bytes("all_reduce", _nbytes(flat), self.rt.size[axis]), axis)
-            work, summed = self.rt.all_reduce_started(flat, axis)
-            self._launched.append((bucket, work, summed, [(m, grads[m].shape) for m in order]))
-            return
+        shapes = sorted(self._arrived[bucket].items())
+        buffer = self._buffers[bucket]
+        self._arrived[bucket], self._buffers[bucket] = {}, None
+        if len(shapes) < len(members):  # gradients that never came (_finish): only those that did are sent
+            buffer = torch.cat([buffer[:, self._columns(bucket, m)] for m, _ in shapes], dim=1)
         axis = axes[0]  # the further axes are all-reduced once it has finished (_finish)
         n = self.rt.size[axis]
-        rows = []
-        for m in order:
-            _, dim, blocks = members[m]
-            rows.append(rank_major(grads[m].movedim(dim, 0), n, blocks).reshape(n, -1))
-        flat = torch.cat(rows, dim=1)
-        self.rt.counter.record("backward", "reduce_scatter",
-                               collective_bytes("reduce_scatter", _nbytes(flat), n), axis)
-        work, summed = self.rt.reduce_scatter_started(flat.reshape(-1), axis)
-        self._launched.append((bucket, work, summed, [(m, grads[m].shape) for m in order]))
+        self.rt.counter.record("backward", kind, collective_bytes(kind, _nbytes(buffer), n), axis)
+        if kind == "all_reduce":
+            work, summed = self.rt.all_reduce_started(buffer.view(-1), axis)
+        else:
+            work, summed = self.rt.reduce_scatter_started(buffer.view(-1), axis)
+        self._launched.append((bucket, work, summed, shapes))
 
     def _finish(self) -> None:
         """End of backward: issue what did not fill (gradients that never came), wait, write `.grad`."""
