@@ -95,13 +95,15 @@ class Machine:
 # Figures for machines that have not been calibrated. gloo's are the medians of 14 runs of `pardsl
 # calibrate --nproc 2` on a 2-core x86 VM (CPU ranks over loopback, 2026-11-25), rounded: what this
 # runtime's collectives cost there (two-rank all-reduces and small all-gathers as one all-to-all, reduce-
-# scatters as an all-to-all and a sum), a core's matmul throughput and memory bandwidth. NCCL's are round
-# figures for data-centre GPUs over NVLink. `pardsl calibrate` replaces either with this machine's.
+# scatters as an all-to-all and a sum), a core's matmul throughput and memory bandwidth; its CPU ranks
+# share this host's cores, as a calibration file records them (without, 4 ranks on 2 cores were rated as
+# fast as 2, and the plans of a 4-rank mesh 2 to 5 times faster than they run). NCCL's are round figures
+# for data-centre GPUs over NVLink. `pardsl calibrate` replaces either with this machine's.
 DEFAULTS = {
     "gloo": Machine("gloo", {"all_reduce": LinkCost(2.7e-4, 1.2e-9), "all_gather": LinkCost(3.6e-4, 1.7e-9),
                              "reduce_scatter": LinkCost(3.8e-4, 1.7e-9), "all_to_all": LinkCost(2.4e-4, 1.3e-9)},
                     6.5e10, 1.6e10, 3.5e-6, "defaults for gloo (no calibration file; run `pardsl calibrate`)",
-                    overlap=0.2),
+                    cores=os.cpu_count() or 1, overlap=0.2),
     "nccl": Machine("nccl", {k: LinkCost(1e-5, 1 / 1e11) for k in COLLECTIVE_KINDS}, 3e14, 2e12, 1e-5,
                     "defaults for nccl (no calibration file; run `pardsl calibrate --backend nccl`)"),
 }
