@@ -3,8 +3,8 @@
 On gloo the runtime builds some collectives on gloo's all-to-all (pardsl/runtime.py,
 `collectives_by_all_to_all`): a reduce-scatter is an all-to-all and a local sum (gloo's own all-reduces
 the whole input); an all-gather of up to `EXCHANGE_MAX_BYTES` per rank is one all-to-all of n copies of
-the input (gloo's own is a ring of n − 1 steps); an all-reduce of up to that size over two ranks is one
-exchange of the whole tensors and a sum (gloo's ring takes two dependent steps). This times each pair:
+the input (gloo's own is a ring of n − 1 steps); an all-reduce over two ranks, of any size, is one
+exchange in which each rank sends the other its tensor, and a sum (gloo's ring takes two dependent steps). This times each pair:
 per size, the median of `--repeats` timings of ten back-to-back calls, the ranks started together.
 
     python benchmarks/collectives.py [--nproc 2] [--repeats 7] [--backend gloo]
@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-SIZES = (1 << 15, 1 << 17, 1 << 19, 1 << 20, 1 << 22)  # bytes of each rank's input
+SIZES = (1 << 15, 1 << 17, 1 << 19, 1 << 20, 1 << 22, 1 << 24)  # bytes of each rank's input (a bucket: up to 25 MiB)
 
 
 def _rank(rank: int, nproc: int, port: int, backend: str, repeats: int) -> None:

@@ -68,14 +68,14 @@ def _device_mesh(mesh: Mesh, device_type: str):
 
 
 def collectives_by_all_to_all(backend: str) -> bool:
-    """Whether this backend's reduce-scatters, small all-gathers and small all-reduces over two ranks are
+    """Whether this backend's reduce-scatters, small all-gathers and all-reduces over two ranks are
     built on its all-to-all (reduce_scatter_started, all_gather_started, all_reduce_started): gloo's own
     are slower (`python benchmarks/collectives.py`)."""
     return backend == "gloo"
 
 
-# The largest tensor (bytes per rank) all-gathered, or all-reduced over two ranks, by an all-to-all: above
-# it the copies cost more than the exchange saves, and gloo's own are as fast (benchmarks/collectives.py)
+# The largest tensor (bytes per rank) all-gathered by an all-to-all: above it the n copies it sends cost more
+# than the exchange saves, and gloo's own is as fast (benchmarks/collectives.py)
 EXCHANGE_MAX_BYTES = 1 << 20
 
 
@@ -85,13 +85,18 @@ def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool, over
     copy; the exchange below never writes x).
 
     `by_all_to_all`: gloo's all-reduce is a ring, two dependent steps on two ranks, each a wake-up of gloo's
-    threads on both. As one all-to-all, each of two ranks sends the other its whole tensor (the ring's
-    bytes on two ranks) and both add the two in rank order: x0 + x1, the ring's sum bit for bit (a sum of
-    two is the same either way round). Up to EXCHANGE_MAX_BYTES; over more ranks it would move more bytes."""
-    if by_all_to_all and n == 2 and _nbytes(x) <= EXCHANGE_MAX_BYTES:
-        received = torch.empty((2, *x.shape), dtype=x.dtype, device=x.device)
-        work = dist.all_to_all_single(received, x.expand(2, *x.shape).contiguous(), group=group, async_op=True)
-        return work, lambda: received[0] + received[1]
+    threads on both. As one all-to-all, each of two ranks sends the other its whole tensor and nothing to
+    itself (the ring's bytes on two ranks, from x itself: no send buffer) and both add the two in rank
+    order: x0 + x1, the ring's sum bit for bit (a sum of two is the same either way round). Faster than the
+    ring up to 4 MiB and as fast at 16 MiB (benchmarks/collectives.py); over more ranks it would move
+    more bytes."""
+    if by_all_to_all and n == 2:
+        flat = x.view(-1)
+        received = torch.empty_like(flat)
+        first = dist.get_rank(group) == 0
+        to_each = [0, flat.numel()] if first else [flat.numel(), 0]
+        work = dist.all_to_all_single(received, flat, to_each, to_each, group=group, async_op=True)
+        return work, lambda: (flat + received if first else received + flat).view(x.shape)
     if not overwrite:
         x = x.clone()
     work = dist.all_reduce(x, group=group, async_op=True)

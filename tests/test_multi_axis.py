@@ -120,9 +120,15 @@ class AllReduceAndAllGatherAgainstGloo:
         used = []
         originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single", "all_to_all_single")}
 
+        sent = []  # per all-to-all: (elements this rank sends to others, whether they are read from x itself)
+
         def recorded(name):
             def call(*args, **kwargs):
                 used.append(name)
+                if name == "all_to_all_single":
+                    data, splits = args[1], (args[3] if len(args) > 3 else None)
+                    to_itself = splits[dist.get_rank()] if splits else data.numel() // self.mesh.size
+                    sent.append((data.numel() - to_itself, data.data_ptr() == x.data_ptr()))
                 return originals[name](*args, **kwargs)
             return call
 
@@ -136,6 +142,7 @@ class AllReduceAndAllGatherAgainstGloo:
                 x = torch.randn(numel, dtype=dtype, generator=torch.Generator().manual_seed(dist.get_rank()))
                 rt.counter.reset()
                 used.clear()
+                sent.clear()
                 if kind == "all_reduce":
                     got = rt._all_reduce(x.view(5, -1) if numel == 105 else x, "tp", "forward").reshape(-1)
                     expected = x.clone()
@@ -146,7 +153,7 @@ class AllReduceAndAllGatherAgainstGloo:
                     originals["all_gather_single"](expected, x)
                 results[(kind, numel, str(dtype))] = (torch.equal(got, expected), list(used),
                                                       dict(+rt.counter.counts["forward"]), rt.counter.bytes["forward"],
-                                                      x.numel() * x.element_size())
+                                                      x.numel() * x.element_size(), list(sent))
         finally:
             for name, original in originals.items():
                 setattr(dist, name, original)
@@ -154,18 +161,20 @@ class AllReduceAndAllGatherAgainstGloo:
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_small_all_reduces_and_all_gathers_on_gloo_are_one_all_to_all_equal_to_gloos_own(pools, ranks):
+def test_two_rank_all_reduces_and_small_all_gathers_on_gloo_are_one_all_to_all_equal_to_gloos_own(pools, ranks):
     # gloo's all-reduce is a ring, two dependent steps on two ranks, its all-gather n − 1: one all-to-all
     # moves the same bytes in one (an all-reduce only on two ranks, whose sum of two is the ring's bit for
-    # bit); Megatron TP's LLaMA step on two gloo ranks 49.9 ms against 55.1, an SP plan's 59.7 against 65.8
-    # (benchmarks/README)
+    # bit, each rank sending its tensor once, at any size); Megatron TP's LLaMA step on two gloo ranks 49.9
+    # ms against 55.1, an SP plan's 59.7 against 65.8 (benchmarks/README)
     for rank in pools(ranks).run_on_every_rank(AllReduceAndAllGatherAgainstGloo(Mesh(("tp",), (ranks,)))):
-        for (kind, numel, dtype), (equal, primitive, counted, counted_bytes, nbytes) in rank.items():
+        for (kind, numel, dtype), (equal, primitive, counted, counted_bytes, nbytes, sent) in rank.items():
             assert equal, (kind, numel, dtype)
             small = numel * (8 if "64" in dtype else 4) <= EXCHANGE_MAX_BYTES
             own = "all_reduce" if kind == "all_reduce" else "all_gather_single"
-            exchanged = small and (ranks == 2 or kind == "all_gather")
+            exchanged = ranks == 2 if kind == "all_reduce" else small
             assert primitive == (["all_to_all_single"] if exchanged else [own]), (kind, numel, dtype, primitive)
+            if exchanged and kind == "all_reduce":  # the tensor itself, to the other rank alone: no send buffer
+                assert sent == [(numel, True)], (numel, dtype, sent)
             # counted as what it is, at the ring's bytes per rank (what the all-to-all sends, where it is used)
             assert counted == {kind: 1} and counted_bytes == collective_bytes(kind, nbytes, ranks)
 
