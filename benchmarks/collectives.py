@@ -2,9 +2,10 @@
 
 On gloo the runtime builds some collectives on gloo's all-to-all (pardsl/runtime.py,
 `collectives_by_all_to_all`): a reduce-scatter is an all-to-all and a local sum (gloo's own all-reduces
-the whole input); an all-gather of up to `EXCHANGE_MAX_BYTES` per rank is one all-to-all of n copies of
-the input (gloo's own is a ring of n − 1 steps); an all-reduce over two ranks, of any size, is one
-exchange in which each rank sends the other its tensor, and a sum (gloo's ring takes two dependent steps). This times each pair:
+the whole input); over two ranks, an all-gather and an all-reduce, of any size, are one exchange in which
+each rank sends the other its tensor (gloo's all-reduce ring takes two dependent steps); over more, an
+all-gather of up to `EXCHANGE_MAX_BYTES` per rank is one all-to-all of n copies of the input (gloo's own
+is a ring of n − 1 steps). This times each pair:
 per size, the median of `--repeats` timings of ten back-to-back calls, the ranks started together.
 
     python benchmarks/collectives.py [--nproc 2] [--repeats 7] [--backend gloo]

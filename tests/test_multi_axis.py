@@ -161,20 +161,21 @@ class AllReduceAndAllGatherAgainstGloo:
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_two_rank_all_reduces_and_small_all_gathers_on_gloo_are_one_all_to_all_equal_to_gloos_own(pools, ranks):
+def test_two_rank_collectives_and_small_all_gathers_on_gloo_are_one_all_to_all_equal_to_gloos_own(pools, ranks):
     # gloo's all-reduce is a ring, two dependent steps on two ranks, its all-gather n − 1: one all-to-all
     # moves the same bytes in one (an all-reduce only on two ranks, whose sum of two is the ring's bit for
-    # bit, each rank sending its tensor once, at any size); Megatron TP's LLaMA step on two gloo ranks 49.9
-    # ms against 55.1, an SP plan's 59.7 against 65.8 (benchmarks/README)
+    # bit). On two ranks each rank sends its tensor once, to the other, at any size; on more, an all-gather
+    # sends n copies, up to EXCHANGE_MAX_BYTES. Megatron TP's LLaMA step on two gloo ranks 49.9 ms against
+    # 55.1, an SP plan's 59.7 against 65.8 (benchmarks/README)
     for rank in pools(ranks).run_on_every_rank(AllReduceAndAllGatherAgainstGloo(Mesh(("tp",), (ranks,)))):
         for (kind, numel, dtype), (equal, primitive, counted, counted_bytes, nbytes, sent) in rank.items():
             assert equal, (kind, numel, dtype)
             small = numel * (8 if "64" in dtype else 4) <= EXCHANGE_MAX_BYTES
             own = "all_reduce" if kind == "all_reduce" else "all_gather_single"
-            exchanged = ranks == 2 if kind == "all_reduce" else small
+            exchanged = ranks == 2 or (kind == "all_gather" and small)
             assert primitive == (["all_to_all_single"] if exchanged else [own]), (kind, numel, dtype, primitive)
-            if exchanged and kind == "all_reduce":  # the tensor itself, to the other rank alone: no send buffer
-                assert sent == [(numel, True)], (numel, dtype, sent)
+            if ranks == 2:  # the tensor itself, to the other rank alone: no send buffer
+                assert sent == [(numel, True)], (kind, numel, dtype, sent)
             # counted as what it is, at the ring's bytes per rank (what the all-to-all sends, where it is used)
             assert counted == {kind: 1} and counted_bytes == collective_bytes(kind, nbytes, ranks)
 
