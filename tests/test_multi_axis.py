@@ -74,24 +74,47 @@ class ReduceScatterAgainstGloo:
     def __call__(self) -> dict:
         import torch.distributed as dist
 
-        from pardsl.runtime import Runtime, rank_major
+        from pardsl.runtime import Runtime
 
         rt = Runtime(self.mesh)
         n = self.mesh.size
         errors = {}
+        sent = []  # per all-to-all: (elements sent to the other ranks, elements sent to this rank itself)
+        all_to_all = dist.all_to_all_single
+
+        def recorded(out, data, out_splits=None, in_splits=None, **kwargs):
+            to_itself = in_splits[dist.get_rank()] if in_splits else data.numel() // n
+            sent.append((data.numel() - to_itself, to_itself))
+            return all_to_all(out, data, out_splits, in_splits, **kwargs)
+
+        dist.all_to_all_single = recorded
+        try:
+            self.reduce_scatter_each_way(rt, n, errors, sent)
+        finally:
+            dist.all_to_all_single = all_to_all
+        return {"by_all_to_all": rt.by_all_to_all, "errors": errors}
+
+    @staticmethod
+    def reduce_scatter_each_way(rt, n: int, errors: dict, sent: list) -> None:
+        import torch.distributed as dist
+
+        from pardsl.runtime import rank_major
+
         for dim, blocks in itertools.product(range(3), (1, 2)):
             shape = [3, 5, 7]
             shape[dim] = 2 * n * blocks
             x = torch.randn(shape, generator=torch.Generator().manual_seed(dist.get_rank() * 10 + dim))
             rt.counter.reset()
+            sent.clear()
             got = rt._reduce_scatter(x, "tp", dim, "forward", blocks)
             moved = rank_major(x.movedim(dim, 0), n, blocks).contiguous()
             expected = torch.empty((moved.shape[0] // n, *moved.shape[1:]))
             dist.reduce_scatter_single(expected, moved)
             expected = expected.movedim(0, dim)
+            share = moved.numel() * (n - 1) // n  # what a ring sends of it
             errors[(dim, blocks)] = ((got - expected).abs().max().item(), tuple(got.shape) == tuple(expected.shape),
-                                     got.is_contiguous(), dict(+rt.counter.counts["forward"]))
-        return {"by_all_to_all": rt.by_all_to_all, "errors": errors}
+                                     got.is_contiguous(), dict(+rt.counter.counts["forward"]),
+                                     [(others == share, to_itself) for others, to_itself in sent])
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -99,9 +122,12 @@ def test_a_reduce_scatter_on_gloo_is_an_all_to_all_and_a_sum_equal_to_gloos_own(
     # gloo's reduce-scatter all-reduces the whole input: 2 to 8 times slower here than the all-to-all
     for rank in pools(ranks).run_on_every_rank(ReduceScatterAgainstGloo(Mesh(("tp",), (ranks,)))):
         assert rank["by_all_to_all"]
-        for (dim, blocks), (error, same_shape, contiguous, counted) in rank["errors"].items():
+        for (dim, blocks), (error, same_shape, contiguous, counted, sent) in rank["errors"].items():
             assert error < 1e-5 and same_shape and contiguous, (dim, blocks, error)
             assert counted == {"reduce_scatter": 1}, counted  # counted as what it is: one reduce-scatter
+            assert len(sent) == 1 and sent[0][0], sent  # one all-to-all; to other ranks, their chunks
+            if ranks == 2:  # and nothing through gloo to itself: its own chunk is added where it lies
+                assert sent[0][1] == 0, sent
 
 
 @dataclass(frozen=True)
