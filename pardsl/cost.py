@@ -95,7 +95,8 @@ class Machine:
 # Figures for machines that have not been calibrated. gloo's are the medians of 14 runs of `pardsl
 # calibrate --nproc 2` on a 2-core x86 VM (CPU ranks over loopback, 2026-11-25), rounded: what this
 # runtime's collectives cost there (two-rank all-reduces and small all-gathers as one all-to-all, reduce-
-# scatters as an all-to-all and a sum), a core's matmul throughput and memory bandwidth; its CPU ranks
+# scatters as an all-to-all and a sum; the two-rank ones have sent no copies since 2026-11-26 and cost less
+# than these say, which a calibration measures), a core's matmul throughput and memory bandwidth; its CPU ranks
 # share this host's cores, as a calibration file records them (without, 4 ranks on 2 cores were rated as
 # fast as 2, and the plans of a 4-rank mesh 2 to 5 times faster than they run). NCCL's are round figures
 # for data-centre GPUs over NVLink. `pardsl calibrate` replaces either with this machine's.

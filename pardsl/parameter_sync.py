@@ -190,24 +190,23 @@ class ParameterSync:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._backward = backward
         kind, axes, members = self.buckets[bucket]
+        n = 1 if kind == "all_reduce" else self.rt.size[axes[0]]
         if self._buffers[bucket] is None:
             # one row of every member's gradient (all-reduce), or n rows of its rank-major chunks
             # (reduce-scatter, chunk r in row r): a member's place is its parameter's size, in member order
-            rows = 1 if kind == "all_reduce" else self.rt.size[axes[0]]
             columns = sum(self._parameter(attr).numel() for attr, _, _ in members)
-            self._buffers[bucket] = grad.new_empty((rows, columns))
+            self._buffers[bucket] = grad.new_empty((n, columns))
         if kind == "all_reduce":
-            rows = grad.reshape(1, -1)
+            shaped = grad.reshape(1, -1)
         else:
             _, dim, blocks = members[member]
-            n = self.rt.size[axes[0]]
-            rows = rank_major(grad.movedim(dim, 0), n, blocks).reshape(n, -1)
+            shaped = rank_major(grad.movedim(dim, 0), n, blocks).reshape(n, -1)
         place = self._place(bucket, member)
         arrived = self._arrived[bucket]
         if member in arrived:  # a second contribution in the same backward
-            place.add_(rows)
+            place.add_(shaped)
         else:
-            place.copy_(rows)
+            place.copy_(shaped)
             arrived[member] = grad.shape
         if len(arrived) == len(members):
             self._launch(bucket)

@@ -69,8 +69,8 @@ def _device_mesh(mesh: Mesh, device_type: str):
 
 def collectives_by_all_to_all(backend: str) -> bool:
     """Whether this backend's reduce-scatters, all-gathers (over more than two ranks, small ones) and
-    all-reduces over two ranks are built on its all-to-all (reduce_scatter_started, all_gather_started, all_reduce_started): gloo's own
-    are slower (`python benchmarks/collectives.py`)."""
+    all-reduces over two ranks are built on its all-to-all (reduce_scatter_started, all_gather_started,
+    all_reduce_started): gloo's own are slower (`python benchmarks/collectives.py`)."""
     return backend == "gloo"
 
 
