@@ -79,6 +79,15 @@ def collectives_by_all_to_all(backend: str) -> bool:
 EXCHANGE_MAX_BYTES = 1 << 20
 
 
+def _exchange_started(received: torch.Tensor, sent: torch.Tensor, group):
+    """Over a group of two ranks: send `sent` (contiguous, flat) to the other rank and nothing to this one,
+    receiving the other's into `received`, as one all-to-all (gloo's exchange without a send buffer):
+    (the work to wait on, this rank's place in the group)."""
+    mine = dist.get_rank(group)
+    to_each = [0, sent.numel()] if mine == 0 else [sent.numel(), 0]
+    return dist.all_to_all_single(received, sent, to_each, to_each, group=group, async_op=True), mine
+
+
 def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool, overwrite: bool = True):
     """Start summing x (contiguous) over the n ranks of `group`: (the work to wait on, a function giving the
     sum once it has finished). `overwrite`: the backend's all-reduce may sum into x itself (else into a
@@ -93,10 +102,8 @@ def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool, over
     if by_all_to_all and n == 2:
         flat = x.view(-1)
         received = torch.empty_like(flat)
-        first = dist.get_rank(group) == 0
-        to_each = [0, flat.numel()] if first else [flat.numel(), 0]
-        work = dist.all_to_all_single(received, flat, to_each, to_each, group=group, async_op=True)
-        return work, lambda: (flat + received if first else received + flat).view(x.shape)
+        work, mine = _exchange_started(received, flat, group)
+        return work, lambda: (flat + received if mine == 0 else received + flat).view(x.shape)
     if not overwrite:
         x = x.clone()
     work = dist.all_reduce(x, group=group, async_op=True)
@@ -116,8 +123,7 @@ def all_gather_started(out: torch.Tensor, x: torch.Tensor, n: int, group, by_all
     if by_all_to_all and n == 2:
         rows, flat = out.view(2, -1), x.view(-1)
         mine = dist.get_rank(group)
-        to_each = [0, flat.numel()] if mine == 0 else [flat.numel(), 0]
-        work = dist.all_to_all_single(rows[1 - mine], flat, to_each, to_each, group=group, async_op=True)
+        work, _ = _exchange_started(rows[1 - mine], flat, group)
         rows[mine].copy_(flat)
         return work
     if by_all_to_all and _nbytes(x) <= EXCHANGE_MAX_BYTES:
@@ -140,8 +146,7 @@ def reduce_scatter_started(moved: torch.Tensor, n: int, group, by_all_to_all: bo
         rows = moved.view(2, -1)
         mine = dist.get_rank(group)
         received = torch.empty_like(rows[mine])
-        to_each = [0, received.numel()] if mine == 0 else [received.numel(), 0]
-        work = dist.all_to_all_single(received, rows[1 - mine], to_each, to_each, group=group, async_op=True)
+        work, _ = _exchange_started(received, rows[1 - mine], group)
         shape = (moved.shape[0] // 2, *moved.shape[1:])
         return work, lambda: (rows[0] + received if mine == 0 else received + rows[1]).view(shape)
     if by_all_to_all:
