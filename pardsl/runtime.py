@@ -81,11 +81,10 @@ EXCHANGE_MAX_BYTES = 1 << 20
 
 def _exchange_started(received: torch.Tensor, sent: torch.Tensor, group):
     """Over a group of two ranks: send `sent` (contiguous, flat) to the other rank and nothing to this one,
-    receiving the other's into `received`, as one all-to-all (gloo's exchange without a send buffer):
-    (the work to wait on, this rank's place in the group)."""
-    mine = dist.get_rank(group)
-    to_each = [0, sent.numel()] if mine == 0 else [sent.numel(), 0]
-    return dist.all_to_all_single(received, sent, to_each, to_each, group=group, async_op=True), mine
+    receiving the other's into `received`, as one all-to-all (gloo's exchange without a send buffer): the
+    work to wait on."""
+    to_each = [0, sent.numel()] if dist.get_rank(group) == 0 else [sent.numel(), 0]
+    return dist.all_to_all_single(received, sent, to_each, to_each, group=group, async_op=True)
 
 
 def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool, overwrite: bool = True):
@@ -95,15 +94,15 @@ def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool, over
 
     `by_all_to_all`: gloo's all-reduce is a ring, two dependent steps on two ranks, each a wake-up of gloo's
     threads on both. As one all-to-all, each of two ranks sends the other its whole tensor and nothing to
-    itself (the ring's bytes on two ranks, from x itself: no send buffer) and both add the two in rank
-    order: x0 + x1, the ring's sum bit for bit (a sum of two is the same either way round). Faster than the
-    ring up to 4 MiB and as fast at 16 MiB (benchmarks/collectives.py); over more ranks it would move
-    more bytes."""
+    itself (the ring's bytes on two ranks, from x itself: no send buffer) and adds its own into the buffer
+    the other's arrived in: no tensor allocated for the sum, and x0 + x1, the ring's sum, bit for bit (a
+    floating-point sum of two is the same either way round). Faster than the ring up to 4 MiB and as fast
+    at 16 MiB (benchmarks/collectives.py); over more ranks it would move more bytes."""
     if by_all_to_all and n == 2:
         flat = x.view(-1)
         received = torch.empty_like(flat)
-        work, mine = _exchange_started(received, flat, group)
-        return work, lambda: (flat + received if mine == 0 else received + flat).view(x.shape)
+        work = _exchange_started(received, flat, group)
+        return work, lambda: received.add_(flat).view(x.shape)
     if not overwrite:
         x = x.clone()
     work = dist.all_reduce(x, group=group, async_op=True)
@@ -123,7 +122,7 @@ def all_gather_started(out: torch.Tensor, x: torch.Tensor, n: int, group, by_all
     if by_all_to_all and n == 2:
         rows, flat = out.view(2, -1), x.view(-1)
         mine = dist.get_rank(group)
-        work, _ = _exchange_started(rows[1 - mine], flat, group)
+        work = _exchange_started(rows[1 - mine], flat, group)
         rows[mine].copy_(flat)
         return work
     if by_all_to_all and _nbytes(x) <= EXCHANGE_MAX_BYTES:
@@ -141,14 +140,14 @@ def reduce_scatter_started(moved: torch.Tensor, n: int, group, by_all_to_all: bo
     twice a ring reduce-scatter's bytes and as slow as an all-reduce (2 to 8 times slower than an
     all-to-all of the same input on 2 and 4 CPU ranks). An all-to-all hands every rank the n
     contributions to its chunk, the ring's per-rank volume, and the rank sums them in rank order. Over two
-    ranks each sends the other only the other's chunk, and adds its own to what it receives."""
+    ranks each sends the other only the other's chunk, and adds its own into what it received."""
     if by_all_to_all and n == 2:
         rows = moved.view(2, -1)
         mine = dist.get_rank(group)
         received = torch.empty_like(rows[mine])
-        work, _ = _exchange_started(received, rows[1 - mine], group)
+        work = _exchange_started(received, rows[1 - mine], group)
         shape = (moved.shape[0] // 2, *moved.shape[1:])
-        return work, lambda: (rows[0] + received if mine == 0 else received + rows[1]).view(shape)
+        return work, lambda: received.add_(rows[mine]).view(shape)
     if by_all_to_all:
         received = torch.empty_like(moved)
         work = dist.all_to_all_single(received, moved, group=group, async_op=True)

@@ -84,7 +84,7 @@ class ReduceScatterAgainstGloo:
 
         def recorded(out, data, out_splits=None, in_splits=None, **kwargs):
             to_itself = in_splits[dist.get_rank()] if in_splits else data.numel() // n
-            sent.append((data.numel() - to_itself, to_itself))
+            sent.append((data.numel() - to_itself, to_itself, out.data_ptr()))
             return all_to_all(out, data, out_splits, in_splits, **kwargs)
 
         dist.all_to_all_single = recorded
@@ -107,6 +107,7 @@ class ReduceScatterAgainstGloo:
             rt.counter.reset()
             sent.clear()
             got = rt._reduce_scatter(x, "tp", dim, "forward", blocks)
+            summed_where_received = got.data_ptr() in [out for _, _, out in sent]
             moved = rank_major(x.movedim(dim, 0), n, blocks).contiguous()
             expected = torch.empty((moved.shape[0] // n, *moved.shape[1:]))
             dist.reduce_scatter_single(expected, moved)
@@ -114,7 +115,8 @@ class ReduceScatterAgainstGloo:
             share = moved.numel() * (n - 1) // n  # what a ring sends of it
             errors[(dim, blocks)] = ((got - expected).abs().max().item(), tuple(got.shape) == tuple(expected.shape),
                                      got.is_contiguous(), dict(+rt.counter.counts["forward"]),
-                                     [(others == share, to_itself) for others, to_itself in sent])
+                                     [(others == share, to_itself) for others, to_itself, _ in sent],
+                                     summed_where_received)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -122,12 +124,13 @@ def test_a_reduce_scatter_on_gloo_is_an_all_to_all_and_a_sum_equal_to_gloos_own(
     # gloo's reduce-scatter all-reduces the whole input: 2 to 8 times slower here than the all-to-all
     for rank in pools(ranks).run_on_every_rank(ReduceScatterAgainstGloo(Mesh(("tp",), (ranks,)))):
         assert rank["by_all_to_all"]
-        for (dim, blocks), (error, same_shape, contiguous, counted, sent) in rank["errors"].items():
+        for (dim, blocks), (error, same_shape, contiguous, counted, sent, summed_where_received) in rank["errors"].items():
             assert error < 1e-5 and same_shape and contiguous, (dim, blocks, error)
             assert counted == {"reduce_scatter": 1}, counted  # counted as what it is: one reduce-scatter
             assert len(sent) == 1 and sent[0][0], sent  # one all-to-all; to other ranks, their chunks
-            if ranks == 2:  # and nothing through gloo to itself: its own chunk is added where it lies
-                assert sent[0][1] == 0, sent
+            if ranks == 2:  # and nothing through gloo to itself: its own chunk is added where the other's came
+                # (a sum along dim 0 is returned there; along another, made contiguous as the serial value was)
+                assert sent[0][1] == 0 and (summed_where_received or dim > 0), (sent, summed_where_received)
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class AllReduceAndAllGatherAgainstGloo:
         originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single", "all_to_all_single")}
 
         sent = []  # per all-to-all: (elements this rank sends to others, whether they are read from x itself)
+        received = []  # per all-to-all: where it receives
 
         def recorded(name):
             def call(*args, **kwargs):
@@ -155,6 +159,7 @@ class AllReduceAndAllGatherAgainstGloo:
                     data, splits = args[1], (args[3] if len(args) > 3 else None)
                     to_itself = splits[dist.get_rank()] if splits else data.numel() // self.mesh.size
                     sent.append((data.numel() - to_itself, data.data_ptr() == x.data_ptr()))
+                    received.append(args[0].data_ptr())
                 return originals[name](*args, **kwargs)
             return call
 
@@ -169,6 +174,7 @@ class AllReduceAndAllGatherAgainstGloo:
                 rt.counter.reset()
                 used.clear()
                 sent.clear()
+                received.clear()
                 if kind == "all_reduce":
                     got = rt._all_reduce(x.view(5, -1) if numel == 105 else x, "tp", "forward").reshape(-1)
                     expected = x.clone()
@@ -179,7 +185,8 @@ class AllReduceAndAllGatherAgainstGloo:
                     originals["all_gather_single"](expected, x)
                 results[(kind, numel, str(dtype))] = (torch.equal(got, expected), list(used),
                                                       dict(+rt.counter.counts["forward"]), rt.counter.bytes["forward"],
-                                                      x.numel() * x.element_size(), list(sent))
+                                                      x.numel() * x.element_size(), list(sent),
+                                                      got.data_ptr() in received)
         finally:
             for name, original in originals.items():
                 setattr(dist, name, original)
@@ -194,7 +201,7 @@ def test_two_rank_collectives_and_small_all_gathers_on_gloo_are_one_all_to_all_e
     # sends n copies, up to EXCHANGE_MAX_BYTES. Megatron TP's LLaMA step on two gloo ranks 49.9 ms against
     # 55.1, an SP plan's 59.7 against 65.8 (benchmarks/README)
     for rank in pools(ranks).run_on_every_rank(AllReduceAndAllGatherAgainstGloo(Mesh(("tp",), (ranks,)))):
-        for (kind, numel, dtype), (equal, primitive, counted, counted_bytes, nbytes, sent) in rank.items():
+        for (kind, numel, dtype), (equal, primitive, counted, counted_bytes, nbytes, sent, in_received) in rank.items():
             assert equal, (kind, numel, dtype)
             small = numel * (8 if "64" in dtype else 4) <= EXCHANGE_MAX_BYTES
             own = "all_reduce" if kind == "all_reduce" else "all_gather_single"
@@ -202,6 +209,8 @@ def test_two_rank_collectives_and_small_all_gathers_on_gloo_are_one_all_to_all_e
             assert primitive == (["all_to_all_single"] if exchanged else [own]), (kind, numel, dtype, primitive)
             if ranks == 2:  # the tensor itself, to the other rank alone: no send buffer
                 assert sent == [(numel, True)], (kind, numel, dtype, sent)
+                # and the sum made where the other's arrived (x1 + x0 is x0 + x1 bit for bit): no tensor for it
+                assert in_received or kind != "all_reduce", (kind, numel, dtype)
             # counted as what it is, at the ring's bytes per rank (what the all-to-all sends, where it is used)
             assert counted == {kind: 1} and counted_bytes == collective_bytes(kind, nbytes, ranks)
 
