@@ -23,6 +23,7 @@ from .cost import estimate, memory_per_rank
 from .search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search, wants_search
 from .diagnostics import Diagnostic
 from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
+from .early_count import start_counts_early
 from .liveness import release_dead_values
 from .progress import report
 from .reshard import reshard_after_forward
@@ -88,7 +89,7 @@ def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
     else:
         typed = _timed(seconds, "infer", lambda: infer(bound))
         program = _timed(seconds, "lower", lambda: _lowered(typed, bucket_mb, None))
-    program = release_dead_values(program)
+    program = release_dead_values(start_counts_early(program))
     source = _timed(seconds, "codegen", lambda: render(program))
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
 

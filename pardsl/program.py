@@ -13,7 +13,8 @@ Kinds:
   param_grad_sync a broadcast parameter read by sharded ops: its gradient into a bucket
   fused_linears   linears of one input computed together, their input's gradient collective overlapped
   masked_lookup   the vocabulary-parallel embedding
-  form            a rule's parallel form (the vocabulary-parallel loss, synchronised batch norm)
+  form            a rule's parallel form (the vocabulary-parallel loss, synchronised batch norm), or the
+                  all-reduce of a partial mean loss's count of targets, started early (early_count.py)
   project         one result of an op with several (x[i])
   size            a named dim's global size, from an input's local shape
   expression      a size the graph computes, as an expression of the named dims

@@ -1,0 +1,70 @@
+"""The early-count pass (pardsl/early_count.py): a partial mean loss's count of targets is all-reduced from
+the top of the forward, so that the forward has no barrier at the loss."""
+
+import pytest
+
+from pardsl.layouts import collective_bytes
+
+from .test_distributed import check
+from .test_transformers import _nonzero
+
+LLAMA = """\
+mesh   dp = {ranks}
+model  examples.hf_models:llama_causal_lm(layers=2)
+input  input_ids : int64[4, 16] in [0, 256)
+input  labels    : int64[4, 16] in [0, 256)
+
+layout {{
+    input_ids : S(0)
+    labels    : S(0)
+{output}}}
+"""
+
+
+def _forward_lines(source: str) -> list[str]:
+    body = source[source.index("    def forward("):]
+    return [line.strip() for line in body.splitlines()[1:]
+            if line.startswith("        ") and "=" in line and not line.strip().startswith(("rt =", "sync ="))]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_causal_lms_partial_loss_starts_its_count_before_the_first_layer_and_equals_serial(pools, compile_par,
+                                                                                             ranks):
+    # HF's loss shifts the labels (pad with ignore_index, slice): those ops move up with the count, so the
+    # all-reduce is under way while every layer computes, and the loss only reads its result
+    compiled = compile_par(LLAMA.format(ranks=ranks, output="    output.loss : P\n"))
+    lines = _forward_lines(compiled.source)
+    started = next(i for i, line in enumerate(lines) if "rt.count_targets_started(" in line)
+    first_parameter = next(i for i, line in enumerate(lines) if "self." in line)
+    assert started < first_parameter, lines[:started + 2]
+    moved = collective_bytes("all_reduce", 4, ranks)  # one float32 count, at the ring's bytes per rank
+    assert f"all-reduce {moved} B over dp (forward): count of targets" in lines[started]
+    assert [line.split(" = ")[1].split("(")[0] for line in lines[:started]] == [
+        "aten.pad.default", "aten.slice.Tensor", "aten.contiguous.default", "aten.view.default",
+        "aten.to.dtype_layout"]
+    loss = next(line for line in lines if "rt.cross_entropy(" in line)
+    assert f"counted={lines[started].split(' = ')[0]}" in loss
+    # the count's all-reduce is the forward's only collective, counted once
+    assert [(c.kind, c.bytes) for c in compiled.program.collectives if c.phase == "forward"] == [("all_reduce", moved)]
+    check(pools, compiled)
+
+
+def test_targets_masked_from_an_input_are_counted_before_the_first_layer(pools, compile_par):
+    # the model marks a class as padding (masked_fill to -100) before the loss: the mask moves up too
+    compiled = compile_par("mesh dp = 2\nmodel tests.zoo:Classifier(d=16, classes=8, reduction=\"mean\", "
+                           "ignored_class=3)\ninput x : float32[8, 16]\ninput labels : int64[8] in [0, 8)\n"
+                           "layout {\n  x : S(0)\n  labels : S(0)\n  *.weight : B\n  *.bias : B\n  output : P\n}\n")
+    lines = _forward_lines(compiled.source)
+    assert [line.split(" = ")[1].split("(")[0] for line in lines[:4]] == [
+        "aten.eq.Scalar", "aten.masked_fill.Scalar", "aten.view.default", "rt.count_targets_started"]
+    assert ", -100, 'dp')" in lines[3]
+    assert _nonzero(compiled.program.collective_counts()) == {"forward": {"all_reduce": 1},
+                                                             "backward": {"all_reduce": 1}}
+    check(pools, compiled)
+
+
+def test_a_loss_returned_whole_keeps_its_sum_and_count_in_one_all_reduce_at_the_loss(compile_par):
+    # the sum is known only at the loss, and the count goes with it: nothing to start early
+    compiled = compile_par(LLAMA.format(ranks=2, output=""))
+    assert "count_targets_started" not in compiled.source
+    assert "mean=('dp',)" in compiled.source
