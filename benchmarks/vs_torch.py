@@ -1,10 +1,11 @@
 """pardsl against PyTorch's own tools, one model, one run (issue 9).
 
-Hugging Face's LlamaForCausalLM (examples/hf_models.py), 4 layers, trained on its own loss, four plans:
+Hugging Face's LlamaForCausalLM (examples/hf_models.py), 4 layers, trained on its own loss, five plans:
 
 | plan | pardsl (.par file, through `pardsl.load`) | PyTorch |
 |---|---|---|
 | data parallel | batch `S(0)`, weights left to inference (B) | `DistributedDataParallel` (25 MiB buckets) |
+| data parallel, loss per rank | the same, and `output.loss : P`: each rank's share of the mean | the same |
 | ZeRO-3 | batch `S(0)`, every weight `S(0)` | FSDP2: `fully_shard` per layer, then the root |
 | Megatron TP | q/k/v, gate, up `S(0)`; o, down `S(1)` | DTensor `parallelize_module`, Colwise/Rowwise |
 | searched | `mesh tp = 2` and `memory <= 60 %`, no layout: the search's plan | DTensor, Megatron's plan |
@@ -17,7 +18,7 @@ backward and the gradients made ready (median of `--steps` after warm-up). pards
 runtime counter, PyTorch's from `CommDebugMode` where it sees them (DTensor's; DDP and FSDP2 call
 collectives outside it).
 
-    python benchmarks/vs_torch.py [--steps 10] [--plans dp,zero3,tp,searched] [--profile] [--bucket-mb 25]
+    python benchmarks/vs_torch.py [--steps 10] [--plans dp,dp_partial,zero3,tp,searched] [--profile] [--bucket-mb 25]
                                   [--device cpu|cuda] [--backend gloo|nccl] [--own-collectives]
 
 `--profile` adds, per plan, where each step spends its time (torch.profiler, top ops by self time).
@@ -46,12 +47,15 @@ from benchmarks.timing import interleaved_median_ms  # noqa: E402
 # name: (model kwargs, batch, sequence, what pardsl is compared with)
 PLANS = {
     "dp": (dict(layers=4, hidden=256), 8, 64, "DDP"),
+    "dp_partial": (dict(layers=4, hidden=256), 8, 64, "DDP"),
     "zero3": (dict(layers=4, hidden=256), 8, 64, "FSDP2"),
     "tp": (dict(layers=4, hidden=512), 4, 64, "DTensor"),
     "searched": (dict(layers=4, hidden=512), 4, 64, "DTensor"),
 }
-TITLES = {"dp": "data parallel", "zero3": "ZeRO-3", "tp": "Megatron TP", "searched": "searched, memory <= 60 %"}
+TITLES = {"dp": "data parallel", "dp_partial": "data parallel, loss per rank (`output.loss : P`)", "zero3": "ZeRO-3",
+          "tp": "Megatron TP", "searched": "searched, memory <= 60 %"}
 TENSOR_PARALLEL = ("tp", "searched")  # PyTorch's side of both is Megatron's plan in DTensor
+DATA_PARALLEL = ("dp", "dp_partial", "zero3")  # the batch split
 
 LAYER_WEIGHTS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
@@ -65,8 +69,10 @@ def par_text(plan: str, kwargs: dict, batch: int, seq: int, ranks: int = 2) -> s
     if plan == "searched":  # the mesh, the model and a memory bound: the layouts are the search's
         return "\n".join(lines + ["memory <= 60 %", ""])
     lines.append("layout {")
-    if plan in ("dp", "zero3"):
+    if plan in DATA_PARALLEL:
         lines += ["    input_ids : S(0)", "    labels : S(0)"]
+    if plan == "dp_partial":  # each rank's share of the mean, as DDP's ranks each have their own loss
+        lines.append("    output.loss : P")
     if plan == "zero3":
         lines += [f"    model.layers.*.{w}.weight : S(0)" for w in LAYER_WEIGHTS]
         lines += ["    model.layers.*.input_layernorm.weight : S(0)",
@@ -133,7 +139,10 @@ def rank_main(job: dict) -> dict:
     rt = model.rt
     loss = model(**local).loss
     loss.backward()
-    errors = {"pardsl": abs(loss.item() - expected_loss.item())}
+    whole = loss.detach().clone()
+    if plan_name == "dp_partial":  # the ranks' shares add up to the mean
+        dist.all_reduce(whole)
+    errors = {"pardsl": abs(whole.item() - expected_loss.item())}
     for name, parameter, layout in model.named_shards():
         want = rt.shard(expected_grads[name], layout)
         errors["pardsl"] = max(errors["pardsl"], (parameter.grad - want).abs().max().item())
@@ -150,7 +159,7 @@ def rank_main(job: dict) -> dict:
     world = dist.get_world_size()
     half = slice(rank * batch // world, (rank + 1) * batch // world)
     torch_ids = ids if tensor_parallel else ids[half]
-    if plan_name == "dp":
+    if plan_name in ("dp", "dp_partial"):
         from torch.nn.parallel import DistributedDataParallel
 
         torch_model = DistributedDataParallel(torch_model, device_ids=[device] if device.type == "cuda" else None)
@@ -179,7 +188,8 @@ def rank_main(job: dict) -> dict:
         dist.all_reduce(global_loss)
         global_loss /= world
     errors["torch"] = abs(global_loss.item() - expected_loss.item())
-    named = dict(torch_model.module.named_parameters() if plan_name == "dp" else torch_model.named_parameters())
+    named = dict(torch_model.module.named_parameters() if plan_name in ("dp", "dp_partial")
+                 else torch_model.named_parameters())
     for name, want in expected_grads.items():
         got = _full(named[name].grad)
         errors["torch"] = max(errors["torch"], (got - want).abs().max().item())
@@ -270,7 +280,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--plans", default="dp,zero3,tp,searched")
+    parser.add_argument("--plans", default="dp,dp_partial,zero3,tp,searched")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="pardsl's gradient bucket size (DDP's: 25)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
