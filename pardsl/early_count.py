@@ -27,10 +27,10 @@ COUNT = "count of targets"  # what the count's collective carries (oprules: the 
 
 def start_counts_early(program: LoweredProgram) -> LoweredProgram:
     statements = list(program.statements)
-    for index, statement in enumerate(statements):
-        early = _early_count(program, statements, index)
-        if early is not None:
-            statements = early
+    index = 0
+    while index < len(statements):  # a loss moved down by one is met again, and then waits already
+        statements = _early_count(program, statements, index) or statements
+        index += 1
     return dataclasses.replace(program, statements=statements)
 
 
@@ -39,7 +39,7 @@ def _early_count(program: LoweredProgram, statements: list[Statement], index: in
     loss = statements[index]
     instruction = loss.instruction
     keywords = dict(instruction.kwargs)
-    if instruction.callee != "rt.cross_entropy" or "counts" not in keywords or "counted" in keywords:
+    if instruction.callee != "rt.cross_entropy" or "counts" not in keywords or "count_started" in keywords:
         return None
     if _argument(instruction, 3, "reduction", "1") != "1" or not isinstance(instruction.args[1], Var):
         return None
@@ -59,7 +59,7 @@ def _early_count(program: LoweredProgram, statements: list[Statement], index: in
                                            Text(repr(axis)))),
                         f"{what} — started as soon as the targets are known, waited on at the loss",
                         tuple(moved), (), loss.node)
-    waiting = Statement(loss.target, dataclasses.replace(instruction, kwargs=instruction.kwargs + (("counted", Var(name)),)),
+    waiting = Statement(loss.target, dataclasses.replace(instruction, kwargs=instruction.kwargs + (("count_started", Var(name)),)),
                         loss.comment.replace(what, f"{COUNT} all-reduced since `{name}`"),
                         tuple(c for c in loss.collectives if c is not moved[0]), loss.layouts, loss.node)
     return (statements[:top] + [statements[i] for i in chain if i >= top] + [started]

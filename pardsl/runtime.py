@@ -264,7 +264,7 @@ class Runtime:
 
     def count_targets_started(self, target: torch.Tensor, ignore_index: int, axis: str):
         """Start the all-reduce over `axis` of the count of targets that are not `ignore_index`, for a
-        partial mean loss (`cross_entropy(..., counts=(axis,), counted=...)`) to wait on: the count needs
+        partial mean loss (`cross_entropy(..., counts=(axis,), count_started=...)`) to wait on: the count needs
         only the targets, so it is started as soon as they are known and is long done when the loss needs it
         (pardsl/early_count.py)."""
         count = (target != ignore_index).sum().to(torch.float32).reshape(1)
@@ -272,7 +272,7 @@ class Runtime:
 
     def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, weight=None, reduction: int = 1,
                       ignore_index: int = -100, label_smoothing: float = 0.0, *, classes: tuple[str, ...] = (),
-                      counts: tuple[str, ...] = (), mean: tuple[str, ...] = (), counted=None) -> torch.Tensor:
+                      counts: tuple[str, ...] = (), mean: tuple[str, ...] = (), count_started=None) -> torch.Tensor:
         """aten.cross_entropy_loss (no class weight) of logits whose class dim (1) is split over `classes`,
         and whose rows (reduction mean) are split over `counts`.
 
@@ -282,13 +282,13 @@ class Runtime:
         Counts: the mean is the local sum over the global count of counted targets, a partial sum (P).
         Mean: the mean itself (B), the local sum and count all-reduced together, one all-reduce per axis;
         its backward is the identity's, so each rank's rows get the gradient over the global count.
-        Counted: the all-reduce of the count over counts[0], started earlier (count_targets_started).
+        Count started: the all-reduce of the count over counts[0], started earlier (count_targets_started).
         """
         assert weight is None, "a class weight has no parallel form"
         assert not (mean and counts), "a mean is whole over every axis its rows are split on, or partial over all"
         count, work = None, None
-        if reduction == 1 and counted is not None:
-            work, summed = counted
+        if reduction == 1 and count_started is not None:
+            work, summed = count_started
         elif reduction == 1:  # the count needs only the targets: its first all-reduce runs under the losses
             counted = (target != ignore_index).sum()
             if not mean:

@@ -43,7 +43,7 @@ def test_a_causal_lms_partial_loss_starts_its_count_before_the_first_layer_and_e
         "aten.pad.default", "aten.slice.Tensor", "aten.contiguous.default", "aten.view.default",
         "aten.to.dtype_layout"]
     loss = next(line for line in lines if "rt.cross_entropy(" in line)
-    assert f"counted={lines[started].split(' = ')[0]}" in loss
+    assert f"count_started={lines[started].split(' = ')[0]}" in loss
     # the count's all-reduce is the forward's only collective, counted once
     assert [(c.kind, c.bytes) for c in compiled.program.collectives if c.phase == "forward"] == [("all_reduce", moved)]
     check(pools, compiled)
