@@ -50,8 +50,8 @@ def _early_count(program: LoweredProgram, statements: list[Statement], index: in
     if chain is None or len(moved) != 1:
         return None
     # below every size, expression and check before the loss: a moved op's shape text may name a size
-    top = max((i + 1 for i, s in enumerate(statements[:index]) if s.instruction.kind in ("size", "expression", "check")),
-              default=0)
+    top = max((i + 1 for i, s in enumerate(statements[:index])
+               if s.instruction.kind in ("size", "expression", "check")), default=0)
     name = f"{loss.targets[0]}__count"
     what = f"all-reduce {format_bytes(moved[0].bytes)} over {axis} (forward): {COUNT}"
     started = Statement(name, Instruction("form", "rt.count_targets_started",
@@ -59,7 +59,8 @@ def _early_count(program: LoweredProgram, statements: list[Statement], index: in
                                            Text(repr(axis)))),
                         f"{what} — started as soon as the targets are known, waited on at the loss",
                         tuple(moved), (), loss.node)
-    waiting = Statement(loss.target, dataclasses.replace(instruction, kwargs=instruction.kwargs + (("count_started", Var(name)),)),
+    waits = dataclasses.replace(instruction, kwargs=instruction.kwargs + (("count_started", Var(name)),))
+    waiting = Statement(loss.target, waits,
                         loss.comment.replace(what, f"{COUNT} all-reduced since `{name}`"),
                         tuple(c for c in loss.collectives if c is not moved[0]), loss.layouts, loss.node)
     return (statements[:top] + [statements[i] for i in chain if i >= top] + [started]
