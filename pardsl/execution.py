@@ -371,9 +371,14 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         tally.compiled_ms.append((time.perf_counter() - start) * 1000)
         counts = rt.counter.summary()
         if pipeline.is_last:
+            # a partial output (P) is summed over the last stage's ranks, which alone hold it, as run_rank sums it
+            partial = Layout.from_key(output_layout).has_partial
             if own_loss:
-                note("output", outputs[loss][0], torch.stack([l.detach() for l in losses]).mean(),
+                value = torch.stack([l.detach() for l in losses]).mean()
+                note("output", outputs[loss][0], rt.unshard(value, output_layout) if partial else value,
                      serial_out[loss].detach())
+            elif partial:
+                note("output", outputs[0][0], rt.unshard(merged[0], output_layout), serial_out[0].detach())
             else:
                 note("output", outputs[0][0], merged[0], rt.shard(serial_out[0].detach(), output_layout))
         for name, parameter, layout in stage_params:

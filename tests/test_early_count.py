@@ -5,6 +5,7 @@ import pytest
 
 from pardsl.layouts import collective_bytes
 
+from .conftest import run_on
 from .test_distributed import check
 from .test_transformers import _nonzero
 
@@ -68,3 +69,15 @@ def test_a_loss_returned_whole_keeps_its_sum_and_count_in_one_all_reduce_at_the_
     compiled = compile_par(LLAMA.format(ranks=2, output=""))
     assert "count_targets_started" not in compiled.source
     assert "mean=('dp',)" in compiled.source
+
+
+
+def test_a_pipelines_partial_loss_is_checked_summed_over_the_last_stages_ranks(pools, compile_par):
+    # pp 2 × dp 2, the loss returned partial over dp: `pardsl run`'s check sums it over the last stage's
+    # dp ranks, as it sums an unpipelined plan's (compared alone, each rank's share was half of serial's mean)
+    with open("examples/hf_llama_pp2_dp2.par") as handle:
+        text = handle.read().replace("    labels    : S(0) @ dp\n", "    labels    : S(0) @ dp\n    output : P @ dp\n")
+    compiled = compile_par(text)
+    report = run_on(pools, compiled)
+    assert report["ok"], {k: v for k, v in report.items() if "collectives" not in k}
+    assert report["max_abs_err"]["output"] < 1e-5
