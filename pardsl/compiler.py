@@ -278,7 +278,7 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
         outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
         plan = pp.PipelinePlan(decl.axis, decl.schedule, decl.microbatches, decl.stages_per_rank,
                                tuple(cut_before), pp.shared_parameters(stages), outputs)
-        return program, [release_dead_values(stage) for stage in stages], plan
+        return program, [release_dead_values(start_counts_early(stage)) for stage in stages], plan
 
     program, stages, plan = _timed(seconds, "lower", lower_pipelined)
     source = _timed(seconds, "codegen", lambda: render_pipeline(stages, plan))

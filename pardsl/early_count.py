@@ -11,7 +11,9 @@ and starts the all-reduce right after them; the loss waits on it, long done by t
 
 Only ops of the forward's inputs move (pure ATen ops, none in place), and never above a size or check
 statement before the loss (a shape argument may read a size by name). A loss whose targets come from
-parameters or activations is left where it is.
+parameters or activations is left where it is. A pipelined plan's stages are passed over each on its own:
+a stage's inputs are what it receives (the micro-batch's labels among them), so the last stage starts its
+count before its first layer.
 """
 
 from __future__ import annotations

@@ -72,12 +72,19 @@ def test_a_loss_returned_whole_keeps_its_sum_and_count_in_one_all_reduce_at_the_
 
 
 
-def test_a_pipelines_partial_loss_is_checked_summed_over_the_last_stages_ranks(pools, compile_par):
-    # pp 2 × dp 2, the loss returned partial over dp: `pardsl run`'s check sums it over the last stage's
-    # dp ranks, as it sums an unpipelined plan's (compared alone, each rank's share was half of serial's mean)
+def test_a_pipelines_last_stage_starts_its_count_before_its_layers_and_equals_serial(pools, compile_par):
+    # pp 2 × dp 2, the loss returned partial over dp; `pardsl run`'s check sums it over the last stage's
+    # dp ranks, as it sums an unpipelined plan's
     with open("examples/hf_llama_pp2_dp2.par") as handle:
         text = handle.read().replace("    labels    : S(0) @ dp\n", "    labels    : S(0) @ dp\n    output : P @ dp\n")
     compiled = compile_par(text)
+    # the last stage's module starts the count from the labels it receives before any of its layers
+    last = compiled.stages[-1]
+    started = [s.instruction.callee for s in last.statements].index("rt.count_targets_started")
+    reads_parameter = next(i for i, s in enumerate(last.statements)
+                           if any(name.startswith("self.") for name in s.instruction.reads()))
+    assert started < reads_parameter
+    assert last.collective_counts()["forward"]["all_reduce"] == 1  # the count's, moved, not added
     report = run_on(pools, compiled)
     assert report["ok"], {k: v for k, v in report.items() if "collectives" not in k}
     assert report["max_abs_err"]["output"] < 1e-5
