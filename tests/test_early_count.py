@@ -1,11 +1,13 @@
 """The early-count pass (pardsl/early_count.py): a partial mean loss's count of targets is all-reduced from
 the top of the forward, so that the forward has no barrier at the loss."""
 
+import os
+
 import pytest
 
 from pardsl.layouts import collective_bytes
 
-from .conftest import run_on
+from .conftest import REPO, run_on
 from .test_distributed import check
 from .test_transformers import _nonzero
 
@@ -71,11 +73,10 @@ def test_a_loss_returned_whole_keeps_its_sum_and_count_in_one_all_reduce_at_the_
     assert "mean=('dp',)" in compiled.source
 
 
-
 def test_a_pipelines_last_stage_starts_its_count_before_its_layers_and_equals_serial(pools, compile_par):
     # pp 2 × dp 2, the loss returned partial over dp; `pardsl run`'s check sums it over the last stage's
     # dp ranks, as it sums an unpipelined plan's
-    with open("examples/hf_llama_pp2_dp2.par") as handle:
+    with open(os.path.join(REPO, "examples", "hf_llama_pp2_dp2.par")) as handle:
         text = handle.read().replace("    labels    : S(0) @ dp\n", "    labels    : S(0) @ dp\n    output : P @ dp\n")
     compiled = compile_par(text)
     # the last stage's module starts the count from the labels it receives before any of its layers
