@@ -656,9 +656,10 @@ def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
                 InnerCollective(4 if smoothing else 3, what="max, sum of exps and target logit per row",
                                 min_itemsize=4, kind="all_gather"),)),)
             if reduction == 1:  # the local sum over the global count of counted targets: a partial mean
+                # (the count in float32 at least: a half-precision one is exact only up to 256 targets)
                 extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), P, letter,
                                          name="counts", inner_collectives=(
-                                             InnerCollective(0, 1, what="count of targets"),))
+                                             InnerCollective(0, 1, what="count of targets", min_itemsize=4),))
                                for letter in batch)
                 # or the mean itself, where it is wanted whole: the local sum and count in one all-reduce
                 # (one latency where the partial mean and its all-reduce take two), reduced in float32 at least

@@ -267,8 +267,7 @@ class Runtime:
         partial mean loss (`cross_entropy(..., counts=(axis,), count_started=...)`) to wait on: the count needs
         only the targets, so it is started as soon as they are known and is long done when the loss needs it
         (pardsl/early_count.py)."""
-        count = (target != ignore_index).sum().to(torch.float32).reshape(1)
-        return self._all_reduce_started(count, axis, "forward")
+        return self._all_reduce_started(_targets_counted(target, ignore_index), axis, "forward")
 
     def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, weight=None, reduction: int = 1,
                       ignore_index: int = -100, label_smoothing: float = 0.0, *, classes: tuple[str, ...] = (),
@@ -289,11 +288,11 @@ class Runtime:
         count, work = None, None
         if reduction == 1 and count_started is not None:
             work, summed = count_started
-        elif reduction == 1:  # the count needs only the targets: its first all-reduce runs under the losses
-            counted = (target != ignore_index).sum()
-            if not mean:
-                count = counted.to(logits.dtype).reshape(1)
-                work, summed = self._all_reduce_started(count, counts[0], "forward") if counts else (None, None)
+        elif reduction == 1 and not mean:  # the count needs only the targets: its all-reduce runs under the losses
+            if counts:
+                work, summed = self.count_targets_started(target, ignore_index, counts[0])
+            else:
+                count = _targets_counted(target, ignore_index)
         if classes:
             losses = _ClassSplitCrossEntropy.apply(logits, target, ignore_index, label_smoothing, self, classes)
         else:
@@ -304,7 +303,7 @@ class Runtime:
             return losses.sum()
         if mean:
             wide = torch.promote_types(losses.dtype, torch.float32)
-            pair = torch.stack([losses.sum().to(wide), counted.to(wide)])
+            pair = torch.cat([losses.sum().to(wide).reshape(1), _targets_counted(target, ignore_index, wide)])
             for axis in mean:
                 pair = self.all_reduce(pair, axis)
             return (pair[0] / pair[1]).to(losses.dtype)
@@ -456,6 +455,12 @@ class Runtime:
                 k, d = placement.blocks, placement.dim
                 full = torch.cat([torch.cat([p.chunk(k, dim=d)[j] for p in parts], dim=d) for j in range(k)], dim=d)
         return full
+
+
+def _targets_counted(target: torch.Tensor, ignore_index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """How many targets a mean loss divides by, shape [1], in float32 at least (oprules: the `counts` and
+    `mean` forms' collectives): exact up to 2^24 targets, where a half-precision count is only up to 256."""
+    return (target != ignore_index).sum().to(dtype).reshape(1)
 
 
 def _nbytes(x: torch.Tensor) -> int:

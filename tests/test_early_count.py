@@ -66,6 +66,19 @@ def test_targets_masked_from_an_input_are_counted_before_the_first_layer(pools, 
     check(pools, compiled)
 
 
+def test_a_half_precision_losss_count_is_float32_as_planned_and_as_measured(pools, compile_par):
+    # bf16 logits: the count is all-reduced in float32 (exact past 256 targets), and the plan says so
+    compiled = compile_par("mesh dp = 2\nmodel tests.zoo:Classifier(d=16, classes=8, reduction=\"mean\", "
+                           "dtype=\"bfloat16\")\ninput x : bfloat16[8, 16]\ninput labels : int64[8] in [0, 8)\n"
+                           "layout {\n  x : S(0)\n  labels : S(0)\n  *.weight : B\n  *.bias : B\n  output : P\n}\n")
+    assert "rt.count_targets_started(" in compiled.source
+    planned = compiled.program.collective_bytes()["forward"]
+    assert planned == collective_bytes("all_reduce", 4, 2)
+    report = run_on(pools, compiled, steps=1)
+    assert report["ok"], {k: v for k, v in report.items() if "collectives" not in k}
+    assert report["bytes"]["forward"] == planned
+
+
 def test_a_loss_returned_whole_keeps_its_sum_and_count_in_one_all_reduce_at_the_loss(compile_par):
     # the sum is known only at the loss, and the count goes with it: nothing to start early
     compiled = compile_par(LLAMA.format(ranks=2, output=""))
