@@ -23,7 +23,8 @@ collectives outside it).
 
 `--profile` adds, per plan, where each step spends its time (torch.profiler, top ops by self time).
 `--own-collectives` also times pardsl's module with gloo's own reduce-scatter, all-gather and all-reduce
-instead of the runtime's, built on gloo's all-to-all (pardsl/runtime.py, `collectives_by_all_to_all`).
+instead of the runtime's: through shared memory between ranks of one host (pardsl/shared_memory.py),
+else built on gloo's all-to-all (pardsl/runtime.py, `collectives_by_all_to_all`).
 The versions' steps are taken in turn (benchmarks/timing.py), so that the machine's slow spells fall on
 all of them alike.
 """
@@ -214,13 +215,14 @@ def rank_main(job: dict) -> dict:
     steps = {"pardsl": pardsl_step, "torch": torch_step}
     if tensor_parallel:
         steps["serial"] = serial_step
-    if job["own_collectives"] and rt.by_all_to_all:
+    if job["own_collectives"] and (rt.by_all_to_all or rt.shared):
         def pardsl_own_step():  # the same module with gloo's own collectives
-            rt.by_all_to_all = False
+            by_all_to_all, shared = rt.by_all_to_all, rt.shared
+            rt.by_all_to_all, rt.shared = False, {}
             try:
                 pardsl_step()
             finally:
-                rt.by_all_to_all = True
+                rt.by_all_to_all, rt.shared = by_all_to_all, shared
 
         steps["pardsl_own"] = pardsl_own_step
     medians = interleaved_median_ms(steps, job["steps"], device=device)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .cost import LinkCost, Machine, ring_steps
 from .layouts import COLLECTIVE_KINDS, collective_bytes
 from .runtime import all_gather_started, all_reduce_started, collectives_by_all_to_all, reduce_scatter_started
+from .shared_memory import shared_memory_group
 
 SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)  # bytes of one rank's tensor
 QUICK_SIZES = (1 << 12, 1 << 18, 1 << 22)  # as far apart as the full set: β needs the large end
@@ -53,26 +54,30 @@ def _time(fn, device: torch.device, repeats: int, together: bool = True, warm_up
 def _collective(kind: str, local_bytes: int, n: int, device: torch.device):
     elements = max(n, local_bytes // 4 // n * n)  # divisible by n for the splitting collectives
     x = torch.ones(elements, device=device)
-    # as the runtime does them: on gloo, built on its all-to-all (runtime.collectives_by_all_to_all)
+    # as the runtime does them: on gloo, through shared memory between ranks of one host, else built on
+    # gloo's all-to-all (runtime.collectives_by_all_to_all)
     by_all_to_all = collectives_by_all_to_all(dist.get_backend())
+    shared = shared_memory_group(None) if dist.get_backend() == "gloo" else None
     if kind == "all_reduce":
         def all_reduce():
-            work, summed = all_reduce_started(x, n, None, by_all_to_all)
+            work, summed = all_reduce_started(x, n, None, by_all_to_all, shared=shared)
             work.wait()
             return summed()
 
         return all_reduce
     if kind == "all_gather":
         out = torch.empty(elements * n, device=device)
-        return lambda: all_gather_started(out, x, n, None, by_all_to_all).wait()
+        return lambda: all_gather_started(out, x, n, None, by_all_to_all, shared=shared).wait()
     if kind == "reduce_scatter":
         def reduce_scatter():
-            work, summed = reduce_scatter_started(x, n, None, by_all_to_all)
+            work, summed = reduce_scatter_started(x, n, None, by_all_to_all, shared=shared)
             work.wait()
             return summed()
 
         return reduce_scatter
     out = torch.empty_like(x)
+    if shared is not None and device.type == "cpu":
+        return lambda: shared.all_to_all(out, x)
     return lambda: dist.all_to_all_single(out, x)
 
 
@@ -121,26 +126,30 @@ def _rank(rank: int, nproc: int, port: int, backend: str, sizes, repeats: int, r
         # bandwidth 4 to 15 GB/s from one run to the next
         added = torch.empty_like(big)
         tiny = torch.ones(4, device=device)
-        # Overlap: an all-reduce of a gradient bucket's size (gloo's own ring, as buckets over the runtime's
-        # exchange limit take) issued asynchronously while matmuls run, against the two one after the
-        # other, with as many matmuls as take about as long as the all-reduce: the share hidden is a
-        # difference of timings, and against a short all-reduce (1 MiB beside 8 matmuls before) a few ms
-        # of noise in the compute made it anything from 0 to 100 % between runs.
-        x = torch.ones(1 << 22, device=device)
-        matmuls = _matmuls_as_long_as(lambda: dist.all_reduce(x), lambda: a @ a, device)
+        # Overlap: an all-reduce of a gradient bucket's size, as the runtime makes it, issued asynchronously
+        # while matmuls run, against the two one after the other, with as many matmuls as take about as
+        # long as the all-reduce: the share hidden is a difference of timings, and against a short
+        # all-reduce (1 MiB beside 8 matmuls before) a few ms of noise in the compute made it anything
+        # from 0 to 100 % between runs. (Through shared memory the waiting rank moves the bytes itself,
+        # so little hides, but there is little to hide.)
+        all_reduce = _collective("all_reduce", 1 << 24, nproc, device)
+        x = torch.ones((1 << 24) // 4 // nproc * nproc, device=device)
+        shared = shared_memory_group(None) if backend == "gloo" else None
+        matmuls = _matmuls_as_long_as(all_reduce, lambda: a @ a, device)
 
         def compute():
             for _ in range(matmuls):
                 a @ a
 
         def both():
-            handle = dist.all_reduce(x, async_op=True)
+            work, summed = all_reduce_started(x, nproc, None, collectives_by_all_to_all(backend), shared=shared)
             compute()
-            handle.wait()
+            work.wait()
+            summed()
 
         cases.update({"matmul": back_to_back(lambda: a @ a, 8), "add": back_to_back(lambda: torch.add(big, big, out=added), 8),
                       "overhead": back_to_back(lambda: tiny + tiny, 100),
-                      "comm": back_to_back(lambda: dist.all_reduce(x), 1), "compute": back_to_back(compute, 1),
+                      "comm": back_to_back(all_reduce, 1), "compute": back_to_back(compute, 1),
                       "both": back_to_back(both, 1)})
         rounds = _timed_in_rounds(cases, device, repeats)
         seconds = {key: statistics.median(timed) for key, timed in rounds.items()}

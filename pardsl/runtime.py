@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .layouts import COLLECTIVE_KINDS, Layout, Mesh, collective_bytes
+from .shared_memory import shared_memory_group
 
 PHASES = ("forward", "backward")
 
@@ -87,7 +88,8 @@ def _exchange_started(received: torch.Tensor, sent: torch.Tensor, group):
     return dist.all_to_all_single(received, sent, to_each, to_each, group=group, async_op=True)
 
 
-def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool, overwrite: bool = True):
+def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool, overwrite: bool = True,
+                       shared=None):
     """Start summing x (contiguous) over the n ranks of `group`: (the work to wait on, a function giving the
     sum once it has finished). `overwrite`: the backend's all-reduce may sum into x itself (else into a
     copy; the exchange below never writes x).
@@ -97,7 +99,12 @@ def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool, over
     itself (the ring's bytes on two ranks, from x itself: no send buffer) and adds its own into the buffer
     the other's arrived in: no tensor allocated for the sum, and x0 + x1, the ring's sum, bit for bit (a
     floating-point sum of two is the same either way round). Faster than the ring up to 4 MiB and as fast
-    at 16 MiB (benchmarks/collectives.py); over more ranks it would move more bytes."""
+    at 16 MiB (benchmarks/collectives.py); over more ranks it would move more bytes.
+
+    `shared`: the group's shared-memory transport (pardsl/shared_memory.py), where its ranks share this
+    host: faster than either, for CPU tensors."""
+    if shared is not None and x.device.type == "cpu":
+        return shared.all_reduce_started(x, overwrite)
     if by_all_to_all and n == 2:
         flat = x.view(-1)
         received = torch.empty_like(flat)
@@ -109,7 +116,7 @@ def all_reduce_started(x: torch.Tensor, n: int, group, by_all_to_all: bool, over
     return work, lambda: x
 
 
-def all_gather_started(out: torch.Tensor, x: torch.Tensor, n: int, group, by_all_to_all: bool):
+def all_gather_started(out: torch.Tensor, x: torch.Tensor, n: int, group, by_all_to_all: bool, shared=None):
     """Start gathering x (contiguous) from the n ranks of `group` into `out` (n times x's size, rank r's at
     chunk r of dim 0): the work to wait on.
 
@@ -118,7 +125,9 @@ def all_gather_started(out: torch.Tensor, x: torch.Tensor, n: int, group, by_all
     measured, 32 KiB to 4 MiB). Over more, up to EXCHANGE_MAX_BYTES, every rank sends its x to each other
     rank in one all-to-all of n copies of it: a ring all-gather's bytes in one step instead of n − 1 (a
     sequence-parallel step on two gloo ranks here took 66 ms with gloo's own, 60 with this); the copies are
-    a local write of n times x."""
+    a local write of n times x. `shared`: as all_reduce_started's."""
+    if shared is not None and x.device.type == "cpu":
+        return shared.all_gather_started(out, x)
     if by_all_to_all and n == 2:
         rows, flat = out.view(2, -1), x.view(-1)
         mine = dist.get_rank(group)
@@ -131,7 +140,7 @@ def all_gather_started(out: torch.Tensor, x: torch.Tensor, n: int, group, by_all
     return dist.all_gather_single(out, x, group=group, async_op=True)
 
 
-def reduce_scatter_started(moved: torch.Tensor, n: int, group, by_all_to_all: bool):
+def reduce_scatter_started(moved: torch.Tensor, n: int, group, by_all_to_all: bool, shared=None):
     """Start summing `moved` over the n ranks of `group`, each rank keeping its chunk of dim 0 (moved is
     contiguous, chunk r of dim 0 is rank r's): (the work to wait on, a function giving this rank's sum
     once it has finished).
@@ -140,7 +149,10 @@ def reduce_scatter_started(moved: torch.Tensor, n: int, group, by_all_to_all: bo
     twice a ring reduce-scatter's bytes and as slow as an all-reduce (2 to 8 times slower than an
     all-to-all of the same input on 2 and 4 CPU ranks). An all-to-all hands every rank the n
     contributions to its chunk, the ring's per-rank volume, and the rank sums them in rank order. Over two
-    ranks each sends the other only the other's chunk, and adds its own into what it received."""
+    ranks each sends the other only the other's chunk, and adds its own into what it received. `shared`:
+    as all_reduce_started's."""
+    if shared is not None and moved.device.type == "cpu":
+        return shared.reduce_scatter_started(moved)
     if by_all_to_all and n == 2:
         rows = moved.view(2, -1)
         mine = dist.get_rank(group)
@@ -168,6 +180,7 @@ class Runtime:
         self.coordinate: dict[str, int] = {name: 0 for name in mesh.axis_names}
         self.size = dict(zip(mesh.axis_names, mesh.axis_sizes))
         self.by_all_to_all = False  # collectives_by_all_to_all
+        self.shared: dict[str, object] = {}  # per axis, its shared-memory transport where it has one
         if mesh.size > 1 or (dist.is_available() and dist.is_initialized()):
             if not dist.is_initialized():
                 raise RuntimeError(f"a mesh of {mesh.size} ranks needs torch.distributed to be initialized")
@@ -179,6 +192,9 @@ class Runtime:
                 self.groups[name] = device_mesh.get_group(name)
                 self.coordinate[name] = device_mesh.get_local_rank(name)
             self.by_all_to_all = collectives_by_all_to_all(dist.get_backend())
+            if dist.get_backend() == "gloo":
+                self.shared = {name: shared_memory_group(self.groups[name])
+                               for name in mesh.axis_names if self.size[name] > 1}
 
     @staticmethod
     def require_divisible(size: int, ways: int, dim: str) -> None:
@@ -365,7 +381,8 @@ class Runtime:
     def all_reduce_started(self, x: torch.Tensor, axis: str, overwrite: bool = True):
         """Start an all-reduce of x (contiguous) over `axis`, the way this backend does it fastest: (work,
         a function giving the sum once waited on). `overwrite`: the backend may sum into x itself."""
-        return all_reduce_started(x, self.size[axis], self.groups[axis], self.by_all_to_all, overwrite)
+        return all_reduce_started(x, self.size[axis], self.groups[axis], self.by_all_to_all, overwrite,
+                                  self.shared.get(axis))
 
     def _reduce_scatter_started(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1):
         """Reduce-scatter x asynchronously: (work or None, a function giving the result once waited on)."""
@@ -380,12 +397,14 @@ class Runtime:
     def reduce_scatter_started(self, moved: torch.Tensor, axis: str):
         """Start a reduce-scatter of `moved` (contiguous, rank r's chunk first along dim 0 at r) over
         `axis`, the way this backend does it fastest: (work, a function giving the result once waited)."""
-        return reduce_scatter_started(moved, self.size[axis], self.groups[axis], self.by_all_to_all)
+        return reduce_scatter_started(moved, self.size[axis], self.groups[axis], self.by_all_to_all,
+                                      self.shared.get(axis))
 
     def all_gather_started(self, out: torch.Tensor, x: torch.Tensor, axis: str):
         """Start an all-gather of x (contiguous) over `axis` into `out`, the way this backend does it
         fastest: the work to wait on."""
-        return all_gather_started(out, x, self.size[axis], self.groups[axis], self.by_all_to_all)
+        return all_gather_started(out, x, self.size[axis], self.groups[axis], self.by_all_to_all,
+                                  self.shared.get(axis))
 
     def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:
         n = self.size[axis]
@@ -411,7 +430,10 @@ class Runtime:
         send = torch.stack(x.chunk(n, dim=split_dim)).contiguous()
         received = torch.empty_like(send)
         self.counter.record(phase, "all_to_all", collective_bytes("all_to_all", _nbytes(x), n), axis)
-        dist.all_to_all_single(received, send, group=self.groups[axis])
+        if self.shared.get(axis) is not None and x.device.type == "cpu":
+            self.shared[axis].all_to_all(received, send)
+        else:
+            dist.all_to_all_single(received, send, group=self.groups[axis])
         return torch.cat(received.unbind(0), dim=concat_dim)
 
     def _slice(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> torch.Tensor:

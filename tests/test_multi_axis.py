@@ -77,6 +77,7 @@ class ReduceScatterAgainstGloo:
         from pardsl.runtime import Runtime
 
         rt = Runtime(self.mesh)
+        rt.shared = {}  # gloo's path, as between hosts (through shared memory: tests/test_shared_memory.py)
         n = self.mesh.size
         errors = {}
         sent = []  # per all-to-all: (elements sent to the other ranks, elements sent to this rank itself)
@@ -146,6 +147,7 @@ class AllReduceAndAllGatherAgainstGloo:
         from pardsl import runtime
 
         rt = runtime.Runtime(self.mesh)
+        rt.shared = {}  # gloo's path, as between hosts (through shared memory: tests/test_shared_memory.py)
         used = []
         originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single", "all_to_all_single")}
 

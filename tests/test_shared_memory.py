@@ -1,0 +1,187 @@
+"""Collectives through shared memory between ranks of one host (pardsl/shared_memory.py): equal to
+gloo's own (bit for bit on two ranks), with nothing through gloo, in any order of waits, and a wait on a
+rank that has ended fails instead of hanging."""
+
+import hashlib
+import itertools
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pardsl.layouts import Mesh
+
+
+@dataclass(frozen=True)
+class AgainstGloo:
+    """Run on every rank: each collective of the runtime (shared memory) against gloo's own on the same
+    inputs, many started before any is waited on and waited on in reverse; which of gloo's collectives ran."""
+
+    ranks: int
+
+    def __call__(self) -> dict:
+        import torch.distributed as dist
+
+        from pardsl.runtime import Runtime
+
+        rt = Runtime(Mesh(("dp",), (self.ranks,)))
+        n, rank = self.ranks, dist.get_rank()
+        used = []
+        originals = {name: getattr(dist, name) for name in
+                     ("all_reduce", "all_gather_single", "all_to_all_single", "reduce_scatter_single")}
+        cases = list(itertools.product((6 * n, 300_000 * n), (torch.float32, torch.float64, torch.bfloat16)))
+        inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(rank * 100 + i)).to(dtype)
+                  for i, (numel, dtype) in enumerate(cases)]
+        try:
+            for name in originals:
+                setattr(dist, name, lambda *a, _name=name, **k: used.append(_name) or originals[_name](*a, **k))
+            started = []
+            for x in inputs:
+                started.append(("all_reduce", rt.all_reduce_started(x.clone(), "dp")))
+                out = torch.empty(n * x.numel(), dtype=x.dtype)
+                started.append(("all_gather", (rt.all_gather_started(out, x, "dp"), lambda out=out: out)))
+                started.append(("reduce_scatter", rt.reduce_scatter_started(x.clone(), "dp")))
+            got = []
+            for kind, (work, result) in reversed(started):
+                work.wait()
+                got.append(result().clone())
+            got.reverse()
+            exchanged = [rt._all_to_all(x.view(n, -1), "dp", 0, 0, "forward") for x in inputs]
+            through_shared_memory = list(used)
+        finally:
+            for name, original in originals.items():
+                setattr(dist, name, original)
+        errors = []
+        for i, x in enumerate(inputs):
+            summed = x.clone()
+            dist.all_reduce(summed)
+            gathered = torch.empty(n * x.numel(), dtype=x.dtype)
+            dist.all_gather_single(gathered, x)
+            scattered = summed.view(n, -1)[rank]
+            parts = torch.empty(n * x.numel() // n, dtype=x.dtype)
+            dist.all_to_all_single(parts, x)
+            for value, expected in zip(got[3 * i:3 * i + 3] + [exchanged[i]], (summed, gathered, scattered, parts)):
+                expected = expected.view(value.shape).double()
+                errors.append((str(x.dtype), value.dtype == x.dtype, tuple(value.shape) == tuple(expected.shape),
+                               ((value.double() - expected).abs().max() / expected.abs().max()).item()))
+        sums = hashlib.sha256(b"".join(got[3 * i].view(-1).view(torch.uint8).numpy().tobytes()
+                                       for i in range(len(inputs)))).hexdigest()
+        return {"shared": sorted(rt.shared), "gloo_used": through_shared_memory, "errors": errors, "sums": sums,
+                "buffers": len(rt.shared["dp"]._buffers)}
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_shared_memory_collectives_equal_gloos_own_with_nothing_through_gloo(pools, ranks):
+    reports = pools(ranks).run_on_every_rank(AgainstGloo(ranks))
+    assert len({report["sums"] for report in reports}) == 1  # every rank's sums the same, bit for bit
+    for report in reports:
+        assert report["shared"] == ["dp"] and report["gloo_used"] == []
+        for dtype, same_dtype, same_shape, relative_error in report["errors"]:
+            assert same_dtype and same_shape
+            # two ranks: a sum of two is the same either way round, so gloo's ring's bit for bit; over
+            # three, each rank sums in rank order (the same on every rank), the ring in its own: a few
+            # roundings apart
+            eps = torch.finfo(getattr(torch, dtype.removeprefix("torch."))).eps
+            assert relative_error == 0 if ranks == 2 else relative_error <= 4 * eps, report["errors"]
+
+
+@dataclass(frozen=True)
+class BuffersAfterManySteps:
+    """Run on every rank: a tensor-parallel step's pattern, an all-reduce started and waited on at once,
+    200 times at two sizes, with one rank slower: how many buffers it took."""
+
+    def __call__(self) -> tuple[int, float]:
+        import torch.distributed as dist
+
+        from pardsl.shared_memory import shared_memory_group
+
+        group = shared_memory_group(None)
+        x, y = torch.ones(1 << 16), torch.ones(100)
+        for step in range(200):
+            if dist.get_rank() == step % 2:
+                time.sleep(0.0005)
+            work, summed = group.all_reduce_started(x if step % 3 else y, overwrite=False)
+            work.wait()
+            value = summed()[0].item()
+        return len(group._buffers), value
+
+
+def test_buffers_are_reused_once_every_rank_has_read_them(pools):
+    for buffers, value in pools(2).run_on_every_rank(BuffersAfterManySteps()):
+        assert value == 2.0 and buffers <= 6, buffers  # a few per size while a rank runs ahead, not 200
+
+
+@dataclass(frozen=True)
+class MadeWith:
+    """Run on every rank: whether a shared-memory group is made, with each rank claiming a host of its
+    own, or with PARDSL_SHARED_MEMORY=0."""
+
+    different_hosts: bool = False
+    switched_off: bool = False
+
+    def __call__(self) -> bool:
+        import torch.distributed as dist
+
+        from pardsl import shared_memory
+
+        identity, setting = shared_memory._host_identity, os.environ.get("PARDSL_SHARED_MEMORY")
+        try:
+            if self.different_hosts:
+                shared_memory._host_identity = lambda: ("host", dist.get_rank())
+            if self.switched_off:
+                os.environ["PARDSL_SHARED_MEMORY"] = "0"
+            return shared_memory._made(None) is not None
+        finally:
+            shared_memory._host_identity = identity
+            os.environ.pop("PARDSL_SHARED_MEMORY", None)
+            if setting is not None:
+                os.environ["PARDSL_SHARED_MEMORY"] = setting
+
+
+def test_ranks_on_different_hosts_or_with_it_switched_off_keep_to_gloo(pools):
+    assert pools(2).run_on_every_rank(MadeWith()) == [True, True]
+    assert pools(2).run_on_every_rank(MadeWith(different_hosts=True)) == [False, False]
+    assert pools(2).run_on_every_rank(MadeWith(switched_off=True)) == [False, False]
+
+
+def _waits_on_a_rank_that_ends(rank: int, port: int, results) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from pardsl.shared_memory import shared_memory_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    group = shared_memory_group(None)
+    if rank == 1:
+        os._exit(0)  # ends without starting the collective rank 0 waits on
+    started = time.monotonic()
+    try:
+        work, _ = group.all_reduce_started(torch.ones(4))
+        work.wait()
+        results.put("returned")
+    except RuntimeError as error:
+        results.put((str(error), time.monotonic() - started))
+
+
+def test_a_wait_on_a_rank_that_has_ended_fails_instead_of_hanging():
+    from pardsl.pool import free_port
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_waits_on_a_rank_that_ends, args=(rank, port, results))
+                 for port in [free_port()] for rank in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        message, seconds = results.get(timeout=60)
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    assert "rank 1 of a shared-memory group ended" in message and seconds < 10
