@@ -92,18 +92,18 @@ class Machine:
                 "op_overhead_s": self.op_overhead_s, "cores": self.cores, "overlap": self.overlap}
 
 
-# Figures for machines that have not been calibrated. gloo's are the medians of 14 runs of `pardsl
-# calibrate --nproc 2` on a 2-core x86 VM (CPU ranks over loopback, 2026-11-25), rounded: what this
-# runtime's collectives cost there (two-rank all-reduces and small all-gathers as one all-to-all, reduce-
-# scatters as an all-to-all and a sum; the two-rank ones have sent no copies since 2026-11-26 and cost less
-# than these say, which a calibration measures), a core's matmul throughput and memory bandwidth; its CPU ranks
-# share this host's cores, as a calibration file records them (without, 4 ranks on 2 cores were rated as
-# fast as 2, and the plans of a 4-rank mesh 2 to 5 times faster than they run). NCCL's are round figures
-# for data-centre GPUs over NVLink. `pardsl calibrate` replaces either with this machine's.
+# Figures for machines that have not been calibrated. gloo's are the medians of 3 runs of `pardsl calibrate
+# --nproc 2` on a 2-core x86 VM (CPU ranks of one host, 2026-11-26), rounded: what this runtime's
+# collectives cost there (through shared memory between ranks of one host, pardsl/shared_memory.py; over
+# gloo's TCP, as between hosts, they cost 3 to 6 times more: α 270 µs and β 1.2 ns/B for an all-reduce on
+# the same kind of VM), a core's matmul throughput and memory bandwidth; its CPU ranks share this host's
+# cores, as a calibration file records them (without, 4 ranks on 2 cores were rated as fast as 2, and the
+# plans of a 4-rank mesh 2 to 5 times faster than they run). NCCL's are round figures for data-centre GPUs
+# over NVLink. `pardsl calibrate` replaces either with this machine's.
 DEFAULTS = {
-    "gloo": Machine("gloo", {"all_reduce": LinkCost(2.7e-4, 1.2e-9), "all_gather": LinkCost(3.6e-4, 1.7e-9),
-                             "reduce_scatter": LinkCost(3.8e-4, 1.7e-9), "all_to_all": LinkCost(2.4e-4, 1.3e-9)},
-                    6.5e10, 1.6e10, 3.5e-6, "defaults for gloo (no calibration file; run `pardsl calibrate`)",
+    "gloo": Machine("gloo", {"all_reduce": LinkCost(4.7e-5, 2.9e-10), "all_gather": LinkCost(9.3e-5, 3.3e-10),
+                             "reduce_scatter": LinkCost(9.7e-5, 7.7e-10), "all_to_all": LinkCost(7.8e-5, 4.7e-10)},
+                    1.4e11, 2.8e10, 1.7e-6, "defaults for gloo (no calibration file; run `pardsl calibrate`)",
                     cores=os.cpu_count() or 1, overlap=0.2),
     "nccl": Machine("nccl", {k: LinkCost(1e-5, 1 / 1e11) for k in COLLECTIVE_KINDS}, 3e14, 2e12, 1e-5,
                     "defaults for nccl (no calibration file; run `pardsl calibrate --backend nccl`)"),
