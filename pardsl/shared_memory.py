@@ -18,8 +18,10 @@ is the same one everywhere; gloo relies on the same):
   been read (an ack), so it can be used again.
 A start never blocks (it takes a buffer whose every ack is in, or makes a new one) and a wait blocks only
 on datagrams its peers send when they start the same collective, which they do before they wait on
-anything after it: no collective waits on another, whatever their order. Nothing goes through the file
-system, so nothing is left behind: the buffers go when the processes do.
+anything after it: no collective waits on another, whatever their order. The datagram names the
+collective and its bytes, so ranks whose programs issue different ones fail saying so, rather than read
+each other's bytes as something else. Nothing goes through the file system, so nothing is left behind:
+the buffers go when the processes do.
 
 Used where every rank of a group is on this host and kernel (hostname, boot id and network namespace
 agree: the socket names are abstract ones), for CPU tensors on gloo; `PARDSL_SHARED_MEMORY=0` turns it off.
@@ -39,7 +41,9 @@ import time
 import torch
 import torch.distributed as dist
 
-_READY, _READ = 0, 1
+# a datagram's kind: that a buffer has been read, or that one holds the sender's input to one of these
+_READ = 0
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 # kind, sender's rank in the group, collective number, sender's buffer, its capacity, bytes of input
 _MESSAGE = struct.Struct("<iiqqqq")
 _FD_SPACE = socket.CMSG_SPACE(struct.calcsize("i"))  # room for one descriptor
@@ -124,7 +128,7 @@ class SharedMemoryGroup:
                 total.add_(more)
             return total.view(x.shape)
 
-        return self._started_work(x, summed)
+        return self._started_work(x, summed, "all_reduce")
 
     def all_gather_started(self, out: torch.Tensor, x: torch.Tensor):
         """Gather x from every rank into `out` (rank r's at chunk r of dim 0): the work to wait on."""
@@ -136,7 +140,7 @@ class SharedMemoryGroup:
                 rows[peer].copy_(inputs[peer])
             return out
 
-        return self._started_work(x, gathered)[0]
+        return self._started_work(x, gathered, "all_gather")[0]
 
     def reduce_scatter_started(self, moved: torch.Tensor):
         """(work, a function giving this rank's chunk of dim 0 of the sum of `moved` once waited on)."""
@@ -149,7 +153,7 @@ class SharedMemoryGroup:
                 total.add_(more)
             return total.view(shape)
 
-        return self._started_work(moved, scattered)
+        return self._started_work(moved, scattered, "reduce_scatter")
 
     def all_to_all(self, received: torch.Tensor, sent: torch.Tensor) -> None:
         """Chunk r of dim 0 of `sent` to rank r; rank r's chunk for this one into chunk r of `received`."""
@@ -160,11 +164,11 @@ class SharedMemoryGroup:
                 rows[r].copy_(each.view(self.size, -1)[self.rank])
             return received
 
-        self._started_work(sent, exchanged)[0].wait()
+        self._started_work(sent, exchanged, "all_to_all")[0].wait()
 
     # -- how -------------------------------------------------------------------------------------------
 
-    def _started_work(self, x: torch.Tensor, result):
+    def _started_work(self, x: torch.Tensor, result, collective: str):
         x = x.contiguous().view(-1)
         nbytes = x.numel() * x.element_size()
         with self._lock:
@@ -177,12 +181,13 @@ class SharedMemoryGroup:
             self._started += 1
             for peer in self.peers:
                 fd = buffer.fd if peer not in buffer.sent_to else None
-                self._send(peer, _READY, number, buffer.number, buffer.memory.numel(), nbytes, fd)
+                self._send(peer, 1 + _COLLECTIVES.index(collective), number, buffer.number, buffer.memory.numel(),
+                           nbytes, fd)
                 buffer.sent_to.add(peer)
             if buffer.fd is not None and len(buffer.sent_to) == len(self.peers):
                 os.close(buffer.fd)  # each peer holds its own copy of the descriptor now
                 buffer.fd = None
-        work = _Work(self, number, buffer, mine, result)
+        work = _Work(self, number, buffer, mine, result, collective)
         return work, work.result
 
     def _free_buffer(self, nbytes: int) -> _Buffer:
@@ -236,10 +241,10 @@ class SharedMemoryGroup:
                 self._mapped[(peer, buffer)] = torch.from_file(f"/proc/self/fd/{fds[0]}", shared=True,
                                                                size=capacity, dtype=torch.uint8)
                 os.close(fds[0])
-            if kind == _READY:
-                self._ready.setdefault(number, {})[peer] = (buffer, nbytes)
-            else:
+            if kind == _READ:
                 self._buffers[buffer].unread -= 1
+            else:
+                self._ready.setdefault(number, {})[peer] = (buffer, nbytes, _COLLECTIVES[kind - 1])
             block = False
 
     def _check_peers_alive(self) -> None:
@@ -253,11 +258,18 @@ class SharedMemoryGroup:
                 raise RuntimeError(f"rank {peer} of a shared-memory group ended (process {self.pids[peer]}) "
                                    "while this rank waited on a collective with it")
 
-    def _wait(self, number: int, buffer: _Buffer, mine: torch.Tensor, result):
+    def _wait(self, number: int, buffer: _Buffer, mine: torch.Tensor, result, collective: str):
         with self._lock:
             while len(self._ready.get(number, ())) < len(self.peers):
                 self._receive(block=True)
             ready = self._ready.pop(number)
+            nbytes = mine.numel() * mine.element_size()
+            for peer, (_, theirs, their_collective) in ready.items():
+                if (their_collective, theirs) != (collective, nbytes):
+                    # gloo would hang or fail somewhere inside; this says which ranks disagree on what
+                    raise RuntimeError(f"collective number {number} of a shared-memory group: rank {peer} started "
+                                       f"{their_collective} of {theirs} bytes, rank {self.rank} {collective} "
+                                       f"of {nbytes} bytes (the ranks issued different collectives)")
             inputs = [mine if r == self.rank else self._mapped[(r, ready[r][0])][:ready[r][1]].view(mine.dtype)
                       for r in range(self.size)]
             value = result(inputs)
@@ -270,14 +282,16 @@ class SharedMemoryGroup:
 class _Work:
     """A started collective, as torch.distributed's work: wait() once its result is wanted."""
 
-    def __init__(self, group: SharedMemoryGroup, number: int, buffer: _Buffer, mine: torch.Tensor, result):
+    def __init__(self, group: SharedMemoryGroup, number: int, buffer: _Buffer, mine: torch.Tensor, result,
+                 collective: str):
         self._group, self._number, self._buffer, self._mine, self._result = group, number, buffer, mine, result
+        self._collective = collective
         self._value = None
         self._done = False
 
     def wait(self) -> bool:
         if not self._done:
-            self._value = self._group._wait(self._number, self._buffer, self._mine, self._result)
+            self._value = self._group._wait(self._number, self._buffer, self._mine, self._result, self._collective)
             self._done, self._buffer, self._mine, self._result = True, None, None, None
         return True
 

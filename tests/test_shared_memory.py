@@ -185,3 +185,30 @@ def test_a_wait_on_a_rank_that_has_ended_fails_instead_of_hanging():
             if process.is_alive():
                 process.kill()
     assert "rank 1 of a shared-memory group ended" in message and seconds < 10
+
+
+@dataclass(frozen=True)
+class DifferentCollectives:
+    """Run on every rank: rank 0 starts an all-reduce where rank 1 starts an all-gather of as many bytes."""
+
+    def __call__(self) -> str:
+        import torch.distributed as dist
+
+        from pardsl.shared_memory import shared_memory_group
+
+        group = shared_memory_group(None)
+        x = torch.ones(8)
+        try:
+            if dist.get_rank() == 0:
+                group.all_reduce_started(x)[0].wait()
+            else:
+                group.all_gather_started(torch.empty(16), x).wait()
+        except RuntimeError as error:
+            return str(error)
+        return "no error"
+
+
+def test_ranks_that_start_different_collectives_are_told_so(pools):
+    first, second = pools(2).run_on_every_rank(DifferentCollectives())
+    assert "rank 1 started all_gather of 32 bytes, rank 0 all_reduce of 32 bytes" in first
+    assert "rank 0 started all_reduce of 32 bytes, rank 1 all_gather of 32 bytes" in second
