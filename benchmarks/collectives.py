@@ -1,11 +1,12 @@
 """The runtime's collectives against the backend's own, per size, on N local ranks (issue 9).
 
-On gloo the runtime builds some collectives on gloo's all-to-all (pardsl/runtime.py,
+On gloo, between ranks of one host, the runtime's collectives go through shared memory
+(pardsl/shared_memory.py); between hosts it builds some on gloo's all-to-all (pardsl/runtime.py,
 `collectives_by_all_to_all`): a reduce-scatter is an all-to-all and a local sum (gloo's own all-reduces
 the whole input); over two ranks, an all-gather and an all-reduce, of any size, are one exchange in which
 each rank sends the other its tensor (gloo's all-reduce ring takes two dependent steps); over more, an
 all-gather of up to `EXCHANGE_MAX_BYTES` per rank is one all-to-all of n copies of the input (gloo's own
-is a ring of n − 1 steps). This times each pair:
+is a ring of n − 1 steps). This times the three ways of each (on NCCL, the backend's own alone):
 per size, the median of `--repeats` timings of ten back-to-back calls, the ranks started together.
 
     python benchmarks/collectives.py [--nproc 2] [--repeats 7] [--backend gloo]
@@ -29,38 +30,44 @@ SIZES = (1 << 15, 1 << 17, 1 << 19, 1 << 20, 1 << 22, 1 << 24)  # bytes of each 
 
 def _rank(rank: int, nproc: int, port: int, backend: str, repeats: int) -> None:
     from pardsl.runtime import all_gather_started, all_reduce_started, collectives_by_all_to_all, reduce_scatter_started
+    from pardsl.shared_memory import shared_memory_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     dist.init_process_group(backend, rank=rank, world_size=nproc, timeout=datetime.timedelta(seconds=120))
     try:
-        ours = collectives_by_all_to_all(backend)
+        # (by_all_to_all, shared): the backend's own, built on its all-to-all, through shared memory
+        ways = {"own": (False, None)}
+        if collectives_by_all_to_all(backend):
+            ways["all-to-all"] = (True, None)
+        shared = shared_memory_group(None) if backend == "gloo" else None
+        if shared is not None:
+            ways["shared memory"] = (True, shared)
+        kinds = ("reduce-scatter", "all-reduce", "all-gather")
         if rank == 0:
-            how = "built on the all-to-all" if ours else "the backend's own"
-            print(f"{nproc} ranks, {backend}; the runtime's collectives: {how}")
-            print("| input per rank | backend's reduce-scatter | runtime's | backend's all-reduce | runtime's | "
-                  "backend's all-gather | runtime's |")
-            print("|---|---|---|---|---|---|---|")
+            print(f"{nproc} ranks, {backend}")
+            print("| input per rank | " + " | ".join(f"{kind}: {way}" for kind in kinds for way in ways) + " |")
+            print("|---|" + "---|" * (len(kinds) * len(ways)))
         for size in SIZES:
             elements = size // 4 // nproc * nproc
             x = torch.ones(elements, device=device)
             gathered = torch.empty(elements * nproc, device=device)
 
-            def reduce_scatter(by_all_to_all):
-                work, summed = reduce_scatter_started(x, nproc, None, by_all_to_all)
+            def reduce_scatter(how):
+                work, summed = reduce_scatter_started(x, nproc, None, how[0], shared=how[1])
                 work.wait()
                 summed()
 
-            def all_reduce(by_all_to_all):
-                work, summed = all_reduce_started(x.clone(), nproc, None, by_all_to_all)
+            def all_reduce(how):
+                work, summed = all_reduce_started(x.clone(), nproc, None, how[0], shared=how[1])
                 work.wait()
                 summed()
 
-            def all_gather(by_all_to_all):
-                all_gather_started(gathered, x, nproc, None, by_all_to_all).wait()
+            def all_gather(how):
+                all_gather_started(gathered, x, nproc, None, how[0], shared=how[1]).wait()
 
-            calls = [lambda c=c, b=b: c(b) for c in (reduce_scatter, all_reduce, all_gather) for b in (False, ours)]
+            calls = [lambda c=c, how=how: c(how) for c in (reduce_scatter, all_reduce, all_gather) for how in ways.values()]
             row = []
             for call in calls:
                 call()
