@@ -59,7 +59,8 @@ def enabled() -> bool:
 
 def _host_identity():
     """What ranks share when their abstract Unix sockets reach each other and a memfd passed between them
-    maps the same memory: one kernel (boot id) and one network namespace. None where that cannot be told."""
+    maps the same memory: one kernel (boot id) and one network namespace; and one pid namespace, where a
+    wait looks its peers' processes up. None where that cannot be told."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -103,6 +104,8 @@ class _Buffer:
 
 
 class SharedMemoryGroup:
+    """The transport of one process group on one rank: its socket, its buffers and the peers' it has mapped."""
+
     def __init__(self, rank: int, name: str, pids: list[int]):
         self.rank, self.size, self.pids = rank, len(pids), pids
         self.peers = [r for r in range(self.size) if r != rank]
@@ -111,7 +114,8 @@ class SharedMemoryGroup:
         self._socket.bind(self._address[rank])
         self._buffers: list[_Buffer] = []
         self._mapped: dict[tuple[int, int], torch.Tensor] = {}  # (peer, its buffer) → the memory
-        self._ready: dict[int, dict[int, tuple[int, int]]] = {}  # collective → peer → (its buffer, bytes)
+        # collective number → peer → (its buffer, bytes, which collective)
+        self._ready: dict[int, dict[int, tuple[int, int, str]]] = {}
         self._started = 0
         self._lock = threading.Lock()
 
