@@ -37,6 +37,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,8 @@ _FD_SPACE = socket.CMSG_SPACE(struct.calcsize("i"))  # room for one descriptor
 _POLL_S = 1.0  # how often a wait checks that its peers are still alive
 _PAGE = 4096
 
-_GROUPS: dict[tuple, SharedMemoryGroup | None] = {}
+# per process group (weakly: a group destroyed and another made in its place, at the same address, gets its own)
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def enabled() -> bool:
@@ -76,10 +78,10 @@ def shared_memory_group(group) -> SharedMemoryGroup | None:
     """The shared-memory transport of a gloo process group (None: the default group) whose ranks all share
     this host, or None where they do not (or it is turned off). Collective over the group the first time;
     one per group and process after that."""
-    key = (id(dist.distributed_c10d._get_default_group()), id(group))
-    if key not in _GROUPS:
-        _GROUPS[key] = _made(group)
-    return _GROUPS[key]
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    if group not in _GROUPS:
+        _GROUPS[group] = _made(group)
+    return _GROUPS[group]
 
 
 def _made(group) -> SharedMemoryGroup | None:

@@ -91,14 +91,15 @@ def test_shared_memory_collectives_equal_gloos_own_with_nothing_through_gloo(poo
 @dataclass(frozen=True)
 class BuffersAfterManySteps:
     """Run on every rank: a tensor-parallel step's pattern, an all-reduce started and waited on at once,
-    200 times at two sizes, with one rank slower: how many buffers it took."""
+    200 times at two sizes, with one rank slower: how many new buffers it took."""
 
     def __call__(self) -> tuple[int, float]:
         import torch.distributed as dist
 
         from pardsl.shared_memory import shared_memory_group
 
-        group = shared_memory_group(None)
+        group = shared_memory_group(None)  # the pool's earlier jobs' buffers too: count the ones made here
+        before = len(group._buffers)
         x, y = torch.ones(1 << 16), torch.ones(100)
         for step in range(200):
             if dist.get_rank() == step % 2:
@@ -106,7 +107,7 @@ class BuffersAfterManySteps:
             work, summed = group.all_reduce_started(x if step % 3 else y, overwrite=False)
             work.wait()
             value = summed()[0].item()
-        return len(group._buffers), value
+        return len(group._buffers) - before, value
 
 
 def test_buffers_are_reused_once_every_rank_has_read_them(pools):
@@ -212,3 +213,42 @@ def test_ranks_that_start_different_collectives_are_told_so(pools):
     first, second = pools(2).run_on_every_rank(DifferentCollectives())
     assert "rank 1 started all_gather of 32 bytes, rank 0 all_reduce of 32 bytes" in first
     assert "rank 0 started all_reduce of 32 bytes, rank 1 all_gather of 32 bytes" in second
+
+
+def _made_again_after_a_new_process_group(rank: int, ports: list[int], results) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from pardsl.shared_memory import shared_memory_group
+
+    sums = []
+    for port in ports:  # the second group may be made where the first was: it must not get the first's transport
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=30))
+        group = shared_memory_group(None)
+        work, summed = group.all_reduce_started(torch.full((4,), float(rank + 1)))
+        work.wait()
+        sums.append((summed()[0].item(), group._started))
+        dist.destroy_process_group()
+    results.put((rank, sums))
+
+
+def test_a_new_process_group_gets_a_transport_of_its_own():
+    from pardsl.pool import free_port
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ports = [free_port(), free_port()]
+    processes = [context.Process(target=_made_again_after_a_new_process_group, args=(rank, ports, results))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        got = dict(results.get(timeout=60) for _ in processes)
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    assert got == {0: [(3.0, 1), (3.0, 1)], 1: [(3.0, 1), (3.0, 1)]}  # each group's first collective
