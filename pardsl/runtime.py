@@ -389,8 +389,10 @@ class Runtime:
         n = self.size[axis]
         if n == 1:
             return None, lambda: x
-        moved = rank_major(x.movedim(dim, 0), n, blocks).contiguous()
         self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", _nbytes(x), n), axis)
+        if self.shared.get(axis) is not None and x.device.type == "cpu":
+            return self.shared[axis].reduce_scatter_along(x, dim, blocks)
+        moved = rank_major(x.movedim(dim, 0), n, blocks).contiguous()
         work, summed = self.reduce_scatter_started(moved, axis)
         return work, lambda: summed().movedim(0, dim).contiguous()
 
@@ -410,9 +412,11 @@ class Runtime:
         n = self.size[axis]
         if n == 1:
             return x
+        self.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(x), n), axis)
+        if self.shared.get(axis) is not None and x.device.type == "cpu":
+            return self.shared[axis].all_gather_along(x, dim, blocks)
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        self.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(x), n), axis)
         self.all_gather_started(out, moved, axis).wait()
         # contiguous as the serial value was: the exported graph may `view` it (a copy only where dim > 0)
         return block_major(out, n, blocks).movedim(0, dim).contiguous()

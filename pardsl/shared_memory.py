@@ -161,6 +161,47 @@ class SharedMemoryGroup:
 
         return self._started_work(moved, scattered, "reduce_scatter")
 
+    def all_gather_along(self, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
+        """x gathered along `dim` (blocks-major: block b of the result holds block b of every rank's x, in
+        rank order), written from each rank's buffer straight into its place: the tensor is never moved
+        to put `dim` first and back, as a gather of dim 0 needs."""
+        x = x.contiguous()
+        chunk = x.shape[dim] // blocks
+        shape = list(x.shape)
+        shape[dim] *= self.size
+        out = x.new_empty(shape)
+
+        def gathered(inputs):
+            for r, flat in enumerate(inputs):
+                theirs = flat.view(x.shape)
+                for b in range(blocks):
+                    out.narrow(dim, (b * self.size + r) * chunk, chunk).copy_(theirs.narrow(dim, b * chunk, chunk))
+            return out
+
+        work, result = self._started_work(x, gathered, "all_gather")
+        return result()
+
+    def reduce_scatter_along(self, x: torch.Tensor, dim: int, blocks: int = 1):
+        """(work, a function giving this rank's part of the sum of x over the group along `dim` once
+        waited on: of each of the `blocks` blocks of dim, chunk `rank`), summed from the ranks' buffers
+        straight into its place, without moving `dim` first and back."""
+        x = x.contiguous()
+        chunk = x.shape[dim] // (blocks * self.size)
+        shape = list(x.shape)
+        shape[dim] = blocks * chunk
+
+        def scattered(inputs):
+            out = x.new_empty(shape)
+            parts = [flat.view(x.shape) for flat in inputs]
+            for b in range(blocks):
+                where, into = (b * self.size + self.rank) * chunk, out.narrow(dim, b * chunk, chunk)
+                torch.add(parts[0].narrow(dim, where, chunk), parts[1].narrow(dim, where, chunk), out=into)
+                for more in parts[2:]:
+                    into.add_(more.narrow(dim, where, chunk))
+            return out
+
+        return self._started_work(x, scattered, "reduce_scatter")
+
     def all_to_all(self, received: torch.Tensor, sent: torch.Tensor) -> None:
         """Chunk r of dim 0 of `sent` to rank r; rank r's chunk for this one into chunk r of `received`."""
         rows = received.view(self.size, -1)

@@ -252,3 +252,42 @@ def test_a_new_process_group_gets_a_transport_of_its_own():
             if process.is_alive():
                 process.kill()
     assert got == {0: [(3.0, 1), (3.0, 1)], 1: [(3.0, 1), (3.0, 1)]}  # each group's first collective
+
+
+@dataclass(frozen=True)
+class AlongDimsAgainstGloo:
+    """Run on every rank: the runtime's all-gather and reduce-scatter along each dim of a 3-d tensor, in
+    one block and in two, through shared memory (written into place, no dim moved first) against the
+    same runtime on gloo's path; and what each counted."""
+
+    ranks: int
+
+    def __call__(self) -> list:
+        import torch.distributed as dist
+
+        from pardsl.runtime import Runtime
+
+        mesh = Mesh(("tp",), (self.ranks,))
+        shared, gloo = Runtime(mesh), Runtime(mesh)
+        gloo.shared = {}
+        results = []
+        for dim, blocks in itertools.product(range(3), (1, 2)):
+            shape = [3, 5, 7]
+            shape[dim] = 2 * self.ranks * blocks
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(dist.get_rank() * 10 + dim))
+            for kind in ("all_gather", "reduce_scatter"):
+                shared.counter.reset()
+                got = getattr(shared, f"_{kind}")(x, "tp", dim, "forward", blocks)
+                expected = getattr(gloo, f"_{kind}")(x, "tp", dim, "forward", blocks)
+                results.append((kind, dim, blocks, tuple(got.shape) == tuple(expected.shape), got.is_contiguous(),
+                                (got - expected).abs().max().item(), dict(+shared.counter.counts["forward"])))
+        return results
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_gathers_and_reduce_scatters_along_a_dim_equal_gloos_path(pools, ranks):
+    for rank in pools(ranks).run_on_every_rank(AlongDimsAgainstGloo(ranks)):
+        for kind, dim, blocks, same_shape, contiguous, error, counted in rank:
+            assert same_shape and contiguous and counted == {kind: 1}, (kind, dim, blocks)
+            # two ranks: the same sum of two, bit for bit; three: rank order against gloo's own order
+            assert error == 0 if ranks == 2 or kind == "all_gather" else error < 1e-5, (kind, dim, blocks, error)
