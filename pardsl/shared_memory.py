@@ -20,8 +20,9 @@ A start never blocks (it takes a buffer whose every ack is in, or makes a new on
 on datagrams its peers send when they start the same collective, which they do before they wait on
 anything after it: no collective waits on another, whatever their order. The datagram names the
 collective and its bytes, so ranks whose programs issue different ones fail saying so, rather than read
-each other's bytes as something else. Nothing goes through the file system, so nothing is left behind:
-the buffers go when the processes do.
+each other's bytes as something else. A wait gives up as gloo's would, after the process group's
+timeout, and within a second where a peer's process has ended. Nothing goes through the file system, so
+nothing is left behind: the buffers go when the processes do.
 
 Used where every rank of a group is on this host and kernel (hostname, boot id and network namespace
 agree: the socket names are abstract ones), for CPU tensors on gloo; `PARDSL_SHARED_MEMORY=0` turns it off.
@@ -91,7 +92,11 @@ def _made(group) -> SharedMemoryGroup | None:
     identities = {identity for identity, _, _ in everyone}
     if len(identities) != 1 or None in identities or False in identities:
         return None
-    made = SharedMemoryGroup(dist.get_rank(group), everyone[0][1], [pid for _, _, pid in everyone])
+    try:  # a wait gives up when gloo's own would: after the group's timeout
+        timeout_s = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        timeout_s = 1800.0  # torch's default for gloo
+    made = SharedMemoryGroup(dist.get_rank(group), everyone[0][1], [pid for _, _, pid in everyone], timeout_s)
     dist.barrier(group=group)  # every rank's socket is bound before any is sent to
     return made
 
@@ -108,8 +113,8 @@ class _Buffer:
 class SharedMemoryGroup:
     """The transport of one process group on one rank: its socket, its buffers and the peers' it has mapped."""
 
-    def __init__(self, rank: int, name: str, pids: list[int]):
-        self.rank, self.size, self.pids = rank, len(pids), pids
+    def __init__(self, rank: int, name: str, pids: list[int], timeout_s: float = 1800.0):
+        self.rank, self.size, self.pids, self.timeout_s = rank, len(pids), pids, timeout_s
         self.peers = [r for r in range(self.size) if r != rank]
         self._address = [f"\0pardsl-{name}-{r}" for r in range(self.size)]
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -264,8 +269,8 @@ class SharedMemoryGroup:
                 time.sleep(0.0001)
 
     def _receive(self, block: bool) -> None:
-        """Take in the datagrams that have arrived (with `block`, at least one, however long it takes, as
-        long as the peers are alive)."""
+        """Take in the datagrams that have arrived (with `block`, waiting up to _POLL_S for one, then
+        checking that the peers are alive)."""
         while True:
             try:
                 # socket.recv_fds drops its flags (Python 3.11), so recvmsg itself
@@ -278,7 +283,7 @@ class SharedMemoryGroup:
                 return
             except TimeoutError:
                 self._check_peers_alive()
-                continue
+                return
             finally:
                 self._socket.settimeout(None)
             kind, peer, number, buffer, capacity, nbytes = _MESSAGE.unpack(message)
@@ -307,7 +312,13 @@ class SharedMemoryGroup:
 
     def _wait(self, number: int, buffer: _Buffer, mine: torch.Tensor, result, collective: str):
         with self._lock:
+            deadline = time.monotonic() + self.timeout_s
             while len(self._ready.get(number, ())) < len(self.peers):
+                if time.monotonic() > deadline:
+                    missing = sorted(set(self.peers) - set(self._ready.get(number, ())))
+                    raise RuntimeError(f"rank {self.rank} of a shared-memory group waited {self.timeout_s:.0f} s (the "
+                                       f"process group's timeout) for rank(s) {missing} to start collective number "
+                                       f"{number}, {collective}")
                 self._receive(block=True)
             ready = self._ready.pop(number)
             nbytes = mine.numel() * mine.element_size()

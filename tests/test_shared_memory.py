@@ -148,7 +148,7 @@ def test_ranks_on_different_hosts_or_with_it_switched_off_keep_to_gloo(pools):
     assert pools(2).run_on_every_rank(MadeWith(switched_off=True)) == [False, False]
 
 
-def _waits_on_a_rank_that_ends(rank: int, port: int, results) -> None:
+def _waits_on_a_rank_that_ends(rank: int, port: int, results, stays_alive: bool = False) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -156,9 +156,11 @@ def _waits_on_a_rank_that_ends(rank: int, port: int, results) -> None:
     from pardsl.shared_memory import shared_memory_group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+                            timeout=datetime.timedelta(seconds=3 if stays_alive else 30))
     group = shared_memory_group(None)
     if rank == 1:
+        if stays_alive:  # and never starts it: rank 0 waits as long as the group's timeout, as gloo would
+            time.sleep(6)
         os._exit(0)  # ends without starting the collective rank 0 waits on
     started = time.monotonic()
     try:
@@ -169,12 +171,13 @@ def _waits_on_a_rank_that_ends(rank: int, port: int, results) -> None:
         results.put((str(error), time.monotonic() - started))
 
 
-def test_a_wait_on_a_rank_that_has_ended_fails_instead_of_hanging():
+@pytest.mark.parametrize("stays_alive", [False, True])
+def test_a_wait_on_a_rank_that_has_ended_or_never_starts_fails_instead_of_hanging(stays_alive):
     from pardsl.pool import free_port
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=_waits_on_a_rank_that_ends, args=(rank, port, results))
+    processes = [context.Process(target=_waits_on_a_rank_that_ends, args=(rank, port, results, stays_alive))
                  for port in [free_port()] for rank in range(2)]
     for process in processes:
         process.start()
@@ -185,7 +188,11 @@ def test_a_wait_on_a_rank_that_has_ended_fails_instead_of_hanging():
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
-    assert "rank 1 of a shared-memory group ended" in message and seconds < 10
+    if stays_alive:
+        assert "waited 3 s (the process group's timeout) for rank(s) [1] to start collective number 0" in message
+        assert 3 <= seconds < 10
+    else:
+        assert "rank 1 of a shared-memory group ended" in message and seconds < 10
 
 
 @dataclass(frozen=True)
