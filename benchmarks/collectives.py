@@ -41,7 +41,7 @@ def _rank(rank: int, nproc: int, port: int, backend: str, repeats: int) -> None:
         ways = {"own": (False, None)}
         if collectives_by_all_to_all(backend):
             ways["all-to-all"] = (True, None)
-        shared = shared_memory_group(None) if backend == "gloo" else None
+        shared = shared_memory_group(None)
         if shared is not None:
             ways["shared memory"] = (True, shared)
         kinds = ("reduce-scatter", "all-reduce", "all-gather")

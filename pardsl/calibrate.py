@@ -57,7 +57,7 @@ def _collective(kind: str, local_bytes: int, n: int, device: torch.device):
     # as the runtime does them: on gloo, through shared memory between ranks of one host, else built on
     # gloo's all-to-all (runtime.collectives_by_all_to_all)
     by_all_to_all = collectives_by_all_to_all(dist.get_backend())
-    shared = shared_memory_group(None) if dist.get_backend() == "gloo" else None
+    shared = shared_memory_group(None)
     if kind == "all_reduce":
         def all_reduce():
             work, summed = all_reduce_started(x, n, None, by_all_to_all, shared=shared)
@@ -134,7 +134,7 @@ def _rank(rank: int, nproc: int, port: int, backend: str, sizes, repeats: int, r
         # so little hides, but there is little to hide.)
         all_reduce = _collective("all_reduce", 1 << 24, nproc, device)
         x = torch.ones((1 << 24) // 4 // nproc * nproc, device=device)
-        shared = shared_memory_group(None) if backend == "gloo" else None
+        shared = shared_memory_group(None)
         matmuls = _matmuls_as_long_as(all_reduce, lambda: a @ a, device)
 
         def compute():

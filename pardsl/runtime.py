@@ -192,9 +192,7 @@ class Runtime:
                 self.groups[name] = device_mesh.get_group(name)
                 self.coordinate[name] = device_mesh.get_local_rank(name)
             self.by_all_to_all = collectives_by_all_to_all(dist.get_backend())
-            if dist.get_backend() == "gloo":
-                self.shared = {name: shared_memory_group(self.groups[name])
-                               for name in mesh.axis_names if self.size[name] > 1}
+            self.shared = {name: shared_memory_group(self.groups[name]) for name in mesh.axis_names if self.size[name] > 1}
 
     @staticmethod
     def require_divisible(size: int, ways: int, dim: str) -> None:
@@ -384,14 +382,18 @@ class Runtime:
         return all_reduce_started(x, self.size[axis], self.groups[axis], self.by_all_to_all, overwrite,
                                   self.shared.get(axis))
 
+    def _shared_for(self, axis: str, x: torch.Tensor):
+        """The axis's shared-memory transport where it has one and x is a CPU tensor, else None."""
+        return self.shared.get(axis) if x.device.type == "cpu" else None
+
     def _reduce_scatter_started(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1):
         """Reduce-scatter x asynchronously: (work or None, a function giving the result once waited on)."""
         n = self.size[axis]
         if n == 1:
             return None, lambda: x
         self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", _nbytes(x), n), axis)
-        if self.shared.get(axis) is not None and x.device.type == "cpu":
-            return self.shared[axis].reduce_scatter_along(x, dim, blocks)
+        if (shared := self._shared_for(axis, x)) is not None:
+            return shared.reduce_scatter_along(x, dim, blocks)
         moved = rank_major(x.movedim(dim, 0), n, blocks).contiguous()
         work, summed = self.reduce_scatter_started(moved, axis)
         return work, lambda: summed().movedim(0, dim).contiguous()
@@ -413,8 +415,8 @@ class Runtime:
         if n == 1:
             return x
         self.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(x), n), axis)
-        if self.shared.get(axis) is not None and x.device.type == "cpu":
-            return self.shared[axis].all_gather_along(x, dim, blocks)
+        if (shared := self._shared_for(axis, x)) is not None:
+            return shared.all_gather_along(x, dim, blocks)
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.all_gather_started(out, moved, axis).wait()
@@ -434,8 +436,8 @@ class Runtime:
         send = torch.stack(x.chunk(n, dim=split_dim)).contiguous()
         received = torch.empty_like(send)
         self.counter.record(phase, "all_to_all", collective_bytes("all_to_all", _nbytes(x), n), axis)
-        if self.shared.get(axis) is not None and x.device.type == "cpu":
-            self.shared[axis].all_to_all(received, send)
+        if (shared := self._shared_for(axis, x)) is not None:
+            shared.all_to_all(received, send)
         else:
             dist.all_to_all_single(received, send, group=self.groups[axis])
         return torch.cat(received.unbind(0), dim=concat_dim)

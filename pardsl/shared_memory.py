@@ -77,9 +77,11 @@ def _host_identity():
 
 def shared_memory_group(group) -> SharedMemoryGroup | None:
     """The shared-memory transport of a gloo process group (None: the default group) whose ranks all share
-    this host, or None where they do not (or it is turned off). Collective over the group the first time;
-    one per group and process after that."""
+    this host, or None where they do not, on another backend, or where it is turned off. Collective over
+    the group the first time; one per group and process after that."""
     group = group if group is not None else dist.distributed_c10d._get_default_group()
+    if dist.get_backend(group) != "gloo":
+        return None
     if group not in _GROUPS:
         _GROUPS[group] = _made(group)
     return _GROUPS[group]
@@ -131,13 +133,8 @@ class SharedMemoryGroup:
     def all_reduce_started(self, x: torch.Tensor, overwrite: bool = True):
         """(work, a function giving the sum of x over the group once waited on); `overwrite`: the sum may
         be written into x."""
-        def summed(inputs):
-            if self.size == 2:
-                return torch.add(inputs[0], inputs[1], out=x.view(-1) if overwrite else None).view(x.shape)
-            total = torch.add(inputs[0], inputs[1])
-            for more in inputs[2:]:
-                total.add_(more)
-            return total.view(x.shape)
+        def summed(inputs):  # this rank's input is read from its buffer, so x may take the sum
+            return _sum_in_rank_order(inputs, out=x.view(-1) if overwrite else None).view(x.shape)
 
         return self._started_work(x, summed, "all_reduce")
 
@@ -155,16 +152,7 @@ class SharedMemoryGroup:
 
     def reduce_scatter_started(self, moved: torch.Tensor):
         """(work, a function giving this rank's chunk of dim 0 of the sum of `moved` once waited on)."""
-        shape = (moved.shape[0] // self.size, *moved.shape[1:])
-
-        def scattered(inputs):
-            chunks = [each.view(self.size, -1)[self.rank] for each in inputs]
-            total = torch.add(chunks[0], chunks[1])
-            for more in chunks[2:]:
-                total.add_(more)
-            return total.view(shape)
-
-        return self._started_work(moved, scattered, "reduce_scatter")
+        return self.reduce_scatter_along(moved, 0)
 
     def all_gather_along(self, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
         """x gathered along `dim` (blocks-major: block b of the result holds block b of every rank's x, in
@@ -199,10 +187,9 @@ class SharedMemoryGroup:
             out = x.new_empty(shape)
             parts = [flat.view(x.shape) for flat in inputs]
             for b in range(blocks):
-                where, into = (b * self.size + self.rank) * chunk, out.narrow(dim, b * chunk, chunk)
-                torch.add(parts[0].narrow(dim, where, chunk), parts[1].narrow(dim, where, chunk), out=into)
-                for more in parts[2:]:
-                    into.add_(more.narrow(dim, where, chunk))
+                where = (b * self.size + self.rank) * chunk
+                _sum_in_rank_order([part.narrow(dim, where, chunk) for part in parts],
+                                   out=out.narrow(dim, b * chunk, chunk))
             return out
 
         return self._started_work(x, scattered, "reduce_scatter")
@@ -239,7 +226,7 @@ class SharedMemoryGroup:
             if buffer.fd is not None and len(buffer.sent_to) == len(self.peers):
                 os.close(buffer.fd)  # each peer holds its own copy of the descriptor now
                 buffer.fd = None
-        work = _Work(self, number, buffer, mine, result, collective)
+        work = _Work(lambda: self._wait(number, buffer, mine, result, collective))
         return work, work.result
 
     def _free_buffer(self, nbytes: int) -> _Buffer:
@@ -337,20 +324,24 @@ class SharedMemoryGroup:
             return value
 
 
+def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """parts[0] + parts[1] + ..., left to right: the same bits on every rank that sums the same parts."""
+    total = torch.add(parts[0], parts[1], out=out)
+    for more in parts[2:]:
+        total.add_(more)
+    return total
+
+
 class _Work:
     """A started collective, as torch.distributed's work: wait() once its result is wanted."""
 
-    def __init__(self, group: SharedMemoryGroup, number: int, buffer: _Buffer, mine: torch.Tensor, result,
-                 collective: str):
-        self._group, self._number, self._buffer, self._mine, self._result = group, number, buffer, mine, result
-        self._collective = collective
-        self._value = None
-        self._done = False
+    def __init__(self, finish):
+        self._finish, self._value = finish, None
 
     def wait(self) -> bool:
-        if not self._done:
-            self._value = self._group._wait(self._number, self._buffer, self._mine, self._result, self._collective)
-            self._done, self._buffer, self._mine, self._result = True, None, None, None
+        if self._finish is not None:
+            self._value = self._finish()
+            self._finish = None
         return True
 
     def result(self):
