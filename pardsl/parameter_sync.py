@@ -9,7 +9,8 @@ never outlives a step, and a copy of the module shares none:
   its bucket as backward produces it, copied at once into its place in the bucket's one buffer (DDP's
   copy, made while the gradient is still in cache, and the gradient freed), so that when a bucket's last
   gradient arrives, the bucket's one collective (an all-reduce, or a reduce-scatter back to the shards)
-  is issued on that buffer asynchronously and backward goes on;
+  is issued on that buffer asynchronously and backward goes on. On a shared-memory transport the buffer
+  lies where the peers read it (`Runtime.collective_input`), so the collective copies it no further;
   a gradient partial over further axes as well is all-reduced over them once that has finished.
   At the end of backward (a callback queued on autograd's engine) every bucket is waited on and its
   results added to the parameters' `.grad`. Each backward's contribution is reduced on its own and added,
@@ -195,7 +196,7 @@ class ParameterSync:
             # one row of every member's gradient (all-reduce), or n rows of its rank-major chunks
             # (reduce-scatter, chunk r in row r): a member's place is its parameter's size, in member order
             columns = sum(self._parameter(attr).numel() for attr, _, _ in members)
-            self._buffers[bucket] = grad.new_empty((n, columns))
+            self._buffers[bucket] = self.rt.collective_input(axes[0], (n, columns), grad)
         if kind == "all_reduce":
             shaped = grad.reshape(1, -1)
         else:

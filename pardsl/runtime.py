@@ -382,6 +382,14 @@ class Runtime:
         return all_reduce_started(x, self.size[axis], self.groups[axis], self.by_all_to_all, overwrite,
                                   self.shared.get(axis))
 
+    def collective_input(self, axis: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """An empty tensor of `like`'s dtype and device, for the input of a collective over `axis` to be
+        written into (a bucket of gradients): where the axis has a shared-memory transport, memory the peers
+        read it from, so that the collective started on it whole need not copy it there first."""
+        if (shared := self._shared_for(axis, like)) is not None:
+            return shared.lend(shape, like.dtype)
+        return like.new_empty(shape)
+
     def _shared_for(self, axis: str, x: torch.Tensor):
         """The axis's shared-memory transport where it has one and x is a CPU tensor, else None."""
         return self.shared.get(axis) if x.device.type == "cpu" else None

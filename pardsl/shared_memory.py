@@ -31,6 +31,7 @@ agree: the socket names are abstract ones), for CPU tensors on gloo; `PARDSL_SHA
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import secrets
 import socket
@@ -110,6 +111,10 @@ class _Buffer:
     unread: int = 0  # ranks (this one too) yet to read what it holds now
     fd: int | None = None  # until every peer has been sent it
     sent_to: set = dataclasses.field(default_factory=set)
+    lent: weakref.ref | None = None  # the tensor it is lent as (`lend`), until a collective starts on it
+
+    def free(self) -> bool:
+        return self.unread == 0 and (self.lent is None or self.lent() is None)
 
 
 class SharedMemoryGroup:
@@ -130,10 +135,27 @@ class SharedMemoryGroup:
 
     # -- the collectives: start one, then wait on the work it returns ---------------------------------
 
+    def lend(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor that lies in one of this rank's buffers: a collective's input written into it (a bucket
+        of gradients) is not copied into a buffer when the collective starts on it (on it whole: a view of
+        it of the same bytes), so it must not be written once that has started. Until then, or until it is
+        dropped, the buffer is not used for another."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            self._receive(block=False)
+            buffer = self._free_buffer(nbytes)
+            lent = buffer.memory[:nbytes].view(dtype).view(shape)
+            buffer.lent = weakref.ref(lent)
+        return lent
+
     def all_reduce_started(self, x: torch.Tensor, overwrite: bool = True):
         """(work, a function giving the sum of x over the group once waited on); `overwrite`: the sum may
         be written into x."""
-        def summed(inputs):  # this rank's input is read from its buffer, so x may take the sum
+        # this rank's input is read from its buffer, so x may take the sum; but not where x is that buffer
+        # (lent), which the peers read
+        overwrite = overwrite and self._lent_buffer(x) is None
+
+        def summed(inputs):
             return _sum_in_rank_order(inputs, out=x.view(-1) if overwrite else None).view(x.shape)
 
         return self._started_work(x, summed, "all_reduce")
@@ -212,9 +234,14 @@ class SharedMemoryGroup:
         nbytes = x.numel() * x.element_size()
         with self._lock:
             self._receive(block=False)  # the peers' reads of earlier collectives free buffers
-            buffer = self._free_buffer(nbytes)
-            mine = buffer.memory[:nbytes].view(x.dtype)
-            mine.copy_(x)
+            buffer = self._lent_buffer(x)
+            if buffer is None:
+                buffer = self._free_buffer(nbytes)
+                mine = buffer.memory[:nbytes].view(x.dtype)
+                mine.copy_(x)
+            else:  # x was written where the peers read it
+                mine = x
+            buffer.lent = None
             buffer.unread = self.size
             number = self._started
             self._started += 1
@@ -229,11 +256,20 @@ class SharedMemoryGroup:
         work = _Work(lambda: self._wait(number, buffer, mine, result, collective))
         return work, work.result
 
+    def _lent_buffer(self, x: torch.Tensor) -> _Buffer | None:
+        """The buffer x was lent as (`lend`), where x is the whole of it."""
+        for buffer in self._buffers:
+            lent = buffer.lent() if buffer.lent is not None else None
+            if lent is not None and x.data_ptr() == lent.data_ptr() and x.numel() == lent.numel() \
+                    and x.dtype == lent.dtype and x.is_contiguous():
+                return buffer
+        return None
+
     def _free_buffer(self, nbytes: int) -> _Buffer:
         capacity = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
         # no more than twice the size: a small collective in a large buffer would have the next large one
         # make another
-        fitting = [b for b in self._buffers if b.unread == 0 and capacity <= b.memory.numel() <= 2 * capacity]
+        fitting = [b for b in self._buffers if b.free() and capacity <= b.memory.numel() <= 2 * capacity]
         if fitting:
             return min(fitting, key=lambda b: b.memory.numel())
         fd = os.memfd_create(f"pardsl-{self.rank}-{len(self._buffers)}", os.MFD_CLOEXEC)

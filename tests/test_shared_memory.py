@@ -116,6 +116,57 @@ def test_buffers_are_reused_once_every_rank_has_read_them(pools):
 
 
 @dataclass(frozen=True)
+class IntoLentBuffers:
+    """Run on every rank: buckets written straight into lent buffers (`lend`), all-reduced and
+    reduce-scattered from there, 100 times with one rank slower and each sum asked to overwrite its input;
+    a lent tensor dropped unsent now and then. What the starts copied, the sums, and the new buffers."""
+
+    def __call__(self) -> dict:
+        import torch.distributed as dist
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from pardsl.shared_memory import shared_memory_group
+
+        class Copies(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.numels = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten.copy_.default:
+                    self.numels.append(args[0].numel())
+                return func(*args, **(kwargs or {}))
+
+        group, rank, n = shared_memory_group(None), dist.get_rank(), dist.get_world_size()
+        before = len(group._buffers)
+        copies, wrong = Copies(), []
+        for step in range(100):
+            if step % 7 == 3:
+                group.lend((n, 1 << 14), torch.float32)  # dropped: its buffer is free again
+            bucket = group.lend((n, 1 << 14), torch.float32)
+            bucket.copy_(torch.arange(n * (1 << 14), dtype=torch.float32).view(n, -1) * (rank + 1) + step)
+            if rank == step % n:
+                time.sleep(0.0005)
+            with copies:
+                if step % 2:
+                    work, result = group.all_reduce_started(bucket.view(-1), overwrite=True)
+                else:
+                    work, result = group.reduce_scatter_started(bucket.view(-1))
+            work.wait()
+            whole = torch.arange(n * (1 << 14), dtype=torch.float32).view(n, -1) * sum(range(1, n + 1)) + n * step
+            expected = whole.view(-1) if step % 2 else whole[rank]
+            wrong.append((result() - expected).abs().max().item())
+        return {"copied": copies.numels, "wrong": max(wrong), "buffers": len(group._buffers) - before}
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_bucket_written_into_a_lent_buffer_is_sent_without_a_copy(pools, ranks):
+    for report in pools(ranks).run_on_every_rank(IntoLentBuffers()):
+        assert report["copied"] == [] and report["wrong"] == 0, report
+        assert report["buffers"] <= 6, report  # buffers go back once read, or once their lent tensor is dropped
+
+
+@dataclass(frozen=True)
 class MadeWith:
     """Run on every rank: whether a shared-memory group is made, with each rank claiming a host of its
     own, or with PARDSL_SHARED_MEMORY=0."""
