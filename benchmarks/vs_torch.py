@@ -19,12 +19,18 @@ runtime counter, PyTorch's from `CommDebugMode` where it sees them (DTensor's; D
 collectives outside it).
 
     python benchmarks/vs_torch.py [--steps 10] [--plans dp,dp_partial,zero3,tp,searched] [--profile] [--bucket-mb 25]
-                                  [--device cpu|cuda] [--backend gloo|nccl] [--own-collectives]
+                                  [--device cpu|cuda] [--backend gloo|nccl] [--own-collectives] [--alone]
 
-`--profile` adds, per plan, where each step spends its time (torch.profiler, top ops by self time).
+`--profile` adds, per plan, where each step spends its time (torch.profiler, top ops by self time). On
+this 2-core VM the profiler itself slows every op (a serial step of 69 ms took 200–380 ms profiled, a
+[4, 64, 512] mul 1.6 ms against 33 µs): read its tables for the ops' shares, not their times.
 `--own-collectives` also times pardsl's module with gloo's own reduce-scatter, all-gather and all-reduce
 instead of the runtime's: through shared memory between ranks of one host (pardsl/shared_memory.py),
 else built on gloo's all-to-all (pardsl/runtime.py, `collectives_by_all_to_all`).
+`--alone` also times pardsl's module with no one to wait for: each shared-memory collective copies this
+rank's input into a buffer and computes its result as the transport does, but with zeros for the peers'
+inputs, sending and waiting on nothing. The loss is wrong; the time is the step's own work, what it would
+take if communication and the ranks' skew cost nothing: the floor under the parallel version's time.
 The versions' steps are taken in turn (benchmarks/timing.py), so that the machine's slow spells fall on
 all of them alike.
 """
@@ -36,6 +42,7 @@ import datetime
 import os
 import sys
 import tempfile
+import weakref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -44,6 +51,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.timing import interleaved_median_ms  # noqa: E402
+from pardsl.shared_memory import SharedMemoryGroup, _Work  # noqa: E402
 
 # name: (model kwargs, batch, sequence, what pardsl is compared with)
 PLANS = {
@@ -225,12 +233,25 @@ def rank_main(job: dict) -> dict:
                 rt.by_all_to_all, rt.shared = by_all_to_all, shared
 
         steps["pardsl_own"] = pardsl_own_step
+    if job["alone"] and rt.shared:
+        alone = {axis: _Alone(group) for axis, group in rt.shared.items()}
+
+        def pardsl_alone_step():  # the same module, its collectives' peers taken to be absent
+            shared = rt.shared
+            rt.shared = alone
+            try:
+                pardsl_step()
+            finally:
+                rt.shared = shared
+
+        steps["pardsl_alone"] = pardsl_alone_step
     medians = interleaved_median_ms(steps, job["steps"], device=device)
     result = {
         "pardsl_ms": medians["pardsl"],
         "torch_ms": medians["torch"],
         "serial_ms": medians.get("serial"),
         "pardsl_own_ms": medians.get("pardsl_own"),
+        "pardsl_alone_ms": medians.get("pardsl_alone"),
         "pardsl_counts": pardsl_counts,
         "torch_counts": torch_counts,
         "errors": errors,
@@ -243,6 +264,38 @@ def rank_main(job: dict) -> dict:
         result["profile"] = tables if rank == 0 else None
     dist.destroy_process_group()
     return result
+
+
+class _Alone(SharedMemoryGroup):
+    """A rank's shared-memory transport with its peers taken away (`--alone`): a collective copies this
+    rank's input into a buffer of its own and computes its result from it and from zeros in the peers'
+    places, as the transport computes it from theirs; nothing is sent or waited on."""
+
+    def __init__(self, real: SharedMemoryGroup):  # no socket: there is no one to talk to
+        self.rank, self.size, self.peers = real.rank, real.size, real.peers
+        self._memory: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lent: weakref.ref | None = None
+
+    def lend(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        lent = torch.empty(shape, dtype=dtype)
+        self._lent = weakref.ref(lent)
+        return lent
+
+    def _lent_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
+        lent = self._lent() if self._lent is not None else None
+        return lent if lent is not None and lent.data_ptr() == x.data_ptr() else None
+
+    def _started_work(self, x: torch.Tensor, result, collective: str):
+        x = x.contiguous().view(-1)
+        if (x.numel(), x.dtype) not in self._memory:
+            self._memory[(x.numel(), x.dtype)] = torch.empty_like(x), torch.zeros_like(x)
+        mine, zeros = self._memory[(x.numel(), x.dtype)]
+        if self._lent_buffer(x) is not None:  # written into a lent buffer: no copy
+            mine = x
+        else:
+            mine.copy_(x)
+        work = _Work(lambda: result([mine if r == self.rank else zeros for r in range(self.size)]))
+        return work, work.result
 
 
 def _peak_mib(step, device: torch.device) -> float:
@@ -292,6 +345,9 @@ def main() -> None:
     parser.add_argument("--own-collectives", action="store_true",
                         help="also time pardsl with gloo's own collectives (the runtime builds its reduce-scatter, "
                              "and small all-gathers and all-reduces, on gloo's all-to-all)")
+    parser.add_argument("--alone", action="store_true",
+                        help="also time pardsl with no one to wait for: its collectives' copies and sums done with "
+                             "zeros for the peers' inputs (a wrong loss; the step's own work, the floor of its time)")
     args = parser.parse_args()
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= args.nproc else "gloo"
@@ -305,7 +361,8 @@ def main() -> None:
                 handle.write(par_text(plan_name, kwargs, batch, seq, args.nproc))
             job = {"plan": plan_name, "kwargs": kwargs, "batch": batch, "seq": seq, "steps": args.steps,
                    "par_path": par_path, "profile": args.profile, "bucket_mb": args.bucket_mb,
-                   "device": args.device, "backend": args.backend, "own_collectives": args.own_collectives}
+                   "device": args.device, "backend": args.backend, "own_collectives": args.own_collectives,
+                   "alone": args.alone}
             config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"vs-torch-{plan_name}",
                                   rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                                   monitor_interval=0.1, start_method="spawn")
@@ -320,6 +377,10 @@ def main() -> None:
                          + (f"; {tool} (CommDebugMode) {result['torch_counts']}" if result["torch_counts"] else "")
                          + (f"; pardsl with gloo's own collectives {result['pardsl_own_ms']:.1f} ms"
                             if result["pardsl_own_ms"] else "")
+                         + (f"; pardsl alone (`--alone`) {result['pardsl_alone_ms']:.1f} ms"
+                            + (f", {result['pardsl_alone_ms'] / result['serial_ms']:.2f} of serial"
+                               if result["serial_ms"] else "")
+                            if result["pardsl_alone_ms"] else "")
                          + (f"; peak memory of a step on rank 0: pardsl {result['peak_mib']['pardsl']:.1f} MiB, "
                             f"{tool} {result['peak_mib']['torch']:.1f} MiB" if result["peak_mib"] else ""))
             for who, table in (result["profile"] or {}).items():
