@@ -31,6 +31,7 @@ parameter itself: the bucket writes `.grad` once the collective has finished.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import weakref
@@ -63,6 +64,12 @@ class ParameterSync:
         self._holding: dict[int, tuple[int, int, weakref.ref]] = {}
         self._regathered: tuple[int, list[torch.Tensor]] | None = None  # backward: the group gathered again
         self._prefetched_backward: tuple[int, object, torch.Tensor] | None = None
+
+    @functools.cached_property
+    def _held(self) -> dict | None:
+        """A pipeline stage's gradients held until the step's last backward (pardsl/schedule.py), else None;
+        looked up once (a module's missing attribute is an exception caught, on every gradient otherwise)."""
+        return getattr(self._module, "held_gradients", None)
 
     def _parameter(self, attr: str) -> torch.nn.Parameter:
         return getattr(self._module, attr)
@@ -171,7 +178,7 @@ class ParameterSync:
         return _BucketedGradient.apply(parameter, self, bucket, member)
 
     def arrive(self, bucket: int, member: int, grad: torch.Tensor) -> None:
-        held = getattr(self._module, "held_gradients", None)
+        held = self._held
         if held is not None:  # a pipeline stage: micro-batches before the step's last hold their gradients
             key = (bucket, member)
             if not self._module.sync_gradients:
@@ -214,7 +221,8 @@ class ParameterSync:
 
     def _place(self, bucket: int, member: int) -> torch.Tensor:
         """Where the member's gradient lies in the bucket's buffer."""
-        return self._buffers[bucket][:, self._columns(bucket, member)]
+        columns = self._columns(bucket, member)
+        return self._buffers[bucket].narrow(1, columns.start, columns.stop - columns.start)
 
     def _columns(self, bucket: int, member: int) -> slice:
         """The member's columns in its bucket's buffer: its parameter's size, after the members before it."""
