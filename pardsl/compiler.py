@@ -24,6 +24,7 @@ from .search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search, 
 from .diagnostics import Diagnostic
 from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
 from .early_count import start_counts_early
+from .fused_norms import fuse_rms_norms
 from .liveness import release_dead_values
 from .progress import report
 from .reshard import reshard_after_forward
@@ -89,7 +90,7 @@ def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
     else:
         typed = _timed(seconds, "infer", lambda: infer(bound))
         program = _timed(seconds, "lower", lambda: _lowered(typed, bucket_mb, None))
-    program = release_dead_values(start_counts_early(program))
+    program = release_dead_values(start_counts_early(fuse_rms_norms(program, typed.bound.kept)))
     source = _timed(seconds, "codegen", lambda: render(program))
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
 
@@ -278,7 +279,8 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
         outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
         plan = pp.PipelinePlan(decl.axis, decl.schedule, decl.microbatches, decl.stages_per_rank,
                                tuple(cut_before), pp.shared_parameters(stages), outputs)
-        return program, [release_dead_values(start_counts_early(stage)) for stage in stages], plan
+        return program, [release_dead_values(start_counts_early(fuse_rms_norms(stage, typed.bound.kept)))
+                         for stage in stages], plan
 
     program, stages, plan = _timed(seconds, "lower", lower_pipelined)
     source = _timed(seconds, "codegen", lambda: render_pipeline(stages, plan))

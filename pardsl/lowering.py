@@ -214,8 +214,9 @@ class LoweredProgram:
     def memory(self) -> dict[str, int]:
         """Bytes per rank: parameters (and their full size, for the ratio); activations: what a rank holds
         for backward or returns, at the layout it holds it (converted copies an op keeps included), and the
-        serial model's, for the ratio (saved_for_backward.py); the converted copies of parameters an op
-        keeps for backward outside gather groups."""
+        serial model's, for the ratio (saved_for_backward.py), which keeps what a pass made this program
+        keep no longer (`kept_here`: pardsl/fused_norms.py); the converted copies of parameters an op keeps
+        for backward outside gather groups."""
         def nbytes(shape, dtype):
             return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
 
@@ -224,7 +225,8 @@ class LoweredProgram:
             "parameters_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters),
             "parameters_trained_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters if p.requires_grad),
             "activations_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
-                                        if v.get("kept_for_backward") or (v["kind"] == "copy" and not v["parameter"])),
+                                        if v.get("kept_for_backward") and v.get("kept_here", True)
+                                        or (v["kind"] == "copy" and not v["parameter"])),
             "parameter_copies_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
                                              if v["kind"] == "copy" and v["parameter"]),
             "activations_total": sum(nbytes(v["shape"], v["dtype"]) for v in self.values.values()

@@ -261,6 +261,11 @@ class Runtime:
         return _ColumnParallelLinears.apply(x, self, axes, (gather_dim, blocks, PROJECTIONS[op]),
                                             *(t for pair in linears for t in pair))
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight · x · rsqrt(mean(x², -1) + eps): a model's RMSNorm, its seven ATen ops as one, with a
+        backward in closed form (pardsl/fused_norms.py). Local: x's last dim is whole on this rank."""
+        return _RMSNorm.apply(x, weight, eps)
+
     def masked_embedding(self, weight: torch.Tensor, ids: torch.Tensor, *axes: str) -> torch.Tensor:
         """Embedding with the vocabulary split over `axes` (outermost first): rows for the ids this rank
         holds, zeros for the others, so the sum over ranks is the full lookup (a P result)."""
@@ -682,6 +687,31 @@ class _ColumnParallelLinears(torch.autograd.Function):
             if grad_x is not None:
                 grad_x = rt._all_reduce(grad_x, axis, "backward")
         return (grad_x, None, None, None, *parameter_grads)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """Forward: the ops the model's chain runs (pow, mean, add, rsqrt, mul, mul), so the same bits.
+    Backward, with n = x·r and r = rsqrt(mean(x²) + eps): the weight's gradient Σ g·n over every dim but
+    the last, and x's r·(g·w − n·mean(g·w·n)), what autograd's dozen ops through the chain add up to."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
+        normed = x * r
+        ctx.save_for_backward(normed, r, weight)
+        return weight * normed
+
+    @staticmethod
+    def backward(ctx, grad):
+        normed, r, weight = ctx.saved_tensors
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed).sum(tuple(range(grad.dim() - 1)))
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_normed = grad * weight
+            grad_x = grad_normed.sub_(normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(r)
+        return grad_x, grad_weight, None
 
 
 class _ClassSplitCrossEntropy(torch.autograd.Function):

