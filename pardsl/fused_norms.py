@@ -5,11 +5,11 @@ the weight w:
 
     pow(x, 2) → mean(-1, keepdim) → add(eps) → rsqrt → mul(x, ·) [→ to(dtype)] → mul(w, ·)
 
-Eager, each op reads and writes a whole activation and autograd runs about a dozen more backward. Here
-the chain is one op of the runtime (`rt.rms_norm`): the same forward ops (the same bits), and a backward
-in closed form, gx = r·(g·w − n·mean(g·w·n)) with n = x·r and r = rsqrt(mean(x²) + eps), in five passes
-over the activation instead of about twelve. Megatron fuses its norms the same way. On this machine,
-one [4, 64, 512] norm's forward and backward took 0.53 ms instead of 1.23 ms.
+Eager, autograd records a node for each op and runs about eleven ops over the activation backward. Here
+the chain is one op of the runtime (`rt.rms_norm`), one autograd node: the same forward ops (the same
+bits), and a backward in closed form, gx = r·(g·w − n·mean(g·w·n)) with n = x·r and
+r = rsqrt(mean(x²) + eps), in eight ops, three of them in place. Megatron fuses its norms the same way.
+On this machine, one [4, 64, 512] norm's forward and backward took 0.53 ms instead of 1.23 ms.
 
 The pass runs after lowering, on ops already placed, so it changes no layout and no collective. A chain
 is fused only where the result is what the ops compute on each rank alone:
