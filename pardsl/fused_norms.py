@@ -17,12 +17,13 @@ is fused only where the result is what the ops compute on each rank alone:
 - x is not partial, and its last dim (the one the mean reduces) is not split;
 - the weight is whole on every rank (B);
 - every intermediate is read by the next op of the chain alone;
-- x, the result and the weight have one dtype, so the `to` does not change it (a chain whose `to` does,
-  the half-precision models' cast back to the input's dtype, stays as it is).
+- the weight has the result's dtype, the one the `to` casts to (x's, or, for a half-precision model whose
+  norm computes in float32, the model's: the fused op casts the same way).
 
 The chain's pow and mul keep x for backward; the fused op keeps x·r and r, which the chain's own values
 stand for already. Where nothing else keeps x (or its all-reduced copy, under tensor parallelism), a rank
-holds one activation less per norm, and the program's count of activations says so (`kept_here`); the
+holds one activation less per norm (for a half-precision model, the bf16 cast of x·r the weight's mul
+kept), and the program's count of activations says so (`kept_here`); the
 serial model's count, the base of a `memory <= N %` bound, is unchanged. The cost model still prices the
 chain's seven ops.
 """
@@ -46,37 +47,42 @@ def fuse_rms_norms(program: LoweredProgram, kept: Kept) -> LoweredProgram:
     made_at = {name: i for i, statement in enumerate(program.statements) for name in statement.targets}
     fused: dict[int, Statement] = {}  # index of the chain's last statement → the fused statement
     dropped: set[int] = set()
+    unkept: list[str] = []  # per chain, the value the fused op keeps no longer
     for index, statement in enumerate(program.statements):
         chain = _chain_from(program, index, reads, made_at)
         if chain is not None and not dropped.intersection(chain[0]):
             indices, replacement = chain
             dropped.update(indices[:-1])
             fused[indices[-1]] = replacement
+            casts = len(replacement.instruction.args) == 4
+            unkept.append(program.statements[indices[-2]].target if casts else replacement.instruction.args[0].name)
     if not fused:
         return program
     statements = [fused.get(i, statement) for i, statement in enumerate(program.statements) if i not in dropped]
     replaced = {program.statements[i].node for i in dropped | set(fused)}
-    inputs = [statement.instruction.args[0].name for statement in fused.values()]
-    values = _kept_no_longer(program, statements, inputs, replaced, kept)
+    values = _kept_no_longer(program, statements, unkept, replaced, kept)
     return dataclasses.replace(program, statements=statements, values=values)
 
 
-def _kept_no_longer(program: LoweredProgram, statements: list[Statement], inputs: list[str], replaced: set[str],
+def _kept_no_longer(program: LoweredProgram, statements: list[Statement], unkept: list[str], replaced: set[str],
                     kept: Kept) -> dict[str, dict]:
-    """The program's values, with a fused norm's input no longer held for backward where nothing but the
-    `replaced` ops (graph node names) kept it: a graph value no longer kept, or a converted copy of one
-    (an all-reduced residual) no longer held at all."""
+    """The program's values, with those in `unkept` not held for backward where nothing but the `replaced`
+    ops (graph node names) kept them: a graph value's flag, or a converted copy (an all-reduced residual)
+    not held at all, and the value it is a copy of. The fused op keeps x·r in x's dtype. Where the chain
+    computes in x's dtype, its own x·r stands for that, and x is what is no longer kept. Where it casts (a
+    half-precision model's norm in float32), x stands for it, and the cast x·r that the weight's mul kept
+    is no longer kept."""
     values = dict(program.values)
-    for x in inputs:
-        value = values.get(x, {})
+    for name in unkept:
+        value = values.get(name, {})
         if value.get("kind") == "copy":
             storage = kept.owner.get(value["of"], value["of"])
             keeping = {op for op, operand in kept.reads if kept.owner.get(operand, operand) == storage} - replaced
-            if not any(s.node in keeping for s in statements if x in s.instruction.reads()):
-                del values[x]
-            x = value["of"]  # and the value it is a copy of, which the chain's ops kept as well
-        storage = kept.owner.get(x, x)
-        if values.get(storage, {}).get("kept_for_backward") and not kept.kept_by_others(x, replaced):
+            if not any(s.node in keeping for s in statements if name in s.instruction.reads()):
+                del values[name]
+            name = value["of"]  # and the value it is a copy of, which the chain's ops kept as well
+        storage = kept.owner.get(name, name)
+        if values.get(storage, {}).get("kept_for_backward") and not kept.kept_by_others(name, replaced):
             values[storage] = {**values[storage], "kept_here": False}  # the serial model still keeps it
     return values
 
@@ -116,11 +122,14 @@ def _chain_from(program: LoweredProgram, start: int, reads: Counter, made_at: di
     weight = weights[0]
     if not _local(program, [statements[i] for i in indices], x) or not _whole(program, weight):
         return None
-    dtypes = {_dtype(program, x), _dtype(program, last.target), _dtype(program, weight)}
-    if len(dtypes) != 1 or None in dtypes:
+    # x in the dtype the norm computes in; the result, and the weight, in the one the chain casts back to
+    computed, result = _dtype(program, x), _dtype(program, last.target)
+    cast = _dtype(program, statements[indices[-2]].target)
+    if None in (computed, result) or result != _dtype(program, weight) or cast != result:
         return None
+    arguments = (Var(x), Var(weight), eps) + ((Text(f"torch.{result}"),) if result != computed else ())
     ops = len(indices)
-    fused = Statement(last.target, Instruction("form", "rt.rms_norm", (Var(x), Var(weight), eps)),
+    fused = Statement(last.target, Instruction("form", "rt.rms_norm", arguments),
                       f"{last.comment} — RMSNorm of {x}: its {ops} ops as one, backward in closed form",
                       (), last.layouts, last.node)
     return indices, fused

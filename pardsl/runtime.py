@@ -261,10 +261,13 @@ class Runtime:
         return _ColumnParallelLinears.apply(x, self, axes, (gather_dim, blocks, PROJECTIONS[op]),
                                             *(t for pair in linears for t in pair))
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """weight · x · rsqrt(mean(x², -1) + eps): a model's RMSNorm, its seven ATen ops as one, with a
-        backward in closed form (pardsl/fused_norms.py). Local: x's last dim is whole on this rank."""
-        return _RMSNorm.apply(x, weight, eps)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+        """weight · (x · rsqrt(mean(x², -1) + eps)).to(dtype): a model's RMSNorm, its seven ATen ops as one,
+        with a backward in closed form (pardsl/fused_norms.py). Local: x's last dim is whole on this rank.
+        `dtype`: what the normalised x is cast to before the weight (a half-precision model's, its norm
+        computed in float32); None: x's."""
+        return _RMSNorm.apply(x, weight, eps, dtype or x.dtype)
 
     def masked_embedding(self, weight: torch.Tensor, ids: torch.Tensor, *axes: str) -> torch.Tensor:
         """Embedding with the vocabulary split over `axes` (outermost first): rows for the ids this rank
@@ -690,28 +693,30 @@ class _ColumnParallelLinears(torch.autograd.Function):
 
 
 class _RMSNorm(torch.autograd.Function):
-    """Forward: the ops the model's chain runs (pow, mean, add, rsqrt, mul, mul), so the same bits.
-    Backward, with n = x·r and r = rsqrt(mean(x²) + eps): the weight's gradient Σ g·n over every dim but
-    the last, and x's r·(g·w − n·mean(g·w·n)), what autograd's dozen ops through the chain add up to."""
+    """Forward: the ops the model's chain runs (pow, mean, add, rsqrt, mul, to, mul), so the same bits.
+    Backward, with n = x·r and r = rsqrt(mean(x²) + eps): the weight's gradient Σ g·n.to(dtype) over every
+    dim but the last, and, with m = (g·w) in x's dtype, x's r·(m − n·mean(m·n)): what autograd's ops
+    through the chain add up to (the weight's the same ops, so the same bits)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, dtype):
         r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
         normed = x * r
         ctx.save_for_backward(normed, r, weight)
-        return weight * normed
+        ctx.dtype = dtype
+        return weight * normed.to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
         normed, r, weight = ctx.saved_tensors
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad * normed).sum(tuple(range(grad.dim() - 1)))
+            grad_weight = (grad * normed.to(ctx.dtype)).sum(tuple(range(grad.dim() - 1)))
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_normed = grad * weight
+            grad_normed = (grad * weight).to(normed.dtype)
             grad_x = grad_normed.sub_(normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(r)
-        return grad_x, grad_weight, None
+        return grad_x, grad_weight, None, None
 
 
 class _ClassSplitCrossEntropy(torch.autograd.Function):

@@ -33,13 +33,35 @@ def test_the_fused_norms_gradients_are_autograds_through_the_chain(shape, width,
     x = torch.randn(*shape, width, dtype=torch.float64, generator=generator, requires_grad=True)
     weight = torch.randn(width, dtype=torch.float64, generator=generator, requires_grad=True)
     grad = torch.randn(*shape, width, dtype=torch.float64, generator=generator)
-    fused = _RMSNorm.apply(x, weight, eps)
+    fused = _RMSNorm.apply(x, weight, eps, torch.float64)
     assert torch.equal(fused, _chain(x, weight, eps))  # the same ops forward: the same bits
     fused_grads = torch.autograd.grad(fused, (x, weight), grad)
     chain_grads = torch.autograd.grad(_chain(x, weight, eps), (x, weight), grad)
     for got, expected in zip(fused_grads, chain_grads):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda a, b: _RMSNorm.apply(a, b, eps), (x, weight))
+    assert torch.autograd.gradcheck(lambda a, b: _RMSNorm.apply(a, b, eps, torch.float64), (x, weight))
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), width=st.integers(2, 64),
+       seed=st.integers(0, 2**16))
+def test_a_bfloat16_norm_computed_in_float32_has_the_chains_bits_forward_and_its_gradients(shape, width, seed):
+    # LLaMA's in bf16: x cast to float32 by the model, the normalised x cast back to bf16 before the weight
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, width, generator=generator).requires_grad_()
+    weight = torch.randn(width, generator=generator).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(*shape, width, generator=generator).to(torch.bfloat16)
+
+    def chain(a, w):
+        return w * (a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+
+    fused = _RMSNorm.apply(x, weight, 1e-6, torch.bfloat16)
+    assert fused.dtype == torch.bfloat16 and torch.equal(fused, chain(x, weight))
+    got_x, got_w = torch.autograd.grad(fused, (x, weight), grad)
+    expected_x, expected_w = torch.autograd.grad(chain(x, weight), (x, weight), grad)
+    assert got_x.dtype == torch.float32 and got_w.dtype == torch.bfloat16
+    assert torch.equal(got_w, expected_w)  # the same ops: the same bits
+    torch.testing.assert_close(got_x, expected_x, rtol=1e-5, atol=1e-5)  # float32, summed in another order
 
 
 def _fused(compiled) -> list[str]:
@@ -63,14 +85,17 @@ def test_a_norm_of_a_batch_split_activation_is_fused_with_its_weights_gradient_b
     check(pools, compiled)
 
 
-@pytest.mark.parametrize("dtype, layouts", [
+def test_a_half_precision_norm_computed_in_float32_is_fused_with_its_cast_back(pools, compile_par):
+    # bfloat16: the chain computes in float32 and casts back to bf16 before the weight; the fused op too
+    compiled = compile_par(NORMED.format(dtype=', dtype="bfloat16"', input_dtype="bfloat16", layouts="    x : S(0)\n"))
+    fused = _fused(compiled)
+    assert len(fused) == 1 and ", 1e-06, torch.bfloat16)" in fused[0], fused
+    check(pools, compiled)
+
+
+def test_a_norm_over_a_split_last_dim_is_left_as_its_ops_and_equals_serial(pools, compile_par):
     # the last dim split: the mean is a partial sum, all-reduced inside the chain
-    ("float32", "    proj.weight : S(0)\n    proj.bias : S(0)\n    out.weight : S(1)\n"),
-    # bfloat16: the chain casts its float32 result back to bf16 before the weight
-    ("bfloat16", "    x : S(0)\n"),
-])
-def test_a_norm_that_is_not_local_or_changes_dtype_is_left_as_its_ops_and_equals_serial(pools, compile_par,
-                                                                                       dtype, layouts):
-    compiled = compile_par(NORMED.format(dtype=f", dtype=\"{dtype}\"", input_dtype=dtype, layouts=layouts))
+    layouts = "    proj.weight : S(0)\n    proj.bias : S(0)\n    out.weight : S(1)\n"
+    compiled = compile_par(NORMED.format(dtype="", input_dtype="float32", layouts=layouts))
     assert _fused(compiled) == [] and "aten.rsqrt.default(" in compiled.source
     check(pools, compiled)
