@@ -90,9 +90,15 @@ def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
     else:
         typed = _timed(seconds, "infer", lambda: infer(bound))
         program = _timed(seconds, "lower", lambda: _lowered(typed, bucket_mb, None))
-    program = release_dead_values(start_counts_early(fuse_rms_norms(program, typed.bound.kept)))
+    program = _passes_after_lowering(program, typed)
     source = _timed(seconds, "codegen", lambda: render(program))
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
+
+
+def _passes_after_lowering(program: LoweredProgram, typed: TypedGraph) -> LoweredProgram:
+    """The passes over a lowered program (or a pipeline stage's), in order: norms fused, a partial loss's
+    count started early, then each value released after its last use (which reads what the others made)."""
+    return release_dead_values(start_counts_early(fuse_rms_norms(program, typed.bound.kept)))
 
 
 def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredProgram:
@@ -279,8 +285,7 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
         outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
         plan = pp.PipelinePlan(decl.axis, decl.schedule, decl.microbatches, decl.stages_per_rank,
                                tuple(cut_before), pp.shared_parameters(stages), outputs)
-        return program, [release_dead_values(start_counts_early(fuse_rms_norms(stage, typed.bound.kept)))
-                         for stage in stages], plan
+        return program, [_passes_after_lowering(stage, typed) for stage in stages], plan
 
     program, stages, plan = _timed(seconds, "lower", lower_pipelined)
     source = _timed(seconds, "codegen", lambda: render_pipeline(stages, plan))

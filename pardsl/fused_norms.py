@@ -101,12 +101,12 @@ def _chain_from(program: LoweredProgram, start: int, reads: Counter, made_at: di
             return None
         indices.append(following)
         current = statements[following]
-    mean, add, _, scaled = (statements[i] for i in indices[1:])
+    mean, add, rsqrt, scaled = (statements[i] for i in indices[1:])
     if mean.instruction.args[1:] != (Text("[-1]"), Text("True")) or len(add.instruction.args) != 2 \
             or not isinstance(add.instruction.args[1], Text) or add.instruction.kwargs:
         return None
     eps = add.instruction.args[1]
-    if set(scaled.instruction.reads()) != {x, statements[indices[3]].target}:
+    if set(scaled.instruction.reads()) != {x, rsqrt.target}:
         return None  # x · rsqrt(…), the x the pow read
     following = _sole_reader(statements, scaled.target, reads, made_at)
     if following is not None and _is(statements[following], "aten.to.dtype"):

@@ -81,7 +81,7 @@ class Kept:
     values: frozenset[str]  # every value kept, by something, a view resolved to its owner (the serial model's)
     reads: frozenset[tuple[str, str]]  # (op, operand): the op keeps the operand as it reads it
     owner: dict[str, str]  # a value → the value whose storage it is (itself, unless a view)
-    by_itself: frozenset[str] = frozenset()  # kept as an output, or by the op that makes it (its result)
+    by_itself: frozenset[str]  # kept as an output, or by the op that makes it (its result)
 
     def kept_by_others(self, value: str, ops: set[str]) -> bool:
         """Whether the storage of `value` is kept by something other than `ops` (graph node names)."""
