@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+from .chains import calls, dtype_of, readers_and_makers, sole_reader, var_name
 from .lowering import LoweredProgram, Statement
 from .program import Instruction, Text, Var
 from .saved_for_backward import Kept
@@ -43,8 +44,7 @@ _CHAIN = ("aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.add.Tensor", "aten.rs
 def fuse_rms_norms(program: LoweredProgram, kept: Kept) -> LoweredProgram:
     """`kept`: what autograd keeps of the serial graph (saved_for_backward.Kept), for what the fused ops
     no longer keep."""
-    reads = Counter(name for statement in program.statements for name in statement.instruction.reads())
-    made_at = {name: i for i, statement in enumerate(program.statements) for name in statement.targets}
+    reads, made_at = readers_and_makers(program)
     fused: dict[int, Statement] = {}  # index of the chain's last statement → the fused statement
     dropped: set[int] = set()
     unkept: list[str] = []  # per chain, the value the fused op keeps no longer
@@ -91,13 +91,13 @@ def _chain_from(program: LoweredProgram, start: int, reads: Counter, made_at: di
     """([the chain's statement indices], the fused statement) for a chain whose pow is at `start`, or None."""
     statements = program.statements
     first = statements[start]
-    if not _is(first, _CHAIN[0]) or first.instruction.args[1:] != (Text("2"),):
+    if not calls(first, _CHAIN[0]) or first.instruction.args[1:] != (Text("2"),):
         return None
-    x = _var(first.instruction.args[0])
+    x = var_name(first.instruction.args[0])
     indices, current = [start], first
     for callee in _CHAIN[1:]:
-        following = _sole_reader(statements, current.target, reads, made_at)
-        if following is None or not _is(statements[following], callee):
+        following = sole_reader(statements, current.target, reads, made_at)
+        if following is None or not calls(statements[following], callee):
             return None
         indices.append(following)
         current = statements[following]
@@ -108,11 +108,11 @@ def _chain_from(program: LoweredProgram, start: int, reads: Counter, made_at: di
     eps = add.instruction.args[1]
     if set(scaled.instruction.reads()) != {x, rsqrt.target}:
         return None  # x · rsqrt(…), the x the pow read
-    following = _sole_reader(statements, scaled.target, reads, made_at)
-    if following is not None and _is(statements[following], "aten.to.dtype"):
+    following = sole_reader(statements, scaled.target, reads, made_at)
+    if following is not None and calls(statements[following], "aten.to.dtype"):
         indices.append(following)
-        following = _sole_reader(statements, statements[following].target, reads, made_at)
-    if following is None or not _is(statements[following], "aten.mul.Tensor"):
+        following = sole_reader(statements, statements[following].target, reads, made_at)
+    if following is None or not calls(statements[following], "aten.mul.Tensor"):
         return None
     indices.append(following)
     last = statements[following]
@@ -123,9 +123,9 @@ def _chain_from(program: LoweredProgram, start: int, reads: Counter, made_at: di
     if not _local(program, [statements[i] for i in indices], x) or not _whole(program, weight):
         return None
     # x in the dtype the norm computes in; the result, and the weight, in the one the chain casts back to
-    computed, result = _dtype(program, x), _dtype(program, last.target)
-    cast = _dtype(program, statements[indices[-2]].target)
-    if None in (computed, result) or result != _dtype(program, weight) or cast != result:
+    computed, result = dtype_of(program, x), dtype_of(program, last.target)
+    cast = dtype_of(program, statements[indices[-2]].target)
+    if None in (computed, result) or result != dtype_of(program, weight) or cast != result:
         return None
     arguments = (Var(x), Var(weight), eps) + ((Text(f"torch.{result}"),) if result != computed else ())
     ops = len(indices)
@@ -133,25 +133,6 @@ def _chain_from(program: LoweredProgram, start: int, reads: Counter, made_at: di
                       f"{last.comment} — RMSNorm of {x}: its {ops} ops as one, backward in closed form",
                       (), last.layouts, last.node)
     return indices, fused
-
-
-def _is(statement: Statement, callee: str) -> bool:
-    return statement.instruction.kind == "compute" and statement.instruction.callee == callee
-
-
-def _var(arg) -> str | None:
-    return arg.name if isinstance(arg, Var) else None
-
-
-def _sole_reader(statements: list[Statement], name: str, reads: Counter, made_at: dict[str, int]) -> int | None:
-    """The index of the one statement that reads `name`, where exactly one does (and the value is not an
-    output: outputs are read by no statement, so they have no reader here)."""
-    if reads[name] != 1 or name not in made_at:
-        return None
-    for index in range(made_at[name] + 1, len(statements)):
-        if name in statements[index].instruction.reads():
-            return index
-    return None
 
 
 def _local(program: LoweredProgram, chain: list[Statement], x: str) -> bool:
@@ -170,17 +151,3 @@ def _local(program: LoweredProgram, chain: list[Statement], x: str) -> bool:
 def _whole(program: LoweredProgram, name: str) -> bool:
     layout = program.layout_of(name)
     return layout is not None and all(p.kind == "B" for p in layout.placements)
-
-
-def _dtype(program: LoweredProgram, name: str) -> str | None:
-    """A value's dtype: a graph value's, a parameter's, or, for a parameter's gradient-sync wrapper (an
-    identity), the parameter's."""
-    if name in program.values:
-        return program.values[name]["dtype"].removeprefix("torch.")
-    for slot in program.parameters + program.buffers:
-        if name in (slot.var, f"self.{slot.var}"):
-            return slot.dtype.removeprefix("torch.")
-    for statement in program.statements:
-        if statement.targets == [name] and statement.instruction.kind in ("param_grad_sync", "grad_sync"):
-            return _dtype(program, statement.instruction.reads()[0])
-    return None
