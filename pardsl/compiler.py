@@ -25,6 +25,7 @@ from .diagnostics import Diagnostic
 from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
 from .early_count import start_counts_early
 from .fused_norms import fuse_rms_norms
+from .fused_rotary import fuse_rotary_embeddings
 from .liveness import release_dead_values
 from .progress import report
 from .reshard import reshard_after_forward
@@ -96,9 +97,11 @@ def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
 
 
 def _passes_after_lowering(program: LoweredProgram, typed: TypedGraph) -> LoweredProgram:
-    """The passes over a lowered program (or a pipeline stage's), in order: norms fused, a partial loss's
-    count started early, then each value released after its last use (which reads what the others made)."""
-    return release_dead_values(start_counts_early(fuse_rms_norms(program, typed.bound.kept)))
+    """The passes over a lowered program (or a pipeline stage's), in order: norms and rotary embeddings
+    fused, a partial loss's count started early, then each value released after its last use (which reads
+    what the others made)."""
+    fused = fuse_rotary_embeddings(fuse_rms_norms(program, typed.bound.kept))
+    return release_dead_values(start_counts_early(fused))
 
 
 def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredProgram:

@@ -269,6 +269,12 @@ class Runtime:
         computed in float32); None: x's."""
         return _RMSNorm.apply(x, weight, eps, dtype or x.dtype)
 
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x·cos + rotate_half(x)·sin, rotate_half(x) = cat(−x₂, x₁) of x's halves along the last dim: a
+        model's rotary position embedding, its seven ATen ops as one, with the chain's bits forward and
+        backward (pardsl/fused_rotary.py). Local: x's last dim is whole on this rank."""
+        return _Rotary.apply(x, cos, sin)
+
     def masked_embedding(self, weight: torch.Tensor, ids: torch.Tensor, *axes: str) -> torch.Tensor:
         """Embedding with the vocabulary split over `axes` (outermost first): rows for the ids this rank
         holds, zeros for the others, so the sum over ranks is the full lookup (a P result)."""
@@ -717,6 +723,45 @@ class _RMSNorm(torch.autograd.Function):
             grad_normed = (grad * weight).to(normed.dtype)
             grad_x = grad_normed.sub_(normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(r)
         return grad_x, grad_weight, None, None
+
+
+class _Rotary(torch.autograd.Function):
+    """Forward x·cos, then, of its halves along the last dim, x₂·sin₁ taken from the first and x₁·sin₂ added
+    to the second: the chain's products and two-term sums (a − b is a + (−b) exactly), so its bits, with no
+    cat. Backward, gx = g·cos with g₂·sin₂ added to its first half and g₁·sin₁ taken from its second: what
+    autograd adds up through the chain's muls, cat, neg and slices (zero-filled parts add nothing)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        h = x.shape[-1] // 2
+        rotated = x * cos
+        rotated[..., :h].sub_(x[..., h:] * _half(sin, 0, h))
+        rotated[..., h:].add_(x[..., :h] * _half(sin, 1, h))
+        # x only where a table needs a gradient: what the chain's muls keep
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] or ctx.needs_input_grad[2] else None, cos, sin)
+        ctx.x_shape = x.shape  # smaller than the result's where x broadcasts against the tables
+        return rotated
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, cos, sin = ctx.saved_tensors
+        h = grad.shape[-1] // 2
+        grad_x = grad_cos = grad_sin = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad * cos
+            grad_x[..., :h].add_(grad[..., h:] * _half(sin, 1, h))
+            grad_x[..., h:].sub_(grad[..., :h] * _half(sin, 0, h))
+            grad_x = grad_x.sum_to_size(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_cos = (grad * x).sum_to_size(cos.shape)
+        if ctx.needs_input_grad[2]:
+            grad_sin = (grad * torch.cat([-x[..., h:], x[..., :h]], -1)).sum_to_size(sin.shape)
+        return grad_x, grad_cos, grad_sin
+
+
+def _half(table: torch.Tensor, which: int, h: int) -> torch.Tensor:
+    """Half `which` of a table along its last dim, or the table itself where that dim broadcasts (size 1)."""
+    return table if table.shape[-1] == 1 else table[..., which * h:(which + 1) * h]
 
 
 class _ClassSplitCrossEntropy(torch.autograd.Function):

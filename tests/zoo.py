@@ -303,6 +303,37 @@ class RMSNormed(nn.Module):
         return self.out(self.weight * hidden.to(dtype))
 
 
+class Rotated(nn.Module):
+    """A linear to heads, a rotary position embedding written as Hugging Face writes LLaMA's
+    (x·cos + rotate_half(x)·sin, the tables broadcast over batch and heads), then a linear back. With
+    `learned`, the tables are parameters, so the rotation has gradients for them too."""
+
+    def __init__(self, heads: int = 2, head_dim: int = 8, seq: int = 6, learned: bool = False):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.proj = nn.Linear(heads * head_dim, heads * head_dim)
+        self.out = nn.Linear(heads * head_dim, heads * head_dim)
+        angles = torch.arange(seq)[:, None] * (0.5 ** torch.arange(head_dim // 2))[None, :]
+        angles = torch.cat([angles, angles], -1)
+        if learned:
+            self.cos, self.sin = nn.Parameter(angles.cos()), nn.Parameter(angles.sin())
+        else:
+            self.register_buffer("cos", angles.cos())
+            self.register_buffer("sin", angles.sin())
+
+    @staticmethod
+    def rotate_half(x):
+        first, second = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        return torch.cat((-second, first), dim=-1)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.cos[None, None], self.sin[None, None]
+        rotated = q * cos + self.rotate_half(q) * sin
+        return self.out(rotated.transpose(1, 2).reshape(b, s, -1))
+
+
 class MergedAfterGather(nn.Module):
     """A column-parallel linear (its output split on the last dim), then a view merging that dim with the
     one before: with the other dims too small to split, the view needs its input whole, so the all-gather
