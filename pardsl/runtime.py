@@ -668,15 +668,24 @@ class _ColumnParallelLinears(torch.autograd.Function):
         rt = ctx.rt
         gather_dim, blocks, projection = ctx.how
         grad_x, work, result = None, None, None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and any(grad is not None for grad in grads):
+            # summed by the products themselves (addmm's beta = 1), straight into memory the collective's
+            # peers read: no separate adds, and no copy when the collective starts
+            grad_x = rt.collective_input(ctx.axes[0], x.shape, like=x)
+            rows_of_grad_x, first = grad_x.view(-1, x.shape[-1]), True
             for grad, weight in zip(grads, weights):
                 if grad is not None:
-                    part = grad.matmul(weight.t() if projection.weight_in_out else weight)
-                    grad_x = part if grad_x is None else grad_x.add_(part)
-            if grad_x is not None and gather_dim is not None:
+                    factor = weight.t() if projection.weight_in_out else weight
+                    grad_rows = grad.reshape(-1, grad.shape[-1])
+                    if first:
+                        torch.mm(grad_rows, factor, out=rows_of_grad_x)
+                    else:
+                        rows_of_grad_x.addmm_(grad_rows, factor)
+                    first = False
+            if gather_dim is not None:
                 work, result = rt._reduce_scatter_started(grad_x, ctx.axes[0], gather_dim, "backward", blocks)
-            elif grad_x is not None:
-                work, result = rt._all_reduce_started(grad_x.contiguous(), ctx.axes[0], "backward")
+            else:
+                work, result = rt._all_reduce_started(grad_x, ctx.axes[0], "backward")
         rows = x.reshape(-1, x.shape[-1])
         parameter_grads = []
         for index, (grad, has_bias) in enumerate(zip(grads, ctx.has_bias)):

@@ -167,6 +167,61 @@ def test_a_bucket_written_into_a_lent_buffer_is_sent_without_a_copy(pools, ranks
 
 
 @dataclass(frozen=True)
+class ColumnParallelBackward:
+    """Run on every rank: Megatron's f and three linears of its input (q, k, v), `sequence_split` with SP's
+    gather first; backward, with x's gradient summed by the products straight into a lent buffer. What was
+    copied into the transport's buffers during backward, and x's gradient against the sum over ranks."""
+
+    sequence_split: bool = False
+
+    def __call__(self) -> dict:
+        import torch.distributed as dist
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from pardsl.runtime import Runtime
+
+        rt, rank, n = Runtime(Mesh(("tp",), (dist.get_world_size(),))), dist.get_rank(), dist.get_world_size()
+        group = rt.shared["tp"]
+
+        class CopiesIntoBuffers(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.numels = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten.copy_.default:
+                    start = args[0].data_ptr()
+                    if any(b.memory.data_ptr() <= start < b.memory.data_ptr() + b.memory.numel()
+                           for b in group._buffers):
+                        self.numels.append(args[0].numel())
+                return func(*args, **(kwargs or {}))
+
+        generator = torch.Generator().manual_seed(0)
+        whole = torch.randn(4, 6 * n, 8, generator=generator)
+        weights = [torch.randn(n * rows, 8, generator=generator) for rows in (4, 2, 2)]  # q, k, v over ranks
+        grads = [torch.randn(4, 6 * n, n * rows, generator=generator) for rows in (4, 2, 2)]
+        mine = [w.chunk(n)[rank].clone().requires_grad_() for w in weights]
+        x = (whole.chunk(n, dim=1)[rank] if self.sequence_split else whole).clone().requires_grad_()
+        outputs = rt.column_parallel_linears(x, ("tp",), *((w, None) for w in mine),
+                                             gather_dim=1 if self.sequence_split else None)
+        copies = CopiesIntoBuffers()
+        with copies:
+            torch.autograd.backward(outputs, [g.chunk(n, dim=-1)[rank] for g in grads])
+        expected = sum(g @ w for g, w in zip(grads, weights))
+        expected = expected.chunk(n, dim=1)[rank] if self.sequence_split else expected
+        return {"copied": copies.numels, "error": (x.grad - expected).abs().max().item()}
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("sequence_split", [False, True])
+def test_a_column_parallel_inputs_gradient_is_summed_where_its_collective_reads_it(pools, ranks, sequence_split):
+    # Megatron's f backward: the linears' products summed into a lent buffer, all-reduced (or, under
+    # sequence parallelism, reduce-scattered) from there: nothing copied into the transport's buffers
+    for report in pools(ranks).run_on_every_rank(ColumnParallelBackward(sequence_split)):
+        assert report["copied"] == [] and report["error"] < 1e-4, report
+
+
+@dataclass(frozen=True)
 class MadeWith:
     """Run on every rank: whether a shared-memory group is made, with each rank claiming a host of its
     own, or with PARDSL_SHARED_MEMORY=0."""
