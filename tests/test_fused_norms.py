@@ -2,7 +2,6 @@
 runtime where its chain is local, with a backward that is autograd's through the chain; elsewhere the
 chain stays as it was."""
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
