@@ -8,6 +8,7 @@ Hugging Face's LlamaForCausalLM (examples/hf_models.py), 4 layers, trained on it
 | data parallel, loss per rank | the same, and `output.loss : P`: each rank's share of the mean | the same |
 | ZeRO-3 | batch `S(0)`, every weight `S(0)` | FSDP2: `fully_shard` per layer, then the root |
 | Megatron TP | q/k/v, gate, up `S(0)`; o, down `S(1)` | DTensor `parallelize_module`, Colwise/Rowwise |
+| Megatron TP, LLaMA's MLP width | the same, the MLP 1376 wide (LLaMA's 11008 / 4096 of hidden) instead of the model's default 128 | the same |
 | searched | `mesh tp = 2` and `memory <= 60 %`, no layout: the search's plan | DTensor, Megatron's plan |
 
 Two gloo ranks, one thread each (serial: one thread). With `--device cuda` every rank's model and
@@ -18,7 +19,7 @@ backward and the gradients made ready (median of `--steps` after warm-up). pards
 runtime counter, PyTorch's from `CommDebugMode` where it sees them (DTensor's; DDP and FSDP2 call
 collectives outside it).
 
-    python benchmarks/vs_torch.py [--steps 10] [--plans dp,dp_partial,zero3,tp,searched] [--profile] [--bucket-mb 25]
+    python benchmarks/vs_torch.py [--steps 10] [--plans dp,dp_partial,zero3,tp,tp_wide,searched] [--profile] [--bucket-mb 25]
                                   [--device cpu|cuda] [--backend gloo|nccl] [--own-collectives] [--alone]
 
 `--profile` adds, per plan, where each step spends its time (torch.profiler, top ops by self time). On
@@ -59,11 +60,14 @@ PLANS = {
     "dp_partial": (dict(layers=4, hidden=256), 8, 64, "DDP"),
     "zero3": (dict(layers=4, hidden=256), 8, 64, "FSDP2"),
     "tp": (dict(layers=4, hidden=512), 4, 64, "DTensor"),
+    # the same plan with LLaMA's MLP width (11008 / 4096 of hidden; the model's default is a quarter of it)
+    "tp_wide": (dict(layers=4, hidden=512, ffn=1376), 4, 64, "DTensor"),
     "searched": (dict(layers=4, hidden=512), 4, 64, "DTensor"),
 }
 TITLES = {"dp": "data parallel", "dp_partial": "data parallel, loss per rank (`output.loss : P`)", "zero3": "ZeRO-3",
-          "tp": "Megatron TP", "searched": "searched, memory <= 60 %"}
-TENSOR_PARALLEL = ("tp", "searched")  # PyTorch's side of both is Megatron's plan in DTensor
+          "tp": "Megatron TP", "tp_wide": "Megatron TP, LLaMA's MLP width", "searched": "searched, memory <= 60 %"}
+MEGATRON = ("tp", "tp_wide")
+TENSOR_PARALLEL = MEGATRON + ("searched",)  # PyTorch's side of both is Megatron's plan in DTensor
 DATA_PARALLEL = ("dp", "dp_partial", "zero3")  # the batch split
 
 LAYER_WEIGHTS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -87,7 +91,7 @@ def par_text(plan: str, kwargs: dict, batch: int, seq: int, ranks: int = 2) -> s
         lines += ["    model.layers.*.input_layernorm.weight : S(0)",
                   "    model.layers.*.post_attention_layernorm.weight : S(0)",
                   "    model.embed_tokens.weight : S(0)", "    model.norm.weight : S(0)", "    lm_head.weight : S(0)"]
-    if plan == "tp":
+    if plan in MEGATRON:
         lines += [f"    model.layers.*.{w}.weight : {'S(1)' if w in ('self_attn.o_proj', 'mlp.down_proj') else 'S(0)'}"
                   for w in LAYER_WEIGHTS]
     return "\n".join(lines + ["}", ""])
@@ -335,7 +339,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--plans", default="dp,dp_partial,zero3,tp,searched")
+    parser.add_argument("--plans", default="dp,dp_partial,zero3,tp,tp_wide,searched")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="pardsl's gradient bucket size (DDP's: 25)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -370,7 +374,8 @@ def main() -> None:
             assert max(result["errors"].values()) < 1e-4, result["errors"]
             serial = f"{result['serial_ms']:.1f} ms" if result["serial_ms"] else "—"
             versus_serial = f"{result['pardsl_ms'] / result['serial_ms']:.2f}" if result["serial_ms"] else "—"
-            rows.append(f"| {TITLES[plan_name]}, hidden {kwargs['hidden']}, batch {batch} × {seq} | "
+            width = f", ffn {kwargs['ffn']}" if "ffn" in kwargs else ""
+            rows.append(f"| {TITLES[plan_name]}, hidden {kwargs['hidden']}{width}, batch {batch} × {seq} | "
                         f"{result['pardsl_ms']:.1f} ms | {tool} {result['torch_ms']:.1f} ms | {serial} | "
                         f"**{result['pardsl_ms'] / result['torch_ms']:.2f}** | {versus_serial} |")
             notes.append(f"- {TITLES[plan_name]}: pardsl {_counts(result['pardsl_counts'])}"
