@@ -278,16 +278,17 @@ class _Alone(SharedMemoryGroup):
     def __init__(self, real: SharedMemoryGroup):  # no socket: there is no one to talk to
         self.rank, self.size, self.peers = real.rank, real.size, real.peers
         self._memory: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._lent: weakref.ref | None = None
+        self._lent: dict[int, weakref.ref] = {}  # address → a tensor lent and not yet sent (several at once)
 
     def lend(self, shape, dtype: torch.dtype) -> torch.Tensor:
         lent = torch.empty(shape, dtype=dtype)
-        self._lent = weakref.ref(lent)
+        self._lent[lent.data_ptr()] = weakref.ref(lent)
         return lent
 
     def _lent_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
-        lent = self._lent() if self._lent is not None else None
-        return lent if lent is not None and lent.data_ptr() == x.data_ptr() else None
+        held = self._lent.get(x.data_ptr())
+        lent = held() if held is not None else None
+        return lent if lent is not None and lent.numel() == x.numel() else None
 
     def _started_work(self, x: torch.Tensor, result, collective: str):
         x = x.contiguous().view(-1)
@@ -296,6 +297,7 @@ class _Alone(SharedMemoryGroup):
         mine, zeros = self._memory[(x.numel(), x.dtype)]
         if self._lent_buffer(x) is not None:  # written into a lent buffer: no copy
             mine = x
+            del self._lent[x.data_ptr()]
         else:
             mine.copy_(x)
         work = _Work(lambda: result([mine if r == self.rank else zeros for r in range(self.size)]))

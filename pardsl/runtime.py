@@ -668,20 +668,16 @@ class _ColumnParallelLinears(torch.autograd.Function):
         rt = ctx.rt
         gather_dim, blocks, projection = ctx.how
         grad_x, work, result = None, None, None
-        if ctx.needs_input_grad[0] and any(grad is not None for grad in grads):
+        products = [(grad.reshape(-1, grad.shape[-1]), weight.t() if projection.weight_in_out else weight)
+                    for grad, weight in zip(grads, weights) if grad is not None]
+        if ctx.needs_input_grad[0] and products:
             # summed by the products themselves (addmm's beta = 1), straight into memory the collective's
             # peers read: no separate adds, and no copy when the collective starts
             grad_x = rt.collective_input(ctx.axes[0], x.shape, like=x)
-            rows_of_grad_x, first = grad_x.view(-1, x.shape[-1]), True
-            for grad, weight in zip(grads, weights):
-                if grad is not None:
-                    factor = weight.t() if projection.weight_in_out else weight
-                    grad_rows = grad.reshape(-1, grad.shape[-1])
-                    if first:
-                        torch.mm(grad_rows, factor, out=rows_of_grad_x)
-                    else:
-                        rows_of_grad_x.addmm_(grad_rows, factor)
-                    first = False
+            rows_of_grad_x = grad_x.view(-1, x.shape[-1])
+            torch.mm(*products[0], out=rows_of_grad_x)
+            for grad_rows, factor in products[1:]:
+                rows_of_grad_x.addmm_(grad_rows, factor)
             if gather_dim is not None:
                 work, result = rt._reduce_scatter_started(grad_x, ctx.axes[0], gather_dim, "backward", blocks)
             else:

@@ -12,7 +12,26 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from pardsl.layouts import Mesh
+
+
+class CopiesIntoBuffers(TorchDispatchMode):
+    """While on: the size of each copy made into one of `group`'s buffers (a collective's start copying
+    its input to where the peers read it)."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group, self.numels = group, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            start = args[0].data_ptr()
+            if any(b.memory.data_ptr() <= start < b.memory.data_ptr() + b.memory.numel()
+                   for b in self.group._buffers):
+                self.numels.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass(frozen=True)
@@ -123,23 +142,12 @@ class IntoLentBuffers:
 
     def __call__(self) -> dict:
         import torch.distributed as dist
-        from torch.utils._python_dispatch import TorchDispatchMode
 
         from pardsl.shared_memory import shared_memory_group
 
-        class Copies(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.numels = []
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is torch.ops.aten.copy_.default:
-                    self.numels.append(args[0].numel())
-                return func(*args, **(kwargs or {}))
-
         group, rank, n = shared_memory_group(None), dist.get_rank(), dist.get_world_size()
         before = len(group._buffers)
-        copies, wrong = Copies(), []
+        copies, wrong = CopiesIntoBuffers(group), []
         for step in range(100):
             if step % 7 == 3:
                 group.lend((n, 1 << 14), torch.float32)  # dropped: its buffer is free again
@@ -176,26 +184,10 @@ class ColumnParallelBackward:
 
     def __call__(self) -> dict:
         import torch.distributed as dist
-        from torch.utils._python_dispatch import TorchDispatchMode
 
         from pardsl.runtime import Runtime
 
         rt, rank, n = Runtime(Mesh(("tp",), (dist.get_world_size(),))), dist.get_rank(), dist.get_world_size()
-        group = rt.shared["tp"]
-
-        class CopiesIntoBuffers(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.numels = []
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is torch.ops.aten.copy_.default:
-                    start = args[0].data_ptr()
-                    if any(b.memory.data_ptr() <= start < b.memory.data_ptr() + b.memory.numel()
-                           for b in group._buffers):
-                        self.numels.append(args[0].numel())
-                return func(*args, **(kwargs or {}))
-
         generator = torch.Generator().manual_seed(0)
         whole = torch.randn(4, 6 * n, 8, generator=generator)
         weights = [torch.randn(n * rows, 8, generator=generator) for rows in (4, 2, 2)]  # q, k, v over ranks
@@ -204,7 +196,7 @@ class ColumnParallelBackward:
         x = (whole.chunk(n, dim=1)[rank] if self.sequence_split else whole).clone().requires_grad_()
         outputs = rt.column_parallel_linears(x, ("tp",), *((w, None) for w in mine),
                                              gather_dim=1 if self.sequence_split else None)
-        copies = CopiesIntoBuffers()
+        copies = CopiesIntoBuffers(rt.shared["tp"])
         with copies:
             torch.autograd.backward(outputs, [g.chunk(n, dim=-1)[rank] for g in grads])
         expected = sum(g @ w for g, w in zip(grads, weights))
