@@ -726,7 +726,8 @@ class _RMSNorm(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_normed = (grad * weight).to(normed.dtype)
-            grad_x = grad_normed.sub_(normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(r)
+            # addcmul_ takes n·mean(m·n) from m in the one pass, where sub_ would need the product made first
+            grad_x = grad_normed.addcmul_(normed, (grad_normed * normed).mean(-1, keepdim=True), value=-1).mul_(r)
         return grad_x, grad_weight, None, None
 
 
