@@ -6,10 +6,13 @@ the weight w:
     pow(x, 2) → mean(-1, keepdim) → add(eps) → rsqrt → mul(x, ·) [→ to(dtype)] → mul(w, ·)
 
 Eager, autograd records a node for each op and runs about eleven ops over the activation backward. Here
-the chain is one op of the runtime (`rt.rms_norm`), one autograd node: the same forward ops (the same
-bits), and a backward in closed form, gx = r·(g·w − n·mean(g·w·n)) with n = x·r and
-r = rsqrt(mean(x²) + eps), in eight ops, three of them in place. Megatron fuses its norms the same way.
-On this machine, one [4, 64, 512] norm's forward and backward took 0.53 ms instead of 1.23 ms.
+the chain is one op of the runtime (`rt.rms_norm`), one autograd node, with a backward in closed form,
+gx = r·(g·w − n·mean(g·w·n)) with n = x·r and r = rsqrt(mean(x²) + eps). Megatron fuses its norms the
+same way. On a CPU in float32 or float64 the op is numba's kernels (pardsl/kernels.py), one pass per row
+each way, within rounding of the chain; elsewhere (a GPU, half precision) the chain's own forward ops
+(its bits) and the backward in seven ATen ops. On this machine one [4, 64, 512] norm's forward and
+backward, from a cold cache, take 0.88 ms as the chain, 0.52 ms as the ATen ops and 0.30 ms as the
+kernels.
 
 The pass runs after lowering, on ops already placed, so it changes no layout and no collective. A chain
 is fused only where the result is what the ops compute on each rank alone:
@@ -23,8 +26,9 @@ is fused only where the result is what the ops compute on each rank alone:
 The chain's pow and mul keep x for backward; the fused op keeps x·r and r, which the chain's own values
 stand for already. Where nothing else keeps x (or its all-reduced copy, under tensor parallelism), a rank
 holds one activation less per norm (for a half-precision model, the bf16 cast of x·r the weight's mul
-kept), and the program's count of activations says so (`kept_here`); the
-serial model's count, the base of a `memory <= N %` bound, is unchanged. The cost model still prices the
+kept), and the program's count of activations says so (`kept_here`); the serial model's count, the base
+of a `memory <= N %` bound, is unchanged. The kernels keep x and r instead: where something else keeps x
+too, they hold one activation less than that count says (it errs high). The cost model still prices the
 chain's seven ops.
 """
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import kernels
 from .layouts import COLLECTIVE_KINDS, Layout, Mesh, collective_bytes
 from .shared_memory import shared_memory_group
 
@@ -704,21 +705,31 @@ class _ColumnParallelLinears(torch.autograd.Function):
 
 
 class _RMSNorm(torch.autograd.Function):
-    """Forward: the ops the model's chain runs (pow, mean, add, rsqrt, mul, to, mul), so the same bits.
-    Backward, with n = x·r and r = rsqrt(mean(x²) + eps): the weight's gradient Σ g·n.to(dtype) over every
-    dim but the last, and, with m = (g·w) in x's dtype, x's r·(m − n·mean(m·n)): what autograd's ops
-    through the chain add up to (the weight's the same ops, so the same bits)."""
+    """On a CPU, in float32 or float64 with no cast: numba's fused kernels (pardsl/kernels.py), one pass per
+    row each way; they keep x and r. Otherwise the ops the model's chain runs forward (pow, mean, add,
+    rsqrt, mul, to, mul), so the same bits, keeping n = x·r and r; backward, the weight's gradient
+    Σ g·n.to(dtype) over every dim but the last, and, with m = (g·w) in x's dtype, x's r·(m − n·mean(m·n)):
+    what autograd's ops through the chain add up to (the weight's the same ops, so the same bits)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, dtype):
+        ctx.dtype = dtype
+        ctx.fused = kernels.rms_norm_fits(x, weight, dtype)
+        if ctx.fused:
+            out, rows, r = kernels.rms_norm_forward(x, weight, eps)
+            ctx.save_for_backward(rows, r, weight)
+            return out
         r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
         normed = x * r
         ctx.save_for_backward(normed, r, weight)
-        ctx.dtype = dtype
         return weight * normed.to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.fused:
+            rows, r, weight = ctx.saved_tensors
+            grad_x, grad_weight = kernels.rms_norm_backward(grad, rows, r, weight, ctx.needs_input_grad[1])
+            return grad_x, grad_weight, None, None
         normed, r, weight = ctx.saved_tensors
         grad_weight = None
         if ctx.needs_input_grad[1]:

@@ -2,10 +2,15 @@
 runtime where its chain is local, with a backward that is autograd's through the chain; elsewhere the
 chain stays as it was."""
 
+import contextlib
+from unittest import mock
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pardsl import kernels
 from pardsl.compiler import compile_file
 from pardsl.runtime import _RMSNorm
 
@@ -24,21 +29,62 @@ def _chain(x, weight, eps):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def _aten_ops_only():
+    """The runtime's norm as the ATen ops, where a CPU float norm would take numba's kernels."""
+    return mock.patch.object(kernels, "rms_norm_fits", lambda *args: False)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["numba kernel", "ATen ops"])
 @settings(max_examples=25, deadline=None)
 @given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), width=st.integers(1, 9),
        eps=st.sampled_from([1e-6, 1e-5, 0.1]), seed=st.integers(0, 2**16))
-def test_the_fused_norms_gradients_are_autograds_through_the_chain(shape, width, eps, seed):
+def test_the_fused_norms_gradients_are_autograds_through_the_chain(kernel, shape, width, eps, seed):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, width, dtype=torch.float64, generator=generator, requires_grad=True)
     weight = torch.randn(width, dtype=torch.float64, generator=generator, requires_grad=True)
     grad = torch.randn(*shape, width, dtype=torch.float64, generator=generator)
-    fused = _RMSNorm.apply(x, weight, eps, torch.float64)
-    assert torch.equal(fused, _chain(x, weight, eps))  # the same ops forward: the same bits
-    fused_grads = torch.autograd.grad(fused, (x, weight), grad)
-    chain_grads = torch.autograd.grad(_chain(x, weight, eps), (x, weight), grad)
-    for got, expected in zip(fused_grads, chain_grads):
-        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda a, b: _RMSNorm.apply(a, b, eps, torch.float64), (x, weight))
+    with contextlib.nullcontext() if kernel else _aten_ops_only():
+        assert kernels.rms_norm_fits(x, weight, torch.float64) == kernel
+        fused = _RMSNorm.apply(x, weight, eps, torch.float64)
+        if kernel:  # sums reassociated to vectorise: within rounding
+            torch.testing.assert_close(fused, _chain(x, weight, eps), rtol=1e-13, atol=1e-13)
+        else:
+            assert torch.equal(fused, _chain(x, weight, eps))  # the same ops forward: the same bits
+        fused_grads = torch.autograd.grad(fused, (x, weight), grad)
+        chain_grads = torch.autograd.grad(_chain(x, weight, eps), (x, weight), grad)
+        for got, expected in zip(fused_grads, chain_grads):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        assert torch.autograd.gradcheck(lambda a, b: _RMSNorm.apply(a, b, eps, torch.float64), (x, weight))
+
+
+@settings(max_examples=10, deadline=None)
+@given(tokens=st.integers(1, 300), width=st.sampled_from([7, 64, 512, 1000]), seed=st.integers(0, 2**16),
+       weight_grad=st.booleans())
+def test_the_float32_kernel_is_within_rounding_of_the_chain_at_a_models_sizes(tokens, width, seed, weight_grad):
+    # the weight's gradient sums every row: over a long sequence, float32 terms summed in float64
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, tokens, width, generator=generator, requires_grad=True)
+    weight = torch.randn(width, generator=generator).requires_grad_(weight_grad)
+    grad = torch.randn(2, tokens, width, generator=generator)
+    assert kernels.rms_norm_fits(x, weight, torch.float32)  # numba is installed: the fast path is taken
+    fused = _RMSNorm.apply(x, weight, 1e-6, torch.float32)
+    expected = _chain(x.double(), weight.double(), 1e-6)
+    torch.testing.assert_close(fused, expected.float(), rtol=1e-5, atol=1e-5)
+    inputs = (x, weight) if weight_grad else (x,)
+    got = torch.autograd.grad(fused, inputs, grad)
+    wanted = torch.autograd.grad(expected, inputs, grad.double())
+    for g, w in zip(got, wanted):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w.float(), rtol=1e-4, atol=1e-4 * max(1.0, tokens ** 0.5))
+
+
+def test_a_norm_the_kernels_do_not_fit_takes_the_aten_ops():
+    x, weight = torch.randn(3, 8), torch.randn(8)
+    assert kernels.rms_norm_fits(x, weight, torch.float32)
+    assert not kernels.rms_norm_fits(x.bfloat16(), weight.bfloat16(), torch.bfloat16)  # half precision
+    assert not kernels.rms_norm_fits(x, weight.bfloat16(), torch.bfloat16)  # a norm that casts
+    assert not kernels.rms_norm_fits(x, weight.double(), torch.float32)
+    assert not kernels.rms_norm_fits(x.to("meta"), weight.to("meta"), torch.float32)  # not on a CPU
 
 
 @settings(max_examples=25, deadline=None)
