@@ -10,8 +10,10 @@ of them slice_backward's zero-filled tensors. Here the seven are one op of the r
 autograd node: forward x·cos, then x₂·sin₁ taken from its first half and x₁·sin₂ added to its second, in
 place; backward the same shape of ops on the gradient. The products and sums are the chain's, each of two
 terms (a sum of two floats is the same either way round, and a − b is a + (−b) exactly), so forward and
-backward give the chain's bits. On this machine one [4, 4, 64, 64] rotation took 0.23 ms forward and
-backward instead of 0.39.
+backward give the chain's bits. On a CPU, with tables that need no gradient, the op is numba's kernels
+(pardsl/kernels.py), one pass each way with the same products and sums, so the same bits. On this machine
+one [4, 4, 64, 64] rotation's forward and backward, from a cold cache, take 0.37 ms as the chain, 0.30 ms
+as the ATen ops and 0.24 ms as the kernels.
 
 The pass runs after lowering, on ops already placed, so it changes no layout and no collective. A chain is
 fused only where it is what the ops compute on each rank alone:

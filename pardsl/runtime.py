@@ -750,6 +750,11 @@ class _Rotary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
+        # constant tables on a CPU: numba's kernel (pardsl/kernels.py), one pass, the same bits
+        ctx.kernel = not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]) and kernels.rotary_fits(x, cos, sin)
+        if ctx.kernel:
+            ctx.save_for_backward(None, cos, sin)
+            return kernels.rotary_forward(x, cos, sin)
         h = x.shape[-1] // 2
         rotated = x * cos
         rotated[..., :h].sub_(x[..., h:] * _half(sin, 0, h))
@@ -762,6 +767,8 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, cos, sin = ctx.saved_tensors
+        if ctx.kernel:
+            return kernels.rotary_backward(grad, cos, sin) if ctx.needs_input_grad[0] else None, None, None
         h = grad.shape[-1] // 2
         grad_x = grad_cos = grad_sin = None
         if ctx.needs_input_grad[0]:

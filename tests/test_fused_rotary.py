@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pardsl import kernels
 from pardsl.compiler import compile_file
 from pardsl.runtime import _Rotary
 
@@ -44,6 +45,48 @@ def test_the_fused_rotation_has_the_chains_bits_forward_and_backward(batch, seq,
     (fused_grad,) = torch.autograd.grad(fused, x, grad)
     (chain_grad,) = torch.autograd.grad(_chain(x, cos, sin), x, grad)
     assert torch.equal(fused_grad, chain_grad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 3), heads=st.integers(1, 4), seq=st.integers(1, 6), half=st.integers(1, 8),
+       projected=st.booleans(), tables=st.sampled_from(["seq", "broadcast", "per batch"]),
+       dtype=st.sampled_from([torch.float32, torch.float64]), grad_projected=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_the_cpu_kernels_rotation_has_the_chains_bits_in_either_layout(batch, heads, seq, half, projected, tables,
+                                                                       dtype, grad_projected, seed):
+    generator = torch.Generator().manual_seed(seed)
+    dim = 2 * half
+    if projected:  # as attention makes it: a projection's [batch, seq, heads·dim] viewed as heads, transposed
+        x = torch.randn(batch, seq, heads * dim, generator=generator, dtype=dtype).view(batch, seq, heads, dim)
+        x = x.transpose(1, 2)
+    else:
+        x = torch.randn(batch, heads, seq, dim, generator=generator, dtype=dtype)
+    x.requires_grad_()
+    table_shape = {"seq": (seq, dim), "broadcast": (1, 1, seq, dim), "per batch": (batch, 1, seq, dim)}[tables]
+    cos = torch.randn(table_shape, generator=generator, dtype=dtype)
+    sin = torch.randn(table_shape, generator=generator, dtype=dtype)
+    grad = torch.randn(batch, seq, heads, dim, generator=generator, dtype=dtype).transpose(1, 2) if grad_projected \
+        else torch.randn(batch, heads, seq, dim, generator=generator, dtype=dtype)
+    assert kernels.rotary_fits(x, cos, sin)
+    fused = _Rotary.apply(x, cos, sin)
+    assert torch.equal(fused, _chain(x, cos, sin))
+    for memory_order in (lambda t: t, lambda t: t.transpose(1, 2)):  # x's layout
+        assert memory_order(fused).is_contiguous() == memory_order(x).is_contiguous()
+    (fused_grad,) = torch.autograd.grad(fused, x, grad)
+    (chain_grad,) = torch.autograd.grad(_chain(x, cos, sin), x, grad)
+    assert torch.equal(fused_grad, chain_grad)
+
+
+def test_rotations_the_kernel_does_not_fit_take_the_aten_ops():
+    x, table = torch.randn(2, 3, 5, 8), torch.randn(5, 8)
+    assert kernels.rotary_fits(x, table, table)
+    assert not kernels.rotary_fits(x.bfloat16(), table.bfloat16(), table.bfloat16())  # half precision
+    assert not kernels.rotary_fits(x[..., :7], table[:, :7], table[:, :7])  # no halves
+    assert not kernels.rotary_fits(x, torch.randn(1, 3, 5, 8), table)  # a table per head
+    assert not kernels.rotary_fits(x, torch.randn(5, 1), torch.randn(5, 1))  # one angle per position
+    assert not kernels.rotary_fits(x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), table, table)
+    assert not kernels.rotary_fits(x[..., 0, :, :], table, table)  # not [batch, heads, seq, dim]
+    assert not kernels.rotary_fits(x.to("meta"), table.to("meta"), table.to("meta"))  # not on a CPU
 
 
 def test_learned_tables_get_autograds_gradients():
