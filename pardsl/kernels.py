@@ -117,7 +117,15 @@ def _compiled():
     except ImportError:
         return None
 
-    @numba.njit(fastmath=_FASTMATH, boundscheck=False, nogil=True, cache=True)
+    def jit(**options):
+        def compiled(function):
+            try:
+                return numba.njit(boundscheck=False, nogil=True, cache=True, **options)(function)
+            except RuntimeError:  # nowhere numba may write its cache (a read-only install): compiled each run
+                return numba.njit(boundscheck=False, nogil=True, **options)(function)
+        return compiled
+
+    @jit(fastmath=_FASTMATH)
     def forward(x, w, eps, out, r):
         rows, h = x.shape
         for i in range(rows):
@@ -129,7 +137,7 @@ def _compiled():
             for j in range(h):
                 out[i, j] = w[j] * (x[i, j] * ri)
 
-    @numba.njit(fastmath=_FASTMATH, boundscheck=False, nogil=True, cache=True)
+    @jit(fastmath=_FASTMATH)
     def backward(g, x, r, w, gx, gw, weight_grad):
         rows, h = x.shape
         for i in range(rows):
@@ -147,7 +155,7 @@ def _compiled():
     # x, out: [batch, p, q, dim] as in memory, seq being p or q (`seq_axis` 1 or 2); the tables
     # [1 or batch, seq, dim]. Each element is the chain's: a product plus (or minus) a product, no fma.
     # Backward (`transposed`), x is the gradient, rotated back: g₁·cos₁ + g₂·sin₂, g₂·cos₂ − g₁·sin₁.
-    @numba.njit(boundscheck=False, nogil=True, cache=True)
+    @jit()
     def rotary(x, cos, sin, out, seq_axis, transposed):
         batch, ps, qs, dim = x.shape
         h = dim // 2

@@ -144,3 +144,23 @@ def test_a_norm_over_a_split_last_dim_is_left_as_its_ops_and_equals_serial(pools
     compiled = compile_par(NORMED.format(dtype="", input_dtype="float32", layouts=layouts))
     assert _fused(compiled) == [] and "aten.rsqrt.default(" in compiled.source
     check(pools, compiled)
+
+
+def test_the_kernels_compile_where_numba_has_nowhere_to_cache_them():
+    import numba
+
+    njit = numba.njit
+
+    def uncachable(*args, cache=False, **options):
+        if cache:  # what numba raises where no cache locator applies (a read-only install, no home)
+            raise RuntimeError("cannot cache function: no locator available")
+        return njit(*args, **options)
+
+    kernels._compiled.cache_clear()
+    try:
+        with mock.patch.object(numba, "njit", uncachable):
+            x, weight = torch.randn(3, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+            assert kernels.rms_norm_fits(x, weight, torch.float64)
+            torch.testing.assert_close(kernels.rms_norm_forward(x, weight, 1e-6)[0], _chain(x, weight, 1e-6))
+    finally:
+        kernels._compiled.cache_clear()
