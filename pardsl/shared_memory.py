@@ -51,6 +51,12 @@ _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _MESSAGE = struct.Struct("<iiqqqq")
 _FD_SPACE = socket.CMSG_SPACE(struct.calcsize("i"))  # room for one descriptor
 _POLL_S = 1.0  # how often a wait checks that its peers are still alive
+# How long a wait reads without blocking before it sleeps on the socket. Waking a rank from a blocking read
+# takes 30-70 µs here, on the path of every forward all-reduce of tensor parallelism; a peer that arrives
+# within this long is seen at once (Megatron TP step on LLaMA, nine in-process A/B runs: a median of
+# -1.6 ms of 43, seven of the nine faster). Only where each rank of the group on this host can have a
+# core: a spinning rank would otherwise take the core its peer needs to arrive.
+_SPIN_S = 100e-6
 _PAGE = 4096
 
 # per process group (weakly: a group destroyed and another made in its place, at the same address, gets its own)
@@ -133,6 +139,7 @@ class SharedMemoryGroup:
         self._ready: dict[int, dict[int, tuple[int, int, str]]] = {}
         self._started = 0
         self._lock = threading.Lock()
+        self.spin_s = spin_seconds(self.size, len(os.sched_getaffinity(0)))
 
     # -- the collectives: start one, then wait on the work it returns ---------------------------------
 
@@ -345,7 +352,11 @@ class SharedMemoryGroup:
     def _wait(self, number: int, buffer: _Buffer, mine: torch.Tensor, result, collective: str):
         with self._lock:
             deadline = time.monotonic() + self.timeout_s
+            spin_until = time.perf_counter() + self.spin_s
             while len(self._ready.get(number, ())) < len(self.peers):
+                if time.perf_counter() < spin_until:
+                    self._receive(block=False)
+                    continue
                 if time.monotonic() > deadline:
                     missing = sorted(set(self.peers) - set(self._ready.get(number, ())))
                     raise RuntimeError(f"rank {self.rank} of a shared-memory group waited {self.timeout_s:.0f} s (the "
@@ -368,6 +379,12 @@ class SharedMemoryGroup:
             for peer in self.peers:
                 self._send(peer, _READ, number, ready[peer][0])
             return value
+
+
+def spin_seconds(ranks: int, cores: int) -> float:
+    """How long a wait of a group of `ranks` ranks on this host, each able to run on `cores` cores, reads
+    before it blocks: `_SPIN_S` where every rank can have a core, else not at all."""
+    return _SPIN_S if ranks <= cores else 0.0
 
 
 def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:

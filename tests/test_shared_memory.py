@@ -396,3 +396,10 @@ def test_gathers_and_reduce_scatters_along_a_dim_equal_gloos_path(pools, ranks):
             assert same_shape and contiguous and counted == {kind: 1}, (kind, dim, blocks)
             # two ranks: the same sum of two, bit for bit; three: rank order against gloo's own order
             assert error == 0 if ranks == 2 or kind == "all_gather" else error < 1e-5, (kind, dim, blocks, error)
+
+
+def test_a_wait_reads_before_it_blocks_only_where_every_rank_has_a_core():
+    from pardsl.shared_memory import _SPIN_S, spin_seconds
+
+    assert spin_seconds(2, 2) == spin_seconds(4, 16) == _SPIN_S > 0
+    assert spin_seconds(3, 2) == spin_seconds(4, 2) == 0.0  # a spinning rank would hold up the one it waits for
