@@ -110,7 +110,8 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transposed: 
 
 @functools.cache
 def _compiled():
-    """The compiled kernels (a namespace with `forward` and `backward`), or None where numba is missing."""
+    """The compiled kernels (a namespace: the norm's `forward` and `backward`, and `rotary`), or None where
+    numba is missing."""
     try:
         import numba
         import numpy as np
