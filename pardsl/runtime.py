@@ -750,8 +750,9 @@ class _Rotary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
+        learned_tables = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         # constant tables on a CPU: numba's kernel (pardsl/kernels.py), one pass, the same bits
-        ctx.kernel = not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]) and kernels.rotary_fits(x, cos, sin)
+        ctx.kernel = not learned_tables and kernels.rotary_fits(x, cos, sin)
         if ctx.kernel:
             ctx.save_for_backward(None, cos, sin)
             return kernels.rotary_forward(x, cos, sin)
@@ -760,7 +761,7 @@ class _Rotary(torch.autograd.Function):
         rotated[..., :h].sub_(x[..., h:] * _half(sin, 0, h))
         rotated[..., h:].add_(x[..., :h] * _half(sin, 1, h))
         # x only where a table needs a gradient: what the chain's muls keep
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] or ctx.needs_input_grad[2] else None, cos, sin)
+        ctx.save_for_backward(x if learned_tables else None, cos, sin)
         ctx.x_shape = x.shape  # smaller than the result's where x broadcasts against the tables
         return rotated
 

@@ -18,6 +18,11 @@ def _nonzero(counts):
     return {phase: {k: v for k, v in kinds.items() if v} for phase, kinds in counts.items()}
 
 
+def lines_calling(compiled, callee: str) -> list[str]:
+    """The generated module's lines that bind the result of `callee` (`rt.rms_norm`), stripped."""
+    return [line.strip() for line in compiled.source.splitlines() if f"= {callee}(" in line]
+
+
 def check(pools, compiled, steps=2):
     report = run_on(pools, compiled, steps=steps)
     assert report["ok"], {k: v for k, v in report.items() if "collectives" not in k}

@@ -14,7 +14,7 @@ from pardsl import kernels
 from pardsl.compiler import compile_file
 from pardsl.runtime import _RMSNorm
 
-from .test_distributed import check
+from .test_distributed import check, lines_calling
 
 NORMED = """\
 mesh tp = 2
@@ -109,14 +109,10 @@ def test_a_bfloat16_norm_computed_in_float32_has_the_chains_bits_forward_and_its
     torch.testing.assert_close(got_x, expected_x, rtol=1e-5, atol=1e-5)  # float32, summed in another order
 
 
-def _fused(compiled) -> list[str]:
-    return [line.strip() for line in compiled.source.splitlines() if "= rt.rms_norm(" in line]
-
-
 def test_hugging_face_llamas_norms_are_fused_under_tensor_parallelism(pools):
     # 2 layers: each layer's two norms and the final one, each one op; no rsqrt left; equal to serial
     compiled = compile_file("examples/hf_llama_tp2.par")
-    fused = _fused(compiled)
+    fused = lines_calling(compiled, "rt.rms_norm")
     assert len(fused) == 5 and "aten.rsqrt" not in compiled.source, fused
     assert all(", 1e-06)" in line for line in fused)
     check(pools, compiled)
@@ -125,7 +121,7 @@ def test_hugging_face_llamas_norms_are_fused_under_tensor_parallelism(pools):
 def test_a_norm_of_a_batch_split_activation_is_fused_with_its_weights_gradient_bucketed(pools, compile_par):
     # data parallel: the weight reaches the fused op through its gradient's bucket wrapper
     compiled = compile_par(NORMED.format(dtype="", input_dtype="float32", layouts="    x : S(0)\n"))
-    fused = _fused(compiled)
+    fused = lines_calling(compiled, "rt.rms_norm")
     assert len(fused) == 1 and "weight__f" in fused[0] and "aten.rsqrt" not in compiled.source, fused
     check(pools, compiled)
 
@@ -133,7 +129,7 @@ def test_a_norm_of_a_batch_split_activation_is_fused_with_its_weights_gradient_b
 def test_a_half_precision_norm_computed_in_float32_is_fused_with_its_cast_back(pools, compile_par):
     # bfloat16: the chain computes in float32 and casts back to bf16 before the weight; the fused op too
     compiled = compile_par(NORMED.format(dtype=', dtype="bfloat16"', input_dtype="bfloat16", layouts="    x : S(0)\n"))
-    fused = _fused(compiled)
+    fused = lines_calling(compiled, "rt.rms_norm")
     assert len(fused) == 1 and ", 1e-06, torch.bfloat16)" in fused[0], fused
     check(pools, compiled)
 
@@ -142,7 +138,7 @@ def test_a_norm_over_a_split_last_dim_is_left_as_its_ops_and_equals_serial(pools
     # the last dim split: the mean is a partial sum, all-reduced inside the chain
     layouts = "    proj.weight : S(0)\n    proj.bias : S(0)\n    out.weight : S(1)\n"
     compiled = compile_par(NORMED.format(dtype="", input_dtype="float32", layouts=layouts))
-    assert _fused(compiled) == [] and "aten.rsqrt.default(" in compiled.source
+    assert lines_calling(compiled, "rt.rms_norm") == [] and "aten.rsqrt.default(" in compiled.source
     check(pools, compiled)
 
 

@@ -10,7 +10,7 @@ from pardsl import kernels
 from pardsl.compiler import compile_file
 from pardsl.runtime import _Rotary
 
-from .test_distributed import check
+from .test_distributed import check, lines_calling
 
 ROTATED = """\
 mesh tp = 2
@@ -102,14 +102,10 @@ def test_learned_tables_get_autograds_gradients():
     assert torch.autograd.gradcheck(_Rotary.apply, (x, cos, sin))
 
 
-def _fused(compiled) -> list[str]:
-    return [line.strip() for line in compiled.source.splitlines() if "= rt.rotary(" in line]
-
-
 def test_hugging_face_llamas_rotations_are_fused_under_tensor_parallelism(pools):
     # 2 layers: each layer's query and key rotations, one op each; no cat of halves or neg left
     compiled = compile_file("examples/hf_llama_tp2.par")
-    fused = _fused(compiled)
+    fused = lines_calling(compiled, "rt.rotary")
     assert len(fused) == 4 and "aten.neg.default(" not in compiled.source, fused
     check(pools, compiled)
 
@@ -118,14 +114,14 @@ def test_a_rotation_of_heads_split_over_ranks_is_fused_and_equals_serial(pools, 
     # the projection column-parallel: each rank rotates its own heads, each head's dim whole
     layouts = "    proj.weight : S(0)\n    proj.bias : S(0)\n    out.weight : S(1)\n"
     compiled = compile_par(ROTATED.format(arguments="", layouts=layouts))
-    assert len(_fused(compiled)) == 1
+    assert len(lines_calling(compiled, "rt.rotary")) == 1
     check(pools, compiled)
 
 
 def test_a_rotation_with_learned_tables_is_fused_with_their_gradients_all_reduced(pools, compile_par):
     # data parallel: the tables' gradients, computed by the fused op, all-reduced as the chain's would be
     compiled = compile_par(ROTATED.format(arguments="learned=True", layouts="    x : S(0)\n"))
-    assert len(_fused(compiled)) == 1
+    assert len(lines_calling(compiled, "rt.rotary")) == 1
     check(pools, compiled)
 
 
@@ -134,5 +130,5 @@ def test_a_rotation_over_a_split_head_dim_is_left_as_its_ops_and_equals_serial(p
     # different ranks, so the chain keeps its ops (and the exchanges they need)
     layouts = "    proj.weight : S(0)\n    proj.bias : S(0)\n    out.weight : S(1)\n"
     compiled = compile_par(ROTATED.format(arguments="heads=1, head_dim=16", layouts=layouts))
-    assert _fused(compiled) == [] and "aten.neg.default(" in compiled.source
+    assert lines_calling(compiled, "rt.rotary") == [] and "aten.neg.default(" in compiled.source
     check(pools, compiled)
