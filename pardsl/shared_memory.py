@@ -24,17 +24,29 @@ each other's bytes as something else. A wait gives up as gloo's would, after the
 timeout, and within a second where a peer's process has ended. Nothing goes through the file system, so
 nothing is left behind: the buffers go when the processes do.
 
+The socket names are abstract, so any process on the host can send to them. A datagram is believed only
+when the kernel's credentials on it (`SO_PASSCRED`) say it comes from a peer's own process (the pid the
+group exchanged for that rank, and this process's uid), it has exactly the message's size, and every field
+is in range: the sender's rank agrees with its pid, the collective number is the next one expected from that
+peer (so a replay is stale), a buffer named is one the peer has sent (or is sending) its descriptor for,
+and an ack names a buffer this rank is waiting on that peer to read. Anything else is dropped and counted
+(`dropped`), and every descriptor that arrives is closed. The buffers each rank makes are bounded, and
+every send and wait has the group's deadline.
+
 Used where every rank of a group is on this host and kernel (hostname, boot id and network namespace
 agree: the socket names are abstract ones), for CPU tensors on gloo; `PARDSL_SHARED_MEMORY=0` turns it off.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import math
 import os
 import secrets
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -49,8 +61,14 @@ _READ = 0
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 # kind, sender's rank in the group, collective number, sender's buffer, its capacity, bytes of input
 _MESSAGE = struct.Struct("<iiqqqq")
-_FD_SPACE = socket.CMSG_SPACE(struct.calcsize("i"))  # room for one descriptor
-_POLL_S = 1.0  # how often a wait checks that its peers are still alive
+_CREDENTIALS = struct.Struct("iII")  # struct ucred: pid, uid, gid
+# Room for the sender's credentials and a few descriptors: a peer sends at most one, and descriptors past the
+# room are discarded by the kernel (MSG_CTRUNC) rather than installed in this process.
+_ANCILLARY_SPACE = socket.CMSG_SPACE(_CREDENTIALS.size) + socket.CMSG_SPACE(4 * struct.calcsize("i"))
+_POLL_S = 1.0  # how often a wait or a send checks that its peers are still alive
+_MAX_BUFFERS = 64  # per rank: a step's collectives in flight at once use a handful
+_MAX_CAPACITY = 1 << 40  # a buffer's bytes, as a peer may announce them
+_MAX_VIEWS = 512  # typed views kept (a step's collectives use a few dozen sizes)
 # How long a wait reads without blocking before it sleeps on the socket. Waking a rank from a blocking read
 # takes 30-70 µs here, on the path of every forward all-reduce of tensor parallelism; a peer that arrives
 # within this long is seen at once (Megatron TP step on LLaMA, nine in-process A/B runs: a median of
@@ -114,13 +132,14 @@ def _made(group) -> SharedMemoryGroup | None:
 class _Buffer:
     number: int
     memory: torch.Tensor  # uint8, the whole capacity
-    unread: int = 0  # ranks (this one too) yet to read what it holds now
+    unread: set = dataclasses.field(default_factory=set)  # ranks (this one too) yet to read what it holds now
+    collective: int = -1  # the number of the collective it holds the input of
     fd: int | None = None  # until every peer has been sent it
     sent_to: set = dataclasses.field(default_factory=set)
     lent: weakref.ref | None = None  # the tensor it is lent as (`lend`), until a collective starts on it
 
     def free(self) -> bool:
-        return self.unread == 0 and (self.lent is None or self.lent() is None)
+        return not self.unread and (self.lent is None or self.lent() is None)
 
 
 class SharedMemoryGroup:
@@ -131,13 +150,17 @@ class SharedMemoryGroup:
         self.peers = [r for r in range(self.size) if r != rank]
         self._address = [f"\0pardsl-{name}-{r}" for r in range(self.size)]
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # who sent each datagram, from the kernel
         self._socket.bind(self._address[rank])
+        self._uid = os.getuid()
         self._buffers: list[_Buffer] = []
         self._mapped: dict[tuple[int, int], torch.Tensor] = {}  # (peer, its buffer) → the memory
         self._views: dict[tuple, torch.Tensor] = {}  # (buffer's key, bytes, dtype) → its first bytes as dtype
         # collective number → peer → (its buffer, bytes, which collective)
         self._ready: dict[int, dict[int, tuple[int, int, str]]] = {}
+        self._expected = {peer: 0 for peer in self.peers}  # the next collective number each peer announces
         self._started = 0
+        self.dropped: collections.Counter = collections.Counter()  # datagrams not believed, by reason
         self._lock = threading.Lock()
         self.spin_s = spin_seconds(self.size, len(os.sched_getaffinity(0)))
 
@@ -250,8 +273,9 @@ class SharedMemoryGroup:
             else:  # x was written where the peers read it
                 mine = x
             buffer.lent = None
-            buffer.unread = self.size
+            buffer.unread = set(range(self.size))
             number = self._started
+            buffer.collective = number
             self._started += 1
             for peer in self.peers:
                 fd = buffer.fd if peer not in buffer.sent_to else None
@@ -280,6 +304,8 @@ class SharedMemoryGroup:
         fitting = [b for b in self._buffers if b.free() and capacity <= b.memory.numel() <= 2 * capacity]
         if fitting:
             return min(fitting, key=lambda b: b.memory.numel())
+        if len(self._buffers) >= _MAX_BUFFERS:
+            return self._buffer_read_again(capacity)
         fd = os.memfd_create(f"pardsl-{self.rank}-{len(self._buffers)}", os.MFD_CLOEXEC)
         os.ftruncate(fd, capacity)
         memory = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=capacity, dtype=torch.uint8)
@@ -287,62 +313,147 @@ class SharedMemoryGroup:
         self._buffers.append(buffer)
         return buffer
 
+    def _buffer_read_again(self, capacity: int) -> _Buffer:
+        """With every buffer made: the first free one large enough, once the peers have read it (a program
+        with more collectives in flight than _MAX_BUFFERS waits for the oldest, as gloo's queue would)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            free = [b for b in self._buffers if b.free()]
+            fitting = [b for b in free if b.memory.numel() >= capacity]
+            if fitting:
+                return min(fitting, key=lambda b: b.memory.numel())
+            if free:  # all too small: the smallest is made again at this size (the peers map it anew)
+                return self._remade(min(free, key=lambda b: b.memory.numel()), capacity)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {self.rank} of a shared-memory group waited {self.timeout_s:.0f} s "
+                                   f"for its peers to read one of its {_MAX_BUFFERS} buffers")
+            self._receive(block=True)
+            self._check_peers_alive()
+
+    def _remade(self, buffer: _Buffer, capacity: int) -> _Buffer:
+        fd = os.memfd_create(f"pardsl-{self.rank}-{buffer.number}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, capacity)
+        memory = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=capacity, dtype=torch.uint8)
+        if buffer.fd is not None:
+            os.close(buffer.fd)
+        remade = _Buffer(buffer.number, memory, fd=fd)  # sent_to empty: each peer is sent the new descriptor
+        self._buffers[buffer.number] = remade
+        self._views = {key: view for key, view in self._views.items() if key[0] != ("own", buffer.number)}
+        return remade
+
     def _typed(self, key: tuple, memory: torch.Tensor, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer's first `nbytes` as `dtype`, made once: a step's collectives use the same few buffers at
         the same sizes, and a slice and a view made afresh are two ATen ops each time (about 13 µs here)."""
         view = self._views.get((key, nbytes, dtype))
         if view is None:
+            if len(self._views) >= _MAX_VIEWS:  # sizes that keep changing: start the cache again
+                self._views.clear()
             view = self._views[(key, nbytes, dtype)] = memory[:nbytes].view(dtype)
         return view
 
     def _send(self, peer: int, kind: int, number: int, buffer: int, capacity: int = 0, nbytes: int = 0,
               fd: int | None = None) -> None:
         message = _MESSAGE.pack(kind, self.rank, number, buffer, capacity, nbytes)
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))] if fd is not None else []
+        deadline = time.monotonic() + self.timeout_s
+        checked = time.monotonic()
         while True:
             try:
-                ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))] if fd is not None else []
                 self._socket.sendmsg([message], ancillary, socket.MSG_DONTWAIT, self._address[peer])
-                break
+                return
             except BlockingIOError:  # the peer's queue is full: take in ours meanwhile, so both can go on
                 self._receive(block=False)
                 time.sleep(0.0001)
+            except (ConnectionRefusedError, FileNotFoundError) as error:  # its socket is gone
+                raise RuntimeError(f"rank {self.rank} of a shared-memory group cannot reach rank {peer} "
+                                   f"(process {self.pids[peer]}): {error}") from None
+            if time.monotonic() - checked > _POLL_S:
+                self._check_peers_alive()
+                checked = time.monotonic()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {self.rank} of a shared-memory group could not send to rank {peer} for "
+                                   f"{self.timeout_s:.0f} s (the process group's timeout): its queue stayed full")
 
-    def _receive(self, block: bool) -> None:
-        """Take in the datagrams that have arrived (with `block`, waiting up to _POLL_S for one, then
-        checking that the peers are alive)."""
+    def _receive(self, block: bool, timeout_s: float = _POLL_S) -> None:
+        """Take in the datagrams that have arrived (with `block`, waiting up to `timeout_s` for the first)."""
         while True:
             try:
-                # socket.recv_fds drops its flags (Python 3.11), so recvmsg itself
+                # socket.recv_fds drops its flags (Python 3.11), so recvmsg itself; one byte more than a
+                # message, so that a longer datagram shows as such rather than cut to size
                 if block:
-                    self._socket.settimeout(_POLL_S)
-                    message, ancillary, _, _ = self._socket.recvmsg(_MESSAGE.size, _FD_SPACE)
+                    self._socket.settimeout(max(timeout_s, 1e-3))
+                    message, ancillary, flags, _ = self._socket.recvmsg(_MESSAGE.size + 1, _ANCILLARY_SPACE)
                 else:
-                    message, ancillary, _, _ = self._socket.recvmsg(_MESSAGE.size, _FD_SPACE, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                return
-            except TimeoutError:
-                self._check_peers_alive()
+                    message, ancillary, flags, _ = self._socket.recvmsg(_MESSAGE.size + 1, _ANCILLARY_SPACE,
+                                                                        socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError, TimeoutError):
                 return
             finally:
                 self._socket.settimeout(None)
-            kind, peer, number, buffer, capacity, nbytes = _MESSAGE.unpack(message)
-            fds = [int.from_bytes(data[:4], sys.byteorder, signed=True)
-                   for level, kind_of, data in ancillary if (level, kind_of) == (socket.SOL_SOCKET, socket.SCM_RIGHTS)]
-            if fds:
-                self._mapped[(peer, buffer)] = torch.from_file(f"/proc/self/fd/{fds[0]}", shared=True,
-                                                               size=capacity, dtype=torch.uint8)
-                os.close(fds[0])
-            if kind == _READ:
-                self._buffers[buffer].unread -= 1
-            else:
-                self._ready.setdefault(number, {})[peer] = (buffer, nbytes, _COLLECTIVES[kind - 1])
+            fds, credentials = [], None
+            for level, kind_of, data in ancillary:
+                if (level, kind_of) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
+                    fds += [int.from_bytes(data[i:i + 4], sys.byteorder, signed=True)
+                            for i in range(0, len(data) - len(data) % 4, 4)]
+                elif (level, kind_of) == (socket.SOL_SOCKET, socket.SCM_CREDENTIALS) \
+                        and len(data) >= _CREDENTIALS.size:
+                    credentials = _CREDENTIALS.unpack_from(data)
+            try:
+                reason = self._accept(message, flags, credentials, fds)
+            except Exception as error:  # noqa: BLE001 - whatever a datagram holds, it is not believed
+                reason = f"not usable ({type(error).__name__})"
+            finally:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            if reason is not None:
+                self.dropped[reason] += 1
             block = False
+
+    def _accept(self, message: bytes, flags: int, credentials, fds: list[int]) -> str | None:
+        """Take in one datagram if it is a peer's and makes sense now; else the reason it is dropped."""
+        if credentials is None:
+            return "no credentials"
+        pid, uid, _ = credentials
+        if uid != self._uid or pid not in self.pids:
+            return "not from a peer's process"
+        if len(message) != _MESSAGE.size or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            return "malformed"
+        kind, peer, number, buffer, capacity, nbytes = _MESSAGE.unpack(message)
+        if peer not in self._expected or self.pids[peer] != pid:
+            return "sender's rank and process disagree"
+        if kind == _READ:
+            if not (0 <= buffer < len(self._buffers)) or peer not in self._buffers[buffer].unread \
+                    or self._buffers[buffer].collective != number or fds:
+                return "an ack of nothing awaited"
+            self._buffers[buffer].unread.discard(peer)
+            return None
+        if not 1 <= kind <= len(_COLLECTIVES):
+            return "unknown kind"
+        if number != self._expected[peer]:
+            return "out of order or replayed"
+        if not (0 <= buffer < _MAX_BUFFERS and 0 < capacity <= _MAX_CAPACITY and capacity % _PAGE == 0
+                and 0 <= nbytes <= capacity) or len(fds) > 1:
+            return "out of range"
+        if fds:
+            status = os.fstat(fds[0])
+            if not stat.S_ISREG(status.st_mode) or status.st_size < capacity:
+                return "not a buffer"
+            memory = torch.from_file(f"/proc/self/fd/{fds[0]}", shared=True, size=capacity, dtype=torch.uint8)
+            self._mapped[(peer, buffer)] = memory
+            self._views = {key: view for key, view in self._views.items() if key[0] != (peer, buffer)}
+        mapped = self._mapped.get((peer, buffer))
+        if mapped is None or mapped.numel() != capacity:
+            return "a buffer not mapped"
+        self._expected[peer] += 1
+        self._ready.setdefault(number, {})[peer] = (buffer, nbytes, _COLLECTIVES[kind - 1])
+        return None
 
     def _check_peers_alive(self) -> None:
         for peer in self.peers:
             try:
-                with open(f"/proc/{self.pids[peer]}/stat") as stat:
-                    state = stat.read().rsplit(")", 1)[1].split()[0]
+                with open(f"/proc/{self.pids[peer]}/stat") as stat_file:
+                    state = stat_file.read().rsplit(")", 1)[1].split()[0]
             except OSError:
                 state = "gone"
             if state in ("Z", "X", "gone"):
@@ -353,16 +464,21 @@ class SharedMemoryGroup:
         with self._lock:
             deadline = time.monotonic() + self.timeout_s
             spin_until = time.perf_counter() + self.spin_s
+            checked = time.monotonic()
             while len(self._ready.get(number, ())) < len(self.peers):
                 if time.perf_counter() < spin_until:
                     self._receive(block=False)
                     continue
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     missing = sorted(set(self.peers) - set(self._ready.get(number, ())))
                     raise RuntimeError(f"rank {self.rank} of a shared-memory group waited {self.timeout_s:.0f} s (the "
                                        f"process group's timeout) for rank(s) {missing} to start collective number "
                                        f"{number}, {collective}")
-                self._receive(block=True)
+                if now - checked >= _POLL_S:  # also while datagrams keep arriving, none of them the one awaited
+                    self._check_peers_alive()
+                    checked = now
+                self._receive(block=True, timeout_s=min(_POLL_S, deadline - now))
             ready = self._ready.pop(number)
             nbytes = mine.numel() * mine.element_size()
             for peer, (_, theirs, their_collective) in ready.items():
@@ -375,7 +491,7 @@ class SharedMemoryGroup:
                                                               ready[r][1], mine.dtype)
                       for r in range(self.size)]
             value = result(inputs)
-            buffer.unread -= 1
+            buffer.unread.discard(self.rank)
             for peer in self.peers:
                 self._send(peer, _READ, number, ready[peer][0])
             return value

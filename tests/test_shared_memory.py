@@ -1,11 +1,19 @@
 """Collectives through shared memory between ranks of one host (pardsl/shared_memory.py): equal to
 gloo's own (bit for bit on two ranks), with nothing through gloo, in any order of waits, and a wait on a
-rank that has ended fails instead of hanging."""
+rank that has ended fails instead of hanging; datagrams from any other process, or out of range, are
+dropped and counted, never believed."""
 
+import collections
+import contextlib
 import hashlib
 import itertools
 import multiprocessing
 import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -403,3 +411,191 @@ def test_a_wait_reads_before_it_blocks_only_where_every_rank_has_a_core():
 
     assert spin_seconds(2, 2) == spin_seconds(4, 16) == _SPIN_S > 0
     assert spin_seconds(3, 2) == spin_seconds(4, 2) == 0.0  # a spinning rank would hold up the one it waits for
+
+
+# -- attacks: datagrams from processes that are not the group's ------------------------------------------
+
+
+def _attacked_rank(rank: int, port: int, ready, go, done, results) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from pardsl.shared_memory import shared_memory_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    group = shared_memory_group(None)
+    group.all_reduce_started(torch.ones(4))[0].wait()  # buffers made and their descriptors passed
+    fds = len(os.listdir("/proc/self/fd"))
+    if rank == 0:
+        ready.put(group._address[0].split("-")[1])
+    go.wait(60)
+    sums = []
+    for step in range(300):  # while the attackers send
+        work, summed = group.all_reduce_started(torch.full((4,), float(rank + 1 + step)))
+        work.wait()
+        sums.append(summed().tolist())
+        time.sleep(0.002)
+    done.wait(60)  # the attackers have finished
+    dist.barrier()
+    group.all_reduce_started(torch.ones(4))[0].wait()  # whatever is still queued is read and dropped
+    results.put((rank, sums, len(os.listdir("/proc/self/fd")) - fds, len(group._buffers), dict(group.dropped)))
+    dist.destroy_process_group()
+
+
+def _attacker_commands() -> list[list[str]]:
+    """The attacker as this user from another process, and as `nobody` where this process may become it."""
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    commands = [[python]]
+    if os.getuid() == 0 and shutil.which("setpriv"):
+        commands.append(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", python])
+    return commands
+
+
+@pytest.mark.parametrize("as_user", ["same-user", "nobody"])
+def test_forged_datagrams_from_another_process_change_nothing_and_leak_nothing(as_user):
+    from pardsl.pool import free_port
+
+    commands = _attacker_commands()
+    if as_user == "nobody" and len(commands) < 2:
+        pytest.skip("needs root and setpriv to run the attacker as another user")
+    attacker = commands[0 if as_user == "same-user" else 1]
+    source = open(os.path.join(os.path.dirname(__file__), "scripts", "forge_datagrams.py")).read()
+    context = multiprocessing.get_context("spawn")
+    ready, go, done, results = context.Queue(), context.Event(), context.Event(), context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_attacked_rank, args=(rank, port, ready, go, done, results))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        name = ready.get(timeout=60)
+        go.set()
+        attackers = [subprocess.Popen([*attacker, "-c", source, name, "2"], cwd="/", stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        sent = [subprocess.CompletedProcess(a.args, a.wait(timeout=60), *a.communicate()) for a in attackers]
+        done.set()
+        got = dict((rank, rest) for rank, *rest in (results.get(timeout=90) for _ in processes))
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    assert all(run.returncode == 0 for run in sent), [run.stderr for run in sent]
+    for rank, (sums, fds, buffers, dropped) in got.items():
+        assert sums == [[3.0 + 2 * step] * 4 for step in range(300)], rank
+        assert fds <= 0 and buffers <= 4, (rank, fds, buffers)
+        assert set(dropped) <= {"not from a peer's process"}
+    # every datagram that reached a rank's queue (the others found it full) was dropped for its sender
+    assert sum(dropped.get("not from a peer's process", 0) for *_, dropped in got.values()) \
+        == sum(int(run.stdout) for run in sent) > 0
+
+
+def _forge(address: str, message: bytes, fds=()) -> None:
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
+    sender.sendmsg([message], ancillary, 0, address)
+    sender.close()
+
+
+def _memfd(capacity: int = 4096) -> int:
+    fd = os.memfd_create("test")
+    os.ftruncate(fd, capacity)
+    return fd
+
+
+def test_a_peers_datagrams_are_believed_only_in_range_and_in_order():
+    """Datagrams sent from the process the group takes for rank 1 (this one): each field out of range, a
+    replay, an unmapped buffer, a pipe for a buffer, two descriptors, an ack of nothing awaited: dropped and
+    counted, their descriptors closed, nothing made ready; the well-formed announcement is believed once."""
+    from pardsl.shared_memory import _MESSAGE, SharedMemoryGroup
+
+    me = os.getpid()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    group = SharedMemoryGroup(0, f"test{me}", [me, me], timeout_s=5)
+    address = group._address[0]
+    good = _memfd()
+    reader, writer = os.pipe()
+    cases = [
+        (_MESSAGE.pack(1, 1, 0, 0, 4096, 16), [good], None),  # rank 1's input to collective 0: believed
+        (_MESSAGE.pack(1, 1, 0, 0, 4096, 16), [], "out of order or replayed"),
+        (_MESSAGE.pack(1, 1, 5, 0, 4096, 16), [], "out of order or replayed"),
+        (_MESSAGE.pack(1, 1, 1, -1, 4096, 16), [], "out of range"),
+        (_MESSAGE.pack(1, 1, 1, 0, -4096, 16), [], "out of range"),
+        (_MESSAGE.pack(1, 1, 1, 0, 4096, 8192), [], "out of range"),
+        (_MESSAGE.pack(1, 1, 1, 0, 4096, 16), [good, good], "out of range"),
+        (_MESSAGE.pack(1, 1, 1, 3, 4096, 16), [], "a buffer not mapped"),
+        (_MESSAGE.pack(1, 1, 1, 4, 4096, 16), [reader], "not a buffer"),
+        (_MESSAGE.pack(9, 1, 1, 0, 4096, 16), [], "unknown kind"),
+        (_MESSAGE.pack(1, 7, 1, 0, 4096, 16), [], "sender's rank and process disagree"),
+        (_MESSAGE.pack(1, 0, 1, 0, 4096, 16), [], "sender's rank and process disagree"),
+        (_MESSAGE.pack(0, 1, 0, -1, 0, 0), [], "an ack of nothing awaited"),
+        (_MESSAGE.pack(0, 1, 0, 0, 0, 0), [], "an ack of nothing awaited"),
+        (b"abc", [], "malformed"),
+        (_MESSAGE.pack(1, 1, 1, 0, 4096, 16) + b"!", [], "malformed"),
+    ]
+    expected = collections.Counter()
+    for message, fds, reason in cases:
+        _forge(address, message, fds)
+        group._receive(block=False)
+        if reason:
+            expected[reason] += 1
+        assert group.dropped == expected, (message, reason)
+    assert group._ready == {0: {1: (0, 16, "all_reduce")}}
+    for fd in (good, reader, writer):
+        os.close(fd)
+    group._socket.close()
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # every descriptor received was closed
+
+
+def test_a_send_to_a_full_queue_gives_up_at_the_deadline():
+    """A peer that is alive but never reads: its queue fills, and the sender fails at the group's timeout
+    instead of retrying for ever."""
+    from pardsl.shared_memory import SharedMemoryGroup
+
+    me = os.getpid()
+    group = SharedMemoryGroup(0, f"full{me}", [me, me], timeout_s=1.5)
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    stuck.bind(group._address[1])  # rank 1's socket, never read
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not send to rank 1 for 2 s"):
+        for number in range(100_000):
+            group._send(1, 0, number, 0)
+    assert time.monotonic() - started < 10
+    stuck.close()
+    group._socket.close()
+
+
+def test_a_dead_peer_is_noticed_within_seconds_while_datagrams_keep_arriving():
+    """Rank 1's process has ended; forged datagrams keep arriving all the while: the wait still looks its
+    peers up every second and fails naming rank 1, long before the group's timeout."""
+    import threading
+
+    from pardsl.shared_memory import _MESSAGE, SharedMemoryGroup
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    me = os.getpid()
+    group = SharedMemoryGroup(0, f"dead{me}", [me, ended.pid], timeout_s=60)
+    flooding = threading.Event()
+
+    def flood():
+        while not flooding.is_set():
+            with contextlib.suppress(OSError):
+                _forge(group._address[0], _MESSAGE.pack(1, 1, 0, 0, 4096, 16))
+            time.sleep(0.001)
+
+    flooder = threading.Thread(target=flood)
+    flooder.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=f"rank 1 of a shared-memory group ended \\(process {ended.pid}\\)"):
+            group._send = lambda *args, **kwargs: None  # rank 1's socket is gone with it: only the wait is tried
+            group.all_reduce_started(torch.ones(4))[0].wait()
+    finally:
+        flooding.set()
+        flooder.join()
+        group._socket.close()
+    assert time.monotonic() - started < 5
+    assert group.dropped["sender's rank and process disagree"] > 10
