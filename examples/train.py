@@ -5,6 +5,13 @@ clipping, a checkpoint mid-way and a resume, loss and tokens per second with a p
     torchrun --nproc-per-node 4 examples/train.py --plan examples/llama_train_dp2_tp2.par --resume ckpt/step-30
     python examples/train.py --serial --steps 60        # the same training, plain PyTorch, one process
 
+Surviving a dead rank: with `--save-every N --resume auto`, a run restarted by torchrun
+(`--max-restarts 1`) continues from the newest complete checkpoint in --checkpoint-dir (a save that died
+part-way is passed over), and trains on the batches a straight run would:
+
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --max-restarts 1 \
+        examples/train.py --save-every 5 --resume auto
+
 The corpus is generated (seeded, no downloads): sentences from a small grammar, tokenized as bytes, so
 the model's vocabulary of 256 covers it. Step k always trains on the same batch, so a resumed run and a
 run under another plan see the data a straight run would.
@@ -17,6 +24,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 
@@ -68,8 +76,15 @@ def arguments(argv=None):
     parser.add_argument("--save-at", type=int, default=None,
                         help="save a checkpoint once this many steps are done (with --resume from that step: "
                              "save what was loaded, resharded to --plan, before training on)")
+    parser.add_argument("--save-every", type=int, default=None, help="save a checkpoint every this many steps")
     parser.add_argument("--checkpoint-dir", default="ckpt")
-    parser.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
+    parser.add_argument("--resume", default=None,
+                        help="a checkpoint folder to continue from; `auto`: the newest complete one in "
+                             "--checkpoint-dir, if any (from the start otherwise)")
+    parser.add_argument("--kill-rank", type=int, default=None,
+                        help="to try the restart path: on the first attempt, this rank kills itself (SIGKILL) "
+                             "midway through step --kill-at, between forward and backward")
+    parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--loss-log", default=None, help="append one JSON line per step (rank 0) to this file")
     parser.add_argument("--serial", action="store_true", help="train the serial model in one process instead")
     parser.add_argument("--seed", type=int, default=0)
@@ -86,10 +101,8 @@ def save(model, optimizer, plan, steps_done: int, args, progress) -> None:
     import pardsl
 
     folder = os.path.join(args.checkpoint_dir, f"step-{steps_done}")
-    pardsl.save(model, folder, optimizer=optimizer)
+    pardsl.save(model, folder, optimizer=optimizer, metadata={"step": steps_done})  # all or nothing
     if dist.get_rank() == 0:
-        with open(os.path.join(folder, "trainer.json"), "w") as handle:
-            json.dump({"step": steps_done}, handle)
         progress.console.print(f"saved {folder}")
 
 
@@ -111,12 +124,15 @@ def main(argv=None) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         rank = dist.get_rank()
         plan = pardsl.load(args.plan)
+        if args.resume == "auto":  # a restarted run: the newest checkpoint every rank finished, if any
+            args.resume = pardsl.latest_checkpoint(args.checkpoint_dir)
         model = plan.module(checkpoint=args.resume)  # this rank's shards; from the checkpoint if given
         clip = lambda: pardsl.clip_grad_norm_(model, args.clip)  # noqa: E731
         start = 0
         if args.resume:
-            with open(os.path.join(args.resume, "trainer.json")) as handle:
-                start = json.load(handle)["step"]
+            start = pardsl.checkpoint_metadata(args.resume)["step"]
+            if rank == 0:
+                print(f"resuming from {args.resume} at step {start}", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     if args.resume:
         pardsl.load_optimizer_state(optimizer, model, args.resume)
@@ -138,6 +154,8 @@ def main(argv=None) -> None:
                 group["lr"] = learning_rate(step, args)
             inputs = dict(input_ids=batch, labels=batch)
             out = model(**(plan.shard_inputs(**inputs) if plan else inputs))
+            if rank == args.kill_rank and step == args.kill_at and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                os.kill(os.getpid(), signal.SIGKILL)
             out.loss.backward()
             norm = clip()
             optimizer.step()
@@ -151,7 +169,7 @@ def main(argv=None) -> None:
             if log:
                 log.write(json.dumps({"step": step, "loss": loss, "grad_norm": float(norm)}) + "\n")
                 log.flush()
-            if args.save_at == step + 1:
+            if args.save_at == step + 1 or (args.save_every and (step + 1) % args.save_every == 0):
                 save(model, optimizer, plan, step + 1, args, progress)
     if not args.serial:
         dist.barrier()  # no rank tears gloo down while another's last collective is in flight

@@ -6,8 +6,8 @@ The public API, for training from one's own script under torchrun (see the READM
     model = plan.module(checkpoint=None)
     out = model(**plan.shard_inputs(input_ids=batch, labels=batch))
     pardsl.clip_grad_norm_(model, 1.0)
-    pardsl.save(model, "ckpt/", optimizer=opt)
-    pardsl.load_optimizer_state(opt, model, "ckpt/")
+    pardsl.save(model, "ckpt/step-100", optimizer=opt, metadata={"step": 100})
+    pardsl.load_optimizer_state(opt, model, pardsl.latest_checkpoint("ckpt/"))
     pardsl.export_checkpoint("ckpt/", "model.safetensors")
 """
 
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ParallelModule": "api", "PipelineModule": "api", "Plan": "api", "clip_grad_norm_": "api", "load": "api",
     "export_checkpoint": "checkpoint", "load_optimizer_state": "checkpoint", "save": "checkpoint",
+    "latest_checkpoint": "checkpoint", "checkpoint_metadata": "checkpoint", "CheckpointError": "checkpoint",
     "CompileError": "diagnostics",
 }
 

@@ -171,7 +171,8 @@ class Plan:
         """Whether the plan has a `pipeline` statement: `plan.module()` is then a PipelineModule."""
         return self.compiled.pipeline is not None
 
-    def module(self, checkpoint: str | None = None, device: torch.device | str | None = None, loss_fn=None):
+    def module(self, checkpoint: str | None = None, device: torch.device | str | None = None, loss_fn=None,
+               strict: bool = True):
         """This rank's shards of the model, as a module that takes the serial model's arguments.
 
         With a checkpoint (a pardsl checkpoint folder, a `model.safetensors` file, or a Hugging Face folder
@@ -179,6 +180,9 @@ class Plan:
         one, the parameters are the values the model's factory gives under the current torch seed, as the
         serial model's would be: every rank builds the serial model once to take its shards (so set the
         same seed on every rank, and use a checkpoint for a model larger than one rank's memory).
+        A pardsl checkpoint is checked whole before any of it is read, and must be of this plan's model;
+        `strict=False` loads one saved from another model (a deliberate transfer), names matched as for a
+        Hugging Face checkpoint.
 
         A pipelined plan gives a `PipelineModule`: this rank's stages, trained by `model.step(...)`. Its loss
         is the model's own (a scalar it returns, such as a Hugging Face model's `loss`), or
@@ -203,7 +207,7 @@ class Plan:
             with torch.no_grad():
                 for name, (attr, layout, _) in self._generated.BUFFERS.items():
                     getattr(spmd, attr).copy_(rt.shard(bound.buffer_values[name], layout))
-            load_model_state(spmd, self, checkpoint)
+            load_model_state(spmd, self, checkpoint, strict=strict)
         return ParallelModule(self, spmd)
 
     def _full_state(self) -> dict[str, torch.Tensor]:

@@ -165,7 +165,9 @@ def test_training_example_checkpoints_and_resumes_under_another_mesh_bit_for_bit
     assert any(name.startswith("optimizer.") and name.endswith(".exp_avg_sq") for name in saved.tensors)
     files = {p.file for _, pieces in resharded.tensors.values() for p in pieces}
     # each element once: the parameters are B over dp, so the ranks at dp coordinate 0 hold them all
-    assert files == {"rank-00000-of-00004.safetensors", "rank-00001-of-00004.safetensors"}
+    save_id = resharded.document["save_id"]
+    assert files == {f"rank-00000-of-00004.{save_id}.safetensors", f"rank-00001-of-00004.{save_id}.safetensors"}
+    assert sorted(os.listdir(tmp_path / "dp2tp2" / "step-2")) == sorted([*files, "pardsl.index.json"])
     for name in saved.tensors:
         assert torch.equal(saved.full(name), resharded.full(name)), name
 
