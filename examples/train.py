@@ -9,8 +9,13 @@ Surviving a dead rank: with `--save-every N --resume auto`, a run restarted by t
 (`--max-restarts 1`) continues from the newest complete checkpoint in --checkpoint-dir (a save that died
 part-way is passed over), and trains on the batches a straight run would:
 
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --max-restarts 1 \
         examples/train.py --save-every 5 --resume auto
+
+(torch's agents count restarts each on their own, so with the store they share with their workers, a
+restarted gloo or NCCL group can read the previous attempt's addresses and hang at start-up;
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each attempt a store of its own.)
 
 The corpus is generated (seeded, no downloads): sentences from a small grammar, tokenized as bytes, so
 the model's vocabulary of 256 covers it. Step k always trains on the same batch, so a resumed run and a
@@ -82,8 +87,8 @@ def arguments(argv=None):
                         help="a checkpoint folder to continue from; `auto`: the newest complete one in "
                              "--checkpoint-dir, if any (from the start otherwise)")
     parser.add_argument("--kill-rank", type=int, default=None,
-                        help="to try the restart path: on the first attempt, this rank kills itself (SIGKILL) "
-                             "midway through step --kill-at, between forward and backward")
+                        help="to try the restart path: in a run that did not resume, this rank kills itself "
+                             "(SIGKILL) midway through step --kill-at, between forward and backward")
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--loss-log", default=None, help="append one JSON line per step (rank 0) to this file")
     parser.add_argument("--serial", action="store_true", help="train the serial model in one process instead")
@@ -154,7 +159,7 @@ def main(argv=None) -> None:
                 group["lr"] = learning_rate(step, args)
             inputs = dict(input_ids=batch, labels=batch)
             out = model(**(plan.shard_inputs(**inputs) if plan else inputs))
-            if rank == args.kill_rank and step == args.kill_at and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            if rank == args.kill_rank and step == args.kill_at and not args.resume:
                 os.kill(os.getpid(), signal.SIGKILL)
             out.loss.backward()
             norm = clip()
