@@ -214,7 +214,7 @@ class Plan:
         from .binding import build_model, full_state, import_paths, par_import_paths
 
         par = self.compiled.par
-        with import_paths(*par_import_paths(par.source.path)):
+        with import_paths(*par_import_paths(par.source.path, par.model.module)):
             serial = build_model(par.model, par.source.path)
         full = full_state(serial)
         full.update((name, t) for name, t in self.compiled.bound.buffer_values.items() if name not in full)

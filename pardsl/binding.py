@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import re
+import stat
 import sys
 import time
 import warnings
@@ -155,8 +156,9 @@ class BoundPlan:
 
 @contextlib.contextmanager
 def import_paths(*paths: str):
-    """The .par file's folder and the working directory are importable while the model is built."""
-    added = [p for p in paths if p not in sys.path]
+    """`paths` importable while the model's code is imported and run, and only then; a folder any user may
+    write to is never added (a module planted there would run as this user)."""
+    added = [p for p in paths if p not in sys.path and not writable_by_anyone(p)]
     sys.path[:0] = added
     try:
         yield
@@ -166,16 +168,42 @@ def import_paths(*paths: str):
                 sys.path.remove(p)
 
 
-def par_import_paths(par_path: str) -> tuple[str, ...]:
-    return (os.path.dirname(os.path.abspath(par_path)), os.getcwd())
+def writable_by_anyone(folder: str) -> bool:
+    try:
+        return bool(os.stat(folder).st_mode & stat.S_IWOTH)
+    except OSError:
+        return False
+
+
+def par_import_paths(par_path: str, module: str) -> tuple[str, ...]:
+    """Where the model's module is imported from, beyond what is importable already: the .par file's folder,
+    and where that folder lies inside the module's own package (`examples/mlp.par` naming
+    `examples.models`), the folder that holds the package. Never the working directory."""
+    folder = os.path.dirname(os.path.abspath(par_path))
+    parts = folder.split(os.sep)
+    packages = module.split(".")[:-1]
+    for depth in range(len(packages), 0, -1):
+        if parts[-depth:] == packages[:depth]:
+            return folder, os.sep.join(parts[:-depth]) or os.sep
+    return (folder,)
 
 
 def load_factory(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = None):
     """The model factory named by `model module:callable(...)`, or None with a diagnostic."""
-    with import_paths(*par_import_paths(par_path)):
+    paths = par_import_paths(par_path, decl.module)
+    with import_paths(*paths):
         try:
             module = importlib.import_module(decl.module)
         except Exception as error:  # the user's module: any failure is their error to read
+            refused = [p for p in paths if writable_by_anyone(p)]
+            if refused and isinstance(error, ModuleNotFoundError):
+                message = (f"model module `{decl.module}` is not imported from `{refused[0]}`: any user may write "
+                           "to that folder, and a module planted there would run as you")
+                if sink is None:
+                    raise ImportError(message) from error
+                sink.error("E023", message, decl.span, "move the .par file and the model's module to a folder of "
+                           "your own (not /tmp)")
+                return None
             if sink is None:
                 raise
             sink.error("E020", f"cannot import model module `{decl.module}`", decl.span,
@@ -196,7 +224,7 @@ def build_model(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = No
     factory = load_factory(decl, par_path, sink)
     if factory is None:
         return None
-    with import_paths(*par_import_paths(par_path)):
+    with import_paths(*par_import_paths(par_path, decl.module)):
         try:
             model = factory(**dict(decl.kwargs))
         except (Exception, SystemExit) as error:  # the user's code; sys.exit() there ends no compile
@@ -736,7 +764,7 @@ def bind(par: ParFile) -> BoundPlan:
     clock = time.perf_counter()
     report("exporting the model (torch.export)")
     try:
-        with import_paths(*par_import_paths(par.source.path)):
+        with import_paths(*par_import_paths(par.source.path, par.model.module)):
             exported = trace(model.to("meta"), example, _dynamic_shapes(par))
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -768,7 +796,7 @@ def bind(par: ParFile) -> BoundPlan:
     constants = {k: v for k, v in exported.constants.items() if k not in buffer_values}
     if any(isinstance(v, torch.Tensor) for v in constants.values()):
         try:
-            with import_paths(*par_import_paths(par.source.path)):
+            with import_paths(*par_import_paths(par.source.path, par.model.module)):
                 # Traced on meta, a constant may have no value: it is taken from traces on fake CPU tensors.
                 # Twice, NumPy's and Python's generators seeded apart: a value made from their random
                 # numbers (Wav2Vec2's SpecAugment mask) differs between the traces, where a constant does not.

@@ -27,6 +27,7 @@ ERROR_CODES: dict[str, str] = {
     "E020": "model module cannot be imported",
     "E021": "model factory not found in its module",
     "E022": "model factory failed or did not return an nn.Module",
+    "E023": "model module in a folder any user may write to",
     "E029": "input too large",
     "E030": "unknown dtype",
     "E031": "value range on a floating-point input",

@@ -105,8 +105,9 @@ def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", d
     tolerance = tolerance_for({info.dtype for info in compiled.bound.tensors.values()})
     return RankJob(compiled.source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
                    par.inputs, seed, steps, lr=lr, backend=backend, device=resolve_device(device, backend),
-                   sys_path=par_import_paths(par.source.path), timeout_s=timeout_s, tolerance=tolerance,
-                   optimizer=optimizer, stdout_to_stderr=stdout_to_stderr, constants=compiled.bound.constant_values)
+                   sys_path=par_import_paths(par.source.path, par.model.module), timeout_s=timeout_s,
+                   tolerance=tolerance, optimizer=optimizer, stdout_to_stderr=stdout_to_stderr,
+                   constants=compiled.bound.constant_values)
 
 
 def resolve_backend(backend: str) -> str:
@@ -199,9 +200,6 @@ def run_rank(job: RankJob) -> dict:
     from .binding import build_model, full_state, import_paths, make_inputs
     from .runtime import Runtime
 
-    for path in job.sys_path:
-        if path not in sys.path:
-            sys.path.insert(0, path)
     device = rank_device(job.device)
     rt = Runtime(job.mesh, device)
     progress = ProgressFile(job.progress_dir, dist.get_rank() if dist.is_initialized() else 0) \

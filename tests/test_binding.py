@@ -1,3 +1,5 @@
+import pytest
+
 from pardsl.layouts import B, S, Layout
 
 HEAD = "mesh tp = 2\n"
@@ -55,3 +57,66 @@ def test_model_module_is_imported_from_the_par_files_folder(tmp_path, monkeypatc
     par.write_text("mesh tp = 2\nmodel local_models:Tiny()\ninput x : float32[2, 4]\nlayout {\n  lin.weight : S(0)\n}\n")
     monkeypatch.chdir("/")
     assert compile_file(str(par)).program.parameters[0].local_shape == (2, 4)
+
+
+MODEL_SOURCE = "import torch\n\ndef Tiny():\n    return torch.nn.Linear(8, 8)\n"
+TINY_PAR = "mesh tp = 2\nmodel tiny_model_here:Tiny()\ninput input : float32[4, 8]\nlayout {\n  weight : S(0)\n}\n"
+
+
+def test_the_par_files_folder_is_importable_only_while_the_model_is_imported(tmp_path):
+    import sys
+
+    from pardsl.compiler import compile_text
+
+    (tmp_path / "tiny_model_here.py").write_text(MODEL_SOURCE)
+    (tmp_path / "plan.par").write_text(TINY_PAR)
+    before = list(sys.path)
+    compiled = compile_text(TINY_PAR, str(tmp_path / "plan.par"))
+    assert compiled.program.parameters and sys.path == before  # neither its folder nor the working directory
+    sys.modules.pop("tiny_model_here", None)
+
+
+def test_a_model_module_in_a_folder_anyone_may_write_to_is_refused_where_it_is(tmp_path):
+    from pardsl.compiler import compile_text
+    from pardsl.diagnostics import CompileError
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # as /tmp is
+    (shared / "tiny_model_here.py").write_text(MODEL_SOURCE)
+    (shared / "plan.par").write_text(TINY_PAR)
+    with pytest.raises(CompileError) as refused:
+        compile_text(TINY_PAR, str(shared / "plan.par"))
+    (diagnostic,) = refused.value.diagnostics
+    assert (diagnostic.code, diagnostic.span.line, diagnostic.span.column) == ("E023", 2, 1)
+    assert f"is not imported from `{shared}`: any user may write to that folder" in diagnostic.message
+
+
+def test_a_package_qualified_module_is_imported_from_the_folder_that_holds_its_package():
+    from pardsl.binding import par_import_paths
+    from tests.launch import REPO
+
+    assert par_import_paths(f"{REPO}/examples/mlp.par", "examples.models") == (f"{REPO}/examples", REPO)
+    assert par_import_paths(f"{REPO}/examples/mlp.par", "models") == (f"{REPO}/examples",)
+    assert par_import_paths("/a/b/c/x.par", "b.c.m") == ("/a/b/c", "/a")
+
+
+def _sys_path_after_a_job(par: str) -> list:
+    import sys
+
+    from pardsl.compiler import compile_file
+    from pardsl.execution import job_for, run_rank
+
+    run_rank(job_for(compile_file(par), timeout_s=60))
+    return sys.path
+
+
+def test_a_rank_leaves_sys_path_as_it_found_it(pools, tmp_path):
+    import functools
+    import shutil
+
+    from tests.launch import REPO
+
+    shutil.copy(f"{REPO}/examples/mlp.par", tmp_path / "mlp.par")
+    paths = pools(2).run_on_every_rank(functools.partial(_sys_path_after_a_job, str(tmp_path / "mlp.par")))
+    assert all(str(tmp_path) not in rank for rank in paths)
