@@ -32,7 +32,7 @@ from .grouped_query import fold_grouped_query_repeats
 from .in_place import functionalize_in_place
 from .layouts import B, Layout, Mesh, Placement
 from .oprules import carries_gradient, concrete_size, op_name
-from .progress import report
+from .progress import modules_reported, report
 from .syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
 
 DTYPES: dict[str, torch.dtype] = {
@@ -764,7 +764,8 @@ def bind(par: ParFile) -> BoundPlan:
     clock = time.perf_counter()
     report("exporting the model (torch.export)")
     try:
-        with import_paths(*par_import_paths(par.source.path, par.model.module)):
+        with import_paths(*par_import_paths(par.source.path, par.model.module)), \
+                modules_reported("exporting the model (torch.export)", model):
             exported = trace(model.to("meta"), example, _dynamic_shapes(par))
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -42,11 +42,15 @@ def _arguments() -> argparse.ArgumentParser:
     check = commands.add_parser("check", help="parse, bind and type-check a .par file")
     check.add_argument("file")
     check.add_argument("--json", action="store_true", help="print diagnostics as one JSON object")
+    check.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
+                       help="give up (error E090, saying how far it got) after this long")
 
     compile_ = commands.add_parser("compile", help="write the SPMD module and plan.json")
     compile_.add_argument("file")
     compile_.add_argument("-o", "--output", required=True, metavar="DIR")
     compile_.add_argument("--json", action="store_true")
+    compile_.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
+                          help="give up (error E090, saying how far it got) after this long")
     compile_.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
                           help="size of the buckets parameter gradients are synchronised in (default 25)")
     compile_.add_argument("--calibration", metavar="FILE", help="the machine's figures for plan.json's estimate "
@@ -68,6 +72,8 @@ def _arguments() -> argparse.ArgumentParser:
                          help="the optimizer whose state counts in memory (default adamw)")
     explain.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page")
     explain.add_argument("--json", action="store_true")
+    explain.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
+                         help="give up (error E090, saying how far it got) after this long")
 
     calibrate = commands.add_parser("calibrate", help="measure α, β per collective, compute throughput and "
                                     "bandwidth on this machine, for the cost model")
@@ -117,6 +123,21 @@ def _report_errors(error: CompileError, as_json: bool) -> int:
         count = len(error.diagnostics)
         print(f"\n{count} error{'s' if count != 1 else ''}", file=sys.stderr)
     return EXIT_INPUT_ERROR
+
+
+def _out_of_time(path: str, limit: float, stage: str) -> CompileError:
+    """E090 at the file's `model` line (where it parses; its first line where not)."""
+    from .diagnostics import Diagnostic, SourceFile, Span
+    from .syntax import parse_file
+
+    span, source = Span(1, 1, 1, 2), None
+    with contextlib.suppress(Exception):  # the file parsed before: this is only to find the line again
+        par = parse_file(path)
+        span, source = par.model.span, par.source
+    return CompileError([Diagnostic("E090", f"the compile did not finish within its time limit of {limit:g} s; "
+                                            f"it was {stage}", span,
+                                    ("a larger --time-limit lets it finish; `pardsl check` on a terminal shows "
+                                     "its progress",))], source)
 
 
 def _print_notes(compiled) -> None:
@@ -283,11 +304,15 @@ def _status_on_terminal(args):
 
 def _main(args, quiet) -> int:
     from .compiler import compile_file, plan_json, write_outputs
+    from .progress import OutOfTime, time_limit
 
+    limit = getattr(args, "time_limit", None)
     try:
-        with quiet, _status_on_terminal(args):
+        with quiet, _status_on_terminal(args), time_limit(limit):
             bucket_mb = getattr(args, "bucket_mb", None)
             compiled = compile_file(args.file, **({"bucket_mb": bucket_mb} if bucket_mb is not None else {}))
+    except OutOfTime as stage:
+        return _report_errors(_out_of_time(args.file, limit, str(stage)), args.json)
     except FileNotFoundError as error:
         print(f"pardsl: error: {error}", file=sys.stderr)
         return EXIT_USAGE

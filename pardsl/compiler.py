@@ -10,6 +10,7 @@ import contextlib
 import gc
 import itertools
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -195,14 +196,22 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
     unsized = tuple(a for a in range(bound.mesh.ndim) if a not in sized and a not in kept)
     greedy = _timed(seconds, "greedy", lambda: infer(bound))
     start = greedy if kept else None
+    deadline = time.monotonic() + SEARCH_BUDGET_S
+    stopped: list[Diagnostic] = []  # note N006, where the search ran out of time
     # An order whose plan cannot meet the bound loses to one whose plan does: the plan nearest the bound
     # (two more programs, seconds at 32 layers) is looked for only in the last order, where no order
     # before it met the bound.
-    orders = list(itertools.permutations(sized))
+    orders = _axis_orders(sized)
     plans = []
     for i, order in enumerate(orders):
+        last = i == len(orders) - 1 or (bool(plans) and time.monotonic() > deadline)
         with contextlib.suppress(BoundUnmet):
-            plans.append(searched(unsized + order, start=start, nearest=not plans and i == len(orders) - 1))
+            plans.append(searched(unsized + order, start=start, nearest=not plans and last))
+        if last and i < len(orders) - 1:
+            stopped.append(_out_of_time(bound, f"{i + 1} of {len(orders)} orders of the mesh axes"))
+            break
+    if not plans:  # every order tried ran out of time before meeting the bound: the nearest plan, once
+        plans.append(searched(unsized + orders[0], start=start, nearest=True))
     best = best_searched = min(plans, key=lambda plan: plan[0])  # the mesh's own order on a tie
     clock = time.perf_counter()
     greedy_program = _lowered(greedy, bucket_mb, limit)
@@ -211,8 +220,11 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
     from_greedy = not theirs[0] and theirs < best[0]
     if from_greedy:
         best = (theirs, greedy, greedy_program)
-    best = _descended(best, sized, searched) if len(sized) > 1 else best
+    if len(sized) > 1 and not stopped:
+        best = _descended(best, sized, searched, deadline,
+                          lambda: stopped.append(_out_of_time(bound, "the first moves of its descent")))
     (_, step_s), typed, program = best
+    program.notes.extend(stopped)
     if not from_greedy:
         return typed, program
     par = bound.par
@@ -227,12 +239,47 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
     return typed, program
 
 
+# The layout search's time for one file, beyond which it compiles the best plan found so far (note N006):
+# what the orders and the descent may start, not a limit inside one program (search.TIME_LIMIT_S is).
+# PARDSL_SEARCH_BUDGET_S sets another, for a model whose search is worth more time.
+def _search_budget() -> float:
+    try:
+        return max(0.0, float(os.environ.get("PARDSL_SEARCH_BUDGET_S", "15")))
+    except ValueError:
+        return 15.0
+
+
+SEARCH_BUDGET_S = _search_budget()
+
+
+def _axis_orders(sized: list[int]) -> list[tuple[int, ...]]:
+    """The orders the axes are decided in: every one for up to three axes; for more (whose orders grow as
+    n!), each rotation of the mesh's order and of its reverse, 2n orders that still put every axis first
+    and last once."""
+    if len(sized) <= 3:
+        return list(itertools.permutations(sized))
+    rotations = [tuple(order[i:] + order[:i]) for order in (sized, sized[::-1]) for i in range(len(sized))]
+    return list(dict.fromkeys(rotations))
+
+
+def _out_of_time(bound: BoundPlan, where: str) -> Diagnostic:
+    """Note N006: the search stopped at its budget, and where."""
+    par = bound.par
+    written = next((entry.span for entry in par.layouts if entry.layout.form == "searched"), None)
+    span = par.memory_bound.span if par.memory_bound is not None else written or par.mesh.span
+    return Diagnostic(
+        "N006", f"the layout search stopped at its time budget of {SEARCH_BUDGET_S:.0f} s, after {where}: the "
+        "best plan found so far is compiled", span,
+        ("`pardsl explain` shows the plan and its runner-ups",), severity="note")
+
+
 def _layouts_of(typed: TypedGraph) -> tuple:
     """Everything of a plan that lowering reads."""
     return (tuple(typed.nodes.values()), tuple(typed.placeholder_layouts.items()), tuple(typed.output_layouts))
 
 
-def _descended(plan, axes: list[int], searched, rounds: int = 4):
+def _descended(plan, axes: list[int], searched, deadline: float = math.inf, out_of_time=lambda: None,
+               rounds: int = 4):
     """Descent over the mesh's axes: each axis decided again alone, with every other axis fixed as the
     plan has it; where no such move improves, each pair of axes decided again by one integer program over
     both, every op keeping its signature on at least one of the two (a neighbourhood that holds every move
@@ -246,6 +293,9 @@ def _descended(plan, axes: list[int], searched, rounds: int = 4):
         for moves in neighbourhoods:  # the pair programs, larger, only where no axis alone improves
             found = []
             for move in moves:
+                if time.monotonic() > deadline:  # the moves found so far are weighed, and no more are tried
+                    out_of_time()
+                    return min([plan, *found], key=lambda moved: moved[0])
                 with contextlib.suppress(NoPlanFound):  # a move whose program gives no plan is not made
                     found.append(searched(move, start=plan[1]))
             best = min(found, key=lambda moved: moved[0], default=plan)

@@ -64,6 +64,7 @@ ERROR_CODES: dict[str, str] = {
     "E075": "stage count the schedule or the mesh cannot take",
     "E076": "layout split or partial on the pipeline axis",
     "E078": "what a pipelined plan does not support yet",
+    "E090": "compile did not finish within its time limit",
 }
 
 

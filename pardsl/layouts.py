@@ -296,6 +296,15 @@ def _planned_conversion(source: Layout, target: Layout, shape: tuple[int, ...], 
     value's placements, and many values share a shape."""
     blocks = {p.blocks for p in (*source.placements, *target.placements) if p.is_split}
     candidates = (B, P) + tuple(S(d, k) for d in range(len(shape)) for k in sorted(blocks | {1}))
+    axes = tuple(range(mesh.ndim))
+    if len(candidates) ** mesh.ndim > _WHOLE_SEARCH_LAYOUTS:
+        # Every layout of many axes is too many to search: only the axes whose placements differ move, and
+        # those splitting a dim that one of them splits (their nesting decides who holds which chunk).
+        moving = {a for a in axes if source.placements[a] != target.placements[a]}
+        dims = {p.dim for a in moving for p in (source.placements[a], target.placements[a]) if p.is_split}
+        moving |= {a for a in axes if any(p.is_split and p.dim in dims
+                                          for p in (source.placements[a], target.placements[a]))}
+        axes = tuple(sorted(moving))
     # Entries: (cost, steps, layout, push order, path); layouts are ordered, so ties are deterministic.
     frontier: list[tuple[int, int, Layout, int, list[ConversionStep]]] = [(0, 0, source, 0, [])]
     pushed = 0
@@ -306,8 +315,12 @@ def _planned_conversion(source: Layout, target: Layout, shape: tuple[int, ...], 
             return tuple(path)
         if layout in settled:
             continue
+        if len(settled) == _SETTLED_BEFORE_DIRECT and len(axes) < mesh.ndim:
+            direct = _through_broadcast(source, target, axes, shape, itemsize, mesh)
+            if direct is not None:
+                return direct
         settled.add(layout)
-        for step in _steps_from(layout, candidates, shape, itemsize, mesh):
+        for step in _steps_from(layout, candidates, shape, itemsize, mesh, axes):
             if step.target not in settled:
                 step_cost = step.forward_bytes + (step.backward_bytes if with_backward else 0)
                 pushed += 1
@@ -315,13 +328,36 @@ def _planned_conversion(source: Layout, target: Layout, shape: tuple[int, ...], 
     raise AssertionError(f"no conversion from {source} to {target} for shape {shape}")  # unreachable
 
 
+# Above this many layouts of a value (placements per axis to the power of the axes), a conversion moves only
+# the axes it must: a mesh of 10 axes has a million layouts of a matrix. Where even those are many, after
+# this many layouts settled the conversion goes the way every conversion can: through B.
+_WHOLE_SEARCH_LAYOUTS = 1 << 12
+_SETTLED_BEFORE_DIRECT = 64
+
+
+def _through_broadcast(source: Layout, target: Layout, axes: tuple[int, ...], shape: tuple[int, ...],
+                       itemsize: int, mesh: Mesh) -> tuple[ConversionStep, ...] | None:
+    """Source to B on `axes` innermost first, then B to target outermost first; None where a step of it
+    is not legal (the search goes on instead)."""
+    path, layout = [], source
+    moves = [(a, B) for a in reversed(axes) if layout.placements[a] != B] + \
+            [(a, target.placements[a]) for a in axes if target.placements[a] != B]
+    for axis, placement in moves:
+        step = _one_axis_step(layout, axis, placement, shape, itemsize, mesh)
+        if step is None:
+            return None
+        path.append(step)
+        layout = step.target
+    return tuple(path) if layout == target else None
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _steps_from(layout: Layout, candidates: tuple[Placement, ...], shape: tuple[int, ...], itemsize: int,
-                mesh: Mesh) -> tuple[ConversionStep, ...]:
-    """Every legal one-axis step out of a layout: plan_conversion's questions about one value meet the
-    same layouts again and again (a search asks thousands of them)."""
+                mesh: Mesh, axes: tuple[int, ...]) -> tuple[ConversionStep, ...]:
+    """Every legal one-axis step out of a layout, on `axes`: plan_conversion's questions about one value
+    meet the same layouts again and again (a search asks thousands of them)."""
     steps = (_one_axis_step(layout, axis, placement, shape, itemsize, mesh)
-             for axis in range(mesh.ndim) for placement in candidates)
+             for axis in axes for placement in candidates)
     return tuple(step for step in steps if step is not None)
 
 

@@ -539,6 +539,10 @@ def _reshape_letters(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> t
     out_letters: list[str | None] = [None] * len(out_shape)
     unsplittable: set[str] = set()
     letters = iter(_LETTERS)
+    if 0 in in_shape or 0 in out_shape:  # an empty tensor: products cannot group dims, and no split carries
+        in_letters = [next(letters) for _ in in_shape]
+        out_letters = [next(letters) for _ in out_shape]
+        return tuple(in_letters), tuple(out_letters), set(in_letters) | set(out_letters)
     i = j = 0
     while i < len(in_shape) or j < len(out_shape):
         # size-1 dims carry nothing

@@ -1,13 +1,16 @@
 """A fuzzer of our own: generated `.par` files through `pardsl check --json`.
 
 Three sources: the small examples mutated (characters and lines deleted, inserted, duplicated; numbers
-and placements replaced), files assembled from the grammar's pieces with random names, sizes and
-layouts (most ill-typed), and random bytes. Whatever comes in: the exit code is 0 or 1, stdout is one
-JSON object, every error is located (line and column) with a known code, there is no traceback or
-internal error, and each file takes bounded time.
+and placements replaced; model arguments set to 0, 1 or huge; `pipeline` and `memory` statements added),
+files assembled from the grammar's pieces with random names, sizes, layouts, meshes of up to ten axes
+(with layouts or left to the search), pipelines, bounds and models up to hundreds of layers deep (most
+ill-typed), and random bytes. Whatever comes in: the exit code is 0 or 1, stdout is one JSON object,
+every error is located (line and column) with a known code, there is no traceback or internal error,
+and each file takes under 30 s (`check --time-limit`: a model too deep to trace in time is E090, saying
+how far its trace got; a search that runs out of its budget compiles the best plan found, N006).
 
-`make test` runs a modest, derandomized number; `make fuzz` runs PARDSL_FUZZ_EXAMPLES (5,000) of each, 10,000 in all, with a
-fresh seed and prints the figures.
+`make test` runs a modest, derandomized number; `make fuzz` runs PARDSL_FUZZ_EXAMPLES (10,000) of each,
+20,000 in all, with a fresh seed and prints the figures.
 """
 
 import contextlib
@@ -35,7 +38,21 @@ NAMES = ["x", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "output", "out
          "*.*", "norm.weight", "fc3.weight", "up.weight", "head.weight", "y", "enc.weight", "output.logits"]
 MODELS = ["examples.models:MLP()", "examples.models:MLP(d_model=16, d_ff=32)", "examples.models:ResidualMLP()",
           "tests.zoo:DictOut()", "tests.zoo:NoneOut()", "tests.zoo:broken(a=1)", "examples.models:Nope()",
-          "no_such_module:M()", 'examples.models:MLP(d_model="x")']
+          "no_such_module:M()", 'examples.models:MLP(d_model="x")', "examples.models:MLP(d_model=0, d_ff=0)",
+          "examples.models:MLP(d_model=1, d_ff=1)", "examples.models:MLP(d_model=16, d_ff=99999999999)",
+          "examples.models:DeepMLP(depth=0, d_model=16, d_ff=32)", "examples.models:DeepMLP(depth=200, d_model=8, d_ff=8)",
+          "examples.language_models:Llama(vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, d_model=16, d_ff=32)",
+          "examples.language_models:Llama(vocab_size=64, n_layer=0, n_head=2, n_kv_head=2, d_model=0, d_ff=0)"]
+# a deep model, now and then: it must end within the time limit, traced or saying how far it got
+DEEP_MODELS = ["examples.language_models:Llama(vocab_size=64, n_layer=1000, n_head=2, n_kv_head=1, d_model=16, "
+               "d_ff=32)", "examples.models:DeepMLP(depth=3000, d_model=8, d_ff=8)"]
+STATEMENTS = ["memory <= 60 %", "memory <= 1 KiB", "memory <= 0 %", "memory <= 99999 GiB", "memory <= 40 %",
+              "pipeline pp : schedule 1F1B, microbatches 4, cut before fc2",
+              "pipeline tp : schedule GPipe, microbatches 2, cut before fc1",
+              "pipeline pp : schedule Interleaved1F1B, microbatches 3, cut before blocks.1, blocks.2",
+              "pipeline pp : schedule ZB, microbatches 0, cut before nothing", "pipeline pp : schedule ?"]
+AXES = ["tp", "dp", "sp", "pp", "zz", "a", "b", "c", "d", "e", "f", "g"]
+TIME_LIMIT_S = 25  # check's own limit; the harness allows 30 s for start-up around it
 DTYPES = ["float32", "float16", "bfloat16", "int64", "int8", "bool", "flaot32"]
 
 
@@ -43,7 +60,7 @@ DTYPES = ["float32", "float16", "bfloat16", "int64", "int8", "bool", "flaot32"]
 def mutated_example(draw):
     text = draw(st.sampled_from(TEXTS))
     for _ in range(draw(st.integers(1, 4))):
-        action = draw(st.sampled_from(["delete", "insert", "line", "number", "placement"]))
+        action = draw(st.sampled_from(["delete", "insert", "line", "number", "placement", "argument", "statement"]))
         if action == "delete" and text:
             start = draw(st.integers(0, len(text) - 1))
             text = text[:start] + text[start + draw(st.integers(1, 12)):]
@@ -60,6 +77,16 @@ def mutated_example(draw):
             if digits:
                 at = draw(st.sampled_from(digits))
                 text = text[:at] + draw(st.sampled_from(NUMBERS)) + text[at + 1:]
+        elif action == "argument":
+            arguments = [i for i in range(len(text) - 1) if text[i] == "=" and text[i + 1].isdigit()]
+            if arguments:
+                at = draw(st.sampled_from(arguments)) + 1
+                end = at
+                while end < len(text) and text[end].isdigit():
+                    end += 1
+                text = text[:at] + draw(st.sampled_from(["0", "1", "2", "100000", "99999999999"])) + text[end:]
+        elif action == "statement":
+            text = text + "\n" + draw(st.sampled_from(STATEMENTS)) + "\n"
         else:
             for old in ("S(0)", "S(1)", ": B"):
                 if old in text:
@@ -71,19 +98,22 @@ def mutated_example(draw):
 
 @st.composite
 def assembled(draw):
-    axes = draw(st.lists(st.tuples(st.sampled_from(["tp", "dp", "sp", "zz", "tp"]), st.integers(0, 5)),
-                         min_size=0, max_size=3))
+    many = draw(st.integers(0, 9)) == 0  # now and then a mesh of many axes, most of size 1 or 2
+    axes = draw(st.lists(st.tuples(st.sampled_from(AXES), st.sampled_from([1, 2]) if many else st.integers(0, 5)),
+                         min_size=0, max_size=10 if many else 3))
     lines = []
     if axes or draw(st.booleans()):
         lines.append("mesh " + ", ".join(f"{name} = {size}" for name, size in axes))
-    lines.append("model " + draw(st.sampled_from(MODELS)))
+    deep = draw(st.integers(0, 999)) == 0
+    lines.append("model " + draw(st.sampled_from(DEEP_MODELS if deep else MODELS)))
     for name in draw(st.lists(st.sampled_from(["x", "y", "z", "input_ids"]), max_size=3)):
         dims = draw(st.lists(st.sampled_from(["4", "16", "256", "8", "batch=4", "batch", "seq=1", "0"]), max_size=3))
         dtype = draw(st.sampled_from(DTYPES))
         span = draw(st.sampled_from(["", " in [0, 16)", " in [5, 2)", " in [0, 300)"]))
         lines.append(f"input {name} : {dtype}[{', '.join(dims)}]{span}")
+    lines += draw(st.lists(st.sampled_from(STATEMENTS), max_size=2))
     entries = draw(st.lists(st.tuples(st.sampled_from(NAMES), st.sampled_from(PLACEMENTS)), max_size=6))
-    if entries or draw(st.booleans()):
+    if entries or draw(st.booleans()):  # an empty block asks the search for every layout
         lines.append("layout {")
         lines += [f"    {name} : {placement}" for name, placement in entries]
         lines.append("}")
@@ -96,7 +126,7 @@ def check(tmp_path, data: bytes) -> None:
     out, err = io.StringIO(), io.StringIO()
     started = time.perf_counter()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(["check", str(path), "--json"])
+        code = cli.main(["check", str(path), "--json", "--time-limit", str(TIME_LIMIT_S)])
     seconds = time.perf_counter() - started
     assert code in (0, 1), (code, data)
     assert "Traceback" not in err.getvalue() and "internal compiler error" not in err.getvalue(), \
@@ -105,7 +135,7 @@ def check(tmp_path, data: bytes) -> None:
     assert report["ok"] == (code == 0)
     for error in report["errors"]:
         assert error["code"] in ERROR_CODES and error["line"] and error["column"], (data, error)
-    assert seconds < 60, (seconds, data)
+    assert seconds < 30, (seconds, data)
 
 
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize="PARDSL_FUZZ_EXAMPLES" not in os.environ,
@@ -122,3 +152,31 @@ def test_generated_files_end_in_located_diagnostics_or_ok(tmp_path_factory, text
 @given(st.binary(max_size=300))
 def test_random_bytes_end_in_located_diagnostics(tmp_path_factory, data):
     check(tmp_path_factory.mktemp("fuzz"), data)
+
+
+def test_a_model_too_deep_to_trace_in_time_says_how_far_it_got(tmp_path):
+    """A 1,000-layer LLaMA: `check --time-limit 12` ends in E090 at the model line within seconds of the
+    limit, with the trace's progress, not after minutes."""
+    text = open("examples/llama_tp2.par", encoding="utf-8").read().replace("n_layer=2", "n_layer=1000")
+    path = tmp_path / "deep.par"
+    path.write_text(text)
+    out = io.StringIO()
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = cli.main(["check", str(path), "--json", "--time-limit", "12"])
+    assert code == 1 and time.perf_counter() - started < 25
+    (error,) = json.loads(out.getvalue())["errors"]
+    assert (error["code"], error["line"], error["column"]) == ("E090", 6, 1)
+    assert "did not finish within its time limit of 12 s; it was exporting the model (torch.export): " in error["message"]
+    assert "module calls traced (the model has 12005 modules)" in error["message"]
+
+
+def test_the_search_on_a_mesh_of_ten_axes_ends_within_its_budget(tmp_path):
+    """An empty layout block on ten axes, five of size 2: the orders tried are bounded (2n past three
+    axes), conversions move only the axes they must, and the search stops at its budget."""
+    path = tmp_path / "axes.par"
+    path.write_text("mesh a = 2, b = 2, c = 2, d = 1, e = 2, f = 1, g = 2, h = 1, i = 1, j = 1\n"
+                    "model examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[32, 16]\nlayout {\n}\n")
+    started = time.perf_counter()
+    check(tmp_path, path.read_bytes())
+    assert time.perf_counter() - started < 30
