@@ -12,6 +12,7 @@ import contextlib
 import difflib
 import functools
 import importlib
+import importlib.machinery
 import inspect
 import io
 import logging
@@ -195,7 +196,9 @@ def load_factory(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = N
         try:
             module = importlib.import_module(decl.module)
         except Exception as error:  # the user's module: any failure is their error to read
-            refused = [p for p in paths if writable_by_anyone(p)]
+            top = decl.module.split(".")[0]
+            refused = [p for p in paths if writable_by_anyone(p)
+                       and importlib.machinery.PathFinder.find_spec(top, [p]) is not None]
             if refused and isinstance(error, ModuleNotFoundError):
                 message = (f"model module `{decl.module}` is not imported from `{refused[0]}`: any user may write "
                            "to that folder, and a module planted there would run as you")
