@@ -1,4 +1,4 @@
-"""The runtime's collectives against the backend's own, per size, on N local ranks (issue 9).
+"""The runtime's collectives against the backend's own, per size, on N local ranks.
 
 On gloo, between ranks of one host, the runtime's collectives go through shared memory
 (pardsl/shared_memory.py); between hosts it builds some on gloo's all-to-all (pardsl/runtime.py,

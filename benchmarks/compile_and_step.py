@@ -1,4 +1,4 @@
-"""Compile time and step time, printed as tables (issue 2's figures; `make bench`).
+"""Compile time and step time, printed as tables (`make bench`).
 
 1. Compile time of a 64-block MLP: everything after torch.export (binding names, inference, lowering,
    code generation), median of several compiles; export shown beside it for scale.

@@ -1,4 +1,4 @@
-"""The layout search's descent (issue 10): what deciding axes again finds beyond the best order's plan.
+"""The layout search's descent: what deciding axes again finds beyond the best order's plan.
 
 For each case, the estimated step (the cost model with gloo's defaults) of the plan of the best order of
 the mesh's axes, of compile's plan (the descent from it: one axis alone, then pairs of axes), whether

@@ -1,4 +1,4 @@
-"""Pipeline schedules measured against theory (issue 11).
+"""Pipeline schedules measured against theory.
 
 Hugging Face LLaMA, 4 layers (hidden 128), cut in two stages, on pp = 2 (2 gloo ranks) and pp = 2 x tp = 2
 (4 ranks), under GPipe and 1F1B at 2, 4 and 8 micro-batches. Per rank it measures, over the timed steps:

@@ -1,4 +1,4 @@
-"""The layout search (issue 10): how long it takes, and what it finds.
+"""The layout search: how long it takes, and what it finds.
 
 1. Search time after torch.export for Hugging Face LLaMA of 2 to 32 layers on a dp 2 × tp 4 mesh, with a
    memory bound and the input written `?` (nothing else written); the integer program's size does not

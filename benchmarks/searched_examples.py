@@ -1,4 +1,4 @@
-"""Every example's plan left to the layout search, run against serial (issue 10): a sweep for crashes.
+"""Every example's plan left to the layout search, run against serial: a sweep for crashes.
 
 Each example file has its layout block (and any `memory` line) removed and a bound written instead,
 `memory <= P %` for each P of `--bounds`. With `--mesh`, the mesh is replaced too and the inputs are

@@ -1,4 +1,4 @@
-"""pardsl vs PyTorch DTensor vs serial, one model under one plan, in the same run (issue 3).
+"""pardsl vs PyTorch DTensor vs serial, one model under one plan, in the same run.
 
 The LLaMA-style model of examples/language_models.py, and Hugging Face's own LlamaForCausalLM
 (examples/hf_models.py), under Megatron tensor parallelism of every layer (q/k/v, gate, up column

@@ -1,4 +1,4 @@
-"""pardsl against PyTorch's own tools, one model, one run (issue 9).
+"""pardsl against PyTorch's own tools, one model, one run.
 
 Hugging Face's LlamaForCausalLM (examples/hf_models.py), 4 layers, trained on its own loss, five plans:
 

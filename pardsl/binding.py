@@ -1,6 +1,6 @@
 """Stage 2: syntax tree → bound plan. Builds the model, traces it with torch.export, resolves names.
 
-Names (DESIGN §3): parameters and buffers by state-dict name, inputs by forward() argument name,
+Names: parameters and buffers by state-dict name, inputs by forward() argument name,
 `output` / `output.logits` / `output[0]` for the output or a part of it, `blocks.3.attn()` for a
 submodule's output; `*` matches one name segment. Each layout written in the file is checked against
 the tensor it names (rank, divisibility, no P on parameters and inputs) and bound to a graph node.
@@ -70,7 +70,7 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Pin:
-    """A layout the user wrote, bound to a tensor; it always stands (DESIGN §4)."""
+    """A layout the user wrote, bound to a tensor; it always stands: inference completes around it."""
 
     layout: Layout
     entry: LayoutEntry

@@ -3,7 +3,7 @@
 One module prices everything, so that `explain`, `plan.json` and a search agree:
 
 - a collective over n ranks costs α per ring step (2(n-1) for an all-reduce, n-1 for the others) + β per
-  byte, per kind, where bytes is the per-rank volume of DESIGN's table (an all-reduce of T bytes moves
+  byte, per kind, where bytes is the per-rank volume of `layouts.collective_bytes` (an all-reduce of T bytes moves
   2T(n-1)/n) — the figure each `Collective` already carries;
 - an op costs a roofline, max(FLOP / throughput, bytes / bandwidth), plus a fixed overhead per op (eager
   dispatch); FLOP come from `torch.utils.flop_counter` run on meta tensors of the op's global shapes, and

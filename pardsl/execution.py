@@ -1,4 +1,4 @@
-"""Running a compiled module on N ranks and checking it against the serial model (DESIGN §6).
+"""Running a compiled module on N ranks and checking it against the serial model.
 
 `RankJob` is everything one rank needs: the generated source, how to build the model, the inputs. Each
 rank builds the serial reference from the same factory and seed, loads its shards of the same weights,
@@ -90,7 +90,7 @@ def _optimizer(name: str, parameters, lr: float):
 
 
 def tolerance_for(dtypes) -> float:
-    """The loosest tolerance of the floating dtypes the program computes in (DESIGN: wrong numbers are the
+    """The loosest tolerance of the floating dtypes the program computes in (wrong numbers are the
     worst outcome, so a float32 program is judged at float32's)."""
     return max([TOLERANCE.get(d, 1e-4) for d in dtypes if d.is_floating_point] or [1e-4])
 
@@ -260,7 +260,7 @@ def run_rank(job: RankJob) -> dict:
         compiled_opt.zero_grad(set_to_none=True)
         _set_generator_state(device, generator)
         local_out = compiled(*local_inputs)
-        # The gradient of an S output is its shard; of a B or P output, the full gradient (DESIGN §2).
+        # The gradient of an S output is its shard; of a B or P output, the full gradient (README, 'Gradients over a split batch').
         seeds = [g if Layout.from_key(layout).has_partial else rt.shard(g, layout)
                  for g, (_, layout, _) in zip(output_grads, module.OUTPUTS)]
         pairs = [(o, s) for o, s in zip(local_out, seeds) if o.requires_grad]

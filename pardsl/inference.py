@@ -9,7 +9,7 @@ pass). The cost of a signature is compared in this order:
    only where an op cannot take them as they are (GSPMD's propagation), so `x : S(0)` with replicated
    weights gives data parallelism, not a gather of x into replicated compute;
 2. backward bytes per rank: the adjoints of those conversions, and the one all-reduce of the gradient of
-   a broadcast value that sharded computation consumes (DESIGN §2), once per value;
+   a broadcast value that sharded computation consumes (Megatron's `f`), once per value;
 3. bytes off the critical path, on an axis that splits the batch (an input's dim 0) where the op's data
    is already split and stays so: a
    parameter stored split and gathered whole for the op (the gather is prefetched while the op before

@@ -1,4 +1,4 @@
-"""Layouts (SBP, DESIGN §1): one placement per mesh axis, local shapes, and the conversions between them.
+"""Layouts (SBP): one placement per mesh axis, local shapes, and the conversions between them.
 
 A dim split by several axes is chunked by those axes in mesh order, the first axis outermost: on a
 `dp = 2, tp = 2` mesh, `[S(0), S(0)]` gives rank (i, j) chunk `2 * i + j` of dim 0. A conversion on one
@@ -192,7 +192,7 @@ class ConversionStep:
 
 @dataclass(frozen=True)
 class Conversion:
-    """One row of the conversion catalogue (DESIGN §1): a one-axis change of placement, the runtime
+    """One row of the conversion catalogue: a one-axis change of placement, the runtime
     function that makes it (`rt.<kind>(x, axis, **arguments)`), the collective its forward issues and the
     one its adjoint issues. Bytes per rank: `collective_bytes(forward, the source's local bytes)` and
     `collective_bytes(backward, the target's local bytes)` (the adjoint starts from the target's gradient).

@@ -1,7 +1,7 @@
 """Stage 4: typed graph → lowered program: straight-line statements with collectives and local shapes.
 
 Every conversion between layouts becomes calls of the runtime's autograd collectives, one mesh axis at a
-time in the cheapest legal order (`layouts.plan_conversion`). Gradients follow DESIGN §2:
+time in the cheapest legal order (`layouts.plan_conversion`). Gradients follow the layouts' adjoints:
 
 - each conversion's adjoint is built into its runtime function;
 - a value that is B on an axis and feeds computation sharded on that axis (its consumer's result is S or

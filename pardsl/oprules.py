@@ -1,4 +1,4 @@
-"""Op rules as data (DESIGN §4).
+"""Op rules as data.
 
 Each supported ATen op is one row of `RULES`: a spec family and its parameters. The family turns the row
 and the node's concrete shapes into a `DimSpec`: a letter for every dim of every tensor operand and of

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 11): the lowered program cut into stages, as one pass over its statements.
+"""Pipeline parallelism: the lowered program cut into stages, as one pass over its statements.
 
 `pipeline pp : schedule 1F1B, microbatches 4, cut before model.layers.2` makes the mesh axis `pp` hold
 stages instead of shards. What that changes, stage by stage of the compiler:

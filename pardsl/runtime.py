@@ -1,6 +1,6 @@
 """What a generated module calls at run time: collectives as autograd functions, per mesh axis.
 
-Each conversion of DESIGN §1 is one `torch.autograd.Function` whose backward is its adjoint, over the
+Each conversion of the catalogue (`layouts.CONVERSIONS`) is one `torch.autograd.Function` whose backward is its adjoint, over the
 process group of one mesh axis (from `torch.distributed.device_mesh`). There is no per-op dispatch: the
 generated forward calls ATen ops directly and these functions only where the layouts change.
 

@@ -16,7 +16,7 @@ def test_local_shape_and_divisibility():
 
 
 @pytest.mark.parametrize("source, target, kind, forward_bytes, backward_bytes", [
-    # DESIGN §1: T = 4096 bytes of global tensor ([32, 32] float32) over n = 4 ranks
+    # per-rank volumes: T = 4096 bytes of global tensor ([32, 32] float32) over n = 4 ranks
     (P, B, "all_reduce", 2 * 4096 * 3 // 4, 0),
     (P, S(0), "reduce_scatter", 4096 * 3 // 4, 4096 * 3 // 4),
     (S(0), B, "all_gather", 4096 * 3 // 4, 0),

@@ -218,7 +218,7 @@ def test_two_rank_collectives_and_small_all_gathers_on_gloo_are_one_all_to_all_e
 
 
 def _gradient_layout(layout: Layout) -> Layout:
-    """DESIGN §2: the gradient of an S value is its shard, of a B or P value the full gradient."""
+    """The gradient of an S value is its shard, of a B or P value the full gradient."""
     return Layout(tuple(B if p == P else p for p in layout.placements))
 
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 11): the `pipeline` statement, its located mistakes, the program cut into
+"""Pipeline parallelism: the `pipeline` statement, its located mistakes, the program cut into
 stages, and training through the public API under torch.distributed.pipelining's schedules on 2 and 4
 gloo ranks, composed with tensor and data parallelism, equal to serial (losses, clipped norms, every
 gradient), with exact point-to-point counts and gradient synchronisation once per step."""

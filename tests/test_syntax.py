@@ -3,7 +3,7 @@ import pytest
 from pardsl.diagnostics import CompileError
 from pardsl.syntax import parse
 
-DESIGN_EXAMPLE = """\
+MLP_EXAMPLE = """\
 # examples/mlp.par — Megatron tensor parallelism for a two-layer MLP
 mesh   tp = 2
 model  examples.models:MLP(d_model=256, d_ff=1024)   # "module:callable(literal kwargs)" → nn.Module
@@ -21,7 +21,7 @@ layout {
 
 
 def test_design_example_parses_with_spans():
-    par = parse(DESIGN_EXAMPLE, "mlp.par")
+    par = parse(MLP_EXAMPLE, "mlp.par")
     assert [(a.name, a.size) for a in par.mesh.axes] == [("tp", 2)]
     assert (par.model.module, par.model.factory, par.model.kwargs) == (
         "examples.models", "MLP", (("d_model", 256), ("d_ff", 1024)))
