@@ -124,7 +124,7 @@ def rank_main(job: dict) -> dict:
 
     import pardsl
     from examples.hf_models import llama_causal_lm
-    from pardsl.execution import rank_device
+    from pardsl.devices import rank_device
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

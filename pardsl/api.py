@@ -20,11 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from .compiler import Compiled, compile_par, default_machine
-from .cost import Machine
+from .compiler import Compiled, compile_par
+from .cost import DEFAULT_BUCKET_MB, Machine, default_machine
 from .codegen import load_module
 from .layouts import B, Layout
-from .lowering import DEFAULT_BUCKET_MB
 from .search import LogMismatch, SolutionLog
 from .syntax import parse
 

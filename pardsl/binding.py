@@ -32,8 +32,9 @@ from .diagnostics import MAX_PER_CODE, DiagnosticSink, Span
 from .grouped_query import fold_grouped_query_repeats
 from .in_place import functionalize_in_place
 from .layouts import B, Layout, Mesh, Placement
-from .oprules import carries_gradient, concrete_size, op_name
+from .oprules import carries_gradient, concrete_size, op_name, rule_for
 from .progress import modules_reported, report
+from .saved_for_backward import what_autograd_keeps
 from .syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
 
 DTYPES: dict[str, torch.dtype] = {
@@ -123,18 +124,14 @@ class BoundPlan:
 
     @functools.cached_property
     def flops(self) -> dict[str, int]:
-        """FLOP per op node at global shapes (cost.global_flops): counted once, read by every plan compile
+        """FLOP per op node at global shapes (global_flops): counted once, read by every plan compile
         searches and rates."""
-        from .cost import global_flops  # cost reads bound plans; imported here, where one exists
-
         return global_flops(self)
 
     @functools.cached_property
     def kept(self):
         """What autograd keeps from forward to backward (saved_for_backward.Kept): found once, read by the
         cost model and the search alike."""
-        from .saved_for_backward import what_autograd_keeps
-
         return what_autograd_keeps(self.graph, self.tensors.get, self.parameters)
 
     @functools.cached_property
@@ -149,6 +146,43 @@ class BoundPlan:
         """The parameters (placeholders) some op keeps for backward, itself or through a view: a weight
         gathered for use and released after forward must be gathered again (reshard.py)."""
         return self.kept.values & set(self.parameters)
+
+
+# ---------------------------------------------------------------------------------------------------
+# FLOP per op
+
+
+_COUNTED_FAMILIES = ("einsum", "matmul", "attention", "conv")  # op rule families that do the arithmetic
+
+
+def global_flops(bound) -> dict[str, int]:
+    """FLOP of each op node of the exported graph at its global shapes, for the rule families that do
+    arithmetic worth counting (matmuls, convolutions, attention); torch's own counter, on meta tensors."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counts: dict[str, int] = {}
+    for node in bound.graph.nodes:
+        rule = rule_for(node) if node.op == "call_function" else None
+        if rule is None or rule.family not in _COUNTED_FAMILIES:
+            continue
+
+        def meta(value):
+            if isinstance(value, torch.fx.Node):
+                info = bound.tensors.get(value.name)
+                if info is not None:
+                    return torch.empty(info.shape, dtype=info.dtype, device="meta")
+                example = value.meta.get("val")
+                return int(example) if isinstance(example, (int, torch.SymInt)) else example
+            return value
+
+        try:
+            args, kwargs = torch.utils._pytree.tree_map(meta, (node.args, node.kwargs))
+            with FlopCounterMode(display=False) as counter:
+                node.target(*args, **kwargs)
+            counts[node.name] = int(counter.get_total_flops())
+        except Exception:  # an op the counter cannot run on meta tensors: priced by its bytes alone
+            continue
+    return counts
 
 
 # ---------------------------------------------------------------------------------------------------

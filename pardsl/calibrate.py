@@ -1,9 +1,9 @@
 """`pardsl calibrate`: measure the cost model's figures on this machine and backend, into a file.
 
 Each collective kind is timed over `nproc` ranks at sizes from a few KiB to several MiB; α and β are a
-line through (per-rank volume, seconds), with the per-rank volumes of `layouts.collective_bytes`: Theil–Sen's (the median of
-the slopes between every two sizes), which one slow timing does not tip over, as it did least squares on
-a busy CPU (a β of zero: bytes for free). β is at least a copy's per byte at the measured memory
+line through (per-rank volume, seconds), with the per-rank volumes of `layouts.collective_bytes`:
+Theil–Sen's (the median of the slopes between every two sizes), which one slow timing does not tip over,
+as it did least squares on a busy CPU (a β of zero: bytes for free). β is at least a copy's per byte at the measured memory
 bandwidth, since no collective moves bytes faster than memory does. The intercept, divided by the ring's
 steps, is α per step. With every rank computing at once (CPU ranks share the
 cores, as in a run), a square matmul gives the throughput, a large elementwise add the memory bandwidth

@@ -187,9 +187,7 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metad
     Collective: every rank calls it. Returns once the checkpoint is published. Over an existing checkpoint,
     the old one stays loadable until the new one is complete.
     """
-    from .api import PipelineModule
-
-    if isinstance(model, PipelineModule):  # its ranks along the pipeline axis hold different parameters
+    if model.plan.pipelined:  # its ranks along the pipeline axis hold different parameters
         raise NotImplementedError("saving a pipelined model is not supported yet: the checkpoint index reads "
                                   "every layout as replicated along the pipeline axis")
     if metadata is not None:

@@ -166,9 +166,9 @@ def _summary(compiled) -> str:
                  f"(of {format_bytes(memory['parameters_total'])}), activations "
                  f"{format_bytes(memory['activations_per_rank'])} per rank (of {format_bytes(memory['activations_total'])})")
     if compiled.pipeline is not None:  # the lines above are one micro-batch through every stage
-        from .pipeline import memory_per_rank as pipelined_memory
+        from .cost import pipelined_memory_per_rank
 
-        held = pipelined_memory(compiled.stages, compiled.pipeline)
+        held = pipelined_memory_per_rank(compiled.stages, compiled.pipeline)
         lines.append(f"  pipeline  the rank that holds most: {format_bytes(held['total'])} (its stages' parameters "
                      f"{format_bytes(held['parameters'])}, activations of the micro-batches in flight "
                      f"{format_bytes(held['activations'])})")
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 def _calibrate(args) -> int:
     from .calibrate import calibrate, write
     from .cost import calibration_path
-    from .execution import resolve_backend
+    from .devices import resolve_backend
     from .explain import seconds_text
 
     backend = resolve_backend(args.backend)
@@ -257,7 +257,7 @@ def _calibrate(args) -> int:
 
 def _explain(args, compiled) -> int:
     from .cost import CalibrationError, estimate, load_machine
-    from .execution import resolve_backend
+    from .devices import resolve_backend
     from .explain import html_page, report
 
     try:
@@ -338,7 +338,7 @@ def _main(args, quiet) -> int:
 
     if args.command == "compile":
         from .cost import CalibrationError, load_machine
-        from .execution import resolve_backend
+        from .devices import resolve_backend
 
         try:
             machine = load_machine(args.calibration, resolve_backend("auto"))
@@ -359,7 +359,8 @@ def _main(args, quiet) -> int:
         return EXIT_OK
 
     # run
-    from .execution import RunFailed, job_for, launch, resolve_backend, resolve_device
+    from .devices import resolve_backend, resolve_device
+    from .execution import RunFailed, job_for, launch
 
     mesh = compiled.program.mesh
     if args.nproc != mesh.size:

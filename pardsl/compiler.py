@@ -20,10 +20,10 @@ from . import __version__
 from .binding import BoundPlan, bind
 from .codegen import render, render_pipeline
 from .inference import TypedGraph, infer
-from .cost import estimate, memory_per_rank
+from .cost import DEFAULT_BUCKET_MB, default_machine, estimate, memory_per_rank, pipelined_memory_per_rank
 from .search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search, wants_search
 from .diagnostics import Diagnostic
-from .lowering import DEFAULT_BUCKET_MB, LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
+from .lowering import LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
 from .early_count import start_counts_early
 from .fused_norms import fuse_rms_norms
 from .fused_rotary import fuse_rotary_embeddings
@@ -204,14 +204,16 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
     orders = _axis_orders(sized)
     plans = []
     for i, order in enumerate(orders):
-        last = i == len(orders) - 1 or (bool(plans) and time.monotonic() > deadline)
-        with contextlib.suppress(BoundUnmet):
-            plans.append(searched(unsized + order, start=start, nearest=not plans and last))
-        if last and i < len(orders) - 1:
+        out_of_time = time.monotonic() > deadline
+        if out_of_time and plans:
+            stopped.append(_out_of_time(bound, f"{i} of {len(orders)} orders of the mesh axes"))
+            break
+        with contextlib.suppress(BoundUnmet):  # out of time with no plan yet: this order's, or the nearest
+            plans.append(searched(unsized + order, start=start,
+                                  nearest=not plans and (out_of_time or i == len(orders) - 1)))
+        if out_of_time and i < len(orders) - 1:
             stopped.append(_out_of_time(bound, f"{i + 1} of {len(orders)} orders of the mesh axes"))
             break
-    if not plans:  # every order tried ran out of time before meeting the bound: the nearest plan, once
-        plans.append(searched(unsized + orders[0], start=start, nearest=True))
     best = best_searched = min(plans, key=lambda plan: plan[0])  # the mesh's own order on a tie
     clock = time.perf_counter()
     greedy_program = _lowered(greedy, bucket_mb, limit)
@@ -342,7 +344,7 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
 
     program, stages, plan = _timed(seconds, "lower", lower_pipelined)
     source = _timed(seconds, "codegen", lambda: render_pipeline(stages, plan))
-    memory_bound = _check_memory_bound(bound, program, pp.memory_per_rank(stages, plan), limit)
+    memory_bound = _check_memory_bound(bound, program, pipelined_memory_per_rank(stages, plan), limit)
     return Compiled(par, bound, typed, program, source, seconds, memory_bound, plan, tuple(stages))
 
 
@@ -408,14 +410,6 @@ def plan_json(compiled: Compiled, machine=None) -> dict:
         "estimate": estimate(compiled, machine).to_json(),
         "notes": [n.to_json() for n in program.notes],
     }
-
-
-def default_machine():
-    """The cost model's figures for this machine's backend: its calibration file, else the defaults."""
-    from .cost import load_machine
-    from .execution import resolve_backend
-
-    return load_machine(None, resolve_backend("auto"))
 
 
 def write_outputs(compiled: Compiled, out_dir: str, machine=None) -> tuple[str, str]:

@@ -27,8 +27,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .binding import global_flops
+from .devices import resolve_backend
 from .layouts import COLLECTIVE_KINDS, collective_bytes
-from .oprules import rule_for
+from .schedules import micro_batches_held, stages_of_rank
 
 CALIBRATION_VERSION = 1
 
@@ -154,42 +156,6 @@ def load_machine(path: str | None = None, backend: str = "gloo") -> Machine:
 
 
 # ---------------------------------------------------------------------------------------------------
-# FLOP per op
-
-
-_COUNTED_FAMILIES = ("einsum", "matmul", "attention", "conv")  # op rule families that do the arithmetic
-
-
-def global_flops(bound) -> dict[str, int]:
-    """FLOP of each op node of the exported graph at its global shapes, for the rule families that do
-    arithmetic worth counting (matmuls, convolutions, attention); torch's own counter, on meta tensors."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counts: dict[str, int] = {}
-    for node in bound.graph.nodes:
-        rule = rule_for(node) if node.op == "call_function" else None
-        if rule is None or rule.family not in _COUNTED_FAMILIES:
-            continue
-
-        def meta(value):
-            if isinstance(value, torch.fx.Node):
-                info = bound.tensors.get(value.name)
-                if info is not None:
-                    return torch.empty(info.shape, dtype=info.dtype, device="meta")
-                example = value.meta.get("val")
-                return int(example) if isinstance(example, (int, torch.SymInt)) else example
-            return value
-
-        try:
-            args, kwargs = torch.utils._pytree.tree_map(meta, (node.args, node.kwargs))
-            with FlopCounterMode(display=False) as counter:
-                node.target(*args, **kwargs)
-            counts[node.name] = int(counter.get_total_flops())
-        except Exception:  # an op the counter cannot run on meta tensors: priced by its bytes alone
-            continue
-    return counts
-
-
 # ---------------------------------------------------------------------------------------------------
 # A plan's estimate
 
@@ -323,16 +289,16 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
     memory = memory_per_rank(program, optimizer)
     pipeline = getattr(compiled, "pipeline", None)
     if pipeline is not None:  # a rank holds its stages, with the micro-batches in flight (pipeline.py)
-        from .pipeline import memory_per_rank as pipelined_memory
-
         activity = program.memory()
-        memory = {**pipelined_memory(compiled.stages, pipeline, optimizer),
+        memory = {**pipelined_memory_per_rank(compiled.stages, pipeline, optimizer),
                   "serial_total": serial_bytes(activity["parameters_total"], activity["parameters_trained_total"],
                                                activity["activations_total"] * pipeline.microbatches, optimizer)}
     return Estimate(machine, ops, costs, memory, seconds)
 
 
 OPTIMIZER_STATES = {"sgd": 0, "adam": 2, "adamw": 2}  # tensors of state per parameter
+DEFAULT_BUCKET_MB = 25.0  # DDP's default gradient bucket size
+FIRST_BUCKET_MB = 1.0  # DDP's first bucket: the first collective starts early in backward
 
 
 def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
@@ -372,3 +338,28 @@ def serial_bytes(parameters: int, trained: int, activations: int, optimizer: str
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
+
+
+def pipelined_memory_per_rank(stages, plan, optimizer: str = "adamw") -> dict[str, int]:
+    """memory_per_rank for a pipeline (`plan`: its PipelinePlan): the rank that holds the most, its
+    stages' parameters, gradients, optimizer state and gathered parameters, and each stage's activations
+    for one micro-batch times the micro-batches it holds at once."""
+    mesh = stages[0].mesh
+    axis_size = mesh.axis_sizes[mesh.axis_index(plan.axis)]
+    worst: dict[str, int] | None = None
+    for rank in range(axis_size):
+        in_flight = micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank)
+        held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0}
+        for stage in stages_of_rank(rank, axis_size, len(stages), plan.schedule):
+            memory = memory_per_rank(stages[stage], optimizer)
+            for key in held:
+                held[key] += memory[key] * (in_flight if key == "activations" else 1)
+        held["total"] = sum(held.values())
+        if worst is None or held["total"] > worst["total"]:
+            worst = held
+    return worst
+
+
+def default_machine() -> "Machine":
+    """The cost model's figures for this machine's backend: its calibration file, else the defaults."""
+    return load_machine(None, resolve_backend("auto"))

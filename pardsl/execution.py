@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .codegen import load_module
+from .devices import rank_device, resolve_backend, resolve_device
 from .layouts import Layout, Mesh
 from .syntax import InputDecl, ModelDecl
 
@@ -108,29 +109,6 @@ def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", d
                    sys_path=par_import_paths(par.source.path, par.model.module), timeout_s=timeout_s,
                    tolerance=tolerance, optimizer=optimizer, stdout_to_stderr=stdout_to_stderr,
                    constants=compiled.bound.constant_values)
-
-
-def resolve_backend(backend: str) -> str:
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return backend
-
-
-def resolve_device(device: str | None, backend: str) -> str:
-    """"cpu" or "cuda": as asked, else (None, "auto") CUDA under NCCL, which moves CUDA tensors only."""
-    if device in (None, "auto"):
-        return "cuda" if backend == "nccl" else "cpu"
-    return device
-
-
-def rank_device(kind: str) -> torch.device:
-    """This rank's device of that kind: GPU `local rank % GPUs` (made current), or the CPU."""
-    if kind != "cuda":
-        return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:

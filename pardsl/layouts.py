@@ -361,6 +361,12 @@ def _steps_from(layout: Layout, candidates: tuple[Placement, ...], shape: tuple[
     return tuple(step for step in steps if step is not None)
 
 
+def one_group_gather(steps: list[ConversionStep], mesh: Mesh) -> bool:
+    """Whether a parameter's conversion is one all-gather over ranks, which lowering puts in a prefetched
+    gather group (ZeRO's) rather than converting it where it is used."""
+    return len(steps) == 1 and steps[0].kind == "all_gather" and mesh.axis_sizes[steps[0].axis] > 1
+
+
 def step_collectives(step: ConversionStep, with_backward: bool = True) -> list[tuple[str, str, int]]:
     """A planned step's collectives from its row of the catalogue, as (phase, kind, bytes per rank); the
     adjoint's where the value needs a gradient."""
@@ -373,3 +379,22 @@ def step_collectives(step: ConversionStep, with_backward: bool = True) -> list[t
 
 def conversion_cost(steps: list[ConversionStep], with_backward: bool = True) -> int:
     return sum(s.forward_bytes + (s.backward_bytes if with_backward else 0) for s in steps)
+
+
+# A dim split in blocks, as collectives move it: each rank's chunks of every block adjacent (rank-major),
+# or the tensor's own order (block-major).
+
+
+def rank_major(moved: "torch.Tensor", n: int, blocks: int) -> "torch.Tensor":
+    """A dim (moved first) split over n ranks in `blocks` blocks, reordered so each rank's chunks of every
+    block are adjacent: block-major [blocks, n, chunk] → rank-major [n, blocks, chunk]."""
+    if blocks == 1:
+        return moved
+    return moved.reshape(blocks, n, -1, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
+
+
+def block_major(gathered: "torch.Tensor", n: int, blocks: int) -> "torch.Tensor":
+    """The inverse of `rank_major`: what an all-gather returns, rank by rank, back in block order."""
+    if blocks == 1:
+        return gathered
+    return gathered.reshape(n, blocks, -1, *gathered.shape[1:]).transpose(0, 1).reshape(gathered.shape)

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cost import parameter_unit
+from .cost import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, parameter_unit
 from .diagnostics import Diagnostic
 from .inference import TypedGraph
-from .layouts import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, plan_conversion, step_collectives
+from .layouts import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, one_group_gather, plan_conversion, step_collectives
 from .oprules import WHOLE, Signature, is_drawn_whole, op_name, rule_for
 from .program import Arg, Instruction, Items, Slot, Text, Var
 from .runtime import PROJECTIONS
@@ -138,9 +138,6 @@ class _GradientSync:
     dtype: str
 
 
-DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket size
-
-
 @dataclass(frozen=True)
 class LinearForm:
     """Where a linear-like op keeps its input, weight and bias among its operands; `op` names it to the
@@ -161,7 +158,6 @@ class LinearForm:
 LINEAR_FORMS = {getattr(torch.ops.aten, op).default: LinearForm(op, p.input, p.weight, p.bias)
                 for op, p in PROJECTIONS.items()}
 _PLACEHOLDER = re.compile(r"@@(sync|bucket|gather|group)(\d+)@@")  # a bucket or group not yet formed
-FIRST_BUCKET_MB = 1.0  # DDP's first bucket: the first collective starts early in backward
 
 
 @dataclass
@@ -238,12 +234,6 @@ class LoweredProgram:
         for c in self.collectives:
             totals[c.phase] += c.bytes
         return totals
-
-
-def one_group_gather(steps: list[ConversionStep], mesh: Mesh) -> bool:
-    """Whether a parameter's conversion is one all-gather over ranks, which lowering puts in a prefetched
-    gather group (ZeRO's) rather than converting it where it is used."""
-    return len(steps) == 1 and steps[0].kind == "all_gather" and mesh.axis_sizes[steps[0].axis] > 1
 
 
 def named_layout(layout: Layout, mesh: Mesh) -> str:

@@ -39,8 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from .layouts import collective_bytes
-from .runtime import block_major, rank_major
+from .layouts import block_major, collective_bytes, rank_major
 
 
 class ParameterSync:

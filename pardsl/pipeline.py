@@ -29,31 +29,13 @@ from typing import NamedTuple
 
 import torch
 
-from .cost import memory_per_rank as program_memory_per_rank, repeated_layer
+from .cost import default_machine, op_costs, repeated_layer
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink
 from .layouts import B
 from .lowering import OutputSlot, Statement, TensorSlot
 from .oprules import is_drawn_whole, op_name
+from .schedules import SCHEDULES, micro_batches_held, schedule_class, stages_of_rank
 from .syntax import ParFile, PipelineDecl
-
-# torch.distributed.pipelining's schedules by the names the `.par` file uses: (class name, stages per rank
-# it takes: None for any, else exactly that many)
-SCHEDULES: dict[str, tuple[str, int | None]] = {
-    "GPipe": ("ScheduleGPipe", 1),
-    "1F1B": ("Schedule1F1B", 1),
-    "Interleaved1F1B": ("ScheduleInterleaved1F1B", None),
-    "LoopedBFS": ("ScheduleLoopedBFS", None),
-    "InterleavedZeroBubble": ("ScheduleInterleavedZeroBubble", None),
-    "ZBVZeroBubble": ("ScheduleZBVZeroBubble", 2),
-    "DualPipeV": ("ScheduleDualPipeV", 2),
-}
-
-
-def schedule_class(name: str):
-    from torch.distributed.pipelining import schedules
-
-    return getattr(schedules, SCHEDULES[name][0])
-
 
 def _canonical_schedule(name: str) -> str | None:
     return next((known for known in SCHEDULES if known.lower() == name.lower()), None)
@@ -205,9 +187,6 @@ def stage_of_nodes(typed, pipeline: PipelineDecl, machine=None) -> tuple[dict[st
 def _balanced_cuts(typed, stages: int, machine) -> tuple[list[int], list[str]]:
     """Cuts at layer starts that minimise the largest stage's estimated compute (the cost model's per op;
     forward and backward scale alike): a small dynamic program over the layer boundaries."""
-    from .compiler import default_machine
-    from .cost import op_costs
-
     bound = typed.bound
     order = list(typed.nodes)
     seconds = [op.forward_s for op in op_costs(typed, machine or default_machine())]
@@ -367,43 +346,6 @@ def shared_parameters(stages) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((name, tuple(held)) for name, held in holders.items() if len(held) > 1)
 
 
-def stages_of_rank(rank: int, axis_size: int, stages: int, schedule: str) -> list[int]:
-    """The stages one rank along the pipeline axis runs, in order: round robin, or for the V-shaped
-    schedules (ZBVZeroBubble, DualPipeV) rank r runs stages r and 2p - 1 - r."""
-    if schedule in ("ZBVZeroBubble", "DualPipeV"):
-        return [rank, 2 * axis_size - 1 - rank]
-    return [s for s in range(stages) if s % axis_size == rank]
-
-
-def micro_batches_held(schedule: str, microbatches: int, axis_size: int, rank: int) -> int:
-    """How many micro-batches' activations one of the rank's stages holds at once: 1F1B starts backward
-    once the pipeline is full, so rank r holds p - r of them; GPipe holds every micro-batch. For the
-    looped and zero-bubble schedules this is every micro-batch too, an upper bound."""
-    if schedule == "1F1B":
-        return min(microbatches, axis_size - rank)
-    return microbatches
-
-
-def memory_per_rank(stages, plan: PipelinePlan, optimizer: str = "adamw") -> dict[str, int]:
-    """cost.memory_per_rank for a pipeline: the rank that holds the most, its stages' parameters,
-    gradients, optimizer state and gathered parameters, and each stage's activations for one micro-batch
-    times the micro-batches it holds at once."""
-    mesh = stages[0].mesh
-    axis_size = mesh.axis_sizes[mesh.axis_index(plan.axis)]
-    worst: dict[str, int] | None = None
-    for rank in range(axis_size):
-        in_flight = micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank)
-        held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0}
-        for stage in stages_of_rank(rank, axis_size, len(stages), plan.schedule):
-            memory = program_memory_per_rank(stages[stage], optimizer)
-            for key in held:
-                held[key] += memory[key] * (in_flight if key == "activations" else 1)
-        held["total"] = sum(held.values())
-        if worst is None or held["total"] > worst["total"]:
-            worst = held
-    return worst
-
-
 __all__ = ["SCHEDULES", "PipelinePlan", "Stage", "check_pipeline", "check_layouts", "check_unsplit", "micro_batched",
            "split_program", "stage_of_nodes", "shared_parameters", "stages_of_rank", "schedule_class",
-           "micro_batches_held", "memory_per_rank"]
+           "micro_batches_held"]

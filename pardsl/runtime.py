@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .layouts import COLLECTIVE_KINDS, Layout, Mesh, collective_bytes
+from .layouts import COLLECTIVE_KINDS, Layout, Mesh, block_major, collective_bytes, rank_major
+from .parameter_sync import ParameterSync
 from .shared_memory import shared_memory_group
 
 PHASES = ("forward", "backward")
@@ -205,8 +206,6 @@ class Runtime:
     def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple]):
         """What one forward of a generated module gathers its stored-split parameters and buckets its
         parameters' gradients with (pardsl/parameter_sync.py)."""
-        from .parameter_sync import ParameterSync  # it imports this module's rank-order helpers
-
         return ParameterSync(self, module, gathers, buckets)
 
     # -- collectives the generated code calls ---------------------------------------------------------
@@ -516,21 +515,6 @@ def _targets_counted(target: torch.Tensor, ignore_index: int, dtype: torch.dtype
 
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
-
-
-def rank_major(moved: torch.Tensor, n: int, blocks: int) -> torch.Tensor:
-    """A dim (moved first) split over n ranks in `blocks` blocks, reordered so each rank's chunks of every
-    block are adjacent: block-major [blocks, n, chunk] → rank-major [n, blocks, chunk]."""
-    if blocks == 1:
-        return moved
-    return moved.reshape(blocks, n, -1, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
-
-
-def block_major(gathered: torch.Tensor, n: int, blocks: int) -> torch.Tensor:
-    """The inverse of `rank_major`: what an all-gather returns, rank by rank, back in block order."""
-    if blocks == 1:
-        return gathered
-    return gathered.reshape(n, blocks, -1, *gathered.shape[1:]).transpose(0, 1).reshape(gathered.shape)
 
 
 class _AllReduce(torch.autograd.Function):

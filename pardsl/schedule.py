@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from .layouts import Layout, collective_bytes
-from .pipeline import schedule_class, stages_of_rank
+from .schedules import schedule_class, stages_of_rank
 
 
 def _meta(entry: tuple, mesh) -> torch.Tensor:

@@ -58,10 +58,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .binding import BoundPlan
-from .cost import OPTIMIZER_STATES, Machine, layer_of, parameter_unit, repeated_layer, serial_bytes
+from .cost import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, OPTIMIZER_STATES, Machine, layer_of, parameter_unit, repeated_layer, serial_bytes
 from .inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
-from .layouts import B, P, Layout, Placement, collective_bytes, plan_conversion, step_collectives
-from .lowering import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, one_group_gather
+from .layouts import B, P, Layout, Placement, collective_bytes, one_group_gather, plan_conversion, step_collectives
 from .oprules import is_tensor_list, signatures
 from .progress import report
 

@@ -171,12 +171,24 @@ def test_a_model_too_deep_to_trace_in_time_says_how_far_it_got(tmp_path):
     assert "module calls traced (the model has 12005 modules)" in error["message"]
 
 
-def test_the_search_on_a_mesh_of_ten_axes_ends_within_its_budget(tmp_path):
-    """An empty layout block on ten axes, five of size 2: the orders tried are bounded (2n past three
-    axes), conversions move only the axes they must, and the search stops at its budget."""
+def test_the_search_on_a_mesh_of_ten_axes_ends_in_seconds(tmp_path):
+    """An empty layout block on ten axes, five of size 2 (minutes before): the orders tried are bounded
+    (2n past three axes) and conversions move only the axes they must."""
     path = tmp_path / "axes.par"
     path.write_text("mesh a = 2, b = 2, c = 2, d = 1, e = 2, f = 1, g = 2, h = 1, i = 1, j = 1\n"
                     "model examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[32, 16]\nlayout {\n}\n")
     started = time.perf_counter()
     check(tmp_path, path.read_bytes())
     assert time.perf_counter() - started < 30
+
+
+def test_a_search_past_its_budget_compiles_the_best_plan_found_and_says_so(compile_par, monkeypatch):
+    from pardsl import compiler
+
+    monkeypatch.setattr(compiler, "SEARCH_BUDGET_S", 0.0)
+    compiled = compile_par("mesh dp = 2, tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\n"
+                           "input x : float32[8, 16]\nlayout {\n}\n")
+    (note,) = [n for n in compiled.program.notes if n.code == "N006"]
+    assert note.message == ("the layout search stopped at its time budget of 0 s, after 1 of 2 orders of the mesh "
+                            "axes: the best plan found so far is compiled")
+    assert (note.span.line, note.span.column) == (1, 1)  # the mesh the search lays the layouts over

@@ -99,7 +99,7 @@ class ReduceScatterAgainstGloo:
     def reduce_scatter_each_way(rt, n: int, errors: dict, sent: list) -> None:
         import torch.distributed as dist
 
-        from pardsl.runtime import rank_major
+        from pardsl.layouts import rank_major
 
         for dim, blocks in itertools.product(range(3), (1, 2)):
             shape = [3, 5, 7]

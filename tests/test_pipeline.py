@@ -188,14 +188,14 @@ LLAMA_PP2_TP2_BOUNDED = llama("pp : schedule 1F1B, microbatches 4, cut before mo
 
 def test_a_pipelined_plan_is_searched_under_a_memory_bound_held_rank_by_rank():
     # A rank holds its stages' parameters and, under 1F1B, up to p - r micro-batches of its stage's
-    # activations (pipeline.memory_per_rank); the search holds the whole model to p times the bound with
+    # activations (cost.pipelined_memory_per_rank); the search holds the whole model to p times the bound with
     # its activations counted as many times as the first rank holds them, and the stages are then checked
     # rank by rank. At 30 % the plan unbounded is over the bound and the searched one within it; at 15 %
     # no plan is, which is N003 with the rank's figure.
-    from pardsl.pipeline import memory_per_rank
+    from pardsl.cost import pipelined_memory_per_rank
 
     def per_rank(compiled):
-        return memory_per_rank(compiled.stages, compiled.pipeline)["total"]
+        return pipelined_memory_per_rank(compiled.stages, compiled.pipeline)["total"]
 
     unbounded = compile_text(LLAMA_PP2_TP2_BOUNDED.replace("memory <= {percent} %\n", ""), "plan.par")
     bounded = compile_text(LLAMA_PP2_TP2_BOUNDED.format(percent=30), "plan.par")

@@ -12,7 +12,8 @@ from pardsl.compiler import _Candidate, _lowered, compile_file, compile_text
 from pardsl.cost import DEFAULTS, LinkCost, Machine, estimate, memory_per_rank
 from pardsl.diagnostics import CompileError
 from pardsl.layouts import B, S
-from pardsl.lowering import DEFAULT_BUCKET_MB, lower
+from pardsl.cost import DEFAULT_BUCKET_MB
+from pardsl.lowering import lower
 
 from .figures import ROUND_GLOO
 from .test_distributed import check
@@ -597,7 +598,7 @@ def test_a_move_counts_the_weights_gathered_on_an_axis_it_does_not_decide(compil
     search had left them out (196,608 bytes: it took the move's plan to be within the bound, where the
     cost model counts it 8.9 % over); on T5 dp 2 × tp 2 under 30 % every plan came out over the bound."""
     from pardsl.compiler import _lowered
-    from pardsl.lowering import DEFAULT_BUCKET_MB
+    from pardsl.cost import DEFAULT_BUCKET_MB
 
     compiled = compile_par(ZERO_OVER_TWO_AXES.replace("[S(0), S(1)]", "[S(0), B]"))
     limit = search.memory_limit(compiled.bound)
