@@ -5,7 +5,7 @@ PIP    := $(PYTHON) -m pip
 # The CPU build of torch, pinned: an unpinned torch pulls gigabytes of CUDA packages.
 TORCH  := torch==2.13.0
 
-.PHONY: install demo test bench fuzz clean
+.PHONY: install demo test bench fuzz docs clean
 
 install:
 	$(PIP) install --quiet $(TORCH)
@@ -23,8 +23,12 @@ test: install
 fuzz: install
 	PARDSL_FUZZ_EXAMPLES=$${PARDSL_FUZZ_EXAMPLES:-10000} $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_fuzz.py --durations=2
 
+# The documentation site (docs/, mkdocs.yml) into site/; the test suite builds it too, strictly.
+docs: install
+	$(PYTHON) -m mkdocs build --strict
+
 bench: install
 	$(PYTHON) benchmarks/compile_and_step.py
 
 clean:
-	rm -rf out build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf out build dist site *.egg-info .pytest_cache .hypothesis

@@ -61,6 +61,7 @@ def _arguments() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", required=True, metavar="FILE")
 
     commands.add_parser("rules", help="print every op's rule, one line per op (pardsl/oprules.py)")
+    commands.add_parser("codes", help="print every error and note code with its meaning (Markdown)")
 
     explain = commands.add_parser("explain", help="per layer: layouts, collectives with bytes and estimated "
                                   "time, memory per rank, runner-up plans")
@@ -216,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "calibrate":
             return _calibrate(args)
+        if args.command == "codes":
+            from .diagnostics import code_reference
+
+            print(code_reference(), end="")
+            return EXIT_OK
         if args.command == "rules":
             from .oprules import rules_table
 

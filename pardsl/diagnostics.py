@@ -67,6 +67,28 @@ ERROR_CODES: dict[str, str] = {
     "E090": "compile did not finish within its time limit",
 }
 
+# Every note: a plan that compiles, with something the user should know about it.
+NOTE_CODES: dict[str, str] = {
+    "N001": "a written layout is converted before the op that reads it",
+    "N002": "values exchanged by an all-to-all nobody wrote (an op could not keep a split)",
+    "N003": "the plan needs more memory per rank than the `memory` bound",
+    "N004": "the greedy completion is compiled: rated faster than the layout search's plan",
+    "N005": "operators without a rule, computed whole on every rank",
+    "N006": "the layout search stopped at its time budget: the best plan found is compiled",
+}
+
+
+def code_reference() -> str:
+    """Every error and note code as Markdown: docs/errors.md, which a test keeps equal to this."""
+    lines = ["# Error and note codes", "",
+             "Every diagnostic `pardsl check`, `compile`, `explain` and `run` print carries one of these codes, "
+             "with the file, line and column it concerns. Codes are stable: match on them. This page is "
+             "`pardsl codes`' output.", "", "## Errors", "", "| code | meaning |", "|---|---|"]
+    lines += [f"| {code} | {title} |" for code, title in ERROR_CODES.items()]
+    lines += ["", "## Notes", "", "A note does not stop the compile.", "", "| code | meaning |", "|---|---|"]
+    lines += [f"| {code} | {title} |" for code, title in NOTE_CODES.items()]
+    return "\n".join(lines) + "\n"
+
 
 @dataclass(frozen=True)
 class Span:

@@ -213,11 +213,11 @@ def test_export_of_a_folder_that_is_no_checkpoint_is_an_error(tmp_path, capsys):
     assert "neither a pardsl checkpoint" in capsys.readouterr().err
 
 
-def test_the_readmes_explain_example_is_what_explain_prints(capsys):
-    """The README shows `pardsl explain examples/mlp.par` with the gloo defaults (conftest points the
+def test_the_documented_explain_example_is_what_explain_prints(capsys):
+    """docs/cli.md shows `pardsl explain examples/mlp.par` with the gloo defaults (conftest points the
     calibration folder at an empty one): its block must be the command's output, not an older one's. It was
     made on 2 cores; the defaults' ranks share the cores of the host at hand."""
-    readme = open("README.md", encoding="utf-8").read()
+    readme = open("docs/cli.md", encoding="utf-8").read()
     command = "$ pardsl explain examples/mlp.par          # no calibration file: the gloo defaults\n"
     shown = readme.split(command, 1)[1].split("\n```", 1)[0]
     shown = shown.replace("; ranks share 2 cores", f"; ranks share {os.cpu_count() or 1} cores")
