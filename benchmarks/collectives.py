@@ -1,7 +1,7 @@
 """The runtime's collectives against the backend's own, per size, on N local ranks.
 
 On gloo, between ranks of one host, the runtime's collectives go through shared memory
-(pardsl/shared_memory.py); between hosts it builds some on gloo's all-to-all (pardsl/runtime.py,
+(pardsl/runtime/shared_memory.py); between hosts it builds some on gloo's all-to-all (pardsl/runtime/core.py,
 `collectives_by_all_to_all`): a reduce-scatter is an all-to-all and a local sum (gloo's own all-reduces
 the whole input); over two ranks, an all-gather and an all-reduce, of any size, are one exchange in which
 each rank sends the other its tensor (gloo's all-reduce ring takes two dependent steps); over more, an
@@ -29,8 +29,8 @@ SIZES = (1 << 15, 1 << 17, 1 << 19, 1 << 20, 1 << 22, 1 << 24)  # bytes of each 
 
 
 def _rank(rank: int, nproc: int, port: int, backend: str, repeats: int) -> None:
-    from pardsl.runtime import all_gather_started, all_reduce_started, collectives_by_all_to_all, reduce_scatter_started
-    from pardsl.shared_memory import shared_memory_group
+    from pardsl.runtime.core import all_gather_started, all_reduce_started, collectives_by_all_to_all, reduce_scatter_started
+    from pardsl.runtime.shared_memory import shared_memory_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -90,7 +90,7 @@ def _rank(rank: int, nproc: int, port: int, backend: str, repeats: int) -> None:
 def main() -> None:
     import torch.multiprocessing as mp
 
-    from pardsl.pool import free_port
+    from pardsl.tools.pool import free_port
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)

@@ -17,8 +17,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pardsl.compiler import compile_text  # noqa: E402
-from pardsl.execution import job_for  # noqa: E402
-from pardsl.pool import WorkerPool  # noqa: E402
+from pardsl.tools.execution import job_for  # noqa: E402
+from pardsl.tools.pool import WorkerPool  # noqa: E402
 
 DEEP = """mesh tp = 2
 model examples.models:DeepMLP(depth={depth}, d_model=64, d_ff=256)

@@ -1,6 +1,6 @@
 """Does the cost model rank plans as they measure? Seven plans of one transformer layer — data parallel,
 ZeRO-3, Megatron TP on 2 and 4 ranks, Megatron-SP, 2-D and data × tensor parallel — each estimated by
-pardsl's cost model (pardsl/cost.py, with this machine's calibration file when `pardsl calibrate` has
+pardsl's cost model (pardsl/planning/cost.py, with this machine's calibration file when `pardsl calibrate` has
 written one) and measured with `pardsl run`'s machinery (median compiled step over the steps, each rank
 checked against serial). Prints both, their orders, and Spearman's rank correlation.
 
@@ -62,8 +62,8 @@ def main() -> None:
     os.chdir(ROOT)
 
     from pardsl.compiler import compile_text
-    from pardsl.cost import estimate, load_machine
-    from pardsl.execution import job_for, launch
+    from pardsl.planning.cost import estimate, load_machine
+    from pardsl.tools.execution import job_for, launch
 
     machine = load_machine(None, "gloo")
     print(f"machine: {machine.source}")

@@ -18,10 +18,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pardsl import search  # noqa: E402
+from pardsl.planning import search  # noqa: E402
 from pardsl.compiler import _Candidate, _lowered, compile_file, compile_text  # noqa: E402
-from pardsl.cost import DEFAULTS, estimate  # noqa: E402
-from pardsl.cost import DEFAULT_BUCKET_MB  # noqa: E402
+from pardsl.planning.cost import DEFAULTS, estimate  # noqa: E402
+from pardsl.planning.cost import DEFAULT_BUCKET_MB  # noqa: E402
 
 GLOO = DEFAULTS["gloo"]
 

@@ -75,9 +75,9 @@ def main() -> None:
     os.chdir(ROOT)
     sys.path.insert(0, ROOT)
     from pardsl.compiler import compile_text
-    from pardsl.diagnostics import CompileError
-    from pardsl.execution import job_for
-    from pardsl.pool import WorkerPool
+    from pardsl.language.diagnostics import CompileError
+    from pardsl.tools.execution import job_for
+    from pardsl.tools.pool import WorkerPool
 
     ranks = 1
     for axis in args.mesh.split(","):

@@ -25,9 +25,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pardsl import search  # noqa: E402
+from pardsl.planning import search  # noqa: E402
 from pardsl.compiler import compile_text  # noqa: E402
-from pardsl.cost import DEFAULTS, estimate, load_machine  # noqa: E402
+from pardsl.planning.cost import DEFAULTS, estimate, load_machine  # noqa: E402
 
 LLAMA = """mesh   dp = 2, tp = 4
 model  examples.hf_models:HFLlama(layers={layers}, hidden=256, heads=8, kv_heads=4, ffn=512, vocab=1024)

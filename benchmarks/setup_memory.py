@@ -117,7 +117,7 @@ def main() -> None:
     from safetensors.torch import save_file
 
     from examples.hf_models import llama_causal_lm
-    from pardsl.pool import free_port
+    from pardsl.tools.pool import free_port
 
     kwargs = dict(layers=args.layers, hidden=args.hidden, heads=8, kv_heads=8, ffn=args.ffn, vocab=args.vocab)
     with tempfile.TemporaryDirectory() as folder:

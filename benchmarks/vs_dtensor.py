@@ -77,8 +77,8 @@ def rank_main(job: dict) -> dict:
 
     import importlib
 
-    from pardsl.layouts import Mesh
-    from pardsl.runtime import Runtime
+    from pardsl.layouts.algebra import Mesh
+    from pardsl.runtime.core import Runtime
 
     import warnings
 

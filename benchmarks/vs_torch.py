@@ -26,8 +26,8 @@ collectives outside it).
 this 2-core VM the profiler itself slows every op (a serial step of 69 ms took 200–380 ms profiled, a
 [4, 64, 512] mul 1.6 ms against 33 µs): read its tables for the ops' shares, not their times.
 `--own-collectives` also times pardsl's module with gloo's own reduce-scatter, all-gather and all-reduce
-instead of the runtime's: through shared memory between ranks of one host (pardsl/shared_memory.py),
-else built on gloo's all-to-all (pardsl/runtime.py, `collectives_by_all_to_all`).
+instead of the runtime's: through shared memory between ranks of one host (pardsl/runtime/shared_memory.py),
+else built on gloo's all-to-all (pardsl/runtime/core.py, `collectives_by_all_to_all`).
 `--alone` also times pardsl's module with no one to wait for: each shared-memory collective copies this
 rank's input into a buffer and computes its result as the transport does, but with zeros for the peers'
 inputs, sending and waiting on nothing. The loss is wrong; the time is the step's own work, what it would
@@ -52,7 +52,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.timing import interleaved_median_ms  # noqa: E402
-from pardsl.shared_memory import SharedMemoryGroup, _Work  # noqa: E402
+from pardsl.runtime.shared_memory import SharedMemoryGroup, _Work  # noqa: E402
 
 # name: (model kwargs, batch, sequence, what pardsl is compared with)
 PLANS = {
@@ -124,7 +124,7 @@ def rank_main(job: dict) -> dict:
 
     import pardsl
     from examples.hf_models import llama_causal_lm
-    from pardsl.devices import rank_device
+    from pardsl.runtime.devices import rank_device
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

@@ -135,7 +135,7 @@ class HFMoE(torch.nn.Module):
                  ffn: int = 64, experts: int = 4, top_k: int = 2, vocab: int = 128, positions: int = 64,
                  groups: int = 4, capacity_factor: float | None = None):
         super().__init__()
-        from pardsl.moe import use_static_capacity
+        from pardsl.model.moe import use_static_capacity
 
         config = getattr(transformers, f"{family}Config")(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,

@@ -15,13 +15,14 @@ import importlib
 
 __version__ = "0.1.0"
 
-# Exports load on first use: a generated module imports pardsl.runtime alone, and the CLI parses its
+# Exports load on first use: a rank imports pardsl.runtime alone, and the CLI parses its
 # arguments before it needs the compiler.
 _EXPORTS = {
     "ParallelModule": "api", "PipelineModule": "api", "Plan": "api", "clip_grad_norm_": "api", "load": "api",
-    "export_checkpoint": "checkpoint", "load_optimizer_state": "checkpoint", "save": "checkpoint",
-    "latest_checkpoint": "checkpoint", "checkpoint_metadata": "checkpoint", "CheckpointError": "checkpoint",
-    "CompileError": "diagnostics",
+    "export_checkpoint": "runtime.checkpoint", "load_optimizer_state": "runtime.checkpoint",
+    "save": "runtime.checkpoint", "latest_checkpoint": "runtime.checkpoint",
+    "checkpoint_metadata": "runtime.checkpoint", "CheckpointError": "runtime.checkpoint",
+    "CompileError": "language.diagnostics",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

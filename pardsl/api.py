@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from .compiler import Compiled, compile_par
-from .cost import DEFAULT_BUCKET_MB, Machine, default_machine
-from .codegen import load_module
-from .layouts import B, Layout
-from .search import LogMismatch, SolutionLog
-from .syntax import parse
+from pardsl.compiler import Compiled, compile_par
+from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine
+from pardsl.program.codegen import load_module
+from pardsl.layouts.algebra import B, Layout
+from pardsl.planning.search import LogMismatch, SolutionLog
+from pardsl.language.syntax import parse
 
 # per file content, working directory, options and cost model: the compiled plan, its search's answers
 # (SolutionLog) and the cost model's figures (cost.Machine) it was searched with
@@ -126,7 +126,7 @@ class Plan:
         self.out_spec = bound.exported.call_spec.out_spec
 
     def runtime(self, device: torch.device | str | None = None):
-        from .runtime import Runtime
+        from pardsl.runtime.core import Runtime
 
         device = torch.device(device) if device is not None else default_device()
         if device not in self._runtimes:
@@ -201,7 +201,7 @@ class Plan:
             spmd.load_full_state_dict(full)
             del full
         else:
-            from .checkpoint import load_model_state
+            from pardsl.runtime.checkpoint import load_model_state
 
             with torch.no_grad():
                 for name, (attr, layout, _) in self._generated.BUFFERS.items():
@@ -210,7 +210,7 @@ class Plan:
         return ParallelModule(self, spmd)
 
     def _full_state(self) -> dict[str, torch.Tensor]:
-        from .binding import build_model, full_state, import_paths, par_import_paths
+        from pardsl.model.binding import build_model, full_state, import_paths, par_import_paths
 
         par = self.compiled.par
         with import_paths(*par_import_paths(par.source.path, par.model.module)):
@@ -220,7 +220,7 @@ class Plan:
         return full
 
     def _pipeline_module(self, rt, loss_fn) -> "PipelineModule":
-        from .schedule import Pipeline
+        from pardsl.runtime.schedule import Pipeline
 
         generated = self._generated
         full = self._full_state()
@@ -235,7 +235,7 @@ class Plan:
         """torch's schedule calls loss(stage output, target micro-batch) on the last stage."""
         if loss_fn is not None:
             return lambda output, target: loss_fn(pytree.tree_unflatten(list(output), self.out_spec), target)
-        from .schedule import loss_output
+        from pardsl.runtime.schedule import loss_output
 
         index = loss_output(self._generated.STAGES[-1].OUTPUTS)
         if index is None:

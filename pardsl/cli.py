@@ -13,7 +13,7 @@ import math
 import os
 import sys
 
-from .diagnostics import CompileError
+from pardsl.language.diagnostics import CompileError
 
 EXIT_OK, EXIT_INPUT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -60,7 +60,7 @@ def _arguments() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     export.add_argument("-o", "--output", required=True, metavar="FILE")
 
-    commands.add_parser("rules", help="print every op's rule, one line per op (pardsl/oprules.py)")
+    commands.add_parser("rules", help="print every op's rule, one line per op (pardsl/layouts/oprules.py)")
     commands.add_parser("codes", help="print every error and note code with its meaning (Markdown)")
 
     explain = commands.add_parser("explain", help="per layer: layouts, collectives with bytes and estimated "
@@ -128,8 +128,8 @@ def _report_errors(error: CompileError, as_json: bool) -> int:
 
 def _out_of_time(path: str, limit: float, stage: str) -> CompileError:
     """E090 at the file's `model` line (where it parses; its first line where not)."""
-    from .diagnostics import Diagnostic, SourceFile, Span
-    from .syntax import parse_file
+    from pardsl.language.diagnostics import Diagnostic, SourceFile, Span
+    from pardsl.language.syntax import parse_file
 
     span, source = Span(1, 1, 1, 2), None
     with contextlib.suppress(Exception):  # the file parsed before: this is only to find the line again
@@ -147,7 +147,7 @@ def _print_notes(compiled) -> None:
 
 
 def _summary(compiled) -> str:
-    from .lowering import format_bytes, named_layout
+    from pardsl.program.lowering import format_bytes, named_layout
 
     program = compiled.program
     lines = [f"{program.source_path}: mesh {program.mesh} ({program.mesh.size} ranks), model {program.model}"]
@@ -167,7 +167,7 @@ def _summary(compiled) -> str:
                  f"(of {format_bytes(memory['parameters_total'])}), activations "
                  f"{format_bytes(memory['activations_per_rank'])} per rank (of {format_bytes(memory['activations_total'])})")
     if compiled.pipeline is not None:  # the lines above are one micro-batch through every stage
-        from .cost import pipelined_memory_per_rank
+        from pardsl.planning.cost import pipelined_memory_per_rank
 
         held = pipelined_memory_per_rank(compiled.stages, compiled.pipeline)
         lines.append(f"  pipeline  the rank that holds most: {format_bytes(held['total'])} (its stages' parameters "
@@ -179,8 +179,8 @@ def _summary(compiled) -> str:
 def _inputs_past_memory(compiled, nproc: int):
     """A CompileError where the example inputs (made on every rank, and by the serial reference) would not
     fit this machine's memory: said before anything is allocated."""
-    from .binding import DTYPES
-    from .diagnostics import Diagnostic
+    from pardsl.model.binding import DTYPES
+    from pardsl.language.diagnostics import Diagnostic
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for decl in compiled.par.inputs:
@@ -199,7 +199,7 @@ def _cannot_write(folder: str, error: OSError) -> int:
 
 
 def _export(args) -> int:
-    from .checkpoint import export_checkpoint
+    from pardsl.runtime.checkpoint import export_checkpoint
 
     try:
         names = export_checkpoint(args.checkpoint, args.output)
@@ -218,12 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "calibrate":
             return _calibrate(args)
         if args.command == "codes":
-            from .diagnostics import code_reference
+            from pardsl.language.diagnostics import code_reference
 
             print(code_reference(), end="")
             return EXIT_OK
         if args.command == "rules":
-            from .oprules import rules_table
+            from pardsl.layouts.oprules import rules_table
 
             print("\n".join(rules_table()))
             return EXIT_OK
@@ -236,10 +236,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _calibrate(args) -> int:
-    from .calibrate import calibrate, write
-    from .cost import calibration_path
-    from .devices import resolve_backend
-    from .explain import seconds_text
+    from pardsl.tools.calibrate import calibrate, write
+    from pardsl.planning.cost import calibration_path
+    from pardsl.runtime.devices import resolve_backend
+    from pardsl.tools.explain import seconds_text
 
     backend = resolve_backend(args.backend)
     if args.nproc < 2:
@@ -262,9 +262,9 @@ def _calibrate(args) -> int:
 
 
 def _explain(args, compiled) -> int:
-    from .cost import CalibrationError, estimate, load_machine
-    from .devices import resolve_backend
-    from .explain import html_page, report
+    from pardsl.planning.cost import CalibrationError, estimate, load_machine
+    from pardsl.runtime.devices import resolve_backend
+    from pardsl.tools.explain import html_page, report
 
     try:
         machine = load_machine(args.calibration, resolve_backend(args.backend))
@@ -274,7 +274,7 @@ def _explain(args, compiled) -> int:
     result = estimate(compiled, machine, args.optimizer)
     bound = compiled.memory_bound
     if args.html:
-        from .compiler import write_atomically
+        from pardsl.compiler import write_atomically
 
         try:
             write_atomically(args.html, html_page(compiled, result, bound))
@@ -300,7 +300,7 @@ def _status_on_terminal(args):
         return
     from rich.console import Console
 
-    from .progress import reported_to
+    from pardsl.language.progress import reported_to
 
     name = os.path.basename(args.file)  # one line on a narrow terminal
     with Console(stderr=True).status(f"{name}: parsing", spinner="dots") as status:
@@ -309,8 +309,8 @@ def _status_on_terminal(args):
 
 
 def _main(args, quiet) -> int:
-    from .compiler import compile_file, plan_json, write_outputs
-    from .progress import OutOfTime, time_limit
+    from pardsl.compiler import compile_file, plan_json, write_outputs
+    from pardsl.language.progress import OutOfTime, time_limit
 
     limit = getattr(args, "time_limit", None)
     try:
@@ -343,8 +343,8 @@ def _main(args, quiet) -> int:
         return _explain(args, compiled)
 
     if args.command == "compile":
-        from .cost import CalibrationError, load_machine
-        from .devices import resolve_backend
+        from pardsl.planning.cost import CalibrationError, load_machine
+        from pardsl.runtime.devices import resolve_backend
 
         try:
             machine = load_machine(args.calibration, resolve_backend("auto"))
@@ -365,13 +365,13 @@ def _main(args, quiet) -> int:
         return EXIT_OK
 
     # run
-    from .devices import resolve_backend, resolve_device
-    from .execution import RunFailed, job_for, launch
+    from pardsl.runtime.devices import resolve_backend, resolve_device
+    from pardsl.tools.execution import RunFailed, job_for, launch
 
     mesh = compiled.program.mesh
     if args.nproc != mesh.size:
         span = compiled.par.mesh.span
-        from .diagnostics import Diagnostic, Span
+        from pardsl.language.diagnostics import Diagnostic, Span
 
         error = CompileError([Diagnostic("E012", f"the mesh ({mesh}) has {mesh.size} ranks but --nproc is "
                                          f"{args.nproc}", Span(span.line, span.column, span.line, span.column + 4))],

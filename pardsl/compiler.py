@@ -16,21 +16,21 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from . import __version__
-from .binding import BoundPlan, bind
-from .codegen import render, render_pipeline
-from .inference import TypedGraph, infer
-from .cost import DEFAULT_BUCKET_MB, default_machine, estimate, memory_per_rank, pipelined_memory_per_rank
-from .search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search, wants_search
-from .diagnostics import Diagnostic
-from .lowering import LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
-from .early_count import start_counts_early
-from .fused_norms import fuse_rms_norms
-from .fused_rotary import fuse_rotary_embeddings
-from .liveness import release_dead_values
-from .progress import report
-from .reshard import reshard_after_forward
-from .syntax import ParFile, parse, parse_file
+from pardsl import __version__
+from pardsl.model.binding import BoundPlan, bind
+from pardsl.program.codegen import render, render_pipeline
+from pardsl.planning.inference import TypedGraph, infer
+from pardsl.planning.cost import DEFAULT_BUCKET_MB, default_machine, estimate, memory_per_rank, pipelined_memory_per_rank
+from pardsl.planning.search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search, wants_search
+from pardsl.language.diagnostics import Diagnostic
+from pardsl.program.lowering import LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
+from pardsl.passes.early_count import start_counts_early
+from pardsl.passes.fused_norms import fuse_rms_norms
+from pardsl.passes.fused_rotary import fuse_rotary_embeddings
+from pardsl.passes.liveness import release_dead_values
+from pardsl.language.progress import report
+from pardsl.passes.reshard import reshard_after_forward
+from pardsl.language.syntax import ParFile, parse, parse_file
 
 MODULE_FILE = "pardsl_module.py"
 PLAN_FILE = "plan.json"
@@ -97,17 +97,27 @@ def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
 
 
+# The passes over every lowered program (or pipeline stage), in order, each program -> program (with the
+# typed graph to read): norms and rotary embeddings fused, a partial loss's count started early, then each
+# value released after its last use, which reads what the others made. Before them, where a plan needs
+# them: FSDP's reshard after forward (_lowered) and the cut into pipeline stages (_compile_pipelined).
+PASSES_AFTER_LOWERING = (
+    ("fuse each local RMSNorm", lambda program, typed: fuse_rms_norms(program, typed.bound.kept)),
+    ("fuse each local rotary embedding", lambda program, typed: fuse_rotary_embeddings(program)),
+    ("count a partial loss's targets early", lambda program, typed: start_counts_early(program)),
+    ("release each value after its last use", lambda program, typed: release_dead_values(program)),
+)
+
+
 def _passes_after_lowering(program: LoweredProgram, typed: TypedGraph) -> LoweredProgram:
-    """The passes over a lowered program (or a pipeline stage's), in order: norms and rotary embeddings
-    fused, a partial loss's count started early, then each value released after its last use (which reads
-    what the others made)."""
-    fused = fuse_rotary_embeddings(fuse_rms_norms(program, typed.bound.kept))
-    return release_dead_values(start_counts_early(fused))
+    for _, run in PASSES_AFTER_LOWERING:
+        program = run(program, typed)
+    return program
 
 
 def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredProgram:
     """The lowered program, its FSDP groups of gathered parameters resharded after forward
-    (pardsl/reshard.py) unless it keeps within the memory bound `limit` (bytes per rank) without: then no
+    (pardsl/passes/reshard.py) unless it keeps within the memory bound `limit` (bytes per rank) without: then no
     group is gathered twice. Over the bound, every group gathered whole is resharded, as the search counts
     gathered parameters (two groups whole at a time)."""
     program = lower(typed, bucket_mb)
@@ -116,7 +126,7 @@ def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredP
     return reshard_after_forward(program, typed, any_axis=limit is not None)
 
 
-# what each stage is doing, in words, for a terminal's status line (pardsl/progress.py)
+# what each stage is doing, in words, for a terminal's status line (pardsl/language/progress.py)
 _STAGE_WORDS = {"infer": "completing the layouts",
                 "search": "searching the layouts", "greedy": "completing the layouts greedily, to compare",
                 "lower": "lowering to collectives", "codegen": "writing the module"}
@@ -311,7 +321,7 @@ def _descended(plan, axes: list[int], searched, deadline: float = math.inf, out_
 
 def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
     """The same stages for one micro-batch, with the pipeline pass between lowering and codegen."""
-    from . import pipeline as pp
+    from pardsl.passes import pipeline as pp
 
     decl = pp.check_pipeline(par)
     bound = bind(pp.micro_batched(par))

@@ -25,7 +25,7 @@ _POOLS = {}
 @pytest.fixture(scope="session")
 def pools():
     """Gloo worker pools by world size, started on first use and once per session."""
-    from pardsl.pool import WorkerPool
+    from pardsl.tools.pool import WorkerPool
 
     def get(world_size: int) -> WorkerPool:
         pool = _POOLS.get(world_size)
@@ -41,7 +41,7 @@ def pools():
 @pytest.fixture
 def round_figures(monkeypatch):
     """Compile without a calibration file under tests/figures.py's ROUND_GLOO, not today's defaults."""
-    from pardsl import cost
+    from pardsl.planning import cost
 
     from .figures import ROUND_GLOO
 
@@ -64,6 +64,6 @@ def compile_par(tmp_path):
 
 
 def run_on(pools, compiled, steps: int = 2, seed: int = 0) -> dict:
-    from pardsl.execution import job_for
+    from pardsl.tools.execution import job_for
 
     return pools(compiled.program.mesh.size).run(job_for(compiled, seed=seed, steps=steps, timeout_s=60))

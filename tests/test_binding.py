@@ -1,6 +1,6 @@
 import pytest
 
-from pardsl.layouts import B, S, Layout
+from pardsl.layouts.algebra import B, S, Layout
 
 HEAD = "mesh tp = 2\n"
 
@@ -78,7 +78,7 @@ def test_the_par_files_folder_is_importable_only_while_the_model_is_imported(tmp
 
 def test_a_model_module_in_a_folder_anyone_may_write_to_is_refused_where_it_is(tmp_path):
     from pardsl.compiler import compile_text
-    from pardsl.diagnostics import CompileError
+    from pardsl.language.diagnostics import CompileError
 
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -93,7 +93,7 @@ def test_a_model_module_in_a_folder_anyone_may_write_to_is_refused_where_it_is(t
 
 
 def test_a_package_qualified_module_is_imported_from_the_folder_that_holds_its_package():
-    from pardsl.binding import par_import_paths
+    from pardsl.model.binding import par_import_paths
     from tests.launch import REPO
 
     assert par_import_paths(f"{REPO}/examples/mlp.par", "examples.models") == (f"{REPO}/examples", REPO)
@@ -105,7 +105,7 @@ def _sys_path_after_a_job(par: str) -> list:
     import sys
 
     from pardsl.compiler import compile_file
-    from pardsl.execution import job_for, run_rank
+    from pardsl.tools.execution import job_for, run_rank
 
     run_rank(job_for(compile_file(par), timeout_s=60))
     return sys.path

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pardsl.checkpoint import local_regions, owns
-from pardsl.layouts import B, Layout, Mesh, S
+from pardsl.runtime.checkpoint import local_regions, owns
+from pardsl.layouts.algebra import B, Layout, Mesh, S
 
 
 def reference_shard(full: torch.Tensor, layout: Layout, mesh: Mesh, coordinate) -> torch.Tensor:

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from pardsl.checkpoint import INDEX_FILE, CheckpointError, CheckpointSource, latest_checkpoint
+from pardsl.runtime.checkpoint import INDEX_FILE, CheckpointError, CheckpointSource, latest_checkpoint
 from tests.launch import REPO
 
 MLP_TP2 = os.path.join(REPO, "examples/mlp.par")
@@ -185,7 +185,7 @@ def _save_twice_and_die(rank: int, port: int, folder: str, results) -> None:
     import torch.distributed as dist
 
     import pardsl
-    from pardsl import checkpoint
+    from pardsl.runtime import checkpoint
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=5))
@@ -213,7 +213,7 @@ def _save_twice_and_die(rank: int, port: int, folder: str, results) -> None:
 
 
 def test_a_save_killed_between_ranks_leaves_the_previous_checkpoint_loadable(tmp_path, pools):
-    from pardsl.pool import free_port
+    from pardsl.tools.pool import free_port
 
     folder = str(tmp_path / "ckpt")
     context = multiprocessing.get_context("spawn")

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from pardsl import cli, search
+from pardsl import cli
+
+from pardsl.planning import search
 
 
 def test_check_prints_ok(capsys):
@@ -49,8 +51,8 @@ def test_bucket_size_is_an_option_of_compile(tmp_path, capsys):
 def test_generated_module_runs_on_its_own(tmp_path):
     """The module needs only torch and pardsl.runtime: load it like a user would, on one rank."""
     from pardsl.compiler import compile_text
-    from pardsl.layouts import Mesh
-    from pardsl.runtime import Runtime
+    from pardsl.layouts.algebra import Mesh
+    from pardsl.runtime.core import Runtime
     import importlib.util
     import torch
 
@@ -86,7 +88,7 @@ def test_compile_json_of_a_searched_plan_is_json_alone(tmp_path):
 
 
 def test_a_compile_reports_its_stages_and_each_integer_program_to_a_listener(compile_par):
-    from pardsl.progress import reported_to
+    from pardsl.language.progress import reported_to
 
     heard = []
     with reported_to(heard.append):
@@ -184,7 +186,7 @@ def test_run_ten_steps_of_an_eight_layer_llama_is_equal_to_serial(pools):
     """Each step is compared from the same parameters, so rounding does not compound into a false alarm
     (`pardsl run`'s ranks, in the worker pool: the tests above run the command itself)."""
     from pardsl.compiler import compile_file
-    from pardsl.execution import job_for
+    from pardsl.tools.execution import job_for
 
     report = pools(2).run(job_for(compile_file("examples/hf_llama8_tp2.par"), steps=10, timeout_s=60))
     assert report["ok"], {k: v for k, v in report.items() if "collectives" not in k}
@@ -197,7 +199,7 @@ def test_an_injected_bug_still_fails(pools):
     import re
 
     from pardsl.compiler import compile_file
-    from pardsl.execution import job_for
+    from pardsl.tools.execution import job_for
 
     compiled = compile_file("examples/hf_llama8_tp2.par")
     job = job_for(compiled, steps=3, timeout_s=60)

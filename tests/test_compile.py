@@ -3,9 +3,9 @@
 import json
 import re
 
-from pardsl.codegen import render_expression
+from pardsl.program.codegen import render_expression
 from pardsl.compiler import compile_file, write_outputs
-from pardsl.layouts import B, P, S, Layout
+from pardsl.layouts.algebra import B, P, S, Layout
 
 MLP_HEAD = "mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
 
@@ -125,7 +125,7 @@ def test_generated_module_is_annotated_and_valid_python():
     forward = source[source.index("def forward"):]
     for line in forward.splitlines()[3:-1]:
         assert "  # " in line, line  # every statement says its layout or why it communicates
-    # a value's last read ends with its release (pardsl/liveness.py): the line stays one statement's
+    # a value's last read ends with its release (pardsl/passes/liveness.py): the line stays one statement's
     assert re.search(r"rt\.all_reduce\(linear_1, \"tp\"\); del linear_1 +# P→B@tp: all-reduce 16\.0 KiB \(forward\)", source)
     assert "S(1)@tp  [16, 1024] local [16, 512]" in source
 
@@ -165,7 +165,7 @@ def test_mean_over_a_split_dim_is_rescaled(compile_par):
 def test_errors_that_are_not_finite_never_pass():
     import torch
 
-    from pardsl.execution import _max_err
+    from pardsl.tools.execution import _max_err
 
     assert _max_err(torch.tensor([float("nan")]), torch.tensor([float("nan")])) == float("inf")
     assert _max_err(torch.ones(2), torch.ones(3)) == float("inf")
@@ -189,7 +189,7 @@ def test_an_all_to_all_nobody_wrote_is_a_note_naming_the_first_op_that_needed_it
 
 
 def test_the_program_is_instructions_over_values_and_only_codegen_writes_python():
-    from pardsl.program import Instruction, Items, Slot, Text, Var
+    from pardsl.program.ir import Instruction, Items, Slot, Text, Var
 
     program = compile_file("examples/mlp_zero3.par").program
     kinds = [s.instruction.kind for s in program.statements]

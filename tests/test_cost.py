@@ -1,4 +1,4 @@
-"""The cost model (pardsl/cost.py), `pardsl calibrate`, `pardsl explain` and the `memory <=` bound."""
+"""The cost model (pardsl/planning/cost.py), `pardsl calibrate`, `pardsl explain` and the `memory <=` bound."""
 
 import json
 import math
@@ -7,11 +7,11 @@ import os
 import pytest
 
 from pardsl import cli
-from pardsl.calibrate import fit
+from pardsl.tools.calibrate import fit
 from pardsl.compiler import compile_file
-from pardsl.cost import DEFAULTS, CalibrationError, LinkCost, Machine, estimate, global_flops, load_machine
-from pardsl.explain import html_page, layers, report, runner_ups
-from pardsl.layouts import COLLECTIVE_KINDS
+from pardsl.planning.cost import DEFAULTS, CalibrationError, LinkCost, Machine, estimate, global_flops, load_machine
+from pardsl.tools.explain import html_page, layers, report, runner_ups
+from pardsl.layouts.algebra import COLLECTIVE_KINDS
 
 # Round figures, so that every expected number below is worked out by hand.
 MACHINE = Machine("gloo", {k: LinkCost(1e-4, 1e-9) for k in COLLECTIVE_KINDS}, 1e10, 1e9, 1e-6, "test")
@@ -194,7 +194,7 @@ def test_a_plan_over_its_memory_bound_is_a_note_at_the_memory_line(compile_par):
     ("memory <= 40 MB", "E001", 14),
 ])
 def test_a_memory_bound_that_is_no_bound_is_located(compile_par, line, code, column):
-    from pardsl.diagnostics import CompileError
+    from pardsl.language.diagnostics import CompileError
 
     with pytest.raises(CompileError) as caught:
         compile_par(MLP_BOUND.format(memory=line))

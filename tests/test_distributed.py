@@ -174,11 +174,11 @@ def test_a_part_of_a_split_wanted_in_another_layout_is_converted_once_taken(pool
     # every rank), so the getitem takes its part as the list holds it and the part is converted then.
     import dataclasses
 
-    from pardsl.codegen import render
-    from pardsl.inference import prepare, typed_graph
-    from pardsl.layouts import P, S, Layout
-    from pardsl.liveness import release_dead_values
-    from pardsl.lowering import lower
+    from pardsl.program.codegen import render
+    from pardsl.planning.inference import prepare, typed_graph
+    from pardsl.layouts.algebra import P, S, Layout
+    from pardsl.passes.liveness import release_dead_values
+    from pardsl.program.lowering import lower
 
     greedy = compile_par("mesh tp = 2\nmodel tests.zoo:Cuts(d=16)\ninput x : float32[4, 16]\n"
                          "layout {\n  x : S(1)\n  up.weight : S(1)\n}\n")

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from pardsl.diagnostics import code_reference
+from pardsl.language.diagnostics import code_reference
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,11 +1,11 @@
-"""The early-count pass (pardsl/early_count.py): a partial mean loss's count of targets is all-reduced from
+"""The early-count pass (pardsl/passes/early_count.py): a partial mean loss's count of targets is all-reduced from
 the top of the forward, so that the forward has no barrier at the loss."""
 
 import os
 
 import pytest
 
-from pardsl.layouts import collective_bytes
+from pardsl.layouts.algebra import collective_bytes
 
 from .conftest import REPO, run_on
 from .test_distributed import check

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from pardsl.diagnostics import ERROR_CODES, CompileError
+from pardsl.language.diagnostics import ERROR_CODES, CompileError
 
 MLP = "mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
 MESH2 = "mesh dp = 2, tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"

@@ -1,4 +1,4 @@
-"""The fused-norm pass (pardsl/fused_norms.py): a model's RMSNorm, seven ATen ops, runs as one op of the
+"""The fused-norm pass (pardsl/passes/fused_norms.py): a model's RMSNorm, seven ATen ops, runs as one op of the
 runtime where its chain is local, with a backward that is autograd's through the chain; elsewhere the
 chain stays as it was."""
 
@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pardsl import kernels
+from pardsl.runtime import kernels
 from pardsl.compiler import compile_file
-from pardsl.runtime import _RMSNorm
+from pardsl.runtime.core import _RMSNorm
 
 from .test_distributed import check, lines_calling
 

@@ -1,4 +1,4 @@
-"""The fused-rotary pass (pardsl/fused_rotary.py): a rotary position embedding, seven ATen ops, runs as one
+"""The fused-rotary pass (pardsl/passes/fused_rotary.py): a rotary position embedding, seven ATen ops, runs as one
 op of the runtime where its chain is local, with the chain's bits forward and backward; elsewhere the chain
 stays as it was."""
 
@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pardsl import kernels
+from pardsl.runtime import kernels
 from pardsl.compiler import compile_file
-from pardsl.runtime import _Rotary
+from pardsl.runtime.core import _Rotary
 
 from .test_distributed import check, lines_calling
 

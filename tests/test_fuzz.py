@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pardsl import cli
-from pardsl.diagnostics import ERROR_CODES
+from pardsl.language.diagnostics import ERROR_CODES
 
 EXAMPLES = int(os.environ.get("PARDSL_FUZZ_EXAMPLES", "60"))
 SEEDS = ["examples/mlp.par", "examples/mlp_dp.par", "examples/mlp_inferred.par", "examples/mlp_zero3.par",

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pardsl.compiler import compile_file
-from pardsl.program import Text
+from pardsl.program.ir import Text
 
 from .test_distributed import check, check_example
 
@@ -108,7 +108,7 @@ def _gathered_bytes_held(path: str) -> tuple[int, int]:
     import torch
 
     import pardsl
-    from pardsl.parameter_sync import ParameterSync
+    from pardsl.runtime.parameter_sync import ParameterSync
 
     made = []
     unpack = ParameterSync._unpack
@@ -154,7 +154,7 @@ def test_zero3_releases_gathered_weights_after_forward_unless_the_bound_allows_k
     assert held == last == whole[-1]
     held, _ = pools(2).run_on_every_rank(functools.partial(_gathered_bytes_held, str(kept)))[0]
     assert held == sum(whole[1:])  # all but the embedding's table, whose backward reads the indices only
-    from pardsl.cost import memory_per_rank
+    from pardsl.planning.cost import memory_per_rank
 
     assert memory_per_rank(resharded.program)["gathered_parameters"] == sum(sorted(whole)[-2:])  # two layers
     assert memory_per_rank(keeping.program)["gathered_parameters"] == sum(whole)
@@ -340,7 +340,7 @@ def test_the_grouped_query_fold_needs_the_ranks_to_divide_the_key_value_heads():
     import torch
 
     from examples.hf_models import HFLlama
-    from pardsl.grouped_query import fold_grouped_query_repeats
+    from pardsl.model.grouped_query import fold_grouped_query_repeats
 
     model = HFLlama(layers=1, attention="sdpa")  # 8 query heads, 4 key/value heads
     ids = torch.zeros(2, 16, dtype=torch.int64)

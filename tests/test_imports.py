@@ -1,7 +1,7 @@
 """The import rules of the package, read from its source (every import, inside functions too): no
 cycles; the run time (what a rank running a generated module loads) never reaches the compiler; the
 layout algebra imports nothing else of pardsl; planning (inference, the search, the cost model) never
-imports lowering or the passes after it."""
+imports the program or the passes over it; and each layer imports only the layers below it."""
 
 import ast
 import os
@@ -9,31 +9,41 @@ import os
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pardsl")
 # Lazy public faces: the package's __init__ (its exports load on first use) and the CLI, which imports
 # each command's modules when the command runs.
-FACES = {"__init__", "cli"}
-RUN_TIME = {"runtime", "parameter_sync", "shared_memory", "kernels", "schedule", "schedules", "layouts"}
-COMPILER = {"syntax", "binding", "inference", "search", "cost", "lowering", "pipeline", "codegen", "compiler",
-            "reshard", "fused_norms", "fused_rotary", "early_count", "liveness", "chains", "oprules"}
-PLANNING = {"inference", "search", "cost"}
-AFTER_PLANNING = {"lowering", "pipeline", "codegen", "compiler", "reshard", "fused_norms", "fused_rotary",
-                  "early_count", "liveness", "chains"}
+FACES = {"pardsl", "pardsl.cli"}
+# The layers from the bottom up; a module may import its own layer's modules and those below.
+LAYERS = ["language", "layouts", "model", "planning", "program", "passes"]
+COMPILER = {f"pardsl.{layer}" for layer in LAYERS} | {"pardsl.compiler"}
+
+
+def _modules() -> dict[str, str]:
+    """Dotted name → file, for every module of the package."""
+    found = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                relative = os.path.relpath(os.path.join(folder, name), os.path.dirname(PACKAGE))[:-3]
+                dotted = relative.replace(os.sep, ".").removesuffix(".__init__")
+                found[dotted] = os.path.join(folder, name)
+    return found
 
 
 def _imports() -> dict[str, set[str]]:
-    """Module → the modules of pardsl it imports, anywhere in its file."""
-    modules = {name[:-3] for name in os.listdir(PACKAGE) if name.endswith(".py")}
+    """Module → the modules of pardsl it imports, anywhere in its file (a package's own __init__ for
+    `from pardsl.x import y` where y is a name, the module pardsl.x.y where it is one)."""
+    modules = _modules()
     graph = {}
-    for module in modules:
-        tree = ast.parse(open(os.path.join(PACKAGE, module + ".py"), encoding="utf-8").read())
+    for module, path in modules.items():
+        tree = ast.parse(open(path, encoding="utf-8").read())
         found = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                names = [node.module] if node.module else [alias.name for alias in node.names]
-                found |= {name.split(".")[0] for name in names} & modules
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pardsl."):
-                found.add(node.module.split(".")[1])
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pardsl":
+                for alias in node.names:
+                    child = f"{node.module}.{alias.name}"
+                    found.add(child if child in modules else node.module)
             elif isinstance(node, ast.Import):
-                found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("pardsl.")}
-        graph[module] = found - {module}
+                found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "pardsl"}
+            assert not (isinstance(node, ast.ImportFrom) and node.level), f"{module}: a relative import"
+        graph[module] = {m for m in found if m in modules and m != module and m != "pardsl"}
     return graph
 
 
@@ -47,6 +57,10 @@ def _reachable(graph, start: str) -> set[str]:
     return seen
 
 
+def _inside(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
 def test_no_module_imports_itself_through_others():
     graph = {m: deps - FACES for m, deps in _imports().items() if m not in FACES}
     cycles = sorted(m for m in graph if m in _reachable(graph, m))
@@ -55,12 +69,24 @@ def test_no_module_imports_itself_through_others():
 
 def test_the_run_time_never_reaches_the_compiler():
     graph = _imports()
-    for module in RUN_TIME:
-        assert not (_reachable(graph, module) & COMPILER), (module, _reachable(graph, module) & COMPILER)
+    for module in (m for m in graph if _inside(m, ["pardsl.runtime"])):
+        reached = {m for m in _reachable(graph, module) if _inside(m, COMPILER)}
+        assert reached <= {"pardsl.layouts.algebra"}, (module, reached)
 
 
-def test_the_layout_algebra_stands_alone_and_planning_comes_before_lowering():
+def test_the_layout_algebra_stands_alone_and_planning_comes_before_the_program():
     graph = _imports()
-    assert graph["layouts"] == set()
-    for module in PLANNING:
-        assert not (_reachable(graph, module) & AFTER_PLANNING), (module, _reachable(graph, module) & AFTER_PLANNING)
+    assert graph["pardsl.layouts.algebra"] == set()
+    for module in (m for m in graph if _inside(m, ["pardsl.planning"])):
+        reached = {m for m in _reachable(graph, module) if _inside(m, ["pardsl.program", "pardsl.passes"])}
+        assert not reached, (module, reached)
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    graph = _imports()
+    for module, imported in graph.items():
+        layer = next((i for i, name in enumerate(LAYERS) if _inside(module, [f"pardsl.{name}"])), None)
+        if layer is None:
+            continue
+        above = [f"pardsl.{name}" for name in LAYERS[layer + 1:]] + ["pardsl.compiler", "pardsl.api", "pardsl.tools"]
+        assert not {m for m in imported if _inside(m, above)}, (module, sorted(m for m in imported if _inside(m, above)))

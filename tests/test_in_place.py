@@ -1,4 +1,4 @@
-"""In-place ops, handled once (pardsl/in_place.py): each becomes its functional op and later reads see
+"""In-place ops, handled once (pardsl/model/in_place.py): each becomes its functional op and later reads see
 its result; an input's own update stays in place; a write into a view whose memory is read again after
 it is a located error (E062)."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from pardsl.diagnostics import CompileError
+from pardsl.language.diagnostics import CompileError
 
 from .conftest import run_on
 

@@ -1,6 +1,6 @@
 import pytest
 
-from pardsl.layouts import B, P, S, Layout, Mesh, plan_conversion
+from pardsl.layouts.algebra import B, P, S, Layout, Mesh, plan_conversion
 
 TP = Mesh(("tp",), (4,))
 MESH2 = Mesh(("dp", "tp"), (2, 2))

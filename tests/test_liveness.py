@@ -1,11 +1,11 @@
-"""The liveness pass (pardsl/liveness.py): the generated forward releases each value after its last use, so
+"""The liveness pass (pardsl/passes/liveness.py): the generated forward releases each value after its last use, so
 its peak memory is eager PyTorch's, not every activation of the step at once."""
 
 import functools
 import os
 
 from pardsl.compiler import compile_file
-from pardsl.lowering import LoweredProgram
+from pardsl.program.lowering import LoweredProgram
 
 from .conftest import REPO
 

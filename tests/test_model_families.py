@@ -12,7 +12,7 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pardsl.moe import use_static_capacity
+from pardsl.model.moe import use_static_capacity
 
 from pardsl.compiler import compile_file
 
@@ -110,7 +110,7 @@ def test_a_capacity_factor_drops_the_pairs_past_capacity():
 
 
 def test_the_librarys_own_experts_are_refused_with_what_to_write_instead(compile_par):
-    from pardsl.diagnostics import CompileError
+    from pardsl.language.diagnostics import CompileError
 
     with pytest.raises(CompileError) as caught:
         compile_par('mesh ep = 2\nmodel examples.hf_models:HFCausalLM(family="Mixtral", layers=1)\n'

@@ -12,10 +12,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pardsl import cost
+from pardsl.planning import cost
 from pardsl.compiler import compile_file
-from pardsl.layouts import CONVERSION_OF_KIND, B, P, S, Layout, Mesh, collective_bytes, plan_conversion
-from pardsl.runtime import EXCHANGE_MAX_BYTES
+from pardsl.layouts.algebra import CONVERSION_OF_KIND, B, P, S, Layout, Mesh, collective_bytes, plan_conversion
+from pardsl.runtime.core import EXCHANGE_MAX_BYTES
 
 from .figures import ROUND_GLOO
 from .test_distributed import check
@@ -33,8 +33,8 @@ class ConversionRoundTrip:
     pairs: tuple[tuple[Layout, Layout], ...]
 
     def __call__(self) -> list[tuple[str, str, float, float]]:
-        from pardsl.lowering import step_call
-        from pardsl.runtime import Runtime
+        from pardsl.program.lowering import step_call
+        from pardsl.runtime.core import Runtime
 
         rt = Runtime(self.mesh)
         full = torch.randn(self.shape, generator=torch.Generator().manual_seed(0))
@@ -74,7 +74,7 @@ class ReduceScatterAgainstGloo:
     def __call__(self) -> dict:
         import torch.distributed as dist
 
-        from pardsl.runtime import Runtime
+        from pardsl.runtime.core import Runtime
 
         rt = Runtime(self.mesh)
         rt.shared = {}  # gloo's path, as between hosts (through shared memory: tests/test_shared_memory.py)
@@ -99,7 +99,7 @@ class ReduceScatterAgainstGloo:
     def reduce_scatter_each_way(rt, n: int, errors: dict, sent: list) -> None:
         import torch.distributed as dist
 
-        from pardsl.layouts import rank_major
+        from pardsl.layouts.algebra import rank_major
 
         for dim, blocks in itertools.product(range(3), (1, 2)):
             shape = [3, 5, 7]
@@ -144,7 +144,7 @@ class AllReduceAndAllGatherAgainstGloo:
     def __call__(self) -> dict:
         import torch.distributed as dist
 
-        from pardsl import runtime
+        from pardsl.runtime import core as runtime
 
         rt = runtime.Runtime(self.mesh)
         rt.shared = {}  # gloo's path, as between hosts (through shared memory: tests/test_shared_memory.py)

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pardsl.layouts import S
-from pardsl.oprules import RULES, dim_spec, functional_overload, op_name, rule_for, rules_table, signatures
+from pardsl.layouts.algebra import S
+from pardsl.layouts.oprules import RULES, dim_spec, functional_overload, op_name, rule_for, rules_table, signatures
 
 
 def _nodes(module, *inputs):
@@ -275,7 +275,7 @@ def test_an_aten_operator_without_a_rule_is_computed_whole():
     """Without a row, an ATen operator with tensor results is WHOLE: its one signature reads every operand
     whole and gives whole results. A random one too: every rank draws serial's values from the same
     generator state (test_distributed.py runs one)."""
-    from pardsl.oprules import WHOLE
+    from pardsl.layouts.oprules import WHOLE
 
     class Mixed(nn.Module):
         def forward(self, x, y):

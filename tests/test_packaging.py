@@ -24,6 +24,10 @@ def test_wheel_contains_grammar_and_templates(tmp_path):
     assert "pardsl/grammar/par.lark" in names
     assert "pardsl/templates/module.py.j2" in names
     assert any(n.endswith("entry_points.txt") for n in names)
+    package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pardsl")
+    modules = {os.path.relpath(os.path.join(folder, name), os.path.dirname(package)).replace(os.sep, "/")
+               for folder, _, files in os.walk(package) for name in files if name.endswith(".py")}
+    assert modules - set(names) == set()  # every sub-package listed in pyproject.toml
 
 
 @pytest.mark.timeout(120)

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from pardsl.compiler import compile_text
-from pardsl.codegen import load_module
-from pardsl.diagnostics import CompileError
+from pardsl.program.codegen import load_module
+from pardsl.language.diagnostics import CompileError
 from tests.conftest import run_on
 from tests.launch import REPO, torchrun
 from tests.scripts.pipeline_train import train
@@ -192,7 +192,7 @@ def test_a_pipelined_plan_is_searched_under_a_memory_bound_held_rank_by_rank():
     # its activations counted as many times as the first rank holds them, and the stages are then checked
     # rank by rank. At 30 % the plan unbounded is over the bound and the searched one within it; at 15 %
     # no plan is, which is N003 with the rank's figure.
-    from pardsl.cost import pipelined_memory_per_rank
+    from pardsl.planning.cost import pipelined_memory_per_rank
 
     def per_rank(compiled):
         return pipelined_memory_per_rank(compiled.stages, compiled.pipeline)["total"]

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from pardsl import cli
-from pardsl.diagnostics import CompileError
-from pardsl.syntax import parse, parse_file
+from pardsl.language.diagnostics import CompileError
+from pardsl.language.syntax import parse, parse_file
 
 MLP = "mesh tp = 2\nmodel examples.models:MLP()\ninput x : float32[4, 256]\n"
 
@@ -176,8 +176,8 @@ def test_an_input_dtype_the_model_does_not_compute_in_is_located(compile_par):
 def test_the_vocabulary_parallel_lookup_fails_on_an_id_outside_the_table_as_serial_does():
     import torch
 
-    from pardsl.layouts import Mesh
-    from pardsl.runtime import Runtime
+    from pardsl.layouts.algebra import Mesh
+    from pardsl.runtime.core import Runtime
 
     rt = Runtime(Mesh(("tp",), (1,)))
     weight = torch.randn(8, 4)
@@ -260,7 +260,7 @@ def test_a_rank_that_stops_making_progress_is_named_soon_after(tmp_path):
 def test_error_recovery_does_not_parse_the_file_again_per_error(monkeypatch):
     """A long file with errors near its end: each error resumes the parse after its line, so what is
     parsed in all is the file once plus the short rest after each error (it was the whole file per error)."""
-    from pardsl import syntax
+    from pardsl.language import syntax
 
     body = "mesh tp = 2\nmodel m:f()\ninput x : float32[4, 16]\nlayout {\n" + "  fc1.weight : S(0)\n" * 2000 + "}\n"
     tail = "mesh $$\n" * 5 + "layout {\n  x : S(\n  y : B\n}\n"
@@ -285,7 +285,7 @@ def test_error_recovery_does_not_parse_the_file_again_per_error(monkeypatch):
 def test_the_tolerance_follows_the_dtypes_the_program_computes_in():
     import torch
 
-    from pardsl.execution import tolerance_for
+    from pardsl.tools.execution import tolerance_for
 
     assert tolerance_for({torch.float32, torch.int64}) == 1e-4
     assert tolerance_for({torch.float16, torch.int64}) == 1e-2

@@ -1,4 +1,4 @@
-"""What autograd keeps for backward (pardsl/saved_for_backward.py): the activations the cost model and the
+"""What autograd keeps for backward (pardsl/model/saved_for_backward.py): the activations the cost model and the
 search count, against what torch itself saves."""
 
 import functools
@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from pardsl.binding import build_model, make_inputs
+from pardsl.model.binding import build_model, make_inputs
 from pardsl.compiler import compile_file
-from pardsl.saved_for_backward import probe
+from pardsl.model.saved_for_backward import probe
 
 
 def test_an_op_keeps_what_its_backward_reads():

@@ -1,4 +1,4 @@
-"""The layout search (pardsl/search.py): `?`, a file with no layouts, the memory bound as a constraint,
+"""The layout search (pardsl/planning/search.py): `?`, a file with no layouts, the memory bound as a constraint,
 repeated layers solved once, and searched plans that run equal to serial and cost no more than the
 hand-written ones by the cost model."""
 
@@ -7,13 +7,13 @@ import re
 
 import pytest
 
-from pardsl import search
+from pardsl.planning import search
 from pardsl.compiler import _Candidate, _lowered, compile_file, compile_text
-from pardsl.cost import DEFAULTS, LinkCost, Machine, estimate, memory_per_rank
-from pardsl.diagnostics import CompileError
-from pardsl.layouts import B, S
-from pardsl.cost import DEFAULT_BUCKET_MB
-from pardsl.lowering import lower
+from pardsl.planning.cost import DEFAULTS, LinkCost, Machine, estimate, memory_per_rank
+from pardsl.language.diagnostics import CompileError
+from pardsl.layouts.algebra import B, S
+from pardsl.planning.cost import DEFAULT_BUCKET_MB
+from pardsl.program.lowering import lower
 
 from .figures import ROUND_GLOO
 from .test_distributed import check
@@ -598,7 +598,7 @@ def test_a_move_counts_the_weights_gathered_on_an_axis_it_does_not_decide(compil
     search had left them out (196,608 bytes: it took the move's plan to be within the bound, where the
     cost model counts it 8.9 % over); on T5 dp 2 × tp 2 under 30 % every plan came out over the bound."""
     from pardsl.compiler import _lowered
-    from pardsl.cost import DEFAULT_BUCKET_MB
+    from pardsl.planning.cost import DEFAULT_BUCKET_MB
 
     compiled = compile_par(ZERO_OVER_TWO_AXES.replace("[S(0), S(1)]", "[S(0), B]"))
     limit = search.memory_limit(compiled.bound)

@@ -1,4 +1,4 @@
-"""Collectives through shared memory between ranks of one host (pardsl/shared_memory.py): equal to
+"""Collectives through shared memory between ranks of one host (pardsl/runtime/shared_memory.py): equal to
 gloo's own (bit for bit on two ranks), with nothing through gloo, in any order of waits, and a wait on a
 rank that has ended fails instead of hanging; datagrams from any other process, or out of range, are
 dropped and counted, never believed."""
@@ -22,7 +22,7 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pardsl.layouts import Mesh
+from pardsl.layouts.algebra import Mesh
 
 
 class CopiesIntoBuffers(TorchDispatchMode):
@@ -52,7 +52,7 @@ class AgainstGloo:
     def __call__(self) -> dict:
         import torch.distributed as dist
 
-        from pardsl.runtime import Runtime
+        from pardsl.runtime.core import Runtime
 
         rt = Runtime(Mesh(("dp",), (self.ranks,)))
         n, rank = self.ranks, dist.get_rank()
@@ -123,7 +123,7 @@ class BuffersAfterManySteps:
     def __call__(self) -> tuple[int, float]:
         import torch.distributed as dist
 
-        from pardsl.shared_memory import shared_memory_group
+        from pardsl.runtime.shared_memory import shared_memory_group
 
         group = shared_memory_group(None)  # the pool's earlier jobs' buffers too: count the ones made here
         before = len(group._buffers)
@@ -151,7 +151,7 @@ class IntoLentBuffers:
     def __call__(self) -> dict:
         import torch.distributed as dist
 
-        from pardsl.shared_memory import shared_memory_group
+        from pardsl.runtime.shared_memory import shared_memory_group
 
         group, rank, n = shared_memory_group(None), dist.get_rank(), dist.get_world_size()
         before = len(group._buffers)
@@ -193,7 +193,7 @@ class ColumnParallelBackward:
     def __call__(self) -> dict:
         import torch.distributed as dist
 
-        from pardsl.runtime import Runtime
+        from pardsl.runtime.core import Runtime
 
         rt, rank, n = Runtime(Mesh(("tp",), (dist.get_world_size(),))), dist.get_rank(), dist.get_world_size()
         generator = torch.Generator().manual_seed(0)
@@ -232,7 +232,7 @@ class MadeWith:
     def __call__(self) -> bool:
         import torch.distributed as dist
 
-        from pardsl import shared_memory
+        from pardsl.runtime import shared_memory
 
         identity, setting = shared_memory._host_identity, os.environ.get("PARDSL_SHARED_MEMORY")
         try:
@@ -259,7 +259,7 @@ def _waits_on_a_rank_that_ends(rank: int, port: int, results, stays_alive: bool 
 
     import torch.distributed as dist
 
-    from pardsl.shared_memory import shared_memory_group
+    from pardsl.runtime.shared_memory import shared_memory_group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=3 if stays_alive else 30))
@@ -279,7 +279,7 @@ def _waits_on_a_rank_that_ends(rank: int, port: int, results, stays_alive: bool 
 
 @pytest.mark.parametrize("stays_alive", [False, True])
 def test_a_wait_on_a_rank_that_has_ended_or_never_starts_fails_instead_of_hanging(stays_alive):
-    from pardsl.pool import free_port
+    from pardsl.tools.pool import free_port
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -308,7 +308,7 @@ class DifferentCollectives:
     def __call__(self) -> str:
         import torch.distributed as dist
 
-        from pardsl.shared_memory import shared_memory_group
+        from pardsl.runtime.shared_memory import shared_memory_group
 
         group = shared_memory_group(None)
         x = torch.ones(8)
@@ -333,7 +333,7 @@ def _made_again_after_a_new_process_group(rank: int, ports: list[int], results) 
 
     import torch.distributed as dist
 
-    from pardsl.shared_memory import shared_memory_group
+    from pardsl.runtime.shared_memory import shared_memory_group
 
     sums = []
     for port in ports:  # the second group may be made where the first was: it must not get the first's transport
@@ -348,7 +348,7 @@ def _made_again_after_a_new_process_group(rank: int, ports: list[int], results) 
 
 
 def test_a_new_process_group_gets_a_transport_of_its_own():
-    from pardsl.pool import free_port
+    from pardsl.tools.pool import free_port
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -378,7 +378,7 @@ class AlongDimsAgainstGloo:
     def __call__(self) -> list:
         import torch.distributed as dist
 
-        from pardsl.runtime import Runtime
+        from pardsl.runtime.core import Runtime
 
         mesh = Mesh(("tp",), (self.ranks,))
         shared, gloo = Runtime(mesh), Runtime(mesh)
@@ -407,7 +407,7 @@ def test_gathers_and_reduce_scatters_along_a_dim_equal_gloos_path(pools, ranks):
 
 
 def test_a_wait_reads_before_it_blocks_only_where_every_rank_has_a_core():
-    from pardsl.shared_memory import _SPIN_S, spin_seconds
+    from pardsl.runtime.shared_memory import _SPIN_S, spin_seconds
 
     assert spin_seconds(2, 2) == spin_seconds(4, 16) == _SPIN_S > 0
     assert spin_seconds(3, 2) == spin_seconds(4, 2) == 0.0  # a spinning rank would hold up the one it waits for
@@ -421,7 +421,7 @@ def _attacked_rank(rank: int, port: int, ready, go, done, results) -> None:
 
     import torch.distributed as dist
 
-    from pardsl.shared_memory import shared_memory_group
+    from pardsl.runtime.shared_memory import shared_memory_group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=30))
@@ -455,7 +455,7 @@ def _attacker_commands() -> list[list[str]]:
 
 @pytest.mark.parametrize("as_user", ["same-user", "nobody"])
 def test_forged_datagrams_from_another_process_change_nothing_and_leak_nothing(as_user):
-    from pardsl.pool import free_port
+    from pardsl.tools.pool import free_port
 
     commands = _attacker_commands()
     if as_user == "nobody" and len(commands) < 2:
@@ -509,7 +509,7 @@ def test_a_peers_datagrams_are_believed_only_in_range_and_in_order():
     """Datagrams sent from the process the group takes for rank 1 (this one): each field out of range, a
     replay, an unmapped buffer, a pipe for a buffer, two descriptors, an ack of nothing awaited: dropped and
     counted, their descriptors closed, nothing made ready; the well-formed announcement is believed once."""
-    from pardsl.shared_memory import _MESSAGE, SharedMemoryGroup
+    from pardsl.runtime.shared_memory import _MESSAGE, SharedMemoryGroup
 
     me = os.getpid()
     fds_before = len(os.listdir("/proc/self/fd"))
@@ -552,7 +552,7 @@ def test_a_peers_datagrams_are_believed_only_in_range_and_in_order():
 def test_a_send_to_a_full_queue_gives_up_at_the_deadline():
     """A peer that is alive but never reads: its queue fills, and the sender fails at the group's timeout
     instead of retrying for ever."""
-    from pardsl.shared_memory import SharedMemoryGroup
+    from pardsl.runtime.shared_memory import SharedMemoryGroup
 
     me = os.getpid()
     group = SharedMemoryGroup(0, f"full{me}", [me, me], timeout_s=1.5)
@@ -572,7 +572,7 @@ def test_a_dead_peer_is_noticed_within_seconds_while_datagrams_keep_arriving():
     peers up every second and fails naming rank 1, long before the group's timeout."""
     import threading
 
-    from pardsl.shared_memory import _MESSAGE, SharedMemoryGroup
+    from pardsl.runtime.shared_memory import _MESSAGE, SharedMemoryGroup
 
     ended = subprocess.Popen(["true"])
     ended.wait()

@@ -1,7 +1,7 @@
 import pytest
 
-from pardsl.diagnostics import CompileError
-from pardsl.syntax import parse
+from pardsl.language.diagnostics import CompileError
+from pardsl.language.syntax import parse
 
 MLP_EXAMPLE = """\
 # examples/mlp.par — Megatron tensor parallelism for a two-layer MLP

@@ -140,7 +140,7 @@ def test_training_example_checkpoints_and_resumes_under_another_mesh_bit_for_bit
     dp 2 × tp 2, which first saves what it loaded. Every step's loss equals serial's, and the resharded
     checkpoint holds the same bits as the one it was loaded from, optimizer state included."""
     from examples.train import main as train
-    from pardsl.checkpoint import CheckpointSource
+    from pardsl.runtime.checkpoint import CheckpointSource
 
     common = ["--steps", "4", "--seq", "32", "--batch", "4"]
     train(["--serial", *common, "--loss-log", str(tmp_path / "serial.jsonl")])
@@ -234,7 +234,7 @@ def test_shard_inputs_takes_any_size_and_names_what_cannot_be_split(pools):
 
 def test_bfloat16_llama_trains_equal_to_serial_within_its_tolerance(pools):
     from pardsl.compiler import compile_file
-    from pardsl.execution import job_for
+    from pardsl.tools.execution import job_for
 
     compiled = compile_file("examples/llama_bf16_tp2.par")
     assert all(p.dtype == "torch.bfloat16" for p in compiled.program.parameters)
@@ -336,7 +336,7 @@ def _gradients_held_while_their_bucket_fills(example: str, x_shape: tuple, d_mod
     import weakref
 
     import pardsl
-    from pardsl.parameter_sync import ParameterSync
+    from pardsl.runtime.parameter_sync import ParameterSync
 
     plan = pardsl.load(os.path.join(REPO, example))
     torch.manual_seed(0)
@@ -388,9 +388,9 @@ def _plans_of_a_search_that_answers_differently_on_rank_1():
     import torch.distributed as dist
 
     import pardsl
-    from pardsl import search
+    from pardsl.planning import search
     from pardsl.compiler import compile_text
-    from pardsl.cost import DEFAULTS, LinkCost
+    from pardsl.planning.cost import DEFAULTS, LinkCost
 
     text = open(os.path.join(REPO, "examples/tp_schemes/mlp_2d.par")).read()
     solve, cache_dir = search._Program._solve, os.environ["PARDSL_CACHE_DIR"]
@@ -495,7 +495,7 @@ def _a_file_one_rank_holds_with_a_mistake():
     fails; rank 0's does not."""
     import torch.distributed as dist
 
-    from pardsl.diagnostics import CompileError
+    from pardsl.language.diagnostics import CompileError
 
     name = "fc3" if dist.get_rank() == 1 else "fc1"
     text = ("mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"

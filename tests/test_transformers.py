@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pardsl.compiler import compile_file
-from pardsl.diagnostics import CompileError
+from pardsl.language.diagnostics import CompileError
 
 from .test_distributed import check
 

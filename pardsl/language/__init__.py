@@ -1,0 +1,1 @@
+"""The language: the .par grammar's parser, diagnostics located in the file, and progress reports."""

@@ -1,0 +1,910 @@
+"""Op rules as data.
+
+Each supported ATen op is one row of `RULES`: a spec family and its parameters. The family turns the row
+and the node's concrete shapes into a `DimSpec`: a letter for every dim of every tensor operand and of
+the output, einsum style (`"...k,nk,n->...n"` is all there is to say about linear). From a DimSpec the
+legal one-axis signatures follow mechanically (`signatures`):
+
+- everything B → B;
+- a letter kept in the output split → every operand having it split there, the others B;
+- a contracted letter (in operands, not in the output) split → output P, operands without it B;
+- partial sums pass through linear ops only: `sum` ops (add, sub, views, reductions) take P in all
+  operands together; `product` ops (mul, matmul) take P in one linear operand, the others B.
+
+Two signatures letters cannot express are added by their families: `cat` of m equal parts split alike
+gives S(d, blocks=m); a cross-entropy may take its logits split over the classes (vocabulary parallel)
+and a mean-reduced one its batch split (a global count of targets). The runtime computes those forms
+(`Rule.parallel_form`); their signatures declare the all-reduces they make, so inference can price them.
+
+Letters in `unsplittable` (the dim of a softmax, the normalised dims of layer_norm, dims a reshape
+merges or splits non-contiguously) are never split. Addend operands (the bias of linear/addmm) follow
+the output: S where they have the letter, B where they broadcast, P where the output is P, so a
+row-parallel bias is added once.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import string
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pardsl.layouts.algebra import B, P, Placement, S, collective_bytes
+
+Letters = tuple  # one letter (str) or None (a broadcast dim of size 1) per dim
+
+
+@dataclass(frozen=True)
+class Rule:
+    family: str  # einsum, matmul, elementwise, reduce, normalize, reshape, permute, source, index, cut, …
+    spec: str = ""  # einsum spec, for the einsum family
+    linear: str = "none"  # none | sum | product
+    linear_operands: tuple[int, ...] = (0, 1)  # for product: operands the op is linear in
+    addends: tuple[int, ...] = ()  # operands added to the result (bias)
+    dim_arg: int | None = None  # softmax dim / reduce dims / normalized_shape argument position
+    keepdim_arg: int | None = None
+    shape_arg: int | None = None  # argument holding a global shape, rewritten to the local one
+    mean: bool = False  # a mean over split dims is rescaled: local mean × local count / global count
+    unsplittable_reduce: bool = False  # reductions that are not sums (amax): reduced dims not split
+    unsplittable: str = ""  # einsum letters never split
+    requires: tuple[tuple[int, str, Any], ...] = ()  # (argument position, name, value) the op needs
+    masked_lookup: bool = False  # embedding: a split vocabulary is a masked local lookup, its result P
+    whole_dims: tuple[int, ...] = ()  # output dims never split (tril's matrix dims)
+    size_arg: int | None = None  # sizes along a cut dim (split's split_size), made local when it is split
+    dim_default: int | tuple = 0  # the dim when the call leaves it out (diff's is -1; roll's (): every dim)
+    differentiable: bool = True  # False: no gradient flows through (detach)
+    fill_arg: int | None = None  # pad's fill value: P passes a zero fill only
+    joins: bool = False  # cat: m equal operands split along the dim join into S(dim, blocks=m)
+    parallel_form: str = ""  # runtime function computing the op where it takes one of its extra signatures
+    spatial: int = 0  # conv / window ops: how many trailing spatial dims (conv2d's 2); 0: from the weight
+    groups_arg: int | None = None  # conv: the `groups` argument (grouped channels are not split)
+    training_arg: int | None = None  # the `training` argument (batch_norm's, dropout's): traced True, it follows
+    # the module's mode in the generated code
+    resized: bool = False  # along: the op's dim has another size in the output (topk's k)
+    drawn_as: str = ""  # a random op: the runtime function that draws serial's whole values, keeps this rank's
+
+
+aten = torch.ops.aten  # RULES is keyed by OpOverload: a key naming no operator fails at import
+
+
+def _op(name: str) -> torch._ops.OpOverload:
+    """aten's `op.overload` by name, for keys made in a loop; AttributeError at import if there is none."""
+    packet, overload = name.rsplit(".", 1)
+    return getattr(getattr(aten, packet), overload)
+
+
+def _elementwise(linear: str = "none", **kw) -> Rule:
+    return Rule("elementwise", linear=linear, **kw)
+
+
+_UNARY = ["relu", "gelu", "silu", "tanh", "sigmoid", "exp", "log", "rsqrt", "sqrt", "abs", "sin", "cos",
+          "reciprocal", "erf", "log1p", "expm1", "softplus", "hardtanh", "leaky_relu", "elu", "square",
+          "relu6", "selu", "celu", "mish", "hardswish", "hardsigmoid", "log_sigmoid", "logit", "sinh", "cosh",
+          "tan", "asin", "acos", "atan", "asinh", "acosh", "atanh", "erfc", "erfinv", "log2", "log10", "exp2",
+          "sign", "sgn", "signbit", "floor", "ceil", "round", "trunc", "frac", "nan_to_num", "isnan", "isinf",
+          "isfinite", "digamma", "lgamma", "i0"]
+# elementwise operators of several operands (broadcasting) or of a scalar and a tensor
+_ELEMENTWISE = ["atan2.default", "hypot.default", "xlogy.Tensor", "fmod.Tensor", "fmod.Scalar", "remainder.Tensor",
+                "remainder.Scalar", "clamp.Tensor", "clamp_max.default", "clamp_min.Tensor", "lerp.Scalar",
+                "lerp.Tensor", "pow.Tensor_Tensor", "pow.Scalar", "div.Tensor_mode", "floor_divide.default",
+                "copysign.Tensor", "fmax.default", "fmin.default", "logical_xor.default", "bitwise_xor.Tensor"]
+
+RULES: dict[Any, Rule] = {
+    # lookups: an embedding is one_hot(ids) @ weight, so a split vocabulary (v) is a contraction → P
+    aten.embedding.default: Rule("einsum", "vd,...->...d", linear="product", linear_operands=(0,),
+                                   masked_lookup=True),
+    # attention: batch and heads split; sequence and head dims whole
+    # (its dropout draws inside the fused kernel, per rank's heads: not serial's mask, so refused)
+    aten.scaled_dot_product_attention.default: Rule("attention", requires=((4, "dropout_p", 0.0),)),
+    # losses: with reduction="sum" a split batch gives a partial sum; with "mean" too, once the local sum
+    # is divided by the global count of non-ignored targets (one all-reduce of a count), or whole, the sum
+    # and count all-reduced together. Logits split over the classes (a column-parallel LM head's) are
+    # reduced where they lie, Megatron's vocabulary-parallel loss: each rank's max, sum of exps and target
+    # logit per row are all-gathered in one collective, never the logits; backward is local.
+    aten.cross_entropy_loss.default: Rule("loss", dim_arg=3, parallel_form="cross_entropy"),
+    # tensors made from nothing: the same on every rank
+    aten.arange.start: Rule("source"),
+    aten.arange.default: Rule("source"),
+    aten.arange.start_step: Rule("source"),
+    aten.zeros.default: Rule("source"),
+    aten.ones.default: Rule("source"),
+    aten.full.default: Rule("source"),
+    # the operand gives only dtype and device; the shape is an argument
+    aten.new_ones.default: Rule("source"),
+    aten.new_zeros.default: Rule("source"),
+    aten.new_full.default: Rule("source"),
+    # advanced indexing x[i, j]: the indexed dims of x stay whole; the index tensors' dims may be split
+    aten.index.Tensor: Rule("index", linear="product", linear_operands=(0,)),
+    # gather(x, dim, index): the gathered dim stays whole; other dims split with the index where sizes match
+    aten.gather.default: Rule("gather", linear="product", linear_operands=(0,), dim_arg=1),
+    # results cut from an operand along a dim, which stays whole (a conversion comes first if it is split)
+    aten.split.Tensor: Rule("cut", linear="sum", dim_arg=2, size_arg=1),
+    aten.split_with_sizes.default: Rule("cut", linear="sum", dim_arg=2, size_arg=1),
+    aten.chunk.default: Rule("cut", linear="sum", dim_arg=2),
+    aten.slice.Tensor: Rule("cut", linear="sum", dim_arg=1),
+    aten.narrow.default: Rule("cut", linear="sum", dim_arg=1),
+    aten.cat.default: Rule("cut", linear="sum", dim_arg=1, joins=True),
+    aten.select.int: Rule("select", linear="sum", dim_arg=1),
+    aten.diff.default: Rule("cut", linear="sum", dim_arg=2, dim_default=-1),
+    # padding: the padded dims stay whole, the others pass through
+    aten.pad.default: Rule("pad", linear="sum", fill_arg=3),
+    aten.constant_pad_nd.default: Rule("pad", linear="sum", fill_arg=2),
+    operator.getitem: Rule("project", linear="sum"),
+    aten.expand.default: Rule("expand", linear="sum", shape_arg=1),
+    # checks export leaves in the graph; nothing to compute
+    aten._assert_tensor_metadata.default: Rule("check"),
+    # matrix products
+    aten.linear.default: Rule("einsum", "...k,nk,n->...n", linear="product", addends=(2,)),
+    aten.addmm.default: Rule("einsum", "n,mk,kn->mn", linear="product", linear_operands=(1, 2), addends=(0,)),
+    aten.mm.default: Rule("einsum", "mk,kn->mn", linear="product"),
+    aten.bmm.default: Rule("einsum", "bmk,bkn->bmn", linear="product"),
+    aten.matmul.default: Rule("matmul", linear="product"),
+    # elementwise arithmetic (broadcasting; scalars allowed)
+    aten.add.Tensor: _elementwise("sum"),
+    aten.sub.Tensor: _elementwise("sum"),
+    aten.mul.Tensor: _elementwise("product"),
+    aten.div.Tensor: _elementwise("product", linear_operands=(0,)),
+    aten.neg.default: _elementwise("sum"),
+    aten.rsub.Scalar: _elementwise(),
+    aten.pow.Tensor_Scalar: _elementwise(),
+    aten.clone.default: _elementwise("sum"),
+    aten.contiguous.default: _elementwise("sum"),
+    aten.alias.default: _elementwise("sum"),
+    aten.detach.default: _elementwise("sum", differentiable=False),
+    # dropout: each rank draws the whole tensor's mask as serial's call does (the generator advances alike)
+    # and keeps its part, so every layout gives serial's values; linear in x for a given mask, so P passes
+    aten.dropout.default: _elementwise("sum", drawn_as="dropout", training_arg=2),
+    aten.to.dtype: _elementwise("sum"),
+    aten.to.dtype_layout: _elementwise("sum"),
+    aten.to.device: _elementwise("sum"),
+    aten._to_copy.default: _elementwise("sum"),
+    aten.type_as.default: _elementwise("sum"),
+    aten.masked_fill.Scalar: _elementwise(),
+    aten.masked_fill.Tensor: _elementwise(),
+    aten.where.self: _elementwise(),
+    aten.where.ScalarSelf: _elementwise(),
+    aten.where.ScalarOther: _elementwise(),
+    aten.where.Scalar: _elementwise(),
+    aten.zeros_like.default: _elementwise(),
+    aten.ones_like.default: _elementwise(),
+    aten.full_like.default: _elementwise(),
+    **{_op(f"{cmp}.{kind}"): _elementwise() for cmp in ("eq", "ne", "lt", "le", "gt", "ge")
+       for kind in ("Tensor", "Scalar")},
+    aten.logical_not.default: _elementwise(),
+    aten.logical_and.default: _elementwise(),
+    aten.logical_or.default: _elementwise(),
+    aten.bitwise_not.default: _elementwise(),
+    **{_op(f"{op}.Tensor"): _elementwise() for op in ("__and__", "__or__", "bitwise_and", "bitwise_or")},
+    aten.maximum.default: _elementwise(),
+    aten.minimum.default: _elementwise(),
+    aten.max.other: _elementwise(),
+    aten.min.other: _elementwise(),
+    aten.clamp.default: _elementwise(),
+    aten.clamp_min.default: _elementwise(),
+    aten.tril.default: _elementwise(whole_dims=(-2, -1)),
+    aten.triu.default: _elementwise(whole_dims=(-2, -1)),
+    aten.outer.default: Rule("einsum", "i,j->ij", linear="product"),
+    **{_op(f"{name}.default"): _elementwise() for name in _UNARY},
+    **{_op(name): _elementwise() for name in _ELEMENTWISE},
+    # reductions
+    aten.sum.dim_IntList: Rule("reduce", linear="sum", dim_arg=1, keepdim_arg=2),
+    aten.sum.default: Rule("reduce", linear="sum"),
+    aten.mean.dim: Rule("reduce", linear="sum", dim_arg=1, keepdim_arg=2, mean=True),
+    aten.mean.default: Rule("reduce", linear="sum", mean=True),
+    aten.amax.default: Rule("reduce", dim_arg=1, keepdim_arg=2, unsplittable_reduce=True),
+    # normalisation over a dim that must be whole on every rank
+    aten.softmax.int: Rule("normalize", dim_arg=1),
+    aten._softmax.default: Rule("normalize", dim_arg=1),
+    aten.log_softmax.int: Rule("normalize", dim_arg=1),
+    aten._log_softmax.default: Rule("normalize", dim_arg=1),
+    # layer norm: a split normalised dim is Optimus's and Tesseract's distributed form (the statistics
+    # of the row are summed over the ranks that hold its parts)
+    aten.layer_norm.default: Rule("normalize", dim_arg=1, parallel_form="layer_norm"),
+    # running sums along a dim that stays whole
+    aten.cumsum.default: Rule("normalize", linear="sum", dim_arg=1),
+    # convolutions: an einsum over channels with windows over the spatial dims, which stay whole (a split
+    # would need a halo exchange). Batch split: data parallel; output channels: column parallel; input
+    # channels: row parallel, partial sums with the bias added once. Grouped channels are not split.
+    **{_op(f"conv{k}d.default"): Rule("conv", linear="product", addends=(2,), spatial=k, groups_arg=6)
+       for k in (1, 2, 3)},
+    aten.convolution.default: Rule("conv", linear="product", addends=(2,), groups_arg=8,
+                                     requires=((6, "transposed", False),)),
+    # pooling and resizing: windows over the trailing spatial dims (whole); batch and channels split.
+    # Averages and interpolations are linear, so partial sums pass through them.
+    **{_op(f"max_pool{k}d.default"): Rule("window", spatial=k) for k in (1, 2, 3)},
+    **{_op(f"avg_pool{k}d.default"): Rule("window", linear="sum", spatial=k) for k in (1, 2, 3)},
+    **{_op(f"adaptive_avg_pool{k}d.default"): Rule("window", linear="sum", spatial=k) for k in (1, 2, 3)},
+    aten.upsample_nearest1d.vec: Rule("window", linear="sum", spatial=1),
+    aten.upsample_nearest2d.vec: Rule("window", linear="sum", spatial=2),
+    aten.upsample_nearest3d.vec: Rule("window", linear="sum", spatial=3),
+    aten.upsample_linear1d.vec: Rule("window", linear="sum", spatial=1),
+    aten.upsample_bilinear2d.vec: Rule("window", linear="sum", spatial=2),
+    aten.upsample_bicubic2d.vec: Rule("window", linear="sum", spatial=2),
+    aten.upsample_trilinear3d.vec: Rule("window", linear="sum", spatial=3),
+    # batch norm: per-channel statistics, so channels split freely. In training the statistics are over
+    # the batch and spatial dims: a split batch computes the global ones (SyncBatchNorm's form: one
+    # all-reduce of per-channel sums forward, one backward); in eval the running statistics are used.
+    aten.batch_norm.default: Rule("batch_norm", training_arg=5, parallel_form="batch_norm"),
+    # group norm: statistics per sample over a group of channels and the spatial dims: batch split only
+    aten.group_norm.default: Rule("group_norm"),
+    # running products, log-sum-exps, maxima and minima: the dim they run along stays whole
+    aten.cumprod.default: Rule("along", dim_arg=1),
+    aten.logcumsumexp.default: Rule("along", dim_arg=1),
+    aten.cummax.default: Rule("along", dim_arg=1),
+    aten.cummin.default: Rule("along", dim_arg=1),
+    # reversing or rotating dims, which stay whole; linear, so a partial sum passes
+    aten.flip.default: Rule("along", linear="sum", dim_arg=1),
+    aten.roll.default: Rule("along", linear="sum", dim_arg=2, dim_default=()),  # no dims: rolls it flattened
+    # routing (mixture of experts): ops along one dim, which stays whole; the other dims split alike in
+    # every operand of the same rank and size there (scatter's index and source), the rest whole
+    aten.topk.default: Rule("along", dim_arg=2, dim_default=-1, resized=True),
+    aten.sort.default: Rule("along", dim_arg=1, dim_default=-1),
+    aten.sort.stable: Rule("along", dim_arg=99, dim_default=-1),
+    aten.argsort.default: Rule("along", dim_arg=1, dim_default=-1),
+    aten.argsort.stable: Rule("along", dim_arg=99, dim_default=-1),
+    aten.repeat_interleave.self_int: Rule("along", linear="sum", dim_arg=2, dim_default=0, resized=True),
+    aten.scatter.src: Rule("along", dim_arg=1),
+    aten.scatter.value: Rule("along", dim_arg=1),
+    aten.scatter_add.default: Rule("along", dim_arg=1),
+    aten.index_add.default: Rule("along", dim_arg=1),
+    # x[i, j] = v (accumulate or not): the indexed dims of x stay whole; v's trailing dims split with x's
+    # trailing non-indexed dims where they match, the rest of v and the indices whole
+    aten.index_put.default: Rule("index_put"),
+    # a new trailing dim of classes, whole
+    aten.one_hot.default: Rule("one_hot"),
+    # a histogram of a split tensor is the sum of the ranks' histograms (P)
+    aten.histc.default: Rule("histogram"),
+    # views
+    aten.view.default: Rule("reshape", linear="sum", shape_arg=1),
+    aten.reshape.default: Rule("reshape", linear="sum", shape_arg=1),
+    aten._unsafe_view.default: Rule("reshape", linear="sum", shape_arg=1),
+    aten.flatten.using_ints: Rule("reshape", linear="sum"),
+    aten.unflatten.int: Rule("reshape", linear="sum", shape_arg=2),
+    aten.unsqueeze.default: Rule("reshape", linear="sum"),
+    aten.squeeze.dim: Rule("reshape", linear="sum"),
+    aten.squeeze.dims: Rule("reshape", linear="sum"),
+    aten.squeeze.default: Rule("reshape", linear="sum"),
+    aten.transpose.int: Rule("permute", linear="sum"),
+    aten.permute.default: Rule("permute", linear="sum"),
+    aten.t.default: Rule("permute", linear="sum"),
+}
+
+
+def describe(rule: Rule) -> str:
+    """A rule's printed form: its family, then every field that differs from the default."""
+    defaults = Rule(rule.family)
+    fields = [f"{name}={value!r}" for name, value in vars(rule).items()
+              if name != "family" and value != getattr(defaults, name)]
+    return " ".join([rule.family, *fields])
+
+
+def rules_table() -> list[str]:
+    """One line per op: `namespace.op.overload: family field=value …`, sorted by op (`pardsl rules`)."""
+    return sorted(f"{target_name(op)}: {describe(rule)}" for op, rule in RULES.items())
+
+
+@dataclass(frozen=True)
+class DimSpec:
+    """A rule instantiated for one node: letters per operand dim and per output dim."""
+
+    operands: tuple[Letters, ...]
+    output: Letters
+    linear: str
+    linear_operands: tuple[int, ...]
+    addends: tuple[int, ...]
+    unsplittable: frozenset[str] = frozenset()
+    contractible: bool = True  # a split contracted letter gives P (sum-like contraction)
+    affine: bool = False  # a non-tensor scalar is added: P cannot pass (x + 1 over P adds n)
+    fixed_size: frozenset[str] | None = None  # letters whose dim keeps its size (may carry blocks); None: all
+    sums_contraction: bool | None = None  # a split contracted letter gives P; None: when the op is linear
+    cut: tuple[str, int] | None = None  # (letter, m): the op cuts that dim into m equal parts
+    extra: tuple["Signature", ...] = ()  # signatures the letters cannot express (cat's blocks, a loss's)
+
+    def letters(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for letters in (*self.operands, self.output):
+            for letter in letters:
+                if letter is not None:
+                    seen.setdefault(letter)
+        return list(seen)
+
+
+@dataclass(frozen=True)
+class InnerCollective:
+    """A collective a parallel form makes itself, on the axis of its signature: an all-reduce of what it
+    counts, or an all-gather of each rank's share (statistics that do not simply add up, such as a max
+    with the sum of exps below it)."""
+
+    per_row: int  # values per row of operand 0: per index of its dims other than the split one
+    fixed: int = 0  # and values besides
+    per_index: tuple[int, int] = (0, 0)  # (dim, n): and n values per index of operand 0's local dim (channels)
+    what: str = ""
+    phase: str = "forward"  # or backward: the form's autograd function reduces in its backward
+    itemsize: int | None = None  # bytes per value when not operand 0's (statistics reduced in float64)
+    min_itemsize: int = 0  # at least this many (sums of a half-precision operand reduced in float32)
+    kind: str = "all_reduce"  # or all_gather: then each rank contributes these values, and gets everyone's
+
+    def values(self, local_shape: tuple[int, ...], placement: Placement) -> int:
+        """How many values it reduces, for operand 0 of this local shape and placement on the axis."""
+        elements = math.prod(local_shape)
+        rows = elements // local_shape[placement.dim] if placement.is_split else elements
+        dim, per_index = self.per_index
+        return self.per_row * rows + per_index * local_shape[dim] + self.fixed
+
+    def nbytes(self, local_shape: tuple[int, ...], placement: Placement, operand_itemsize: int) -> int:
+        return self.values(local_shape, placement) * max(self.itemsize or operand_itemsize, self.min_itemsize)
+
+    def volume(self, local_shape: tuple[int, ...], placement: Placement, operand_itemsize: int, n: int) -> int:
+        """Bytes each rank sends for it over n ranks."""
+        return collective_bytes(self.kind, self.nbytes(local_shape, placement, operand_itemsize), n)
+
+    def made(self, input_needs_grad: bool) -> bool:
+        """A backward reduction is for the input's gradient: none where the input needs none."""
+        return self.phase == "forward" or input_needs_grad
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One axis: the placement each operand must have, and the output's."""
+
+    operands: tuple[Placement, ...]
+    output: Placement
+    split_letter: str | None = None  # which letter is split, if any
+    # An extra signature (DimSpec.extra) is computed by the rule's parallel form, which takes the op's own
+    # arguments and, as keyword `name`, the axes it is taken on; it declares the all-reduces it makes.
+    name: str = ""
+    inner_collectives: tuple[InnerCollective, ...] = ()
+
+
+def is_tensor_list(node: torch.fx.Node) -> bool:
+    """A list of tensors: the result of split, which getitem projects (no collective moves it whole)."""
+    value = node.meta.get("val")
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, torch.Tensor) for v in value)
+
+
+def is_tensor_valued(node: torch.fx.Node) -> bool:
+    """A tensor, or a list of tensors (the result of split, projected by getitem)."""
+    return isinstance(node.meta.get("val"), torch.Tensor) or is_tensor_list(node)
+
+
+def tensor_operands(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Tensor operands in argument order (flattened through lists), as rules number them."""
+    flat, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, torch.fx.Node) and is_tensor_valued(a)]
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """`namespace.op.overload` for an operator (aten.add.Tensor, transformers.grouped_mm.default), the
+    module and name of any other callable."""
+    return target_name(node.target)
+
+
+def target_name(target) -> str:
+    if hasattr(target, "_schema"):
+        return f"{target._schema.name.replace('::', '.')}.{target._overloadname}"
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', target)}"
+
+
+def functional_overload(target) -> torch._ops.OpOverload | None:
+    """aten.add_.Tensor → aten.add.Tensor: the functional op of an in-place one (None if not in-place, or
+    if it has no functional twin)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return None
+    namespace, name = schema.name.split("::")
+    if not name.endswith("_") or name.startswith("__"):
+        return None
+    packet = getattr(getattr(torch.ops, namespace), name[:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def unmet_requirement(node: torch.fx.Node, rule: Rule) -> str | None:
+    """Why this node falls outside what its rule supports (dropout with p > 0), or None."""
+    for position, name, value in rule.requires:
+        actual = call_arg(node, position, name, value)
+        if actual != value:
+            return f"{name}={actual!r} (pardsl supports {name}={value!r})"
+    return None
+
+
+# An operator without a row is computed whole: its tensor operands converted to B, the op run alike on
+# every rank, its result B. That is right for any operator whose result depends only on its operands,
+# which excludes the random ones (tagged nondeterministic_seeded: each rank would draw its own), and it
+# costs the gathers of its operands, which lowering's note N005 names.
+WHOLE = Rule("whole")
+
+
+def carries_gradient(dtype: torch.dtype) -> bool:
+    """A dtype autograd carries a gradient in: floating point, or complex (an FFT's result)."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def computes_whole(node: torch.fx.Node) -> bool:
+    """An ATen operator without a rule that can be computed whole on every rank: tensor results (one, or
+    several that getitem takes), from its operands alone. A random one (stochastic depth's `rand`) too:
+    every rank draws the whole tensor from the same generator state, in serial's order, so each draws
+    serial's values. Other namespaces' operators (a library's custom ops) may keep state or mutate what
+    they are given, which their schema need not say: they stay unsupported (E060)."""
+    target = node.target
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+            and not target._schema.is_mutable
+            and (isinstance(node.meta.get("val"), torch.Tensor) or is_tensor_list(node))
+            and sum(len(_shape(o)) for o in tensor_operands(node)) + len(_shape(node)) <= len(_LETTERS))
+
+
+def is_drawn_whole(node: torch.fx.Node) -> bool:
+    """A random operator without a rule (stochastic depth's `rand`): computed whole, each rank drawing
+    serial's values. Attention is tagged random for its own dropout, and has a rule."""
+    return is_random(node) and rule_for(node) is WHOLE
+
+
+def rule_for(node: torch.fx.Node) -> Rule | None:
+    """The node's rule; an in-place op (what binding leaves of them: updates of graph inputs) has its
+    functional op's rule, and computes in place on the local value. An operator without one is WHOLE
+    where it can be computed so."""
+    rule = RULES.get(node.target)
+    if rule is None and functional_overload(node.target) is not None:
+        rule = RULES.get(functional_overload(node.target))
+    if rule is None and computes_whole(node):
+        rule = WHOLE
+    return rule
+
+
+def _shape(node: torch.fx.Node) -> tuple[int, ...]:
+    value = node.meta["val"]
+    if isinstance(value, (list, tuple)):  # a split: its parts differ only along the dim that stays whole
+        value = value[0]
+    return tuple(concrete_size(s) for s in value.shape)
+
+
+def concrete_size(size) -> int:
+    """A dim's size: its example size where it is named in the .par file (a SymInt), else the int."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        if hint is None:
+            raise ValueError("a size that depends on the data")
+        return int(hint)
+    return int(size)
+
+
+def call_arg(node: torch.fx.Node, position: int, name: str, default: Any = None) -> Any:
+    """The argument at `position`, or given by keyword: `name`, or the name the operator's schema gives
+    that position (flip's and roll's `dims`)."""
+    if position < len(node.args):
+        return node.args[position]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    arguments = getattr(getattr(node.target, "_schema", None), "arguments", ())
+    return node.kwargs.get(arguments[position].name, default) if position < len(arguments) else default
+
+
+_LETTERS = string.ascii_lowercase + string.ascii_uppercase
+
+
+def _broadcast_letters(shapes: list[tuple[int, ...]], out_shape: tuple[int, ...], fresh: str) -> list[Letters]:
+    """Right-aligned broadcasting: an operand dim of size 1 against a larger output dim gets None."""
+    out_letters = tuple(fresh[i] for i in range(len(out_shape)))
+    result = []
+    for shape in shapes:
+        offset = len(out_shape) - len(shape)
+        result.append(tuple(
+            None if (size == 1 and out_shape[offset + i] != 1) else out_letters[offset + i]
+            for i, size in enumerate(shape)
+        ))
+    return result
+
+
+def _einsum(spec: str, shapes: list[tuple[int, ...]], out_shape: tuple[int, ...]) -> tuple[list[Letters], Letters]:
+    inputs, output = spec.split("->")
+    terms = inputs.split(",")
+    terms = terms[: len(shapes)]  # optional trailing operands (a bias left out)
+    batch_rank = len(out_shape) - len(output.replace("...", ""))
+    batch = _LETTERS[-batch_rank:] if batch_rank > 0 else ""
+    operand_letters = []
+    batch_shapes = []
+    for term, shape in zip(terms, shapes):
+        if "..." in term:
+            explicit = len(term) - 3
+            batch_shapes.append(shape[: len(shape) - explicit])
+        else:
+            batch_shapes.append(None)
+    out_batch_shape = out_shape[:batch_rank]
+    for term, shape, batch_shape in zip(terms, shapes, batch_shapes):
+        if batch_shape is None:
+            operand_letters.append(tuple(term))
+            continue
+        [broadcast] = _broadcast_letters([batch_shape], out_batch_shape, batch)
+        operand_letters.append(broadcast + tuple(term.replace("...", "")))
+    return operand_letters, tuple(batch) + tuple(output.replace("...", ""))
+
+
+def _matmul_spec(a_rank: int, b_rank: int) -> str:
+    """torch.matmul's cases: 1-D operands lose their dim in the output; batch dims broadcast."""
+    a = "...mk" if a_rank >= 2 else "k"
+    b = "...kn" if b_rank >= 2 else "k"
+    out = "..." + ("m" if a_rank >= 2 else "") + ("n" if b_rank >= 2 else "")
+    return f"{a},{b}->{out}"
+
+
+def _reshape_letters(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> tuple[Letters, Letters, set[str]]:
+    """Group dims whose products match; only the leading dims of a group carry a split across it."""
+    in_letters: list[str | None] = [None] * len(in_shape)
+    out_letters: list[str | None] = [None] * len(out_shape)
+    unsplittable: set[str] = set()
+    letters = iter(_LETTERS)
+    if 0 in in_shape or 0 in out_shape:  # an empty tensor: products cannot group dims, and no split carries
+        in_letters = [next(letters) for _ in in_shape]
+        out_letters = [next(letters) for _ in out_shape]
+        return tuple(in_letters), tuple(out_letters), set(in_letters) | set(out_letters)
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        # size-1 dims carry nothing
+        if i < len(in_shape) and in_shape[i] == 1:
+            i += 1
+            continue
+        if j < len(out_shape) and out_shape[j] == 1:
+            j += 1
+            continue
+        if i >= len(in_shape) or j >= len(out_shape):
+            break
+        group_in, group_out = [i], [j]
+        prod_in, prod_out = in_shape[i], out_shape[j]
+        i, j = i + 1, j + 1
+        while prod_in != prod_out:
+            if prod_in < prod_out:
+                group_in.append(i)
+                prod_in *= in_shape[i]
+                i += 1
+            else:
+                group_out.append(j)
+                prod_out *= out_shape[j]
+                j += 1
+        # Chunks of a group's leading dim are contiguous blocks of the flattened group, on both sides,
+        # so the leading dims share a letter; divisibility of each side is checked by Layout.fits.
+        lead = next(letters)
+        in_letters[group_in[0]] = lead
+        out_letters[group_out[0]] = lead
+        for k in group_in[1:]:
+            in_letters[k] = next(letters)
+            unsplittable.add(in_letters[k])
+        for k in group_out[1:]:
+            out_letters[k] = next(letters)
+            unsplittable.add(out_letters[k])
+    return tuple(in_letters), tuple(out_letters), unsplittable
+
+
+def _whole_slice(node: torch.fx.Node) -> bool:
+    """aten.slice.Tensor from the start to the end, step 1: the identity, whatever the dim's size."""
+    if node.target is not aten.slice.Tensor:
+        return False
+    start, end, step = (call_arg(node, i, name, default) for i, name, default in
+                        ((2, "start", None), (3, "end", None), (4, "step", 1)))
+    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= 2 ** 62)) and step == 1
+
+
+def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
+    operands = tensor_operands(node)
+    shapes = [_shape(o) for o in operands]
+    out_shape = _shape(node)
+    unsplittable: set[str] = set()
+    contractible = True
+    affine = False
+    fixed_size = None
+    cut = None
+    sums_contraction = None
+    extra = ()
+    fresh = _LETTERS
+
+    if rule.family == "check":
+        return DimSpec((), (), "none", (), ())
+    if rule.family == "whole":  # every dim of every tensor its own letter, none ever split: B in, B out
+        letters = iter(fresh)
+        operand_letters = [tuple(next(letters) for _ in shape) for shape in shapes]
+        output = tuple(next(letters) for _ in out_shape)
+        return DimSpec(tuple(operand_letters), output, "none", (), (),
+                       frozenset(l for ls in (*operand_letters, output) for l in ls))
+    if rule.family in ("einsum", "matmul"):
+        spec = rule.spec if rule.family == "einsum" else _matmul_spec(len(shapes[0]), len(shapes[1]))
+        operand_letters, output = _einsum(spec, shapes, out_shape)
+        unsplittable |= set(rule.unsplittable)
+    elif rule.family == "source":
+        # an operand (new_ones' self) only lends dtype and device
+        operand_letters, output = [(None,) * len(s) for s in shapes], tuple(fresh[: len(out_shape)])
+        unsplittable |= set(output)
+    elif rule.family == "gather":
+        index_letters = tuple(fresh[: len(shapes[1])])
+        dim = call_arg(node, rule.dim_arg, "dim") % len(shapes[1])
+        x_letters = tuple(letter if d != dim and shapes[0][d] == shapes[1][d] else fresh[-1 - d]
+                          for d, letter in enumerate(index_letters))
+        operand_letters, output = [x_letters, index_letters], index_letters
+        unsplittable |= {index_letters[dim]} | (set(x_letters) - set(index_letters))
+    elif rule.family == "index":
+        operand_letters, output, whole = _index_letters(node, shapes, out_shape)
+        unsplittable |= whole
+    elif rule.family == "project":
+        operand_letters, output = [tuple(fresh[: len(out_shape)])], tuple(fresh[: len(out_shape)])
+    elif rule.family == "cut":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        dim = call_arg(node, rule.dim_arg, "dim", rule.dim_default) % len(shapes[0])
+        if not _whole_slice(node):  # `x[:, None]` exports a slice of all of dim 0: it commutes with a split
+            unsplittable.add(in_letters[dim])
+        operand_letters, output = [in_letters for _ in shapes], in_letters
+        parts = _equal_parts(node, dim, shapes[0][dim])
+        cut = (in_letters[dim], parts) if parts else None
+        if rule.joins and len(shapes) > 1 and len({shape[dim] for shape in shapes}) == 1:
+            # each rank's chunks of the m parts, side by side, are its chunk of each of m blocks
+            extra = (Signature(tuple(S(dim) for _ in shapes), S(dim, len(shapes)), in_letters[dim]),)
+    elif rule.family == "loss":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        classes, batch = in_letters[1], in_letters[:1] + in_letters[2:]
+        operand_letters = [in_letters, batch] + [(classes,)] * (len(shapes) - 2)  # an optional class weight
+        unsplittable.add(classes)
+        reduction = call_arg(node, rule.dim_arg, "reduction", 1)
+        output = batch if reduction == 0 else ()
+        if reduction == 1:
+            unsplittable |= set(batch)
+        sums_contraction = reduction == 2
+        if rule.parallel_form and len(shapes) == 2:  # no class weight
+            smoothing = call_arg(node, 5, "label_smoothing", 0.0) != 0.0
+            # per row, each rank's max, sum of exps below it, target logit (and logit sum) in one all-gather,
+            # in float32 at least: every rank combines them alike (Megatron all-reduces the max first, then
+            # the sums: two latencies where this takes one, and as many bytes on two ranks)
+            extra = (Signature((S(1), B), B, classes, name="classes", inner_collectives=(
+                InnerCollective(4 if smoothing else 3, what="max, sum of exps and target logit per row",
+                                min_itemsize=4, kind="all_gather"),)),)
+            if reduction == 1:  # the local sum over the global count of counted targets: a partial mean
+                # (the count in float32 at least: a half-precision one is exact only up to 256 targets)
+                extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), P, letter,
+                                         name="counts", inner_collectives=(
+                                             InnerCollective(0, 1, what="count of targets", min_itemsize=4),))
+                               for letter in batch)
+                # or the mean itself, where it is wanted whole: the local sum and count in one all-reduce
+                # (one latency where the partial mean and its all-reduce take two), reduced in float32 at least
+                extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), B, letter,
+                                         name="mean", inner_collectives=(
+                                             InnerCollective(0, 2, what="sum and count of targets",
+                                                            min_itemsize=4),))
+                               for letter in batch)
+    elif rule.family == "pad":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        amounts = call_arg(node, 1, "pad")  # (before, after) pairs from the last dim backwards
+        unsplittable |= {in_letters[-1 - i // 2] for i, amount in enumerate(amounts) if amount}
+        operand_letters, output = [in_letters], in_letters
+        affine = call_arg(node, rule.fill_arg, "value", 0) not in (None, 0, 0.0)
+    elif rule.family == "select":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        dim = call_arg(node, rule.dim_arg, "dim", 0) % len(shapes[0])
+        unsplittable.add(in_letters[dim])
+        operand_letters, output = [in_letters], in_letters[:dim] + in_letters[dim + 1:]
+    elif rule.family == "expand":
+        operand_letters = _broadcast_letters(shapes, out_shape, fresh)
+        output = tuple(fresh[: len(out_shape)])
+    elif rule.family == "attention":
+        # q [..., h, s, d], k [..., h_kv, t, d], v [..., h_kv, t, e] → [..., h, s, e]; an optional mask
+        # broadcasts to [..., h, s, t]. Grouped-query heads split with the query heads: chunk r of the
+        # query heads reads chunk r of the key/value heads.
+        batch = tuple(fresh[: len(shapes[0]) - 3])
+        q, k, v = batch + ("H", "S", "D"), batch + ("H", "T", "D"), batch + ("H", "T", "E")
+        operand_letters = [q, k, v]
+        if len(shapes) > 3:
+            [mask] = _broadcast_letters([shapes[3]], out_shape[:-1] + (shapes[1][-2],), batch + ("H", "S", "T"))
+            operand_letters.append(mask)
+        output = batch + ("H", "S", "E")
+        unsplittable |= {"S", "T", "D", "E"}
+    elif rule.family == "conv":
+        # x [n, c, *in], weight [o, c/groups, *kernel], bias [o] → [n, o, *out]; x may lack the batch dim
+        k = len(shapes[1]) - 2
+        batch = ("n",) if len(shapes[0]) == k + 2 else ()
+        grouped = call_arg(node, rule.groups_arg, "groups", 1) != 1
+        inner = "g" if grouped else "c"
+        spatial_in, kernel, spatial_out = tuple("pqr"[:k]), tuple("uvw"[:k]), tuple("xyz"[:k])
+        operand_letters = [batch + ("c",) + spatial_in, ("o", inner) + kernel, ("o",)][: len(shapes)]
+        output = batch + ("o",) + spatial_out
+        unsplittable |= set(spatial_in + kernel + spatial_out) | ({"c", "g", "o"} if grouped else set())
+    elif rule.family == "window":
+        rank = len(shapes[0])
+        leading = tuple(fresh[: rank - rule.spatial])
+        spatial_in, spatial_out = tuple("pqr"[: rule.spatial]), tuple("xyz"[: rule.spatial])
+        operand_letters, output = [leading + spatial_in], leading + spatial_out
+        unsplittable |= set(spatial_in + spatial_out)
+    elif rule.family in ("batch_norm", "group_norm"):
+        # x [n, c, *spatial]; weight, bias (and batch norm's running mean and variance) [c]
+        rank = len(shapes[0])
+        x_letters = ("n", "c") + tuple("pqr"[: rank - 2])
+        operand_letters, output = [x_letters] + [("c",)] * (len(shapes) - 1), x_letters
+        if rule.family == "group_norm":
+            unsplittable |= set(x_letters) - {"n"}
+        elif call_arg(node, rule.training_arg, "training", False):
+            unsplittable |= set(x_letters) - {"c"}
+            # per channel (the rank's own, where another axis splits them): the sum and the centered sum of
+            # squares, and the count, in float64; backward: the sums of the gradient and of it times x̂
+            extra = (Signature((S(0),) + (B,) * (len(shapes) - 1), S(0), "n", name="batch", inner_collectives=(
+                InnerCollective(0, 0, (1, 2), "batch statistics per channel", itemsize=8),
+                InnerCollective(0, 0, (1, 2), "gradient sums per channel", phase="backward"))),)
+        else:  # eval: running statistics, nothing to reduce
+            unsplittable |= set(x_letters) - {"c", "n"}
+    elif rule.family == "along":
+        rank = len(shapes[0])
+        x_letters = tuple(fresh[: rank])
+        dim = call_arg(node, rule.dim_arg, "dim", rule.dim_default)
+        # one dim, or a list of them (flip's, roll's); roll without dims shifts the flattened tensor
+        along = set(range(rank)) if dim in ([], ()) else \
+            {d % rank for d in (dim if isinstance(dim, (list, tuple)) else [dim])}
+        spare = iter("KLMNOPQRSTUVWXYZ")
+        operand_letters = [x_letters] + [
+            tuple(x_letters[d] if d not in along and len(shape) == rank and shape[d] == shapes[0][d] else next(spare)
+                  for d in range(len(shape)))
+            for shape in shapes[1:]]
+        output = tuple("J" if d in along and rule.resized else letter for d, letter in enumerate(x_letters))
+        unsplittable |= {x_letters[d] for d in along} | {"J"} | \
+            {l for letters in operand_letters for l in letters if l not in x_letters}
+    elif rule.family == "index_put":
+        rank = len(shapes[0])
+        x_letters = tuple(fresh[: rank])
+        indexed = {d for d, index in enumerate(node.args[1]) if index is not None}
+        spare = iter("KLMNOPQRSTUVWXYZ")
+        *index_shapes, values_shape = shapes[1:]
+        values = [next(spare) for _ in values_shape]
+        for back in range(1, min(len(values_shape), rank) + 1):  # right-aligned, as values broadcast
+            d = rank - back
+            if d in indexed or values_shape[-back] != shapes[0][d]:
+                break
+            values[-back] = x_letters[d]
+        operand_letters = [x_letters] + [tuple(next(spare) for _ in shape) for shape in index_shapes] + [tuple(values)]
+        output = x_letters
+        unsplittable |= {x_letters[d] for d in indexed} | {l for letters in operand_letters[1:] for l in letters
+                                                           if l not in x_letters}
+    elif rule.family == "one_hot":
+        operand_letters = [tuple(fresh[: len(shapes[0])])]
+        output = operand_letters[0] + ("J",)
+        unsplittable.add("J")
+    elif rule.family == "histogram":
+        operand_letters, output = [tuple(fresh[: len(shapes[0])])], ("J",)
+        unsplittable.add("J")
+        sums_contraction = True
+    elif rule.family == "elementwise":
+        operand_letters = _broadcast_letters(shapes, out_shape, fresh)
+        output = tuple(fresh[: len(out_shape)])
+        scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        affine = rule.linear == "sum" and bool(scalars) and any(s != 0 for s in scalars)
+        unsplittable |= {output[d] for d in rule.whole_dims if -len(output) <= d < len(output)}
+    elif rule.family == "reduce":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        dims = call_arg(node, rule.dim_arg, "dim") if rule.dim_arg is not None else None
+        rank = len(shapes[0])
+        reduced = set(range(rank)) if dims in (None, []) else {d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+        keepdim = bool(call_arg(node, rule.keepdim_arg, "keepdim", False)) if rule.keepdim_arg is not None else False
+        output = tuple(None if d in reduced else in_letters[d] for d in range(rank)) if keepdim else \
+            tuple(in_letters[d] for d in range(rank) if d not in reduced)
+        operand_letters = [in_letters]
+        if rule.unsplittable_reduce:
+            unsplittable |= {in_letters[d] for d in reduced}
+    elif rule.family == "normalize":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        rank = len(shapes[0])
+        arg = call_arg(node, rule.dim_arg, "dim")
+        if isinstance(arg, (list, tuple)):  # layer_norm's normalized_shape: the trailing dims
+            normalized = list(range(rank - len(arg), rank))
+        else:
+            normalized = [arg % rank]
+        unsplittable |= {in_letters[d] for d in normalized}
+        trailing = tuple(in_letters[d] for d in normalized)
+        operand_letters = [in_letters] + [trailing for _ in shapes[1:]]
+        output = in_letters
+        if rule.parallel_form and len(normalized) == 1:
+            # x split along the normalised dim, weight and bias alike: per row, one all-reduce of its sum
+            # and sum of squares (float64) forward, one of the gradient's two sums backward
+            dim = normalized[0]
+            extra = (Signature((S(dim),) + (S(0),) * (len(shapes) - 1), S(dim), trailing[0], name="features",
+                               inner_collectives=(
+                                   InnerCollective(2, what="sum and sum of squares per row", itemsize=8),
+                                   InnerCollective(2, what="gradient sums per row", phase="backward",
+                                                  min_itemsize=4))),)
+
+    elif rule.family == "reshape":
+        in_letters, output, unsplittable = _reshape_letters(shapes[0], out_shape)
+        operand_letters = [in_letters]
+        contractible = False
+        fixed_size = frozenset(l for i, l in enumerate(in_letters)
+                               if l is not None and l in output and shapes[0][i] == out_shape[output.index(l)])
+    elif rule.family == "permute":
+        in_letters = tuple(fresh[: len(shapes[0])])
+        rank = len(shapes[0])
+        if node.target is aten.transpose.int:
+            d0, d1 = node.args[1] % rank, node.args[2] % rank
+            order = list(range(rank))
+            order[d0], order[d1] = order[d1], order[d0]
+        elif node.target is aten.t.default:
+            order = list(reversed(range(rank)))
+        else:
+            order = [d % rank for d in node.args[1]]
+        operand_letters = [in_letters]
+        output = tuple(in_letters[d] for d in order)
+    else:  # pragma: no cover - RULES only names the families above
+        raise AssertionError(rule.family)
+
+    return DimSpec(tuple(operand_letters), tuple(output), rule.linear, rule.linear_operands,
+                   tuple(a for a in rule.addends if a < len(operands)), frozenset(unsplittable),
+                   contractible, affine, fixed_size=fixed_size, cut=cut, sums_contraction=sums_contraction,
+                   extra=extra)
+
+
+def _index_letters(node: torch.fx.Node, shapes: list[tuple[int, ...]],
+                   out_shape: tuple[int, ...]) -> tuple[list[Letters], Letters, set[str]]:
+    """x[i, :, j]: the indexed dims of x are replaced by the index tensors' broadcast shape, in place of
+    the first indexed dim when the indexed dims are adjacent, in front otherwise (NumPy's rule)."""
+    x_letters = tuple(_LETTERS[: len(shapes[0])])
+    indices = list(node.args[1])
+    indexed = [d for d, index in enumerate(indices) if index is not None]
+    index_shape = tuple(torch.broadcast_shapes(*shapes[1:]))
+    index_letters = tuple(_LETTERS[len(_LETTERS) - len(index_shape):])
+    kept = [x_letters[d] for d in range(len(x_letters)) if d not in indexed]
+    if indexed == list(range(indexed[0], indexed[-1] + 1)):
+        output = x_letters[: indexed[0]] + index_letters + x_letters[indexed[-1] + 1:]
+    else:
+        output = index_letters + tuple(kept)
+    whole = {x_letters[d] for d in indexed}  # (a boolean mask's result has a data-dependent shape: E061)
+    operand_letters = [x_letters] + _broadcast_letters(shapes[1:], index_shape, index_letters)
+    assert len(output) == len(out_shape), (output, out_shape)
+    return operand_letters, output, whole
+
+
+def _equal_parts(node: torch.fx.Node, dim: int, size: int) -> int | None:
+    """How many equal parts a split/chunk cuts `dim` into (None: unequal, or not a split)."""
+    parts = node.meta.get("val")
+    if not isinstance(parts, (list, tuple)) or len(parts) < 2:
+        return None
+    sizes = {concrete_size(p.shape[dim]) for p in parts}
+    return len(parts) if len(sizes) == 1 and size == len(parts) * sizes.pop() else None
+
+
+def _placement_for(letters: Letters, letter: str, blocks: int = 1) -> Placement:
+    return S(letters.index(letter), blocks) if letter in letters else B
+
+
+def signatures(spec: DimSpec, blocks: dict[str, set[int]] | None = None) -> list[Signature]:
+    """Every legal one-axis signature of the op, cheapest-looking first (all-B, splits, partials).
+
+    `blocks` offers, per letter, the block counts its operands are split in (S(d, blocks=k)): a letter
+    kept whole in size carries them through; cutting a dim into k equal parts turns S(d, blocks=k) into a
+    plain split of every part.
+    """
+    blocks = blocks or {}
+    n = len(spec.operands)
+    result = [Signature((B,) * n, B)]
+    splittable = [l for l in spec.letters() if l not in spec.unsplittable]
+    for letter in splittable:
+        if letter in spec.output:
+            carried = blocks.get(letter, set()) if spec.fixed_size is None or letter in spec.fixed_size else set()
+            for k in [1, *sorted(carried - {1})]:
+                operands = tuple(_placement_for(letters, letter, k) for letters in spec.operands)
+                result.append(Signature(operands, S(spec.output.index(letter), k), letter))
+    if spec.cut is not None:
+        letter, parts = spec.cut
+        operands = tuple(_placement_for(letters, letter, parts) for letters in spec.operands)
+        result.append(Signature(operands, S(spec.output.index(letter)), letter))
+    sums = spec.linear != "none" if spec.sums_contraction is None else spec.sums_contraction
+    for letter in splittable:
+        if letter not in spec.output and spec.contractible and sums:
+            # every operand split alike, in blocks too: each rank sums over the same indices
+            for k in [1, *sorted(blocks.get(letter, set()) - {1})]:
+                operands = tuple(
+                    P if i in spec.addends else _placement_for(letters, letter, k)
+                    for i, letters in enumerate(spec.operands)
+                )
+                result.append(Signature(operands, P, letter))
+    if spec.linear == "sum" and not spec.affine:
+        result.append(Signature((P,) * n, P))
+    elif spec.linear == "product":
+        for i in spec.linear_operands:
+            if i < n:
+                operands = tuple(P if (j == i or j in spec.addends) else B for j in range(n))
+                result.append(Signature(operands, P))
+    return result + list(spec.extra)

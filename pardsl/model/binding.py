@@ -1,0 +1,1041 @@
+"""Stage 2: syntax tree → bound plan. Builds the model, traces it with torch.export, resolves names.
+
+Names: parameters and buffers by state-dict name, inputs by forward() argument name,
+`output` / `output.logits` / `output[0]` for the output or a part of it, `blocks.3.attn()` for a
+submodule's output; `*` matches one name segment. Each layout written in the file is checked against
+the tensor it names (rank, divisibility, no P on parameters and inputs) and bound to a graph node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import importlib
+import importlib.machinery
+import inspect
+import io
+import logging
+import math
+import os
+import re
+import stat
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import _pytree as pytree
+
+from pardsl.language.diagnostics import MAX_PER_CODE, DiagnosticSink, Span
+from pardsl.model.grouped_query import fold_grouped_query_repeats
+from pardsl.model.in_place import functionalize_in_place
+from pardsl.layouts.algebra import B, Layout, Mesh, Placement
+from pardsl.layouts.oprules import carries_gradient, concrete_size, op_name, rule_for
+from pardsl.language.progress import modules_reported, report
+from pardsl.model.saved_for_backward import what_autograd_keeps
+from pardsl.language.syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float": torch.float32, "float64": torch.float64, "double": torch.float64,
+    "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]  # sizes; where a dim varies (named in the .par), its example size
+    dtype: torch.dtype
+    # per dim, where it varies: a Python expression of the named dims giving its global size (`seq`,
+    # `batch*seq`); None where it is fixed
+    symbolic: tuple[str | None, ...] | None = None
+
+    def size_expr(self, dim: int) -> str | None:
+        return self.symbolic[dim] if self.symbolic else None
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def is_differentiable(self) -> bool:
+        return carries_gradient(self.dtype)
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A layout the user wrote, bound to a tensor; it always stands: inference completes around it."""
+
+    layout: Layout
+    entry: LayoutEntry
+
+
+@dataclass
+class BoundPlan:
+    par: ParFile
+    mesh: Mesh
+    exported: torch.export.ExportedProgram
+    tensors: dict[str, TensorInfo]  # graph node name → global shape and dtype
+    parameters: dict[str, str]  # placeholder → state-dict name
+    buffers: dict[str, str]  # placeholder → state-dict name (buffers and lifted constants)
+    inputs: dict[str, str]  # placeholder → forward() argument name
+    outputs: list[tuple[str, str]]  # flat outputs: (path such as "output[0]", graph node name)
+    pins: dict[str, Pin]  # graph node name → user layout (params, buffers, inputs, submodule outputs)
+    output_pins: dict[int, Pin]  # flat output index → user layout
+    module_paths: dict[str, str] = field(default_factory=dict)  # node name → module path it came from
+    seconds: dict[str, float] = field(default_factory=dict)  # model build, export, name binding
+    # The real values of buffers and lifted constants (non-persistent ones, such as rotary tables, are in
+    # no checkpoint), by every name; parameters were built on the meta device and have none.
+    buffer_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    persistent_buffers: frozenset[str] = frozenset()
+    tied: dict[str, tuple[str, ...]] = field(default_factory=dict)  # parameter name → every name it has
+    signature: inspect.Signature | None = None  # the model's forward()
+    # named dims: the variable the generated code holds each one's global size in, and the first input
+    # dim it is read from (input name, dim)
+    dims: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+    scalars: dict[str, str] = field(default_factory=dict)  # graph node → expression, for sizes (sym_size)
+    searched: frozenset[str] = frozenset()  # graph nodes written `?`: their layouts are the search's to choose
+    # parameters the model freezes (`requires_grad_(False)`: Whisper's sinusoidal positions, a fine-tune's
+    # frozen layers), by every name: no gradient, no optimizer state, nothing to synchronise
+    frozen: frozenset[str] = frozenset()
+
+    @property
+    def trained_parameters(self) -> list[str]:
+        """The parameter placeholders a gradient is computed for: not frozen, of a dtype that has one."""
+        return [p for p, name in self.parameters.items()
+                if name not in self.frozen and self.tensors[p].is_differentiable]
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.exported.graph_module.graph
+
+    @property
+    def constant_values(self) -> dict[str, torch.Tensor]:
+        """The tensors the forward makes from Python data, lifted by export: in no state dict of the model."""
+        names = (getattr(self.exported.graph_signature, "inputs_to_lifted_tensor_constants", None) or {}).values()
+        return {name: self.buffer_values[name] for name in names if name in self.buffer_values}
+
+    @functools.cached_property
+    def flops(self) -> dict[str, int]:
+        """FLOP per op node at global shapes (global_flops): counted once, read by every plan compile
+        searches and rates."""
+        return global_flops(self)
+
+    @functools.cached_property
+    def kept(self):
+        """What autograd keeps from forward to backward (saved_for_backward.Kept): found once, read by the
+        cost model and the search alike."""
+        return what_autograd_keeps(self.graph, self.tensors.get, self.parameters)
+
+    @functools.cached_property
+    def kept_for_backward(self) -> frozenset[str]:
+        """The op results autograd keeps from forward to backward, and the outputs: the serial model's
+        activations (a plan may hold some of them converted, saved_for_backward.py)."""
+        ops = {node.name for node in self.graph.nodes if node.op == "call_function"}
+        return self.kept.values & ops
+
+    @functools.cached_property
+    def parameters_kept_for_backward(self) -> frozenset[str]:
+        """The parameters (placeholders) some op keeps for backward, itself or through a view: a weight
+        gathered for use and released after forward must be gathered again (reshard.py)."""
+        return self.kept.values & set(self.parameters)
+
+
+# ---------------------------------------------------------------------------------------------------
+# FLOP per op
+
+
+_COUNTED_FAMILIES = ("einsum", "matmul", "attention", "conv")  # op rule families that do the arithmetic
+
+
+def global_flops(bound) -> dict[str, int]:
+    """FLOP of each op node of the exported graph at its global shapes, for the rule families that do
+    arithmetic worth counting (matmuls, convolutions, attention); torch's own counter, on meta tensors."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counts: dict[str, int] = {}
+    for node in bound.graph.nodes:
+        rule = rule_for(node) if node.op == "call_function" else None
+        if rule is None or rule.family not in _COUNTED_FAMILIES:
+            continue
+
+        def meta(value):
+            if isinstance(value, torch.fx.Node):
+                info = bound.tensors.get(value.name)
+                if info is not None:
+                    return torch.empty(info.shape, dtype=info.dtype, device="meta")
+                example = value.meta.get("val")
+                return int(example) if isinstance(example, (int, torch.SymInt)) else example
+            return value
+
+        try:
+            args, kwargs = torch.utils._pytree.tree_map(meta, (node.args, node.kwargs))
+            with FlopCounterMode(display=False) as counter:
+                node.target(*args, **kwargs)
+            counts[node.name] = int(counter.get_total_flops())
+        except Exception:  # an op the counter cannot run on meta tensors: priced by its bytes alone
+            continue
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model loading
+
+
+@contextlib.contextmanager
+def import_paths(*paths: str):
+    """`paths` importable while the model's code is imported and run, and only then; a folder any user may
+    write to is never added (a module planted there would run as this user)."""
+    added = [p for p in paths if p not in sys.path and not writable_by_anyone(p)]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for p in added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(p)
+
+
+def writable_by_anyone(folder: str) -> bool:
+    try:
+        return bool(os.stat(folder).st_mode & stat.S_IWOTH)
+    except OSError:
+        return False
+
+
+def par_import_paths(par_path: str, module: str) -> tuple[str, ...]:
+    """Where the model's module is imported from, beyond what is importable already: the .par file's folder,
+    and where that folder lies inside the module's own package (`examples/mlp.par` naming
+    `examples.models`), the folder that holds the package. Never the working directory."""
+    folder = os.path.dirname(os.path.abspath(par_path))
+    parts = folder.split(os.sep)
+    packages = module.split(".")[:-1]
+    for depth in range(len(packages), 0, -1):
+        if parts[-depth:] == packages[:depth]:
+            return folder, os.sep.join(parts[:-depth]) or os.sep
+    return (folder,)
+
+
+def load_factory(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = None):
+    """The model factory named by `model module:callable(...)`, or None with a diagnostic."""
+    paths = par_import_paths(par_path, decl.module)
+    with import_paths(*paths):
+        try:
+            module = importlib.import_module(decl.module)
+        except Exception as error:  # the user's module: any failure is their error to read
+            top = decl.module.split(".")[0]
+            refused = [p for p in paths if writable_by_anyone(p)
+                       and importlib.machinery.PathFinder.find_spec(top, [p]) is not None]
+            if refused and isinstance(error, ModuleNotFoundError):
+                message = (f"model module `{decl.module}` is not imported from `{refused[0]}`: any user may write "
+                           "to that folder, and a module planted there would run as you")
+                if sink is None:
+                    raise ImportError(message) from error
+                sink.error("E023", message, decl.span, "move the .par file and the model's module to a folder of "
+                           "your own (not /tmp)")
+                return None
+            if sink is None:
+                raise
+            sink.error("E020", f"cannot import model module `{decl.module}`", decl.span,
+                       f"{type(error).__name__}: {error}")
+            return None
+    factory = getattr(module, decl.factory, None)
+    if not callable(factory):
+        if sink is None:
+            raise AttributeError(f"{decl.module} has no callable {decl.factory}")
+        candidates = [n for n in dir(module) if callable(getattr(module, n, None)) and not n.startswith("_")]
+        notes = [f"did you mean `{m}`?" for m in difflib.get_close_matches(decl.factory, candidates, 1)]
+        sink.error("E021", f"module `{decl.module}` has no callable `{decl.factory}`", decl.factory_span, *notes)
+        return None
+    return factory
+
+
+def build_model(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = None) -> torch.nn.Module | None:
+    factory = load_factory(decl, par_path, sink)
+    if factory is None:
+        return None
+    with import_paths(*par_import_paths(par_path, decl.module)):
+        try:
+            model = factory(**dict(decl.kwargs))
+        except (Exception, SystemExit) as error:  # the user's code; sys.exit() there ends no compile
+            if sink is None:
+                raise
+            sink.error("E022", f"`{decl.text}` raised {type(error).__name__}", decl.span, str(error))
+            return None
+    if not isinstance(model, torch.nn.Module):
+        if sink is None:
+            raise TypeError(f"{decl.text} returned {type(model).__name__}, not an nn.Module")
+        sink.error("E022", f"`{decl.text}` returned {type(model).__name__}, not an nn.Module", decl.span)
+        return None
+    return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Parameters are created on the meta device (no memory, no values); buffers keep theirs.
+
+    Every `nn.Module.register_parameter` (what `self.weight = nn.Parameter(...)` calls) moves the new
+    parameter to meta, so a factory builds the model's structure while holding at most one real tensor at
+    a time, and initialisers run on meta for nothing. Buffers stay real: some have no other source (rotary
+    frequencies are computed in __init__ and are in no checkpoint).
+    """
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, parameter):
+        if parameter is not None and parameter.device.type != "meta":
+            parameter = type(parameter)(parameter.to("meta"), requires_grad=parameter.requires_grad)
+        original(module, name, parameter)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by every name: tied weights under each, non-persistent buffers
+    (rotary frequencies) too; what `load_full_state_dict` of a generated module takes."""
+    full = {name: t.detach() for name, t in model.named_parameters(remove_duplicate=False)}
+    full.update((name, t.detach()) for name, t in model.named_buffers(remove_duplicate=False))
+    return full
+
+
+def make_inputs(decls: tuple[InputDecl, ...], generator: torch.Generator) -> list[torch.Tensor]:
+    """Example inputs from the `input` declarations: normal floats, uniform integers in their range."""
+    tensors = []
+    for decl in decls:
+        dtype = DTYPES[decl.dtype]
+        if dtype.is_floating_point:
+            tensors.append(torch.randn(decl.shape, generator=generator).to(dtype))
+        elif dtype == torch.bool:
+            tensors.append(torch.randint(0, 2, decl.shape, generator=generator).bool())
+        else:
+            low, high = decl.value_range
+            tensors.append(torch.randint(low, high, decl.shape, generator=generator, dtype=dtype))
+    return tensors
+
+
+def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticSink) -> bool:
+    ok = True
+    for decl in par.inputs:
+        dtype = DTYPES.get(decl.dtype)
+        if math.prod(decl.shape) * 8 >= 2 ** 63 or any(size >= 2 ** 62 for size in decl.shape):
+            sink.error("E029", f"input `{decl.name}` of shape {list(decl.shape)} has more elements than a tensor "
+                       "can hold", decl.span)
+            ok = False
+        if dtype is None:
+            notes = [f"did you mean `{m}`?" for m in difflib.get_close_matches(decl.dtype, DTYPES, 1)]
+            sink.error("E030", f"unknown dtype `{decl.dtype}`", decl.dtype_span, *notes)
+            ok = False
+        elif dtype.is_floating_point and decl.value_range is not None:
+            sink.error("E031", f"input `{decl.name}` is {decl.dtype}: a value range is for integer inputs",
+                       decl.range_span)
+            ok = False
+        elif not dtype.is_floating_point and dtype != torch.bool:
+            if decl.value_range is None:
+                sink.error("E032", f"integer input `{decl.name}` needs a value range",
+                           decl.dtype_span, f"write `{decl.name} : {decl.dtype}[...] in [0, N)`")
+                ok = False
+            elif decl.value_range[0] >= decl.value_range[1]:
+                sink.error("E033", f"value range [{decl.value_range[0]}, {decl.value_range[1]}) is empty",
+                           decl.range_span)
+                ok = False
+            elif decl.value_range[0] < torch.iinfo(dtype).min or decl.value_range[1] - 1 > torch.iinfo(dtype).max:
+                info = torch.iinfo(dtype)
+                sink.error("E037", f"value range [{decl.value_range[0]}, {decl.value_range[1]}) does not fit "
+                           f"{decl.dtype} ([{info.min}, {info.max}])", decl.range_span)
+                ok = False
+    if model is None:
+        return False
+    arguments = inspect.signature(model.forward).parameters
+    names = [n for n, p in arguments.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    declared = {decl.name for decl in par.inputs}
+    required = [n for n in names if n not in declared and arguments[n].default is inspect.Parameter.empty]
+    misnamed = False
+    for decl in par.inputs:
+        if decl.name not in names:
+            misnamed = True
+            close = difflib.get_close_matches(decl.name, required or names, 1)
+            notes = [f"did you mean `{close[0]}`?"] if close else \
+                [f"`{', '.join(required)}` {'is' if len(required) == 1 else 'are'} not declared"] if required else []
+            sink.error("E034", f"`forward` has no argument `{decl.name}`", decl.span,
+                       f"forward({', '.join(names)})", *notes)
+            ok = False
+    for name in names:
+        if not misnamed and name in required:  # a misnamed input is reported once, above
+            span = par.inputs[-1].span if par.inputs else par.model.span
+            sink.error("E034", f"forward's argument `{name}` has no default and no `input` declaration",
+                       span, f"forward({', '.join(names)})")
+            ok = False
+    return ok
+
+
+def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
+          dynamic_shapes: dict | None = None) -> torch.export.ExportedProgram:
+    """torch.export with the inputs by forward() argument name; the others keep their defaults. Dims
+    named in `dynamic_shapes` ({input: {dim: torch.export.Dim}}) stay symbolic."""
+    # torch logs a failing trace (with its traceback) through handlers of its own; the failure itself is
+    # reported as E035, so the log is silenced for the duration
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            exported = torch.export.export(model, (), dict(example_inputs), strict=False,
+                                           dynamic_shapes=dynamic_shapes)
+    finally:
+        logging.disable(previous)
+    inline_grad_mode_regions(exported.graph_module)
+    return exported
+
+
+@contextlib.contextmanager
+def _python_random_seeded(seed: int):
+    """NumPy's (where installed) and Python's global generators seeded with `seed`, and given back their
+    state after."""
+    import random
+
+    try:
+        import numpy
+    except ImportError:  # a model without NumPy draws nothing from it
+        numpy = None
+    states = random.getstate(), numpy.random.get_state() if numpy else None
+    random.seed(seed)
+    if numpy:
+        numpy.random.seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        if numpy:
+            numpy.random.set_state(states[1])
+
+
+def constant_values(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor], dynamic_shapes: dict | None,
+                    constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The values of the tensors a forward makes from Python data (`x[..., [-2]]`, `torch.tensor([3.0],
+    device=x.device)`), which export lifts as constants: traced on meta, those made on the input's device
+    have none. The model is traced again on fake CPU tensors (nothing allocated), where such a tensor keeps
+    its value, and each constant is taken by name from that trace; it must have the first trace's shape and
+    dtype."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = copy.deepcopy(model)  # a meta model: nothing is copied but its structure
+    with FakeTensorMode(allow_non_fake_inputs=True):  # meta tensors in, fake CPU ones out
+        fake = fake.to_empty(device="cpu")
+        inputs = {name: torch.empty(x.shape, dtype=x.dtype) for name, x in example_inputs.items()}
+    real = trace(fake, inputs, dynamic_shapes).constants
+    values = {}
+    for name, meta in constants.items():
+        value = real.get(name)
+        if not isinstance(meta, torch.Tensor):
+            values[name] = meta
+        elif (not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor
+              or value.shape != meta.shape or value.dtype != meta.dtype):
+            raise ValueError(f"constant `{name}` ({meta.dtype}{list(meta.shape)}) is not one in a trace on the CPU")
+        else:
+            values[name] = value.clone()  # a later trace may hand back the same tensor, refilled
+    return values
+
+
+def inline_grad_mode_regions(graph_module: torch.fx.GraphModule) -> None:
+    """Replace each `wrap_with_set_grad_enabled(enabled, body, *args)` by the body's own nodes.
+
+    Export wraps code run under `torch.no_grad()` (HF's rotary embedding) in this higher-order op. A
+    region with gradients off is, for values and gradients, the same ops with their results detached,
+    which is what the inlined graph computes; so the rest of the compiler sees plain ATen ops.
+    """
+    graph = graph_module.graph
+    regions = [n for n in graph.nodes if n.op == "call_function"
+               and getattr(n.target, "__name__", "") == "wrap_with_set_grad_enabled"]
+    for region in regions:
+        enabled, body_ref, *args = region.args
+        body = getattr(graph_module, body_ref.target).graph
+        placeholders = [n for n in body.nodes if n.op == "placeholder"]
+        with graph.inserting_before(region):
+            results = graph.graph_copy(body, dict(zip(placeholders, args)))
+            if not isinstance(results, (list, tuple)):
+                results = (results,)
+            if not enabled:
+                results = [_detached(graph, r) for r in results]
+        for user in list(region.users):  # getitem(region, i)
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(region)
+        if not body_ref.users:
+            graph.erase_node(body_ref)
+    if regions:
+        graph.lint()
+        graph_module.recompile()
+
+
+def _detached(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+    detached = graph.call_function(torch.ops.aten.detach.default, (node,))
+    detached.meta = {**node.meta, "val": node.meta["val"].detach()}
+    return detached
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layouts as written → Layout
+
+
+def layout_from_syntax(syntax: LayoutSyntax, mesh: Mesh, sink: DiagnosticSink) -> Layout | None:
+    bad_blocks = [p for p in syntax.placements if p.kind == "S" and p.blocks < 1]
+    for p in bad_blocks:
+        sink.error("E057", f"S({p.dim}, blocks={p.blocks}): blocks must be at least 1", p.span)
+    if bad_blocks:
+        return None
+
+    def placement(p) -> Placement:
+        return Placement("S", p.dim, max(1, p.blocks)) if p.kind == "S" else Placement(p.kind)
+
+    if syntax.form == "searched":
+        return None  # no layout: binding records the name as searched
+
+    if syntax.form == "bare":
+        if mesh.ndim != 1:
+            sink.error("E050", f"a layout on the {mesh.ndim}-axis mesh ({mesh}) needs one value per axis",
+                       syntax.span, "write `[S(0), B]` or `S(0) @ axis`")
+            return None
+        return Layout((placement(syntax.placements[0]),))
+    if syntax.form == "list":
+        if len(syntax.placements) != mesh.ndim:
+            sink.error("E050", f"{len(syntax.placements)} value(s) for a {mesh.ndim}-axis mesh ({mesh})",
+                       syntax.span)
+            return None
+        return Layout(tuple(placement(p) for p in syntax.placements))
+    placements = [B] * mesh.ndim
+    seen: dict[str, Span] = {}
+    ok = True
+    for p, (axis, axis_span) in zip(syntax.placements, syntax.axis_names):
+        if axis not in mesh.axis_names:
+            sink.error("E051", f"unknown mesh axis `{axis}`", axis_span, f"the mesh has {mesh}")
+            ok = False
+        elif axis in seen:
+            sink.error("E052", f"mesh axis `{axis}` named twice in one layout", axis_span,
+                       f"first named at column {seen[axis].column}")
+            ok = False
+        else:
+            seen[axis] = axis_span
+            placements[mesh.axis_index(axis)] = placement(p)
+    return Layout(tuple(placements)) if ok else None
+
+
+def check_layout_fits(layout: Layout, entry: LayoutEntry, name: str, info: TensorInfo, mesh: Mesh,
+                      sink: DiagnosticSink) -> Layout | None:
+    """Normalise negative split dims, then check range and divisibility against the tensor."""
+    rank = len(info.shape)
+    normalized = []
+    placement_spans = _placement_spans(entry.layout, mesh)
+    ok = True
+    for axis, p in enumerate(layout.placements):
+        if p.is_split:
+            dim = p.dim + rank if p.dim < 0 else p.dim
+            if not 0 <= dim < rank:
+                sink.error("E053", f"S({p.dim}) is out of range for `{name}` of rank {rank} "
+                           f"(shape {list(info.shape)})", placement_spans[axis])
+                ok = False
+                normalized.append(p)
+                continue
+            normalized.append(Placement("S", dim, p.blocks))
+        else:
+            normalized.append(p)
+    if not ok:
+        return None
+    result = Layout(tuple(normalized))
+    for dim in result.blocks_on_shared_dims():
+        axes = result.axes_splitting(dim)
+        sink.error("E056", f"dim {dim} of `{name}` is split in blocks by {len(axes)} mesh axes",
+                   placement_spans[axes[-1]], "a dim split in blocks is split by one mesh axis")
+        return None
+    for dim in result.indivisible_dims(info.shape, mesh):
+        axes = result.axes_splitting(dim)
+        by = " × ".join(f"{mesh.axis_names[a]} = {mesh.axis_sizes[a]}" for a in axes)
+        blocks = result.blocks_of(dim)
+        by += f" × {blocks} blocks" if blocks > 1 else ""
+        sink.error("E054", f"dim {dim} of `{name}` has size {info.shape[dim]}, not divisible by {by}",
+                   placement_spans[axes[-1]], f"shape {list(info.shape)}")
+        ok = False
+    return result if ok else None
+
+
+def _placement_spans(syntax: LayoutSyntax, mesh: Mesh) -> list[Span]:
+    """The span of the value written for each mesh axis (the whole layout where it was left implicit)."""
+    if syntax.form == "bare":
+        return [syntax.placements[0].span]
+    if syntax.form == "list":
+        return [p.span for p in syntax.placements]
+    spans = [syntax.span] * mesh.ndim
+    for p, (axis, _) in zip(syntax.placements, syntax.axis_names):
+        if axis in mesh.axis_names:
+            spans[mesh.axis_index(axis)] = p.span
+    return spans
+
+
+# ---------------------------------------------------------------------------------------------------
+# Names
+
+
+@dataclass(frozen=True)
+class _Named:
+    kind: str  # parameter, buffer, input, output, module output
+    name: str  # as the user writes it
+    node: str | None  # graph node it denotes (None: not a single tensor)
+    output_index: int | None = None
+    problem: str | None = None  # why it does not denote one tensor
+
+
+def _output_path(path) -> str:
+    text = "output"
+    for key in path:
+        if isinstance(key, pytree.SequenceKey):
+            text += f"[{key.idx}]"
+        elif isinstance(key, pytree.MappingKey):
+            text += f".{key.key}" if isinstance(key.key, str) and key.key.isidentifier() else f"[{key.key!r}]"
+        elif isinstance(key, pytree.GetAttrKey):
+            text += f".{key.name}"
+        else:
+            text += f"[{key}]"
+    return text
+
+
+def _flat_outputs(exported: torch.export.ExportedProgram) -> list[tuple[str, str | None]]:
+    """(path, graph node) per flat output, in the order the graph returns them."""
+    spec = exported.call_spec.out_spec
+    leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]
+    output_node = next(n for n in exported.graph.nodes if n.op == "output")
+    flat_nodes = output_node.args[0]
+    result = []
+    for path, index in leaves:
+        node = flat_nodes[index]
+        result.append((_output_path(path), node.name if isinstance(node, torch.fx.Node) else None))
+    return result
+
+
+def _module_outputs(exported: torch.export.ExportedProgram) -> dict[str, list[list[str]]]:
+    """Module path → its calls, each the list of nodes computed inside the call and used outside it."""
+    calls: dict[str, dict[str, list[torch.fx.Node]]] = {}
+    call_of: dict[torch.fx.Node, set[str]] = {}
+    for node in exported.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        keys = set()
+        for key, (path, _) in stack.items():
+            if path:
+                calls.setdefault(path, {}).setdefault(key, []).append(node)
+                keys.add(key)
+        call_of[node] = keys
+    result: dict[str, list[list[str]]] = {}
+    for path, by_call in calls.items():
+        result[path] = []
+        for key, nodes in by_call.items():
+            outside = [n for n in nodes if any(key not in call_of.get(u, set()) for u in n.users)]
+            result[path].append([n.name for n in outside])
+    return result
+
+
+def _name_table(exported: torch.export.ExportedProgram, inputs: dict[str, str],
+                parameters: dict[str, str], buffers: dict[str, str]) -> list[_Named]:
+    table = [_Named("parameter", name, node) for node, name in parameters.items()]
+    table += [_Named("buffer", name, node) for node, name in buffers.items()]
+    table += [_Named("input", name, node) for node, name in inputs.items()]
+    for index, (path, node) in enumerate(_flat_outputs(exported)):
+        problem = None if node is not None else "is not a tensor"
+        table.append(_Named("output", path, node, index, problem))
+    for path, calls in _module_outputs(exported).items():
+        if len(calls) != 1:
+            table.append(_Named("module output", f"{path}()", None,
+                                problem=f"is called {len(calls)} times; name one call's result by what "
+                                "consumes it"))
+        elif len(calls[0]) != 1:
+            table.append(_Named("module output", f"{path}()", None,
+                                problem=f"returns {len(calls[0])} tensors ({', '.join(calls[0][:4])})"))
+        else:
+            table.append(_Named("module output", f"{path}()", calls[0][0]))
+    return table
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern(target: str) -> re.Pattern:
+    parts = re.split(r"(\*)", target)
+    return re.compile("".join("[^.\\[\\]()]+" if p == "*" else re.escape(p) for p in parts))
+
+
+class _NameIndex:
+    """The name table, with literal names looked up in a dict: a file with many names stays linear."""
+
+    def __init__(self, table: list[_Named]):
+        self.table = table
+        self.by_name: dict[str, list[_Named]] = {}
+        for named in table:
+            self.by_name.setdefault(named.name, []).append(named)
+        self._sorted_names: list[str] | None = None
+
+    def matching(self, target: str) -> list[_Named]:
+        if "*" not in target:
+            return list(self.by_name.get(target, ()))
+        pattern = _pattern(target)
+        return [n for n in self.table if pattern.fullmatch(n.name)]
+
+    def sorted_names(self) -> list[str]:
+        if self._sorted_names is None:
+            self._sorted_names = sorted(self.by_name)
+        return self._sorted_names
+
+
+def _close_names(target: str, index: _NameIndex) -> list[str]:
+    """The names nearest an unknown one. A pattern is offered patterns: each name with the same number of
+    parts, its parts where the target has a `*` written as the target has them, so that
+    `layers.*.attn.q_prj.weight` is offered `layers.*.attn.q_proj.weight`, not one layer's name."""
+    names = index.sorted_names()
+    if "*" in target:
+        parts = target.split(".")
+        names = sorted({".".join(t if "*" in t else n for t, n in zip(parts, name.split(".")))
+                        for name in names if name.count(".") == len(parts) - 1}) or names
+    return difflib.get_close_matches(target, names, 3)
+
+
+def _resolve(entry: LayoutEntry, index: _NameIndex, sink: DiagnosticSink) -> list[_Named]:
+    target = entry.target
+    table = index.table
+    matches = index.matching(target)
+    if target == "output" or (not matches and target.startswith("output")):
+        # `output` and `output.x` name every flat output below them.
+        matches = [n for n in table if n.kind == "output" and
+                   (n.name == target or n.name.startswith(target + ".") or n.name.startswith(target + "["))]
+    if not matches:
+        # suggestions cost a search over every name: only for the errors that will be shown
+        close = _close_names(target, index) if sink.count("E040") < MAX_PER_CODE else []
+        notes = ["did you mean " + " or ".join(f"`{m}`" for m in close) + "?"] if close else []
+        what = "matches no tensor" if "*" in target else "is not a parameter, buffer, input, output or submodule"
+        sink.error("E040", f"`{target}` {what}", entry.target_span, *notes)
+        return []
+    if "*" not in target and len({n.kind for n in matches}) > 1:
+        kinds = " and ".join(sorted({f"a {n.kind}" for n in matches}))
+        sink.error("E041", f"`{target}` is ambiguous: it names {kinds}", entry.target_span)
+        return []
+    problems = [n for n in matches if n.problem]
+    for named in problems:
+        sink.error("E044", f"`{named.name}` {named.problem}", entry.target_span)
+    return [n for n in matches if not n.problem]
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def _tied_aliases(model: torch.nn.Module, exported, parameters: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """Tied weights (a GPT's embedding and LM head): one tensor under several state-dict names. The graph
+    reads one placeholder; the others are aliases of it. Returns unused placeholder → (its name, used one)."""
+    groups: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    placeholder_of = {name: node for node, name in parameters.items()}
+    users = {n.name: len(n.users) for n in exported.graph.nodes if n.op == "placeholder"}
+    aliases = {}
+    for names in groups.values():
+        nodes = [placeholder_of[n] for n in names if n in placeholder_of]
+        used = [n for n in nodes if users.get(n)]
+        if len(nodes) > 1 and len(used) == 1:
+            for node in nodes:
+                if node != used[0]:
+                    aliases[node] = (parameters[node], used[0])
+    return aliases
+
+
+def _check_mesh(par: ParFile, sink: DiagnosticSink) -> Mesh | None:
+    seen: dict[str, int] = {}
+    ok = True
+    for axis in par.mesh.axes:
+        if axis.name in seen:
+            sink.error("E010", f"mesh axis `{axis.name}` named twice", axis.span,
+                       f"first named at column {seen[axis.name]}")
+            ok = False
+        seen.setdefault(axis.name, axis.span.column)
+        if axis.size < 1:
+            sink.error("E011", f"mesh axis `{axis.name}` has size {axis.size}", axis.span)
+            ok = False
+    if not ok:
+        return None
+    return Mesh(tuple(a.name for a in par.mesh.axes), tuple(a.size for a in par.mesh.axes))
+
+
+# where a mixture of experts routes tokens with data-dependent shapes, or through an opaque grouped matmul
+MOE_HINT = ("for a transformers mixture of experts, `pardsl.moe.use_static_capacity(config, groups)` gives "
+            "its experts static shapes that expert parallelism can split")
+
+
+def bind(par: ParFile) -> BoundPlan:
+    """Build and trace the model, then bind every layout the file writes to a tensor of the graph."""
+    sink = DiagnosticSink(par.source)
+    clock = time.perf_counter()
+    mesh = _check_mesh(par, sink)
+    written = [(entry, layout_from_syntax(entry.layout, mesh, sink) if mesh else None) for entry in par.layouts]
+    # No full model on any rank: the structure is built with parameters on the meta device, and traced
+    # on meta with meta inputs; only buffers (small, and sometimes computed in __init__) hold values.
+    report("building the model on the meta device")
+    with parameters_on_meta():
+        model = build_model(par.model, par.source.path, sink)
+    seconds = {"build": time.perf_counter() - clock}
+    if not _check_inputs(par, model, sink):
+        sink.raise_if_any()
+    # A bad mesh does not stop tracing: names are still checked, so one run reports more.
+
+    # copies: moving the model to meta for tracing may move the buffers' own storage
+    buffer_values = {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)}
+    persistent = frozenset(model.state_dict(keep_vars=True)) & frozenset(buffer_values)
+    tied: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(parameter), []).append(name)
+    frozen = frozenset(name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
+    signature = inspect.signature(model.forward)
+    example = {decl.name: torch.empty(decl.shape, dtype=DTYPES[decl.dtype], device="meta") for decl in par.inputs}
+    clock = time.perf_counter()
+    report("exporting the model (torch.export)")
+    try:
+        with import_paths(*par_import_paths(par.source.path, par.model.module)), \
+                modules_reported("exporting the model (torch.export)", model):
+            exported = trace(model.to("meta"), example, _dynamic_shapes(par))
+    except Exception as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        span = par.inputs[0].span if par.inputs else par.model.span
+        shapes = ", ".join(f"{d.name}: {d.dtype}{list(d.shape)}" for d in par.inputs)
+        sink.error("E035", f"`{par.model.text}` cannot be traced with inputs ({shapes})", span,
+                   f"{type(error).__name__}: {message}")
+        sink.raise_if_any()
+
+    seconds["export"] = time.perf_counter() - clock
+    for node in functionalize_in_place(exported.graph_module):
+        where = (list((node.meta.get("nn_module_stack") or {}).values())[-1:] or [("the model's own forward()",)])[0][0]
+        sink.error("E062", f"in-place `{op_name(node)}` writes into a view, or into a tensor a view of which is read",
+                   par.model.span, f"used in {where}",
+                   "the write would change the other tensor too: write the op out of place (`x = x + y`)")
+    if mesh is not None:
+        fold_grouped_query_repeats(exported.graph_module, mesh.size)
+    clock = time.perf_counter()
+    graph_signature = exported.graph_signature
+    parameters = dict(graph_signature.inputs_to_parameters)
+    buffers = dict(graph_signature.inputs_to_buffers)
+    buffers.update(getattr(graph_signature, "inputs_to_lifted_tensor_constants", {}) or {})
+    aliases = _tied_aliases(model, exported, parameters)
+    for unused in aliases:
+        parameters.pop(unused, None)
+    inputs = _user_input_names(exported)
+    # tensors the forward makes from constants, lifted by export (non-persistent buffers are there too,
+    # traced on meta: the values built above stand)
+    constants = {k: v for k, v in exported.constants.items() if k not in buffer_values}
+    if any(isinstance(v, torch.Tensor) for v in constants.values()):
+        try:
+            with import_paths(*par_import_paths(par.source.path, par.model.module)):
+                # Traced on meta, a constant may have no value: it is taken from traces on fake CPU tensors.
+                # Twice, NumPy's and Python's generators seeded apart: a value made from their random
+                # numbers (Wav2Vec2's SpecAugment mask) differs between the traces, where a constant does not.
+                traced = []
+                for seed in (0, 1):
+                    with _python_random_seeded(seed):
+                        traced.append(constant_values(model, example, _dynamic_shapes(par), constants))
+        except Exception as error:  # noqa: BLE001 - reported with the model's line, as a failed trace is
+            sink.error("E035", f"`{par.model.text}` cannot be traced for the values of its constants",
+                       par.model.span, f"{type(error).__name__}: {str(error).strip().splitlines()[0]}")
+            sink.raise_if_any()
+        drawn = [name for name, value in traced[0].items()
+                 if isinstance(value, torch.Tensor) and not torch.equal(value, traced[1][name])]
+        if drawn:
+            value = traced[0][drawn[0]]
+            sink.error("E063", f"the forward makes `{drawn[0]}` ({str(value.dtype).removeprefix('torch.')}"
+                       f"{list(value.shape)}) from values that change from call to call outside torch",
+                       par.model.span, f"used in {drawn[0].rsplit('.', 1)[0] or 'the model'}",
+                       "NumPy's or Python's random numbers (Wav2Vec2's SpecAugment masks) are fixed to one draw "
+                       "when the forward is traced, where serial draws anew each call: turn them off in the "
+                       "model (`mask_time_prob=0`), or draw them with torch, whose draws pardsl makes as serial")
+            sink.raise_if_any()
+        constants = traced[0]
+    buffer_values.update(constants)
+
+    tensors: dict[str, TensorInfo] = {}
+    module_paths: dict[str, str] = {}
+    data_dependent: dict[str, set[str]] = {}  # op → module paths, for the ops where such shapes arise
+    dynamic_nodes: set[str] = set()
+    dims, symbol_text = _named_dims(exported, inputs, par)
+    scalars: dict[str, str] = {}
+    for node in exported.graph.nodes:
+        value = node.meta.get("val")
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack:
+            module_paths[node.name] = list(stack.values())[-1][0]
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            value = value[0]  # a split's parts: its getitem nodes carry each part's own shape
+        if isinstance(value, torch.SymInt) and node.op == "call_function":
+            text = _size_text(value, symbol_text)
+            if text is not None:
+                scalars[node.name] = text
+                continue
+        if not isinstance(value, torch.Tensor):
+            continue
+        symbolic = tuple(_size_text(size, symbol_text) if isinstance(size, torch.SymInt) else None
+                         for size in value.shape)
+        if any(isinstance(size, torch.SymInt) and text is None for size, text in zip(value.shape, symbolic)):
+            # x[mask], nonzero: sizes known only at run time, from the data
+            dynamic_nodes.add(node.name)
+            if not any(operand.name in dynamic_nodes for operand in node.all_input_nodes):
+                where = module_paths.get(node.name) or "the model's own forward()"
+                data_dependent.setdefault(op_name(node), set()).add(where)
+            continue
+        tensors[node.name] = TensorInfo(tuple(concrete_size(s) for s in value.shape), value.dtype,
+                                        symbolic if any(symbolic) else None)
+    for op, places in data_dependent.items():
+        sink.error("E061", f"operation `{op}` gives a result whose shape depends on the data", par.model.span,
+                   f"used in {', '.join(sorted(places)[:3])}",
+                   "pardsl lays out tensors of static shape: select with masks (where, masked_fill) instead",
+                   *([MOE_HINT] if any("expert" in place for place in places) else []))
+    if data_dependent:
+        sink.raise_if_any()
+
+    _check_input_values(par, exported, inputs, sink)
+    flat_outputs = _flat_outputs(exported)
+    if not flat_outputs:
+        sink.error("E036", f"`{par.model.text}`'s forward returns no tensor", par.model.span,
+                   "pardsl compiles models whose outputs are tensors (or dicts, tuples, ModelOutputs of them)")
+    for path, node in flat_outputs:
+        if node is None:
+            sink.error("E036", f"`{path}` of `{par.model.text}`'s result is not a tensor", par.model.span,
+                       "pardsl compiles models whose outputs are tensors (or dicts, tuples, ModelOutputs of them)")
+    if not flat_outputs or any(node is None for _, node in flat_outputs):
+        sink.raise_if_any()  # names cannot be bound to an output that is not there
+
+    table = _name_table(exported, inputs, parameters, buffers)
+    table += [_Named("parameter", name, used) for name, used in aliases.values()]
+    outputs = [(path, node) for path, node in _flat_outputs(exported)]
+    pins: dict[str, Pin] = {}
+    output_pins: dict[int, Pin] = {}
+    index = _NameIndex(table)
+    searched: set[str] = set()
+    for entry, layout in written:
+        reported = len(sink.diagnostics)
+        for named in _resolve(entry, index, sink):
+            if entry.layout.form == "searched":
+                if named.kind != "output":
+                    searched.add(named.node)
+                continue
+            if layout is None or mesh is None:
+                continue
+            info = tensors.get(named.node)
+            if info is None:
+                sink.error("E044", f"`{named.name}` is not a tensor", entry.target_span)
+                continue
+            fitted = check_layout_fits(layout, entry, named.name, info, mesh, sink)
+            if fitted is None:
+                continue
+            if fitted.has_partial and named.kind in ("parameter", "buffer", "input"):
+                axis = next(a for a, p in enumerate(fitted.placements) if p.kind == "P")
+                article = "an" if named.kind[0] in "aeiou" else "a"
+                sink.error("E055", f"`{named.name}` is {article} {named.kind}: it cannot be a partial sum",
+                           _placement_spans(entry.layout, mesh)[axis],
+                           "a partial sum is the result of a computation; parameters and inputs are B or S(d)")
+                continue
+            pin = Pin(fitted, entry)
+            store, key = (output_pins, named.output_index) if named.kind == "output" else (pins, named.node)
+            previous = store.get(key)
+            if previous is not None and previous.layout != fitted:
+                sink.error("E043", f"`{named.name}` is given two layouts: {previous.layout.render(mesh)} and "
+                           f"{fitted.render(mesh)}", entry.span,
+                           f"first given on line {previous.entry.span.line}: `{previous.entry.target}`")
+                continue
+            store.setdefault(key, pin)
+        sink.one_per_place_since(reported)
+    sink.raise_if_any()
+    seconds["bind"] = time.perf_counter() - clock
+    return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
+                     module_paths, seconds, buffer_values, persistent,
+                     {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars,
+                     frozenset(searched - set(pins)), frozen)
+
+
+def _check_input_values(par: ParFile, exported, inputs: dict[str, str], sink: DiagnosticSink) -> None:
+    """What the graph says of the inputs: ids an embedding reads directly must lie in its table, and a
+    floating input must have a dtype the model computes in."""
+    decls = {decl.name: decl for decl in par.inputs}
+    parameters = set(exported.graph_signature.inputs_to_parameters)
+    for node in exported.graph.nodes:
+        if node.op == "placeholder" and node.name in inputs and DTYPES[decls[inputs[node.name]].dtype].is_floating_point:
+            decl = decls[inputs[node.name]]
+            # an op that takes the input and a parameter of another floating dtype (a model that casts its
+            # input first is fine)
+            met = {operand.meta["val"].dtype for user in node.users for operand in user.all_input_nodes
+                   if operand.name in parameters and operand.meta["val"].dtype.is_floating_point}
+            met.discard(DTYPES[decl.dtype])
+            if met:
+                wanted = str(sorted(met, key=str)[0]).removeprefix("torch.")
+                sink.error("E038", f"input `{decl.name}` is {decl.dtype} but the model's parameters it meets are "
+                           f"{wanted}", decl.dtype_span, f"declare it `{decl.name} : {wanted}[...]`")
+        if node.op == "call_function" and node.target is torch.ops.aten.embedding.default:
+            weight, ids = node.args[0], node.args[1]
+            decl = decls.get(inputs.get(getattr(ids, "name", None)))
+            rows = concrete_size(weight.meta["val"].shape[0])
+            if decl is not None and decl.value_range and (decl.value_range[0] < 0 or decl.value_range[1] > rows):
+                sink.error("E039", f"input `{decl.name}` takes values in [{decl.value_range[0]}, "
+                           f"{decl.value_range[1]}), but the embedding it indexes has {rows} rows",
+                           decl.range_span, f"write `in [0, {rows})` or less")
+
+
+def _dynamic_shapes(par: ParFile) -> dict | None:
+    """torch.export's dynamic_shapes for the dims the .par file names: one Dim per name."""
+    dims: dict[str, torch.export.Dim] = {}
+    spec = {decl.name: {index: dims.setdefault(name, torch.export.Dim(name))
+                        for index, name in enumerate(decl.dim_names) if name}
+            for decl in par.inputs}
+    return {name: (dims_of or None) for name, dims_of in spec.items()} if dims else None
+
+
+_RESERVED = {"self", "rt", "aten", "torch", "nn", "MESH", "PARAMETERS", "BUFFERS", "INPUTS", "OUTPUTS"}
+
+
+def _named_dims(exported, inputs: dict[str, str], par: ParFile):
+    """Named dims: name → (variable, input, dim); and each size symbol's text (its variable)."""
+    taken = _RESERVED | {n.name for n in exported.graph.nodes} | set(inputs.values())
+    placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    by_input = {name: placeholder for placeholder, name in inputs.items()}
+    dims, symbol_text = {}, {}
+    for decl in par.inputs:
+        value = placeholders[by_input[decl.name]].meta["val"]
+        for index, name in enumerate(decl.dim_names):
+            if not name or name in dims:
+                continue
+            size = value.shape[index]
+            var = name if name not in taken else f"dim_{name}"
+            dims[name] = (var, decl.name, index)
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                symbol_text[size.node.expr] = var
+    return dims, symbol_text
+
+
+def _size_text(size: torch.SymInt, symbol_text: dict) -> str | None:
+    """A size as Python over the named dims' variables; None where it involves anything else."""
+    import sympy
+    from torch.utils._sympy.printers import PythonPrinter
+
+    expr = size.node.expr
+    if expr.is_number:
+        return str(int(expr))
+    if not expr.free_symbols <= set(symbol_text):
+        return None
+    return PythonPrinter().doprint(expr.xreplace({s: sympy.Symbol(t, integer=True) for s, t in symbol_text.items()}))
+
+
+def _user_input_names(exported: torch.export.ExportedProgram) -> dict[str, str]:
+    """Placeholder → forward() argument name, for the tensor inputs export was given by name."""
+    spec = exported.call_spec.in_spec
+    leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]
+    by_index = {index: path[-1].key for path, index in leaves if isinstance(path[-1], pytree.MappingKey)}
+    user = [s.arg.name for s in exported.graph_signature.input_specs
+            if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    flat_user = [i for i in range(spec.num_leaves) if i in by_index]
+    return {placeholder: by_index[index] for placeholder, index in zip(user, flat_user)}

@@ -1,0 +1,62 @@
+"""Reading chains of ops in a lowered program, for the passes that run a chain as one op of the runtime
+(pardsl/passes/fused_norms.py, pardsl/passes/fused_rotary.py): who reads a value, whether a statement is a given ATen
+op, and a value's dtype."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pardsl.program.lowering import LoweredProgram, Statement
+from pardsl.program.ir import Var
+
+
+def readers_and_makers(program: LoweredProgram) -> tuple[Counter, dict[str, int]]:
+    """How many statements read each value, and the index of the statement that makes it."""
+    reads = Counter(name for statement in program.statements for name in statement.instruction.reads())
+    made_at = {name: i for i, statement in enumerate(program.statements) for name in statement.targets}
+    return reads, made_at
+
+
+def calls(statement: Statement, callee: str) -> bool:
+    """The statement is the ATen op `callee` on local shards."""
+    return statement.instruction.kind == "compute" and statement.instruction.callee == callee
+
+
+def var_name(arg) -> str | None:
+    return arg.name if isinstance(arg, Var) else None
+
+
+def sole_reader(statements: list[Statement], name: str, reads: Counter, made_at: dict[str, int]) -> int | None:
+    """The index of the one statement that reads `name`, where exactly one does (and the value is not an
+    output: outputs are read by no statement, so they have no reader here)."""
+    if reads[name] != 1 or name not in made_at:
+        return None
+    for index in range(made_at[name] + 1, len(statements)):
+        if name in statements[index].instruction.reads():
+            return index
+    return None
+
+
+def dtype_of(program: LoweredProgram, name: str) -> str | None:
+    """A value's dtype ("float32"): a graph value's, a parameter's, buffer's or input's, or, for a
+    gradient-sync wrapper (an identity), what it wraps."""
+    described = _described(program, name)
+    return described[1].removeprefix("torch.") if described else None
+
+
+def shape_of(program: LoweredProgram, name: str) -> tuple[int, ...] | None:
+    """A value's global shape, found as its dtype is."""
+    described = _described(program, name)
+    return tuple(described[0]) if described else None
+
+
+def _described(program: LoweredProgram, name: str):
+    if name in program.values:
+        return program.values[name]["shape"], program.values[name]["dtype"]
+    for slot in program.parameters + program.buffers + program.inputs:
+        if name in (slot.var, f"self.{slot.var}"):
+            return slot.shape, slot.dtype
+    for statement in program.statements:
+        if statement.targets == [name] and statement.instruction.kind in ("param_grad_sync", "grad_sync"):
+            return _described(program, statement.instruction.reads()[0])
+    return None

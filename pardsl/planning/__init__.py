@@ -1,0 +1,1 @@
+"""Planning: layouts inferred or searched (HiGHS), priced by the cost model."""

@@ -1,0 +1,365 @@
+"""The cost model: what a plan costs per step on a machine, in seconds and in bytes per rank.
+
+One module prices everything, so that `explain`, `plan.json` and a search agree:
+
+- a collective over n ranks costs α per ring step (2(n-1) for an all-reduce, n-1 for the others) + β per
+  byte, per kind, where bytes is the per-rank volume of `layouts.collective_bytes` (an all-reduce of T bytes moves
+  2T(n-1)/n) — the figure each `Collective` already carries;
+- an op costs a roofline, max(FLOP / throughput, bytes / bandwidth), plus a fixed overhead per op (eager
+  dispatch); FLOP come from `torch.utils.flop_counter` run on meta tensors of the op's global shapes, and
+  each rank does the share its layout leaves it (the product of the axis sizes its result is S or P on).
+  Backward costs twice forward where a gradient flows;
+- prefetched parameter gathers and gradient buckets hide behind their phase's compute as far as the
+  machine overlaps the two; CPU ranks on one host share its cores, so more ranks run each slower;
+- memory per rank is parameters, gradients, optimizer state, activations kept for backward, and the
+  parameters gathered for use (this group's and the prefetched next one's).
+
+The machine's α, β, throughput, bandwidth and overhead come from `pardsl calibrate`, which measures them
+on the backend at hand into a file; without one, defaults for the backend stand (and say so).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from pardsl.model.binding import global_flops
+from pardsl.runtime.devices import resolve_backend
+from pardsl.layouts.algebra import COLLECTIVE_KINDS, collective_bytes
+from pardsl.runtime.schedules import micro_batches_held, stages_of_rank
+
+CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    alpha_s: float  # latency of one step of the ring (a collective over n ranks takes ring_steps of them)
+    beta_s_per_byte: float  # per byte of per-rank volume
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """Latency terms of a ring collective over n ranks: 2(n-1) for an all-reduce, n-1 for the others."""
+    return 2 * (n - 1) if kind == "all_reduce" else n - 1
+
+
+@dataclass(frozen=True)
+class Machine:
+    backend: str
+    collectives: dict[str, LinkCost]  # per collective kind
+    flops_per_s: float  # a large matmul's throughput, one rank
+    bytes_per_s: float  # memory bandwidth of an elementwise op, one rank
+    op_overhead_s: float  # the cost of running one small op
+    source: str  # where the figures come from: a calibration file, or the defaults
+    world_size: int = 2  # ranks measured together
+    # Processors the ranks share (CPU ranks on one host); 0 where each rank has its own (a GPU each).
+    cores: int = 0
+    overlap: float = 1.0  # the share of a collective that hides behind compute running beside it
+
+    def collective_seconds(self, kind: str, nbytes: int, n: int) -> float:
+        link = self.collectives[kind]
+        return link.alpha_s * ring_steps(kind, n) + link.beta_s_per_byte * nbytes
+
+    def local_collective_seconds(self, kind: str, local_bytes: int, n: int) -> float:
+        """A collective whose input is `local_bytes` on each of n ranks, at its per-rank volume."""
+        return self.collective_seconds(kind, collective_bytes(kind, local_bytes, n), n)
+
+    def steps_seconds(self, steps, n: int) -> float:
+        """Of collectives given as (phase, kind, bytes per rank), over n ranks (inference.one_axis_collectives)."""
+        return sum(self.collective_seconds(kind, nbytes, n) for _, kind, nbytes in steps)
+
+    def compute_seconds(self, flops: float, nbytes: float) -> float:
+        """One op's roofline on one rank: its arithmetic or its memory traffic, whichever takes longer."""
+        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+
+    def slowdown(self, world_size: int) -> float:
+        """How much slower one rank of `world_size` ranks runs than one of the calibration's, where ranks
+        share the host's cores: each takes cores // ranks threads, and more busy threads than cores share."""
+        if not self.cores:
+            return 1.0
+
+        def speed(ranks: int) -> float:
+            threads = max(1, self.cores // ranks)
+            return threads / max(1.0, ranks * threads / self.cores)
+
+        return speed(self.world_size) / speed(world_size)
+
+    def to_json(self) -> dict:
+        return {"pardsl_calibration": CALIBRATION_VERSION, "backend": self.backend, "world_size": self.world_size,
+                "collectives": {k: asdict(v) for k, v in self.collectives.items()},
+                "flops_per_s": self.flops_per_s, "bytes_per_s": self.bytes_per_s,
+                "op_overhead_s": self.op_overhead_s, "cores": self.cores, "overlap": self.overlap}
+
+
+# Figures for machines that have not been calibrated. gloo's are the medians of 3 runs of `pardsl calibrate
+# --nproc 2` on a 2-core x86 VM (CPU ranks of one host, 2026-11-26), rounded: what this runtime's
+# collectives cost there (through shared memory between ranks of one host, pardsl/runtime/shared_memory.py; over
+# gloo's TCP, as between hosts, they cost 3 to 6 times more: α 270 µs and β 1.2 ns/B for an all-reduce on
+# the same kind of VM), a core's matmul throughput and memory bandwidth; its CPU ranks share this host's
+# cores, as a calibration file records them (without, 4 ranks on 2 cores were rated as fast as 2, and the
+# plans of a 4-rank mesh 2 to 5 times faster than they run). NCCL's are round figures for data-centre GPUs
+# over NVLink. `pardsl calibrate` replaces either with this machine's.
+DEFAULTS = {
+    "gloo": Machine("gloo", {"all_reduce": LinkCost(4.7e-5, 2.9e-10), "all_gather": LinkCost(9.3e-5, 3.3e-10),
+                             "reduce_scatter": LinkCost(9.7e-5, 7.7e-10), "all_to_all": LinkCost(7.8e-5, 4.7e-10)},
+                    1.4e11, 2.8e10, 1.7e-6, "defaults for gloo (no calibration file; run `pardsl calibrate`)",
+                    cores=os.cpu_count() or 1, overlap=0.2),
+    "nccl": Machine("nccl", {k: LinkCost(1e-5, 1 / 1e11) for k in COLLECTIVE_KINDS}, 3e14, 2e12, 1e-5,
+                    "defaults for nccl (no calibration file; run `pardsl calibrate --backend nccl`)"),
+}
+
+
+def calibration_path(backend: str) -> str:
+    """Where `pardsl calibrate` writes, and compile reads, the figures for a backend."""
+    folder = os.environ.get("PARDSL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pardsl")
+    return os.path.join(folder, f"calibration-{backend}.json")
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be read or is not one."""
+
+
+def load_machine(path: str | None = None, backend: str = "gloo") -> Machine:
+    """The machine from a calibration file: `path`, else the default place for `backend` if it exists,
+    else the backend's defaults."""
+    if path is None:
+        path = calibration_path(backend)
+        if not os.path.isfile(path):
+            return DEFAULTS[backend]
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        if data.get("pardsl_calibration") != CALIBRATION_VERSION:
+            raise CalibrationError(f"{path} is not a pardsl calibration file (version {CALIBRATION_VERSION})")
+        collectives = {k: LinkCost(float(v["alpha_s"]), float(v["beta_s_per_byte"]))
+                       for k, v in data["collectives"].items()}
+        missing = set(COLLECTIVE_KINDS) - set(collectives)
+        if missing:
+            raise CalibrationError(f"{path} has no figures for {', '.join(sorted(missing))}")
+        figures = [data["flops_per_s"], data["bytes_per_s"], data["op_overhead_s"], data.get("overlap", 1.0)]
+        if not all(isinstance(f, (int, float)) and math.isfinite(f) and f >= 0 for f in figures) or \
+                not data["flops_per_s"] > 0 or not data["bytes_per_s"] > 0:
+            raise CalibrationError(f"{path}: throughput, bandwidth and overhead must be finite and positive")
+        return Machine(data["backend"], collectives, float(data["flops_per_s"]), float(data["bytes_per_s"]),
+                       float(data["op_overhead_s"]), f"calibrated: {path}", int(data.get("world_size", 2)),
+                       int(data.get("cores", 0)), min(1.0, float(data.get("overlap", 1.0))))
+    except OSError as error:
+        raise CalibrationError(f"cannot read {path}: {error.strerror}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        if isinstance(error, CalibrationError):
+            raise
+        raise CalibrationError(f"{path} is not a pardsl calibration file ({type(error).__name__}: {error})") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------
+# A plan's estimate
+
+
+@dataclass
+class OpCost:
+    node: str
+    op: str
+    layer: str
+    flops: int  # per rank
+    bytes: int  # per rank: operands read and result written
+    forward_s: float
+    backward_s: float
+
+
+@dataclass
+class CollectiveCost:
+    kind: str
+    axis: str
+    phase: str
+    bytes: int
+    seconds: float
+    layer: str
+    reason: str
+    overlapped: bool  # a prefetched parameter gather or a gradient bucket: off the critical path
+    bucket: bool = False  # a gradient bucket's: of parameters of every layer
+
+
+@dataclass
+class Estimate:
+    machine: Machine
+    ops: list[OpCost]
+    collectives: list[CollectiveCost]
+    memory: dict[str, int]  # bytes per rank
+    seconds: dict[str, float] = field(default_factory=dict)  # compute, communication, exposed, step
+
+    @property
+    def step_s(self) -> float:
+        return self.seconds["step"]
+
+    def to_json(self) -> dict:
+        return {"machine": self.machine.source, "backend": self.machine.backend,
+                "seconds": {k: round(v, 9) for k, v in self.seconds.items()}, "memory": self.memory}
+
+
+def repeated_layer(path: str | None) -> str:
+    """The repeated block a module path is in (`model.layers.3`), else ""."""
+    segments = (path or "").split(".")
+    return next((".".join(segments[:i + 1]) for i, part in enumerate(segments) if part.isdigit()), "")
+
+
+def parameter_unit(path: str) -> str:
+    """The repeated block a parameter (`model.layers.3.mlp.up.weight`) belongs to, else "": FSDP's unit
+    its gather is grouped by."""
+    return repeated_layer(path.rpartition(".")[0])
+
+
+def layer_of(path: str | None) -> str:
+    """The repeated block a module path is in (`model.layers.3`), else the module itself, else ""."""
+    return repeated_layer(path) or path or ""
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def slot_bytes(shape, dtype_name: str) -> int:
+    """Bytes of a tensor of this shape and dtype (`torch.float32` or `float32`)."""
+    return _nbytes(shape, _dtype(dtype_name))
+
+
+def op_costs(typed, machine: Machine, slow: float = 1.0) -> list[OpCost]:
+    """Each op's compute, in graph order, at the share of it its layouts leave a rank: the roofline of its
+    FLOPs and the bytes it reads and writes, plus the machine's overhead per op; backward twice forward.
+    `slow`: the machine's slowdown with this many ranks sharing it."""
+    bound, mesh = typed.bound, typed.mesh
+    flops = bound.flops
+    ops = []
+    for name, node in typed.nodes.items():
+        share = math.prod(mesh.axis_sizes[a] for a, p in enumerate(node.op_layout.placements) if p.kind != "B")
+        info = typed.info(name)
+        moved = _nbytes(node.op_layout.local_shape(info.shape, mesh), info.dtype) + sum(
+            _nbytes(layout.local_shape(typed.info(operand).shape, mesh), typed.info(operand).dtype)
+            for operand, layout in zip(node.operands, node.operand_layouts))
+        local_flops = flops.get(name, 0) // share
+        forward = slow * (machine.compute_seconds(local_flops, moved) + machine.op_overhead_s)
+        backward = 2 * forward if name in typed.requires_grad else 0.0
+        ops.append(OpCost(name, node.op.removeprefix("aten."), layer_of(bound.module_paths.get(name)),
+                          local_flops, moved, forward, backward))
+    return ops
+
+
+def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
+    """The plan's step time and memory per rank on `machine`. `optimizer`: the state it keeps per
+    parameter (Adam's two moments; SGD without momentum none)."""
+    typed, program, mesh = compiled.typed, compiled.program, compiled.program.mesh
+    bound = typed.bound
+    slow = machine.slowdown(mesh.size)
+    ops = op_costs(typed, machine, slow)
+
+    def seconds(c) -> float:
+        return slow * machine.collective_seconds(c.kind, c.bytes, mesh.axis_sizes[mesh.axis_index(c.axis)])
+
+    # (collective, its layer, whether it is off the critical path, whether a gradient bucket's)
+    placed = [(c, layer_of(bound.module_paths.get(c.node)), False, False)
+              for statement in program.statements for c in statement.collectives]
+    placed += [(group.collective, group.members[0].unit, True, False) for group in program.gathers]
+    placed += [(group.regather, group.members[0].unit, True, False) for group in program.gathers
+               if group.regather is not None]  # prefetched in backward as in forward
+    placed += [(c, "", True, True) for bucket in program.buckets for c in bucket.collectives]
+    costs = [CollectiveCost(c.kind, c.axis, c.phase, c.bytes, seconds(c), layer, c.reason, overlapped, bucket)
+             for c, layer, overlapped, bucket in placed]
+
+    compute_forward = sum(o.forward_s for o in ops)
+    compute_backward = sum(o.backward_s for o in ops)
+    stalled = {phase: sum(c.seconds for c in costs if c.phase == phase and not c.overlapped)
+               for phase in ("forward", "backward")}
+    deferred = {phase: sum(c.seconds for c in costs if c.phase == phase and c.overlapped)
+                for phase in ("forward", "backward")}
+    # Deferred communication hides behind the compute of its phase, as far as the machine overlaps the two
+    # (on CPU ranks the collective competes with the compute for the cores); the rest is exposed.
+    exposed = sum(deferred[phase] - machine.overlap * min(deferred[phase], compute)
+                  for phase, compute in (("forward", compute_forward), ("backward", compute_backward)))
+    seconds = {
+        "compute_forward": compute_forward, "compute_backward": compute_backward,
+        "communication_forward": stalled["forward"], "communication_backward": stalled["backward"],
+        "overlapped": deferred["forward"] + deferred["backward"], "overlapped_exposed": exposed,
+    }
+    seconds["step"] = compute_forward + compute_backward + stalled["forward"] + stalled["backward"] + exposed
+
+    memory = memory_per_rank(program, optimizer)
+    pipeline = getattr(compiled, "pipeline", None)
+    if pipeline is not None:  # a rank holds its stages, with the micro-batches in flight (pipeline.py)
+        activity = program.memory()
+        memory = {**pipelined_memory_per_rank(compiled.stages, pipeline, optimizer),
+                  "serial_total": serial_bytes(activity["parameters_total"], activity["parameters_trained_total"],
+                                               activity["activations_total"] * pipeline.microbatches, optimizer)}
+    return Estimate(machine, ops, costs, memory, seconds)
+
+
+OPTIMIZER_STATES = {"sgd": 0, "adam": 2, "adamw": 2}  # tensors of state per parameter
+DEFAULT_BUCKET_MB = 25.0  # DDP's default gradient bucket size
+FIRST_BUCKET_MB = 1.0  # DDP's first bucket: the first collective starts early in backward
+
+
+def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
+    """Bytes one rank holds at its peak: parameters, gradients, optimizer state, activations kept for
+    backward and the outputs (saved_for_backward.py), parameters gathered for use (resharded after forward:
+    this group and the prefetched next; else all of them; converted where used outside a group, each copy
+    an op keeps for backward); and what the serial model holds, for a bound written as a percentage."""
+    activity = program.memory()
+    gradients = sum(_nbytes(p.local_shape, _dtype(p.dtype)) for p in program.parameters if p.requires_grad)
+    states = OPTIMIZER_STATES[optimizer]
+    # resharded after forward (pardsl/passes/reshard.py), a group is whole only while in use with the next one
+    # prefetched (the last group, whose backward comes first, likewise); autograd keeps every other gathered
+    # weight from its forward to its backward
+    sizes = [sum(m.nbytes for m in g.members) for g in program.gathers]
+    resharded = [i for i, g in enumerate(program.gathers) if g.resharded]
+    passing = resharded + [len(sizes) - 1] if resharded else []
+    gathered = sum(size for i, size in enumerate(sizes) if i not in passing) + \
+        sum(sorted((sizes[i] for i in passing), reverse=True)[:2]) + activity["parameter_copies_per_rank"]
+    memory = {
+        "parameters": activity["parameters_per_rank"],
+        "gradients": gradients,
+        "optimizer_state": states * gradients,
+        "activations": activity["activations_per_rank"],
+        "gathered_parameters": gathered,
+    }
+    memory["total"] = sum(memory.values())
+    memory["serial_total"] = serial_bytes(activity["parameters_total"], activity["parameters_trained_total"],
+                                          activity["activations_total"], optimizer)
+    return memory
+
+
+def serial_bytes(parameters: int, trained: int, activations: int, optimizer: str = "adamw") -> int:
+    """What the serial model holds: its parameters, the gradients and optimizer state of those it trains
+    (`trained` of the `parameters` bytes), and activations; a `memory <= N %` bound is a share of it."""
+    return parameters + trained * (1 + OPTIMIZER_STATES[optimizer]) + activations
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def pipelined_memory_per_rank(stages, plan, optimizer: str = "adamw") -> dict[str, int]:
+    """memory_per_rank for a pipeline (`plan`: its PipelinePlan): the rank that holds the most, its
+    stages' parameters, gradients, optimizer state and gathered parameters, and each stage's activations
+    for one micro-batch times the micro-batches it holds at once."""
+    mesh = stages[0].mesh
+    axis_size = mesh.axis_sizes[mesh.axis_index(plan.axis)]
+    worst: dict[str, int] | None = None
+    for rank in range(axis_size):
+        in_flight = micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank)
+        held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0}
+        for stage in stages_of_rank(rank, axis_size, len(stages), plan.schedule):
+            memory = memory_per_rank(stages[stage], optimizer)
+            for key in held:
+                held[key] += memory[key] * (in_flight if key == "activations" else 1)
+        held["total"] = sum(held.values())
+        if worst is None or held["total"] > worst["total"]:
+            worst = held
+    return worst
+
+
+def default_machine() -> "Machine":
+    """The cost model's figures for this machine's backend: its calibration file, else the defaults."""
+    return load_machine(None, resolve_backend("auto"))

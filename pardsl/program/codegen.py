@@ -1,0 +1,209 @@
+"""Stage 5: lowered program → Python source of one SPMD module, rendered from `codegen/module.py.j2`.
+
+The output is deterministic: the same program gives the same bytes (no timestamps, no paths other than
+the one the user gave, dict orders fixed by the graph).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import types
+
+import jinja2
+
+from pardsl import __version__
+
+from pardsl.language import shipped
+from pardsl.planning.cost import slot_bytes
+from pardsl.program.lowering import LoweredProgram, format_bytes, named_layout
+from pardsl.program.ir import Arg, Instruction, Items, Text, Var
+
+_COMMENT_COLUMN = 72
+
+
+@functools.cache
+def _template(name: str = "module.py.j2") -> jinja2.Template:
+    text = shipped.read_text("pardsl.templates", name)
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                             undefined=jinja2.StrictUndefined, autoescape=False)
+    return env.from_string(text)
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _summary(counts: dict[str, int], total: int) -> str:
+    parts = [f"{n} {kind.replace('_', '-')}" for kind, n in counts.items() if n]
+    return (", ".join(parts) + f" ({format_bytes(total)} per rank)") if parts else "none"
+
+
+def _slot(slot, mesh) -> dict:
+    local = "" if tuple(slot.local_shape) == tuple(slot.shape) else f" local {list(slot.local_shape)}"
+    return {
+        "name": getattr(slot, "name", None) or getattr(slot, "path", ""),
+        "var": slot.var,
+        "layout_key": repr(slot.layout.key()) if len(slot.layout.key()) != 1 else f"({slot.layout.key()[0]!r},)",
+        "shape": _shape(slot.shape),
+        "local_shape": _shape(slot.local_shape),
+        "dtype": getattr(slot, "dtype", ""),
+        "requires_grad": getattr(slot, "requires_grad", True),
+        "comment": f"{named_layout(slot.layout, mesh)}  {list(slot.shape)}{local}",
+    }
+
+
+def _arg(arg: Arg) -> str:
+    if isinstance(arg, Var):
+        return arg.name
+    if isinstance(arg, Text):
+        return arg.text
+    if isinstance(arg, Items):
+        inner = ", ".join(_arg(a) for a in arg.items)
+        return f"{arg.brackets[0]}{inner}{arg.brackets[1]}"
+    raise AssertionError(f"a {arg} left unformed by lowering")
+
+
+def render_expression(instruction: Instruction) -> str:
+    """The Python expression of one instruction: the only place instructions become text."""
+    args = [_arg(a) for a in instruction.args]
+    if instruction.kind == "project":
+        return f"{args[0]}[{args[1]}]"
+    if instruction.kind == "size":
+        return f"{args[0]}.shape[{args[1]}]" + (f" * {args[2]}" if len(args) > 2 else "")
+    if instruction.kind == "expression":
+        return args[0]
+    if instruction.kind == "release":
+        return f"del {', '.join(args)}"
+    parts = args + [f"{keyword}={_arg(value)}" for keyword, value in instruction.kwargs]
+    return f"{instruction.callee}({', '.join(parts)})"
+
+
+def _lines(program: LoweredProgram) -> list[str]:
+    codes: list[list[str]] = []  # per line: its code and its comment
+    for statement in program.statements:
+        expr = render_expression(statement.instruction)
+        if statement.instruction.kind == "release" and not statement.comment and codes:
+            codes[-1][0] += f"; {expr}"  # a value's last use: released at the end of the line that reads it
+            continue
+        codes.append([f"{statement.target} = {expr}" if statement.target else expr, statement.comment])
+    return [f"{code.ljust(_COMMENT_COLUMN)}  # {comment}" for code, comment in codes]
+
+
+def _outputs(program: LoweredProgram) -> list[dict]:
+    outputs = []
+    for output in program.outputs:
+        slot = _slot(output, program.mesh)
+        slot["path"] = output.path
+        outputs.append(slot)
+    return outputs
+
+
+def _resharded(program: LoweredProgram) -> list[str]:
+    """In the order backward needs them: the reverse of the forward's last reads."""
+    groups = sorted((g.last_read, number, g) for number, g in enumerate(program.gathers) if g.resharded)
+    return [f"({number}, {g.regather is not None})" for _, number, g in reversed(groups)]
+
+
+def _gathers(program: LoweredProgram) -> list[dict]:
+    return [{"axis": g.axis, "comment": f"{g.members[0].unit or 'outside the layers'}, {format_bytes(sum(m.nbytes for m in g.members))}",
+             "members_text": ", ".join(f"({json.dumps(m.attr)}, {m.dim}, {m.blocks})" for m in g.members)}
+            for g in program.gathers]
+
+
+def _buckets(program: LoweredProgram) -> list[dict]:
+    return [{"kind": b.kind, "axes": repr(tuple(b.axes)), "members_text": ", ".join(f"({json.dumps(m[0])}, {m[1]}, {m[2]})" for m in b.members),
+             "comment": f"{format_bytes(b.nbytes)}; {len(b.members)} gradient{'s' if len(b.members) != 1 else ''}"}
+            for b in program.buckets]
+
+
+def _mesh_dict(mesh) -> str:
+    return "{" + ", ".join(f"{n!r}: {s}" for n, s in zip(mesh.axis_names, mesh.axis_sizes)) + "}"
+
+
+def render(program: LoweredProgram) -> str:
+    mesh = program.mesh
+    counts = program.collective_counts()
+    totals = program.collective_bytes()
+    return _template().render(
+        version=__version__,
+        source=program.source_path,
+        model=program.model,
+        mesh=str(mesh),
+        world_size=mesh.size,
+        mesh_dict=_mesh_dict(mesh),
+        forward_summary=_summary(counts["forward"], totals["forward"]),
+        backward_summary=_summary(counts["backward"], totals["backward"]),
+        parameters=[_slot(p, mesh) for p in program.parameters],
+        buffers=[_slot(b, mesh) for b in program.buffers],
+        inputs=[_slot(i, mesh) for i in program.inputs],
+        outputs=_outputs(program),
+        lines=_lines(program),
+        gathers=_gathers(program),
+        resharded=_resharded(program),
+        buckets=_buckets(program),
+        training_only=_training_only_message(program.training_only),
+    )
+
+
+def _training_only_message(draws: list[str]) -> str | None:
+    if not draws:
+        return None
+    shown = ", ".join(draws[:3]) + (f" and {len(draws) - 3} more" if len(draws) > 3 else "")
+    return (f"this module was traced in training mode, where the model draws random values outside dropout "
+            f"({shown}); it has no eval-mode forward: evaluate with the serial model, or compile the model "
+            f"with those draws turned off (a stochastic depth rate of 0)")
+
+
+def render_pipeline(stages: list[LoweredProgram], plan) -> str:
+    """One module with a class per stage (`plan`: pardsl.pipeline.PipelinePlan)."""
+    mesh = stages[0].mesh
+    rendered = []
+    for index, program in enumerate(stages):
+        counts, totals = program.collective_counts(), program.collective_bytes()
+        outputs = _outputs(program)
+        last = index == len(stages) - 1
+        metas = plan.output_meta if last else [(i.dtype, i.requires_grad) for i in stages[index + 1].inputs]
+        for output, (dtype, requires_grad) in zip(outputs, metas):
+            output.update(dtype=dtype, requires_grad=requires_grad)
+        sent = 0 if last else sum(slot_bytes(slot.local_shape, slot.dtype) for slot in stages[index + 1].inputs)
+        begins = "the start" if index == 0 else f"`{plan.cut_before[index - 1]}`"
+        ends = "to the end" if last else f"up to `{plan.cut_before[index]}`"
+        rendered.append({
+            "index": index, "last": last,
+            "span": f"from {begins} {ends}",
+            "forward_summary": _summary(counts["forward"], totals["forward"]),
+            "backward_summary": _summary(counts["backward"], totals["backward"]),
+            "sends": "nothing (the last stage)" if last else
+                     f"{len(outputs)} tensor(s), {format_bytes(sent)} per rank, to stage {index + 1}",
+            "parameters": [_slot(p, mesh) for p in program.parameters],
+            "buffers": [_slot(b, mesh) for b in program.buffers],
+            "inputs": [_slot(i, mesh) for i in program.inputs],
+            "outputs": outputs,
+            "lines": _lines(program),
+            "gathers": _gathers(program),
+            "buckets": _buckets(program),
+        })
+    pipeline = {"axis": plan.axis, "schedule": plan.schedule, "microbatches": plan.microbatches,
+                "stages_per_rank": plan.stages_per_rank, "cut_before": list(plan.cut_before)}
+    return _template("pipeline.py.j2").render(
+        version=__version__,
+        source=stages[0].source_path,
+        model=stages[0].model,
+        mesh=str(mesh),
+        world_size=mesh.size,
+        mesh_dict=_mesh_dict(mesh),
+        axis=plan.axis, schedule=plan.schedule, microbatches=plan.microbatches,
+        stages_per_rank=plan.stages_per_rank,
+        pipeline_dict=repr(pipeline),
+        shared=[(name, list(held)) for name, held in plan.shared_parameters],
+        stages=rendered,
+    )
+
+
+def load_module(source: str, name: str = "pardsl_module") -> types.ModuleType:
+    """Generated source executed as a module, as if imported from the file `pardsl compile` writes."""
+    module = types.ModuleType(name)
+    module.__file__ = f"<pardsl:{name}>"
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module

@@ -1,0 +1,601 @@
+"""Sharded checkpoints: safetensors files plus an index of where each piece of each tensor lies.
+
+A checkpoint folder holds one safetensors file per rank with the pieces of parameters, persistent
+buffers and optimizer state that the rank owns, and `pardsl.index.json`: per tensor its global shape,
+dtype and pieces (file, key, global offsets and sizes), the .par file it was saved under, and the
+optimizer's hyperparameters. A replicated tensor is written once (by the ranks at coordinate 0 of the
+axes it is broadcast on), so the folder holds each element once, whatever the mesh.
+
+A save is all or nothing. Every file of one save carries that save's id, in its name and in its metadata;
+each rank writes and fsyncs its file under a new name, and only once every rank has, rank 0 publishes the
+index with one atomic rename (then removes the files of earlier saves). A save that dies part-way leaves
+the previous index and its files as they were. A loader checks the whole index before it reads a byte of
+data: files inside the folder with the save's id and the sizes the index gives, pieces inside their
+tensor that cover each element exactly once, keys present at the shapes and dtypes given; and that the
+checkpoint is of the model that loads it. A checkpoint that fails a check is refused (CheckpointError),
+never loaded in part.
+
+Loading reads, per rank, only the slices of the pieces that overlap what the rank holds under the plan
+it loads into (safetensors' `get_slice` reads those bytes alone), so a checkpoint saved under one mesh
+and layout loads under any other. A single `model.safetensors` file, or a Hugging Face folder with
+`model.safetensors.index.json`, is read the same way: each of its tensors is one whole piece.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import math
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pardsl.layouts.algebra import Layout, Mesh
+
+INDEX_FILE = "pardsl.index.json"
+HF_INDEX_FILE = "model.safetensors.index.json"
+HF_SINGLE_FILE = "model.safetensors"
+FORMAT = "pardsl-checkpoint/2"
+SAVE_ID_KEY = "pardsl.save_id"  # in each file's safetensors metadata
+_MAX_GRID_CELLS = 1 << 24  # the coverage check's grid; a real layout's pieces make far fewer cells
+# torch's dtype names (the index's) and safetensors' (a file's header)
+_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+           "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "complex64": "C64",
+           "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, damaged, or not of the model that loads it: refused as a whole."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    file: str  # path relative to the checkpoint folder (or absolute, for a single file)
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Region:
+    """A box of the global tensor that a rank holds, and where it sits in the rank's local tensor."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    local_offsets: tuple[int, ...]
+
+    def local_index(self, offsets=None, sizes=None) -> tuple[slice, ...]:
+        offsets = self.offsets if offsets is None else offsets
+        sizes = self.sizes if sizes is None else sizes
+        return tuple(slice(lo + o - go, lo + o - go + s)
+                     for lo, o, go, s in zip(self.local_offsets, offsets, self.offsets, sizes))
+
+
+def local_regions(layout: Layout, shape: tuple[int, ...], mesh: Mesh, coordinate: tuple[int, ...]) -> list[Region]:
+    """The boxes of a tensor of global `shape` that the rank at `coordinate` holds under `layout`.
+
+    Per dim, one segment where the dim is whole or split (torch.chunk order over the splitting axes,
+    outermost first); `blocks` segments where it is split in blocks (the rank's chunk of every block).
+    """
+    per_dim = []
+    for dim, size in enumerate(shape):
+        axes = layout.axes_splitting(dim)
+        blocks = layout.blocks_of(dim)
+        if not axes:
+            per_dim.append([(0, size, 0)])
+        elif blocks > 1:
+            (axis,) = axes
+            block = size // blocks
+            chunk = block // mesh.axis_sizes[axis]
+            per_dim.append([(j * block + coordinate[axis] * chunk, chunk, j * chunk) for j in range(blocks)])
+        else:
+            index, ways = 0, 1
+            for axis in axes:
+                index, ways = index * mesh.axis_sizes[axis] + coordinate[axis], ways * mesh.axis_sizes[axis]
+            local = size // ways
+            per_dim.append([(index * local, local, 0)])
+    return [Region(tuple(s[0] for s in combo), tuple(s[1] for s in combo), tuple(s[2] for s in combo))
+            for combo in itertools.product(*per_dim)]
+
+
+def owns(layout: Layout, coordinate: tuple[int, ...]) -> bool:
+    """Whether this rank writes its copy: it is the first of the ranks that hold the same values."""
+    return all(p.is_split or coordinate[axis] == 0 for axis, p in enumerate(layout.placements))
+
+
+def _file_name(rank: int, world: int, save_id: str) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.{save_id}.safetensors"
+
+
+_DATA_FILE = re.compile(r"rank-\d{5}-of-\d{5}(\.[0-9a-f]+)?\.safetensors(\.tmp)?")
+
+
+def _fsync(path: str) -> None:
+    """Data (or a folder's entries) on disk before anything that depends on it is published."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _key(name: str, offsets: tuple[int, ...]) -> str:
+    return f"{name}@{','.join(map(str, offsets))}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Saving
+
+
+def _entries(model, optimizer) -> tuple[dict[str, tuple[torch.Tensor, Layout, tuple[int, ...]]], dict]:
+    """Every tensor to save: name → (local tensor, layout, global shape); and the optimizer's JSON part."""
+    plan = model.plan
+    entries = {}
+    for name, (attr, layout, shape) in plan.parameter_layouts.items():
+        entries[name] = (getattr(model.spmd, attr).detach(), Layout.from_key(layout), tuple(shape))
+    persistent = plan.compiled.bound.persistent_buffers
+    for name, (attr, layout, shape) in plan.buffer_layouts.items():
+        if name in persistent:
+            entries[name] = (getattr(model.spmd, attr).detach(), Layout.from_key(layout), tuple(shape))
+    optimizer_json = None
+    if optimizer is not None:
+        name_of = {id(parameter): name for name, parameter, _ in model.named_shards()}
+        groups, values = [], {}
+        for group in optimizer.param_groups:
+            names = [name_of[id(p)] for p in group["params"]]
+            hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+            groups.append({"params": names, **{k: v for k, v in hyper.items() if _is_json(v)}})
+            for parameter, name in zip(group["params"], names):
+                _, layout, shape = entries[name]
+                for key, value in optimizer.state.get(parameter, {}).items():
+                    if isinstance(value, torch.Tensor) and value.shape == parameter.shape and value.dim() > 0:
+                        entries[f"optimizer.{name}.{key}"] = (value.detach(), layout, shape)
+                    elif isinstance(value, torch.Tensor):  # a count such as Adam's step: the same everywhere
+                        entries[f"optimizer.{name}.{key}"] = (value.detach(), Layout.broadcast(model.rt.mesh),
+                                                              tuple(value.shape))
+                    elif _is_json(value):
+                        values.setdefault(name, {})[key] = value
+        optimizer_json = {"class": type(optimizer).__name__, "param_groups": groups, "values": values}
+    return entries, optimizer_json
+
+
+def _is_json(value) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metadata: dict | None = None) -> None:
+    """Write this rank's shards of `model` (a ParallelModule) and of `optimizer`'s state to folder `path`;
+    `metadata` (JSON: the step, the data loader's position) is stored in the index with them, published
+    by the same rename (`checkpoint_metadata` reads it back).
+
+    Collective: every rank calls it. Returns once the checkpoint is published. Over an existing checkpoint,
+    the old one stays loadable until the new one is complete.
+    """
+    if model.plan.pipelined:  # its ranks along the pipeline axis hold different parameters
+        raise NotImplementedError("saving a pipelined model is not supported yet: the checkpoint index reads "
+                                  "every layout as replicated along the pipeline axis")
+    if metadata is not None:
+        json.dumps(metadata)  # fails here, on every rank alike, rather than after the files are written
+    rt = model.rt
+    mesh = rt.mesh
+    world = mesh.size
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    save_id = [secrets.token_hex(8)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(save_id, src=0)
+    save_id = save_id[0]
+    entries, optimizer_json = _entries(model, optimizer)
+    os.makedirs(path, exist_ok=True)
+
+    index = {}
+    mine = {}
+    for name, (local, layout, shape) in entries.items():
+        pieces = []
+        for other in range(world):
+            coordinate = mesh.coordinates(other)
+            if not owns(layout, coordinate):
+                continue
+            for region in local_regions(layout, shape, mesh, coordinate):
+                key = _key(name, region.offsets)
+                pieces.append({"file": _file_name(other, world, save_id), "key": key,
+                               "offsets": list(region.offsets), "sizes": list(region.sizes)})
+                if other == rank:
+                    mine[key] = local[region.local_index()].contiguous().clone()
+        index[name] = {"shape": list(shape), "dtype": _dtype_name(local.dtype), "pieces": pieces}
+
+    written = None
+    if mine:  # a rank whose copies another rank writes has no file
+        file = os.path.join(path, _file_name(rank, world, save_id))
+        save_file({k: v.cpu() for k, v in mine.items()}, file + ".tmp",
+                  metadata={"format": "pt", SAVE_ID_KEY: save_id})
+        _fsync(file + ".tmp")
+        os.replace(file + ".tmp", file)
+        _fsync(path)
+        written = (os.path.basename(file), os.path.getsize(file))
+    sizes = [written]
+    if dist.is_initialized():  # also the barrier: every rank's file is on disk before the index names it
+        sizes = [None] * dist.get_world_size()
+        dist.all_gather_object(sizes, written)
+    if rank == 0:
+        par = model.plan.compiled.par
+        document = {
+            "format": FORMAT,
+            "save_id": save_id,
+            "saved_at": time.time(),
+            "files": dict(entry for entry in sizes if entry is not None),
+            "plan": {"path": par.source.path, "text": par.source.text, "model": par.model.text,
+                     "mesh": dict(zip(mesh.axis_names, mesh.axis_sizes))},
+            "tied": {name: list(names) for name, names in model.plan.compiled.bound.tied.items()
+                     if len(names) > 1 and name in entries},
+            "tensors": index,
+            "optimizer": optimizer_json,
+            "metadata": metadata,
+        }
+        index_path = os.path.join(path, INDEX_FILE)
+        with open(index_path + ".tmp", "w", encoding="utf-8") as handle:
+            json.dump(document, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(index_path + ".tmp", index_path)  # the one step that publishes the save
+        _fsync(path)
+        for stale in os.listdir(path):  # earlier saves' files, and those of saves that died part-way
+            if _DATA_FILE.fullmatch(stale) and stale not in document["files"]:
+                os.remove(os.path.join(path, stale))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading
+
+
+def _checked_index(folder: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], list[Piece]]]]:
+    """A pardsl checkpoint's index, and per tensor its shape and pieces, once every check holds; else
+    CheckpointError saying which does not. Reads the index and each file's header, no tensor data."""
+    where = os.path.join(folder, INDEX_FILE)
+
+    def refuse(message: str):
+        raise CheckpointError(f"{folder}: {message}; the checkpoint is refused, nothing was loaded")
+
+    try:
+        with open(where, encoding="utf-8") as handle:
+            document = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        refuse(f"its index {INDEX_FILE} cannot be read ({error})")
+    if not isinstance(document, dict):
+        refuse(f"its index {INDEX_FILE} is not an object")
+    if document.get("format") != FORMAT:
+        refuse(f"its index has format {document.get('format')!r}; this pardsl reads {FORMAT!r} (a checkpoint "
+               "saved by an earlier pardsl, whose files carry no save id, must be saved again)")
+    save_id, files, tensors = document.get("save_id"), document.get("files"), document.get("tensors")
+    if not isinstance(save_id, str) or not re.fullmatch(r"[0-9a-f]{1,64}", save_id):
+        refuse("its index has no valid save id")
+    if not isinstance(files, dict) or not all(isinstance(n, str) and _is_count(size) for n, size in files.items()):
+        refuse("its index lists no files with their sizes")
+    if not isinstance(tensors, dict):
+        refuse("its index lists no tensors")
+    real_folder = os.path.realpath(folder)
+    headers = {}
+    for name, size in files.items():
+        file = os.path.join(folder, name)
+        if os.path.basename(name) != name or name.startswith(".") or os.path.islink(file) \
+                or os.path.dirname(os.path.realpath(file)) != real_folder:
+            refuse(f"its index names a file outside the folder: {name!r}")
+        if not os.path.isfile(file):
+            refuse(f"file {name} is missing (a save that did not finish, or a file removed)")
+        if os.path.getsize(file) != size:
+            refuse(f"file {name} has {os.path.getsize(file)} bytes; the index says {size} (a file cut short "
+                   "or written over)")
+        try:
+            with safe_open(file, framework="pt") as handle:
+                metadata = handle.metadata() or {}
+                headers[name] = {key: (tuple(handle.get_slice(key).get_shape()), handle.get_slice(key).get_dtype())
+                                 for key in handle.keys()}
+        except Exception as error:  # noqa: BLE001 - safetensors' errors for a damaged header vary
+            refuse(f"file {name} is not a readable safetensors file ({type(error).__name__}: {error})")
+        if metadata.get(SAVE_ID_KEY) != save_id:
+            refuse(f"file {name} belongs to save {metadata.get(SAVE_ID_KEY)!r}, not to this index's save "
+                   f"{save_id!r} (files of two saves mixed)")
+    checked = {}
+    for name, entry in tensors.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("pieces"), list) \
+                or not isinstance(entry.get("shape"), list) or not all(map(_is_count, entry["shape"])):
+            refuse(f"tensor `{name}`: its entry has no shape or pieces")
+        shape = tuple(entry["shape"])
+        dtype = entry.get("dtype")
+        if dtype not in _DTYPES:
+            refuse(f"tensor `{name}`: unknown dtype {dtype!r}")
+        pieces = []
+        for p in entry["pieces"]:
+            if not isinstance(p, dict) or p.get("file") not in files or not isinstance(p.get("key"), str) \
+                    or not isinstance(p.get("offsets"), list) or not isinstance(p.get("sizes"), list) \
+                    or not all(map(_is_count, p["offsets"] + p["sizes"])) \
+                    or not len(p["offsets"]) == len(p["sizes"]) == len(shape):
+                refuse(f"tensor `{name}`: a piece is malformed or names a file the index does not list")
+            piece = Piece(p["file"], p["key"], tuple(p["offsets"]), tuple(p["sizes"]))
+            if any(o + n > s for o, n, s in zip(piece.offsets, piece.sizes, shape)):
+                refuse(f"tensor `{name}`: piece {piece.key} at {list(piece.offsets)} of sizes {list(piece.sizes)} "
+                       f"lies outside the tensor's shape {list(shape)}")
+            stored = headers[piece.file].get(piece.key)
+            if stored is None:
+                refuse(f"tensor `{name}`: piece {piece.key} is not in file {piece.file}")
+            if stored != (piece.sizes, _DTYPES[dtype]):
+                refuse(f"tensor `{name}`: piece {piece.key} is stored as {stored[1]} {list(stored[0])}; the index "
+                       f"says {_DTYPES[dtype]} {list(piece.sizes)}")
+            pieces.append(piece)
+        coverage = _coverage_error(shape, pieces)
+        if coverage:
+            refuse(f"tensor `{name}`: {coverage}")
+        checked[name] = (shape, pieces)
+    return document, checked
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _coverage_error(shape: tuple[int, ...], pieces: list[Piece]) -> str | None:
+    """None where the pieces cover every element of `shape` exactly once, else what is wrong: on the grid
+    their boundaries cut the tensor into, each cell must be inside exactly one piece."""
+    if math.prod(shape) == 0:
+        return None
+    pieces = [p for p in pieces if math.prod(p.sizes) > 0]
+    if sum(math.prod(p.sizes) for p in pieces) != math.prod(shape):
+        return (f"its pieces hold {sum(math.prod(p.sizes) for p in pieces)} elements; the tensor has "
+                f"{math.prod(shape)} (a piece dropped, cut short or written twice)")
+    cuts = [sorted({0, size, *(p.offsets[d] for p in pieces), *(p.offsets[d] + p.sizes[d] for p in pieces)})
+            for d, size in enumerate(shape)]
+    if math.prod(len(c) - 1 for c in cuts) > _MAX_GRID_CELLS:
+        return "its pieces are cut too finely to check"
+    count = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.int32)
+    for piece in pieces:
+        box = tuple(slice(bisect.bisect_left(c, o), bisect.bisect_left(c, o + n))
+                    for c, o, n in zip(cuts, piece.offsets, piece.sizes))
+        count[box] += 1
+    if bool((count != 1).any()):
+        return "its pieces overlap and leave elements uncovered"
+    return None
+
+
+class CheckpointSource:
+    """Where each tensor's pieces lie: a pardsl checkpoint, a safetensors file, or a Hugging Face folder."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.document = None
+        self._handles = {}
+        if os.path.isdir(path) and os.path.exists(os.path.join(path, INDEX_FILE)):
+            self.document, self.tensors = _checked_index(path)
+            return
+        if os.path.isdir(path) and os.path.exists(os.path.join(path, HF_INDEX_FILE)):
+            with open(os.path.join(path, HF_INDEX_FILE), encoding="utf-8") as handle:
+                weight_map = json.load(handle)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif os.path.isdir(path) and os.path.exists(os.path.join(path, HF_SINGLE_FILE)):
+            files = [HF_SINGLE_FILE]
+        elif os.path.isfile(path):
+            self.path, files = os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]
+        else:
+            raise FileNotFoundError(f"{path}: neither a pardsl checkpoint ({INDEX_FILE}), a Hugging Face folder "
+                                    f"({HF_INDEX_FILE} or {HF_SINGLE_FILE}) nor a safetensors file")
+        self.tensors = {}
+        for file in files:
+            handle = self._open(file)
+            for key in handle.keys():
+                shape = tuple(handle.get_slice(key).get_shape())
+                self.tensors[key] = (shape, [Piece(file, key, (0,) * len(shape), shape)])
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = safe_open(os.path.join(self.path, file), framework="pt")
+        return self._handles[file]
+
+    def find(self, names, by_suffix: bool = True) -> str | None:
+        """The checkpoint's name for a tensor known by `names` (tied names included): exact first, then
+        (`by_suffix`) with leading module names dropped (a wrapper's `model.` prefix over a Hugging Face
+        checkpoint)."""
+        for name in names:
+            if name in self.tensors:
+                return name
+        if not by_suffix:
+            return None
+        for name in names:
+            parts = name.split(".")
+            for start in range(1, len(parts)):
+                if ".".join(parts[start:]) in self.tensors:
+                    return ".".join(parts[start:])
+        return None
+
+    def read_into(self, name: str, target: torch.Tensor, layout: Layout, mesh: Mesh, coordinate) -> None:
+        """Fill `target`, this rank's local tensor of `name` under `layout`, from the overlapping slices."""
+        shape, pieces = self.tensors[name]
+        if tuple(shape) != tuple(self._global_shape(target, layout, mesh)):
+            raise ValueError(f"checkpoint tensor `{name}` has shape {list(shape)}; the model's is "
+                             f"{list(self._global_shape(target, layout, mesh))}")
+        for region in local_regions(layout, shape, mesh, coordinate):
+            for piece in pieces:
+                low = [max(r, p) for r, p in zip(region.offsets, piece.offsets)]
+                high = [min(r + rs, p + ps) for r, rs, p, ps in zip(region.offsets, region.sizes, piece.offsets,
+                                                                    piece.sizes)]
+                if any(h <= lo for lo, h in zip(low, high)):
+                    continue
+                handle = self._open(piece.file)
+                if not shape:
+                    values = handle.get_tensor(piece.key)
+                else:
+                    values = handle.get_slice(piece.key)[tuple(slice(lo - p, h - p) for lo, h, p in
+                                                               zip(low, high, piece.offsets))]
+                sizes = tuple(h - lo for lo, h in zip(low, high))
+                target[region.local_index(tuple(low), sizes)].copy_(values)
+
+    @staticmethod
+    def _global_shape(local: torch.Tensor, layout: Layout, mesh: Mesh) -> tuple[int, ...]:
+        return tuple(size * layout.split_factor(dim, mesh) for dim, size in enumerate(local.shape))
+
+    def full(self, name: str) -> torch.Tensor:
+        """The whole tensor, assembled from its pieces."""
+        shape, pieces = self.tensors[name]
+        parts = [(piece, self._open(piece.file).get_tensor(piece.key)) for piece in pieces]
+        out = torch.empty(shape, dtype=parts[0][1].dtype)
+        for piece, values in parts:
+            out[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.sizes))].copy_(values)
+        return out
+
+
+@torch.no_grad()
+def load_model_state(spmd, plan, checkpoint: str, strict: bool = True) -> None:
+    """Fill the generated module's parameters (and the persistent buffers the checkpoint has) with this
+    rank's slices of the checkpoint's tensors.
+
+    A pardsl checkpoint must be of this plan's model (the same `model` line, and no tensor the model does
+    not have), and its names match exactly; `strict=False` loads one saved from another model, matching
+    names also with leading module names dropped, as for a Hugging Face checkpoint."""
+    source = CheckpointSource(checkpoint)
+    rt = spmd.rt
+    coordinate = tuple(rt.coordinate[name] for name in rt.mesh.axis_names)
+    tied = plan.compiled.bound.tied
+    if source.document is not None and strict:
+        _check_same_model(source, plan, checkpoint)
+    by_suffix = source.document is None or not strict
+    missing = []
+    for name, (attr, layout, _) in plan.parameter_layouts.items():
+        found = source.find(tied.get(name, (name,)), by_suffix)
+        if found is None:
+            missing.append(name)
+            continue
+        source.read_into(found, getattr(spmd, attr), Layout.from_key(layout), rt.mesh, coordinate)
+    for name, (attr, layout, _) in plan.buffer_layouts.items():
+        found = source.find((name,), by_suffix)
+        if found is not None:  # the others keep the values the model's factory gives them
+            source.read_into(found, getattr(spmd, attr), Layout.from_key(layout), rt.mesh, coordinate)
+    if missing:
+        raise KeyError(f"{checkpoint} has no tensor for parameter(s) {', '.join(missing[:5])}"
+                       + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _check_same_model(source: CheckpointSource, plan, checkpoint: str) -> None:
+    """That a pardsl checkpoint was saved from the model `plan` builds: its `model` line, and every model
+    tensor it holds is one of the model's (under any of its tied names)."""
+    saved_model = (source.document.get("plan") or {}).get("model")
+    model = plan.compiled.par.model.text
+    if saved_model != model:
+        raise CheckpointError(f"{checkpoint} was saved from model `{saved_model}`; this plan builds `{model}`. "
+                              "To load it anyway (a deliberate transfer), pass strict=False")
+    known = set(plan.parameter_layouts) | set(plan.buffer_layouts)
+    for names in plan.compiled.bound.tied.values():
+        known.update(names)
+    foreign = sorted(name for name in source.tensors if not name.startswith("optimizer.") and name not in known)
+    if foreign:
+        raise CheckpointError(f"{checkpoint} holds tensor(s) this model does not have: {', '.join(foreign[:5])}"
+                              + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+                              + ". To load it anyway, pass strict=False")
+
+
+def checkpoint_metadata(checkpoint: str) -> dict | None:
+    """The `metadata` a pardsl checkpoint was saved with (after checking the whole checkpoint)."""
+    return CheckpointSource(checkpoint).document.get("metadata") if _is_pardsl(checkpoint) else None
+
+
+def _is_pardsl(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, INDEX_FILE))
+
+
+def latest_checkpoint(folder: str) -> str | None:
+    """The newest complete pardsl checkpoint among `folder`'s subfolders (and `folder` itself), by the time
+    its save was published; None where there is none. A save that did not finish, or a damaged checkpoint,
+    is passed over."""
+    if not os.path.isdir(folder):
+        return None
+    candidates = [folder] + [os.path.join(folder, entry) for entry in sorted(os.listdir(folder))]
+    newest, newest_at = None, None
+    for candidate in candidates:
+        if not _is_pardsl(candidate):
+            continue
+        try:
+            document, _ = _checked_index(candidate)
+        except CheckpointError:
+            continue
+        saved_at = document.get("saved_at")
+        if isinstance(saved_at, (int, float)) and (newest_at is None or saved_at > newest_at):
+            newest, newest_at = candidate, saved_at
+    return newest
+
+
+@torch.no_grad()
+def load_optimizer_state(optimizer: torch.optim.Optimizer, model, checkpoint: str, strict: bool = True) -> None:
+    """Give `optimizer` (over `model.parameters()`, any plan) the state saved with `pardsl.save(...,
+    optimizer=)`, resharded to this model's layouts, and the saved hyperparameters. The optimizer's class
+    must be the one saved (`strict=False`: any class, given the state it finds)."""
+    source = CheckpointSource(checkpoint)
+    saved = source.document and source.document.get("optimizer")
+    if not saved:
+        raise ValueError(f"{checkpoint} holds no optimizer state (save it with pardsl.save(..., optimizer=opt))")
+    if strict:
+        _check_same_model(source, model.plan, checkpoint)
+        if saved.get("class") != type(optimizer).__name__:
+            raise CheckpointError(f"{checkpoint} holds the state of a {saved.get('class')} optimizer; this one is "
+                                  f"a {type(optimizer).__name__}. To load it anyway, pass strict=False")
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
+            or not isinstance(saved.get("values"), dict) \
+            or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved["param_groups"]):
+        raise CheckpointError(f"{checkpoint}: its optimizer entry is malformed; the checkpoint is refused")
+    rt = model.rt
+    coordinate = tuple(rt.coordinate[name] for name in rt.mesh.axis_names)
+    shards = {id(parameter): (name, parameter, Layout.from_key(layout)) for name, parameter, layout in model.named_shards()}
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter group(s); "
+                         f"this one has {len(optimizer.param_groups)}")
+    state, groups, position = {}, [], 0
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        indices = []
+        for parameter in group["params"]:
+            name, _, layout = shards[id(parameter)]
+            entry = {}
+            prefix = f"optimizer.{name}."
+            for key in (k for k in source.tensors if k.startswith(prefix)):
+                shape, _ = source.tensors[key]
+                global_shape = CheckpointSource._global_shape(parameter, layout, rt.mesh)
+                if tuple(shape) == tuple(global_shape) and shape:
+                    value = torch.empty_like(parameter)
+                    source.read_into(key, value, layout, rt.mesh, coordinate)
+                else:
+                    value = source.full(key).to(rt.device)
+                entry[key[len(prefix):]] = value
+            entry.update(saved["values"].get(name, {}))
+            if entry:
+                state[position] = entry
+            indices.append(position)
+            position += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def export_checkpoint(checkpoint: str, output: str) -> list[str]:
+    """Write a pardsl checkpoint's model tensors, whole, to one safetensors file (Hugging Face's format);
+    returns the names written. Optimizer state is left out."""
+    source = CheckpointSource(checkpoint)
+    if source.document is None:
+        raise ValueError(f"{checkpoint} is not a pardsl checkpoint (no {INDEX_FILE})")
+    tensors = {name: source.full(name) for name in source.tensors if not name.startswith("optimizer.")}
+    save_file(tensors, output, metadata={"format": "pt"})
+    return sorted(tensors)
+
+
+__all__ = ["CheckpointError", "save", "load_model_state", "load_optimizer_state", "export_checkpoint",
+           "checkpoint_metadata", "latest_checkpoint", "local_regions"]

@@ -1,0 +1,1 @@
+"""Tools around the compiler: explain, calibrate, and the checked run on N ranks."""

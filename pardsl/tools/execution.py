@@ -1,0 +1,569 @@
+"""Running a compiled module on N ranks and checking it against the serial model.
+
+`RankJob` is everything one rank needs: the generated source, how to build the model, the inputs. Each
+rank builds the serial reference from the same factory and seed, loads its shards of the same weights,
+and runs `steps` training steps (forward, backward with a fixed random output gradient, an optimizer
+step) on both, comparing its local outputs and gradients with its shards of the serial ones at every
+step. Every step starts from the same parameters: after each step the compiled shards are set to the
+serial model's new values. Without that, a few steps of training on random output gradients amplify
+rounding differences (serial itself, perturbed by 1e-7, drifts the same way), and a difference would
+not mean a bug. Every step's compiled forward also starts from the random generator's state serial's
+forward started from, so a dropout draws the masks serial drew.
+
+The tolerance follows the dtype: |compiled − serial| ≤ tol × max(1, max |serial|) per tensor, with tol
+1e-4 for float32 and float64, 1e-2 for float16 and 5e-2 for bfloat16 (8 bits of mantissa: a sum computed
+in another order differs by several units in the last place).
+
+`launch` runs the ranks with torch's elastic launcher; `pardsl.pool.WorkerPool` runs the same
+`run_rank` on long-lived workers for the test suite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import inspect
+import json
+import logging
+import math
+import os
+import pickle
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pardsl.program.codegen import load_module
+from pardsl.runtime.devices import rank_device, resolve_backend, resolve_device
+from pardsl.layouts.algebra import Layout, Mesh
+from pardsl.language.syntax import InputDecl, ModelDecl
+
+
+@dataclass(frozen=True)
+class RankJob:
+    module_source: str
+    module_name: str
+    mesh: Mesh
+    model: ModelDecl
+    par_path: str
+    inputs: tuple[InputDecl, ...]
+    seed: int = 0
+    steps: int = 1
+    lr: float = 0.01
+    backend: str = "gloo"
+    device: str = "cpu"  # or "cuda": each rank on GPU `local rank % GPUs` (NCCL needs one GPU per rank)
+    sys_path: tuple[str, ...] = ()
+    timeout_s: float = 120.0
+    tolerance: float = 1e-4  # relative to the tensor's magnitude: |compiled - serial| <= tol * max(1, max|serial|)
+    optimizer: str = "sgd"  # sgd | adam | adamw
+    stdout_to_stderr: bool = False  # what the model prints goes to stderr (the CLI's --json owns stdout)
+    progress_dir: str | None = None  # each rank records its progress here for `launch`'s watchdog
+    # tensors the forward makes from Python data (export's lifted constants): the serial model's state has
+    # none of them, the plan has their values
+    constants: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+class _NothingToOptimize:
+    """The optimizer of a model without parameters (a bare LayerNorm without weights): torch's refuse an
+    empty list."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+
+def _optimizer(name: str, parameters, lr: float):
+    parameters = list(parameters)
+    return OPTIMIZERS[name](parameters, lr=lr) if parameters else _NothingToOptimize()
+
+
+def tolerance_for(dtypes) -> float:
+    """The loosest tolerance of the floating dtypes the program computes in (wrong numbers are the
+    worst outcome, so a float32 program is judged at float32's)."""
+    return max([TOLERANCE.get(d, 1e-4) for d in dtypes if d.is_floating_point] or [1e-4])
+
+
+def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", device: str | None = None,
+            timeout_s: float = 120.0, lr: float = 0.01, optimizer: str = "sgd",
+            stdout_to_stderr: bool = False) -> RankJob:
+    """`device`: "cpu" or "cuda" (default: CUDA under NCCL, else the CPU)."""
+    from pardsl.model.binding import par_import_paths
+
+    par = compiled.par
+    tolerance = tolerance_for({info.dtype for info in compiled.bound.tensors.values()})
+    return RankJob(compiled.source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
+                   par.inputs, seed, steps, lr=lr, backend=backend, device=resolve_device(device, backend),
+                   sys_path=par_import_paths(par.source.path, par.model.module), timeout_s=timeout_s,
+                   tolerance=tolerance, optimizer=optimizer, stdout_to_stderr=stdout_to_stderr,
+                   constants=compiled.bound.constant_values)
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest elementwise difference; inf where shapes differ or anything is not finite (NaN never passes)."""
+    if a.shape != b.shape:
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    err = (a.detach().double() - b.detach().double()).abs().max().item()
+    return err if math.isfinite(err) else float("inf")
+
+
+def _unit_norm(gradient: torch.Tensor) -> torch.Tensor:
+    return gradient / max(1.0, gradient.norm().item())
+
+
+class ProgressFile:
+    """One rank's progress for the parent's watchdog: how many events (phases, collectives entered) it has
+    reached, the last one, when, and its pid; rewritten atomically at each event."""
+
+    def __init__(self, folder: str, rank: int):
+        self.path = os.path.join(folder, f"rank-{rank}.json")
+        self.count = 0
+
+    def advance(self, what: str) -> None:
+        self.count += 1
+        with open(self.path + ".tmp", "w") as handle:
+            json.dump({"count": self.count, "time": time.time(), "what": what, "pid": os.getpid()}, handle)
+        os.replace(self.path + ".tmp", self.path)
+
+
+class _Tally:
+    """One rank's comparison with serial over its steps: the largest difference per kind (output, grad),
+    absolute and relative to the tensor's magnitude, which tensor it was, and the step times."""
+
+    def __init__(self):
+        self.errors = {"output": 0.0, "grad": 0.0}
+        self.relative = {"output": 0.0, "grad": 0.0}
+        self.worst = {"output": None, "grad": None}
+        self.compiled_ms, self.serial_ms = [], []
+        self.serial_finite = True
+
+    def note(self, kind: str, what: str, got: torch.Tensor | None, expected: torch.Tensor | None) -> None:
+        err = float("inf") if got is None or expected is None else _max_err(got, expected)
+        # in double: a bool or integer buffer (GPTBigCode's causal mask) is compared as the floats are
+        scale = max(1.0, expected.detach().double().abs().max().item()) if expected is not None and expected.numel() else 1.0
+        rel = err / scale if math.isfinite(scale) else float("inf")
+        self.errors[kind] = max(self.errors[kind], err)
+        if self.worst[kind] is None or rel > self.relative[kind]:
+            self.relative[kind], self.worst[kind] = rel, what
+
+    def report(self, counts: dict) -> dict:
+        return {
+            "rank": dist.get_rank() if dist.is_initialized() else 0,
+            "serial_finite": self.serial_finite,
+            "max_abs_err": self.errors,
+            "max_rel_err": self.relative,
+            "worst": self.worst,
+            "step_ms": {"compiled": statistics.median(self.compiled_ms), "serial": statistics.median(self.serial_ms)},
+            **counts,
+        }
+
+
+def run_rank(job: RankJob) -> dict:
+    """One rank's part: build, shard, run `steps` steps of compiled and serial, compare. Needs the
+    process group initialised (any world size equal to the mesh size)."""
+    from pardsl.model.binding import build_model, full_state, import_paths, make_inputs
+    from pardsl.runtime.core import Runtime
+
+    device = rank_device(job.device)
+    rt = Runtime(job.mesh, device)
+    progress = ProgressFile(job.progress_dir, dist.get_rank() if dist.is_initialized() else 0) \
+        if job.progress_dir else None
+    if progress:
+        progress.advance("building the serial model")
+        rt.counter.progress = progress
+    module = load_module(job.module_source, job.module_name)
+
+    torch.manual_seed(job.seed)
+    with import_paths(*job.sys_path):
+        serial = build_model(job.model, job.par_path).to(device)
+    if hasattr(module, "STAGES"):
+        return _run_pipelined_rank(job, module, rt, serial, progress)
+    compiled = module.CompiledModule(rt)
+    full = {**full_state(serial), **job.constants}  # by every name: tied weights, non-persistent buffers
+    compiled.load_full_state_dict(full)
+    full_inputs = [t.to(device) for t in make_inputs(job.inputs, torch.Generator().manual_seed(job.seed + 1))]
+    local_inputs = compiled.shard_inputs(*full_inputs)
+    input_names = [decl.name for decl in job.inputs]
+    serial_params = dict(serial.named_parameters(remove_duplicate=False))  # tied weights under every name
+    serial_buffers = dict(serial.named_buffers(remove_duplicate=False))
+    compiled_params = {name: getattr(compiled, attr) for name, (attr, _, _) in module.PARAMETERS.items()}
+    layouts = {name: layout for name, (_, layout, _) in module.PARAMETERS.items()}
+    serial_opt = _optimizer(job.optimizer, serial.parameters(), job.lr)
+    compiled_opt = _optimizer(job.optimizer, compiled.parameters(), job.lr)
+
+    grad_generator = torch.Generator().manual_seed(job.seed + 2)
+    output_grads = None
+    tally, counts = _Tally(), None
+    note = tally.note
+
+    for step in range(job.steps):
+        if progress:
+            progress.advance(f"step {step + 1}: the serial model")
+        if step:  # the same parameters as serial's (module doc): each step is compared on its own
+            compiled.load_full_state_dict(full)
+        start = time.perf_counter()
+        generator = _generator_state(device)  # the compiled step draws its random values from where serial's did
+        serial_out = torch.utils._pytree.tree_leaves(serial(**dict(zip(input_names, full_inputs))))
+        if output_grads is None:
+            # unit-norm output gradients (a mean, not a sum, of outputs × random weights): the objective is
+            # linear, and steps the size of a summed one's carry deep models to inf within a few steps
+            output_grads = [_unit_norm(torch.randn(o.shape, generator=grad_generator)).to(device, o.dtype)
+                            for o in serial_out]
+        serial_opt.zero_grad(set_to_none=True)
+        torch.autograd.backward([o for o in serial_out if o.requires_grad],
+                                [g for o, g in zip(serial_out, output_grads) if o.requires_grad])
+        _sync(device)
+        tally.serial_ms.append((time.perf_counter() - start) * 1000)
+
+        rt.counter.reset()
+        if progress:
+            progress.advance(f"step {step + 1}: the compiled module")
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        compiled_opt.zero_grad(set_to_none=True)
+        _set_generator_state(device, generator)
+        local_out = compiled(*local_inputs)
+        # The gradient of an S output is its shard; of a B or P output, the full gradient (README, 'Gradients over a split batch').
+        seeds = [g if Layout.from_key(layout).has_partial else rt.shard(g, layout)
+                 for g, (_, layout, _) in zip(output_grads, module.OUTPUTS)]
+        pairs = [(o, s) for o, s in zip(local_out, seeds) if o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs])
+        _sync(device)
+        tally.compiled_ms.append((time.perf_counter() - start) * 1000)
+        counts = rt.counter.summary()
+
+        tally.serial_finite = tally.serial_finite and all(bool(torch.isfinite(o).all()) for o in serial_out)
+        for index, (out, expected, (path, layout, _)) in enumerate(zip(local_out, serial_out, module.OUTPUTS)):
+            if Layout.from_key(layout).has_partial:
+                note("output", path, rt.unshard(out, layout), expected)
+            else:
+                note("output", path, out, rt.shard(expected.detach(), layout))
+        # buffers a forward updates (batch norm's running statistics) are part of the step's result
+        for name, (attr, layout, _) in module.BUFFERS.items():
+            expected = serial_buffers.get(name)
+            if expected is not None:
+                note("output", name, getattr(compiled, attr), rt.shard(expected, layout))
+        for name, param in compiled_params.items():
+            expected = serial_params[name].grad
+            if expected is None and param.grad is None:
+                continue
+            note("grad", name, param.grad, None if expected is None else rt.shard(expected, layouts[name]))
+        serial_opt.step()
+        compiled_opt.step()
+
+    return tally.report(counts)
+
+
+def _generator_state(device: torch.device):
+    """The default generator's state for `device` (dropout's), to draw a second time what was drawn."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_generator_state(device: torch.device, state) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
+    """A pipelined plan's check: this rank's stages under the plan's schedule against the serial model on
+    the whole batch. The objective is the model's own loss where it returns one scalar (each micro-batch's
+    mean, averaged, as the schedule scales it), else its one output against a fixed random gradient (a
+    sum over micro-batches). Compared: the loss or output on the last stage's ranks, and every gradient of
+    this rank's stages."""
+    from pardsl.model.binding import full_state, make_inputs
+    from pardsl.runtime.schedule import Pipeline, loss_output
+
+    device = rt.device
+    full = {**full_state(serial), **job.constants}
+    modules = {index: module.STAGES[index](rt) for index in Pipeline.of_rank(module, rt)}
+    full_inputs = [t.to(device) for t in make_inputs(job.inputs, torch.Generator().manual_seed(job.seed + 1))]
+    input_names = [decl.name for decl in job.inputs]
+    first_inputs = module.STAGES[0].INPUTS
+    microbatches = module.PIPELINE["microbatches"]
+    local_inputs = [rt.shard_micro_batched(x, layout, microbatches) for x, (_, layout, _, _, _) in zip(full_inputs, first_inputs)]
+    outputs = module.STAGES[-1].OUTPUTS
+    loss = loss_output(outputs)
+    own_loss = loss is not None
+    if not own_loss and len(outputs) != 1:
+        raise ValueError("`pardsl run` checks a pipelined plan whose model returns one scalar loss or one tensor; "
+                         f"this one returns {len(outputs)} values")
+    output_layout = outputs[loss if own_loss else 0][1]
+    gradient = None  # the whole batch's, made from serial's first output
+    if own_loss:
+        pipeline = Pipeline(module, rt, modules, lambda output, target: output[loss])
+    else:
+        pipeline = Pipeline(module, rt, modules, lambda output, target: (output[0] * target).sum(), scale_grads=False)
+    serial_params = dict(serial.named_parameters(remove_duplicate=False))
+    stage_params = [(name, getattr(m, attr), layout) for m in modules.values()
+                    for name, (attr, layout, _) in m.PARAMETERS.items()]
+    serial_opt = _optimizer(job.optimizer, serial.parameters(), job.lr)
+    compiled_opt = _optimizer(job.optimizer, [p for m in modules.values() for p in m.parameters()], job.lr)
+    tally, counts = _Tally(), None
+    note = tally.note
+
+    for step in range(job.steps):
+        if progress:
+            progress.advance(f"step {step + 1}: the serial model")
+        for stage in modules.values():  # every step starts from serial's parameters (run_rank's reason)
+            stage.load_full_state_dict(full)
+        start = time.perf_counter()
+        serial_out = torch.utils._pytree.tree_leaves(serial(**dict(zip(input_names, full_inputs))))
+        if not own_loss and gradient is None:
+            gradient = _unit_norm(torch.randn(serial_out[0].shape, generator=torch.Generator().manual_seed(
+                job.seed + 2))).to(device, serial_out[0].dtype)
+        objective = serial_out[loss] if own_loss else (serial_out[0] * gradient).sum()
+        serial_opt.zero_grad(set_to_none=True)
+        objective.backward()
+        tally.serial_ms.append((time.perf_counter() - start) * 1000)
+        tally.serial_finite = tally.serial_finite and all(bool(torch.isfinite(o).all()) for o in serial_out)
+
+        rt.counter.reset()
+        if progress:
+            progress.advance(f"step {step + 1}: the pipelined module")
+        dist.barrier()
+        start = time.perf_counter()
+        compiled_opt.zero_grad(set_to_none=True)
+        target = None if own_loss else rt.shard(gradient, output_layout)
+        losses, merged = pipeline.step(local_inputs, target, return_outputs=not own_loss)
+        _sync(device)
+        tally.compiled_ms.append((time.perf_counter() - start) * 1000)
+        counts = rt.counter.summary()
+        if pipeline.is_last:
+            # a partial output (P) is summed over the last stage's ranks, which alone hold it, as run_rank sums it
+            partial = Layout.from_key(output_layout).has_partial
+            if own_loss:
+                value = torch.stack([l.detach() for l in losses]).mean()
+                note("output", outputs[loss][0], rt.unshard(value, output_layout) if partial else value,
+                     serial_out[loss].detach())
+            elif partial:
+                note("output", outputs[0][0], rt.unshard(merged[0], output_layout), serial_out[0].detach())
+            else:
+                note("output", outputs[0][0], merged[0], rt.shard(serial_out[0].detach(), output_layout))
+        for name, parameter, layout in stage_params:
+            expected = serial_params[name].grad
+            if expected is None and parameter.grad is None:
+                continue
+            note("grad", name, parameter.grad, None if expected is None else rt.shard(expected, layout))
+        serial_opt.step()
+        compiled_opt.step()
+
+    return tally.report(counts)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def combine(results: list[dict], job: RankJob) -> dict:
+    """One report from every rank's: worst errors over ranks; rank 0's counts and times."""
+    first = min(results, key=lambda r: r["rank"])
+    output_err = max(r["max_abs_err"]["output"] for r in results)
+    grad_err = max(r["max_abs_err"]["grad"] for r in results)
+    relative = {k: max(r["max_rel_err"][k] for r in results) for k in ("output", "grad")}
+    serial_finite = all(r.get("serial_finite", True) for r in results)
+    ok = serial_finite and all(err <= job.tolerance for err in relative.values())
+    worst = {k: max(results, key=lambda r: r["max_rel_err"][k])["worst"][k] for k in ("output", "grad")}
+    return {
+        "ok": ok,
+        "world_size": job.mesh.size,
+        "mesh": dict(zip(job.mesh.axis_names, job.mesh.axis_sizes)),
+        "backend": job.backend,
+        "device": job.device,
+        "steps": job.steps,
+        "serial_finite": serial_finite,
+        "optimizer": job.optimizer,
+        "tolerance": job.tolerance,
+        "max_abs_err": {"output": output_err, "grad": grad_err},
+        "max_rel_err": relative,
+        "worst": worst,
+        "collectives": first["collectives"],
+        "collectives_by_axis": first["collectives_by_axis"],
+        # a pipeline's point-to-point sends in one step, over every rank
+        **({"sends": {phase: sum(r.get("sends", {}).get(phase, 0) for r in results) for phase in ("forward", "backward")}}
+           if any("sends" in r for r in results) else {}),
+        "bytes": first["bytes"],
+        "step_ms": first["step_ms"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch's elastic launcher
+
+
+def _elastic_entry(job_path: str) -> dict:
+    with open(job_path, "rb") as file:
+        job = pickle.load(file)
+    if job.stdout_to_stderr:
+        sys.stdout = sys.stderr
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.mesh.size))
+    dist.init_process_group(job.backend, timeout=datetime.timedelta(seconds=job.timeout_s))
+    try:
+        return run_rank(job)
+    finally:
+        dist.destroy_process_group()
+
+
+class RunFailed(RuntimeError):
+    """A rank failed, exited or stopped making progress: the message says which and how."""
+
+
+def _watch(folder: str, ranks: int, stall_s: float, stop: threading.Event, verdict: list) -> None:
+    """End the ranks when none has made progress for `stall_s` seconds; name the one that fell behind
+    (the fewest events reached: the others wait for it in a collective it never entered)."""
+    while not stop.wait(0.5):
+        records = {}
+        for rank in range(ranks):
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(folder, f"rank-{rank}.json")) as handle:
+                    records[rank] = json.load(handle)
+        if len(records) < ranks or time.time() - max(r["time"] for r in records.values()) < stall_s:
+            continue
+        behind = min(records, key=lambda r: (records[r]["count"], records[r]["time"]))
+        record = records[behind]
+        verdict.append(f"rank {behind} stopped making progress: its last step was {record['what']!r}, "
+                       f"{time.time() - record['time']:.0f} s ago; the other ranks waited for it (--stall-timeout "
+                       f"{stall_s:g} s)")
+        for other in records.values():
+            with contextlib.suppress(OSError):
+                os.kill(other["pid"], signal.SIGKILL)
+        return
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line per failed rank from the launcher's error: the exception a rank raised, its exit code, or
+    the signal that ended it — the first failure first."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return str(error)
+    first = error.get_first_failure()[0] if hasattr(error, "get_first_failure") else min(failures)
+    lines = []
+    for rank in [first] + sorted(r for r in failures if r != first):
+        failure = failures[rank]
+        message = failure.message
+        if isinstance(message, dict):  # the launcher's error file: the exception line, then the rank's stack
+            stack = message.get("extraInfo", {}).get("py_callstack", "")
+            message = message.get("message", "") + ("\n" + stack if stack else "")
+        elif not (failure.error_file and os.path.isfile(failure.error_file)):  # no exception: an exit or a signal
+            message = f"exited with code {failure.exitcode}" if failure.exitcode >= 0 else \
+                f"was ended by {failure.signal_name()}" + (" after the failure above" if rank != first else "")
+        lines.append(f"rank {rank}: {str(message).strip()}")
+    return "\n".join(lines)
+
+
+_LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+_HELD_INTERRUPT_RETRY_S = 0.05
+
+
+@contextlib.contextmanager
+def _ctrl_c_held_while_spawning():
+    """Ctrl-C while the launcher is spawning the ranks takes effect once they are all started and the
+    agent holds them (`LocalElasticAgent._start_workers` has returned). Taken at once, it leaves a rank
+    whose launcher closed the pipe before writing its start-up data (the rank prints multiprocessing's
+    EOFError traceback) or a started rank the agent does not yet know of (never ended). Once it holds
+    them, the agent's own clean-up ends them by SIGTERM. Where SIGINT is not Python's KeyboardInterrupt
+    (ignored in a background job, or the user's own handler), or outside the main thread, nothing
+    changes."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    import torch.multiprocessing
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    # unwrapped: torch's metrics decorator gives every agent method one wrapper's code, the monitor loop's too
+    spawning = (inspect.unwrap(LocalElasticAgent._start_workers).__code__,
+                torch.multiprocessing.start_processes.__code__)
+    timers: list[threading.Timer] = []
+
+    def send_again() -> None:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    def on_interrupt(signum, frame) -> None:
+        while frame is not None:
+            if frame.f_code in spawning:
+                timer = threading.Timer(_HELD_INTERRUPT_RETRY_S, send_again)
+                timer.daemon = True
+                timers.append(timer)
+                timer.start()
+                return
+            frame = frame.f_back
+        timers.clear()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for timer in timers:
+            timer.cancel()
+        if timers:  # held, and the launch ended before the interrupt was sent again
+            raise KeyboardInterrupt
+
+
+def launch(job: RankJob, stall_s: float = 60.0) -> dict:
+    """Run `job` on mesh.size local processes with torch.distributed's elastic launcher. A rank that fails
+    or stops making progress for `stall_s` seconds ends the run with RunFailed, naming it."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # a failing rank is reported once, by pardsl
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.mesh.size)))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=job.mesh.size, run_id=f"pardsl-{os.getpid()}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+        start_method="spawn", signals_to_handle=",".join(number.name for number in _LAUNCHER_SIGNALS),
+    )
+    with tempfile.TemporaryDirectory(prefix="pardsl-progress-") as folder:
+        job = dataclasses.replace(job, progress_dir=folder)
+        # The ranks read the job from a file: a job larger than a pipe's buffer would keep the launcher
+        # writing it while a rank imports torch, and a Ctrl-C then would leave that rank a truncated pickle.
+        job_path = os.path.join(folder, "job.pickle")
+        with open(job_path, "wb") as file:
+            pickle.dump(job, file)
+        stop, verdict = threading.Event(), []
+        watchdog = threading.Thread(target=_watch, args=(folder, job.mesh.size, stall_s, stop, verdict), daemon=True)
+        watchdog.start()
+        # The launcher turns the signals it handles into its own exception, forwards that signal to the
+        # ranks and leaves its handlers installed. Ctrl-C must stay a KeyboardInterrupt for the caller, and
+        # the ranks must end by SIGTERM, quietly, even one still importing torch: SIGINT is left to Python.
+        handlers = {number: signal.getsignal(number) for number in _LAUNCHER_SIGNALS}
+        handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # the launcher sets it from the config
+        try:
+            with _ctrl_c_held_while_spawning():
+                results = elastic_launch(config, _elastic_entry)(job_path)
+        except SignalException as error:  # the launcher has already ended the ranks
+            raise RunFailed(f"the launcher received {error.sigval.name} and ended the ranks") from None
+        except Exception as error:
+            raise RunFailed(verdict[0] if verdict else describe_failure(error)) from None
+        finally:
+            if handled is None:
+                os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+            else:
+                os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled
+            for number, handler in handlers.items():
+                signal.signal(number, handler)
+            stop.set()
+            watchdog.join()
+    return combine([results[rank] for rank in sorted(results)], job)

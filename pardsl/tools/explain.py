@@ -1,0 +1,254 @@
+"""`pardsl explain`: what a plan does and costs, layer by layer, from the cost model (pardsl/planning/cost.py).
+
+Per layer: the layouts chosen for its parameters, each collective with its bytes, estimated time and
+reason (gathered parameter groups under their layer), and its compute; a layer that repeats the one
+before it (same layouts, same collectives) is said once. Then the gradient buckets, memory per rank, the
+notes, and the runner-up plans: the cheapest alternatives that change one choice of inference, priced from its
+candidates. `--html` writes the same as one self-contained page with a picture of the mesh and of
+where communication happens.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+from pardsl.planning.cost import Estimate, layer_of
+from pardsl.program.lowering import format_bytes, named_layout
+from pardsl.layouts.oprules import Signature
+
+
+def seconds_text(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} µs"
+
+
+@dataclass
+class Layer:
+    name: str  # "" for what is outside every module
+    parameters: list[tuple[str, str]]  # (name within the layer, layout)
+    collectives: list  # CollectiveCost
+    compute_s: float
+    same_as: str = ""  # the layer before it, where this one repeats it
+
+    def fingerprint(self) -> tuple:
+        return (tuple(self.parameters),
+                tuple((c.kind, c.axis, c.phase, c.bytes, c.overlapped) for c in self.collectives))
+
+
+@dataclass
+class RunnerUp:
+    node: str
+    where: str
+    axis: str
+    chosen: Signature
+    alternative: Signature
+    extra_bytes: int  # communication, forward and backward
+    extra_s: float
+
+
+def _signature_text(signature: Signature) -> str:
+    return f"({', '.join(str(p) for p in signature.operands)}) → {signature.output}"
+
+
+def layers(compiled, estimate: Estimate) -> list[Layer]:
+    program = compiled.program
+    mesh = program.mesh
+    order: dict[str, Layer] = {}
+
+    def layer(name: str) -> Layer:
+        if name not in order:
+            order[name] = Layer(name, [], [], 0.0)
+        return order[name]
+
+    for op in estimate.ops:
+        layer(op.layer).compute_s += op.forward_s + op.backward_s
+    for slot in program.parameters:
+        owner = layer_of(slot.name.rsplit(".", 1)[0] if "." in slot.name else "")
+        inner = slot.name[len(owner) + 1:] if owner and slot.name.startswith(owner + ".") else slot.name
+        layer(owner).parameters.append((inner, named_layout(slot.layout, mesh)))
+    for cost in estimate.collectives:
+        if cost.bucket:
+            continue  # buckets span layers: listed on their own
+        layer(cost.layer).collectives.append(cost)
+    result = list(order.values())
+    for before, current in zip(result, result[1:]):
+        repeated = all(name.rsplit(".", 1)[-1].isdigit() for name in (before.name, current.name))
+        if repeated and before.fingerprint() == current.fingerprint() and \
+                before.name.rsplit(".", 1)[0] == current.name.rsplit(".", 1)[0]:
+            current.same_as = before.same_as or before.name
+    return result
+
+
+def runner_ups(compiled, estimate: Estimate, count: int = 3) -> list[RunnerUp]:
+    """The alternatives closest in estimated cost to the plan, each changing one op's signature on one
+    axis (what inference chose among, `TypedGraph.candidates`); priced from the candidates' bytes."""
+    typed, mesh, machine = compiled.typed, compiled.program.mesh, estimate.machine
+    slow = machine.slowdown(mesh.size)
+    alternatives = []
+    for node, per_axis in typed.candidates.items():
+        for axis, candidates in enumerate(per_axis):
+            if len(candidates) < 2 or mesh.axis_sizes[axis] == 1:
+                continue
+            chosen = next(c for c in candidates if c.chosen)
+            for other in sorted((c for c in candidates if not c.chosen), key=lambda c: c.key):
+                # bytes as inference priced them; its tie-breaking units (a byte or two) are not traffic
+                extra = (other.forward + other.backward) - (chosen.forward + chosen.backward)
+                if extra <= 2:  # the same communication: a choice of local work, not another plan
+                    continue
+                # priced as all-reduce bytes (candidates keep bytes, not kinds); a latency only where the
+                # chosen signature communicated nothing
+                moved = machine.collective_seconds("all_reduce", extra, mesh.axis_sizes[axis])
+                if chosen.forward + chosen.backward:
+                    moved -= machine.collective_seconds("all_reduce", 0, mesh.axis_sizes[axis])
+                compute = (other.compute - chosen.compute) / machine.bytes_per_s
+                alternatives.append(RunnerUp(node, compiled.bound.module_paths.get(node, ""), mesh.axis_names[axis],
+                                             chosen.signature, other.signature, extra, slow * (moved + compute)))
+                break
+    alternatives.sort(key=lambda r: (r.extra_s, r.node))
+    return alternatives[:count]
+
+
+def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str:
+    program = compiled.program
+    mesh = program.mesh
+    seconds, memory, machine = estimate.seconds, estimate.memory, estimate.machine
+    ar = machine.collectives["all_reduce"]
+    lines = [f"{program.source_path}: mesh {mesh} ({mesh.size} ranks), model {program.model}",
+             f"machine: {machine.backend}, {machine.source}; all-reduce α {seconds_text(ar.alpha_s)} per ring step, "
+             f"β {ar.beta_s_per_byte * 1e9:.3g} ns/B; {machine.flops_per_s / 1e9:.3g} GFLOP/s, "
+             f"{machine.bytes_per_s / 1e9:.3g} GB/s" + (f"; ranks share {machine.cores} cores" if machine.cores else ""),
+             "",
+             f"estimated step {seconds_text(seconds['step'])} per rank: compute {seconds_text(seconds['compute_forward'])}"
+             f" forward + {seconds_text(seconds['compute_backward'])} backward; communication "
+             f"{seconds_text(seconds['communication_forward'])} forward + {seconds_text(seconds['communication_backward'])}"
+             f" backward; {seconds_text(seconds['overlapped'])} overlapped with compute, of which "
+             f"{seconds_text(seconds['overlapped_exposed'])} exposed",
+             _memory_line(memory, memory_bound), ""]
+    for layer in layers(compiled, estimate):
+        title = layer.name or "(outside the layers)"
+        if layer.same_as:
+            lines.append(f"{title}: as {layer.same_as}")
+            continue
+        moved = sum(c.seconds for c in layer.collectives)
+        lines.append(f"{title}: compute {seconds_text(layer.compute_s)}, communication {seconds_text(moved)}")
+        split = [f"{name} {layout}" for name, layout in layer.parameters if layout != "B"]
+        replicated = sum(1 for _, layout in layer.parameters if layout == "B")
+        if split or replicated:
+            lines.append("  layouts: " + ", ".join(split + ([f"{replicated} more B"] if replicated else [])))
+        for cost in layer.collectives:
+            when = f"{cost.phase}, overlapped" if cost.overlapped else cost.phase
+            lines.append(f"  {cost.kind.replace('_', '-'):<14} {cost.axis:<4} {when:<19} {format_bytes(cost.bytes):>10} "
+                         f"{seconds_text(cost.seconds):>9}  {cost.reason}")
+    buckets = [c for c in estimate.collectives if c.bucket]
+    if buckets:
+        lines.append("gradient buckets (backward, overlapped with compute):")
+        for cost in buckets:
+            lines.append(f"  {cost.kind.replace('_', '-'):<14} {cost.axis:<4} {format_bytes(cost.bytes):>10} "
+                         f"{seconds_text(cost.seconds):>9}  {cost.reason}")
+    notes = [f"{n.severity}[{n.code}] line {n.span.line}: {n.message}" if n.span else f"{n.code}: {n.message}"
+             for n in program.notes]
+    if notes:
+        lines += ["", "notes:"] + [f"  {n}" for n in notes]
+    alternatives = runner_ups(compiled, estimate)
+    lines += ["", "runner-up plans (one choice changed each):"]
+    if not alternatives:
+        lines.append("  none: no other choice of any op changes the communication")
+    for alt in alternatives:
+        where = f" in {alt.where}" if alt.where else ""
+        lines.append(f"  {alt.node}{where} on {alt.axis}: {_signature_text(alt.alternative)} instead of "
+                     f"{_signature_text(alt.chosen)}: {'+' if alt.extra_s >= 0 else ''}{seconds_text(alt.extra_s)} "
+                     f"({format_bytes(max(alt.extra_bytes, 0))} more communication)"
+                     f" → step {seconds_text(seconds['step'] + alt.extra_s)}")
+    return "\n".join(lines)
+
+
+def _memory_line(memory: dict, bound: int | None) -> str:
+    parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in memory.items()
+                      if k not in ("total", "serial_total"))
+    against = "" if bound is None else \
+        f"; bound {format_bytes(bound)}: {'within' if memory['total'] <= bound else 'EXCEEDED'}"
+    return (f"memory per rank {format_bytes(memory['total'])} ({parts}); serial "
+            f"{format_bytes(memory['serial_total'])}{against}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# HTML
+
+
+_STYLE = """body{font:14px system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse}
+td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:left;font-variant-numeric:tabular-nums}
+h2{margin-top:1.5em}.num{text-align:right}pre{background:#f6f6f6;padding:1em;white-space:pre-wrap}"""
+_COLOURS = {"all_reduce": "#d9534f", "all_gather": "#5bc0de", "reduce_scatter": "#f0ad4e", "all_to_all": "#9b59b6"}
+
+
+def _mesh_svg(mesh) -> str:
+    """The ranks as a grid: the first axis down, the others across (their product)."""
+    rows = mesh.axis_sizes[0] if mesh.ndim > 1 else 1
+    cols = mesh.size // rows
+    cell = 56
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{cols * cell + 20}" height="{rows * cell + 40}">']
+    for rank in range(mesh.size):
+        r, c = divmod(rank, cols)
+        coords = ", ".join(f"{n}{i}" for n, i in zip(mesh.axis_names, mesh.coordinates(rank)))
+        parts.append(f'<rect x="{10 + c * cell}" y="{10 + r * cell}" width="{cell - 6}" height="{cell - 6}" '
+                     f'fill="#eef" stroke="#447"/><text x="{13 + c * cell}" y="{30 + r * cell}" font-size="12">'
+                     f'rank {rank}</text><text x="{13 + c * cell}" y="{46 + r * cell}" font-size="10">'
+                     f'{html.escape(coords)}</text>')
+    axes = (f"{mesh.axis_names[0]} down, {' × '.join(mesh.axis_names[1:])} across" if mesh.ndim > 1
+            else f"{mesh.axis_names[0]} across")
+    parts.append(f'<text x="10" y="{rows * cell + 30}" font-size="12">{html.escape(axes)}</text></svg>')
+    return "".join(parts)
+
+
+def _layers_svg(all_layers: list[Layer]) -> str:
+    """One bar per layer: compute in grey, each collective a segment in its kind's colour."""
+    width, row = 640, 22
+    scale = width / max(max((l.compute_s + sum(c.seconds for c in l.collectives)) for l in all_layers), 1e-12)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 260}" height="{row * len(all_layers) + 30}">']
+    for index, layer in enumerate(all_layers):
+        y = 10 + index * row
+        parts.append(f'<text x="0" y="{y + 14}" font-size="12">{html.escape(layer.name or "(outside)")}</text>')
+        x = 220.0
+        parts.append(f'<rect x="{x:.1f}" y="{y}" width="{layer.compute_s * scale:.1f}" height="16" fill="#bbb">'
+                     f'<title>compute {seconds_text(layer.compute_s)}</title></rect>')
+        x += layer.compute_s * scale
+        for cost in layer.collectives:
+            parts.append(f'<rect x="{x:.1f}" y="{y}" width="{max(cost.seconds * scale, 1):.1f}" height="16" '
+                         f'fill="{_COLOURS[cost.kind]}"><title>{html.escape(cost.kind)} {cost.axis} {cost.phase} '
+                         f'{format_bytes(cost.bytes)} {seconds_text(cost.seconds)}: {html.escape(cost.reason)}'
+                         f'</title></rect>')
+            x += max(cost.seconds * scale, 1)
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def html_page(compiled, estimate: Estimate, memory_bound: int | None = None) -> str:
+    """One self-contained page: no script, no external resource."""
+    program = compiled.program
+    all_layers = layers(compiled, estimate)
+    legend = " ".join(f'<span style="background:{c};padding:0 6px;color:#fff">{k.replace("_", "-")}</span>'
+                      for k, c in _COLOURS.items())
+    rows = []
+    for layer in all_layers:
+        for cost in layer.collectives:
+            rows.append(f"<tr><td>{html.escape(layer.name or '(outside)')}</td><td>{cost.kind.replace('_', '-')}</td>"
+                        f"<td>{cost.axis}</td><td>{cost.phase}{', overlapped' if cost.overlapped else ''}</td>"
+                        f"<td class=num>{format_bytes(cost.bytes)}</td><td class=num>{seconds_text(cost.seconds)}</td>"
+                        f"<td>{html.escape(cost.reason)}</td></tr>")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>pardsl explain: {html.escape(program.source_path)}</title>
+<style>{_STYLE}</style></head><body>
+<h1>{html.escape(program.source_path)}</h1>
+<p>mesh {html.escape(str(program.mesh))} ({program.mesh.size} ranks), model <code>{html.escape(program.model)}</code></p>
+<h2>Mesh</h2>{_mesh_svg(program.mesh)}
+<h2>Layers and where communication happens</h2><p>compute in grey; {legend}</p>
+{_layers_svg(all_layers)}
+<h2>Collectives</h2><table><tr><th>layer</th><th>collective</th><th>axis</th><th>phase</th><th>bytes per rank</th>
+<th>estimated</th><th>why</th></tr>{''.join(rows)}</table>
+<h2>Report</h2><pre>{html.escape(report(compiled, estimate, memory_bound))}</pre>
+</body></html>
+"""
