@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from pardsl.compiler import Compiled, compile_par
-from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine
-from pardsl.program.codegen import load_module
-from pardsl.layouts.algebra import B, Layout
-from pardsl.planning.search import LogMismatch, SolutionLog
 from pardsl.language.syntax import parse
+from pardsl.layouts.algebra import B, Layout
+from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine
+from pardsl.planning.search import LogMismatch, SolutionLog
+from pardsl.program.codegen import load_module
 
 # per file content, working directory, options and cost model: the compiled plan, its search's answers
 # (SolutionLog) and the cost model's figures (cost.Machine) it was searched with

@@ -179,8 +179,8 @@ def _summary(compiled) -> str:
 def _inputs_past_memory(compiled, nproc: int):
     """A CompileError where the example inputs (made on every rank, and by the serial reference) would not
     fit this machine's memory: said before anything is allocated."""
-    from pardsl.model.binding import DTYPES
     from pardsl.language.diagnostics import Diagnostic
+    from pardsl.model.binding import DTYPES
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for decl in compiled.par.inputs:
@@ -236,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _calibrate(args) -> int:
-    from pardsl.tools.calibrate import calibrate, write
     from pardsl.planning.cost import calibration_path
     from pardsl.runtime.devices import resolve_backend
+    from pardsl.tools.calibrate import calibrate, write
     from pardsl.tools.explain import seconds_text
 
     backend = resolve_backend(args.backend)

@@ -17,20 +17,26 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pardsl import __version__
-from pardsl.model.binding import BoundPlan, bind
-from pardsl.program.codegen import render, render_pipeline
-from pardsl.planning.inference import TypedGraph, infer
-from pardsl.planning.cost import DEFAULT_BUCKET_MB, default_machine, estimate, memory_per_rank, pipelined_memory_per_rank
-from pardsl.planning.search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search, wants_search
 from pardsl.language.diagnostics import Diagnostic
-from pardsl.program.lowering import LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
+from pardsl.language.progress import report
+from pardsl.language.syntax import ParFile, parse, parse_file
+from pardsl.model.binding import BoundPlan, bind
 from pardsl.passes.early_count import start_counts_early
 from pardsl.passes.fused_norms import fuse_rms_norms
 from pardsl.passes.fused_rotary import fuse_rotary_embeddings
 from pardsl.passes.liveness import release_dead_values
-from pardsl.language.progress import report
 from pardsl.passes.reshard import reshard_after_forward
-from pardsl.language.syntax import ParFile, parse, parse_file
+from pardsl.planning.cost import (
+    DEFAULT_BUCKET_MB,
+    default_machine,
+    estimate,
+    memory_per_rank,
+    pipelined_memory_per_rank,
+)
+from pardsl.planning.inference import TypedGraph, infer
+from pardsl.planning.search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search, wants_search
+from pardsl.program.codegen import render, render_pipeline
+from pardsl.program.lowering import LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
 
 MODULE_FILE = "pardsl_module.py"
 PLAN_FILE = "plan.json"

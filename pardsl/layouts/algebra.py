@@ -9,8 +9,8 @@ cheapest such sequence.
 
 from __future__ import annotations
 
-import heapq
 import functools
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Iterable

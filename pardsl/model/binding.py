@@ -29,13 +29,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pardsl.language.diagnostics import MAX_PER_CODE, DiagnosticSink, Span
-from pardsl.model.grouped_query import fold_grouped_query_repeats
-from pardsl.model.in_place import functionalize_in_place
+from pardsl.language.progress import modules_reported, report
+from pardsl.language.syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
 from pardsl.layouts.algebra import B, Layout, Mesh, Placement
 from pardsl.layouts.oprules import carries_gradient, concrete_size, op_name, rule_for
-from pardsl.language.progress import modules_reported, report
+from pardsl.model.grouped_query import fold_grouped_query_repeats
+from pardsl.model.in_place import functionalize_in_place
 from pardsl.model.saved_for_backward import what_autograd_keeps
-from pardsl.language.syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float": torch.float32, "float64": torch.float64, "double": torch.float64,

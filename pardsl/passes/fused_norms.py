@@ -37,10 +37,10 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from pardsl.passes.chains import calls, dtype_of, readers_and_makers, sole_reader, var_name
-from pardsl.program.lowering import LoweredProgram, Statement
-from pardsl.program.ir import Instruction, Text, Var
 from pardsl.model.saved_for_backward import Kept
+from pardsl.passes.chains import calls, dtype_of, readers_and_makers, sole_reader, var_name
+from pardsl.program.ir import Instruction, Text, Var
+from pardsl.program.lowering import LoweredProgram, Statement
 
 _CHAIN = ("aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.add.Tensor", "aten.rsqrt.default", "aten.mul.Tensor")
 

@@ -34,8 +34,8 @@ import dataclasses
 from collections import Counter
 
 from pardsl.passes.chains import calls, dtype_of, readers_and_makers, shape_of, sole_reader, var_name
-from pardsl.program.lowering import LoweredProgram, Statement
 from pardsl.program.ir import Instruction, Items, Text, Var
+from pardsl.program.lowering import LoweredProgram, Statement
 
 
 def fuse_rotary_embeddings(program: LoweredProgram) -> LoweredProgram:

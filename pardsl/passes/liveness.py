@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pardsl.program.lowering import LoweredProgram, Statement
 from pardsl.program.ir import Instruction, Var
+from pardsl.program.lowering import LoweredProgram, Statement
 
 
 def release_dead_values(program: LoweredProgram) -> LoweredProgram:

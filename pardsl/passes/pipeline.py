@@ -29,13 +29,14 @@ from typing import NamedTuple
 
 import torch
 
-from pardsl.planning.cost import default_machine, op_costs, repeated_layer
 from pardsl.language.diagnostics import CompileError, Diagnostic, DiagnosticSink
-from pardsl.layouts.algebra import B
-from pardsl.program.lowering import OutputSlot, Statement, TensorSlot
-from pardsl.layouts.oprules import is_drawn_whole, op_name
-from pardsl.runtime.schedules import SCHEDULES, micro_batches_held, schedule_class, stages_of_rank
 from pardsl.language.syntax import ParFile, PipelineDecl
+from pardsl.layouts.algebra import B
+from pardsl.layouts.oprules import is_drawn_whole, op_name
+from pardsl.planning.cost import default_machine, op_costs, repeated_layer
+from pardsl.program.lowering import OutputSlot, Statement, TensorSlot
+from pardsl.runtime.schedules import SCHEDULES, micro_batches_held, schedule_class, stages_of_rank
+
 
 def _canonical_schedule(name: str) -> str | None:
     return next((known for known in SCHEDULES if known.lower() == name.lower()), None)

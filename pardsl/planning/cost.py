@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from pardsl.layouts.algebra import COLLECTIVE_KINDS, collective_bytes
 from pardsl.model.binding import global_flops
 from pardsl.runtime.devices import resolve_backend
-from pardsl.layouts.algebra import COLLECTIVE_KINDS, collective_bytes
 from pardsl.runtime.schedules import micro_batches_held, stages_of_rank
 
 CALIBRATION_VERSION = 1

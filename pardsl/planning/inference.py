@@ -38,10 +38,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from pardsl.model.binding import MOE_HINT, BoundPlan, TensorInfo
 from pardsl.language.diagnostics import DiagnosticSink
-from pardsl.layouts.algebra import CONVERSIONS, B, P, Layout, Mesh, Placement, collective_bytes
-from pardsl.layouts.oprules import DimSpec, Signature, dim_spec, is_random, is_tensor_list, is_tensor_valued, op_name, rule_for, signatures, tensor_operands, unmet_requirement
+from pardsl.layouts.algebra import CONVERSIONS, B, Layout, Mesh, P, Placement, collective_bytes
+from pardsl.layouts.oprules import (
+    DimSpec,
+    Signature,
+    dim_spec,
+    is_random,
+    is_tensor_list,
+    is_tensor_valued,
+    op_name,
+    rule_for,
+    signatures,
+    tensor_operands,
+    unmet_requirement,
+)
+from pardsl.model.binding import MOE_HINT, BoundPlan, TensorInfo
 
 
 @dataclass(frozen=True)

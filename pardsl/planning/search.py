@@ -57,12 +57,30 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pardsl.model.binding import BoundPlan
-from pardsl.planning.cost import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, OPTIMIZER_STATES, Machine, layer_of, parameter_unit, repeated_layer, serial_bytes
-from pardsl.planning.inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
-from pardsl.layouts.algebra import B, P, Layout, Placement, collective_bytes, one_group_gather, plan_conversion, step_collectives
-from pardsl.layouts.oprules import is_tensor_list, signatures
 from pardsl.language.progress import report
+from pardsl.layouts.algebra import (
+    B,
+    Layout,
+    P,
+    Placement,
+    collective_bytes,
+    one_group_gather,
+    plan_conversion,
+    step_collectives,
+)
+from pardsl.layouts.oprules import is_tensor_list, signatures
+from pardsl.model.binding import BoundPlan
+from pardsl.planning.cost import (
+    DEFAULT_BUCKET_MB,
+    FIRST_BUCKET_MB,
+    OPTIMIZER_STATES,
+    Machine,
+    layer_of,
+    parameter_unit,
+    repeated_layer,
+    serial_bytes,
+)
+from pardsl.planning.inference import Candidate, TypedGraph, one_axis_collectives, prepare, typed_graph
 
 EPSILON_S = 1e-9  # a conversion, or a split of a free tensor, that saves nothing is not made
 HELD_S = 1e-15  # a copy held for backward is counted where something holds it, not beyond

@@ -13,11 +13,10 @@ import types
 import jinja2
 
 from pardsl import __version__
-
 from pardsl.language import shipped
 from pardsl.planning.cost import slot_bytes
-from pardsl.program.lowering import LoweredProgram, format_bytes, named_layout
 from pardsl.program.ir import Arg, Instruction, Items, Text, Var
+from pardsl.program.lowering import LoweredProgram, format_bytes, named_layout
 
 _COMMENT_COLUMN = 72
 

@@ -24,11 +24,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pardsl.planning.cost import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, parameter_unit
 from pardsl.language.diagnostics import Diagnostic
-from pardsl.planning.inference import TypedGraph
-from pardsl.layouts.algebra import COLLECTIVE_KINDS, CONVERSION_OF_KIND, B, ConversionStep, Layout, Mesh, collective_bytes, one_group_gather, plan_conversion, step_collectives
+from pardsl.layouts.algebra import (
+    COLLECTIVE_KINDS,
+    CONVERSION_OF_KIND,
+    B,
+    ConversionStep,
+    Layout,
+    Mesh,
+    collective_bytes,
+    one_group_gather,
+    plan_conversion,
+    step_collectives,
+)
 from pardsl.layouts.oprules import WHOLE, Signature, is_drawn_whole, op_name, rule_for
+from pardsl.planning.cost import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, parameter_unit
+from pardsl.planning.inference import TypedGraph
 from pardsl.program.ir import Arg, Instruction, Items, Slot, Text, Var
 from pardsl.runtime.core import PROJECTIONS
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pardsl.runtime import kernels
 from pardsl.layouts.algebra import COLLECTIVE_KINDS, Layout, Mesh, block_major, collective_bytes, rank_major
+from pardsl.runtime import kernels
 from pardsl.runtime.parameter_sync import ParameterSync
 from pardsl.runtime.shared_memory import shared_memory_group
 

@@ -25,9 +25,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from pardsl.planning.cost import LinkCost, Machine, ring_steps
 from pardsl.layouts.algebra import COLLECTIVE_KINDS, collective_bytes
-from pardsl.runtime.core import all_gather_started, all_reduce_started, collectives_by_all_to_all, reduce_scatter_started
+from pardsl.planning.cost import LinkCost, Machine, ring_steps
+from pardsl.runtime.core import (
+    all_gather_started,
+    all_reduce_started,
+    collectives_by_all_to_all,
+    reduce_scatter_started,
+)
 from pardsl.runtime.shared_memory import shared_memory_group
 
 SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)  # bytes of one rank's tensor

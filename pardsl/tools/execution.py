@@ -40,10 +40,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pardsl.language.syntax import InputDecl, ModelDecl
+from pardsl.layouts.algebra import Layout, Mesh
 from pardsl.program.codegen import load_module
 from pardsl.runtime.devices import rank_device, resolve_backend, resolve_device
-from pardsl.layouts.algebra import Layout, Mesh
-from pardsl.language.syntax import InputDecl, ModelDecl
 
 
 @dataclass(frozen=True)

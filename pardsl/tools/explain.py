@@ -13,9 +13,9 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
+from pardsl.layouts.oprules import Signature
 from pardsl.planning.cost import Estimate, layer_of
 from pardsl.program.lowering import format_bytes, named_layout
-from pardsl.layouts.oprules import Signature
 
 
 def seconds_text(seconds: float) -> str:

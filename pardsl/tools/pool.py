@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import queue
 import socket
+import sys
 import traceback
 
 import torch
