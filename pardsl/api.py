@@ -23,9 +23,13 @@ from torch.utils import _pytree as pytree
 from pardsl.compiler import Compiled, compile_par
 from pardsl.language.syntax import parse
 from pardsl.layouts.algebra import B, Layout
+from pardsl.model.binding import build_model, full_state, import_paths, par_import_paths
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine
 from pardsl.planning.search import LogMismatch, SolutionLog
 from pardsl.program.codegen import load_module
+from pardsl.runtime.checkpoint import load_model_state
+from pardsl.runtime.core import Runtime
+from pardsl.runtime.schedule import Pipeline, loss_output
 
 # per file content, working directory, options and cost model: the compiled plan, its search's answers
 # (SolutionLog) and the cost model's figures (cost.Machine) it was searched with
@@ -126,8 +130,6 @@ class Plan:
         self.out_spec = bound.exported.call_spec.out_spec
 
     def runtime(self, device: torch.device | str | None = None):
-        from pardsl.runtime.core import Runtime
-
         device = torch.device(device) if device is not None else default_device()
         if device not in self._runtimes:
             self._runtimes[device] = Runtime(self.mesh, device)
@@ -201,8 +203,6 @@ class Plan:
             spmd.load_full_state_dict(full)
             del full
         else:
-            from pardsl.runtime.checkpoint import load_model_state
-
             with torch.no_grad():
                 for name, (attr, layout, _) in self._generated.BUFFERS.items():
                     getattr(spmd, attr).copy_(rt.shard(bound.buffer_values[name], layout))
@@ -210,8 +210,6 @@ class Plan:
         return ParallelModule(self, spmd)
 
     def _full_state(self) -> dict[str, torch.Tensor]:
-        from pardsl.model.binding import build_model, full_state, import_paths, par_import_paths
-
         par = self.compiled.par
         with import_paths(*par_import_paths(par.source.path, par.model.module)):
             serial = build_model(par.model, par.source.path)
@@ -220,8 +218,6 @@ class Plan:
         return full
 
     def _pipeline_module(self, rt, loss_fn) -> "PipelineModule":
-        from pardsl.runtime.schedule import Pipeline
-
         generated = self._generated
         full = self._full_state()
         modules = {}
@@ -235,8 +231,6 @@ class Plan:
         """torch's schedule calls loss(stage output, target micro-batch) on the last stage."""
         if loss_fn is not None:
             return lambda output, target: loss_fn(pytree.tree_unflatten(list(output), self.out_spec), target)
-        from pardsl.runtime.schedule import loss_output
-
         index = loss_output(self._generated.STAGES[-1].OUTPUTS)
         if index is None:
             raise TypeError(f"{self.compiled.par.model.text} returns no single scalar loss: pass "

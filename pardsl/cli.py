@@ -128,7 +128,7 @@ def _report_errors(error: CompileError, as_json: bool) -> int:
 
 def _out_of_time(path: str, limit: float, stage: str) -> CompileError:
     """E090 at the file's `model` line (where it parses; its first line where not)."""
-    from pardsl.language.diagnostics import Diagnostic, SourceFile, Span
+    from pardsl.language.diagnostics import Diagnostic, Span
     from pardsl.language.syntax import parse_file
 
     span, source = Span(1, 1, 1, 2), None
@@ -147,7 +147,7 @@ def _print_notes(compiled) -> None:
 
 
 def _summary(compiled) -> str:
-    from pardsl.program.lowering import format_bytes, named_layout
+    from pardsl.program.ir import format_bytes, named_layout
 
     program = compiled.program
     lines = [f"{program.source_path}: mesh {program.mesh} ({program.mesh.size} ranks), model {program.model}"]
@@ -274,7 +274,7 @@ def _explain(args, compiled) -> int:
     result = estimate(compiled, machine, args.optimizer)
     bound = compiled.memory_bound
     if args.html:
-        from pardsl.compiler import write_atomically
+        from pardsl.language.files import write_atomically
 
         try:
             write_atomically(args.html, html_page(compiled, result, bound))

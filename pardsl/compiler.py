@@ -18,9 +18,11 @@ from typing import NamedTuple
 
 from pardsl import __version__
 from pardsl.language.diagnostics import Diagnostic
+from pardsl.language.files import write_atomically
 from pardsl.language.progress import report
 from pardsl.language.syntax import ParFile, parse, parse_file
 from pardsl.model.binding import BoundPlan, bind
+from pardsl.passes import pipeline as pp
 from pardsl.passes.early_count import start_counts_early
 from pardsl.passes.fused_norms import fuse_rms_norms
 from pardsl.passes.fused_rotary import fuse_rotary_embeddings
@@ -36,7 +38,8 @@ from pardsl.planning.cost import (
 from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning.search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search, wants_search
 from pardsl.program.codegen import render, render_pipeline
-from pardsl.program.lowering import LoweredProgram, format_bytes, lower, lower_in_stages, named_layout
+from pardsl.program.ir import LoweredProgram, format_bytes, named_layout
+from pardsl.program.lowering import lower, lower_in_stages
 
 MODULE_FILE = "pardsl_module.py"
 PLAN_FILE = "plan.json"
@@ -327,8 +330,6 @@ def _descended(plan, axes: list[int], searched, deadline: float = math.inf, out_
 
 def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
     """The same stages for one micro-batch, with the pipeline pass between lowering and codegen."""
-    from pardsl.passes import pipeline as pp
-
     decl = pp.check_pipeline(par)
     bound = bind(pp.micro_batched(par))
     pp.check_layouts(bound, decl)
@@ -440,17 +441,3 @@ def write_outputs(compiled: Compiled, out_dir: str, machine=None) -> tuple[str, 
     write_atomically(module_path, compiled.source)
     write_atomically(plan_path, json.dumps(plan_json(compiled, machine), indent=2, sort_keys=False) + "\n")
     return module_path, plan_path
-
-
-def write_atomically(path: str, text: str) -> None:
-    temporary = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(temporary, "x", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise

@@ -9,7 +9,8 @@ import pytest
 from pardsl import cli
 from pardsl.tools.calibrate import fit
 from pardsl.compiler import compile_file
-from pardsl.planning.cost import DEFAULTS, CalibrationError, LinkCost, Machine, estimate, global_flops, load_machine
+from pardsl.model.binding import global_flops
+from pardsl.planning.cost import DEFAULTS, CalibrationError, LinkCost, Machine, estimate, load_machine
 from pardsl.tools.explain import html_page, layers, report, runner_ups
 from pardsl.layouts.algebra import COLLECTIVE_KINDS
 

@@ -82,6 +82,22 @@ def test_the_layout_algebra_stands_alone_and_planning_comes_before_the_program()
         assert not reached, (module, reached)
 
 
+def test_only_the_lazy_faces_import_pardsl_inside_functions():
+    """Inside a function an import hides an arrow of the house from whoever reads the top of the file;
+    only the package's face and the CLI (each command loads what it needs) import there."""
+    inside = []
+    for module, path in _modules().items():
+        if module in FACES:
+            continue
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        top = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                inside += [f"{module}:{node.lineno} {name}" for name in names if name.split(".")[0] == "pardsl"]
+    assert inside == []
+
+
 def test_each_layer_imports_only_the_layers_below_it():
     graph = _imports()
     for module, imported in graph.items():

@@ -5,7 +5,7 @@ import functools
 import os
 
 from pardsl.compiler import compile_file
-from pardsl.program.lowering import LoweredProgram
+from pardsl.program.ir import LoweredProgram
 
 from .conftest import REPO
 

@@ -13,7 +13,10 @@ import functools
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:  # the reorderings take tensors; the algebra itself needs no torch
+    import torch
 
 
 @dataclass(frozen=True, order=True)

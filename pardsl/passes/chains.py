@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pardsl.program.ir import Var
-from pardsl.program.lowering import LoweredProgram, Statement
+from pardsl.program.ir import LoweredProgram, Statement, Var
 
 
 def readers_and_makers(program: LoweredProgram) -> tuple[Counter, dict[str, int]]:

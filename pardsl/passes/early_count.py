@@ -21,8 +21,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 
-from pardsl.program.ir import Instruction, Text, Var
-from pardsl.program.lowering import LoweredProgram, Statement, format_bytes
+from pardsl.program.ir import Instruction, LoweredProgram, Statement, Text, Var, format_bytes
 
 COUNT = "count of targets"  # what the count's collective carries (oprules: the `counts` form)
 

@@ -39,8 +39,7 @@ from collections import Counter
 
 from pardsl.model.saved_for_backward import Kept
 from pardsl.passes.chains import calls, dtype_of, readers_and_makers, sole_reader, var_name
-from pardsl.program.ir import Instruction, Text, Var
-from pardsl.program.lowering import LoweredProgram, Statement
+from pardsl.program.ir import Instruction, LoweredProgram, Statement, Text, Var
 
 _CHAIN = ("aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.add.Tensor", "aten.rsqrt.default", "aten.mul.Tensor")
 

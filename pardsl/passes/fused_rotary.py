@@ -34,8 +34,7 @@ import dataclasses
 from collections import Counter
 
 from pardsl.passes.chains import calls, dtype_of, readers_and_makers, shape_of, sole_reader, var_name
-from pardsl.program.ir import Instruction, Items, Text, Var
-from pardsl.program.lowering import LoweredProgram, Statement
+from pardsl.program.ir import Instruction, Items, LoweredProgram, Statement, Text, Var
 
 
 def fuse_rotary_embeddings(program: LoweredProgram) -> LoweredProgram:

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pardsl.program.ir import Instruction, Var
-from pardsl.program.lowering import LoweredProgram, Statement
+from pardsl.program.ir import Instruction, LoweredProgram, Statement, Var
 
 
 def release_dead_values(program: LoweredProgram) -> LoweredProgram:

@@ -34,7 +34,7 @@ from pardsl.language.syntax import ParFile, PipelineDecl
 from pardsl.layouts.algebra import B
 from pardsl.layouts.oprules import is_drawn_whole, op_name
 from pardsl.planning.cost import default_machine, op_costs, repeated_layer
-from pardsl.program.lowering import OutputSlot, Statement, TensorSlot
+from pardsl.program.ir import OutputSlot, Statement, TensorSlot
 from pardsl.runtime.schedules import SCHEDULES, micro_batches_held, schedule_class, stages_of_rank
 
 

@@ -23,8 +23,7 @@ import torch
 from pardsl.layouts.algebra import B
 from pardsl.model.in_place import is_view
 from pardsl.planning.inference import TypedGraph
-from pardsl.program.ir import Instruction, Var
-from pardsl.program.lowering import Collective, LoweredProgram, Statement
+from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement, Var
 
 
 def reshard_after_forward(program: LoweredProgram, typed: TypedGraph, any_axis: bool = False) -> LoweredProgram:

@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from pardsl.layouts.algebra import COLLECTIVE_KINDS, collective_bytes
-from pardsl.model.binding import global_flops
 from pardsl.runtime.devices import resolve_backend
 from pardsl.runtime.schedules import micro_batches_held, stages_of_rank
 

@@ -15,8 +15,7 @@ import jinja2
 from pardsl import __version__
 from pardsl.language import shipped
 from pardsl.planning.cost import slot_bytes
-from pardsl.program.ir import Arg, Instruction, Items, Text, Var
-from pardsl.program.lowering import LoweredProgram, format_bytes, named_layout
+from pardsl.program.ir import Arg, Instruction, Items, LoweredProgram, Text, Var, format_bytes, named_layout
 
 _COMMENT_COLUMN = 72
 

@@ -1,4 +1,5 @@
-"""The lowered program's instructions: what lowering emits and codegen alone turns into Python.
+"""The program IR: the lowered program (its statements, slots, collectives, gather groups and gradient
+buckets) and its instructions, what lowering emits and codegen alone turns into Python.
 
 An instruction names what it does (`kind`), what it calls, and its arguments as data: the program's
 values it reads (`Var`), literals already in their Python spelling (`Text`), bracketed groups (`Items`),
@@ -23,8 +24,14 @@ Kinds:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Union
+
+import torch
+
+from pardsl.language.diagnostics import Diagnostic
+from pardsl.layouts.algebra import COLLECTIVE_KINDS, B, Layout, Mesh
 
 
 @dataclass(frozen=True)
@@ -99,3 +106,184 @@ def _filled(arg: Arg, fill) -> Arg:
     if isinstance(arg, Items):
         return Items(tuple(_filled(a, fill) for a in arg.items), arg.brackets)
     return arg
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all
+    axis: str
+    phase: str  # forward | backward
+    bytes: int  # per rank
+    value: str  # the variable it moves
+    reason: str
+    node: str = ""  # the graph op it is there for ("" for buckets, gather groups and outputs)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "axis": self.axis, "phase": self.phase, "bytes": self.bytes,
+                "value": self.value, "reason": self.reason, "node": self.node}
+
+
+@dataclass(frozen=True)
+class Statement:
+    target: str  # the variable (or variables, comma-separated) it binds; "" for a check
+    instruction: Instruction
+    comment: str
+    collectives: tuple[Collective, ...] = ()
+    layouts: tuple[Layout, ...] = ()  # the layout of each variable it binds
+    node: str = ""  # the graph op it is there for (a conversion: the op whose value it moves)
+
+    @property
+    def targets(self) -> list[str]:
+        return [t.strip() for t in self.target.split(",") if t.strip()]
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """A parameter, buffer or input of the generated module."""
+
+    name: str  # state-dict name or forward() argument
+    var: str  # how the forward refers to it
+    kind: str  # parameter, buffer, input
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
+    layout: Layout
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class OutputSlot:
+    path: str
+    var: str
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class ParameterGather:
+    """A parameter all-gathered on one axis before use, in forward order."""
+
+    attr: str
+    axis: str
+    dim: int
+    blocks: int
+    unit: str  # the repeated block it belongs to (`model.layers.3`), or "" outside any
+    dtype: str
+    nbytes: int  # whole, on one rank
+
+
+@dataclass(frozen=True)
+class GatherGroup:
+    """Parameters gathered by one all-gather: consecutive in forward order, of one layer (FSDP's unit)
+    or of none; the next group is prefetched while this one's ops compute."""
+
+    axis: str
+    members: tuple[ParameterGather, ...]
+    collective: Collective
+    vars: tuple[str, ...] = ()  # the program's variables holding its members whole
+    resharded: bool = False  # dropped once the forward has used it (pardsl/passes/reshard.py)
+    regather: Collective | None = None  # resharded and kept for backward: gathered again there
+    # where the forward last reads it (a statement number): backward needs the resharded groups in the
+    # reverse order of these, which is not their own where a tied head reads the first group last
+    last_read: int = -1
+
+
+@dataclass(frozen=True)
+class GradientBucket:
+    """Parameter gradients synchronised by one collective during backward, issued when the last arrives."""
+
+    kind: str  # all_reduce | reduce_scatter
+    axes: tuple[str, ...]
+    members: tuple[tuple[str, int, int], ...]  # (parameter attribute, dim, blocks), in arrival order
+    nbytes: int  # the gradients' bytes on one rank (whole, for a reduce-scatter)
+    collectives: tuple[Collective, ...]
+
+
+@dataclass
+class LoweredProgram:
+    mesh: Mesh
+    source_path: str
+    model: str
+    parameters: list[TensorSlot]
+    buffers: list[TensorSlot]
+    inputs: list[TensorSlot]
+    statements: list[Statement]
+    outputs: list[OutputSlot]
+    values: dict[str, dict]  # every graph tensor: layout, global and local shape (for plan.json)
+    notes: list[Diagnostic] = field(default_factory=list)
+    gathers: list[GatherGroup] = field(default_factory=list)
+    buckets: list[GradientBucket] = field(default_factory=list)
+    # random draws the model makes in training mode outside dropout (stochastic depth's `rand`), as
+    # "`op` in module": traced in training mode, the forward draws them in eval mode too, so it refuses that
+    training_only: list[str] = field(default_factory=list)
+
+    @property
+    def collectives(self) -> list[Collective]:
+        return ([c for s in self.statements for c in s.collectives] + [g.collective for g in self.gathers] +
+                [g.regather for g in self.gathers if g.regather is not None] +
+                [c for b in self.buckets for c in b.collectives])
+
+    def layout_of(self, var: str) -> Layout | None:
+        """The layout of a program variable: a slot's, or the one its statement gives it (None for a size)."""
+        for slot in self.parameters + self.buffers + self.inputs:
+            if var in (slot.var, f"self.{slot.var}"):
+                return slot.layout
+        for statement in self.statements:
+            if var in statement.targets and statement.layouts:
+                return statement.layouts[statement.targets.index(var)]
+        return None
+
+    def collective_counts(self) -> dict[str, dict[str, int]]:
+        counts = {phase: {kind: 0 for kind in COLLECTIVE_KINDS} for phase in ("forward", "backward")}
+        for c in self.collectives:
+            counts[c.phase][c.kind] += 1
+        return counts
+
+    def collective_counts_by_axis(self) -> dict[str, dict[str, int]]:
+        counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+        for c in self.collectives:
+            key = f"{c.axis}:{c.kind}"
+            counts[c.phase][key] = counts[c.phase].get(key, 0) + 1
+        return {phase: dict(sorted(by_key.items())) for phase, by_key in counts.items()}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes per rank: parameters (and their full size, for the ratio); activations: what a rank holds
+        for backward or returns, at the layout it holds it (converted copies an op keeps included), and the
+        serial model's, for the ratio (saved_for_backward.py), which keeps what a pass made this program
+        keep no longer (`kept_here`: pardsl/passes/fused_norms.py); the converted copies of parameters an op keeps
+        for backward outside gather groups."""
+        def nbytes(shape, dtype):
+            return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
+
+        return {
+            "parameters_per_rank": sum(nbytes(p.local_shape, p.dtype) for p in self.parameters),
+            "parameters_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters),
+            "parameters_trained_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters if p.requires_grad),
+            "activations_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
+                                        if v.get("kept_for_backward") and v.get("kept_here", True)
+                                        or (v["kind"] == "copy" and not v["parameter"])),
+            "parameter_copies_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
+                                             if v["kind"] == "copy" and v["parameter"]),
+            "activations_total": sum(nbytes(v["shape"], v["dtype"]) for v in self.values.values()
+                                     if v.get("kept_for_backward")),
+        }
+
+    def collective_bytes(self) -> dict[str, int]:
+        totals = {"forward": 0, "backward": 0}
+        for c in self.collectives:
+            totals[c.phase] += c.bytes
+        return totals
+
+
+def named_layout(layout: Layout, mesh: Mesh) -> str:
+    """`S(1)@tp`, `P@dp, S(0)@tp`, `B`: every non-B placement with its axis."""
+    parts = [f"{p}@{mesh.axis_names[a]}" for a, p in enumerate(layout.placements) if p != B]
+    return ", ".join(parts) if parts else "B"
+
+
+def format_bytes(count: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"

@@ -1,9 +1,10 @@
-"""Which backend and device a run uses: NCCL and CUDA where a GPU is, gloo and the CPU elsewhere; and each
-rank's GPU. Read by the compiler's default machine, the checked run and the API alike."""
+"""Which backend and device a run uses: NCCL and CUDA where a GPU is, gloo and the CPU elsewhere; each
+rank's GPU; and a free local port for ranks to meet on. Read by the compiler's default machine, the checked run and the API alike."""
 
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -30,3 +31,9 @@ def rank_device(kind: str) -> torch.device:
     device = torch.device("cuda", local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

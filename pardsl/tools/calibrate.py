@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from pardsl.language.files import write_atomically
 from pardsl.layouts.algebra import COLLECTIVE_KINDS, collective_bytes
 from pardsl.planning.cost import LinkCost, Machine, ring_steps
 from pardsl.runtime.core import (
@@ -33,6 +34,7 @@ from pardsl.runtime.core import (
     collectives_by_all_to_all,
     reduce_scatter_started,
 )
+from pardsl.runtime.devices import free_port
 from pardsl.runtime.shared_memory import shared_memory_group
 
 SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)  # bytes of one rank's tensor
@@ -185,8 +187,6 @@ def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, repeat
     """Measure on `nproc` local ranks; returns the machine and the raw points."""
     import torch.multiprocessing as mp
 
-    from pardsl.tools.pool import free_port
-
     with tempfile.TemporaryDirectory(prefix="pardsl-calibrate-") as folder:
         result_path = os.path.join(folder, "result.json")
         mp.start_processes(_rank, args=(nproc, free_port(), backend, QUICK_SIZES if quick else SIZES,
@@ -204,8 +204,6 @@ def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, repeat
 
 
 def write(machine: Machine, raw: dict, path: str) -> None:
-    from pardsl.compiler import write_atomically  # not at import: the ranks import this module, not the compiler
-
     data = machine.to_json()
     data["measured"] = {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                         "threads_per_rank": max(1, (os.cpu_count() or 1) // machine.world_size),

@@ -42,8 +42,11 @@ import torch.distributed as dist
 
 from pardsl.language.syntax import InputDecl, ModelDecl
 from pardsl.layouts.algebra import Layout, Mesh
+from pardsl.model.binding import build_model, full_state, import_paths, make_inputs, par_import_paths
 from pardsl.program.codegen import load_module
-from pardsl.runtime.devices import rank_device, resolve_backend, resolve_device
+from pardsl.runtime.core import Runtime
+from pardsl.runtime.devices import rank_device, resolve_device
+from pardsl.runtime.schedule import Pipeline, loss_output
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,6 @@ def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", d
             timeout_s: float = 120.0, lr: float = 0.01, optimizer: str = "sgd",
             stdout_to_stderr: bool = False) -> RankJob:
     """`device`: "cpu" or "cuda" (default: CUDA under NCCL, else the CPU)."""
-    from pardsl.model.binding import par_import_paths
-
     par = compiled.par
     tolerance = tolerance_for({info.dtype for info in compiled.bound.tensors.values()})
     return RankJob(compiled.source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
@@ -175,9 +176,6 @@ class _Tally:
 def run_rank(job: RankJob) -> dict:
     """One rank's part: build, shard, run `steps` steps of compiled and serial, compare. Needs the
     process group initialised (any world size equal to the mesh size)."""
-    from pardsl.model.binding import build_model, full_state, import_paths, make_inputs
-    from pardsl.runtime.core import Runtime
-
     device = rank_device(job.device)
     rt = Runtime(job.mesh, device)
     progress = ProgressFile(job.progress_dir, dist.get_rank() if dist.is_initialized() else 0) \
@@ -288,9 +286,6 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
     mean, averaged, as the schedule scales it), else its one output against a fixed random gradient (a
     sum over micro-batches). Compared: the loss or output on the last stage's ranks, and every gradient of
     this rank's stages."""
-    from pardsl.model.binding import full_state, make_inputs
-    from pardsl.runtime.schedule import Pipeline, loss_output
-
     device = rt.device
     full = {**full_state(serial), **job.constants}
     modules = {index: module.STAGES[index](rt) for index in Pipeline.of_rank(module, rt)}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pardsl.layouts.oprules import Signature
 from pardsl.planning.cost import Estimate, layer_of
-from pardsl.program.lowering import format_bytes, named_layout
+from pardsl.program.ir import format_bytes, named_layout
 
 
 def seconds_text(seconds: float) -> str:

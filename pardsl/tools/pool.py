@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import sys
 import traceback
 
@@ -19,13 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pardsl.runtime.devices import free_port
 from pardsl.tools.execution import RankJob, combine, run_rank
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float) -> None:
