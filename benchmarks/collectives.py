@@ -29,7 +29,7 @@ SIZES = (1 << 15, 1 << 17, 1 << 19, 1 << 20, 1 << 22, 1 << 24)  # bytes of each 
 
 
 def _rank(rank: int, nproc: int, port: int, backend: str, repeats: int) -> None:
-    from pardsl.runtime.core import all_gather_started, all_reduce_started, collectives_by_all_to_all, reduce_scatter_started
+    from pardsl.runtime.collectives import all_gather_started, all_reduce_started, collectives_by_all_to_all, reduce_scatter_started
     from pardsl.runtime.shared_memory import shared_memory_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

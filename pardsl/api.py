@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from pardsl.compiler import Compiled, compile_par
 from pardsl.language.syntax import parse
 from pardsl.layouts.algebra import B, Layout
-from pardsl.model.binding import build_model, full_state, import_paths, par_import_paths
+from pardsl.model.loading import build_model, full_state, import_paths, par_import_paths
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine
 from pardsl.planning.search import LogMismatch, SolutionLog
 from pardsl.program.codegen import load_module

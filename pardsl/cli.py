@@ -180,7 +180,7 @@ def _inputs_past_memory(compiled, nproc: int):
     """A CompileError where the example inputs (made on every rank, and by the serial reference) would not
     fit this machine's memory: said before anything is allocated."""
     from pardsl.language.diagnostics import Diagnostic
-    from pardsl.model.binding import DTYPES
+    from pardsl.model.loading import DTYPES
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for decl in compiled.par.inputs:

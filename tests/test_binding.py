@@ -93,7 +93,7 @@ def test_a_model_module_in_a_folder_anyone_may_write_to_is_refused_where_it_is(t
 
 
 def test_a_package_qualified_module_is_imported_from_the_folder_that_holds_its_package():
-    from pardsl.model.binding import par_import_paths
+    from pardsl.model.loading import par_import_paths
     from tests.launch import REPO
 
     assert par_import_paths(f"{REPO}/examples/mlp.par", "examples.models") == (f"{REPO}/examples", REPO)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pardsl.runtime import kernels
 from pardsl.compiler import compile_file
-from pardsl.runtime.core import _RMSNorm
+from pardsl.runtime.parallel_ops import RMSNorm
 
 from .test_distributed import check, lines_calling
 
@@ -45,7 +45,7 @@ def test_the_fused_norms_gradients_are_autograds_through_the_chain(kernel, shape
     grad = torch.randn(*shape, width, dtype=torch.float64, generator=generator)
     with contextlib.nullcontext() if kernel else _aten_ops_only():
         assert kernels.rms_norm_fits(x, weight, torch.float64) == kernel
-        fused = _RMSNorm.apply(x, weight, eps, torch.float64)
+        fused = RMSNorm.apply(x, weight, eps, torch.float64)
         if kernel:  # sums reassociated to vectorise: within rounding
             torch.testing.assert_close(fused, _chain(x, weight, eps), rtol=1e-13, atol=1e-13)
         else:
@@ -54,7 +54,7 @@ def test_the_fused_norms_gradients_are_autograds_through_the_chain(kernel, shape
         chain_grads = torch.autograd.grad(_chain(x, weight, eps), (x, weight), grad)
         for got, expected in zip(fused_grads, chain_grads):
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-        assert torch.autograd.gradcheck(lambda a, b: _RMSNorm.apply(a, b, eps, torch.float64), (x, weight))
+        assert torch.autograd.gradcheck(lambda a, b: RMSNorm.apply(a, b, eps, torch.float64), (x, weight))
 
 
 @settings(max_examples=10, deadline=None)
@@ -67,7 +67,7 @@ def test_the_float32_kernel_is_within_rounding_of_the_chain_at_a_models_sizes(to
     weight = torch.randn(width, generator=generator).requires_grad_(weight_grad)
     grad = torch.randn(2, tokens, width, generator=generator)
     assert kernels.rms_norm_fits(x, weight, torch.float32)  # numba is installed: the fast path is taken
-    fused = _RMSNorm.apply(x, weight, 1e-6, torch.float32)
+    fused = RMSNorm.apply(x, weight, 1e-6, torch.float32)
     expected = _chain(x.double(), weight.double(), 1e-6)
     torch.testing.assert_close(fused, expected.float(), rtol=1e-5, atol=1e-5)
     inputs = (x, weight) if weight_grad else (x,)
@@ -100,7 +100,7 @@ def test_a_bfloat16_norm_computed_in_float32_has_the_chains_bits_forward_and_its
     def chain(a, w):
         return w * (a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
 
-    fused = _RMSNorm.apply(x, weight, 1e-6, torch.bfloat16)
+    fused = RMSNorm.apply(x, weight, 1e-6, torch.bfloat16)
     assert fused.dtype == torch.bfloat16 and torch.equal(fused, chain(x, weight))
     got_x, got_w = torch.autograd.grad(fused, (x, weight), grad)
     expected_x, expected_w = torch.autograd.grad(chain(x, weight), (x, weight), grad)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from pardsl.runtime import kernels
 from pardsl.compiler import compile_file
-from pardsl.runtime.core import _Rotary
+from pardsl.runtime.parallel_ops import Rotary
 
 from .test_distributed import check, lines_calling
 
@@ -40,7 +40,7 @@ def test_the_fused_rotation_has_the_chains_bits_forward_and_backward(batch, seq,
     cos = torch.randn(table_shape, generator=generator).to(dtype)
     sin = torch.randn(table_shape, generator=generator).to(dtype)
     grad = torch.randn(x.shape, generator=generator).to(dtype)
-    fused = _Rotary.apply(x, cos, sin)
+    fused = Rotary.apply(x, cos, sin)
     assert torch.equal(fused, _chain(x, cos, sin))
     (fused_grad,) = torch.autograd.grad(fused, x, grad)
     (chain_grad,) = torch.autograd.grad(_chain(x, cos, sin), x, grad)
@@ -68,7 +68,7 @@ def test_the_cpu_kernels_rotation_has_the_chains_bits_in_either_layout(batch, he
     grad = torch.randn(batch, seq, heads, dim, generator=generator, dtype=dtype).transpose(1, 2) if grad_projected \
         else torch.randn(batch, heads, seq, dim, generator=generator, dtype=dtype)
     assert kernels.rotary_fits(x, cos, sin)
-    fused = _Rotary.apply(x, cos, sin)
+    fused = Rotary.apply(x, cos, sin)
     assert torch.equal(fused, _chain(x, cos, sin))
     for memory_order in (lambda t: t, lambda t: t.transpose(1, 2)):  # x's layout
         assert memory_order(fused).is_contiguous() == memory_order(x).is_contiguous()
@@ -95,11 +95,11 @@ def test_learned_tables_get_autograds_gradients():
     cos = torch.randn(1, 1, 5, 8, dtype=torch.float64, generator=generator, requires_grad=True)
     sin = torch.randn(5, 8, dtype=torch.float64, generator=generator, requires_grad=True)
     grad = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=generator)
-    fused = torch.autograd.grad(_Rotary.apply(x, cos, sin), (x, cos, sin), grad)
+    fused = torch.autograd.grad(Rotary.apply(x, cos, sin), (x, cos, sin), grad)
     chain = torch.autograd.grad(_chain(x, cos, sin), (x, cos, sin), grad)
     for got, expected in zip(fused, chain):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(_Rotary.apply, (x, cos, sin))
+    assert torch.autograd.gradcheck(Rotary.apply, (x, cos, sin))
 
 
 def test_hugging_face_llamas_rotations_are_fused_under_tensor_parallelism(pools):

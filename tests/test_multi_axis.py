@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pardsl.planning import cost
 from pardsl.compiler import compile_file
 from pardsl.layouts.algebra import CONVERSION_OF_KIND, B, P, S, Layout, Mesh, collective_bytes, plan_conversion
-from pardsl.runtime.core import EXCHANGE_MAX_BYTES
+from pardsl.runtime.collectives import EXCHANGE_MAX_BYTES
 
 from .figures import ROUND_GLOO
 from .test_distributed import check
@@ -144,9 +144,9 @@ class AllReduceAndAllGatherAgainstGloo:
     def __call__(self) -> dict:
         import torch.distributed as dist
 
-        from pardsl.runtime import core as runtime
+        from pardsl.runtime.core import Runtime
 
-        rt = runtime.Runtime(self.mesh)
+        rt = Runtime(self.mesh)
         rt.shared = {}  # gloo's path, as between hosts (through shared memory: tests/test_shared_memory.py)
         used = []
         originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single", "all_to_all_single")}
@@ -170,7 +170,7 @@ class AllReduceAndAllGatherAgainstGloo:
             for name in originals:
                 setattr(dist, name, recorded(name))
             for kind, numel, dtype in itertools.product(("all_reduce", "all_gather"),
-                                                        (105, runtime.EXCHANGE_MAX_BYTES // 4 + 1),
+                                                        (105, EXCHANGE_MAX_BYTES // 4 + 1),
                                                         (torch.float32, torch.float64)):
                 x = torch.randn(numel, dtype=dtype, generator=torch.Generator().manual_seed(dist.get_rank()))
                 rt.counter.reset()

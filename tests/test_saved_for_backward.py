@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from pardsl.model.binding import build_model, make_inputs
+from pardsl.model.loading import build_model, make_inputs
 from pardsl.compiler import compile_file
 from pardsl.model.saved_for_backward import probe
 

@@ -1,4 +1,5 @@
-"""Stage 2: syntax tree → bound plan. Builds the model, traces it with torch.export, resolves names.
+"""Stage 2: syntax tree → bound plan. The model built (loading.py) and traced (export.py), its graph
+rewritten, and every name the file writes bound to a tensor of the graph.
 
 Names: parameters and buffers by state-dict name, inputs by forward() argument name,
 `output` / `output.logits` / `output[0]` for the output or a part of it, `blocks.3.attn()` for a
@@ -8,21 +9,12 @@ the tensor it names (rank, divisibility, no P on parameters and inputs) and boun
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
-import importlib
-import importlib.machinery
 import inspect
-import io
-import logging
 import math
-import os
 import re
-import stat
-import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -30,19 +22,14 @@ from torch.utils import _pytree as pytree
 
 from pardsl.language.diagnostics import MAX_PER_CODE, DiagnosticSink, Span
 from pardsl.language.progress import modules_reported, report
-from pardsl.language.syntax import InputDecl, LayoutEntry, LayoutSyntax, ModelDecl, ParFile
+from pardsl.language.syntax import LayoutEntry, LayoutSyntax, ParFile
 from pardsl.layouts.algebra import B, Layout, Mesh, Placement
 from pardsl.layouts.oprules import carries_gradient, concrete_size, op_name, rule_for
+from pardsl.model.export import constant_values, python_random_seeded, trace
 from pardsl.model.grouped_query import fold_grouped_query_repeats
 from pardsl.model.in_place import functionalize_in_place
+from pardsl.model.loading import DTYPES, build_model, import_paths, par_import_paths, parameters_on_meta
 from pardsl.model.saved_for_backward import what_autograd_keeps
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float": torch.float32, "float64": torch.float64, "double": torch.float64,
-    "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int32,
-    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-}
 
 
 @dataclass(frozen=True)
@@ -185,144 +172,6 @@ def global_flops(bound) -> dict[str, int]:
     return counts
 
 
-# ---------------------------------------------------------------------------------------------------
-# Model loading
-
-
-@contextlib.contextmanager
-def import_paths(*paths: str):
-    """`paths` importable while the model's code is imported and run, and only then; a folder any user may
-    write to is never added (a module planted there would run as this user)."""
-    added = [p for p in paths if p not in sys.path and not writable_by_anyone(p)]
-    sys.path[:0] = added
-    try:
-        yield
-    finally:
-        for p in added:
-            with contextlib.suppress(ValueError):
-                sys.path.remove(p)
-
-
-def writable_by_anyone(folder: str) -> bool:
-    try:
-        return bool(os.stat(folder).st_mode & stat.S_IWOTH)
-    except OSError:
-        return False
-
-
-def par_import_paths(par_path: str, module: str) -> tuple[str, ...]:
-    """Where the model's module is imported from, beyond what is importable already: the .par file's folder,
-    and where that folder lies inside the module's own package (`examples/mlp.par` naming
-    `examples.models`), the folder that holds the package. Never the working directory."""
-    folder = os.path.dirname(os.path.abspath(par_path))
-    parts = folder.split(os.sep)
-    packages = module.split(".")[:-1]
-    for depth in range(len(packages), 0, -1):
-        if parts[-depth:] == packages[:depth]:
-            return folder, os.sep.join(parts[:-depth]) or os.sep
-    return (folder,)
-
-
-def load_factory(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = None):
-    """The model factory named by `model module:callable(...)`, or None with a diagnostic."""
-    paths = par_import_paths(par_path, decl.module)
-    with import_paths(*paths):
-        try:
-            module = importlib.import_module(decl.module)
-        except Exception as error:  # the user's module: any failure is their error to read
-            top = decl.module.split(".")[0]
-            refused = [p for p in paths if writable_by_anyone(p)
-                       and importlib.machinery.PathFinder.find_spec(top, [p]) is not None]
-            if refused and isinstance(error, ModuleNotFoundError):
-                message = (f"model module `{decl.module}` is not imported from `{refused[0]}`: any user may write "
-                           "to that folder, and a module planted there would run as you")
-                if sink is None:
-                    raise ImportError(message) from error
-                sink.error("E023", message, decl.span, "move the .par file and the model's module to a folder of "
-                           "your own (not /tmp)")
-                return None
-            if sink is None:
-                raise
-            sink.error("E020", f"cannot import model module `{decl.module}`", decl.span,
-                       f"{type(error).__name__}: {error}")
-            return None
-    factory = getattr(module, decl.factory, None)
-    if not callable(factory):
-        if sink is None:
-            raise AttributeError(f"{decl.module} has no callable {decl.factory}")
-        candidates = [n for n in dir(module) if callable(getattr(module, n, None)) and not n.startswith("_")]
-        notes = [f"did you mean `{m}`?" for m in difflib.get_close_matches(decl.factory, candidates, 1)]
-        sink.error("E021", f"module `{decl.module}` has no callable `{decl.factory}`", decl.factory_span, *notes)
-        return None
-    return factory
-
-
-def build_model(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = None) -> torch.nn.Module | None:
-    factory = load_factory(decl, par_path, sink)
-    if factory is None:
-        return None
-    with import_paths(*par_import_paths(par_path, decl.module)):
-        try:
-            model = factory(**dict(decl.kwargs))
-        except (Exception, SystemExit) as error:  # the user's code; sys.exit() there ends no compile
-            if sink is None:
-                raise
-            sink.error("E022", f"`{decl.text}` raised {type(error).__name__}", decl.span, str(error))
-            return None
-    if not isinstance(model, torch.nn.Module):
-        if sink is None:
-            raise TypeError(f"{decl.text} returned {type(model).__name__}, not an nn.Module")
-        sink.error("E022", f"`{decl.text}` returned {type(model).__name__}, not an nn.Module", decl.span)
-        return None
-    return model
-
-
-@contextlib.contextmanager
-def parameters_on_meta():
-    """Parameters are created on the meta device (no memory, no values); buffers keep theirs.
-
-    Every `nn.Module.register_parameter` (what `self.weight = nn.Parameter(...)` calls) moves the new
-    parameter to meta, so a factory builds the model's structure while holding at most one real tensor at
-    a time, and initialisers run on meta for nothing. Buffers stay real: some have no other source (rotary
-    frequencies are computed in __init__ and are in no checkpoint).
-    """
-    original = torch.nn.Module.register_parameter
-
-    def register(module, name, parameter):
-        if parameter is not None and parameter.device.type != "meta":
-            parameter = type(parameter)(parameter.to("meta"), requires_grad=parameter.requires_grad)
-        original(module, name, parameter)
-
-    torch.nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = original
-
-
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer by every name: tied weights under each, non-persistent buffers
-    (rotary frequencies) too; what `load_full_state_dict` of a generated module takes."""
-    full = {name: t.detach() for name, t in model.named_parameters(remove_duplicate=False)}
-    full.update((name, t.detach()) for name, t in model.named_buffers(remove_duplicate=False))
-    return full
-
-
-def make_inputs(decls: tuple[InputDecl, ...], generator: torch.Generator) -> list[torch.Tensor]:
-    """Example inputs from the `input` declarations: normal floats, uniform integers in their range."""
-    tensors = []
-    for decl in decls:
-        dtype = DTYPES[decl.dtype]
-        if dtype.is_floating_point:
-            tensors.append(torch.randn(decl.shape, generator=generator).to(dtype))
-        elif dtype == torch.bool:
-            tensors.append(torch.randint(0, 2, decl.shape, generator=generator).bool())
-        else:
-            low, high = decl.value_range
-            tensors.append(torch.randint(low, high, decl.shape, generator=generator, dtype=dtype))
-    return tensors
-
-
 def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticSink) -> bool:
     ok = True
     for decl in par.inputs:
@@ -376,113 +225,6 @@ def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticS
                        span, f"forward({', '.join(names)})")
             ok = False
     return ok
-
-
-def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
-          dynamic_shapes: dict | None = None) -> torch.export.ExportedProgram:
-    """torch.export with the inputs by forward() argument name; the others keep their defaults. Dims
-    named in `dynamic_shapes` ({input: {dim: torch.export.Dim}}) stay symbolic."""
-    # torch logs a failing trace (with its traceback) through handlers of its own; the failure itself is
-    # reported as E035, so the log is silenced for the duration
-    previous = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore")
-            exported = torch.export.export(model, (), dict(example_inputs), strict=False,
-                                           dynamic_shapes=dynamic_shapes)
-    finally:
-        logging.disable(previous)
-    inline_grad_mode_regions(exported.graph_module)
-    return exported
-
-
-@contextlib.contextmanager
-def _python_random_seeded(seed: int):
-    """NumPy's (where installed) and Python's global generators seeded with `seed`, and given back their
-    state after."""
-    import random
-
-    try:
-        import numpy
-    except ImportError:  # a model without NumPy draws nothing from it
-        numpy = None
-    states = random.getstate(), numpy.random.get_state() if numpy else None
-    random.seed(seed)
-    if numpy:
-        numpy.random.seed(seed)
-    try:
-        yield
-    finally:
-        random.setstate(states[0])
-        if numpy:
-            numpy.random.set_state(states[1])
-
-
-def constant_values(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor], dynamic_shapes: dict | None,
-                    constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The values of the tensors a forward makes from Python data (`x[..., [-2]]`, `torch.tensor([3.0],
-    device=x.device)`), which export lifts as constants: traced on meta, those made on the input's device
-    have none. The model is traced again on fake CPU tensors (nothing allocated), where such a tensor keeps
-    its value, and each constant is taken by name from that trace; it must have the first trace's shape and
-    dtype."""
-    import copy
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    fake = copy.deepcopy(model)  # a meta model: nothing is copied but its structure
-    with FakeTensorMode(allow_non_fake_inputs=True):  # meta tensors in, fake CPU ones out
-        fake = fake.to_empty(device="cpu")
-        inputs = {name: torch.empty(x.shape, dtype=x.dtype) for name, x in example_inputs.items()}
-    real = trace(fake, inputs, dynamic_shapes).constants
-    values = {}
-    for name, meta in constants.items():
-        value = real.get(name)
-        if not isinstance(meta, torch.Tensor):
-            values[name] = meta
-        elif (not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor
-              or value.shape != meta.shape or value.dtype != meta.dtype):
-            raise ValueError(f"constant `{name}` ({meta.dtype}{list(meta.shape)}) is not one in a trace on the CPU")
-        else:
-            values[name] = value.clone()  # a later trace may hand back the same tensor, refilled
-    return values
-
-
-def inline_grad_mode_regions(graph_module: torch.fx.GraphModule) -> None:
-    """Replace each `wrap_with_set_grad_enabled(enabled, body, *args)` by the body's own nodes.
-
-    Export wraps code run under `torch.no_grad()` (HF's rotary embedding) in this higher-order op. A
-    region with gradients off is, for values and gradients, the same ops with their results detached,
-    which is what the inlined graph computes; so the rest of the compiler sees plain ATen ops.
-    """
-    graph = graph_module.graph
-    regions = [n for n in graph.nodes if n.op == "call_function"
-               and getattr(n.target, "__name__", "") == "wrap_with_set_grad_enabled"]
-    for region in regions:
-        enabled, body_ref, *args = region.args
-        body = getattr(graph_module, body_ref.target).graph
-        placeholders = [n for n in body.nodes if n.op == "placeholder"]
-        with graph.inserting_before(region):
-            results = graph.graph_copy(body, dict(zip(placeholders, args)))
-            if not isinstance(results, (list, tuple)):
-                results = (results,)
-            if not enabled:
-                results = [_detached(graph, r) for r in results]
-        for user in list(region.users):  # getitem(region, i)
-            user.replace_all_uses_with(results[user.args[1]])
-            graph.erase_node(user)
-        graph.erase_node(region)
-        if not body_ref.users:
-            graph.erase_node(body_ref)
-    if regions:
-        graph.lint()
-        graph_module.recompile()
-
-
-def _detached(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
-    detached = graph.call_function(torch.ops.aten.detach.default, (node,))
-    detached.meta = {**node.meta, "val": node.meta["val"].detach()}
-    return detached
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -840,7 +582,7 @@ def bind(par: ParFile) -> BoundPlan:
                 # numbers (Wav2Vec2's SpecAugment mask) differs between the traces, where a constant does not.
                 traced = []
                 for seed in (0, 1):
-                    with _python_random_seeded(seed):
+                    with python_random_seeded(seed):
                         traced.append(constant_values(model, example, _dynamic_shapes(par), constants))
         except Exception as error:  # noqa: BLE001 - reported with the model's line, as a failed trace is
             sink.error("E035", f"`{par.model.text}` cannot be traced for the values of its constants",

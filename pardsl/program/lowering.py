@@ -57,7 +57,7 @@ from pardsl.program.ir import (
     format_bytes,
     named_layout,
 )
-from pardsl.runtime.core import PROJECTIONS
+from pardsl.runtime.parallel_ops import PROJECTIONS
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class _GradientSync:
 @dataclass(frozen=True)
 class LinearForm:
     """Where a linear-like op keeps its input, weight and bias among its operands; `op` names it to the
-    runtime's column-parallel step (runtime.PROJECTIONS, where the slots come from), which knows how the
+    runtime's column-parallel step (parallel_ops.PROJECTIONS, where the slots come from), which knows how the
     weight is stored."""
     op: str
     input: int
@@ -89,7 +89,7 @@ class LinearForm:
 
 
 # The ops a column-parallel step computes for its readers of one input, keyed by their overloads: the
-# runtime's list (runtime.PROJECTIONS), so that the two cannot disagree
+# runtime's list (parallel_ops.PROJECTIONS), so that the two cannot disagree
 LINEAR_FORMS = {getattr(torch.ops.aten, op).default: LinearForm(op, p.input, p.weight, p.bias)
                 for op, p in PROJECTIONS.items()}
 _PLACEHOLDER = re.compile(r"@@(sync|bucket|gather|group)(\d+)@@")  # a bucket or group not yet formed

@@ -7,7 +7,7 @@ elementwise part, as Megatron's fused norm kernels do on a GPU. On this machine 
 forward and backward, autograd's node included, take 0.30 ms against 0.52 ms as ATen ops.
 
 What fits: CPU tensors of float32 or float64, of one dtype. Anything else (CUDA tensors, half precision,
-a norm that casts) takes the ATen ops (`runtime._RMSNorm`, `runtime._Rotary`).
+a norm that casts) takes the ATen ops (`parallel_ops.RMSNorm`, `parallel_ops.Rotary`).
 
 - RMSNorm: the sums are reassociated (numba's fastmath: reassoc, contract, nsz, arcp) so that they
   vectorise: the results are within rounding of the ATen ops', not their bits. Every rank runs the same
@@ -15,7 +15,7 @@ a norm that casts) takes the ATen ops (`runtime._RMSNorm`, `runtime._Rotary`).
   weight's gradient is summed over rows in float64: a long sequence of float32 terms would otherwise lose
   digits.
 - Rotary embedding: no fastmath, so each element is the chain's two products and one sum, its bits
-  (`runtime._Rotary` says why those are the chain's). x in either layout a projection leaves it in,
+  (`parallel_ops.Rotary` says why those are the chain's). x in either layout a projection leaves it in,
   [batch, heads, seq, dim] or its heads and seq swapped, and tables broadcast over heads; learned tables
   (which need gradients) take the ATen ops.
 

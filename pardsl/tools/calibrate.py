@@ -28,7 +28,7 @@ import torch.distributed as dist
 from pardsl.language.files import write_atomically
 from pardsl.layouts.algebra import COLLECTIVE_KINDS, collective_bytes
 from pardsl.planning.cost import LinkCost, Machine, ring_steps
-from pardsl.runtime.core import (
+from pardsl.runtime.collectives import (
     all_gather_started,
     all_reduce_started,
     collectives_by_all_to_all,

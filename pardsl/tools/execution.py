@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from pardsl.language.syntax import InputDecl, ModelDecl
 from pardsl.layouts.algebra import Layout, Mesh
-from pardsl.model.binding import build_model, full_state, import_paths, make_inputs, par_import_paths
+from pardsl.model.loading import build_model, full_state, import_paths, make_inputs, par_import_paths
 from pardsl.program.codegen import load_module
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.devices import rank_device, resolve_device

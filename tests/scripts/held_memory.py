@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import pardsl
-from pardsl.model.binding import make_inputs
+from pardsl.model.loading import make_inputs
 from tests.scripts import shut_down
 
 

@@ -1,0 +1,118 @@
+"""The model traced: torch.export on meta tensors (by forward() argument name), the values of constants a
+trace on meta cannot give, and grad-mode regions inlined into the graph."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+
+import torch
+
+
+def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
+          dynamic_shapes: dict | None = None) -> torch.export.ExportedProgram:
+    """torch.export with the inputs by forward() argument name; the others keep their defaults. Dims
+    named in `dynamic_shapes` ({input: {dim: torch.export.Dim}}) stay symbolic."""
+    # torch logs a failing trace (with its traceback) through handlers of its own; the failure itself is
+    # reported as E035, so the log is silenced for the duration
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            exported = torch.export.export(model, (), dict(example_inputs), strict=False,
+                                           dynamic_shapes=dynamic_shapes)
+    finally:
+        logging.disable(previous)
+    inline_grad_mode_regions(exported.graph_module)
+    return exported
+
+
+@contextlib.contextmanager
+def python_random_seeded(seed: int):
+    """NumPy's (where installed) and Python's global generators seeded with `seed`, and given back their
+    state after."""
+    import random
+
+    try:
+        import numpy
+    except ImportError:  # a model without NumPy draws nothing from it
+        numpy = None
+    states = random.getstate(), numpy.random.get_state() if numpy else None
+    random.seed(seed)
+    if numpy:
+        numpy.random.seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        if numpy:
+            numpy.random.set_state(states[1])
+
+
+def constant_values(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor], dynamic_shapes: dict | None,
+                    constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The values of the tensors a forward makes from Python data (`x[..., [-2]]`, `torch.tensor([3.0],
+    device=x.device)`), which export lifts as constants: traced on meta, those made on the input's device
+    have none. The model is traced again on fake CPU tensors (nothing allocated), where such a tensor keeps
+    its value, and each constant is taken by name from that trace; it must have the first trace's shape and
+    dtype."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = copy.deepcopy(model)  # a meta model: nothing is copied but its structure
+    with FakeTensorMode(allow_non_fake_inputs=True):  # meta tensors in, fake CPU ones out
+        fake = fake.to_empty(device="cpu")
+        inputs = {name: torch.empty(x.shape, dtype=x.dtype) for name, x in example_inputs.items()}
+    real = trace(fake, inputs, dynamic_shapes).constants
+    values = {}
+    for name, meta in constants.items():
+        value = real.get(name)
+        if not isinstance(meta, torch.Tensor):
+            values[name] = meta
+        elif (not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor
+              or value.shape != meta.shape or value.dtype != meta.dtype):
+            raise ValueError(f"constant `{name}` ({meta.dtype}{list(meta.shape)}) is not one in a trace on the CPU")
+        else:
+            values[name] = value.clone()  # a later trace may hand back the same tensor, refilled
+    return values
+
+
+def inline_grad_mode_regions(graph_module: torch.fx.GraphModule) -> None:
+    """Replace each `wrap_with_set_grad_enabled(enabled, body, *args)` by the body's own nodes.
+
+    Export wraps code run under `torch.no_grad()` (HF's rotary embedding) in this higher-order op. A
+    region with gradients off is, for values and gradients, the same ops with their results detached,
+    which is what the inlined graph computes; so the rest of the compiler sees plain ATen ops.
+    """
+    graph = graph_module.graph
+    regions = [n for n in graph.nodes if n.op == "call_function"
+               and getattr(n.target, "__name__", "") == "wrap_with_set_grad_enabled"]
+    for region in regions:
+        enabled, body_ref, *args = region.args
+        body = getattr(graph_module, body_ref.target).graph
+        placeholders = [n for n in body.nodes if n.op == "placeholder"]
+        with graph.inserting_before(region):
+            results = graph.graph_copy(body, dict(zip(placeholders, args)))
+            if not isinstance(results, (list, tuple)):
+                results = (results,)
+            if not enabled:
+                results = [_detached(graph, r) for r in results]
+        for user in list(region.users):  # getitem(region, i)
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(region)
+        if not body_ref.users:
+            graph.erase_node(body_ref)
+    if regions:
+        graph.lint()
+        graph_module.recompile()
+
+
+def _detached(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+    detached = graph.call_function(torch.ops.aten.detach.default, (node,))
+    detached.meta = {**node.meta, "val": node.meta["val"].detach()}
+    return detached

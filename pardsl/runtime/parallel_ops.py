@@ -1,0 +1,330 @@
+"""Parallel forms of ops, each an autograd function: the column-parallel step of the linears that read one
+input, fused RMSNorm and rotary embeddings, the vocabulary-parallel cross-entropy, batch norm over a split
+batch, layer norm over a split hidden dim."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pardsl.runtime import kernels
+
+
+def targets_counted(target: torch.Tensor, ignore_index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """How many targets a mean loss divides by, shape [1], in float32 at least (oprules: the `counts` and
+    `mean` forms' collectives): exact up to 2^24 targets, where a half-precision count is only up to 256."""
+    return (target != ignore_index).sum().to(dtype).reshape(1)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A linear-like ATen op of an input and a parameter: how forward computes it, how its weight is
+    stored ([in, out] or linear's [out, in]), which backward's matrix products follow, and where the op
+    keeps its input, weight and bias among its operands (lowering.LINEAR_FORMS reads them)."""
+    compute: object  # (x, weight, bias or None) -> result
+    weight_in_out: bool
+    input: int
+    weight: int
+    bias: int | None
+
+
+# The ops a column-parallel step computes for its readers of one input: linear's weight is [out, in],
+# the others' [in, out] (GPT-2's Conv1D is an addmm; `x @ W` an mm or matmul)
+PROJECTIONS = {
+    "linear": Projection(lambda x, w, b: torch.ops.aten.linear.default(x, w, b), False, 0, 1, 2),
+    "addmm": Projection(lambda x, w, b: torch.ops.aten.addmm.default(b, x, w), True, 1, 2, 0),
+    "mm": Projection(lambda x, w, b: torch.ops.aten.mm.default(x, w), True, 0, 1, None),
+    "matmul": Projection(lambda x, w, b: torch.ops.aten.matmul.default(x, w), True, 0, 1, None),
+}
+
+
+class ColumnParallelLinears(torch.autograd.Function):
+    """f (or SP's g), then linears of its value. Backward: the input's gradient (summed over the linears)
+    first, its all-reduce (or reduce-scatter) issued asynchronously, the weights' and biases' gradients
+    computed meanwhile, then waited on."""
+
+    @staticmethod
+    def forward(ctx, x, rt, axes, how, *weights_and_biases):
+        weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
+        ctx.rt, ctx.axes, ctx.how, ctx.has_bias = rt, axes, how, [b is not None for b in biases]
+        gather_dim, blocks, projection = how
+        if gather_dim is not None:
+            x = rt._all_gather(x, axes[0], gather_dim, "forward", blocks)
+        ctx.save_for_backward(x, *weights)
+        return tuple(projection.compute(x, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        rt = ctx.rt
+        gather_dim, blocks, projection = ctx.how
+        grad_x, work, result = None, None, None
+        products = [(grad.reshape(-1, grad.shape[-1]), weight.t() if projection.weight_in_out else weight)
+                    for grad, weight in zip(grads, weights) if grad is not None]
+        if ctx.needs_input_grad[0] and products:
+            # summed by the products themselves (addmm's beta = 1), straight into memory the collective's
+            # peers read: no separate adds, and no copy when the collective starts
+            grad_x = rt.collective_input(ctx.axes[0], x.shape, like=x)
+            rows_of_grad_x = grad_x.view(-1, x.shape[-1])
+            torch.mm(*products[0], out=rows_of_grad_x)
+            for grad_rows, factor in products[1:]:
+                rows_of_grad_x.addmm_(grad_rows, factor)
+            if gather_dim is not None:
+                work, result = rt._reduce_scatter_started(grad_x, ctx.axes[0], gather_dim, "backward", blocks)
+            else:
+                work, result = rt._all_reduce_started(grad_x, ctx.axes[0], "backward")
+        rows = x.reshape(-1, x.shape[-1])
+        parameter_grads = []
+        for index, (grad, has_bias) in enumerate(zip(grads, ctx.has_bias)):
+            grad_w = grad_b = None
+            if grad is not None:
+                grad_rows = grad.reshape(-1, grad.shape[-1])
+                if ctx.needs_input_grad[4 + 2 * index]:
+                    grad_w = rows.t().matmul(grad_rows) if projection.weight_in_out else grad_rows.t().matmul(rows)
+                if has_bias and ctx.needs_input_grad[5 + 2 * index]:
+                    grad_b = grad_rows.sum(0)
+            parameter_grads += [grad_w, grad_b]
+        if work is not None:
+            work.wait()
+        if result is not None:
+            grad_x = result()
+        for axis in ctx.axes[1:]:
+            if grad_x is not None:
+                grad_x = rt._all_reduce(grad_x, axis, "backward")
+        return (grad_x, None, None, None, *parameter_grads)
+
+
+class RMSNorm(torch.autograd.Function):
+    """On a CPU, in float32 or float64 with no cast: numba's fused kernels (pardsl/runtime/kernels.py), one pass per
+    row each way; they keep x and r. Otherwise the ops the model's chain runs forward (pow, mean, add,
+    rsqrt, mul, to, mul), so the same bits, keeping n = x·r and r; backward, the weight's gradient
+    Σ g·n.to(dtype) over every dim but the last, and, with m = (g·w) in x's dtype, x's r·(m − n·mean(m·n)):
+    what autograd's ops through the chain add up to (the weight's the same ops, so the same bits)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, dtype):
+        ctx.dtype = dtype
+        ctx.fused = kernels.rms_norm_fits(x, weight, dtype)
+        if ctx.fused:
+            out, rows, r = kernels.rms_norm_forward(x, weight, eps)
+            ctx.save_for_backward(rows, r, weight)
+            return out
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
+        normed = x * r
+        ctx.save_for_backward(normed, r, weight)
+        return weight * normed.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fused:
+            rows, r, weight = ctx.saved_tensors
+            grad_x, grad_weight = kernels.rms_norm_backward(grad, rows, r, weight, ctx.needs_input_grad[1])
+            return grad_x, grad_weight, None, None
+        normed, r, weight = ctx.saved_tensors
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed.to(ctx.dtype)).sum(tuple(range(grad.dim() - 1)))
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_normed = (grad * weight).to(normed.dtype)
+            # addcmul_ takes n·mean(m·n) from m in the one pass, where sub_ would need the product made first
+            grad_x = grad_normed.addcmul_(normed, (grad_normed * normed).mean(-1, keepdim=True), value=-1).mul_(r)
+        return grad_x, grad_weight, None, None
+
+
+class Rotary(torch.autograd.Function):
+    """Forward x·cos, then, of its halves along the last dim, x₂·sin₁ taken from the first and x₁·sin₂ added
+    to the second: the chain's products and two-term sums (a − b is a + (−b) exactly), so its bits, with no
+    cat. Backward, gx = g·cos with g₂·sin₂ added to its first half and g₁·sin₁ taken from its second: what
+    autograd adds up through the chain's muls, cat, neg and slices (zero-filled parts add nothing)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        learned_tables = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        # constant tables on a CPU: numba's kernel (pardsl/runtime/kernels.py), one pass, the same bits
+        ctx.kernel = not learned_tables and kernels.rotary_fits(x, cos, sin)
+        if ctx.kernel:
+            ctx.save_for_backward(None, cos, sin)
+            return kernels.rotary_forward(x, cos, sin)
+        h = x.shape[-1] // 2
+        rotated = x * cos
+        rotated[..., :h].sub_(x[..., h:] * _half(sin, 0, h))
+        rotated[..., h:].add_(x[..., :h] * _half(sin, 1, h))
+        # x only where a table needs a gradient: what the chain's muls keep
+        ctx.save_for_backward(x if learned_tables else None, cos, sin)
+        ctx.x_shape = x.shape  # smaller than the result's where x broadcasts against the tables
+        return rotated
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, cos, sin = ctx.saved_tensors
+        if ctx.kernel:
+            return kernels.rotary_backward(grad, cos, sin) if ctx.needs_input_grad[0] else None, None, None
+        h = grad.shape[-1] // 2
+        grad_x = grad_cos = grad_sin = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad * cos
+            grad_x[..., :h].add_(grad[..., h:] * _half(sin, 1, h))
+            grad_x[..., h:].sub_(grad[..., :h] * _half(sin, 0, h))
+            grad_x = grad_x.sum_to_size(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_cos = (grad * x).sum_to_size(cos.shape)
+        if ctx.needs_input_grad[2]:
+            grad_sin = (grad * torch.cat([-x[..., h:], x[..., :h]], -1)).sum_to_size(sin.shape)
+        return grad_x, grad_cos, grad_sin
+
+
+def _half(table: torch.Tensor, which: int, h: int) -> torch.Tensor:
+    """Half `which` of a table along its last dim, or the table itself where that dim broadcasts (size 1)."""
+    return table if table.shape[-1] == 1 else table[..., which * h:(which + 1) * h]
+
+
+class ClassSplitCrossEntropy(torch.autograd.Function):
+    """Per row, the cross-entropy of logits whose class dim (1) is split over `axes` (Runtime.cross_entropy).
+
+    A max and a sum of exps do not add up across ranks, so Megatron all-reduces the max first and the sums
+    below it second. Here each rank sends its own (max m, sum of exps below m, target logit, logit sum) in
+    one all-gather per axis, and every rank combines them alike: the max M of the m, and Σ s·exp(m − M).
+    One latency instead of two, and on two ranks the same bytes. Statistics are kept in float32 at least.
+    Backward needs no communication: softmax (saved in forward) minus the smoothed one-hot."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, rt, axes):
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        classes = wide.shape[1]
+        local_target = target - rt._chunk(axes) * classes
+        held = (local_target >= 0) & (local_target < classes)
+        index = local_target.clamp(0, classes - 1).unsqueeze(1)
+        local_max = wide.amax(dim=1)
+        exps = (wide - local_max.unsqueeze(1)).exp()
+        stats = [local_max, exps.sum(dim=1), wide.gather(1, index).squeeze(1).masked_fill(~held, 0.0)]
+        if label_smoothing:
+            stats.append(wide.sum(dim=1))
+        stats = torch.stack(stats)
+        for axis in axes:
+            every = rt._all_gather(stats.unsqueeze(0), axis, 0, "forward")  # [ranks, statistic, rows...]
+            top = every[:, 0].amax(dim=0)
+            total = (every[:, 1] * (every[:, 0] - top).exp()).sum(dim=0)
+            stats = torch.cat([torch.stack([top, total]), every[:, 2:].sum(dim=0)])
+        top, total = stats[0], stats[1]
+        all_classes = classes * math.prod(rt.size[a] for a in axes)
+        losses = total.log() + top - (1.0 - label_smoothing) * stats[2]
+        if label_smoothing:
+            losses = losses - label_smoothing * stats[3] / all_classes
+        ignored = target == ignore_index
+        softmax = exps.mul_(((local_max - top).exp() / total).unsqueeze(1))
+        ctx.save_for_backward(softmax, index, held, ignored)
+        ctx.smoothing, ctx.all_classes, ctx.dtype = label_smoothing, all_classes, logits.dtype
+        return losses.masked_fill(ignored, 0.0).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, held, ignored = ctx.saved_tensors
+        grad_logits = softmax - ctx.smoothing / ctx.all_classes if ctx.smoothing else softmax.clone()
+        grad_logits.scatter_add_(1, index, held.unsqueeze(1).to(softmax.dtype) * -(1.0 - ctx.smoothing))
+        grad_logits.mul_(grad.to(softmax.dtype).masked_fill(ignored, 0.0).unsqueeze(1))
+        return grad_logits.to(ctx.dtype), None, None, None, None, None
+
+
+class SyncBatchNorm(torch.autograd.Function):
+    """Batch norm over a batch split across ranks (Runtime.batch_norm). The weight's and bias's gradients
+    are this rank's share (the plan all-reduces them, as every B parameter read by split data)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, rt, axes):
+        reduced = [0, *range(2, x.dim())]
+        per_channel = (1, -1) + (1,) * (x.dim() - 2)
+        count = x.numel() // x.shape[1]
+        local_mean = x.mean(reduced)
+        centered = (x - local_mean.view(per_channel)).square().sum(reduced)
+        local_mean = local_mean.double()
+        stats = torch.cat([local_mean * count, centered.double() + count * local_mean.square()])
+        for axis in axes:
+            stats = rt._all_reduce(stats, axis, "forward")
+        # every rank holds as many rows (the plan splits the batch evenly): the total is known here, and
+        # reading it back from the device would stall the host on CUDA
+        channels, total = x.shape[1], float(count * math.prod(rt.size[axis] for axis in axes))
+        mean = stats[:channels] / total
+        variance = (stats[channels:2 * channels] / total - mean.square()).clamp_min(0.0)
+        invstd = (variance + eps).rsqrt().to(x.dtype)
+        xhat = (x - mean.to(x.dtype).view(per_channel)) * invstd.view(per_channel)
+        y = xhat if weight is None else xhat * weight.view(per_channel)
+        if bias is not None:
+            y = y + bias.view(per_channel)
+        with torch.no_grad():
+            if running_mean is not None:
+                running_mean.mul_(1.0 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            if running_var is not None:
+                unbiased = variance * (total / max(total - 1.0, 1.0))
+                running_var.mul_(1.0 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        ctx.save_for_backward(xhat, weight, invstd)
+        ctx.rt, ctx.axes, ctx.total, ctx.reduced, ctx.per_channel = rt, axes, total, reduced, per_channel
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        xhat, weight, invstd = ctx.saved_tensors
+        grad_bias = grad.sum(ctx.reduced)
+        grad_weight = (grad * xhat).sum(ctx.reduced)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            sums = torch.cat([grad_bias, grad_weight])
+            for axis in ctx.axes:
+                sums = ctx.rt._all_reduce(sums, axis, "backward")
+            channels = grad_bias.shape[0]
+            mean_grad = (sums[:channels] / ctx.total).view(ctx.per_channel)
+            mean_grad_xhat = (sums[channels:] / ctx.total).view(ctx.per_channel)
+            scale = invstd if weight is None else invstd * weight
+            grad_x = (grad - mean_grad - xhat * mean_grad_xhat) * scale.view(ctx.per_channel)
+        return (grad_x, grad_weight if weight is not None else None, grad_bias if ctx.needs_input_grad[2] else None,
+                None, None, None, None, None, None)
+
+
+class SplitLayerNorm(torch.autograd.Function):
+    """Layer norm over a last dim split across ranks (Runtime.layer_norm). Half-precision inputs are
+    normalised in float32 and the result cast back, as aten's layer norm accumulates."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rt, axes):
+        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        count = x.shape[-1] * math.prod(rt.size[a] for a in axes)
+        local_mean = wide.mean(-1)
+        centered = (wide - local_mean.unsqueeze(-1)).square().sum(-1)
+        local_mean = local_mean.double()
+        # this rank's sum and sum of squares per row, the latter from its centered one (less cancellation)
+        stats = torch.stack([local_mean * x.shape[-1], centered.double() + x.shape[-1] * local_mean.square()])
+        for axis in axes:
+            stats = rt._all_reduce(stats, axis, "forward")
+        mean = stats[0] / count
+        variance = (stats[1] / count - mean.square()).clamp_min(0.0)
+        rstd = (variance + eps).rsqrt().to(wide.dtype).unsqueeze(-1)
+        xhat = (wide - mean.to(wide.dtype).unsqueeze(-1)) * rstd
+        y = xhat if weight is None else xhat * weight.to(wide.dtype)
+        if bias is not None:
+            y = y + bias.to(wide.dtype)
+        ctx.save_for_backward(xhat, weight, rstd)
+        ctx.rt, ctx.axes, ctx.count, ctx.has_bias = rt, axes, count, bias is not None
+        ctx.dtypes = (x.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xhat, weight, rstd = ctx.saved_tensors
+        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        grad = grad.to(xhat.dtype)
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_bias = grad_x = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (rows * xhat.reshape(rows.shape)).sum(0).to(weight_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0).to(bias_dtype)
+        if ctx.needs_input_grad[0]:
+            scaled = grad if weight is None else grad * weight.to(xhat.dtype)
+            sums = torch.stack([scaled.sum(-1), (scaled * xhat).sum(-1)])
+            for axis in ctx.axes:
+                sums = ctx.rt._all_reduce(sums, axis, "backward")
+            grad_x = (scaled - (sums[0] / ctx.count).unsqueeze(-1) - xhat * (sums[1] / ctx.count).unsqueeze(-1)) * rstd
+            grad_x = grad_x.to(x_dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None
