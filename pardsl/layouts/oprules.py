@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import operator
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -589,251 +589,341 @@ def _whole_slice(node: torch.fx.Node) -> bool:
     return start in (None, 0) and (end is None or (isinstance(end, int) and end >= 2 ** 62)) and step == 1
 
 
+@dataclass
+class _Draft:
+    """A node's letters as its family's function finds them: what dim_spec makes its DimSpec of."""
+
+    operand_letters: list = field(default_factory=list)
+    output: tuple = ()
+    unsplittable: set = field(default_factory=set)
+    contractible: bool = True
+    affine: bool = False
+    fixed_size: frozenset | None = None
+    cut: tuple | None = None
+    sums_contraction: bool | None = None
+    extra: tuple = ()
+
+
 def dim_spec(node: torch.fx.Node, rule: Rule) -> DimSpec:
+    """The letters of a node's operands and result under its rule: its family's function
+    (_LETTERS_OF_FAMILY) at the node's concrete shapes."""
     operands = tensor_operands(node)
     shapes = [_shape(o) for o in operands]
     out_shape = _shape(node)
-    unsplittable: set[str] = set()
-    contractible = True
-    affine = False
-    fixed_size = None
-    cut = None
-    sums_contraction = None
-    extra = ()
-    fresh = _LETTERS
-
     if rule.family == "check":
         return DimSpec((), (), "none", (), ())
     if rule.family == "whole":  # every dim of every tensor its own letter, none ever split: B in, B out
-        letters = iter(fresh)
+        letters = iter(_LETTERS)
         operand_letters = [tuple(next(letters) for _ in shape) for shape in shapes]
         output = tuple(next(letters) for _ in out_shape)
         return DimSpec(tuple(operand_letters), output, "none", (), (),
                        frozenset(l for ls in (*operand_letters, output) for l in ls))
-    if rule.family in ("einsum", "matmul"):
-        spec = rule.spec if rule.family == "einsum" else _matmul_spec(len(shapes[0]), len(shapes[1]))
-        operand_letters, output = _einsum(spec, shapes, out_shape)
-        unsplittable |= set(rule.unsplittable)
-    elif rule.family == "source":
-        # an operand (new_ones' self) only lends dtype and device
-        operand_letters, output = [(None,) * len(s) for s in shapes], tuple(fresh[: len(out_shape)])
-        unsplittable |= set(output)
-    elif rule.family == "gather":
-        index_letters = tuple(fresh[: len(shapes[1])])
-        dim = call_arg(node, rule.dim_arg, "dim") % len(shapes[1])
-        x_letters = tuple(letter if d != dim and shapes[0][d] == shapes[1][d] else fresh[-1 - d]
-                          for d, letter in enumerate(index_letters))
-        operand_letters, output = [x_letters, index_letters], index_letters
-        unsplittable |= {index_letters[dim]} | (set(x_letters) - set(index_letters))
-    elif rule.family == "index":
-        operand_letters, output, whole = _index_letters(node, shapes, out_shape)
-        unsplittable |= whole
-    elif rule.family == "project":
-        operand_letters, output = [tuple(fresh[: len(out_shape)])], tuple(fresh[: len(out_shape)])
-    elif rule.family == "cut":
-        in_letters = tuple(fresh[: len(shapes[0])])
-        dim = call_arg(node, rule.dim_arg, "dim", rule.dim_default) % len(shapes[0])
-        if not _whole_slice(node):  # `x[:, None]` exports a slice of all of dim 0: it commutes with a split
-            unsplittable.add(in_letters[dim])
-        operand_letters, output = [in_letters for _ in shapes], in_letters
-        parts = _equal_parts(node, dim, shapes[0][dim])
-        cut = (in_letters[dim], parts) if parts else None
-        if rule.joins and len(shapes) > 1 and len({shape[dim] for shape in shapes}) == 1:
-            # each rank's chunks of the m parts, side by side, are its chunk of each of m blocks
-            extra = (Signature(tuple(S(dim) for _ in shapes), S(dim, len(shapes)), in_letters[dim]),)
-    elif rule.family == "loss":
-        in_letters = tuple(fresh[: len(shapes[0])])
-        classes, batch = in_letters[1], in_letters[:1] + in_letters[2:]
-        operand_letters = [in_letters, batch] + [(classes,)] * (len(shapes) - 2)  # an optional class weight
-        unsplittable.add(classes)
-        reduction = call_arg(node, rule.dim_arg, "reduction", 1)
-        output = batch if reduction == 0 else ()
-        if reduction == 1:
-            unsplittable |= set(batch)
-        sums_contraction = reduction == 2
-        if rule.parallel_form and len(shapes) == 2:  # no class weight
-            smoothing = call_arg(node, 5, "label_smoothing", 0.0) != 0.0
-            # per row, each rank's max, sum of exps below it, target logit (and logit sum) in one all-gather,
-            # in float32 at least: every rank combines them alike (Megatron all-reduces the max first, then
-            # the sums: two latencies where this takes one, and as many bytes on two ranks)
-            extra = (Signature((S(1), B), B, classes, name="classes", inner_collectives=(
-                InnerCollective(4 if smoothing else 3, what="max, sum of exps and target logit per row",
-                                min_itemsize=4, kind="all_gather"),)),)
-            if reduction == 1:  # the local sum over the global count of counted targets: a partial mean
-                # (the count in float32 at least: a half-precision one is exact only up to 256 targets)
-                extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), P, letter,
-                                         name="counts", inner_collectives=(
-                                             InnerCollective(0, 1, what="count of targets", min_itemsize=4),))
-                               for letter in batch)
-                # or the mean itself, where it is wanted whole: the local sum and count in one all-reduce
-                # (one latency where the partial mean and its all-reduce take two), reduced in float32 at least
-                extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), B, letter,
-                                         name="mean", inner_collectives=(
-                                             InnerCollective(0, 2, what="sum and count of targets",
-                                                            min_itemsize=4),))
-                               for letter in batch)
-    elif rule.family == "pad":
-        in_letters = tuple(fresh[: len(shapes[0])])
-        amounts = call_arg(node, 1, "pad")  # (before, after) pairs from the last dim backwards
-        unsplittable |= {in_letters[-1 - i // 2] for i, amount in enumerate(amounts) if amount}
-        operand_letters, output = [in_letters], in_letters
-        affine = call_arg(node, rule.fill_arg, "value", 0) not in (None, 0, 0.0)
-    elif rule.family == "select":
-        in_letters = tuple(fresh[: len(shapes[0])])
-        dim = call_arg(node, rule.dim_arg, "dim", 0) % len(shapes[0])
-        unsplittable.add(in_letters[dim])
-        operand_letters, output = [in_letters], in_letters[:dim] + in_letters[dim + 1:]
-    elif rule.family == "expand":
-        operand_letters = _broadcast_letters(shapes, out_shape, fresh)
-        output = tuple(fresh[: len(out_shape)])
-    elif rule.family == "attention":
-        # q [..., h, s, d], k [..., h_kv, t, d], v [..., h_kv, t, e] → [..., h, s, e]; an optional mask
-        # broadcasts to [..., h, s, t]. Grouped-query heads split with the query heads: chunk r of the
-        # query heads reads chunk r of the key/value heads.
-        batch = tuple(fresh[: len(shapes[0]) - 3])
-        q, k, v = batch + ("H", "S", "D"), batch + ("H", "T", "D"), batch + ("H", "T", "E")
-        operand_letters = [q, k, v]
-        if len(shapes) > 3:
-            [mask] = _broadcast_letters([shapes[3]], out_shape[:-1] + (shapes[1][-2],), batch + ("H", "S", "T"))
-            operand_letters.append(mask)
-        output = batch + ("H", "S", "E")
-        unsplittable |= {"S", "T", "D", "E"}
-    elif rule.family == "conv":
-        # x [n, c, *in], weight [o, c/groups, *kernel], bias [o] → [n, o, *out]; x may lack the batch dim
-        k = len(shapes[1]) - 2
-        batch = ("n",) if len(shapes[0]) == k + 2 else ()
-        grouped = call_arg(node, rule.groups_arg, "groups", 1) != 1
-        inner = "g" if grouped else "c"
-        spatial_in, kernel, spatial_out = tuple("pqr"[:k]), tuple("uvw"[:k]), tuple("xyz"[:k])
-        operand_letters = [batch + ("c",) + spatial_in, ("o", inner) + kernel, ("o",)][: len(shapes)]
-        output = batch + ("o",) + spatial_out
-        unsplittable |= set(spatial_in + kernel + spatial_out) | ({"c", "g", "o"} if grouped else set())
-    elif rule.family == "window":
-        rank = len(shapes[0])
-        leading = tuple(fresh[: rank - rule.spatial])
-        spatial_in, spatial_out = tuple("pqr"[: rule.spatial]), tuple("xyz"[: rule.spatial])
-        operand_letters, output = [leading + spatial_in], leading + spatial_out
-        unsplittable |= set(spatial_in + spatial_out)
-    elif rule.family in ("batch_norm", "group_norm"):
-        # x [n, c, *spatial]; weight, bias (and batch norm's running mean and variance) [c]
-        rank = len(shapes[0])
-        x_letters = ("n", "c") + tuple("pqr"[: rank - 2])
-        operand_letters, output = [x_letters] + [("c",)] * (len(shapes) - 1), x_letters
-        if rule.family == "group_norm":
-            unsplittable |= set(x_letters) - {"n"}
-        elif call_arg(node, rule.training_arg, "training", False):
-            unsplittable |= set(x_letters) - {"c"}
-            # per channel (the rank's own, where another axis splits them): the sum and the centered sum of
-            # squares, and the count, in float64; backward: the sums of the gradient and of it times x̂
-            extra = (Signature((S(0),) + (B,) * (len(shapes) - 1), S(0), "n", name="batch", inner_collectives=(
-                InnerCollective(0, 0, (1, 2), "batch statistics per channel", itemsize=8),
-                InnerCollective(0, 0, (1, 2), "gradient sums per channel", phase="backward"))),)
-        else:  # eval: running statistics, nothing to reduce
-            unsplittable |= set(x_letters) - {"c", "n"}
-    elif rule.family == "along":
-        rank = len(shapes[0])
-        x_letters = tuple(fresh[: rank])
-        dim = call_arg(node, rule.dim_arg, "dim", rule.dim_default)
-        # one dim, or a list of them (flip's, roll's); roll without dims shifts the flattened tensor
-        along = set(range(rank)) if dim in ([], ()) else \
-            {d % rank for d in (dim if isinstance(dim, (list, tuple)) else [dim])}
-        spare = iter("KLMNOPQRSTUVWXYZ")
-        operand_letters = [x_letters] + [
-            tuple(x_letters[d] if d not in along and len(shape) == rank and shape[d] == shapes[0][d] else next(spare)
-                  for d in range(len(shape)))
-            for shape in shapes[1:]]
-        output = tuple("J" if d in along and rule.resized else letter for d, letter in enumerate(x_letters))
-        unsplittable |= {x_letters[d] for d in along} | {"J"} | \
-            {l for letters in operand_letters for l in letters if l not in x_letters}
-    elif rule.family == "index_put":
-        rank = len(shapes[0])
-        x_letters = tuple(fresh[: rank])
-        indexed = {d for d, index in enumerate(node.args[1]) if index is not None}
-        spare = iter("KLMNOPQRSTUVWXYZ")
-        *index_shapes, values_shape = shapes[1:]
-        values = [next(spare) for _ in values_shape]
-        for back in range(1, min(len(values_shape), rank) + 1):  # right-aligned, as values broadcast
-            d = rank - back
-            if d in indexed or values_shape[-back] != shapes[0][d]:
-                break
-            values[-back] = x_letters[d]
-        operand_letters = [x_letters] + [tuple(next(spare) for _ in shape) for shape in index_shapes] + [tuple(values)]
-        output = x_letters
-        unsplittable |= {x_letters[d] for d in indexed} | {l for letters in operand_letters[1:] for l in letters
-                                                           if l not in x_letters}
-    elif rule.family == "one_hot":
-        operand_letters = [tuple(fresh[: len(shapes[0])])]
-        output = operand_letters[0] + ("J",)
-        unsplittable.add("J")
-    elif rule.family == "histogram":
-        operand_letters, output = [tuple(fresh[: len(shapes[0])])], ("J",)
-        unsplittable.add("J")
-        sums_contraction = True
-    elif rule.family == "elementwise":
-        operand_letters = _broadcast_letters(shapes, out_shape, fresh)
-        output = tuple(fresh[: len(out_shape)])
-        scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
-        affine = rule.linear == "sum" and bool(scalars) and any(s != 0 for s in scalars)
-        unsplittable |= {output[d] for d in rule.whole_dims if -len(output) <= d < len(output)}
-    elif rule.family == "reduce":
-        in_letters = tuple(fresh[: len(shapes[0])])
-        dims = call_arg(node, rule.dim_arg, "dim") if rule.dim_arg is not None else None
-        rank = len(shapes[0])
-        reduced = set(range(rank)) if dims in (None, []) else {d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
-        keepdim = bool(call_arg(node, rule.keepdim_arg, "keepdim", False)) if rule.keepdim_arg is not None else False
-        output = tuple(None if d in reduced else in_letters[d] for d in range(rank)) if keepdim else \
-            tuple(in_letters[d] for d in range(rank) if d not in reduced)
-        operand_letters = [in_letters]
-        if rule.unsplittable_reduce:
-            unsplittable |= {in_letters[d] for d in reduced}
-    elif rule.family == "normalize":
-        in_letters = tuple(fresh[: len(shapes[0])])
-        rank = len(shapes[0])
-        arg = call_arg(node, rule.dim_arg, "dim")
-        if isinstance(arg, (list, tuple)):  # layer_norm's normalized_shape: the trailing dims
-            normalized = list(range(rank - len(arg), rank))
-        else:
-            normalized = [arg % rank]
-        unsplittable |= {in_letters[d] for d in normalized}
-        trailing = tuple(in_letters[d] for d in normalized)
-        operand_letters = [in_letters] + [trailing for _ in shapes[1:]]
-        output = in_letters
-        if rule.parallel_form and len(normalized) == 1:
-            # x split along the normalised dim, weight and bias alike: per row, one all-reduce of its sum
-            # and sum of squares (float64) forward, one of the gradient's two sums backward
-            dim = normalized[0]
-            extra = (Signature((S(dim),) + (S(0),) * (len(shapes) - 1), S(dim), trailing[0], name="features",
-                               inner_collectives=(
-                                   InnerCollective(2, what="sum and sum of squares per row", itemsize=8),
-                                   InnerCollective(2, what="gradient sums per row", phase="backward",
-                                                  min_itemsize=4))),)
+    draft = _Draft()
+    _LETTERS_OF_FAMILY[rule.family](node, rule, shapes, out_shape, draft)
+    return DimSpec(tuple(draft.operand_letters), tuple(draft.output), rule.linear, rule.linear_operands,
+                   tuple(a for a in rule.addends if a < len(operands)), frozenset(draft.unsplittable),
+                   draft.contractible, draft.affine, fixed_size=draft.fixed_size, cut=draft.cut,
+                   sums_contraction=draft.sums_contraction, extra=draft.extra)
 
-    elif rule.family == "reshape":
-        in_letters, output, unsplittable = _reshape_letters(shapes[0], out_shape)
-        operand_letters = [in_letters]
-        contractible = False
-        fixed_size = frozenset(l for i, l in enumerate(in_letters)
-                               if l is not None and l in output and shapes[0][i] == out_shape[output.index(l)])
-    elif rule.family == "permute":
-        in_letters = tuple(fresh[: len(shapes[0])])
-        rank = len(shapes[0])
-        if node.target is aten.transpose.int:
-            d0, d1 = node.args[1] % rank, node.args[2] % rank
-            order = list(range(rank))
-            order[d0], order[d1] = order[d1], order[d0]
-        elif node.target is aten.t.default:
-            order = list(reversed(range(rank)))
-        else:
-            order = [d % rank for d in node.args[1]]
-        operand_letters = [in_letters]
-        output = tuple(in_letters[d] for d in order)
-    else:  # pragma: no cover - RULES only names the families above
-        raise AssertionError(rule.family)
 
-    return DimSpec(tuple(operand_letters), tuple(output), rule.linear, rule.linear_operands,
-                   tuple(a for a in rule.addends if a < len(operands)), frozenset(unsplittable),
-                   contractible, affine, fixed_size=fixed_size, cut=cut, sums_contraction=sums_contraction,
-                   extra=extra)
+# One function per rule family: each fills a _Draft with the letters of the node's operands and result,
+# the letters no split may take, and the parallel forms (extra signatures) the family offers.
+
+
+def _letters_products(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    spec = rule.spec if rule.family == "einsum" else _matmul_spec(len(shapes[0]), len(shapes[1]))
+    draft.operand_letters, draft.output = _einsum(spec, shapes, out_shape)
+    draft.unsplittable |= set(rule.unsplittable)
+
+
+def _letters_source(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    # an operand (new_ones' self) only lends dtype and device
+    draft.operand_letters, draft.output = [(None,) * len(s) for s in shapes], tuple(_LETTERS[: len(out_shape)])
+    draft.unsplittable |= set(draft.output)
+
+
+def _letters_gather(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    index_letters = tuple(_LETTERS[: len(shapes[1])])
+    dim = call_arg(node, rule.dim_arg, "dim") % len(shapes[1])
+    x_letters = tuple(letter if d != dim and shapes[0][d] == shapes[1][d] else _LETTERS[-1 - d]
+                      for d, letter in enumerate(index_letters))
+    draft.operand_letters, draft.output = [x_letters, index_letters], index_letters
+    draft.unsplittable |= {index_letters[dim]} | (set(x_letters) - set(index_letters))
+
+
+def _letters_index(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    draft.operand_letters, draft.output, whole = _index_letters(node, shapes, out_shape)
+    draft.unsplittable |= whole
+
+
+def _letters_project(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    draft.operand_letters, draft.output = [tuple(_LETTERS[: len(out_shape)])], tuple(_LETTERS[: len(out_shape)])
+
+
+def _letters_cut(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    in_letters = tuple(_LETTERS[: len(shapes[0])])
+    dim = call_arg(node, rule.dim_arg, "dim", rule.dim_default) % len(shapes[0])
+    if not _whole_slice(node):  # `x[:, None]` exports a slice of all of dim 0: it commutes with a split
+        draft.unsplittable.add(in_letters[dim])
+    draft.operand_letters, draft.output = [in_letters for _ in shapes], in_letters
+    parts = _equal_parts(node, dim, shapes[0][dim])
+    draft.cut = (in_letters[dim], parts) if parts else None
+    if rule.joins and len(shapes) > 1 and len({shape[dim] for shape in shapes}) == 1:
+        # each rank's chunks of the m parts, side by side, are its chunk of each of m blocks
+        draft.extra = (Signature(tuple(S(dim) for _ in shapes), S(dim, len(shapes)), in_letters[dim]),)
+
+
+def _letters_loss(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    in_letters = tuple(_LETTERS[: len(shapes[0])])
+    classes, batch = in_letters[1], in_letters[:1] + in_letters[2:]
+    draft.operand_letters = [in_letters, batch] + [(classes,)] * (len(shapes) - 2)  # an optional class weight
+    draft.unsplittable.add(classes)
+    reduction = call_arg(node, rule.dim_arg, "reduction", 1)
+    draft.output = batch if reduction == 0 else ()
+    if reduction == 1:
+        draft.unsplittable |= set(batch)
+    draft.sums_contraction = reduction == 2
+    if rule.parallel_form and len(shapes) == 2:  # no class weight
+        smoothing = call_arg(node, 5, "label_smoothing", 0.0) != 0.0
+        # per row, each rank's max, sum of exps below it, target logit (and logit sum) in one all-gather,
+        # in float32 at least: every rank combines them alike (Megatron all-reduces the max first, then
+        # the sums: two latencies where this takes one, and as many bytes on two ranks)
+        draft.extra = (Signature((S(1), B), B, classes, name="classes", inner_collectives=(
+            InnerCollective(4 if smoothing else 3, what="max, sum of exps and target logit per row",
+                            min_itemsize=4, kind="all_gather"),)),)
+        if reduction == 1:  # the local sum over the global count of counted targets: a partial mean
+            # (the count in float32 at least: a half-precision one is exact only up to 256 targets)
+            draft.extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), P, letter,
+                                     name="counts", inner_collectives=(
+                                         InnerCollective(0, 1, what="count of targets", min_itemsize=4),))
+                           for letter in batch)
+            # or the mean itself, where it is wanted whole: the local sum and count in one all-reduce
+            # (one latency where the partial mean and its all-reduce take two), reduced in float32 at least
+            draft.extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), B, letter,
+                                     name="mean", inner_collectives=(
+                                         InnerCollective(0, 2, what="sum and count of targets",
+                                                        min_itemsize=4),))
+                           for letter in batch)
+
+
+def _letters_pad(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    in_letters = tuple(_LETTERS[: len(shapes[0])])
+    amounts = call_arg(node, 1, "pad")  # (before, after) pairs from the last dim backwards
+    draft.unsplittable |= {in_letters[-1 - i // 2] for i, amount in enumerate(amounts) if amount}
+    draft.operand_letters, draft.output = [in_letters], in_letters
+    draft.affine = call_arg(node, rule.fill_arg, "value", 0) not in (None, 0, 0.0)
+
+
+def _letters_select(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    in_letters = tuple(_LETTERS[: len(shapes[0])])
+    dim = call_arg(node, rule.dim_arg, "dim", 0) % len(shapes[0])
+    draft.unsplittable.add(in_letters[dim])
+    draft.operand_letters, draft.output = [in_letters], in_letters[:dim] + in_letters[dim + 1:]
+
+
+def _letters_expand(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    draft.operand_letters = _broadcast_letters(shapes, out_shape, _LETTERS)
+    draft.output = tuple(_LETTERS[: len(out_shape)])
+
+
+def _letters_attention(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    # q [..., h, s, d], k [..., h_kv, t, d], v [..., h_kv, t, e] → [..., h, s, e]; an optional mask
+    # broadcasts to [..., h, s, t]. Grouped-query heads split with the query heads: chunk r of the
+    # query heads reads chunk r of the key/value heads.
+    batch = tuple(_LETTERS[: len(shapes[0]) - 3])
+    q, k, v = batch + ("H", "S", "D"), batch + ("H", "T", "D"), batch + ("H", "T", "E")
+    draft.operand_letters = [q, k, v]
+    if len(shapes) > 3:
+        [mask] = _broadcast_letters([shapes[3]], out_shape[:-1] + (shapes[1][-2],), batch + ("H", "S", "T"))
+        draft.operand_letters.append(mask)
+    draft.output = batch + ("H", "S", "E")
+    draft.unsplittable |= {"S", "T", "D", "E"}
+
+
+def _letters_conv(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    # x [n, c, *in], weight [o, c/groups, *kernel], bias [o] → [n, o, *out]; x may lack the batch dim
+    k = len(shapes[1]) - 2
+    batch = ("n",) if len(shapes[0]) == k + 2 else ()
+    grouped = call_arg(node, rule.groups_arg, "groups", 1) != 1
+    inner = "g" if grouped else "c"
+    spatial_in, kernel, spatial_out = tuple("pqr"[:k]), tuple("uvw"[:k]), tuple("xyz"[:k])
+    draft.operand_letters = [batch + ("c",) + spatial_in, ("o", inner) + kernel, ("o",)][: len(shapes)]
+    draft.output = batch + ("o",) + spatial_out
+    draft.unsplittable |= set(spatial_in + kernel + spatial_out) | ({"c", "g", "o"} if grouped else set())
+
+
+def _letters_window(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    rank = len(shapes[0])
+    leading = tuple(_LETTERS[: rank - rule.spatial])
+    spatial_in, spatial_out = tuple("pqr"[: rule.spatial]), tuple("xyz"[: rule.spatial])
+    draft.operand_letters, draft.output = [leading + spatial_in], leading + spatial_out
+    draft.unsplittable |= set(spatial_in + spatial_out)
+
+
+def _letters_norm_over_channels(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    # x [n, c, *spatial]; weight, bias (and batch norm's running mean and variance) [c]
+    rank = len(shapes[0])
+    x_letters = ("n", "c") + tuple("pqr"[: rank - 2])
+    draft.operand_letters, draft.output = [x_letters] + [("c",)] * (len(shapes) - 1), x_letters
+    if rule.family == "group_norm":
+        draft.unsplittable |= set(x_letters) - {"n"}
+    elif call_arg(node, rule.training_arg, "training", False):
+        draft.unsplittable |= set(x_letters) - {"c"}
+        # per channel (the rank's own, where another axis splits them): the sum and the centered sum of
+        # squares, and the count, in float64; backward: the sums of the gradient and of it times x̂
+        draft.extra = (Signature((S(0),) + (B,) * (len(shapes) - 1), S(0), "n", name="batch", inner_collectives=(
+            InnerCollective(0, 0, (1, 2), "batch statistics per channel", itemsize=8),
+            InnerCollective(0, 0, (1, 2), "gradient sums per channel", phase="backward"))),)
+    else:  # eval: running statistics, nothing to reduce
+        draft.unsplittable |= set(x_letters) - {"c", "n"}
+
+
+def _letters_along(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    rank = len(shapes[0])
+    x_letters = tuple(_LETTERS[: rank])
+    dim = call_arg(node, rule.dim_arg, "dim", rule.dim_default)
+    # one dim, or a list of them (flip's, roll's); roll without dims shifts the flattened tensor
+    along = set(range(rank)) if dim in ([], ()) else \
+        {d % rank for d in (dim if isinstance(dim, (list, tuple)) else [dim])}
+    spare = iter("KLMNOPQRSTUVWXYZ")
+    draft.operand_letters = [x_letters] + [
+        tuple(x_letters[d] if d not in along and len(shape) == rank and shape[d] == shapes[0][d] else next(spare)
+              for d in range(len(shape)))
+        for shape in shapes[1:]]
+    draft.output = tuple("J" if d in along and rule.resized else letter for d, letter in enumerate(x_letters))
+    draft.unsplittable |= {x_letters[d] for d in along} | {"J"} | \
+        {l for letters in draft.operand_letters for l in letters if l not in x_letters}
+
+
+def _letters_index_put(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    rank = len(shapes[0])
+    x_letters = tuple(_LETTERS[: rank])
+    indexed = {d for d, index in enumerate(node.args[1]) if index is not None}
+    spare = iter("KLMNOPQRSTUVWXYZ")
+    *index_shapes, values_shape = shapes[1:]
+    values = [next(spare) for _ in values_shape]
+    for back in range(1, min(len(values_shape), rank) + 1):  # right-aligned, as values broadcast
+        d = rank - back
+        if d in indexed or values_shape[-back] != shapes[0][d]:
+            break
+        values[-back] = x_letters[d]
+    draft.operand_letters = [x_letters] + [tuple(next(spare) for _ in shape) for shape in index_shapes] + \
+        [tuple(values)]
+    draft.output = x_letters
+    draft.unsplittable |= {x_letters[d] for d in indexed} | {l for letters in draft.operand_letters[1:]
+                                                             for l in letters if l not in x_letters}
+
+
+def _letters_one_hot(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    draft.operand_letters = [tuple(_LETTERS[: len(shapes[0])])]
+    draft.output = draft.operand_letters[0] + ("J",)
+    draft.unsplittable.add("J")
+
+
+def _letters_histogram(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    draft.operand_letters, draft.output = [tuple(_LETTERS[: len(shapes[0])])], ("J",)
+    draft.unsplittable.add("J")
+    draft.sums_contraction = True
+
+
+def _letters_elementwise(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    draft.operand_letters = _broadcast_letters(shapes, out_shape, _LETTERS)
+    draft.output = tuple(_LETTERS[: len(out_shape)])
+    scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    draft.affine = rule.linear == "sum" and bool(scalars) and any(s != 0 for s in scalars)
+    draft.unsplittable |= {draft.output[d] for d in rule.whole_dims if -len(draft.output) <= d < len(draft.output)}
+
+
+def _letters_reduce(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    in_letters = tuple(_LETTERS[: len(shapes[0])])
+    dims = call_arg(node, rule.dim_arg, "dim") if rule.dim_arg is not None else None
+    rank = len(shapes[0])
+    reduced = set(range(rank)) if dims in (None, []) else \
+        {d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    keepdim = bool(call_arg(node, rule.keepdim_arg, "keepdim", False)) if rule.keepdim_arg is not None else False
+    draft.output = tuple(None if d in reduced else in_letters[d] for d in range(rank)) if keepdim else \
+        tuple(in_letters[d] for d in range(rank) if d not in reduced)
+    draft.operand_letters = [in_letters]
+    if rule.unsplittable_reduce:
+        draft.unsplittable |= {in_letters[d] for d in reduced}
+
+
+def _letters_normalize(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    in_letters = tuple(_LETTERS[: len(shapes[0])])
+    rank = len(shapes[0])
+    arg = call_arg(node, rule.dim_arg, "dim")
+    if isinstance(arg, (list, tuple)):  # layer_norm's normalized_shape: the trailing dims
+        normalized = list(range(rank - len(arg), rank))
+    else:
+        normalized = [arg % rank]
+    draft.unsplittable |= {in_letters[d] for d in normalized}
+    trailing = tuple(in_letters[d] for d in normalized)
+    draft.operand_letters = [in_letters] + [trailing for _ in shapes[1:]]
+    draft.output = in_letters
+    if rule.parallel_form and len(normalized) == 1:
+        # x split along the normalised dim, weight and bias alike: per row, one all-reduce of its sum
+        # and sum of squares (float64) forward, one of the gradient's two sums backward
+        dim = normalized[0]
+        draft.extra = (Signature((S(dim),) + (S(0),) * (len(shapes) - 1), S(dim), trailing[0], name="features",
+                           inner_collectives=(
+                               InnerCollective(2, what="sum and sum of squares per row", itemsize=8),
+                               InnerCollective(2, what="gradient sums per row", phase="backward",
+                                              min_itemsize=4))),)
+
+
+def _letters_reshape(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    in_letters, draft.output, draft.unsplittable = _reshape_letters(shapes[0], out_shape)
+    draft.operand_letters = [in_letters]
+    draft.contractible = False
+    draft.fixed_size = frozenset(l for i, l in enumerate(in_letters)
+                           if l is not None and l in draft.output and shapes[0][i] == out_shape[draft.output.index(l)])
+
+
+def _letters_permute(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    in_letters = tuple(_LETTERS[: len(shapes[0])])
+    rank = len(shapes[0])
+    if node.target is aten.transpose.int:
+        d0, d1 = node.args[1] % rank, node.args[2] % rank
+        order = list(range(rank))
+        order[d0], order[d1] = order[d1], order[d0]
+    elif node.target is aten.t.default:
+        order = list(reversed(range(rank)))
+    else:
+        order = [d % rank for d in node.args[1]]
+    draft.operand_letters = [in_letters]
+    draft.output = tuple(in_letters[d] for d in order)
+
+
+_LETTERS_OF_FAMILY = {
+    "einsum": _letters_products,
+    "matmul": _letters_products,
+    "source": _letters_source,
+    "gather": _letters_gather,
+    "index": _letters_index,
+    "project": _letters_project,
+    "cut": _letters_cut,
+    "loss": _letters_loss,
+    "pad": _letters_pad,
+    "select": _letters_select,
+    "expand": _letters_expand,
+    "attention": _letters_attention,
+    "conv": _letters_conv,
+    "window": _letters_window,
+    "batch_norm": _letters_norm_over_channels,
+    "group_norm": _letters_norm_over_channels,
+    "along": _letters_along,
+    "index_put": _letters_index_put,
+    "one_hot": _letters_one_hot,
+    "histogram": _letters_histogram,
+    "elementwise": _letters_elementwise,
+    "reduce": _letters_reduce,
+    "normalize": _letters_normalize,
+    "reshape": _letters_reshape,
+    "permute": _letters_permute,
+}
+# every family RULES names has its function (or is one of the two dim_spec answers itself): checked at import
+assert {rule.family for rule in RULES.values()} <= set(_LETTERS_OF_FAMILY) | {"check", "whole"}
+
 
 
 def _index_letters(node: torch.fx.Node, shapes: list[tuple[int, ...]],
