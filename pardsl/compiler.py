@@ -248,14 +248,11 @@ def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: di
     program.notes.extend(stopped)
     if not from_greedy:
         return typed, program
-    par = bound.par
-    written = next((entry.span for entry in par.layouts if entry.layout.form == "searched"), None)
-    span = par.memory_bound.span if par.memory_bound is not None else written or par.mesh.span
     mine = best_searched[0][1]
     descent = "" if typed is greedy else f", then decided axes again ({step_s * 1e3:.3g} ms)"
     program.notes.append(Diagnostic(
         "N004", f"the greedy completion is estimated at {theirs[1] * 1e3:.3g} ms per step, the layout "
-        f"search's plan at {mine * 1e3:.3g} ms: compiled the greedy one{descent}", span,
+        f"search's plan at {mine * 1e3:.3g} ms: compiled the greedy one{descent}", _search_span(bound),
         ("the search decides one mesh axis at a time; `pardsl explain` shows the plan",), severity="note"))
     return typed, program
 
@@ -283,14 +280,18 @@ def _axis_orders(sized: list[int]) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(rotations))
 
 
-def _out_of_time(bound: BoundPlan, where: str) -> Diagnostic:
-    """Note N006: the search stopped at its budget, and where."""
+def _search_span(bound: BoundPlan):
+    """Where a note about the search points: the `memory` bound, else the first `?`, else the mesh."""
     par = bound.par
     written = next((entry.span for entry in par.layouts if entry.layout.form == "searched"), None)
-    span = par.memory_bound.span if par.memory_bound is not None else written or par.mesh.span
+    return par.memory_bound.span if par.memory_bound is not None else written or par.mesh.span
+
+
+def _out_of_time(bound: BoundPlan, where: str) -> Diagnostic:
+    """Note N006: the search stopped at its budget, and where."""
     return Diagnostic(
         "N006", f"the layout search stopped at its time budget of {SEARCH_BUDGET_S:.0f} s, after {where}: the "
-        "best plan found so far is compiled", span,
+        "best plan found so far is compiled", _search_span(bound),
         ("`pardsl explain` shows the plan and its runner-ups",), severity="note")
 
 

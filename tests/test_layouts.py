@@ -65,3 +65,30 @@ def test_render_and_keys():
     assert Layout((S(0),)).render(TP) == "S(0)"
     assert Layout((S(0), B)).render(MESH2) == "S(0)@dp"
     assert Layout.from_key(("S(1)", "P")) == Layout((S(1), P))
+
+
+def test_a_conversion_over_many_axes_moves_only_the_axes_whose_placements_differ_or_interact():
+    """On seven axes a matrix has more layouts than the whole search takes (_WHOLE_SEARCH_LAYOUTS): the
+    conversion then moves only the axes whose placements differ and those splitting the same dims, and
+    still reaches the target from the source, step by legal step."""
+    import random
+
+    from pardsl.layouts import algebra
+
+    mesh, shape = Mesh(tuple("abcdefg"), (2, 2, 1, 2, 1, 2, 1)), (8, 8)
+    assert 4 ** mesh.ndim > algebra._WHOLE_SEARCH_LAYOUTS  # B, P, S(0), S(1) on every axis: restricted
+    rng = random.Random(0)
+    cases = []
+    while len(cases) < 20:
+        source, target = (Layout(tuple(rng.choice([B, P, S(0), S(1)]) for _ in range(7))) for _ in range(2))
+        if source != target and not target.has_partial and source.fits(shape, mesh) and target.fits(shape, mesh):
+            cases.append((source, target))
+    for source, target in cases:
+        steps = algebra._planned_conversion(source, target, shape, 4, mesh, True)
+        assert steps[0].source == source and steps[-1].target == target
+        assert all(a.target == b.source for a, b in zip(steps, steps[1:]))
+        differ = {a for a in range(mesh.ndim) if source.placements[a] != target.placements[a]}
+        dims = {p.dim for a in differ for p in (source.placements[a], target.placements[a]) if p.is_split}
+        allowed = differ | {a for a in range(mesh.ndim) for p in (source.placements[a], target.placements[a])
+                            if p.is_split and p.dim in dims}
+        assert {step.axis for step in steps} <= allowed, (source, target)

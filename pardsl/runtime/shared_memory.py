@@ -306,9 +306,7 @@ class SharedMemoryGroup:
             return min(fitting, key=lambda b: b.memory.numel())
         if len(self._buffers) >= _MAX_BUFFERS:
             return self._buffer_read_again(capacity)
-        fd = os.memfd_create(f"pardsl-{self.rank}-{len(self._buffers)}", os.MFD_CLOEXEC)
-        os.ftruncate(fd, capacity)
-        memory = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=capacity, dtype=torch.uint8)
+        fd, memory = self._shared_memory(len(self._buffers), capacity)
         buffer = _Buffer(len(self._buffers), memory, fd=fd)
         self._buffers.append(buffer)
         return buffer
@@ -331,15 +329,19 @@ class SharedMemoryGroup:
             self._check_peers_alive()
 
     def _remade(self, buffer: _Buffer, capacity: int) -> _Buffer:
-        fd = os.memfd_create(f"pardsl-{self.rank}-{buffer.number}", os.MFD_CLOEXEC)
-        os.ftruncate(fd, capacity)
-        memory = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=capacity, dtype=torch.uint8)
+        fd, memory = self._shared_memory(buffer.number, capacity)
         if buffer.fd is not None:
             os.close(buffer.fd)
         remade = _Buffer(buffer.number, memory, fd=fd)  # sent_to empty: each peer is sent the new descriptor
         self._buffers[buffer.number] = remade
         self._views = {key: view for key, view in self._views.items() if key[0] != ("own", buffer.number)}
         return remade
+
+    def _shared_memory(self, number: int, capacity: int) -> tuple[int, torch.Tensor]:
+        """A memfd of `capacity` bytes for buffer `number`, and this process's mapping of it."""
+        fd = os.memfd_create(f"pardsl-{self.rank}-{number}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, capacity)
+        return fd, torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=capacity, dtype=torch.uint8)
 
     def _typed(self, key: tuple, memory: torch.Tensor, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer's first `nbytes` as `dtype`, made once: a step's collectives use the same few buffers at

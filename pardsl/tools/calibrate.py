@@ -62,26 +62,23 @@ def _collective(kind: str, local_bytes: int, n: int, device: torch.device):
     elements = max(n, local_bytes // 4 // n * n)  # divisible by n for the splitting collectives
     x = torch.ones(elements, device=device)
     # as the runtime does them: on gloo, through shared memory between ranks of one host, else built on
-    # gloo's all-to-all (runtime.collectives_by_all_to_all)
+    # gloo's all-to-all (runtime/collectives.py)
     by_all_to_all = collectives_by_all_to_all(dist.get_backend())
     shared = shared_memory_group(None)
-    if kind == "all_reduce":
-        def all_reduce():
-            work, summed = all_reduce_started(x, n, None, by_all_to_all, shared=shared)
-            work.wait()
-            return summed()
 
-        return all_reduce
+    def waited(started):
+        def run():
+            work, result = started(x, n, None, by_all_to_all, shared=shared)
+            work.wait()
+            return result()
+
+        return run
+
+    if kind in ("all_reduce", "reduce_scatter"):
+        return waited(all_reduce_started if kind == "all_reduce" else reduce_scatter_started)
     if kind == "all_gather":
         out = torch.empty(elements * n, device=device)
         return lambda: all_gather_started(out, x, n, None, by_all_to_all, shared=shared).wait()
-    if kind == "reduce_scatter":
-        def reduce_scatter():
-            work, summed = reduce_scatter_started(x, n, None, by_all_to_all, shared=shared)
-            work.wait()
-            return summed()
-
-        return reduce_scatter
     out = torch.empty_like(x)
     if shared is not None and device.type == "cpu":
         return lambda: shared.all_to_all(out, x)
