@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pardsl.planning import search  # noqa: E402
+from pardsl.planning import solver  # noqa: E402
 from pardsl.compiler import compile_text  # noqa: E402
 from pardsl.planning.cost import DEFAULTS, estimate, load_machine  # noqa: E402
 
@@ -94,7 +94,7 @@ def main() -> None:
     for depth in args.depths:
         # Every depth's programs are the same program (one layer's size): each row solves its own, as a
         # compile in a new process would, instead of reading the last depth's answers
-        search._ANSWERS.clear()
+        solver._ANSWERS.clear()
         compiled = compile_text(LLAMA.format(layers=depth), f"<llama {depth}>", machine=machine)
         print(f"| {depth} | {compiled.seconds['search']:.2f} | {compiled.seconds['export']:.2f} | "
               f"{compiled.seconds_after_export:.2f} | {counts(compiled)} |")

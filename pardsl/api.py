@@ -25,7 +25,7 @@ from pardsl.language.syntax import parse
 from pardsl.layouts.algebra import B, Layout
 from pardsl.model.loading import build_model, full_state, import_paths, par_import_paths
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine
-from pardsl.planning.search import LogMismatch, SolutionLog
+from pardsl.planning.solver import LogMismatch, SolutionLog
 from pardsl.program.codegen import load_module
 from pardsl.runtime.checkpoint import load_model_state
 from pardsl.runtime.core import Runtime

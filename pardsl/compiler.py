@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from pardsl import __version__
 from pardsl.language.diagnostics import Diagnostic
 from pardsl.language.files import write_atomically
-from pardsl.language.progress import report
+from pardsl.language.progress import timed
 from pardsl.language.syntax import ParFile, parse, parse_file
 from pardsl.model.binding import BoundPlan, bind
 from pardsl.passes import pipeline as pp
@@ -36,7 +33,8 @@ from pardsl.planning.cost import (
     pipelined_memory_per_rank,
 )
 from pardsl.planning.inference import TypedGraph, infer
-from pardsl.planning.search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search, wants_search
+from pardsl.planning.descent import searched_or_greedy
+from pardsl.planning.search import memory_limit, wants_search
 from pardsl.program.codegen import render, render_pipeline
 from pardsl.program.ir import LoweredProgram, format_bytes, named_layout
 from pardsl.program.lowering import lower, lower_in_stages
@@ -97,12 +95,13 @@ def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
     bound = bind(par)
     seconds = dict(bound.seconds)
     if wants_search(bound):
-        typed, program = _searched_or_greedy(bound, machine or default_machine(), bucket_mb, seconds)
+        typed, program = searched_or_greedy(bound, machine or default_machine(),
+                                            lambda typed, limit: _lowered(typed, bucket_mb, limit), seconds)
     else:
-        typed = _timed(seconds, "infer", lambda: infer(bound))
-        program = _timed(seconds, "lower", lambda: _lowered(typed, bucket_mb, None))
+        typed = timed(seconds, "infer", lambda: infer(bound))
+        program = timed(seconds, "lower", lambda: _lowered(typed, bucket_mb, None))
     program = _passes_after_lowering(program, typed)
-    source = _timed(seconds, "codegen", lambda: render(program))
+    source = timed(seconds, "codegen", lambda: render(program))
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
 
 
@@ -135,207 +134,13 @@ def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredP
     return reshard_after_forward(program, typed, any_axis=limit is not None)
 
 
-# what each stage is doing, in words, for a terminal's status line (pardsl/language/progress.py)
-_STAGE_WORDS = {"infer": "completing the layouts",
-                "search": "searching the layouts", "greedy": "completing the layouts greedily, to compare",
-                "lower": "lowering to collectives", "codegen": "writing the module"}
-
-
-def _timed(seconds: dict, stage: str, work):
-    report(_STAGE_WORDS.get(stage, stage))
-    start = time.perf_counter()
-    result = work()
-    seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - start
-    return result
-
-
-class _Candidate(NamedTuple):
-    """A completed plan, as the cost model reads it."""
-
-    typed: TypedGraph
-    program: LoweredProgram
-
-
-def _searched_or_greedy(bound: BoundPlan, machine, bucket_mb: float, seconds: dict, kept: tuple[int, ...] = (),
-                        limit: int | None = None, activation_weight: float = 1.0) -> tuple[TypedGraph, LoweredProgram]:
-    """The search decides one mesh axis at a time, so what it finds depends on the order the axes are
-    decided in, and on some meshes the greedy completion of the same file is estimated faster still. It
-    runs in every order of the axes that have more than one rank; of those plans and the greedy completion
-    the one the cost model rates fastest (a plan within the memory bound before one over it; the greedy
-    one only within it) is the start of a descent: pairs of axes decided again jointly with the others
-    fixed, kept while the plan is rated faster (_descended). Note N004 says when the greedy completion is
-    where the descent started. Axes in `kept` (a pipeline's) are not searched: they stay as the greedy
-    completion has them (B), and every program starts from it. `limit` (default: the file's bound) is
-    met by the plan's memory with its activations counted `activation_weight` times."""
-    limit = memory_limit(bound) if limit is None else limit
-    seconds["search"] = seconds["lower"] = 0.0
-    facts = _timed(seconds, "search", lambda: graph_facts(bound))
-
-    def rated(typed: TypedGraph, program: LoweredProgram):
-        plan = estimate(_Candidate(typed, program), machine)
-        held = plan.memory["total"] + (activation_weight - 1) * plan.memory["activations"]
-        return (limit is not None and held > limit, plan.step_s)
-
-    # A descent's move often returns the plan it started from (every move of its last round does): lowered
-    # and rated once per plan, as lowering reads nothing of a plan but its layouts. Nor is an axis decided
-    # alone again from a plan that such a program proved optimal (TypedGraph.settled): the descent's first
-    # move of the order's last axis, and of the axis its last move decided, found its start again.
-    lowered: dict[tuple, tuple[tuple, set[int]]] = {}  # per plan's layouts: (rating, typed, program), settled axes
-
-    def searched(order: tuple[int, ...], start: TypedGraph | None = None, nearest: bool = True):
-        if start is not None and len(order) == 1:
-            plan, settled = lowered.get(_layouts_of(start), (None, ()))
-            if order[0] in settled:
-                return plan
-        plan, saved_buckets = found(order, start, nearest, True)
-        if saved_buckets:
-            # the bucket latencies are the search's own estimate, after its programs: the cost model rates
-            # its plan against the one the programs alone give (whose answers the search has kept)
-            plan = min(plan, found(order, start, nearest, False)[0], key=lambda plan: plan[0])
-        return plan
-
-    def found(order: tuple[int, ...], start: TypedGraph | None, nearest: bool, fewer_buckets: bool):
-        clock = time.perf_counter()
-        try:
-            typed = search(bound, machine, limit, order=order, start=start, facts=facts, nearest=nearest,
-                           activation_weight=activation_weight, fewer_buckets=fewer_buckets)
-        finally:
-            seconds["search"] += time.perf_counter() - clock
-        key = _layouts_of(typed)
-        if key not in lowered:
-            clock = time.perf_counter()
-            program = _lowered(typed, bucket_mb, limit)
-            lowered[key] = (rated(typed, program), typed, program), set()
-            seconds["lower"] += time.perf_counter() - clock
-        plan, settled = lowered[key]
-        settled.update(typed.settled)
-        return plan, typed.saved_buckets
-
-    sized = [a for a in range(bound.mesh.ndim) if bound.mesh.axis_sizes[a] > 1 and a not in kept]
-    unsized = tuple(a for a in range(bound.mesh.ndim) if a not in sized and a not in kept)
-    greedy = _timed(seconds, "greedy", lambda: infer(bound))
-    start = greedy if kept else None
-    deadline = time.monotonic() + SEARCH_BUDGET_S
-    stopped: list[Diagnostic] = []  # note N006, where the search ran out of time
-    # An order whose plan cannot meet the bound loses to one whose plan does: the plan nearest the bound
-    # (two more programs, seconds at 32 layers) is looked for only in the last order, where no order
-    # before it met the bound.
-    orders = _axis_orders(sized)
-    plans = []
-    for i, order in enumerate(orders):
-        out_of_time = time.monotonic() > deadline
-        if out_of_time and plans:
-            stopped.append(_out_of_time(bound, f"{i} of {len(orders)} orders of the mesh axes"))
-            break
-        with contextlib.suppress(BoundUnmet):  # out of time with no plan yet: this order's, or the nearest
-            plans.append(searched(unsized + order, start=start,
-                                  nearest=not plans and (out_of_time or i == len(orders) - 1)))
-        if out_of_time and i < len(orders) - 1:
-            stopped.append(_out_of_time(bound, f"{i + 1} of {len(orders)} orders of the mesh axes"))
-            break
-    best = best_searched = min(plans, key=lambda plan: plan[0])  # the mesh's own order on a tie
-    clock = time.perf_counter()
-    greedy_program = _lowered(greedy, bucket_mb, limit)
-    theirs = rated(greedy, greedy_program)
-    seconds["greedy"] += time.perf_counter() - clock
-    from_greedy = not theirs[0] and theirs < best[0]
-    if from_greedy:
-        best = (theirs, greedy, greedy_program)
-    if len(sized) > 1 and not stopped:
-        best = _descended(best, sized, searched, deadline,
-                          lambda: stopped.append(_out_of_time(bound, "the first moves of its descent")))
-    (_, step_s), typed, program = best
-    program.notes.extend(stopped)
-    if not from_greedy:
-        return typed, program
-    mine = best_searched[0][1]
-    descent = "" if typed is greedy else f", then decided axes again ({step_s * 1e3:.3g} ms)"
-    program.notes.append(Diagnostic(
-        "N004", f"the greedy completion is estimated at {theirs[1] * 1e3:.3g} ms per step, the layout "
-        f"search's plan at {mine * 1e3:.3g} ms: compiled the greedy one{descent}", _search_span(bound),
-        ("the search decides one mesh axis at a time; `pardsl explain` shows the plan",), severity="note"))
-    return typed, program
-
-
-# The layout search's time for one file, beyond which it compiles the best plan found so far (note N006):
-# what the orders and the descent may start, not a limit inside one program (search.TIME_LIMIT_S is).
-# PARDSL_SEARCH_BUDGET_S sets another, for a model whose search is worth more time.
-def _search_budget() -> float:
-    try:
-        return max(0.0, float(os.environ.get("PARDSL_SEARCH_BUDGET_S", "15")))
-    except ValueError:
-        return 15.0
-
-
-SEARCH_BUDGET_S = _search_budget()
-
-
-def _axis_orders(sized: list[int]) -> list[tuple[int, ...]]:
-    """The orders the axes are decided in: every one for up to three axes; for more (whose orders grow as
-    n!), each rotation of the mesh's order and of its reverse, 2n orders that still put every axis first
-    and last once."""
-    if len(sized) <= 3:
-        return list(itertools.permutations(sized))
-    rotations = [tuple(order[i:] + order[:i]) for order in (sized, sized[::-1]) for i in range(len(sized))]
-    return list(dict.fromkeys(rotations))
-
-
-def _search_span(bound: BoundPlan):
-    """Where a note about the search points: the `memory` bound, else the first `?`, else the mesh."""
-    par = bound.par
-    written = next((entry.span for entry in par.layouts if entry.layout.form == "searched"), None)
-    return par.memory_bound.span if par.memory_bound is not None else written or par.mesh.span
-
-
-def _out_of_time(bound: BoundPlan, where: str) -> Diagnostic:
-    """Note N006: the search stopped at its budget, and where."""
-    return Diagnostic(
-        "N006", f"the layout search stopped at its time budget of {SEARCH_BUDGET_S:.0f} s, after {where}: the "
-        "best plan found so far is compiled", _search_span(bound),
-        ("`pardsl explain` shows the plan and its runner-ups",), severity="note")
-
-
-def _layouts_of(typed: TypedGraph) -> tuple:
-    """Everything of a plan that lowering reads."""
-    return (tuple(typed.nodes.values()), tuple(typed.placeholder_layouts.items()), tuple(typed.output_layouts))
-
-
-def _descended(plan, axes: list[int], searched, deadline: float = math.inf, out_of_time=lambda: None,
-               rounds: int = 4):
-    """Descent over the mesh's axes: each axis decided again alone, with every other axis fixed as the
-    plan has it; where no such move improves, each pair of axes decided again by one integer program over
-    both, every op keeping its signature on at least one of the two (a neighbourhood that holds every move
-    of one axis alone, and any mix of such moves across ops, solved in seconds where the whole product of
-    two axes' choices takes minutes). Each round makes the move the cost model rates best, while it rates
-    it better than the plan, until a round changes nothing (or `rounds` rounds, which bounds compile time
-    on large models). The one-axis moves are not only cheaper: a program's optimum is the search's own
-    estimate's, which the cost model can rate behind a move of one axis."""
-    neighbourhoods = ([(axis,) for axis in axes], [(pair,) for pair in itertools.combinations(axes, 2)])
-    for _ in range(rounds):
-        for moves in neighbourhoods:  # the pair programs, larger, only where no axis alone improves
-            found = []
-            for move in moves:
-                if time.monotonic() > deadline:  # the moves found so far are weighed, and no more are tried
-                    out_of_time()
-                    return min([plan, *found], key=lambda moved: moved[0])
-                with contextlib.suppress(NoPlanFound):  # a move whose program gives no plan is not made
-                    found.append(searched(move, start=plan[1]))
-            best = min(found, key=lambda moved: moved[0], default=plan)
-            if best[0] < plan[0]:
-                plan = best
-                break
-        else:
-            break
-    return plan
-
-
 def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
     """The same stages for one micro-batch, with the pipeline pass between lowering and codegen."""
     decl = pp.check_pipeline(par)
     bound = bind(pp.micro_batched(par))
     pp.check_layouts(bound, decl)
     seconds = dict(bound.seconds)
-    typed = _timed(seconds, "infer", lambda: infer(bound))
+    typed = timed(seconds, "infer", lambda: infer(bound))
     pp.check_unsplit(typed, decl)
     pipeline_axis = bound.mesh.axis_index(decl.axis)
     ranks = bound.mesh.axis_sizes[pipeline_axis]
@@ -347,8 +152,10 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
         # activations: so the whole model's memory, its activations counted `held` times, is held to
         # `ranks` times the bound. Lowered in stages, the plan is checked rank by rank (N003).
         held = pp.micro_batches_held(decl.schedule, decl.microbatches, ranks, 0)
-        typed, _ = _searched_or_greedy(bound, machine or default_machine(), bucket_mb, seconds, kept=(pipeline_axis,),
-                                       limit=None if limit is None else limit * ranks, activation_weight=held)
+        typed, _ = searched_or_greedy(bound, machine or default_machine(),
+                                      lambda typed, limit: _lowered(typed, bucket_mb, limit), seconds,
+                                      kept=(pipeline_axis,), limit=None if limit is None else limit * ranks,
+                                      activation_weight=held)
         pp.check_unsplit(typed, decl)
 
     def lower_pipelined():
@@ -360,8 +167,8 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
                                tuple(cut_before), pp.shared_parameters(stages), outputs)
         return program, [_passes_after_lowering(stage, typed) for stage in stages], plan
 
-    program, stages, plan = _timed(seconds, "lower", lower_pipelined)
-    source = _timed(seconds, "codegen", lambda: render_pipeline(stages, plan))
+    program, stages, plan = timed(seconds, "lower", lower_pipelined)
+    source = timed(seconds, "codegen", lambda: render_pipeline(stages, plan))
     memory_bound = _check_memory_bound(bound, program, pipelined_memory_per_rank(stages, plan), limit)
     return Compiled(par, bound, typed, program, source, seconds, memory_bound, plan, tuple(stages))
 

@@ -9,7 +9,7 @@ import pytest
 
 from pardsl import cli
 
-from pardsl.planning import search
+from pardsl.planning import solver
 
 
 def test_check_prints_ok(capsys):
@@ -98,7 +98,7 @@ def test_a_compile_reports_its_stages_and_each_integer_program_to_a_listener(com
     assert stages == ["building the model on the meta device", "exporting the model (torch.export)",
                       "searching the layouts", "completing the layouts greedily, to compare", "writing the module"]
     programs = [m for m in heard if m.startswith("searching the layouts: deciding tp")]
-    limit = f"(up to {search.TIME_LIMIT_S:.0f} s)"
+    limit = f"(up to {solver.TIME_LIMIT_S:.0f} s)"
     assert programs and all(" columns and " in m and limit in m for m in programs)
 
 

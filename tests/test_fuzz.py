@@ -183,9 +183,9 @@ def test_the_search_on_a_mesh_of_ten_axes_ends_in_seconds(tmp_path):
 
 
 def test_a_search_past_its_budget_compiles_the_best_plan_found_and_says_so(compile_par, monkeypatch):
-    from pardsl import compiler
+    from pardsl.planning import descent
 
-    monkeypatch.setattr(compiler, "SEARCH_BUDGET_S", 0.0)
+    monkeypatch.setattr(descent, "SEARCH_BUDGET_S", 0.0)
     compiled = compile_par("mesh dp = 2, tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\n"
                            "input x : float32[8, 16]\nlayout {\n}\n")
     (note,) = [n for n in compiled.program.notes if n.code == "N006"]

@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-from pardsl.planning import search
-from pardsl.compiler import _Candidate, _lowered, compile_file, compile_text
+from pardsl.planning import search, solver
+from pardsl.compiler import _lowered, compile_file, compile_text
+from pardsl.planning.descent import CompletedPlan
 from pardsl.planning.cost import DEFAULTS, LinkCost, Machine, estimate, memory_per_rank
 from pardsl.language.diagnostics import CompileError
 from pardsl.layouts.algebra import B, S
@@ -30,24 +31,24 @@ MLP = "model examples.models:ResidualMLP(d_model=32, d_ff=128, n_classes=8)\ninp
 def searched_step(bound, order=None, machine=GLOO) -> float:
     """The estimated step of the search's own plan, its axes decided in `order` (the mesh's by default)."""
     typed = search.search(bound, machine, search.memory_limit(bound), order=order)
-    return estimate(_Candidate(typed, lower(typed)), machine).step_s
+    return estimate(CompletedPlan(typed, lower(typed)), machine).step_s
 
 
 def programs_solved(monkeypatch) -> list[tuple]:
     """Each integer program the search solves from here on, in order: (program, hint, (status, solution)).
     The solver is given the time to prove each optimum: these tests read the solution, and on a loaded
-    machine the 2-D layer's pair program (5 s here idle) ran past search.TIME_LIMIT_S to a 'time limit'."""
-    monkeypatch.setattr(search, "TIME_LIMIT_S", 300.0)
-    monkeypatch.setattr(search, "FIRST_PLAN_S", 60.0)
+    machine the 2-D layer's pair program (5 s here idle) ran past solver.TIME_LIMIT_S to a 'time limit'."""
+    monkeypatch.setattr(solver, "TIME_LIMIT_S", 300.0)
+    monkeypatch.setattr(solver, "FIRST_PLAN_S", 60.0)
     solved = []
-    solve = search._Program.solve
+    solve = solver.IntegerProgram.solve
 
     def keeping(program, *args, **kwargs):
         result = solve(program, *args, **kwargs)
         solved.append((program, kwargs.get("hint"), result))
         return result
 
-    monkeypatch.setattr(search._Program, "solve", keeping)
+    monkeypatch.setattr(solver.IntegerProgram, "solve", keeping)
     return solved
 
 
@@ -58,7 +59,7 @@ def memory_counted(program, solution: list[float], limit: int) -> float:
     (search.HELD_S), so a solver may leave them above their least within its tolerances (HiGHS 1.16 did on
     one move, before the move's start plan was given to it as a whole solution)."""
     terms, _, upper = program.rows[-1]
-    least = search._Program([terms.get(c, 0.0) for c in range(len(program.cost))], list(program.integer),
+    least = solver.IntegerProgram([terms.get(c, 0.0) for c in range(len(program.cost))], list(program.integer),
                             list(program.rows[:-1]))
     rows = least.rows
     choices = {c: float(round(solution[c])) for c, is_integer in enumerate(program.integer) if is_integer}
@@ -153,12 +154,12 @@ def test_the_plan_nearest_the_bound_starts_from_the_least_excess_found(monkeypat
     is given the first's plan as HiGHS's first incumbent: without it a hard program can find no plan
     within FIRST_PLAN_S, and a descent's move on T5 (dp 2 × tp 2, 30 %) ended in an error."""
     solved = programs_solved(monkeypatch)
-    program = search._Program()
+    program = solver.IntegerProgram()
     a, b = program.column(1.0, integer=True), program.column(2.0, integer=True)
     program.row({a: 1.0, b: 1.0}, 1.0, 1.0)  # one of two choices
     memory_row = len(program.rows)
     program.row({a: 5.0, b: 3.0}, -float("inf"), 2.0)  # neither fits
-    status, solution = search._nearest_the_bound(program, memory_row, None)
+    status, solution = solver.nearest_the_bound(program, memory_row, None)
     assert status == "optimal" and round(solution[b]) == 1  # the smaller, though slower
     (_, _, (_, least)), (last, hint, _) = solved[0], solved[-1]
     assert hint == dict(enumerate(least))
@@ -170,16 +171,16 @@ def test_the_plan_nearest_the_bound_starts_from_the_least_excess_found(monkeypat
 def test_a_descents_move_whose_program_gives_no_plan_is_not_made(compile_par, monkeypatch):
     """A move whose program HiGHS finds no plan for in its time is a move that does not improve: compile
     keeps the plan it has (here, every move fails: the best order's plan), where it had raised."""
-    from pardsl import compiler
+    from pardsl.planning import descent
 
-    real = compiler.search
+    real = descent.search
 
     def moves_fail(bound, machine, limit=None, optimizer="adamw", order=None, start=None, **kwargs):
         if start is not None:
             raise search.NoPlanFound("no plan")
         return real(bound, machine, limit, optimizer, order, start, **kwargs)
 
-    monkeypatch.setattr(compiler, "search", moves_fail)
+    monkeypatch.setattr(descent, "search", moves_fail)
     compiled = compile_par("mesh dp = 2, tp = 2\n" + MLP + "memory <= 50 %\n")
     orders = [searched_step(compiled.bound, order) for order in itertools.permutations(range(2))]
     assert estimate(compiled, GLOO).step_s == min(orders)  # the best order's plan, not an error
@@ -332,7 +333,7 @@ def test_compile_rates_the_plan_that_saved_buckets_against_the_programs_own(comp
     plans = {fewer: search.search(compiled.bound, GLOO, limit, fewer_buckets=fewer) for fewer in (True, False)}
     assert plans[True].saved_buckets and not plans[False].saved_buckets
     # lowered as compile lowers its candidates (groups released after forward where over the bound)
-    steps = {fewer: estimate(_Candidate(typed, _lowered(typed, DEFAULT_BUCKET_MB, limit)), GLOO).step_s
+    steps = {fewer: estimate(CompletedPlan(typed, _lowered(typed, DEFAULT_BUCKET_MB, limit)), GLOO).step_s
              for fewer, typed in plans.items()}
     assert steps[False] < steps[True]
     assert estimate(compiled, GLOO).step_s == steps[False]
@@ -461,7 +462,7 @@ def test_the_greedy_completion_is_compiled_where_the_cost_model_rates_it_faster(
 
 
 def estimated_step(typed) -> float:
-    return estimate(_Candidate(typed, lower(typed)), GLOO).step_s
+    return estimate(CompletedPlan(typed, lower(typed)), GLOO).step_s
 
 
 @pytest.mark.parametrize("percent", [30, 40])
@@ -481,7 +482,7 @@ def test_pairs_of_axes_are_decided_again_jointly_until_no_move_improves(pools, c
     limit = search.memory_limit(compiled.bound)
 
     def rated(typed):  # as compile rates plans: one within the bound before one over it, then the faster
-        plan = estimate(_Candidate(typed, lower(typed)), GLOO)
+        plan = estimate(CompletedPlan(typed, lower(typed)), GLOO)
         return plan.memory["total"] > limit, plan.step_s
 
     plans = [search.search(compiled.bound, GLOO, limit, order=order) for order in itertools.permutations(range(2))]
@@ -525,7 +526,7 @@ def test_a_descents_move_starts_branch_and_bound_from_the_plan_it_moves_from(com
                    if lower == upper == 1.0 and all(program.integer[c] for c in terms)]  # one choice per name
     assert sorted(hint) == integer and all(sum(hint[c] for c in terms) == 1 for terms in exactly_one)
     assert status == "optimal" and len(solved) == 1
-    fixed = search._Program(list(program.cost), list(program.integer), list(program.rows))
+    fixed = solver.IntegerProgram(list(program.cost), list(program.integer), list(program.rows))
     for column, value in hint.items():
         fixed.row({column: 1.0}, value, value)
     status, at_start = fixed.solve()
@@ -670,7 +671,7 @@ def test_a_group_of_axes_is_decided_by_one_program_over_their_combinations(compi
     joint = search.search(compiled.bound, GLOO, limit, order=((0, 1),))
     one, other, both = binaries(solved)
     assert both > one + other
-    assert estimate(_Candidate(joint, lower(joint)), GLOO).memory["total"] <= limit
+    assert estimate(CompletedPlan(joint, lower(joint)), GLOO).memory["total"] <= limit
     assert any(all(p != B for p in node.op_layout.placements) for node in joint.nodes.values())
     assert estimated_step(joint) <= 1.001 * min(searched_step(compiled.bound, order)
                                                  for order in itertools.permutations(range(2)))
@@ -692,15 +693,15 @@ def test_a_compile_replaying_another_files_answers_is_told_they_differ(compile_p
     """SolutionLog (how `pardsl.load` gives every rank rank 0's plan): replaying a compile's answers gives
     the same module without HiGHS; replayed on another file, the first program of another size stops it."""
     text = open("examples/mlp.par").read().split("layout {")[0] + "memory <= 30 %\nlayout {\n  x : ?\n}\n"
-    with search.SolutionLog() as log:
+    with solver.SolutionLog() as log:
         recorded = compile_par(text)
-    assert log.entries and not search.SolutionLog.active
-    with search.SolutionLog(log.entries):
+    assert log.entries and not solver.SolutionLog.active
+    with solver.SolutionLog(log.entries):
         assert compile_par(text).source == recorded.source
     other = open("examples/tp_schemes/layer_1d.par").read().split("layout {")[0]
     other += "memory <= 30 %\nlayout {\n  x : ?\n}\n"
-    with pytest.raises(search.LogMismatch, match="integer program 1 has"):
-        with search.SolutionLog(log.entries):
+    with pytest.raises(solver.LogMismatch, match="integer program 1 has"):
+        with solver.SolutionLog(log.entries):
             compile_par(other)
 
 
@@ -708,17 +709,17 @@ def test_a_program_asked_again_is_answered_without_solving_it_again(compile_par,
     """On a mesh whose axes are alike, with nothing written, both orders' first programs are the same
     program (on T5 under a bound it runs to its time limit): HiGHS solves it once. A change of the solver's
     limits is another question."""
-    monkeypatch.setattr(search, "_ANSWERS", {})
+    monkeypatch.setattr(solver, "_ANSWERS", {})
     asked, solved = [], []
-    solve, ask = search._Program._solve, search._Program.solve
-    monkeypatch.setattr(search._Program, "_solve", lambda self, *a: solved.append(1) or solve(self, *a))
-    monkeypatch.setattr(search._Program, "solve", lambda self, *a, **k: asked.append(1) or ask(self, *a, **k))
+    solve, ask = solver.IntegerProgram._solve, solver.IntegerProgram.solve
+    monkeypatch.setattr(solver.IntegerProgram, "_solve", lambda self, *a: solved.append(1) or solve(self, *a))
+    monkeypatch.setattr(solver.IntegerProgram, "solve", lambda self, *a, **k: asked.append(1) or ask(self, *a, **k))
     text = "mesh a = 2, b = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[8, 16]\nmemory <= 60 %\n"
     first = compile_par(text)
     assert len(solved) < len(asked)
     again = len(solved)
     assert compile_par(text).source == first.source and len(solved) == again  # every answer kept
-    monkeypatch.setattr(search, "MIP_GAP", 1e-2)
+    monkeypatch.setattr(solver, "MIP_GAP", 1e-2)
     compile_par(text)
     assert len(solved) > again
 
@@ -730,9 +731,10 @@ def test_a_descent_asks_no_program_whose_answer_it_has_and_lowers_each_plan_once
     it). On the 32-layer LLaMA of benchmarks/search.py that was two programs, 1.2 s. A move that returns its
     start plan is not lowered and rated again."""
     from pardsl import compiler
+    from pardsl.planning import descent
 
     asked, lowered = [], []
-    real_search, real_lower = compiler.search, compiler.lower
+    real_search, real_lower = descent.search, compiler.lower
 
     def searching(bound, machine, limit, order=None, start=None, **kwargs):
         typed = real_search(bound, machine, limit, order=order, start=start, **kwargs)
@@ -740,8 +742,8 @@ def test_a_descent_asks_no_program_whose_answer_it_has_and_lowers_each_plan_once
             asked.append((order, start, typed, machine))
         return typed
 
-    monkeypatch.setattr(compiler, "search", searching)
-    monkeypatch.setattr(compiler, "lower", lambda typed, *a: lowered.append(compiler._layouts_of(typed)) or
+    monkeypatch.setattr(descent, "search", searching)
+    monkeypatch.setattr(compiler, "lower", lambda typed, *a: lowered.append(descent.layouts_of(typed)) or
                         real_lower(typed, *a))
     text = "mesh a = 2, b = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[8, 16]\nmemory <= 60 %\n"
     compiled = compile_par(text)
@@ -749,9 +751,9 @@ def test_a_descent_asks_no_program_whose_answer_it_has_and_lowers_each_plan_once
     assert orders[(0, 1)].settled == {1} and orders[(1, 0)].settled == {0}
     moves = [(order, start) for order, start, _, _ in asked if start is not None]
     start = moves[0][1]
-    assert compiler._layouts_of(start) == compiler._layouts_of(orders[(0, 1)])  # the better order's plan
+    assert descent.layouts_of(start) == descent.layouts_of(orders[(0, 1)])  # the better order's plan
     assert [order for order, _ in moves] == [(0,), ((0, 1),)]  # b, settled, is not decided alone again
     machine = asked[0][3]  # compile's: this machine's calibration, where it has one
     again = real_search(compiled.bound, machine, search.memory_limit(compiled.bound), order=(1,), start=start)
-    assert compiler._layouts_of(again) == compiler._layouts_of(start)
+    assert descent.layouts_of(again) == descent.layouts_of(start)
     assert len(lowered) == len(set(lowered)) < len(asked)

@@ -388,22 +388,22 @@ def _plans_of_a_search_that_answers_differently_on_rank_1():
     import torch.distributed as dist
 
     import pardsl
-    from pardsl.planning import search
+    from pardsl.planning import solver
     from pardsl.compiler import compile_text
     from pardsl.planning.cost import DEFAULTS, LinkCost
 
     text = open(os.path.join(REPO, "examples/tp_schemes/mlp_2d.par")).read()
-    solve, cache_dir = search._Program._solve, os.environ["PARDSL_CACHE_DIR"]
+    solve, cache_dir = solver.IntegerProgram._solve, os.environ["PARDSL_CACHE_DIR"]
     solved_while_replaying = []
 
     def counted(self, *args):
-        if search.SolutionLog.active is not None and search.SolutionLog.active.replaying:
+        if solver.SolutionLog.active is not None and solver.SolutionLog.active.replaying:
             solved_while_replaying.append(len(self.cost))
         return solve(self, *args)
 
     with tempfile.TemporaryDirectory() as folder:
         try:
-            search._Program._solve = counted
+            solver.IntegerProgram._solve = counted
             if dist.get_rank() == 1:
                 gloo = DEFAULTS["gloo"]  # rank 1's calibration measured a congested link
                 congested = {kind: LinkCost(link.alpha_s, 1000 * link.beta_s_per_byte)
@@ -420,7 +420,7 @@ def _plans_of_a_search_that_answers_differently_on_rank_1():
             torch.manual_seed(0)
             model = plan.module()
         finally:
-            search._Program._solve = solve
+            solver.IntegerProgram._solve = solve
             os.environ["PARDSL_CACHE_DIR"] = cache_dir
     loaded = hashlib.sha256(plan.compiled.source.replace(path, "mlp_2d.par").encode()).hexdigest()
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))

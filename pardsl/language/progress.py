@@ -30,6 +30,21 @@ def report(message: str) -> None:
         listener(message)
 
 
+# what each compile stage is doing, in words, for a terminal's status line
+STAGE_WORDS = {"infer": "completing the layouts",
+               "search": "searching the layouts", "greedy": "completing the layouts greedily, to compare",
+               "lower": "lowering to collectives", "codegen": "writing the module"}
+
+
+def timed(seconds: dict[str, float], stage: str, work: Callable):
+    """`work()`, reported as the stage in words, its time added to `seconds[stage]`."""
+    report(STAGE_WORDS.get(stage, stage))
+    start = time.perf_counter()
+    result = work()
+    seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - start
+    return result
+
+
 class OutOfTime(BaseException):
     """A compile's time limit passed (`time_limit`): the stage it was in. A BaseException, so that no
     handler of the user's model's own errors takes it for one of theirs."""
