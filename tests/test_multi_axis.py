@@ -201,7 +201,7 @@ def test_two_rank_collectives_and_small_all_gathers_on_gloo_are_one_all_to_all_e
     # moves the same bytes in one (an all-reduce only on two ranks, whose sum of two is the ring's bit for
     # bit). On two ranks each rank sends its tensor once, to the other, at any size; on more, an all-gather
     # sends n copies, up to EXCHANGE_MAX_BYTES. Megatron TP's LLaMA step on two gloo ranks 49.9 ms against
-    # 55.1, an SP plan's 59.7 against 65.8 (benchmarks/README)
+    # 55.1, an SP plan's 59.7 against 65.8
     for rank in pools(ranks).run_on_every_rank(AllReduceAndAllGatherAgainstGloo(Mesh(("tp",), (ranks,)))):
         for (kind, numel, dtype), (equal, primitive, counted, counted_bytes, nbytes, sent, in_received) in rank.items():
             assert equal, (kind, numel, dtype)

@@ -299,7 +299,7 @@ def test_on_gloos_defaults_the_search_is_megatron_per_layer_and_moves_no_more_th
     has. The plan is estimated no slower than the example's and moves no more bytes than Megatron-LM's.
     (Where it splits the head that the tp 2 example keeps whole, it moves more than the example: LLaMA
     2.62 against 2.00 MiB, estimated 47.7 against 49.2 ms. Under the round figures that were gloo's
-    defaults before, 20 GFLOP/s, every case here fails: those plans are sequence-parallel, benchmarks/README.)"""
+    defaults before, 20 GFLOP/s, every case here fails: those plans are sequence-parallel.)"""
     path = f"examples/hf_{model}_tp{tp}.par"
     text = _at_hidden_512(model, path)
     megatron = compile_text(text, path, machine=MEASURED)

@@ -131,7 +131,7 @@ def _fewer_buckets(program: IntegerProgram, latencies: dict, status: str, soluti
     those buckets' latencies. The program prices a bucketed gradient at its bytes alone: a latency shared
     by whatever a plan puts in the bucket is a maximum over the gradients, and written as a column of the
     program (any gradient on the axis ≤ the column) it made the three-axis schemes' programs ten times
-    slower to solve (benchmarks/README.md). So the plan's latencies are added afterwards, and for each axis
+    slower to solve (docs/performance.md). So the plan's latencies are added afterwards, and for each axis
     the plan fills buckets on, the program is solved again without those gradients where its linear
     relaxation (a lower bound, and quick) leaves room for a faster plan, cut off at the plan's seconds."""
     best = program.objective(solution) + _bucket_seconds(solution, latencies)

@@ -22,7 +22,7 @@ import numpy as np
 # dp 2 × tp 2 under 30 % five programs reached a minute's limit (385 s of compile), at 20 s the same plan
 # (160 s); at 10 s, T5 at 40 % compiles in 110 s (136 at 20 s) to a plan estimated the same, at 30 % in
 # 86 s (153) to one 3 % faster, and Mixtral ep 2 × tp 2 at 40 % in 26 s (56) to one 1.8 % slower. Every
-# other example, searched as written or under a bound, compiles to the same module (benchmarks/README.md).
+# other example, searched as written or under a bound, compiles to the same module.
 TIME_LIMIT_S = 10.0
 # Branch and bound stops within 0.1 % of the optimum (HiGHS's default: 0.01 %). Proving the last 0.1 %
 # took most of the solve: the first pair program of a 32-layer LLaMA on dp 2 × tp 4 solved in 2.7 s,
