@@ -24,6 +24,7 @@ from pardsl.passes.early_count import start_counts_early
 from pardsl.passes.fused_norms import fuse_rms_norms
 from pardsl.passes.fused_rotary import fuse_rotary_embeddings
 from pardsl.passes.liveness import release_dead_values
+from pardsl.passes.recompute import recompute_layers
 from pardsl.passes.reshard import reshard_after_forward
 from pardsl.planning.cost import (
     DEFAULT_BUCKET_MB,
@@ -107,13 +108,15 @@ def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
 
 # The passes over every lowered program (or pipeline stage), in order, each program -> program (with the
 # typed graph to read): norms and rotary embeddings fused, a partial loss's count started early, then each
-# value released after its last use, which reads what the others made. Before them, where a plan needs
-# them: FSDP's reshard after forward (_lowered) and the cut into pipeline stages (_compile_pipelined).
+# value released after its last use, which reads what the others made, and last the regions made again in
+# backward, which read the releases. Before them, where a plan needs them: FSDP's reshard after forward
+# (_lowered) and the cut into pipeline stages (_compile_pipelined).
 PASSES_AFTER_LOWERING = (
     ("fuse each local RMSNorm", lambda program, typed: fuse_rms_norms(program, typed.bound.kept)),
     ("fuse each local rotary embedding", lambda program, typed: fuse_rotary_embeddings(program)),
     ("count a partial loss's targets early", lambda program, typed: start_counts_early(program)),
     ("release each value after its last use", lambda program, typed: release_dead_values(program)),
+    ("make the submodules the file recomputes again in backward", recompute_layers),
 )
 
 

@@ -128,6 +128,22 @@ class PipelineDecl:
         return not self.cuts
 
 
+RECOMPUTE_POLICIES = ("full", "selective")
+
+
+@dataclass(frozen=True)
+class RecomputeDecl:
+    """`recompute model.layers.* : selective`: the submodules (a path, `*` for any one name) whose
+    activations are made again in backward rather than kept, and how much of them: `full` keeps only
+    their inputs; `selective` keeps what is costly to make again (matrix products, attention, collective
+    results)."""
+
+    pattern: str
+    policy: str
+    span: Span
+    pattern_span: Span
+
+
 @dataclass(frozen=True)
 class ParFile:
     source: SourceFile
@@ -137,6 +153,7 @@ class ParFile:
     layouts: tuple[LayoutEntry, ...]
     memory_bounds: tuple[MemoryBound, ...] = ()
     pipelines: tuple[PipelineDecl, ...] = ()
+    recomputes: tuple[RecomputeDecl, ...] = ()
 
     @property
     def pipeline(self) -> PipelineDecl | None:
@@ -168,7 +185,7 @@ class _BadString(Exception):
         self.span, self.why = span, why
 
 
-class _BadPipeline(Exception):
+class _BadDeclaration(Exception):
     def __init__(self, code: str, message: str, span: Span, note: str):
         self.code, self.message, self.span, self.note = code, message, span, note
 
@@ -320,25 +337,34 @@ class _ToSyntaxTree(Transformer):
             if kind == "further cut":  # `cut before a, b`: b continues the list only right after it
                 before = options[index - 1] if index else (None, None, None)
                 if before[0] not in ("cut", "further cut") or before[1] is None:
-                    raise _BadPipeline("E001", f"`{value[0]}` is no pipeline option", span,
+                    raise _BadDeclaration("E001", f"`{value[0]}` is no pipeline option", span,
                                        "options are `schedule NAME`, `microbatches N`, `stages per rank N`, "
                                        "`cut before SUBMODULE, ...` and `cut balanced`")
                 cuts.append(value)
                 continue
             if kind in given:
-                raise _BadPipeline("E003", f"pipeline option `{kind}` given twice", span,
+                raise _BadDeclaration("E003", f"pipeline option `{kind}` given twice", span,
                                    f"first given at column {given[kind][1].column}")
             given[kind] = (value, span)
             if kind == "cut" and value is not None:
                 cuts.append(value)
         for required, example in (("microbatches", "microbatches 4"), ("cut", "cut before model.layers.2")):
             if required not in given:
-                raise _BadPipeline("E004", f"the pipeline has no `{required}`", _span(meta), f"add `{example}`")
+                raise _BadDeclaration("E004", f"the pipeline has no `{required}`", _span(meta), f"add `{example}`")
         schedule = given.get("schedule", ("1F1B", _span(meta)))
         per_rank = given.get("stages per rank", (1, None))
         return PipelineDecl(str(axis), _token_span(axis), schedule[0], schedule[1], given["microbatches"][0],
                             given["microbatches"][1], tuple(cuts), given["cut"][1], _span(meta),
                             per_rank[0], per_rank[1])
+
+    def recompute_decl(self, meta, children):
+        pattern, policy = children[0], (children[1] if len(children) > 1 else None)
+        if policy is not None and str(policy) not in RECOMPUTE_POLICIES:
+            raise _BadDeclaration("E080", f"`{policy}` is no recomputation policy", _token_span(policy),
+                               "write `full` (only the inputs kept) or `selective` (matrix products, "
+                               "attention and collective results kept too)")
+        return RecomputeDecl(str(pattern), "full" if policy is None else str(policy), _span(meta),
+                             _token_span(pattern))
 
     def layout_entry(self, meta, children):
         target, layout = children
@@ -460,13 +486,13 @@ def parse(text: str, path: str = "<string>") -> ParFile:
     statements = _parse_recovering(source, sink)
     sink.raise_if_any()
 
-    meshes, models, inputs, layouts, memory, pipelines = [], [], [], [], [], []
+    meshes, models, inputs, layouts, memory, pipelines, recomputes = [], [], [], [], [], [], []
     transformed = []
     for tree in statements.children:  # one statement at a time, so a failure points at its own line
         try:
             transformed.append(_ToSyntaxTree().transform(tree))
         except lark.exceptions.VisitError as error:
-            if isinstance(error.orig_exc, _BadPipeline):
+            if isinstance(error.orig_exc, _BadDeclaration):
                 bad = error.orig_exc
                 sink.error(bad.code, bad.message, bad.span, bad.note)
                 continue
@@ -489,11 +515,13 @@ def parse(text: str, path: str = "<string>") -> ParFile:
             memory.append(statement)
         elif isinstance(statement, PipelineDecl):
             pipelines.append(statement)
+        elif isinstance(statement, RecomputeDecl):
+            recomputes.append(statement)
         else:
             layouts.extend(statement)
     inputs = _size_named_dims(inputs, sink)
     par = ParFile(source, tuple(meshes), tuple(models), tuple(inputs), tuple(layouts), tuple(memory),
-                  tuple(pipelines))
+                  tuple(pipelines), tuple(recomputes))
     _check_declarations(par, sink)
     sink.raise_if_any()
     return par
@@ -542,6 +570,12 @@ def _check_declarations(par: ParFile, sink: DiagnosticSink) -> None:
     for duplicate in par.pipelines[1:]:
         sink.error("E003", "`pipeline` declared twice", duplicate.span,
                    f"first declared on line {par.pipelines[0].span.line}; one mesh axis holds the stages")
+    patterns: dict[str, RecomputeDecl] = {}
+    for decl in par.recomputes:
+        if decl.pattern in patterns:
+            sink.error("E003", f"`recompute {decl.pattern}` declared twice", decl.span,
+                       f"first declared on line {patterns[decl.pattern].span.line}")
+        patterns.setdefault(decl.pattern, decl)
     for bound in par.memory_bounds:
         if not (0 < bound.amount < float("inf")) or (bound.unit == "%" and bound.amount > 100):
             sink.error("E064", f"a memory bound of {bound} cannot be met or is no bound", bound.span,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -253,7 +253,9 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
     typed, program, mesh = compiled.typed, compiled.program, compiled.program.mesh
     bound = typed.bound
     slow = machine.slowdown(mesh.size)
-    ops = op_costs(typed, machine, slow)
+    # an op of a recomputed region runs its forward again in backward (pardsl/passes/recompute.py)
+    ops = [replace(o, backward_s=o.backward_s + o.forward_s) if o.node in program.recomputed_ops else o
+           for o in op_costs(typed, machine, slow)]
 
     def seconds(c) -> float:
         return slow * machine.collective_seconds(c.kind, c.bytes, mesh.axis_sizes[mesh.axis_index(c.axis)])

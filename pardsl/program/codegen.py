@@ -78,14 +78,34 @@ def render_expression(instruction: Instruction) -> str:
 
 
 def _lines(program: LoweredProgram) -> list[str]:
-    codes: list[list[str]] = []  # per line: its code and its comment
-    for statement in program.statements:
+    return [f"{code.ljust(_COMMENT_COLUMN)}  # {comment}" if comment is not None else code
+            for code, comment in _codes(program.statements)]
+
+
+def _codes(statements) -> list[list]:
+    """Per line: its code and its comment (None: a line with no comment at all)."""
+    codes: list[list] = []
+    for statement in statements:
         expr = render_expression(statement.instruction)
         if statement.instruction.kind == "release" and not statement.comment and codes:
             codes[-1][0] += f"; {expr}"  # a value's last use: released at the end of the line that reads it
             continue
+        if statement.instruction.kind == "recompute":
+            codes.extend(_region(statement))
+            continue
         codes.append([f"{statement.target} = {expr}" if statement.target else expr, statement.comment])
-    return [f"{code.ljust(_COMMENT_COLUMN)}  # {comment}" for code, comment in codes]
+    return codes
+
+
+def _region(statement) -> list[list]:
+    """A recomputed region (pardsl/passes/recompute.py): a local function of its statements, and the line
+    that runs it under rt.recompute."""
+    function, _, *arguments = (_arg(a) for a in statement.instruction.args)
+    lines = [[f"def {function}({', '.join(arguments)}):", statement.comment]]
+    lines += [["    " + code, comment] for code, comment in _codes(statement.body)]
+    lines.append([f"    return {statement.target}", None])
+    lines.append([f"{statement.target} = {render_expression(statement.instruction)}", None])
+    return lines
 
 
 def _outputs(program: LoweredProgram) -> list[dict]:

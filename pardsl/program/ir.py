@@ -131,6 +131,7 @@ class Statement:
     collectives: tuple[Collective, ...] = ()
     layouts: tuple[Layout, ...] = ()  # the layout of each variable it binds
     node: str = ""  # the graph op it is there for (a conversion: the op whose value it moves)
+    body: tuple["Statement", ...] = ()  # a region's own statements (pardsl/passes/recompute.py)
 
     @property
     def targets(self) -> list[str]:
@@ -217,6 +218,8 @@ class LoweredProgram:
     # random draws the model makes in training mode outside dropout (stochastic depth's `rand`), as
     # "`op` in module": traced in training mode, the forward draws them in eval mode too, so it refuses that
     training_only: list[str] = field(default_factory=list)
+    # the graph's ops whose forward runs again in backward, in recomputed regions (pardsl/passes/recompute.py)
+    recomputed_ops: frozenset[str] = frozenset()
 
     @property
     def collectives(self) -> list[Collective]:
@@ -251,8 +254,9 @@ class LoweredProgram:
         """Bytes per rank: parameters (and their full size, for the ratio); activations: what a rank holds
         for backward or returns, at the layout it holds it (converted copies an op keeps included), and the
         serial model's, for the ratio (saved_for_backward.py), which keeps what a pass made this program
-        keep no longer (`kept_here`: pardsl/passes/fused_norms.py); the converted copies of parameters an op keeps
-        for backward outside gather groups."""
+        keep no longer (`kept_here`: pardsl/passes/fused_norms.py), keeps beyond it (`held_here`: a
+        recomputed region's inputs) or makes again in backward (`recomputed`: pardsl/passes/recompute.py);
+        the converted copies of parameters an op keeps for backward outside gather groups."""
         def nbytes(shape, dtype):
             return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
 
@@ -261,8 +265,9 @@ class LoweredProgram:
             "parameters_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters),
             "parameters_trained_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters if p.requires_grad),
             "activations_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
-                                        if v.get("kept_for_backward") and v.get("kept_here", True)
-                                        or (v["kind"] == "copy" and not v["parameter"])),
+                                        if (v.get("kept_for_backward") and v.get("kept_here", True)
+                                            or v["kind"] == "copy" and not v["parameter"]) and not v.get("recomputed")
+                                        or v.get("held_here")),
             "parameter_copies_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
                                              if v["kind"] == "copy" and v["parameter"]),
             "activations_total": sum(nbytes(v["shape"], v["dtype"]) for v in self.values.values()

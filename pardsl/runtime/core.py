@@ -40,6 +40,7 @@ from pardsl.runtime.parallel_ops import (
     targets_counted,
 )
 from pardsl.runtime.parameter_sync import ParameterSync
+from pardsl.runtime.recompute import RegionCollectives, recompute
 from pardsl.runtime.shared_memory import shared_memory_group
 
 PHASES = ("forward", "backward")
@@ -89,6 +90,7 @@ class Runtime:
         self.size = dict(zip(mesh.axis_names, mesh.axis_sizes))
         self.by_all_to_all = False  # collectives_by_all_to_all
         self.shared: dict[str, object] = {}  # per axis, its shared-memory transport where it has one
+        self.region: RegionCollectives | None = None  # the recomputed region running (runtime/recompute.py)
         if mesh.size > 1 or (dist.is_available() and dist.is_initialized()):
             if not dist.is_initialized():
                 raise RuntimeError(f"a mesh of {mesh.size} ranks needs torch.distributed to be initialized")
@@ -108,6 +110,11 @@ class Runtime:
         if size % ways:
             raise ValueError(f"dim `{dim}` has size {size} at run time; the plan splits it {ways} ways, "
                              f"which needs a multiple of {ways}")
+
+    def recompute(self, region, policy: str, *arguments):
+        """`region(*arguments)`, a submodule's statements, its activations made again in backward rather
+        than kept (`policy`: "full" or "selective"; pardsl/runtime/recompute.py)."""
+        return recompute(self, region, policy, *arguments)
 
     def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple]):
         """What one forward of a generated module gathers its stored-split parameters and buckets its
@@ -284,7 +291,8 @@ class Runtime:
         if self.size[axis] == 1:
             return x
         work, summed = self._all_reduce_started(x.contiguous(), axis, phase, overwrite=False)
-        work.wait()
+        if work is not None:  # None: a recomputed region's result given back (runtime/recompute.py)
+            work.wait()
         return summed()
 
     def _all_reduce_started(self, x: torch.Tensor, axis: str, phase: str, overwrite: bool = True):
@@ -293,8 +301,25 @@ class Runtime:
         n = self.size[axis]
         if n == 1:
             return None, lambda: x
-        self.counter.record(phase, "all_reduce", collective_bytes("all_reduce", nbytes(x), n), axis)
-        return self.all_reduce_started(x, axis, overwrite)
+
+        def issue(phase: str):
+            self.counter.record(phase, "all_reduce", collective_bytes("all_reduce", nbytes(x), n), axis)
+            return self.all_reduce_started(x, axis, overwrite)
+        return self._started(phase, issue)
+
+    def _started(self, phase: str, issue):
+        """`issue(phase)`: a collective started asynchronously, or within a recomputed region's forward,
+        kept, given back or issued again as the region asks (runtime/recompute.py)."""
+        if phase == "forward" and self.region is not None:
+            return self.region.started(issue)
+        return issue(phase)
+
+    def _issued(self, phase: str, issue):
+        """`issue(phase)`: a collective's result, or within a recomputed region's forward, kept, given back
+        or issued again as the region asks (runtime/recompute.py)."""
+        if phase == "forward" and self.region is not None:
+            return self.region.issued(issue)
+        return issue(phase)
 
     def all_reduce_started(self, x: torch.Tensor, axis: str, overwrite: bool = True):
         """Start an all-reduce of x (contiguous) over `axis`, the way this backend does it fastest: (work,
@@ -319,12 +344,15 @@ class Runtime:
         n = self.size[axis]
         if n == 1:
             return None, lambda: x
-        self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", nbytes(x), n), axis)
-        if (shared := self._shared_for(axis, x)) is not None:
-            return shared.reduce_scatter_along(x, dim, blocks)
-        moved = rank_major(x.movedim(dim, 0), n, blocks).contiguous()
-        work, summed = self.reduce_scatter_started(moved, axis)
-        return work, lambda: summed().movedim(0, dim).contiguous()
+
+        def issue(phase: str):
+            self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", nbytes(x), n), axis)
+            if (shared := self._shared_for(axis, x)) is not None:
+                return shared.reduce_scatter_along(x, dim, blocks)
+            moved = rank_major(x.movedim(dim, 0), n, blocks).contiguous()
+            work, summed = self.reduce_scatter_started(moved, axis)
+            return work, lambda: summed().movedim(0, dim).contiguous()
+        return self._started(phase, issue)
 
     def reduce_scatter_started(self, moved: torch.Tensor, axis: str):
         """Start a reduce-scatter of `moved` (contiguous, rank r's chunk first along dim 0 at r) over
@@ -342,14 +370,17 @@ class Runtime:
         n = self.size[axis]
         if n == 1:
             return x
-        self.counter.record(phase, "all_gather", collective_bytes("all_gather", nbytes(x), n), axis)
-        if (shared := self._shared_for(axis, x)) is not None:
-            return shared.all_gather_along(x, dim, blocks)
-        moved = x.movedim(dim, 0).contiguous()
-        out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        self.all_gather_started(out, moved, axis).wait()
-        # contiguous as the serial value was: the exported graph may `view` it (a copy only where dim > 0)
-        return block_major(out, n, blocks).movedim(0, dim).contiguous()
+
+        def issue(phase: str) -> torch.Tensor:
+            self.counter.record(phase, "all_gather", collective_bytes("all_gather", nbytes(x), n), axis)
+            if (shared := self._shared_for(axis, x)) is not None:
+                return shared.all_gather_along(x, dim, blocks)
+            moved = x.movedim(dim, 0).contiguous()
+            out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+            self.all_gather_started(out, moved, axis).wait()
+            # contiguous as the serial value was: the exported graph may `view` it (a copy only where dim > 0)
+            return block_major(out, n, blocks).movedim(0, dim).contiguous()
+        return self._issued(phase, issue)
 
     def _reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:
         work, result = self._reduce_scatter_started(x, axis, dim, phase, blocks)
@@ -361,14 +392,17 @@ class Runtime:
         n = self.size[axis]
         if n == 1:
             return x
-        send = torch.stack(x.chunk(n, dim=split_dim)).contiguous()
-        received = torch.empty_like(send)
-        self.counter.record(phase, "all_to_all", collective_bytes("all_to_all", nbytes(x), n), axis)
-        if (shared := self._shared_for(axis, x)) is not None:
-            shared.all_to_all(received, send)
-        else:
-            dist.all_to_all_single(received, send, group=self.groups[axis])
-        return torch.cat(received.unbind(0), dim=concat_dim)
+
+        def issue(phase: str) -> torch.Tensor:
+            send = torch.stack(x.chunk(n, dim=split_dim)).contiguous()
+            received = torch.empty_like(send)
+            self.counter.record(phase, "all_to_all", collective_bytes("all_to_all", nbytes(x), n), axis)
+            if (shared := self._shared_for(axis, x)) is not None:
+                shared.all_to_all(received, send)
+            else:
+                dist.all_to_all_single(received, send, group=self.groups[axis])
+            return torch.cat(received.unbind(0), dim=concat_dim)
+        return self._issued(phase, issue)
 
     def _slice(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> torch.Tensor:
         n, coordinate = self.size[axis], self.coordinate[axis]

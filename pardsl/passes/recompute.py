@@ -1,0 +1,213 @@
+"""A pass over the lowered program: the submodules a file names with `recompute` are made again in backward.
+
+`recompute model.layers.*` (full) keeps only the inputs of each such layer for backward: the statements
+of the layer become one region, rendered as a local function that `rt.recompute` runs under
+`torch.utils.checkpoint` (non-reentrant, the RNG state of its start restored, so dropout draws the
+same masks). In backward the region runs forward again to give autograd what it would have kept, and
+its collectives are issued again: each forward collective of the region counts once more in backward.
+
+`recompute ... : selective` keeps what is costly to make again, as torchtitan's op-level policy does:
+the results of matrix products and attention (`torch.utils.checkpoint`'s selective contexts) and of
+the region's collectives (the runtime keeps each one's result in forward and gives it back when the
+region runs again, with no communication). The rest — norms, rotary embeddings, activations, residual
+adds — is made again. No collective is added.
+
+Outputs and gradients are bit-equal to the program without recomputation: the same ops run on the
+same inputs, in the same order. The program's memory counts what a region keeps (`held_here`, and what
+it makes again: `recomputed`), so the
+search's bound and `explain` see the saving.
+
+A region is a run of consecutive statements whose ops come from one recomputed submodule. This runs last
+among the passes, on the released program (pardsl/passes/liveness.py): a value a region makes and the
+program reads after it is the region's result; a value made before it is an argument, released after
+the region where the region read it last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from pardsl.language.diagnostics import DiagnosticSink
+from pardsl.language.syntax import RecomputeDecl
+from pardsl.planning.inference import TypedGraph
+from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement, Text, Var
+
+# What a selective region keeps: the results of these statements (their calls), as well as every
+# collective's. The ATen ops `rt.recompute` keeps under `selective` are the same families (runtime).
+_COSTLY_CALLS = ("aten.linear.", "aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.matmul.",
+                 "aten.scaled_dot_product_attention.", "rt.column_parallel_linears", "rt.row_parallel_linear")
+
+
+def recompute_layers(program: LoweredProgram, typed: TypedGraph) -> LoweredProgram:
+    """The program with each run of statements from a submodule the file recomputes made one region."""
+    decls = typed.bound.par.recomputes
+    if not decls:
+        return program
+    unit_of = _units(program, typed, decls)
+    statements, values, again = [], dict(program.values), set()
+    outputs = {output.var for output in program.outputs}
+    runs = _runs(program.statements, unit_of)
+    names: dict[str, int] = {}
+    for start, end, (unit, decl) in runs:
+        if decl is None:
+            statements.extend(program.statements[start:end])
+            continue
+        later = program.statements[end:]
+        region, after = _region(program.statements[start:end], later, outputs, unit, decl, names)
+        if region is None:
+            statements.extend(program.statements[start:end])
+            continue
+        statements.extend([region, *after])
+        _count_kept(region, unit, decl.policy, program, values, typed, outputs)
+        again.update(statement.node for statement in region.body if statement.node and
+                     not (decl.policy == "selective" and _costly(statement)))
+    return dataclasses.replace(program, statements=statements, values=values, recomputed_ops=frozenset(again))
+
+
+def _units(program: LoweredProgram, typed: TypedGraph, decls: tuple[RecomputeDecl, ...]) -> dict[int, tuple]:
+    """Per statement, the recomputed submodule its op comes from and the declaration that names it."""
+    paths = typed.bound.module_paths
+    matchers = [(decl, re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part)
+                                             for part in decl.pattern.split(".")) + r"(?=\.|$)")) for decl in decls]
+    sink = DiagnosticSink(typed.bound.par.source)
+    matched: dict[int, set[str]] = {id(decl): set() for decl in decls}
+    units: dict[int, tuple] = {}
+    twice: set[str] = set()
+    for index, statement in enumerate(program.statements):
+        path = paths.get(statement.node, "")
+        found = [(decl, match.group(0)) for decl, matcher in matchers if (match := matcher.match(path))]
+        for decl, unit in found:
+            matched[id(decl)].add(unit)
+        if len(found) > 1 and found[0][1] not in twice:
+            twice.add(found[0][1])
+            first, second = found[0][0], found[1][0]
+            sink.error("E003", f"`{found[1][1]}` is recomputed twice: by `recompute {first.pattern}` and "
+                       f"`recompute {second.pattern}`", second.pattern_span,
+                       f"first named on line {first.span.line}; name each submodule once")
+        if found:
+            units[index] = found[0][1], found[0][0]
+    for decl in decls:
+        if not matched[id(decl)]:
+            known = sorted({m.group(0) for m in (re.match(r"(.*?\.\d+)(?=\.|$)", p) for p in paths.values()) if m})
+            sink.error("E081", f"`{decl.pattern}` names no submodule the model's forward calls", decl.pattern_span,
+                       "recompute one of " + ", ".join(known[:4]) + (", ..." if len(known) > 4 else "")
+                       + (f", or all of them: `{re.sub(r'[0-9]+$', '*', known[0])}`" if known else "")
+                       if known else "name a submodule by its path in the model (layers.0, or layers.* for every layer)")
+    for index, (unit, decl) in units.items():
+        if program.statements[index].instruction.kind == "param_gather":
+            sink.error("E082", f"`{unit}` gathers its parameters before use (ZeRO-3): recomputing it is not "
+                       "supported yet", decl.pattern_span,
+                       "store its parameters whole or split across the ops that use them (tensor parallel), "
+                       "or leave it out of `recompute`")
+            break
+    sink.raise_if_any()
+    return units
+
+
+def _runs(statements: list[Statement], unit_of: dict[int, tuple]) -> list[tuple[int, int, tuple]]:
+    """The statements cut into runs of one unit (or of none); a release belongs with the line before it."""
+    runs: list[list] = []
+    for index, statement in enumerate(statements):
+        if statement.instruction.kind == "release" and runs:
+            runs[-1][1] = index + 1
+            continue
+        key = unit_of.get(index, (None, None))
+        if runs and runs[-1][2] == key:
+            runs[-1][1] = index + 1
+        else:
+            runs.append([index, index + 1, key])
+    return [tuple(run) for run in runs]
+
+
+def _region(body: list[Statement], later: list[Statement], outputs: set[str], unit: str, decl: RecomputeDecl,
+            names: dict[str, int]) -> tuple[Statement | None, list[Statement]]:
+    """The region statement for `body`, and the releases the program makes after it; None where the region
+    makes nothing the program reads after it (there is nothing to recompute)."""
+    made: list[str] = []
+    arguments: list[str] = []
+    for statement in body:
+        for name in statement.instruction.reads():
+            if name not in made and name not in arguments and not name.startswith("self."):
+                arguments.append(name)
+        if statement.instruction.kind != "release":
+            made.extend(statement.targets)
+    read_later = {name for statement in later for name in statement.instruction.reads()}
+    results = [name for name in made if name in read_later or name in outputs]
+    if not results:
+        return None, []
+    inside, released_after = [], []
+    for statement in body:  # an argument's last read inside: released after the call, in the program's scope
+        if statement.instruction.kind == "release":
+            names_freed = statement.instruction.reads()
+            mine = [n for n in names_freed if n not in arguments]
+            theirs = [n for n in names_freed if n in arguments]
+            released_after.extend(theirs)
+            if mine:
+                inside.append(dataclasses.replace(statement, instruction=Instruction(
+                    "release", "del", tuple(Var(n) for n in mine))))
+            continue
+        inside.append(statement)
+    function = re.sub(r"\W", "_", unit)
+    names[function] = names.get(function, 0) + 1
+    if names[function] > 1:
+        function = f"{function}_{names[function]}"
+    layouts = {name: layout for statement in body for name, layout in zip(statement.targets, statement.layouts)}
+    forward = [c for statement in body for c in statement.collectives if c.phase == "forward"]
+    again = tuple(Collective(c.kind, c.axis, "backward", c.bytes, c.value, f"made again in backward: {c.reason}",
+                             c.node) for c in forward) if decl.policy == "full" else ()
+    kept = "only its inputs kept" if decl.policy == "full" else \
+        "matrix products, attention and collective results kept"
+    issued = (f"its {len(forward)} forward collective{'s' if len(forward) != 1 else ''} issued again there"
+              if again else "no collective issued again")
+    region = Statement(
+        ", ".join(results),
+        Instruction("recompute", "rt.recompute", (Text(function), Text(repr(decl.policy)),
+                                                  *(Var(name) for name in arguments))),
+        f"{unit} made again in backward ({decl.policy}: {kept}; {issued})",
+        tuple(c for statement in body for c in statement.collectives) + again,
+        tuple(layouts[name] for name in results if name in layouts) if all(name in layouts for name in results) else (),
+        body=tuple(inside))
+    after = [Statement("", Instruction("release", "del", tuple(Var(n) for n in released_after)), "")] \
+        if released_after else []
+    return region, after
+
+
+def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgram, values: dict[str, dict],
+                typed: TypedGraph, outputs: set[str]) -> None:
+    """What the region keeps for backward, in the program's count of activations: its arguments
+    (`held_here`); under `selective`, what its costly statements and collectives make too; of the rest
+    the unit makes (its statements' values, and the graph's values a pass fused into them), only what an
+    op outside it keeps, or an output (the others `recomputed`)."""
+    kept, paths = typed.bound.kept, typed.bound.module_paths
+    for name in region.instruction.reads():
+        if name in values:
+            if values[name].get("kind") != "placeholder":
+                values[name] = {**values[name], "held_here": True}
+        elif (made := _made(program, name)) is not None and made.node in values and made.layouts:
+            whole = values[made.node]
+            layout = made.layouts[made.targets.index(name)]
+            values[name] = {"kind": "copy", "parameter": False, "shape": whole["shape"], "dtype": whole["dtype"],
+                            "local_shape": list(layout.local_shape(tuple(whole["shape"]), program.mesh)),
+                            "layout": str(layout), "held_here": True}
+    statements = {t: statement for statement in region.body for t in statement.targets}
+    inside = {statement.node for statement in region.body} | set(statements) | \
+        {name for name, path in paths.items() if path == unit or path.startswith(unit + ".")}
+    outside_keeps = {kept.owner.get(operand, operand) for reader, operand in kept.reads if reader not in inside}
+    for name in inside:
+        if name not in values or values[name].get("kind") == "placeholder" or values[name].get("held_here"):
+            continue
+        statement = statements.get(name)
+        if policy == "selective" and statement is not None and _costly(statement):
+            values[name] = {**values[name], "held_here": True}
+        elif name not in outputs and kept.owner.get(name, name) not in outside_keeps:
+            values[name] = {**values[name], "recomputed": True}
+
+
+def _costly(statement: Statement) -> bool:
+    """Whether a selective region keeps what the statement makes: a collective, a matrix product, attention."""
+    return statement.instruction.kind == "convert" or statement.instruction.callee.startswith(_COSTLY_CALLS)
+
+
+def _made(program: LoweredProgram, name: str) -> Statement | None:
+    return next((statement for statement in program.statements if name in statement.targets), None)

@@ -1,0 +1,119 @@
+"""A recomputed region at run time (`rt.recompute`): the local function the generated forward makes of a
+submodule the file recomputes (pardsl/passes/recompute.py), run under `torch.utils.checkpoint`.
+
+Non-reentrant checkpointing keeps the region's inputs and runs it again in backward, where autograd
+asks for what it would have kept; the RNG state of the region's start is restored for that run, so
+dropout draws the same masks, and the run goes to the region's end (no early stop), so the collectives
+it issues again are the same on every rank and as many as the plan counts.
+
+Under `selective`, the ATen ops that are costly to run again — matrix products and attention — keep
+their results (torch's selective checkpoint contexts), and so does every forward collective of the
+region: the runtime keeps each result in the first run and gives it back, in order, in the second,
+without communicating. What runs again is the cheap rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
+)
+
+aten = torch.ops.aten
+
+# The ATen ops whose results a selective region keeps: matrix products and attention, as the op-level
+# policy of torchtitan's selective activation checkpointing keeps them
+COSTLY_OPS = frozenset(op for op in (
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+    getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None) and
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    getattr(aten, "_scaled_dot_product_cudnn_attention", None) and aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_attention_math.default,
+) if op is not None)
+
+
+def _costly_kept(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in COSTLY_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class RegionCollectives:
+    """The forward collectives of one run of a region: `keep` (the first run of a selective region: each
+    result kept), `replay` (its second run: each given back, none issued) or `again` (the second run of
+    a full region: issued again, and counted in backward)."""
+
+    def __init__(self, mode: str, kept: list):
+        self.mode, self.kept, self._next = mode, kept, 0
+
+    def issued(self, issue):
+        """The result of a forward collective `issue(phase)` (a tensor)."""
+        if self.mode == "replay":
+            return self._given_back()
+        result = issue("backward" if self.mode == "again" else "forward")
+        if self.mode == "keep":
+            self.kept.append(result)
+        return result
+
+    def started(self, issue):
+        """A forward collective started asynchronously, `issue(phase)` → (work, a function giving the result
+        once waited on): the same, the result kept or given back where the function is called."""
+        if self.mode == "replay":
+            result = self._given_back()
+            return None, lambda: result
+        work, result = issue("backward" if self.mode == "again" else "forward")
+        if self.mode != "keep":
+            return work, result
+
+        def kept():
+            value = result()
+            self.kept.append(value)
+            return value
+        return work, kept
+
+    def _given_back(self) -> torch.Tensor:
+        if self._next >= len(self.kept):
+            raise RuntimeError("a recomputed region issued more collectives in backward than in forward: "
+                               "its forward is not the same both times")
+        value = self.kept[self._next]
+        self._next += 1
+        return value
+
+
+def recompute(rt, region, policy: str, *arguments):
+    """`region(*arguments)`, its activations made again in backward (`policy`: "full" or "selective")."""
+    if not torch.is_grad_enabled():
+        return region(*arguments)
+    selective = policy == "selective"
+    kept: list = []
+    runs = 0
+
+    def run(*inputs):
+        nonlocal runs
+        runs += 1
+        mode = ("keep" if runs == 1 else "replay") if selective else (None if runs == 1 else "again")
+        with _collectives(rt, RegionCollectives(mode, kept) if mode else None):
+            return region(*inputs)
+
+    context = functools.partial(create_selective_checkpoint_contexts, _costly_kept) if selective else \
+        _no_contexts
+    with set_checkpoint_early_stop(False):
+        return checkpoint(run, *arguments, use_reentrant=False, preserve_rng_state=True, context_fn=context)
+
+
+def _no_contexts():
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _collectives(rt, region: RegionCollectives | None):
+    before, rt.region = rt.region, region
+    try:
+        yield
+    finally:
+        rt.region = before

@@ -1,0 +1,145 @@
+"""Activation recomputation (`recompute`): the program's regions, their collectives and memory, outputs and
+gradients bit-equal to the plan without it, and the mistakes a file can make."""
+
+import functools
+import os
+
+import pytest
+import torch
+
+from pardsl.language.diagnostics import CompileError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA_TP2 = open(os.path.join(REPO, "examples/llama_tp2.par")).read()
+GPT2_DP2_TP2 = open(os.path.join(REPO, "examples/gpt2_train_dp2_tp2.par")).read()
+
+
+def recomputed(text: str, *lines: str) -> str:
+    return text.replace("layout {", "\n".join(lines) + "\n\nlayout {", 1)
+
+
+def _steps(path: str, inputs: dict, steps: int = 2) -> dict:
+    """On every rank: two forward and backward steps of the plan at `path` from serial's initial values,
+    every output, every gradient (this rank's shards) and the collectives counted."""
+    import pardsl
+
+    torch.manual_seed(0)
+    plan = pardsl.load(path)
+    model = plan.module()
+    model.train()
+    model.rt.counter.reset()
+    outputs, gradients = [], []
+    for step in range(steps):
+        torch.manual_seed(100 + step)  # dropout's draws: the same for every plan compared
+        result = model(**plan.shard_inputs(**inputs))
+        flat = [result] if isinstance(result, torch.Tensor) else [v for v in result.values()] \
+            if isinstance(result, dict) else list(result)
+        loss = sum((t.float() ** 2).mean() if t.dim() else t.float() for t in flat)
+        loss.backward()
+        outputs.append([t.detach().clone() for t in flat])
+        gradients.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad(set_to_none=True)
+    return {"outputs": outputs, "gradients": gradients, "counts": model.rt.counter.summary()["collectives"]}
+
+
+def _bit_equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(x, y) for xs, ys in zip(a["outputs"], b["outputs"]) for x, y in zip(xs, ys)) and \
+        all(ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
+            for ga, gb in zip(a["gradients"], b["gradients"]))
+
+
+def _compare(pools, tmp_path, text: str, recompute_lines: tuple[str, ...], inputs: dict, ranks: int):
+    from pardsl.compiler import compile_text
+
+    plain, again = tmp_path / "plain.par", tmp_path / "recomputed.par"
+    plain.write_text(text)
+    again.write_text(recomputed(text, *recompute_lines))
+    results = [pools(ranks).run_on_every_rank(functools.partial(_steps, str(path), inputs)) for path in (plain, again)]
+    return results, compile_text(plain.read_text()), compile_text(again.read_text())
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recomputed_layers_give_bit_equal_outputs_and_gradients_and_the_planned_collectives(pools, tmp_path, policy):
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    line = "recompute layers.*" + ("" if policy == "full" else " : selective")
+    (plain, again), compiled_plain, compiled = _compare(pools, tmp_path, LLAMA_TP2, (line,), {"input_ids": ids}, 2)
+    for rank in range(2):
+        assert _bit_equal(plain[rank], again[rank]), f"rank {rank}"
+    planned = compiled.program.collective_counts()
+    before = compiled_plain.program.collective_counts()
+    # each layer's two forward all-reduces are issued again in backward under `full`, never under `selective`
+    extra = 2 * 2 * 2 if policy == "full" else 0  # 2 layers × 2 all-reduces, 2 steps
+    assert planned["forward"] == before["forward"]
+    assert planned["backward"]["all_reduce"] == before["backward"]["all_reduce"] + extra // 2
+    for rank in range(2):
+        assert again[rank]["counts"]["forward"] == plain[rank]["counts"]["forward"]
+        assert again[rank]["counts"]["backward"]["all_reduce"] == plain[rank]["counts"]["backward"]["all_reduce"] + extra
+        assert again[rank]["counts"]["backward"]["all_reduce"] == 2 * planned["backward"]["all_reduce"]
+    kept, kept_before = compiled.program.memory()["activations_per_rank"], compiled_plain.program.memory()["activations_per_rank"]
+    assert kept < kept_before
+
+
+@pytest.mark.parametrize("policy, most", [("full", 0.3), ("selective", 1.0)])
+def test_what_a_recomputed_layer_keeps_is_counted(compile_par, policy, most):
+    """Under `full`, eight layers keep their inputs alone: under 0.3 of the activations kept without
+    (the head's are kept as before). Under `selective` the matrix products', attention's and collectives'
+    results are kept too: on this narrow model (MLP twice the width) that is about what autograd keeps."""
+    text = LLAMA_TP2.replace("n_layer=2", "n_layer=8")
+    plain = compile_par(text).program.memory()["activations_per_rank"]
+    line = "recompute layers.*" + ("" if policy == "full" else " : selective")
+    again = compile_par(recomputed(text, line)).program.memory()["activations_per_rank"]
+    per_layer_input = 2 * 16 * 64 * 4  # [batch, seq, hidden] float32, twice: the residual and its all-reduced copy
+    if policy == "full":
+        head = 2 * 16 * 64 * 4 * 2 + 2 * 16 * 4 + 2 * 16 * 128 * 4  # the final norm's, and the logits' shard
+        assert again == 8 * 2 * per_layer_input + head
+    assert again < most * plain, (again, plain)
+
+
+def test_recomputed_layers_with_dropout_draw_serials_masks_again(pools, tmp_path):
+    """GPT-2 with dropout on dp 2 × tp 2, its gradients in data-parallel buckets: the masks drawn again in
+    backward are the forward's, so every output and gradient is the plan's without recomputation."""
+    text = GPT2_DP2_TP2.replace("gpt2_lm_head(layers=2)", 'gpt2_lm_head(layers=2, attention="eager", dropout=0.1)')
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
+    (plain, again), _, _ = _compare(pools, tmp_path, text, ("recompute transformer.h.*",),
+                                    {"input_ids": ids, "labels": ids}, 4)
+    for rank in range(4):
+        assert _bit_equal(plain[rank], again[rank]), f"rank {rank}"
+
+
+def test_the_generated_module_shows_each_region_and_why(compile_par):
+    compiled = compile_par(recomputed(LLAMA_TP2, "recompute layers.0 : selective", "recompute layers.1"))
+    source = compiled.source
+    assert "def layers_0(embedding__B, embedding):" in source
+    assert "layers.0 made again in backward (selective: matrix products, attention and collective results " \
+           "kept; no collective issued again)" in source
+    assert "layers.1 made again in backward (full: only its inputs kept; its 2 forward collectives issued " \
+           "again there)" in source
+    assert "= rt.recompute(layers_1, 'full', " in source
+    again = [c for c in compiled.program.collectives if c.reason.startswith("made again in backward")]
+    assert [(c.kind, c.phase) for c in again] == [("all_reduce", "backward")] * 2
+
+
+@pytest.mark.parametrize("line, code, column, message", [
+    ("recompute layers.* : sometimes", "E080", 22, "`sometimes` is no recomputation policy"),
+    ("recompute blocks.*", "E081", 11, "`blocks.*` names no submodule the model's forward calls"),
+])
+def test_a_recompute_line_that_cannot_be_taken_says_where(compile_par, line, code, column, message):
+    with pytest.raises(CompileError) as error:
+        compile_par(recomputed(LLAMA_TP2, line))
+    (diagnostic,) = error.value.diagnostics
+    assert (diagnostic.code, diagnostic.span.column, diagnostic.message) == (code, column, message)
+    assert diagnostic.span.line == LLAMA_TP2[:LLAMA_TP2.index("layout {")].count("\n") + 1
+
+
+def test_a_submodule_named_twice_is_refused(compile_par):
+    with pytest.raises(CompileError) as error:
+        compile_par(recomputed(LLAMA_TP2, "recompute layers.*", "recompute layers.1 : selective"))
+    (diagnostic,) = error.value.diagnostics
+    assert diagnostic.code == "E003" and "`layers.1` is recomputed twice" in diagnostic.message
+
+
+def test_recomputing_a_layer_whose_parameters_are_gathered_is_refused_for_now(compile_par):
+    text = open(os.path.join(REPO, "examples/llama_zero3.par")).read()
+    with pytest.raises(CompileError) as error:
+        compile_par(recomputed(text, "recompute model.layers.*"))
+    assert [d.code for d in error.value.diagnostics] == ["E082"]
