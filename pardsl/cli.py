@@ -365,6 +365,7 @@ def _main(args, quiet) -> int:
         return EXIT_OK
 
     # run
+    from pardsl.planning.cost import default_machine, estimate
     from pardsl.runtime.devices import resolve_backend, resolve_device
     from pardsl.tools.execution import RunFailed, job_for, launch
 
@@ -402,6 +403,8 @@ def _main(args, quiet) -> int:
         print(f"pardsl: run failed: {str(error).strip()[:4000]}", file=sys.stderr)
         return EXIT_INPUT_ERROR
     report["compile_s"] = sum(compiled.seconds.values())
+    if "memory" in report:  # what the plan's estimate says a rank holds, beside what each measured
+        report["memory"]["estimated_bytes"] = estimate(compiled, default_machine(), args.optimizer).memory["total"]
     report["errors"] = []
     if args.json:
         print(json.dumps(report, indent=2))

@@ -145,6 +145,11 @@ def test_run_json_on_two_ranks_with_the_elastic_launcher(tmp_path):
     assert report["collectives"]["backward"] == {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}
     assert report["bytes"] == {"forward": 16384, "backward": 0}
     assert report["step_ms"]["compiled"] > 0 and report["step_ms"]["serial"] > 0
+    # each rank's measured peak holds at least its parameter and gradient shards (2 × 1,051,648 bytes), and
+    # the estimate of what a rank holds is within 15 % of it
+    peaks, estimated = report["memory"]["peak_bytes"], report["memory"]["estimated_bytes"]
+    assert len(peaks) == 2 and all(peak >= 2 * 1_051_648 for peak in peaks)
+    assert all(abs(estimated / peak - 1) < 0.15 for peak in peaks), (peaks, estimated)
     assert (tmp_path / "plan.json").exists()
 
 

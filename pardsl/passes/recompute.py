@@ -96,8 +96,8 @@ def _units(program: LoweredProgram, typed: TypedGraph, decls: tuple[RecomputeDec
                        if known else "name a submodule by its path in the model (layers.0, or layers.* for every layer)")
     for index, (unit, decl) in units.items():
         if program.statements[index].instruction.kind == "param_gather":
-            sink.error("E082", f"`{unit}` gathers its parameters before use (ZeRO-3): recomputing it is not "
-                       "supported yet", decl.pattern_span,
+            sink.error("E082", f"`{unit}` gathers parameters whole before use (as ZeRO-3 does): recomputing it "
+                       "is not supported yet", decl.pattern_span,
                        "store its parameters whole or split across the ops that use them (tensor parallel), "
                        "or leave it out of `recompute`")
             break
@@ -178,7 +178,8 @@ def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgr
     """What the region keeps for backward, in the program's count of activations: its arguments
     (`held_here`); under `selective`, what its costly statements and collectives make too; of the rest
     the unit makes (its statements' values, and the graph's values a pass fused into them), only what an
-    op outside it keeps, or an output (the others `recomputed`)."""
+    op outside it keeps, or an output (the others `recomputed`, by the region's name: backward holds one
+    region's again at a time)."""
     kept, paths = typed.bound.kept, typed.bound.module_paths
     for name in region.instruction.reads():
         if name in values:
@@ -201,7 +202,7 @@ def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgr
         if policy == "selective" and statement is not None and _costly(statement):
             values[name] = {**values[name], "held_here": True}
         elif name not in outputs and kept.owner.get(name, name) not in outside_keeps:
-            values[name] = {**values[name], "recomputed": True}
+            values[name] = {**values[name], "recomputed": region.instruction.args[0].text}
 
 
 def _costly(statement: Statement) -> bool:

@@ -260,6 +260,12 @@ class LoweredProgram:
         def nbytes(shape, dtype):
             return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
 
+        # backward makes one recomputed region's activations again at a time: the largest adds to the peak
+        again: dict[str, int] = {}
+        for v in self.values.values():
+            if v.get("recomputed") and (v.get("kept_for_backward") and v.get("kept_here", True)
+                                        or v["kind"] == "copy" and not v["parameter"]):
+                again[v["recomputed"]] = again.get(v["recomputed"], 0) + nbytes(v["local_shape"], v["dtype"])
         return {
             "parameters_per_rank": sum(nbytes(p.local_shape, p.dtype) for p in self.parameters),
             "parameters_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters),
@@ -267,7 +273,7 @@ class LoweredProgram:
             "activations_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
                                         if (v.get("kept_for_backward") and v.get("kept_here", True)
                                             or v["kind"] == "copy" and not v["parameter"]) and not v.get("recomputed")
-                                        or v.get("held_here")),
+                                        or v.get("held_here")) + max(again.values(), default=0),
             "parameter_copies_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
                                              if v["kind"] == "copy" and v["parameter"]),
             "activations_total": sum(nbytes(v["shape"], v["dtype"]) for v in self.values.values()

@@ -47,6 +47,7 @@ from pardsl.program.codegen import load_module
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.devices import rank_device, resolve_device
 from pardsl.runtime.schedule import Pipeline, loss_output
+from pardsl.tools.memory import held_bytes, peak_measured
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ class _Tally:
         self.worst = {"output": None, "grad": None}
         self.compiled_ms, self.serial_ms = [], []
         self.serial_finite = True
+        self.peak_bytes = 0  # the measured step's (pardsl/tools/memory.py)
 
     def note(self, kind: str, what: str, got: torch.Tensor | None, expected: torch.Tensor | None) -> None:
         err = float("inf") if got is None or expected is None else _max_err(got, expected)
@@ -169,6 +171,7 @@ class _Tally:
             "max_rel_err": self.relative,
             "worst": self.worst,
             "step_ms": {"compiled": statistics.median(self.compiled_ms), "serial": statistics.median(self.serial_ms)},
+            "peak_bytes": self.peak_bytes,
             **counts,
         }
 
@@ -232,18 +235,28 @@ def run_rank(job: RankJob) -> dict:
             progress.advance(f"step {step + 1}: the compiled module")
         if dist.is_initialized():
             dist.barrier()
-        start = time.perf_counter()
-        compiled_opt.zero_grad(set_to_none=True)
-        _set_generator_state(device, generator)
-        local_out = compiled(*local_inputs)
         # The gradient of an S output is its shard; of a B or P output, the full gradient (README, 'Gradients over a split batch').
         seeds = [g if Layout.from_key(layout).has_partial else rt.shard(g, layout)
                  for g, (_, layout, _) in zip(output_grads, module.OUTPUTS)]
-        pairs = [(o, s) for o, s in zip(local_out, seeds) if o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs])
-        _sync(device)
-        tally.compiled_ms.append((time.perf_counter() - start) * 1000)
+        compiled_opt.zero_grad(set_to_none=True)
+        # the first step's memory is measured (and, where there are others to time, not its time)
+        held = held_bytes([*compiled.parameters(), *compiled.buffers(), *local_inputs, *seeds,
+                           *_optimizer_state(compiled_opt)])
+        measuring = peak_measured(device, held) if step == 0 else contextlib.nullcontext([])
+        start = time.perf_counter()
+        with measuring as peak:
+            _set_generator_state(device, generator)
+            local_out = compiled(*local_inputs)
+            pairs = [(o, s) for o, s in zip(local_out, seeds) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs])
+            _sync(device)
+            compiled_ms = (time.perf_counter() - start) * 1000
+            if step == 0:
+                compiled_opt.step()  # its state is made here: part of what a training step holds
+        if step or job.steps == 1:
+            tally.compiled_ms.append(compiled_ms)
+        tally.peak_bytes = max([tally.peak_bytes, *peak])
         counts = rt.counter.summary()
 
         tally.serial_finite = tally.serial_finite and all(bool(torch.isfinite(o).all()) for o in serial_out)
@@ -263,9 +276,16 @@ def run_rank(job: RankJob) -> dict:
                 continue
             note("grad", name, param.grad, None if expected is None else rt.shard(expected, layouts[name]))
         serial_opt.step()
-        compiled_opt.step()
+        if step:
+            compiled_opt.step()
 
     return tally.report(counts)
+
+
+def _optimizer_state(optimizer) -> list[torch.Tensor]:
+    state = getattr(optimizer, "state", {})
+    return [value for per_parameter in state.values() for value in per_parameter.values()
+            if isinstance(value, torch.Tensor)]
 
 
 def _generator_state(device: torch.device):
@@ -358,9 +378,16 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
                 continue
             note("grad", name, parameter.grad, None if expected is None else rt.shard(expected, layout))
         serial_opt.step()
-        compiled_opt.step()
+        if step:
+            compiled_opt.step()
 
     return tally.report(counts)
+
+
+def _optimizer_state(optimizer) -> list[torch.Tensor]:
+    state = getattr(optimizer, "state", {})
+    return [value for per_parameter in state.values() for value in per_parameter.values()
+            if isinstance(value, torch.Tensor)]
 
 
 def _sync(device: torch.device) -> None:
@@ -397,6 +424,9 @@ def combine(results: list[dict], job: RankJob) -> dict:
            if any("sends" in r for r in results) else {}),
         "bytes": first["bytes"],
         "step_ms": first["step_ms"],
+        # each rank's measured peak over its first step (pardsl/tools/memory.py); not measured in a pipeline
+        **({"memory": {"peak_bytes": [r["peak_bytes"] for r in sorted(results, key=lambda r: r["rank"])]}}
+           if all("peak_bytes" in r for r in results) else {}),
     }
 
 
