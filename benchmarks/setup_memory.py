@@ -1,6 +1,7 @@
 """Peak memory of each rank while it sets up its shards: `plan.module(checkpoint=...)` against the shard
 size and the largest single tensor (the goal: shards plus that tensor, no more), and, for contrast,
-`plan.module()` without a checkpoint (which builds the serial model once to take its shards).
+`plan.module()` without a checkpoint (which makes each parameter from a record of the factory run on the
+meta device, one at a time: pardsl/model/deferred_init.py).
 
     python benchmarks/setup_memory.py [--layers 8 --hidden 512 --vocab 32000]
 
@@ -78,12 +79,14 @@ def rank_main(plan_path: str, checkpoint: str, out: str) -> None:
     import torch.distributed as dist
 
     import pardsl
+    from pardsl.model.deferred_init import give_back_freed_memory
 
     dist.init_process_group("gloo")
     plan = pardsl.load(plan_path)
     result = {}
     for mode, source in (("checkpoint", checkpoint), ("factory", None)):
         dist.barrier()
+        give_back_freed_memory()  # what the mode before freed, not counted against this one
         before, before_file = rss(), rss("RssFile")
         with PeakSampler() as sampler:
             model = plan.module(checkpoint=source)
@@ -142,7 +145,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for rank, result in enumerate(results):
         for mode, label in (("checkpoint", "plan.module(checkpoint=model.safetensors)"),
-                            ("factory", "plan.module() (builds the serial model)")):
+                            ("factory", "plan.module() (from the factory, one tensor at a time)")):
             r = result[mode]
             print(f"| {rank} | {label} | {r['shard'] / MiB:.1f} MiB | {(r['peak'] - r['before']) / MiB:.1f} MiB | "
                   f"{(r['shard'] + largest) / MiB:.1f} MiB | {r['file'] / MiB:.1f} MiB |")

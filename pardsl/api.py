@@ -23,7 +23,8 @@ from torch.utils import _pytree as pytree
 from pardsl.compiler import Compiled, compile_par
 from pardsl.language.syntax import parse
 from pardsl.layouts.algebra import B, Layout
-from pardsl.model.loading import build_model, full_state, import_paths, par_import_paths
+from pardsl.model.deferred_init import InitialValues, record
+from pardsl.model.loading import build_model, full_state, import_paths, load_factory, par_import_paths
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine
 from pardsl.planning.solver import LogMismatch, SolutionLog
 from pardsl.program.codegen import load_module
@@ -179,8 +180,8 @@ class Plan:
         With a checkpoint (a pardsl checkpoint folder, a `model.safetensors` file, or a Hugging Face folder
         with `model.safetensors.index.json`), each rank reads only its own slices of each tensor. Without
         one, the parameters are the values the model's factory gives under the current torch seed, as the
-        serial model's would be: every rank builds the serial model once to take its shards (so set the
-        same seed on every rank, and use a checkpoint for a model larger than one rank's memory).
+        serial model's would be (so set the same seed on every rank): the factory runs on the meta device
+        and each parameter is made from what it did, one at a time, this rank keeping its shard.
         A pardsl checkpoint is checked whole before any of it is read, and must be of this plan's model;
         `strict=False` loads one saved from another model (a deliberate transfer), names matched as for a
         Hugging Face checkpoint.
@@ -209,12 +210,22 @@ class Plan:
             load_model_state(spmd, self, checkpoint, strict=strict)
         return ParallelModule(self, spmd)
 
-    def _full_state(self) -> dict[str, torch.Tensor]:
-        par = self.compiled.par
+    def _full_state(self):
+        """Every parameter and buffer of the serial model by name, its values the factory's under the current
+        seed: each parameter made when asked for from a record of the factory run on the meta device
+        (pardsl/model/deferred_init.py), so a rank holds one whole tensor at a time. A factory that needs
+        values while it builds cannot run there: the serial model is built whole instead."""
+        par, bound = self.compiled.par, self.compiled.bound
+        seed = torch.get_rng_state()
         with import_paths(*par_import_paths(par.source.path, par.model.module)):
-            serial = build_model(par.model, par.source.path)
+            factory = load_factory(par.model, par.source.path)
+            try:
+                return InitialValues(record(lambda: factory(**dict(par.model.kwargs))), bound.buffer_values)
+            except Exception:  # the factory's own code, on meta tensors: a `.item()`, a data-dependent branch
+                torch.set_rng_state(seed)
+                serial = build_model(par.model, par.source.path)
         full = full_state(serial)
-        full.update((name, t) for name, t in self.compiled.bound.buffer_values.items() if name not in full)
+        full.update((name, t) for name, t in bound.buffer_values.items() if name not in full)
         return full
 
     def _pipeline_module(self, rt, loss_fn) -> "PipelineModule":
