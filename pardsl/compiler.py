@@ -24,7 +24,7 @@ from pardsl.passes.early_count import start_counts_early
 from pardsl.passes.fused_norms import fuse_rms_norms
 from pardsl.passes.fused_rotary import fuse_rotary_embeddings
 from pardsl.passes.liveness import release_dead_values
-from pardsl.passes.recompute import recompute_layers
+from pardsl.passes.recompute import recompute_layers, recomputed_within
 from pardsl.passes.reshard import reshard_after_forward
 from pardsl.planning.cost import (
     DEFAULT_BUCKET_MB,
@@ -102,6 +102,10 @@ def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
         typed = timed(seconds, "infer", lambda: infer(bound))
         program = timed(seconds, "lower", lambda: _lowered(typed, bucket_mb, None))
     program = _passes_after_lowering(program, typed)
+    limit = memory_limit(bound)
+    if limit is not None and not par.recomputes_written:  # what to recompute, if anything, is the search's
+        program = timed(seconds, "recompute", lambda: recomputed_within(program, typed, limit,
+                                                                       machine or default_machine()))
     source = timed(seconds, "codegen", lambda: render(program))
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
 

@@ -156,3 +156,29 @@ def test_full_recomputation_lowers_the_measured_peak(pools, compile_par):
         assert report["ok"], report
         peaks[name] = max(report["memory"]["peak_bytes"])
     assert peaks["full"] < 0.9 * peaks["plain"], peaks
+
+
+def test_under_a_bound_the_fewest_layers_are_recomputed_and_the_plan_runs_equal_to_serial(pools, compile_par):
+    """One rank, eight layers, a long sequence: a bound of half the serial model's memory is met by
+    recomputing six layers (N007), not all eight; five do not meet it."""
+    from pardsl.planning.cost import memory_per_rank
+    from pardsl.planning.search import memory_limit
+
+    text = LLAMA_TP2.replace("n_layer=2", "n_layer=8").replace("int64[2, 16]", "int64[8, 256]").replace("tp = 2", "tp = 1")
+    compiled = compile_par(text + "memory <= 50 %\n")
+    (note,) = [n for n in compiled.program.notes if n.code == "N007"]
+    assert note.message.startswith("recomputes layers.0 to layers.5 (6 of 8 layers, full) in backward")
+    assert not [n for n in compiled.program.notes if n.code == "N003"]
+    limit = memory_limit(compiled.bound)
+    assert memory_per_rank(compiled.program)["total"] <= limit
+    fewer = compile_par(recomputed(text, *(f"recompute layers.{i}" for i in range(5))) + "memory <= 50 %\n")
+    assert memory_per_rank(fewer.program)["total"] > limit
+    report = run_on(pools, compiled, steps=2)
+    assert report["ok"], report
+
+
+def test_recompute_searched_and_named_together_is_refused(compile_par):
+    with pytest.raises(CompileError) as error:
+        compile_par(recomputed(LLAMA_TP2, "recompute ?", "recompute layers.*"))
+    (diagnostic,) = error.value.diagnostics
+    assert diagnostic.code == "E003" and diagnostic.message == "`recompute ?` with submodules named to recompute"

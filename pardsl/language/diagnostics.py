@@ -78,6 +78,7 @@ NOTE_CODES: dict[str, str] = {
     "N004": "the greedy completion is compiled: rated faster than the layout search's plan",
     "N005": "operators without a rule, computed whole on every rank",
     "N006": "the layout search stopped at its time budget: the best plan found is compiled",
+    "N007": "layers recomputed in backward, chosen to hold to the `memory` bound",
 }
 
 

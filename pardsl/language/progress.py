@@ -33,7 +33,8 @@ def report(message: str) -> None:
 # what each compile stage is doing, in words, for a terminal's status line
 STAGE_WORDS = {"infer": "completing the layouts",
                "search": "searching the layouts", "greedy": "completing the layouts greedily, to compare",
-               "lower": "lowering to collectives", "codegen": "writing the module"}
+               "lower": "lowering to collectives", "recompute": "choosing the layers to recompute",
+               "codegen": "writing the module"}
 
 
 def timed(seconds: dict[str, float], stage: str, work: Callable):

@@ -136,7 +136,7 @@ class RecomputeDecl:
     """`recompute model.layers.* : selective`: the submodules (a path, `*` for any one name) whose
     activations are made again in backward rather than kept, and how much of them: `full` keeps only
     their inputs; `selective` keeps what is costly to make again (matrix products, attention, collective
-    results)."""
+    results). `recompute ?` (pattern "?", policy "searched"): the search decides."""
 
     pattern: str
     policy: str
@@ -158,6 +158,11 @@ class ParFile:
     @property
     def pipeline(self) -> PipelineDecl | None:
         return self.pipelines[0] if self.pipelines else None
+
+    @property
+    def recomputes_written(self) -> tuple[RecomputeDecl, ...]:
+        """The submodules the file names to recompute (not `recompute ?`)."""
+        return tuple(decl for decl in self.recomputes if decl.pattern != "?")
 
     @property
     def memory_bound(self) -> MemoryBound | None:
@@ -366,6 +371,9 @@ class _ToSyntaxTree(Transformer):
         return RecomputeDecl(str(pattern), "full" if policy is None else str(policy), _span(meta),
                              _token_span(pattern))
 
+    def recompute_searched(self, meta, children):
+        return RecomputeDecl("?", "searched", _span(meta), _span(meta))
+
     def layout_entry(self, meta, children):
         target, layout = children
         return LayoutEntry(str(target), layout, _span(meta), _token_span(target))
@@ -570,6 +578,11 @@ def _check_declarations(par: ParFile, sink: DiagnosticSink) -> None:
     for duplicate in par.pipelines[1:]:
         sink.error("E003", "`pipeline` declared twice", duplicate.span,
                    f"first declared on line {par.pipelines[0].span.line}; one mesh axis holds the stages")
+    searched = [decl for decl in par.recomputes if decl.pattern == "?"]
+    if searched and par.recomputes_written:
+        sink.error("E003", "`recompute ?` with submodules named to recompute", searched[0].span,
+                   f"line {par.recomputes_written[0].span.line} names `{par.recomputes_written[0].pattern}`: "
+                   "write which to recompute, or `recompute ?` for the search to choose")
     patterns: dict[str, RecomputeDecl] = {}
     for decl in par.recomputes:
         if decl.pattern in patterns:

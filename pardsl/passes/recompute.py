@@ -28,10 +28,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from pardsl.language.diagnostics import DiagnosticSink
+from pardsl.language.diagnostics import CompileError, Diagnostic, DiagnosticSink
 from pardsl.language.syntax import RecomputeDecl
+from pardsl.planning.cost import estimate, memory_per_rank, repeated_layer
+from pardsl.planning.descent import CompletedPlan
 from pardsl.planning.inference import TypedGraph
-from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement, Text, Var
+from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement, Text, Var, format_bytes
 
 # What a selective region keeps: the results of these statements (their calls), as well as every
 # collective's. The ATen ops `rt.recompute` keeps under `selective` are the same families (runtime).
@@ -39,9 +41,11 @@ _COSTLY_CALLS = ("aten.linear.", "aten.mm.", "aten.addmm.", "aten.bmm.", "aten.b
                  "aten.scaled_dot_product_attention.", "rt.column_parallel_linears", "rt.row_parallel_linear")
 
 
-def recompute_layers(program: LoweredProgram, typed: TypedGraph) -> LoweredProgram:
-    """The program with each run of statements from a submodule the file recomputes made one region."""
-    decls = typed.bound.par.recomputes
+def recompute_layers(program: LoweredProgram, typed: TypedGraph,
+                     decls: tuple[RecomputeDecl, ...] | None = None) -> LoweredProgram:
+    """The program with each run of statements from a submodule recomputed made one region: those the file
+    names, or `decls`."""
+    decls = typed.bound.par.recomputes_written if decls is None else decls
     if not decls:
         return program
     unit_of = _units(program, typed, decls)
@@ -212,3 +216,54 @@ def _costly(statement: Statement) -> bool:
 
 def _made(program: LoweredProgram, name: str) -> Statement | None:
     return next((statement for statement in program.statements if name in statement.targets), None)
+
+
+def recomputed_within(program: LoweredProgram, typed: TypedGraph, limit: int, machine,
+                      optimizer: str = "adamw") -> LoweredProgram:
+    """Where the file bounds memory and names nothing to recompute, and the plan holds more than `limit`
+    bytes per rank: the plan with the fewest repeated layers recomputed that holds to it, `full` or
+    `selective`, whichever the cost model rates faster; note N007 says which. A rank's memory falls as
+    layers are added (one region is made again at a time) and its step grows, so per policy the fewest
+    layers that fit are the fastest, found by bisection. Where no number of layers fits, the plan that
+    holds least (N003 says by how much it is over)."""
+    if memory_per_rank(program, optimizer)["total"] <= limit:
+        return program
+    units = list(dict.fromkeys(layer for layer in (repeated_layer(typed.bound.module_paths.get(s.node))
+                                                   for s in program.statements) if layer))
+    bound = typed.bound.par.memory_bound
+    candidates = []
+    for policy in ("selective", "full"):
+        def with_layers(count: int):
+            decls = tuple(RecomputeDecl(unit, policy, bound.span, bound.span) for unit in units[:count])
+            try:
+                again = recompute_layers(program, typed, decls)
+            except CompileError:  # a layer recomputation cannot take yet (gathered parameters: E082)
+                return None
+            rated = estimate(CompletedPlan(typed, again), machine, optimizer)
+            return again, rated.memory["total"], rated.step_s, count, policy
+
+        low, high, fitting = 1, len(units), None
+        while low <= high:  # the fewest layers whose plan fits
+            middle = (low + high) // 2
+            found = with_layers(middle)
+            if found is None:
+                break
+            if found[1] <= limit:
+                fitting, high = found, middle - 1
+            else:
+                low = middle + 1
+        if fitting is not None:
+            candidates.append(fitting)
+        elif units and (least := with_layers(len(units))) is not None:
+            candidates.append(least)
+    if not candidates:
+        return program
+    fits = [c for c in candidates if c[1] <= limit]
+    again, held, step_s, count, policy = min(fits, key=lambda c: c[2]) if fits else min(candidates, key=lambda c: c[1])
+    named = units[0] if count == 1 else f"{units[0]} to {units[count - 1]}"
+    again.notes.append(Diagnostic(
+        "N007", f"recomputes {named} ({count} of {len(units)} layers, {policy}) in backward to hold to the "
+        f"bound: {format_bytes(held)} per rank, estimated {step_s * 1e3:.3g} ms a step", bound.span,
+        ("write `recompute` lines to choose otherwise; `pardsl explain` shows what each layer keeps",),
+        severity="note"))
+    return again
