@@ -139,11 +139,21 @@ def test_a_submodule_named_twice_is_refused(compile_par):
     assert diagnostic.code == "E003" and "`layers.1` is recomputed twice" in diagnostic.message
 
 
-def test_recomputing_a_layer_whose_parameters_are_gathered_is_refused_for_now(compile_par):
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recomputed_zero3_layers_gather_their_group_again_and_stay_bit_equal(pools, tmp_path, policy):
+    """ZeRO-3 (every weight split over dp, a layer's gathered by one all-gather, resharded after forward and
+    gathered again for backward): a recomputed layer takes that backward gather for its second run, so
+    the collectives are the plan's without recomputation, and outputs and gradients are bit-equal."""
     text = open(os.path.join(REPO, "examples/llama_zero3.par")).read()
-    with pytest.raises(CompileError) as error:
-        compile_par(recomputed(text, "recompute model.layers.*"))
-    assert [d.code for d in error.value.diagnostics] == ["E082"]
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3))
+    line = "recompute model.layers.*" + ("" if policy == "full" else " : selective")
+    (plain, again), compiled_plain, compiled = _compare(pools, tmp_path, text, (line,),
+                                                        {"input_ids": ids, "labels": ids}, 2)
+    assert compiled.program.collective_counts() == compiled_plain.program.collective_counts()
+    for rank in range(2):
+        assert _bit_equal(plain[rank], again[rank]), f"rank {rank}"
+        assert again[rank]["counts"] == plain[rank]["counts"]
+    assert "rt.recompute(model_layers_0" in compiled.source
 
 
 def test_full_recomputation_lowers_the_measured_peak(pools, compile_par):

@@ -66,7 +66,6 @@ ERROR_CODES: dict[str, str] = {
     "E078": "what a pipelined plan does not support yet",
     "E080": "unknown recomputation policy",
     "E081": "recomputation that names no submodule the forward calls",
-    "E082": "recomputation of what it cannot yet make again",
     "E090": "compile did not finish within its time limit",
 }
 

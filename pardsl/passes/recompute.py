@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from pardsl.language.diagnostics import CompileError, Diagnostic, DiagnosticSink
+from pardsl.language.diagnostics import Diagnostic, DiagnosticSink
 from pardsl.language.syntax import RecomputeDecl
 from pardsl.planning.cost import estimate, memory_per_rank, repeated_layer
 from pardsl.planning.descent import CompletedPlan
@@ -62,6 +62,7 @@ def recompute_layers(program: LoweredProgram, typed: TypedGraph,
         if region is None:
             statements.extend(program.statements[start:end])
             continue
+        region = _gathered_again(region, program, unit)
         statements.extend([region, *after])
         _count_kept(region, unit, decl.policy, program, values, typed, outputs)
         again.update(statement.node for statement in region.body if statement.node and
@@ -98,13 +99,6 @@ def _units(program: LoweredProgram, typed: TypedGraph, decls: tuple[RecomputeDec
                        "recompute one of " + ", ".join(known[:4]) + (", ..." if len(known) > 4 else "")
                        + (f", or all of them: `{re.sub(r'[0-9]+$', '*', known[0])}`" if known else "")
                        if known else "name a submodule by its path in the model (layers.0, or layers.* for every layer)")
-    for index, (unit, decl) in units.items():
-        if program.statements[index].instruction.kind == "param_gather":
-            sink.error("E082", f"`{unit}` gathers parameters whole before use (as ZeRO-3 does): recomputing it "
-                       "is not supported yet", decl.pattern_span,
-                       "store its parameters whole or split across the ops that use them (tensor parallel), "
-                       "or leave it out of `recompute`")
-            break
     sink.raise_if_any()
     return units
 
@@ -177,6 +171,20 @@ def _region(body: list[Statement], later: list[Statement], outputs: set[str], un
     return region, after
 
 
+def _gathered_again(region: Statement, program: LoweredProgram, unit: str) -> Statement:
+    """The region with the all-gathers its second run makes: each gather group its statements take a
+    parameter from is gathered again in backward (ParameterSync, as for a resharded group). A group
+    resharded and gathered again for backward anyway (pardsl/passes/reshard.py) adds nothing: that gather
+    is the one the region takes."""
+    made = {target for statement in region.body if statement.instruction.kind == "param_gather"
+            for target in statement.targets}
+    again = tuple(Collective("all_gather", group.axis, "backward", group.collective.bytes, f"group {number}",
+                             f"gathered again to make {unit} again in backward")
+                  for number, group in enumerate(program.gathers)
+                  if group.regather is None and made & set(group.vars))
+    return dataclasses.replace(region, collectives=region.collectives + again) if again else region
+
+
 def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgram, values: dict[str, dict],
                 typed: TypedGraph, outputs: set[str]) -> None:
     """What the region keeps for backward, in the program's count of activations: its arguments
@@ -235,10 +243,7 @@ def recomputed_within(program: LoweredProgram, typed: TypedGraph, limit: int, ma
     for policy in ("selective", "full"):
         def with_layers(count: int):
             decls = tuple(RecomputeDecl(unit, policy, bound.span, bound.span) for unit in units[:count])
-            try:
-                again = recompute_layers(program, typed, decls)
-            except CompileError:  # a layer recomputation cannot take yet (gathered parameters: E082)
-                return None
+            again = recompute_layers(program, typed, decls)
             rated = estimate(CompletedPlan(typed, again), machine, optimizer)
             return again, rated.memory["total"], rated.step_s, count, policy
 
@@ -246,16 +251,14 @@ def recomputed_within(program: LoweredProgram, typed: TypedGraph, limit: int, ma
         while low <= high:  # the fewest layers whose plan fits
             middle = (low + high) // 2
             found = with_layers(middle)
-            if found is None:
-                break
             if found[1] <= limit:
                 fitting, high = found, middle - 1
             else:
                 low = middle + 1
         if fitting is not None:
             candidates.append(fitting)
-        elif units and (least := with_layers(len(units))) is not None:
-            candidates.append(least)
+        elif units:
+            candidates.append(with_layers(len(units)))
     if not candidates:
         return program
     fits = [c for c in candidates if c[1] <= limit]

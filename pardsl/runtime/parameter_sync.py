@@ -23,7 +23,8 @@ never outlives a step, and a copy of the module shares none:
 - **reshard after forward** (pardsl/passes/reshard.py): under `resharded_after_forward`, autograd keeps a
   resharded group's gathered weights as their place in the group (saved-tensor hooks) while the forward
   drops them after use; backward gathers the group again when it first needs one, and issues the
-  all-gather of the resharded group before it meanwhile.
+  all-gather of the resharded group before it meanwhile. A recomputed layer (pardsl/runtime/recompute.py)
+  gathers its group again the same way when backward runs its forward again.
 
 The autograd function that carries a parameter's gradient into a bucket returns no gradient for the
 parameter itself: the bucket writes `.grad` once the collective has finished.
@@ -61,7 +62,8 @@ class ParameterSync:
         self._resharded: dict[int, bool] = {}  # group → whether backward gathers it again; in backward's order
         # storage → (group, base, the base tensor, weakly): the resharded groups gathered in this forward
         self._holding: dict[int, tuple[int, int, weakref.ref]] = {}
-        self._regathered: tuple[int, list[torch.Tensor]] | None = None  # backward: the group gathered again
+        # backward: the group gathered again, its bases and its members whole
+        self._regathered: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._prefetched_backward: tuple[int, object, torch.Tensor] | None = None
 
     @functools.cached_property
@@ -82,6 +84,18 @@ class ParameterSync:
         return _GatheredParameter.apply(parameter, self, group, item, bucket, member)
 
     def _gathered(self, group: int, item: int) -> torch.Tensor:
+        region = self.rt.region
+        if region is None:
+            return self._taken(group, item)
+        with region.unseen():
+            if region.mode == "keep":
+                return self._taken(group, item)
+            # a recomputed layer's forward run again in backward: its group gathered again there, as a
+            # resharded group's is for backward, and nothing of the forward's prefetching touched
+            self._gathered_again(group)
+            return self._regathered[2][item]
+
+    def _taken(self, group: int, item: int) -> torch.Tensor:
         if item == 0 or self._current is None or self._current[0] != group:  # the forward takes items in order
             buffer = self._take(group)
             wholes = self._unpack(group, buffer)
@@ -128,7 +142,8 @@ class ParameterSync:
                 pending[1].wait()
             work, buffer = self._issue_gather(group, "backward")
         work.wait()
-        self._regathered = (group, _bases(self._unpack(group, buffer)))
+        wholes = self._unpack(group, buffer)
+        self._regathered = (group, _bases(wholes), wholes)
         # the next group backward gathers again (`_resharded` is in backward's order)
         order = [g for g, again in self._resharded.items() if again]
         after = order[order.index(group) + 1:] if group in order else []

@@ -18,6 +18,7 @@ import contextlib
 import functools
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -51,11 +52,19 @@ class RegionCollectives:
     def __init__(self, mode: str, kept: list):
         self.mode, self.kept, self._next = mode, kept, 0
 
+    def unseen(self):
+        """A context for the runtime's own work within a selective region (a collective's copies, a group's
+        gathers): torch's selective checkpointing wants the second run to call the ATen ops the first did,
+        in the same order, and the runtime's own work differs between them (a kept result given back, a
+        group gathered again instead of prefetched), so it is done out of the checkpoint's sight."""
+        return _disable_current_modes() if self.mode in ("keep", "replay") else contextlib.nullcontext()
+
     def issued(self, issue):
         """The result of a forward collective `issue(phase)` (a tensor)."""
         if self.mode == "replay":
             return self._given_back()
-        result = issue("backward" if self.mode == "again" else "forward")
+        with self.unseen():
+            result = issue("backward" if self.mode == "again" else "forward")
         if self.mode == "keep":
             self.kept.append(result)
         return result
@@ -66,12 +75,14 @@ class RegionCollectives:
         if self.mode == "replay":
             result = self._given_back()
             return None, lambda: result
-        work, result = issue("backward" if self.mode == "again" else "forward")
+        with self.unseen():
+            work, result = issue("backward" if self.mode == "again" else "forward")
         if self.mode != "keep":
             return work, result
 
         def kept():
-            value = result()
+            with self.unseen():
+                value = result()
             self.kept.append(value)
             return value
         return work, kept
