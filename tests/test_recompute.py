@@ -192,3 +192,12 @@ def test_recompute_searched_and_named_together_is_refused(compile_par):
         compile_par(recomputed(LLAMA_TP2, "recompute ?", "recompute layers.*"))
     (diagnostic,) = error.value.diagnostics
     assert diagnostic.code == "E003" and diagnostic.message == "`recompute ?` with submodules named to recompute"
+
+
+def test_recomputed_layers_in_pipeline_stages_run_equal_to_serial(pools, compile_par):
+    """1F1B over two stages, four micro-batches: each stage's layer is a region, made again in its backward."""
+    compiled = compile_par(open(os.path.join(REPO, "examples/hf_llama_pp2.par")).read() +
+                           "recompute model.model.layers.*\n")
+    assert compiled.source.count("= rt.recompute(") == 2
+    report = run_on(pools, compiled, steps=2)
+    assert report["ok"], report

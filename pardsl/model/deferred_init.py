@@ -267,9 +267,12 @@ class InitialValues(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._parameters:
+            parameter = self._parameters[name].detach()
+            if not _is_meta(parameter):  # made from real data (`torch.tensor([...])`): its value is there
+                return parameter
             give_back_freed_memory()  # the value asked for before, freed by the caller since
             with generator_kept():
-                return self._made.value(self._parameters[name].detach())
+                return self._made.value(parameter)
         return self._buffers[name]
 
     def __iter__(self):
