@@ -201,3 +201,4 @@ def test_recomputed_layers_in_pipeline_stages_run_equal_to_serial(pools, compile
     assert compiled.source.count("= rt.recompute(") == 2
     report = run_on(pools, compiled, steps=2)
     assert report["ok"], report
+    assert len(report["memory"]["peak_bytes"]) == 2 and all(peak > 0 for peak in report["memory"]["peak_bytes"])

@@ -354,12 +354,22 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         if progress:
             progress.advance(f"step {step + 1}: the pipelined module")
         dist.barrier()
-        start = time.perf_counter()
         compiled_opt.zero_grad(set_to_none=True)
         target = None if own_loss else rt.shard(gradient, output_layout)
-        losses, merged = pipeline.step(local_inputs, target, return_outputs=not own_loss)
-        _sync(device)
-        tally.compiled_ms.append((time.perf_counter() - start) * 1000)
+        # the first step's memory is measured (and, where there are others to time, not its time), as run_rank's
+        held = held_bytes([*(t for m in modules.values() for t in (*m.parameters(), *m.buffers())), *local_inputs,
+                           *([target] if target is not None else []), *_optimizer_state(compiled_opt)])
+        measuring = peak_measured(device, held) if step == 0 else contextlib.nullcontext([])
+        start = time.perf_counter()
+        with measuring as peak:
+            losses, merged = pipeline.step(local_inputs, target, return_outputs=not own_loss)
+            _sync(device)
+            compiled_ms = (time.perf_counter() - start) * 1000
+            if step == 0:
+                compiled_opt.step()  # its state is made here: part of what a training step holds
+        if step or job.steps == 1:
+            tally.compiled_ms.append(compiled_ms)
+        tally.peak_bytes = max([tally.peak_bytes, *peak])
         counts = rt.counter.summary()
         if pipeline.is_last:
             # a partial output (P) is summed over the last stage's ranks, which alone hold it, as run_rank sums it
@@ -424,7 +434,7 @@ def combine(results: list[dict], job: RankJob) -> dict:
            if any("sends" in r for r in results) else {}),
         "bytes": first["bytes"],
         "step_ms": first["step_ms"],
-        # each rank's measured peak over its first step (pardsl/tools/memory.py); not measured in a pipeline
+        # each rank's measured peak over its first step (pardsl/tools/memory.py)
         **({"memory": {"peak_bytes": [r["peak_bytes"] for r in sorted(results, key=lambda r: r["rank"])]}}
            if all("peak_bytes" in r for r in results) else {}),
     }
