@@ -163,6 +163,25 @@ class _Tally:
         if self.worst[kind] is None or rel > self.relative[kind]:
             self.relative[kind], self.worst[kind] = rel, what
 
+    def compiled_step(self, step: int, steps: int, device: torch.device, held: list, work, optimizer):
+        """`work()`'s result: the compiled step's forward and backward, timed. The first step's memory is
+        measured (pardsl/tools/memory.py; `held`: the tensors the rank holds as it begins, its optimizer's
+        state added), its optimizer's first step inside it, where that state is made; where there are other
+        steps to time, its time is not counted. Later steps' optimizer steps are the caller's."""
+        measuring = peak_measured(device, held_bytes([*held, *_optimizer_state(optimizer)])) if step == 0 \
+            else contextlib.nullcontext([])
+        start = time.perf_counter()
+        with measuring as peak:
+            result = work()
+            _sync(device)
+            milliseconds = (time.perf_counter() - start) * 1000
+            if step == 0:
+                optimizer.step()
+        if step or steps == 1:
+            self.compiled_ms.append(milliseconds)
+        self.peak_bytes = max([self.peak_bytes, *peak])
+        return result
+
     def report(self, counts: dict) -> dict:
         return {
             "rank": dist.get_rank() if dist.is_initialized() else 0,
@@ -239,24 +258,17 @@ def run_rank(job: RankJob) -> dict:
         seeds = [g if Layout.from_key(layout).has_partial else rt.shard(g, layout)
                  for g, (_, layout, _) in zip(output_grads, module.OUTPUTS)]
         compiled_opt.zero_grad(set_to_none=True)
-        # the first step's memory is measured (and, where there are others to time, not its time)
-        held = held_bytes([*compiled.parameters(), *compiled.buffers(), *local_inputs, *seeds,
-                           *_optimizer_state(compiled_opt)])
-        measuring = peak_measured(device, held) if step == 0 else contextlib.nullcontext([])
-        start = time.perf_counter()
-        with measuring as peak:
+
+        def forward_and_backward():
             _set_generator_state(device, generator)
-            local_out = compiled(*local_inputs)
-            pairs = [(o, s) for o, s in zip(local_out, seeds) if o.requires_grad]
+            out = compiled(*local_inputs)
+            pairs = [(o, s) for o, s in zip(out, seeds) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs])
-            _sync(device)
-            compiled_ms = (time.perf_counter() - start) * 1000
-            if step == 0:
-                compiled_opt.step()  # its state is made here: part of what a training step holds
-        if step or job.steps == 1:
-            tally.compiled_ms.append(compiled_ms)
-        tally.peak_bytes = max([tally.peak_bytes, *peak])
+            return out
+
+        held = [*compiled.parameters(), *compiled.buffers(), *local_inputs, *seeds]
+        local_out = tally.compiled_step(step, job.steps, device, held, forward_and_backward, compiled_opt)
         counts = rt.counter.summary()
 
         tally.serial_finite = tally.serial_finite and all(bool(torch.isfinite(o).all()) for o in serial_out)
@@ -356,20 +368,10 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         dist.barrier()
         compiled_opt.zero_grad(set_to_none=True)
         target = None if own_loss else rt.shard(gradient, output_layout)
-        # the first step's memory is measured (and, where there are others to time, not its time), as run_rank's
-        held = held_bytes([*(t for m in modules.values() for t in (*m.parameters(), *m.buffers())), *local_inputs,
-                           *([target] if target is not None else []), *_optimizer_state(compiled_opt)])
-        measuring = peak_measured(device, held) if step == 0 else contextlib.nullcontext([])
-        start = time.perf_counter()
-        with measuring as peak:
-            losses, merged = pipeline.step(local_inputs, target, return_outputs=not own_loss)
-            _sync(device)
-            compiled_ms = (time.perf_counter() - start) * 1000
-            if step == 0:
-                compiled_opt.step()  # its state is made here: part of what a training step holds
-        if step or job.steps == 1:
-            tally.compiled_ms.append(compiled_ms)
-        tally.peak_bytes = max([tally.peak_bytes, *peak])
+        held = [*(t for m in modules.values() for t in (*m.parameters(), *m.buffers())), *local_inputs,
+                *([target] if target is not None else [])]
+        losses, merged = tally.compiled_step(step, job.steps, device, held, lambda: pipeline.step(
+            local_inputs, target, return_outputs=not own_loss), compiled_opt)
         counts = rt.counter.summary()
         if pipeline.is_last:
             # a partial output (P) is summed over the last stage's ranks, which alone hold it, as run_rank sums it
