@@ -202,3 +202,13 @@ def test_recomputed_layers_in_pipeline_stages_run_equal_to_serial(pools, compile
     report = run_on(pools, compiled, steps=2)
     assert report["ok"], report
     assert len(report["memory"]["peak_bytes"]) == 2 and all(peak > 0 for peak in report["memory"]["peak_bytes"])
+
+
+def test_explain_says_which_layers_are_made_again(compile_par):
+    from pardsl.planning.cost import DEFAULTS, estimate
+    from pardsl.tools.explain import report
+
+    compiled = compile_par(recomputed(LLAMA_TP2, "recompute layers.0 : selective", "recompute layers.1"))
+    text = report(compiled, estimate(compiled, DEFAULTS["gloo"]))
+    assert "  made again in backward (selective): matrix products, attention and collective results kept" in text
+    assert "  made again in backward (full): only its inputs kept" in text

@@ -128,6 +128,7 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
              f" backward; {seconds_text(seconds['overlapped'])} overlapped with compute, of which "
              f"{seconds_text(seconds['overlapped_exposed'])} exposed",
              _memory_line(memory, memory_bound), ""]
+    recomputed = _recomputed_layers(compiled)
     for layer in layers(compiled, estimate):
         title = layer.name or "(outside the layers)"
         if layer.same_as:
@@ -139,6 +140,10 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
         replicated = sum(1 for _, layout in layer.parameters if layout == "B")
         if split or replicated:
             lines.append("  layouts: " + ", ".join(split + ([f"{replicated} more B"] if replicated else [])))
+        if layer.name in recomputed:
+            lines.append(f"  made again in backward ({recomputed[layer.name]}): "
+                         + ("only its inputs kept" if recomputed[layer.name] == "full" else
+                            "matrix products, attention and collective results kept"))
         for cost in layer.collectives:
             when = f"{cost.phase}, overlapped" if cost.overlapped else cost.phase
             lines.append(f"  {cost.kind.replace('_', '-'):<14} {cost.axis:<4} {when:<19} {format_bytes(cost.bytes):>10} "
@@ -164,6 +169,18 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
                      f"({format_bytes(max(alt.extra_bytes, 0))} more communication)"
                      f" → step {seconds_text(seconds['step'] + alt.extra_s)}")
     return "\n".join(lines)
+
+
+def _recomputed_layers(compiled) -> dict[str, str]:
+    """Each layer a recomputed region makes again in backward (pardsl/passes/recompute.py), with its policy."""
+    paths, found = compiled.bound.module_paths, {}
+    for statement in compiled.program.statements:
+        if statement.instruction.kind == "recompute":
+            policy = statement.instruction.args[1].text.strip("'")
+            for inside in statement.body:
+                if layer := layer_of(paths.get(inside.node)):
+                    found.setdefault(layer, policy)
+    return found
 
 
 def _memory_line(memory: dict, bound: int | None) -> str:
