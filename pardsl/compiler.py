@@ -103,7 +103,8 @@ def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
         program = timed(seconds, "lower", lambda: _lowered(typed, bucket_mb, None))
     program = _passes_after_lowering(program, typed)
     limit = memory_limit(bound)
-    if limit is not None and not par.recomputes_written:  # what to recompute, if anything, is the search's
+    # over the bound, with nothing named to recompute: which layers to recompute is the compiler's choice
+    if limit is not None and not par.recomputes_written and memory_per_rank(program)["total"] > limit:
         program = timed(seconds, "recompute", lambda: recomputed_within(program, typed, limit,
                                                                        machine or default_machine()))
     source = timed(seconds, "codegen", lambda: render(program))

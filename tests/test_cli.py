@@ -94,7 +94,10 @@ def test_a_compile_reports_its_stages_and_each_integer_program_to_a_listener(com
     with reported_to(heard.append):
         compile_par("mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
                     "memory <= 60 %\n")
-    stages = [m for m in dict.fromkeys(heard) if not m.startswith("searching the layouts:")]
+    # a stage's progress within it ("searching the layouts: deciding tp…"; on a slow machine, how many module
+    # calls the export has traced so far) is not a stage of its own
+    stages = [m for m in dict.fromkeys(heard)
+              if not m.startswith(("searching the layouts:", "exporting the model (torch.export):"))]
     assert stages == ["building the model on the meta device", "exporting the model (torch.export)",
                       "searching the layouts", "completing the layouts greedily, to compare", "writing the module"]
     programs = [m for m in heard if m.startswith("searching the layouts: deciding tp")]
