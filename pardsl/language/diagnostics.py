@@ -66,6 +66,7 @@ ERROR_CODES: dict[str, str] = {
     "E078": "what a pipelined plan does not support yet",
     "E080": "unknown recomputation policy",
     "E081": "recomputation that names no submodule the forward calls",
+    "E083": "unknown precision option or dtype",
     "E090": "compile did not finish within its time limit",
 }
 

@@ -144,6 +144,21 @@ class RecomputeDecl:
     pattern_span: Span
 
 
+PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass(frozen=True)
+class PrecisionDecl:
+    """`precision params bf16, reduce fp32`: the dtype parameters are computed in (their master copies,
+    and the optimizer's state, stay float32 on the shards), the dtype gradients are reduced in, and the
+    dtype floating outputs are given in (default: the compute dtype's)."""
+
+    params: str  # torch dtype names
+    reduce: str
+    output: str | None
+    span: Span
+
+
 @dataclass(frozen=True)
 class ParFile:
     source: SourceFile
@@ -154,6 +169,11 @@ class ParFile:
     memory_bounds: tuple[MemoryBound, ...] = ()
     pipelines: tuple[PipelineDecl, ...] = ()
     recomputes: tuple[RecomputeDecl, ...] = ()
+    precisions: tuple[PrecisionDecl, ...] = ()
+
+    @property
+    def precision(self) -> PrecisionDecl | None:
+        return self.precisions[0] if self.precisions else None
 
     @property
     def pipeline(self) -> PipelineDecl | None:
@@ -371,6 +391,27 @@ class _ToSyntaxTree(Transformer):
         return RecomputeDecl(str(pattern), "full" if policy is None else str(policy), _span(meta),
                              _token_span(pattern))
 
+    def precision_option(self, meta, children):
+        return str(children[0]), str(children[1]), _token_span(children[0]), _token_span(children[1])
+
+    def precision_decl(self, meta, options):
+        given: dict[str, str] = {}
+        for kind, dtype, kind_span, dtype_span in options:
+            if kind not in ("params", "reduce", "output"):
+                raise _BadDeclaration("E083", f"`{kind}` is no precision option", kind_span,
+                                      "write `params`, `reduce` or `output`: `precision params bf16, reduce fp32`")
+            if kind in given:
+                raise _BadDeclaration("E003", f"precision option `{kind}` given twice", kind_span,
+                                      "give each option once")
+            if dtype not in PRECISION_DTYPES:
+                raise _BadDeclaration("E083", f"`{dtype}` is no precision dtype", dtype_span,
+                                      "write bf16, fp16 or fp32")
+            given[kind] = PRECISION_DTYPES[dtype]
+        if "params" not in given:
+            raise _BadDeclaration("E004", "the precision has no `params` dtype", _span(meta),
+                                  "add `params bf16`")
+        return PrecisionDecl(given["params"], given.get("reduce", "float32"), given.get("output"), _span(meta))
+
     def recompute_searched(self, meta, children):
         return RecomputeDecl("?", "searched", _span(meta), _span(meta))
 
@@ -494,7 +535,7 @@ def parse(text: str, path: str = "<string>") -> ParFile:
     statements = _parse_recovering(source, sink)
     sink.raise_if_any()
 
-    meshes, models, inputs, layouts, memory, pipelines, recomputes = [], [], [], [], [], [], []
+    meshes, models, inputs, layouts, memory, pipelines, recomputes, precisions = [], [], [], [], [], [], [], []
     transformed = []
     for tree in statements.children:  # one statement at a time, so a failure points at its own line
         try:
@@ -525,11 +566,13 @@ def parse(text: str, path: str = "<string>") -> ParFile:
             pipelines.append(statement)
         elif isinstance(statement, RecomputeDecl):
             recomputes.append(statement)
+        elif isinstance(statement, PrecisionDecl):
+            precisions.append(statement)
         else:
             layouts.extend(statement)
     inputs = _size_named_dims(inputs, sink)
     par = ParFile(source, tuple(meshes), tuple(models), tuple(inputs), tuple(layouts), tuple(memory),
-                  tuple(pipelines), tuple(recomputes))
+                  tuple(pipelines), tuple(recomputes), tuple(precisions))
     _check_declarations(par, sink)
     sink.raise_if_any()
     return par
@@ -575,6 +618,9 @@ def _check_declarations(par: ParFile, sink: DiagnosticSink) -> None:
     for duplicate in par.memory_bounds[1:]:
         sink.error("E003", "`memory` declared twice", duplicate.span,
                    f"first declared on line {par.memory_bounds[0].span.line}")
+    for duplicate in par.precisions[1:]:
+        sink.error("E003", "`precision` declared twice", duplicate.span,
+                   f"first declared on line {par.precisions[0].span.line}")
     for duplicate in par.pipelines[1:]:
         sink.error("E003", "`pipeline` declared twice", duplicate.span,
                    f"first declared on line {par.pipelines[0].span.line}; one mesh axis holds the stages")

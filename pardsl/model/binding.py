@@ -515,6 +515,13 @@ MOE_HINT = ("for a transformers mixture of experts, `pardsl.moe.use_static_capac
             "its experts static shapes that expert parallelism can split")
 
 
+def _in_compute_dtype(model: torch.nn.Module, par: ParFile) -> torch.nn.Module:
+    """The model as the file's precision computes it: floating parameters and buffers in its `params`
+    dtype, as `model.to(dtype)` leaves them (the parameters' master copies stay float32 in the generated
+    module: pardsl/passes/precision.py)."""
+    return model.to(getattr(torch, par.precision.params)) if par.precision is not None else model
+
+
 def bind(par: ParFile) -> BoundPlan:
     """Build and trace the model, then bind every layout the file writes to a tensor of the graph."""
     sink = DiagnosticSink(par.source)
@@ -545,7 +552,7 @@ def bind(par: ParFile) -> BoundPlan:
     try:
         with import_paths(*par_import_paths(par.source.path, par.model.module)), \
                 modules_reported("exporting the model (torch.export)", model):
-            exported = trace(model.to("meta"), example, _dynamic_shapes(par))
+            exported = trace(_in_compute_dtype(model.to("meta"), par), example, _dynamic_shapes(par))
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         span = par.inputs[0].span if par.inputs else par.model.span

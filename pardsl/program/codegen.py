@@ -161,6 +161,8 @@ def render(program: LoweredProgram) -> str:
         resharded=_resharded(program),
         buckets=_buckets(program),
         training_only=_training_only_message(program.training_only),
+        precision=None if program.precision is None else
+        "(" + ", ".join(f"torch.{dtype}" for dtype in program.precision) + ")",
     )
 
 

@@ -220,6 +220,8 @@ class LoweredProgram:
     training_only: list[str] = field(default_factory=list)
     # the graph's ops whose forward runs again in backward, in recomputed regions (pardsl/passes/recompute.py)
     recomputed_ops: frozenset[str] = frozenset()
+    # (compute dtype, reduce dtype) of a mixed-precision policy (pardsl/passes/precision.py), else None
+    precision: tuple[str, str] | None = None
 
     @property
     def collectives(self) -> list[Collective]:

@@ -116,10 +116,16 @@ class Runtime:
         than kept (`policy`: "full" or "selective"; pardsl/runtime/recompute.py)."""
         return recompute(self, region, policy, *arguments)
 
-    def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple]):
+    def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple], precision: tuple | None = None):
         """What one forward of a generated module gathers its stored-split parameters and buckets its
-        parameters' gradients with (pardsl/runtime/parameter_sync.py)."""
-        return ParameterSync(self, module, gathers, buckets)
+        parameters' gradients with (pardsl/runtime/parameter_sync.py); `precision`: the dtypes parameters
+        are gathered and their gradients reduced in, under a mixed-precision policy."""
+        return ParameterSync(self, module, gathers, buckets, precision)
+
+    @staticmethod
+    def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x in `dtype` (a float32 master parameter in its compute dtype); backward casts its gradient back."""
+        return x.to(dtype)
 
     # -- collectives the generated code calls ---------------------------------------------------------
 

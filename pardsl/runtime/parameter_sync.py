@@ -44,8 +44,11 @@ from pardsl.layouts.algebra import block_major, collective_bytes, rank_major
 
 
 class ParameterSync:
-    def __init__(self, rt, module: torch.nn.Module, gathers: list[tuple], buckets: list[tuple]):
+    def __init__(self, rt, module: torch.nn.Module, gathers: list[tuple], buckets: list[tuple],
+                 precision: tuple[torch.dtype, torch.dtype] | None = None):
         self.rt = rt
+        # a mixed-precision policy's: parameters gathered in the first dtype, gradients reduced in the second
+        self.compute_dtype, self.reduce_dtype = precision if precision is not None else (None, None)
         self._module = module
         self.gathers = gathers  # groups in forward order: (axis, [(parameter attribute, dim, blocks), ...])
         self.buckets = buckets  # (collective, axes, [(parameter attribute, dim, blocks), ...])
@@ -167,6 +170,8 @@ class ParameterSync:
         axis, members = self.gathers[group]
         n = self.rt.size[axis]
         flat = torch.cat([self._parameter(attr).detach().movedim(dim, 0).reshape(-1) for attr, dim, _ in members])
+        if self.compute_dtype is not None:  # gathered as computed: half the bytes of float32 masters in bf16
+            flat = flat.to(self.compute_dtype)
         buffer = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
         self.rt.counter.record(phase, "all_gather", collective_bytes("all_gather", _nbytes(flat), n), axis)
         work = self.rt.all_gather_started(buffer, flat, axis)
@@ -217,7 +222,8 @@ class ParameterSync:
             # one row of every member's gradient (all-reduce), or n rows of its rank-major chunks
             # (reduce-scatter, chunk r in row r): a member's place is its parameter's size, in member order
             columns = sum(self._parameter(attr).numel() for attr, _, _ in members)
-            self._buffers[bucket] = self.rt.collective_input(axes[0], (n, columns), grad)
+            like = grad if self.reduce_dtype is None else grad.new_empty(0, dtype=self.reduce_dtype)
+            self._buffers[bucket] = self.rt.collective_input(axes[0], (n, columns), like)
         if kind == "all_reduce":
             shaped = grad.reshape(1, -1)
         else:
@@ -296,6 +302,8 @@ class ParameterSync:
                     grad = piece.view(moved_shape).movedim(0, dim)
                 else:
                     grad = piece.view(full_shape)
+                if grad.dtype != parameter.dtype:  # reduced in another dtype than the master's
+                    grad = grad.to(parameter.dtype)
                 if parameter.grad is None:
                     parameter.grad = grad if grad.is_contiguous() else grad.contiguous()
                 else:

@@ -21,6 +21,7 @@ in another order differs by several units in the last place).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import datetime
 import inspect
@@ -72,6 +73,9 @@ class RankJob:
     # tensors the forward makes from Python data (export's lifted constants): the serial model's state has
     # none of them, the plan has their values
     constants: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # a mixed-precision policy's (compute dtype, reduce dtype), torch names: serial's reference computes
+    # in the first, from its float32 parameters, as the plan does
+    precision: tuple[str, str] | None = None
 
 
 TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -110,7 +114,8 @@ def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", d
                    par.inputs, seed, steps, lr=lr, backend=backend, device=resolve_device(device, backend),
                    sys_path=par_import_paths(par.source.path, par.model.module), timeout_s=timeout_s,
                    tolerance=tolerance, optimizer=optimizer, stdout_to_stderr=stdout_to_stderr,
-                   constants=compiled.bound.constant_values)
+                   constants=compiled.bound.constant_values,
+                   precision=None if par.precision is None else (par.precision.params, par.precision.reduce))
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -218,8 +223,6 @@ def run_rank(job: RankJob) -> dict:
     full_inputs = [t.to(device) for t in make_inputs(job.inputs, torch.Generator().manual_seed(job.seed + 1))]
     local_inputs = compiled.shard_inputs(*full_inputs)
     input_names = [decl.name for decl in job.inputs]
-    serial_params = dict(serial.named_parameters(remove_duplicate=False))  # tied weights under every name
-    serial_buffers = dict(serial.named_buffers(remove_duplicate=False))
     compiled_params = {name: getattr(compiled, attr) for name, (attr, _, _) in module.PARAMETERS.items()}
     layouts = {name: layout for name, (_, layout, _) in module.PARAMETERS.items()}
     serial_opt = _optimizer(job.optimizer, serial.parameters(), job.lr)
@@ -237,13 +240,17 @@ def run_rank(job: RankJob) -> dict:
             compiled.load_full_state_dict(full)
         start = time.perf_counter()
         generator = _generator_state(device)  # the compiled step draws its random values from where serial's did
-        serial_out = torch.utils._pytree.tree_leaves(serial(**dict(zip(input_names, full_inputs))))
+        reference = _under_precision(serial, job.precision)
+        serial_params = dict(reference.named_parameters(remove_duplicate=False))  # tied weights under every name
+        serial_buffers = dict(reference.named_buffers(remove_duplicate=False))
+        serial_out = torch.utils._pytree.tree_leaves(reference(**dict(zip(input_names, full_inputs))))
         if output_grads is None:
             # unit-norm output gradients (a mean, not a sum, of outputs × random weights): the objective is
             # linear, and steps the size of a summed one's carry deep models to inf within a few steps
             output_grads = [_unit_norm(torch.randn(o.shape, generator=grad_generator)).to(device, o.dtype)
                             for o in serial_out]
         serial_opt.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
         torch.autograd.backward([o for o in serial_out if o.requires_grad],
                                 [g for o, g in zip(serial_out, output_grads) if o.requires_grad])
         _sync(device)
@@ -262,7 +269,7 @@ def run_rank(job: RankJob) -> dict:
         def forward_and_backward():
             _set_generator_state(device, generator)
             out = compiled(*local_inputs)
-            pairs = [(o, s) for o, s in zip(out, seeds) if o.requires_grad]
+            pairs = [(o, s.to(o.dtype)) for o, s in zip(out, seeds) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs])
             return out
@@ -287,11 +294,23 @@ def run_rank(job: RankJob) -> dict:
             if expected is None and param.grad is None:
                 continue
             note("grad", name, param.grad, None if expected is None else rt.shard(expected, layouts[name]))
+        if reference is not serial:  # the float32 parameters step on the gradients computed in the policy's dtype
+            for parameter, computed in zip(serial.parameters(), reference.parameters()):
+                parameter.grad = None if computed.grad is None else computed.grad.to(parameter.dtype)
+            with torch.no_grad():  # and the buffers the forward updated (batch norm's statistics) are its
+                for buffer, updated in zip(serial.buffers(), reference.buffers()):
+                    buffer.copy_(updated)
         serial_opt.step()
         if step:
             compiled_opt.step()
 
     return tally.report(counts)
+
+
+def _under_precision(serial: torch.nn.Module, precision: tuple[str, str] | None) -> torch.nn.Module:
+    """The serial model as a mixed-precision policy computes it: a copy in the compute dtype (floating
+    parameters and buffers, as the plan traced them), or the model itself without a policy."""
+    return serial if precision is None else copy.deepcopy(serial).to(getattr(torch, precision[0]))
 
 
 def _optimizer_state(optimizer) -> list[torch.Tensor]:
@@ -394,6 +413,12 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
             compiled_opt.step()
 
     return tally.report(counts)
+
+
+def _under_precision(serial: torch.nn.Module, precision: tuple[str, str] | None) -> torch.nn.Module:
+    """The serial model as a mixed-precision policy computes it: a copy in the compute dtype (floating
+    parameters and buffers, as the plan traced them), or the model itself without a policy."""
+    return serial if precision is None else copy.deepcopy(serial).to(getattr(torch, precision[0]))
 
 
 def _optimizer_state(optimizer) -> list[torch.Tensor]:
