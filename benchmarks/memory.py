@@ -3,7 +3,7 @@
 Hugging Face's LlamaForCausalLM (examples/hf_models.py, `HFLlama`) with a long sequence, so that
 activations outweigh parameters, under data parallelism, ZeRO-3, Megatron TP and Megatron TP with
 sequence parallelism, each without recomputation, with `recompute model.model.layers.*` and with its
-`: selective` form (at this size inference completes the sequence-parallel layouts by gathering the
+`: selective` form, and under `precision params bf16, reduce fp32` without and with full recomputation (at this size inference completes the sequence-parallel layouts by gathering the
 weights, as ZeRO-3 does). Each plan runs
 under `pardsl run --json` (2 ranks, every step checked against serial): the peak is the measured one of
 its first step (pardsl/tools/memory.py; on CUDA the allocator's), the estimate `memory_per_rank`'s total.
@@ -26,6 +26,7 @@ HEADER = """mesh   {mesh}
 model  examples.hf_models:HFLlama(layers={layers}, hidden={hidden}, heads=8, kv_heads=4, ffn={ffn}, positions={seq})
 input  input_ids : int64[{batch}, {seq}] in [0, 256)
 {recompute}
+{precision}
 layout {{
 {layouts}}}
 """
@@ -44,6 +45,9 @@ PLANS = {
                                                "model.lm_head.weight : S(0)", "output : S(2)"]),
 }
 RECOMPUTE = {"none": "", "full": "recompute model.model.layers.*", "selective": "recompute model.model.layers.* : selective"}
+# each plan in float32, with each recomputation; and under FSDP2's bf16 policy, without and with full recomputation
+VARIANTS = [(policy, "float32") for policy in RECOMPUTE] + [("none", "bf16"), ("full", "bf16")]
+PRECISION = {"float32": "", "bf16": "precision params bf16, reduce fp32"}
 
 
 def main() -> None:
@@ -58,13 +62,14 @@ def main() -> None:
     ffn = args.hidden * 8 // 3 // 8 * 8  # LLaMA's SwiGLU width, a multiple of 8
     print(f"HFLlama: {args.layers} layers, hidden {args.hidden}, ffn {ffn}, batch {args.batch} x {args.seq}; "
           f"2 ranks, {args.device}")
-    print("| plan | recomputation | peak per rank (measured) | estimate | estimate / measured | step (ms) | ≡ serial |")
-    print("|---|---|---|---|---|---|---|")
+    print("| plan | recomputation | precision | peak per rank (measured) | estimate | estimate / measured | step (ms) "
+          "| ≡ serial |")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         for name, (mesh, layouts) in PLANS.items():
-            for policy, line in RECOMPUTE.items():
+            for policy, precision in VARIANTS:
                 text = HEADER.format(mesh=mesh, layers=args.layers, hidden=args.hidden, ffn=ffn, seq=args.seq,
-                                     batch=args.batch, recompute=line,
+                                     batch=args.batch, recompute=RECOMPUTE[policy], precision=PRECISION[precision],
                                      layouts="".join(f"    {entry}\n" for entry in layouts))
                 path = os.path.join(folder, "plan.par")
                 with open(path, "w") as handle:
@@ -75,14 +80,14 @@ def main() -> None:
                 try:
                     report = json.loads(result.stdout)
                 except json.JSONDecodeError:
-                    print(f"| {name} | {policy} | failed: {result.stderr.strip().splitlines()[-1:]} | | | | |")
+                    print(f"| {name} | {policy} | {precision} | failed: {result.stderr.strip().splitlines()[-1:]} | | | | |")
                     continue
                 if "memory" not in report:
                     errors = "; ".join(f"{e['code']}: {e['message']}" for e in report.get("errors", []))
-                    print(f"| {name} | {policy} | {errors or 'not measured'} | | | | |")
+                    print(f"| {name} | {policy} | {precision} | {errors or 'not measured'} | | | | |")
                     continue
                 peak, estimated = max(report["memory"]["peak_bytes"]), report["memory"]["estimated_bytes"]
-                print(f"| {name} | {policy} | {peak / 2**20:.2f} MiB | {estimated / 2**20:.2f} MiB | "
+                print(f"| {name} | {policy} | {precision} | {peak / 2**20:.2f} MiB | {estimated / 2**20:.2f} MiB | "
                       f"{estimated / peak:.2f} | {report['step_ms']['compiled']:.1f} | {'yes' if report['ok'] else 'NO'} |",
                       flush=True)
 

@@ -123,7 +123,7 @@ PASSES_AFTER_LOWERING = (
     ("fuse each local rotary embedding", lambda program, typed: fuse_rotary_embeddings(program)),
     ("count a partial loss's targets early", lambda program, typed: start_counts_early(program)),
     ("hold parameters in float32, compute them in the precision's dtype",
-     lambda program, typed: apply_precision(program, typed.bound.par.precision)),
+     lambda program, typed: apply_precision(program, typed.bound.par.precision, typed.bound.par.inputs)),
     ("release each value after its last use", lambda program, typed: release_dead_values(program)),
     ("make the submodules the file recomputes again in backward", recompute_layers),
 )

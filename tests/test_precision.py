@@ -78,3 +78,13 @@ def test_a_pipelined_plan_takes_no_precision_yet(compile_par):
         compile_par(text)
     assert [d.code for d in error.value.diagnostics] == ["E078"]
     assert error.value.diagnostics[0].message == "a mixed-precision policy in a pipelined plan"
+
+
+def test_a_floating_input_is_taken_as_declared_and_cast_on_entry(pools, compile_par):
+    """ViT's pixel values, declared float32, meet bf16 weights: the forward takes them as declared and casts
+    them (as FSDP2 casts forward inputs), where without a policy that mismatch is E038."""
+    compiled = compile_par(with_precision("hf_vit_tp2.par"))
+    assert compiled.program.inputs[0].dtype == "torch.float32"
+    assert "pixel_values = rt.cast(pixel_values, torch.bfloat16)" in compiled.source
+    report = run_on(pools, compiled, steps=2)
+    assert report["ok"], report

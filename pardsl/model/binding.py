@@ -515,6 +515,11 @@ MOE_HINT = ("for a transformers mixture of experts, `pardsl.moe.use_static_capac
             "its experts static shapes that expert parallelism can split")
 
 
+def _computed_as(dtype: torch.dtype, par: ParFile) -> torch.dtype:
+    """A floating input's dtype as the file's precision computes it (the forward casts it on entry)."""
+    return getattr(torch, par.precision.params) if par.precision is not None and dtype.is_floating_point else dtype
+
+
 def _in_compute_dtype(model: torch.nn.Module, par: ParFile) -> torch.nn.Module:
     """The model as the file's precision computes it: floating parameters and buffers in its `params`
     dtype, as `model.to(dtype)` leaves them (the parameters' master copies stay float32 in the generated
@@ -546,7 +551,8 @@ def bind(par: ParFile) -> BoundPlan:
         tied.setdefault(id(parameter), []).append(name)
     frozen = frozenset(name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
     signature = inspect.signature(model.forward)
-    example = {decl.name: torch.empty(decl.shape, dtype=DTYPES[decl.dtype], device="meta") for decl in par.inputs}
+    example = {decl.name: torch.empty(decl.shape, dtype=_computed_as(DTYPES[decl.dtype], par), device="meta")
+               for decl in par.inputs}
     clock = time.perf_counter()
     report("exporting the model (torch.export)")
     try:
@@ -720,7 +726,7 @@ def _check_input_values(par: ParFile, exported, inputs: dict[str, str], sink: Di
             # input first is fine)
             met = {operand.meta["val"].dtype for user in node.users for operand in user.all_input_nodes
                    if operand.name in parameters and operand.meta["val"].dtype.is_floating_point}
-            met.discard(DTYPES[decl.dtype])
+            met.discard(_computed_as(DTYPES[decl.dtype], par))  # under a precision policy, cast on entry
             if met:
                 wanted = str(sorted(met, key=str)[0]).removeprefix("torch.")
                 sink.error("E038", f"input `{decl.name}` is {decl.dtype} but the model's parameters it meets are "

@@ -10,6 +10,7 @@ live and how their gradients are reduced, as FSDP2's `MixedPrecisionPolicy` does
   move the compute dtype's bytes (ParameterSync);
 - gradient buckets are reduced in the `reduce` dtype and added to the float32 `.grad`: their bytes are
   that dtype's;
+- a floating input is taken in its declared dtype and cast on entry, as FSDP2 casts forward inputs;
 - with `output fp32`, the floating outputs are cast to it at the end.
 """
 
@@ -19,19 +20,26 @@ import dataclasses
 
 import torch
 
+from pardsl.model.loading import DTYPES
 from pardsl.program.ir import Collective, Instruction, Items, LoweredProgram, Statement, Text, Var
 
 MASTER = "torch.float32"
 
 
-def apply_precision(program: LoweredProgram, precision) -> LoweredProgram:
-    """The program under `precision` (a syntax.PrecisionDecl), or as it is without one."""
+def apply_precision(program: LoweredProgram, precision, inputs=()) -> LoweredProgram:
+    """The program under `precision` (a syntax.PrecisionDecl), or as it is without one; `inputs`: the
+    file's input declarations, whose floating dtypes the forward takes and casts on entry."""
     if precision is None:
         return program
     compute = f"torch.{precision.params}"
     floating = {slot.var: slot for slot in program.parameters if torch.empty((), dtype=_dtype(slot.dtype)).is_floating_point()}
     cast_of: dict[str, str] = {}  # parameter variable → its compute-dtype copy
-    statements: list[Statement] = []
+    # a floating input is given as declared and cast on entry (it was traced in the compute dtype)
+    declared = {decl.name: str(DTYPES[decl.dtype]) for decl in inputs}
+    statements: list[Statement] = [
+        Statement(slot.var, Instruction("compute", "rt.cast", (Var(slot.var), Text(compute))),
+                  f"input `{slot.name}` in {precision.params} for compute", layouts=(slot.layout,))
+        for slot in program.inputs if slot.dtype == compute and declared.get(slot.name, compute) != compute]
     for statement in program.statements:
         read = [name.removeprefix("self.") for name in statement.instruction.reads()
                 if name.startswith("self.") and name.removeprefix("self.") in floating]
@@ -55,6 +63,8 @@ def apply_precision(program: LoweredProgram, precision) -> LoweredProgram:
     ratio = (_itemsize(f"torch.{precision.reduce}"), _itemsize(compute))
     return dataclasses.replace(
         program, statements=statements, outputs=outputs,
+        inputs=[dataclasses.replace(slot, dtype=declared[slot.name]) if slot.name in declared else slot
+                for slot in program.inputs],
         parameters=[dataclasses.replace(slot, dtype=MASTER) if slot.var in floating else slot
                     for slot in program.parameters],
         buckets=[dataclasses.replace(bucket, nbytes=bucket.nbytes * ratio[0] // ratio[1],

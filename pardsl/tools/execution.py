@@ -243,7 +243,9 @@ def run_rank(job: RankJob) -> dict:
         reference = _under_precision(serial, job.precision)
         serial_params = dict(reference.named_parameters(remove_duplicate=False))  # tied weights under every name
         serial_buffers = dict(reference.named_buffers(remove_duplicate=False))
-        serial_out = torch.utils._pytree.tree_leaves(reference(**dict(zip(input_names, full_inputs))))
+        given = full_inputs if job.precision is None else [  # floating inputs cast on entry, as the plan does
+            x.to(getattr(torch, job.precision[0])) if x.is_floating_point() else x for x in full_inputs]
+        serial_out = torch.utils._pytree.tree_leaves(reference(**dict(zip(input_names, given))))
         if output_grads is None:
             # unit-norm output gradients (a mean, not a sum, of outputs × random weights): the objective is
             # linear, and steps the size of a summed one's carry deep models to inf within a few steps
