@@ -1,7 +1,7 @@
 """A pass over the lowered program: a mixed-precision policy (`precision params bf16, reduce fp32`).
 
-The model was traced with its floating parameters in the compute dtype (model/binding.py), so every op,
-activation and collective of the program is already in it. What this pass changes is where parameters
+The model was traced with its floating parameters, buffers and inputs in the compute dtype
+(model/binding.py), so every op, activation and collective of the program is already in it. What this pass changes is where parameters
 live and how their gradients are reduced, as FSDP2's `MixedPrecisionPolicy` does:
 
 - each floating parameter is held float32 on its shard (the master the optimizer steps, with float32

@@ -12,10 +12,14 @@ the region's collectives (the runtime keeps each one's result in forward and giv
 region runs again, with no communication). The rest — norms, rotary embeddings, activations, residual
 adds — is made again. No collective is added.
 
+A layer whose parameters are gathered before use (ZeRO-3) gathers its group again for its second run,
+as a resharded group is gathered again for backward: where the group is resharded anyway that is the
+same all-gather; otherwise one more, which the region counts.
+
 Outputs and gradients are bit-equal to the program without recomputation: the same ops run on the
 same inputs, in the same order. The program's memory counts what a region keeps (`held_here`, and what
-it makes again: `recomputed`), so the
-search's bound and `explain` see the saving.
+it makes again: `recomputed`), so the memory bound and `explain` see the saving. Under a bound, with
+nothing named, `recomputed_within` chooses the fewest layers to recompute.
 
 A region is a run of consecutive statements whose ops come from one recomputed submodule. This runs last
 among the passes, on the released program (pardsl/passes/liveness.py): a value a region makes and the
