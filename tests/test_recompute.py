@@ -130,6 +130,8 @@ def test_a_recompute_line_that_cannot_be_taken_says_where(compile_par, line, cod
     (diagnostic,) = error.value.diagnostics
     assert (diagnostic.code, diagnostic.span.column, diagnostic.message) == (code, column, message)
     assert diagnostic.span.line == LLAMA_TP2[:LLAMA_TP2.index("layout {")].count("\n") + 1
+    if code == "E081":  # what the file could have named
+        assert diagnostic.notes == ("recompute one of layers.0, layers.1, or all of them: `layers.*`",)
 
 
 def test_a_submodule_named_twice_is_refused(compile_par):

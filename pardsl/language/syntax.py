@@ -535,7 +535,6 @@ def parse(text: str, path: str = "<string>") -> ParFile:
     statements = _parse_recovering(source, sink)
     sink.raise_if_any()
 
-    meshes, models, inputs, layouts, memory, pipelines, recomputes, precisions = [], [], [], [], [], [], [], []
     transformed = []
     for tree in statements.children:  # one statement at a time, so a failure points at its own line
         try:
@@ -553,26 +552,18 @@ def parse(text: str, path: str = "<string>") -> ParFile:
             sink.error("E009", "a literal is nested too deeply", _span(tree.meta),
                        f"lists and tuples nest at most about {sys.getrecursionlimit() // 4} deep")
     sink.raise_if_any()
-    for statement in transformed:
-        if isinstance(statement, MeshDecl):
-            meshes.append(statement)
-        elif isinstance(statement, ModelDecl):
-            models.append(statement)
-        elif isinstance(statement, InputDecl):
-            inputs.append(statement)
-        elif isinstance(statement, MemoryBound):
-            memory.append(statement)
-        elif isinstance(statement, PipelineDecl):
-            pipelines.append(statement)
-        elif isinstance(statement, RecomputeDecl):
-            recomputes.append(statement)
-        elif isinstance(statement, PrecisionDecl):
-            precisions.append(statement)
+    declared = {kind: [] for kind in (MeshDecl, ModelDecl, InputDecl, MemoryBound, PipelineDecl, RecomputeDecl,
+                                      PrecisionDecl)}
+    layouts = []
+    for statement in transformed:  # a layout block is a list of entries; any other statement, one declaration
+        if type(statement) in declared:
+            declared[type(statement)].append(statement)
         else:
             layouts.extend(statement)
-    inputs = _size_named_dims(inputs, sink)
-    par = ParFile(source, tuple(meshes), tuple(models), tuple(inputs), tuple(layouts), tuple(memory),
-                  tuple(pipelines), tuple(recomputes), tuple(precisions))
+    inputs = _size_named_dims(declared[InputDecl], sink)
+    par = ParFile(source, tuple(declared[MeshDecl]), tuple(declared[ModelDecl]), tuple(inputs), tuple(layouts),
+                  tuple(declared[MemoryBound]), tuple(declared[PipelineDecl]), tuple(declared[RecomputeDecl]),
+                  tuple(declared[PrecisionDecl]))
     _check_declarations(par, sink)
     sink.raise_if_any()
     return par

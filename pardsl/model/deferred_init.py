@@ -26,7 +26,7 @@ import contextlib
 import ctypes
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -42,7 +42,6 @@ class _View:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
-    dtype: torch.dtype
 
 
 @dataclass
@@ -51,7 +50,6 @@ class _Op:
     args: tuple
     kwargs: dict
     generator_state: torch.Tensor | None  # the CPU generator's, before a random op
-    made: dict[int, int] = field(default_factory=dict)  # output position → the storage it made
 
 
 class InitRecord:
@@ -63,7 +61,6 @@ class InitRecord:
         self.writes: dict[int, list[int]] = {}  # storage → the ops that wrote to it, in order
         self._storages: list = []  # held, so that no key is reused while the record lives
         self.model: torch.nn.Module | None = None
-        self.generator_after: torch.Tensor | None = None
 
     def write(self, function, tensor: torch.Tensor, args: tuple, kwargs: dict, state: torch.Tensor) -> None:
         """An op that writes `tensor` in place: `function(tensor, *args, **kwargs)` from generator `state`."""
@@ -140,7 +137,6 @@ class _Recording(TorchDispatchMode):
             if _is_meta(output) and _key(output) not in inputs and _key(output) not in record.made_by:
                 record.made_by[_key(output)] = (index, position)
                 record._storages.append(output.untyped_storage())
-                op.made[position] = _key(output)
         written = [value for argument, value in zip(func._schema.arguments, args) if _writes(argument)]
         written += [kwargs[a.name] for a in func._schema.arguments if a.name in kwargs and _writes(a)]
         for value in written:
@@ -193,7 +189,6 @@ def record(factory: Callable[[], torch.nn.Module]) -> InitRecord:
     with _initialisers_written_down(made), _Recording(made):
         model = factory()
     made.model = model
-    made.generator_after = torch.get_rng_state()
     return made
 
 
@@ -239,7 +234,7 @@ def _key(tensor: torch.Tensor) -> int:
 
 
 def _view_of(tensor: torch.Tensor) -> _View:
-    return _View(_key(tensor), tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
+    return _View(_key(tensor), tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
 
 
 def _as_view(value):

@@ -32,7 +32,7 @@ def apply_precision(program: LoweredProgram, precision, inputs=()) -> LoweredPro
     if precision is None:
         return program
     compute = f"torch.{precision.params}"
-    floating = {slot.var: slot for slot in program.parameters if torch.empty((), dtype=_dtype(slot.dtype)).is_floating_point()}
+    floating = {slot.var: slot for slot in program.parameters if _dtype(slot.dtype).is_floating_point}
     cast_of: dict[str, str] = {}  # parameter variable → its compute-dtype copy
     # a floating input is given as declared and cast on entry (it was traced in the compute dtype)
     declared = {decl.name: str(DTYPES[decl.dtype]) for decl in inputs}
@@ -75,10 +75,10 @@ def apply_precision(program: LoweredProgram, precision, inputs=()) -> LoweredPro
 
 def _outputs_cast(statements, outputs, program: LoweredProgram, dtype: str):
     """Each floating output cast to `dtype` at the end of the forward."""
-    floating = {name for name, value in program.values.items()
-                if torch.empty((), dtype=_dtype(value["dtype"])).is_floating_point()}
+    floating = {name for name, value in program.values.items() if _dtype(value["dtype"]).is_floating_point}
     statements, cast = list(statements), []
     for output in outputs:
+        # an output converted on its way out is a variable named after its value (`x__B`)
         if output.var not in floating and output.var.split("__")[0] not in floating:
             cast.append(output)
             continue
@@ -110,4 +110,4 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _itemsize(name: str) -> int:
-    return torch.empty((), dtype=_dtype(name)).element_size()
+    return _dtype(name).itemsize

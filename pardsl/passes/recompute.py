@@ -96,13 +96,14 @@ def _units(program: LoweredProgram, typed: TypedGraph, decls: tuple[RecomputeDec
                        f"first named on line {first.span.line}; name each submodule once")
         if found:
             units[index] = found[0][1], found[0][0]
+    known = sorted({layer for layer in map(repeated_layer, paths.values()) if layer})
+    hint = (f"recompute one of {', '.join(known[:4])}{', ...' if len(known) > 4 else ''}, or all of them: "
+            f"`{re.sub(r'[0-9]+$', '*', known[0])}`" if known else
+            "name a submodule by its path in the model (layers.0, or layers.* for every layer)")
     for decl in decls:
         if not matched[id(decl)]:
-            known = sorted({m.group(0) for m in (re.match(r"(.*?\.\d+)(?=\.|$)", p) for p in paths.values()) if m})
             sink.error("E081", f"`{decl.pattern}` names no submodule the model's forward calls", decl.pattern_span,
-                       "recompute one of " + ", ".join(known[:4]) + (", ..." if len(known) > 4 else "")
-                       + (f", or all of them: `{re.sub(r'[0-9]+$', '*', known[0])}`" if known else "")
-                       if known else "name a submodule by its path in the model (layers.0, or layers.* for every layer)")
+                       hint)
     sink.raise_if_any()
     return units
 

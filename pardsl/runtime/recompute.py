@@ -23,6 +23,7 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
+    noop_context_fn,
     set_checkpoint_early_stop,
 )
 
@@ -111,14 +112,9 @@ def recompute(rt, region, policy: str, *arguments):
         with _collectives(rt, RegionCollectives(mode, kept) if mode else None):
             return region(*inputs)
 
-    context = functools.partial(create_selective_checkpoint_contexts, _costly_kept) if selective else \
-        _no_contexts
+    context = functools.partial(create_selective_checkpoint_contexts, _costly_kept) if selective else noop_context_fn
     with set_checkpoint_early_stop(False):
         return checkpoint(run, *arguments, use_reentrant=False, preserve_rng_state=True, context_fn=context)
-
-
-def _no_contexts():
-    return contextlib.nullcontext(), contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -252,7 +252,6 @@ def run_rank(job: RankJob) -> dict:
             output_grads = [_unit_norm(torch.randn(o.shape, generator=grad_generator)).to(device, o.dtype)
                             for o in serial_out]
         serial_opt.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
         torch.autograd.backward([o for o in serial_out if o.requires_grad],
                                 [g for o, g in zip(serial_out, output_grads) if o.requires_grad])
         _sync(device)
@@ -307,18 +306,6 @@ def run_rank(job: RankJob) -> dict:
             compiled_opt.step()
 
     return tally.report(counts)
-
-
-def _under_precision(serial: torch.nn.Module, precision: tuple[str, str] | None) -> torch.nn.Module:
-    """The serial model as a mixed-precision policy computes it: a copy in the compute dtype (floating
-    parameters and buffers, as the plan traced them), or the model itself without a policy."""
-    return serial if precision is None else copy.deepcopy(serial).to(getattr(torch, precision[0]))
-
-
-def _optimizer_state(optimizer) -> list[torch.Tensor]:
-    state = getattr(optimizer, "state", {})
-    return [value for per_parameter in state.values() for value in per_parameter.values()
-            if isinstance(value, torch.Tensor)]
 
 
 def _generator_state(device: torch.device):
