@@ -404,7 +404,15 @@ def _main(args, quiet) -> int:
         return EXIT_INPUT_ERROR
     report["compile_s"] = sum(compiled.seconds.values())
     if "memory" in report:  # what the plan's estimate says a rank holds, beside what each measured
-        report["memory"]["estimated_bytes"] = estimate(compiled, default_machine(), args.optimizer).memory["total"]
+        memory = estimate(compiled, default_machine(), args.optimizer).memory
+        estimated = memory["total"]
+        if device == "cpu" and "host_total" in memory:
+            # on CPU ranks host and device memory are one: the peak measured holds the offloaded tensors too,
+            # and a device copy in the master's own dtype is the master itself
+            estimated += memory["host_total"] - (memory["compute_copies"] if compiled.program.precision is None else 0)
+        report["memory"]["estimated_bytes"] = estimated
+        if "host_total" in memory:
+            report["memory"]["estimated_host_bytes"] = memory["host_total"]
     report["errors"] = []
     if args.json:
         print(json.dumps(report, indent=2))

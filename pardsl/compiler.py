@@ -24,6 +24,7 @@ from pardsl.passes.early_count import start_counts_early
 from pardsl.passes.fused_norms import fuse_rms_norms
 from pardsl.passes.fused_rotary import fuse_rotary_embeddings
 from pardsl.passes.liveness import release_dead_values
+from pardsl.passes.offload import offload_to_host
 from pardsl.passes.precision import apply_precision
 from pardsl.passes.recompute import recompute_layers, recomputed_within
 from pardsl.passes.reshard import reshard_after_forward
@@ -114,8 +115,8 @@ def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
 
 # The passes over every lowered program (or pipeline stage), in order, each program -> program (with the
 # typed graph to read): norms and rotary embeddings fused, a partial loss's count started early, parameters
-# held in float32 under a mixed-precision policy, then each
-# value released after its last use, which reads what the others made, and last the regions made again in
+# held in float32 under a mixed-precision policy, and in host memory where offloaded (which turns the
+# precision's casts into fetches, so it comes after), then each value released after its last use, which reads what the others made, and last the regions made again in
 # backward, which read the releases. Before them, where a plan needs them: FSDP's reshard after forward
 # (_lowered) and the cut into pipeline stages (_compile_pipelined).
 PASSES_AFTER_LOWERING = (
@@ -124,6 +125,8 @@ PASSES_AFTER_LOWERING = (
     ("count a partial loss's targets early", lambda program, typed: start_counts_early(program)),
     ("hold parameters in float32, compute them in the precision's dtype",
      lambda program, typed: apply_precision(program, typed.bound.par.precision, typed.bound.par.inputs)),
+    ("keep parameters and optimizer in host memory, fetch their device copies",
+     lambda program, typed: offload_to_host(program, typed.bound.par.offload)),
     ("release each value after its last use", lambda program, typed: release_dead_values(program)),
     ("make the submodules the file recomputes again in backward", recompute_layers),
 )

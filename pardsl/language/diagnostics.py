@@ -67,6 +67,7 @@ ERROR_CODES: dict[str, str] = {
     "E080": "unknown recomputation policy",
     "E081": "recomputation that names no submodule the forward calls",
     "E083": "unknown precision option or dtype",
+    "E084": "unknown offload target",
     "E090": "compile did not finish within its time limit",
 }
 

@@ -159,6 +159,24 @@ class PrecisionDecl:
     span: Span
 
 
+OFFLOAD_TARGETS = ("optimizer", "parameters")
+
+
+@dataclass(frozen=True)
+class OffloadDecl:
+    """`offload optimizer` or `offload parameters`: what lives in host memory. `optimizer`: each
+    parameter's master on its shard, its gradient and the optimizer's state, stepped on the host, the
+    device keeping a copy for compute; `parameters`: that device copy too is made only for each use."""
+
+    targets: tuple[str, ...]  # as written: "optimizer", "parameters"
+    span: Span
+
+    @property
+    def target(self) -> str:
+        """The broadest target written: `parameters` keeps the optimizer on the host as well."""
+        return max(self.targets, key=OFFLOAD_TARGETS.index)
+
+
 @dataclass(frozen=True)
 class ParFile:
     source: SourceFile
@@ -170,6 +188,11 @@ class ParFile:
     pipelines: tuple[PipelineDecl, ...] = ()
     recomputes: tuple[RecomputeDecl, ...] = ()
     precisions: tuple[PrecisionDecl, ...] = ()
+    offloads: tuple[OffloadDecl, ...] = ()
+
+    @property
+    def offload(self) -> OffloadDecl | None:
+        return self.offloads[0] if self.offloads else None
 
     @property
     def precision(self) -> PrecisionDecl | None:
@@ -412,6 +435,14 @@ class _ToSyntaxTree(Transformer):
                                   "add `params bf16`")
         return PrecisionDecl(given["params"], given.get("reduce", "float32"), given.get("output"), _span(meta))
 
+    def offload_decl(self, meta, targets):
+        for target in targets:
+            if str(target) not in OFFLOAD_TARGETS:
+                raise _BadDeclaration("E084", f"`{target}` is nothing pardsl offloads", _token_span(target),
+                                      "write `offload optimizer` (masters, gradients and optimizer state on the "
+                                      "host) or `offload parameters` (the device copies too, made for each use)")
+        return OffloadDecl(tuple(str(target) for target in targets), _span(meta))
+
     def recompute_searched(self, meta, children):
         return RecomputeDecl("?", "searched", _span(meta), _span(meta))
 
@@ -553,7 +584,7 @@ def parse(text: str, path: str = "<string>") -> ParFile:
                        f"lists and tuples nest at most about {sys.getrecursionlimit() // 4} deep")
     sink.raise_if_any()
     declared = {kind: [] for kind in (MeshDecl, ModelDecl, InputDecl, MemoryBound, PipelineDecl, RecomputeDecl,
-                                      PrecisionDecl)}
+                                      PrecisionDecl, OffloadDecl)}
     layouts = []
     for statement in transformed:  # a layout block is a list of entries; any other statement, one declaration
         if type(statement) in declared:
@@ -563,7 +594,7 @@ def parse(text: str, path: str = "<string>") -> ParFile:
     inputs = _size_named_dims(declared[InputDecl], sink)
     par = ParFile(source, tuple(declared[MeshDecl]), tuple(declared[ModelDecl]), tuple(inputs), tuple(layouts),
                   tuple(declared[MemoryBound]), tuple(declared[PipelineDecl]), tuple(declared[RecomputeDecl]),
-                  tuple(declared[PrecisionDecl]))
+                  tuple(declared[PrecisionDecl]), tuple(declared[OffloadDecl]))
     _check_declarations(par, sink)
     sink.raise_if_any()
     return par
@@ -612,6 +643,9 @@ def _check_declarations(par: ParFile, sink: DiagnosticSink) -> None:
     for duplicate in par.precisions[1:]:
         sink.error("E003", "`precision` declared twice", duplicate.span,
                    f"first declared on line {par.precisions[0].span.line}")
+    for duplicate in par.offloads[1:]:
+        sink.error("E003", "`offload` declared twice", duplicate.span,
+                   f"first declared on line {par.offloads[0].span.line}; name every target on one line")
     for duplicate in par.pipelines[1:]:
         sink.error("E003", "`pipeline` declared twice", duplicate.span,
                    f"first declared on line {par.pipelines[0].span.line}; one mesh axis holds the stages")

@@ -67,6 +67,9 @@ def check_pipeline(par: ParFile) -> PipelineDecl:
     if par.precision is not None:
         sink.error("E078", "a mixed-precision policy in a pipelined plan", par.precision.span,
                    "train a pipelined model in one dtype for now (the model's own, or `model.to(...)` in its factory)")
+    if par.offload is not None:
+        sink.error("E078", "offload in a pipelined plan", par.offload.span,
+                   "a pipeline stage holds only its own layers: a smaller `pp` stage, or a plan without a pipeline")
     if pipeline.microbatches < 1:
         sink.error("E074", "the pipeline needs at least one micro-batch", pipeline.microbatches_span,
                    "write `microbatches 4` (at least the number of stages keeps every rank busy)")

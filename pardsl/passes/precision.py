@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from pardsl.model.loading import DTYPES
-from pardsl.program.ir import Collective, Instruction, Items, LoweredProgram, Statement, Text, Var
+from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement, Text, Var
 
 MASTER = "torch.float32"
 
@@ -55,7 +55,7 @@ def apply_precision(program: LoweredProgram, precision, inputs=()) -> LoweredPro
                     layouts=(floating[var].layout,)))
         if read:
             mapping = {f"self.{var}": cast_of[var] for var in read}
-            statement = dataclasses.replace(statement, instruction=_renamed(statement.instruction, mapping))
+            statement = dataclasses.replace(statement, instruction=statement.instruction.renamed(mapping))
         statements.append(statement)
     outputs = program.outputs
     if precision.output is not None:
@@ -87,17 +87,6 @@ def _outputs_cast(statements, outputs, program: LoweredProgram, dtype: str):
                                     f"output `{output.path}` in {dtype.removeprefix('torch.')}", layouts=(output.layout,)))
         cast.append(dataclasses.replace(output, var=var))
     return statements, cast
-
-
-def _renamed(instruction: Instruction, mapping: dict[str, str]) -> Instruction:
-    def renamed(arg):
-        if isinstance(arg, Var):
-            return Var(mapping.get(arg.name, arg.name))
-        if isinstance(arg, Items):
-            return Items(tuple(renamed(a) for a in arg.items), arg.brackets)
-        return arg
-    return Instruction(instruction.kind, instruction.callee, tuple(renamed(a) for a in instruction.args),
-                       tuple((k, renamed(v)) for k, v in instruction.kwargs))
 
 
 def _scaled(collective: Collective, ratio: tuple[int, int]) -> Collective:

@@ -306,7 +306,10 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
     """Bytes one rank holds at its peak: parameters, gradients, optimizer state, activations kept for
     backward and the outputs (saved_for_backward.py), parameters gathered for use (resharded after forward:
     this group and the prefetched next; else all of them; converted where used outside a group, each copy
-    an op keeps for backward); and what the serial model holds, for a bound written as a percentage."""
+    an op keeps for backward), the compute-dtype copies of parameters (a mixed-precision policy's, which
+    autograd keeps for backward; offloaded masters' device copies); and what the serial model holds, for a
+    bound written as a percentage. `total` is the device's; where the program offloads, the `host_` entries
+    are what host memory holds (JAX's memory kinds): the masters, their gradients and optimizer state."""
     activity = program.memory()
     gradients = sum(_nbytes(p.local_shape, _dtype(p.dtype)) for p in program.parameters if p.requires_grad)
     states = OPTIMIZER_STATES[optimizer]
@@ -324,11 +327,34 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
         "optimizer_state": states * gradients,
         "activations": activity["activations_per_rank"],
         "gathered_parameters": gathered,
+        "compute_copies": _compute_copies(program),
     }
+    host = {}
+    if program.offload is not None:
+        floating = sum(_nbytes(p.local_shape, _dtype(p.dtype)) for p in program.parameters
+                       if _dtype(p.dtype).is_floating_point)
+        host = {"host_parameters": floating, "host_gradients": gradients, "host_optimizer_state": states * gradients}
+        memory.update(parameters=memory["parameters"] - floating, gradients=0, optimizer_state=0)
     memory["total"] = sum(memory.values())
     memory["serial_total"] = serial_bytes(activity["parameters_total"], activity["parameters_trained_total"],
                                           activity["activations_total"], optimizer)
+    if host:
+        memory.update(host, host_total=sum(host.values()))
     return memory
+
+
+def _compute_copies(program) -> int:
+    """Bytes of parameters' copies in the compute dtype the device holds: under a mixed-precision policy
+    each parameter read outside a gather group is cast, and autograd keeps the cast for backward; under
+    `offload optimizer` every parameter has its device copy between steps; under `offload parameters` a
+    copy is made for each use, kept for backward like the policy's casts (a gathered group's shards only
+    pass through)."""
+    if program.precision is None and program.offload is None:
+        return 0
+    gathered = {m.attr for g in program.gathers for m in g.members}
+    compute = None if program.precision is None else _dtype(program.precision[0])
+    return sum(_nbytes(p.local_shape, compute or _dtype(p.dtype)) for p in program.parameters
+               if _dtype(p.dtype).is_floating_point and (program.offload == "optimizer" or p.var not in gathered))
 
 
 def serial_bytes(parameters: int, trained: int, activations: int, optimizer: str = "adamw") -> int:
@@ -350,7 +376,8 @@ def pipelined_memory_per_rank(stages, plan, optimizer: str = "adamw") -> dict[st
     worst: dict[str, int] | None = None
     for rank in range(axis_size):
         in_flight = micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank)
-        held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0}
+        held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0,
+                "compute_copies": 0}
         for stage in stages_of_rank(rank, axis_size, len(stages), plan.schedule):
             memory = memory_per_rank(stages[stage], optimizer)
             for key in held:

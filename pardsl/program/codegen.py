@@ -163,7 +163,17 @@ def render(program: LoweredProgram) -> str:
         training_only=_training_only_message(program.training_only),
         precision=None if program.precision is None else
         "(" + ", ".join(f"torch.{dtype}" for dtype in program.precision) + ")",
+        offload=program.offload,
+        offload_comment=OFFLOAD_COMMENTS.get(program.offload),
     )
+
+
+OFFLOAD_COMMENTS = {
+    "optimizer": "the parameters below are masters in host memory, which the optimizer steps there; "
+                 "each has a device copy for compute, written again after a step changes its master",
+    "parameters": "the parameters below are masters in host memory, which the optimizer steps there; "
+                  "each use copies its shard to the device (sync.fetch, and before a group's all-gather)",
+}
 
 
 def _training_only_message(draws: list[str]) -> str | None:

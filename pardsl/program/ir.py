@@ -84,6 +84,11 @@ class Instruction:
             _collect_vars(arg, found)
         return found
 
+    def renamed(self, mapping: dict[str, str]) -> "Instruction":
+        """The instruction reading `mapping[name]` for each value `name` the mapping has."""
+        return Instruction(self.kind, self.callee, tuple(_renamed(a, mapping) for a in self.args),
+                           tuple((k, _renamed(v, mapping)) for k, v in self.kwargs))
+
     def replace_slots(self, fill) -> "Instruction":
         """The instruction with each Slot replaced by `fill(slot)` (an Arg)."""
         return Instruction(self.kind, self.callee, tuple(_filled(a, fill) for a in self.args),
@@ -98,6 +103,14 @@ def _collect_vars(arg: Arg, found: list[str]) -> None:
     elif isinstance(arg, Items):
         for item in arg.items:
             _collect_vars(item, found)
+
+
+def _renamed(arg: Arg, mapping: dict[str, str]) -> Arg:
+    if isinstance(arg, Var):
+        return Var(mapping.get(arg.name, arg.name))
+    if isinstance(arg, Items):
+        return Items(tuple(_renamed(a, mapping) for a in arg.items), arg.brackets)
+    return arg
 
 
 def _filled(arg: Arg, fill) -> Arg:
@@ -222,6 +235,8 @@ class LoweredProgram:
     recomputed_ops: frozenset[str] = frozenset()
     # (compute dtype, reduce dtype) of a mixed-precision policy (pardsl/passes/precision.py), else None
     precision: tuple[str, str] | None = None
+    # what lives in host memory (pardsl/passes/offload.py): None, "optimizer" or "parameters"
+    offload: str | None = None
 
     @property
     def collectives(self) -> list[Collective]:

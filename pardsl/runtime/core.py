@@ -116,11 +116,18 @@ class Runtime:
         than kept (`policy`: "full" or "selective"; pardsl/runtime/recompute.py)."""
         return recompute(self, region, policy, *arguments)
 
-    def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple], precision: tuple | None = None):
+    def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple], precision: tuple | None = None,
+                       offload: str | None = None):
         """What one forward of a generated module gathers its stored-split parameters and buckets its
         parameters' gradients with (pardsl/runtime/parameter_sync.py); `precision`: the dtypes parameters
-        are gathered and their gradients reduced in, under a mixed-precision policy."""
-        return ParameterSync(self, module, gathers, buckets, precision)
+        are gathered and their gradients reduced in, under a mixed-precision policy; `offload`: what of
+        the parameters lives in host memory ("optimizer" or "parameters")."""
+        return ParameterSync(self, module, gathers, buckets, precision, offload)
+
+    def host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An offloaded parameter's master: in host memory, pinned where the device is a GPU (so copies to
+        and from it run beside compute)."""
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.device.type == "cuda")
 
     @staticmethod
     def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -28,6 +28,14 @@ never outlives a step, and a copy of the module shares none:
 
 The autograd function that carries a parameter's gradient into a bucket returns no gradient for the
 parameter itself: the bucket writes `.grad` once the collective has finished.
+
+**Offload** (pardsl/passes/offload.py): the module's parameters are the float32 masters in host memory
+(pinned on CUDA), which the optimizer steps there. `fetch` gives an op its device copy (in the compute
+dtype under a mixed-precision policy), and a gather group is gathered from the device copies of its
+shards. Under `offload optimizer` each device copy stays between steps and is written again only after
+the optimizer has changed its master (the master's version counter says when); under `offload
+parameters` it is made for each use and dropped after. Gradients go to the masters' `.grad` on the host:
+a bucket's result is copied out once waited on, the others by the fetch's backward.
 """
 
 from __future__ import annotations
@@ -39,14 +47,16 @@ import weakref
 from typing import NamedTuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from pardsl.layouts.algebra import block_major, collective_bytes, rank_major
 
 
 class ParameterSync:
     def __init__(self, rt, module: torch.nn.Module, gathers: list[tuple], buckets: list[tuple],
-                 precision: tuple[torch.dtype, torch.dtype] | None = None):
+                 precision: tuple[torch.dtype, torch.dtype] | None = None, offload: str | None = None):
         self.rt = rt
+        self.offload = offload  # None, "optimizer" (device copies kept between steps) or "parameters"
         # a mixed-precision policy's: parameters gathered in the first dtype, gradients reduced in the second
         self.compute_dtype, self.reduce_dtype = precision if precision is not None else (None, None)
         self._module = module
@@ -77,6 +87,42 @@ class ParameterSync:
 
     def _parameter(self, attr: str) -> torch.nn.Parameter:
         return getattr(self._module, attr)
+
+    # -- offload: host masters, device copies ---------------------------------------------------------
+
+    def fetch(self, parameter: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An offloaded parameter's device copy, in `dtype` where given; backward hands its gradient to the
+        master on the host."""
+        return _Fetched.apply(parameter, self, dtype)
+
+    def _on_device(self, parameter: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """The device copy of `parameter` (not tracked by autograd): the master itself where the host is
+        the device and the dtypes agree (CPU ranks without a policy), else kept between steps under
+        `offload optimizer` and made now under `offload parameters`."""
+        dtype = parameter.dtype if dtype is None else dtype
+        master = parameter.detach()
+        if master.device == self.rt.device and master.dtype == dtype:
+            return master
+        if self.offload != "optimizer":
+            return master.to(self.rt.device, dtype, non_blocking=True)
+        copies = self._module.device_copies  # id(master) → (the master, weakly; its state when copied; the copy)
+        known = copies.get(id(parameter))
+        if known is None or known[0]() is not parameter or known[2].dtype != dtype:
+            copy = torch.empty(master.shape, dtype=dtype, device=self.rt.device)
+            known = (weakref.ref(parameter), None, copy)
+        state = _master_state(parameter)
+        if known[1] != state:  # an optimizer stepped (or a checkpoint was loaded) since it was copied
+            known[2].copy_(master, non_blocking=True)
+            known = (known[0], state, known[2])
+        copies[id(parameter)] = known
+        return known[2]
+
+    def _gather_source(self, attr: str) -> torch.Tensor:
+        """What a gather group's all-gather sends of one member: its shard, on the device where offloaded."""
+        parameter = self._parameter(attr)
+        if self.offload is None:
+            return parameter.detach()
+        return self._on_device(parameter, self.compute_dtype)
 
     # -- forward: all-gathers by group, the next group prefetched -----------------------------------
 
@@ -169,7 +215,7 @@ class ParameterSync:
     def _issue_gather(self, group: int, phase: str = "forward"):
         axis, members = self.gathers[group]
         n = self.rt.size[axis]
-        flat = torch.cat([self._parameter(attr).detach().movedim(dim, 0).reshape(-1) for attr, dim, _ in members])
+        flat = torch.cat([self._gather_source(attr).movedim(dim, 0).reshape(-1) for attr, dim, _ in members])
         if self.compute_dtype is not None:  # gathered as computed: half the bytes of float32 masters in bf16
             flat = flat.to(self.compute_dtype)
         buffer = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
@@ -279,6 +325,7 @@ class ParameterSync:
             if arrived:
                 self._launch(bucket)
         launched, self._launched = self._launched, []
+        copied_out = False
         for bucket, work, reduced, shapes in launched:
             work.wait()
             result = reduced()
@@ -302,12 +349,40 @@ class ParameterSync:
                     grad = piece.view(moved_shape).movedim(0, dim)
                 else:
                     grad = piece.view(full_shape)
-                if grad.dtype != parameter.dtype:  # reduced in another dtype than the master's
+                if grad.device != parameter.device:  # an offloaded master's: copied out to the host
+                    grad, copied_out = _to_host(grad, parameter), True
+                elif grad.dtype != parameter.dtype:  # reduced in another dtype than the master's
                     grad = grad.to(parameter.dtype)
                 if parameter.grad is None:
                     parameter.grad = grad if grad.is_contiguous() else grad.contiguous()
                 else:
                     parameter.grad.add_(grad)
+        if copied_out and self.rt.device.type == "cuda":
+            torch.cuda.current_stream(self.rt.device).synchronize()  # the host steps on these next
+
+
+_OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process, by any optimizer
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+# torch's fused optimizer steps leave a parameter's version counter as it was, so a step is known by this
+# hook: after any optimizer's step, every kept device copy is written again from its master at its next use
+register_optimizer_step_post_hook(_count_step)
+
+
+def _master_state(master: torch.Tensor) -> tuple[int, int, int]:
+    """What changes when a master's values may have: an optimizer step, an in-place write, new storage."""
+    return _OPTIMIZER_STEPS[0], master._version, master.data_ptr()
+
+
+def _to_host(grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """A device gradient copied into host memory as `master`'s (pinned where CUDA is there, so the copy
+    does not hold the host up; the end of backward waits for it)."""
+    host = torch.empty(grad.shape, dtype=master.dtype, device=master.device, pin_memory=grad.is_cuda)
+    return host.copy_(grad, non_blocking=True)
 
 
 class _InGroup(NamedTuple):
@@ -352,6 +427,20 @@ class _BucketedGradient(torch.autograd.Function):
         return None, None, None, None
 
 
+class _Fetched(torch.autograd.Function):
+    """An offloaded parameter on the device. Backward: its gradient copied to the master's device and dtype."""
+
+    @staticmethod
+    def forward(ctx, parameter, sync, dtype):
+        ctx.device, ctx.dtype = parameter.device, parameter.dtype
+        copy = sync._on_device(parameter, dtype)
+        return copy.view_as(copy)  # a view: the copy kept between steps carries no step's graph
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.device, ctx.dtype), None, None
+
+
 class _GatheredParameter(torch.autograd.Function):
     """S(d) → B of a parameter, prefetched. Backward: reduce-scatter in a bucket (the gradient is partial
     over the axis), or this rank's slice (it is whole on every rank)."""
@@ -359,6 +448,7 @@ class _GatheredParameter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, parameter, sync, group, item, bucket, member):
         ctx.sync, ctx.group, ctx.item, ctx.bucket, ctx.member = sync, group, item, bucket, member
+        ctx.device = parameter.device  # an offloaded master's is the host
         return sync._gathered(group, item)
 
     @staticmethod
@@ -369,4 +459,4 @@ class _GatheredParameter(torch.autograd.Function):
             return None, None, None, None, None, None
         axis, members = sync.gathers[ctx.group]
         _, dim, blocks = members[ctx.item]
-        return sync.rt._slice(grad, axis, dim, blocks), None, None, None, None, None
+        return sync.rt._slice(grad, axis, dim, blocks).to(ctx.device), None, None, None, None, None

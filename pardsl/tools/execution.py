@@ -93,9 +93,12 @@ class _NothingToOptimize:
         pass
 
 
-def _optimizer(name: str, parameters, lr: float):
+def _optimizer(name: str, parameters, lr: float, fused: bool = False):
+    """`fused`: one kernel for every parameter's step (offloaded masters, stepped on the host)."""
     parameters = list(parameters)
-    return OPTIMIZERS[name](parameters, lr=lr) if parameters else _NothingToOptimize()
+    if not parameters:
+        return _NothingToOptimize()
+    return OPTIMIZERS[name](parameters, lr=lr, fused=True) if fused else OPTIMIZERS[name](parameters, lr=lr)
 
 
 def tolerance_for(dtypes) -> float:
@@ -226,7 +229,7 @@ def run_rank(job: RankJob) -> dict:
     compiled_params = {name: getattr(compiled, attr) for name, (attr, _, _) in module.PARAMETERS.items()}
     layouts = {name: layout for name, (_, layout, _) in module.PARAMETERS.items()}
     serial_opt = _optimizer(job.optimizer, serial.parameters(), job.lr)
-    compiled_opt = _optimizer(job.optimizer, compiled.parameters(), job.lr)
+    compiled_opt = _optimizer(job.optimizer, compiled.parameters(), job.lr, fused=hasattr(module, "OFFLOAD"))
 
     grad_generator = torch.Generator().manual_seed(job.seed + 2)
     output_grads = None
