@@ -66,6 +66,9 @@ def _bit_equal(a: dict, b: dict) -> bool:
     ("llama_zero3.par", ("precision params bf16, reduce fp32",), "offload parameters", ZERO3_INPUTS),
     # one dtype: on CPU ranks the device copy is the master itself
     ("llama_zero3.par", (), "offload optimizer", ZERO3_INPUTS),
+    # recomputed layers fetch their parameters again in backward
+    ("hf_llama_tp2.par", ("precision params bf16, reduce fp32", "recompute model.model.layers.*"),
+     "offload parameters", INPUT_IDS),
 ])
 def test_offloaded_training_is_bit_equal_to_the_plan_without(pools, tmp_path, compile_par, example, lines,
                                                              offload, inputs):
@@ -85,6 +88,35 @@ def test_offloaded_training_is_bit_equal_to_the_plan_without(pools, tmp_path, co
         assert after[0]["device_copies"] == len(compiled.program.parameters)
     else:
         assert after[0]["device_copies"] == 0
+
+
+def _saved_and_loaded(offloaded: str, plain: str, folder: str) -> bool:
+    """On every rank: a step of the offloaded plan, saved with its optimizer; loaded under the plan
+    without offload, parameters and optimizer state equal."""
+    import pardsl
+
+    torch.manual_seed(0)
+    plan = pardsl.load(offloaded)
+    model = plan.module()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model(**plan.shard_inputs(**INPUT_IDS)).float().pow(2).mean().backward()
+    optimizer.step()
+    pardsl.save(model, folder, optimizer=optimizer)
+    other = pardsl.load(plain)
+    loaded = other.module(checkpoint=folder)
+    loaded_optimizer = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
+    pardsl.load_optimizer_state(loaded_optimizer, loaded, folder)
+    mine, theirs = dict(model.named_parameters()), dict(loaded.named_parameters())
+    return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine) and all(
+        torch.equal(optimizer.state[mine[k]]["exp_avg"], loaded_optimizer.state[theirs[k]]["exp_avg"]) for k in mine)
+
+
+def test_an_offloaded_plans_checkpoint_loads_under_a_plan_without(pools, tmp_path):
+    plain, offloaded = tmp_path / "plain.par", tmp_path / "offloaded.par"
+    plain.write_text(with_lines("hf_llama_tp2.par"))
+    offloaded.write_text(with_lines("hf_llama_tp2.par", "offload optimizer"))
+    job = functools.partial(_saved_and_loaded, str(offloaded), str(plain), str(tmp_path / "ckpt"))
+    assert pools(2).run_on_every_rank(job) == [True, True]
 
 
 def test_the_module_says_where_parameters_live_and_fetches_each_once(compile_par):
