@@ -345,16 +345,26 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
 
 def _compute_copies(program) -> int:
     """Bytes of parameters' copies in the compute dtype the device holds: under a mixed-precision policy
-    each parameter read outside a gather group is cast, and autograd keeps the cast for backward; under
-    `offload optimizer` every parameter has its device copy between steps; under `offload parameters` a
-    copy is made for each use, kept for backward like the policy's casts (a gathered group's shards only
-    pass through)."""
+    each parameter read outside a gather group is cast, and autograd keeps the cast for backward unless a
+    recomputed region makes it (its casts are made again in backward, one region at a time, as its
+    activations are); under `offload optimizer` every parameter has its device copy between steps; under
+    `offload parameters` a copy is made for each use, kept for backward as the policy's casts are (a
+    gathered group's shards only pass through)."""
     if program.precision is None and program.offload is None:
         return 0
-    gathered = {m.attr for g in program.gathers for m in g.members}
+    floating = {p.var: p for p in program.parameters if _dtype(p.dtype).is_floating_point}
     compute = None if program.precision is None else _dtype(program.precision[0])
-    return sum(_nbytes(p.local_shape, compute or _dtype(p.dtype)) for p in program.parameters
-               if _dtype(p.dtype).is_floating_point and (program.offload == "optimizer" or p.var not in gathered))
+
+    def nbytes(var):
+        return _nbytes(floating[var].local_shape, compute or _dtype(floating[var].dtype))
+
+    if program.offload == "optimizer":
+        return sum(nbytes(var) for var in floating)
+    # the parameters cast or fetched by the forward's own statements, not by a recomputed region's
+    read = {name.removeprefix("self.") for statement in program.statements if statement.instruction.kind != "recompute"
+            and statement.instruction.callee in ("rt.cast", "sync.fetch")
+            for name in statement.instruction.reads()}
+    return sum(nbytes(var) for var in floating if var in read)
 
 
 def serial_bytes(parameters: int, trained: int, activations: int, optimizer: str = "adamw") -> int:
