@@ -25,7 +25,7 @@ from pardsl.language.syntax import parse
 from pardsl.layouts.algebra import B, Layout
 from pardsl.model.deferred_init import InitialValues, record
 from pardsl.model.loading import build_model, full_state, import_paths, load_factory, par_import_paths
-from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine
+from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine, machine_named
 from pardsl.planning.solver import LogMismatch, SolutionLog
 from pardsl.program.codegen import load_module
 from pardsl.runtime.checkpoint import load_model_state
@@ -37,7 +37,7 @@ from pardsl.runtime.schedule import Pipeline, loss_output
 _CACHE: dict[tuple[str, str, str, float, str], tuple[Compiled, list, Machine]] = {}
 
 
-def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> "Plan":
+def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine | None = None) -> "Plan":
     """Compile a `.par` file into a Plan. Compiles once per process for the same file content, working
     directory and options; a mistake in the file raises `CompileError` (its `render()` points into the file).
 
@@ -50,6 +50,10 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> "Plan":
     `bucket_mb`: parameter gradients are synchronised during backward in buckets of this size (MiB), each
     issued as soon as its last gradient is ready (DDP's default, 25).
 
+    `machine`: what a searched plan is searched for: a preset's name (`"h100-nvlink-ib"`), a machine file
+    (`pardsl calibrate` writes one) or a `Machine`; default: this machine's calibration, else its
+    backend's defaults.
+
     Where some rank cannot read or compile the file (missing on one machine, a stale copy with a mistake),
     that rank raises its own error and every other rank a RuntimeError naming it, instead of waiting for
     it at the next collective until the process group's timeout."""
@@ -57,7 +61,8 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB) -> "Plan":
     try:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
-        machine = default_machine()
+        machine = machine if isinstance(machine, Machine) else \
+            default_machine() if machine is None else machine_named(machine, default_machine().backend)
         key = (os.path.abspath(path), os.getcwd(), hashlib.sha256(text.encode()).hexdigest(), float(bucket_mb),
                repr(machine))
         if key not in _CACHE:

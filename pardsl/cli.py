@@ -53,8 +53,8 @@ def _arguments() -> argparse.ArgumentParser:
                           help="give up (error E090, saying how far it got) after this long")
     compile_.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
                           help="size of the buckets parameter gradients are synchronised in (default 25)")
-    compile_.add_argument("--calibration", metavar="FILE", help="the machine's figures for plan.json's estimate "
-                          "(default: what `pardsl calibrate` wrote for this machine's backend)")
+    compile_.add_argument("--machine", "--calibration", dest="machine", metavar="NAME|FILE",
+                          help=MACHINE_HELP)
 
     export = commands.add_parser("export", help="write a checkpoint's model tensors, whole, to one safetensors file")
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
@@ -66,8 +66,8 @@ def _arguments() -> argparse.ArgumentParser:
     explain = commands.add_parser("explain", help="per layer: layouts, collectives with bytes and estimated "
                                   "time, memory per rank, runner-up plans")
     explain.add_argument("file")
-    explain.add_argument("--calibration", metavar="FILE", help="the machine's figures (default: what "
-                         "`pardsl calibrate` wrote for the backend, else its defaults)")
+    explain.add_argument("--machine", "--calibration", dest="machine", metavar="NAME|FILE",
+                         help=MACHINE_HELP)
     explain.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     explain.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adamw",
                          help="the optimizer whose state counts in memory (default adamw)")
@@ -103,7 +103,13 @@ def _arguments() -> argparse.ArgumentParser:
     run.add_argument("-o", "--output", metavar="DIR", help="also write the module and plan.json here")
     run.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
                      help="size of the buckets parameter gradients are synchronised in (default 25)")
+    run.add_argument("--machine", metavar="NAME|FILE", help=MACHINE_HELP)
     return parser
+
+
+MACHINE_HELP = ("the machine the plan is searched and estimated for: a preset (h100-nvlink-ib, a100-nvlink-ib, "
+                "cpu-gloo) or a file `pardsl calibrate` wrote (default: this machine's calibration for its "
+                "backend, else the backend's defaults)")
 
 
 def _bucket_mb(text: str) -> float:
@@ -261,16 +267,10 @@ def _calibrate(args) -> int:
     return EXIT_OK
 
 
-def _explain(args, compiled) -> int:
-    from pardsl.planning.cost import CalibrationError, estimate, load_machine
-    from pardsl.runtime.devices import resolve_backend
+def _explain(args, compiled, machine) -> int:
+    from pardsl.planning.cost import estimate
     from pardsl.tools.explain import html_page, report
 
-    try:
-        machine = load_machine(args.calibration, resolve_backend(args.backend))
-    except CalibrationError as error:
-        print(f"pardsl: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
     result = estimate(compiled, machine, args.optimizer)
     bound = compiled.memory_bound
     if args.html:
@@ -313,10 +313,21 @@ def _main(args, quiet) -> int:
     from pardsl.language.progress import OutOfTime, time_limit
 
     limit = getattr(args, "time_limit", None)
+    machine = None
+    if hasattr(args, "machine"):  # the search plans for it, the estimate prices on it
+        from pardsl.planning.cost import CalibrationError, machine_named
+        from pardsl.runtime.devices import resolve_backend
+
+        try:
+            machine = machine_named(args.machine, resolve_backend(getattr(args, "backend", "auto")))
+        except CalibrationError as error:
+            print(f"pardsl: error: {error}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         with quiet, _status_on_terminal(args), time_limit(limit):
             bucket_mb = getattr(args, "bucket_mb", None)
-            compiled = compile_file(args.file, **({"bucket_mb": bucket_mb} if bucket_mb is not None else {}))
+            compiled = compile_file(args.file, machine=machine,
+                                    **({"bucket_mb": bucket_mb} if bucket_mb is not None else {}))
     except OutOfTime as stage:
         return _report_errors(_out_of_time(args.file, limit, str(stage)), args.json)
     except FileNotFoundError as error:
@@ -340,17 +351,9 @@ def _main(args, quiet) -> int:
         return EXIT_OK
 
     if args.command == "explain":
-        return _explain(args, compiled)
+        return _explain(args, compiled, machine)
 
     if args.command == "compile":
-        from pardsl.planning.cost import CalibrationError, load_machine
-        from pardsl.runtime.devices import resolve_backend
-
-        try:
-            machine = load_machine(args.calibration, resolve_backend("auto"))
-        except CalibrationError as error:
-            print(f"pardsl: error: {error}", file=sys.stderr)
-            return EXIT_USAGE
         try:
             module_path, plan_path = write_outputs(compiled, args.output, machine)
         except OSError as error:
@@ -365,7 +368,7 @@ def _main(args, quiet) -> int:
         return EXIT_OK
 
     # run
-    from pardsl.planning.cost import default_machine, estimate
+    from pardsl.planning.cost import estimate
     from pardsl.runtime.devices import resolve_backend, resolve_device
     from pardsl.tools.execution import RunFailed, job_for, launch
 
@@ -404,7 +407,7 @@ def _main(args, quiet) -> int:
         return EXIT_INPUT_ERROR
     report["compile_s"] = sum(compiled.seconds.values())
     if "memory" in report:  # what the plan's estimate says a rank holds, beside what each measured
-        memory = estimate(compiled, default_machine(), args.optimizer).memory
+        memory = estimate(compiled, machine, args.optimizer).memory
         estimated = memory["total"]
         if device == "cpu" and "host_total" in memory:
             # on CPU ranks host and device memory are one: the peak measured holds the offloaded tensors too,

@@ -73,6 +73,11 @@ class Mesh:
     def axis_index(self, name: str) -> int:
         return self.axis_names.index(name)
 
+    def axis_stride(self, axis: int) -> int:
+        """How far apart in rank numbers the ranks of one group of `axis` are: the product of the sizes
+        of the axes after it (row-major, the last axis innermost, as torch's DeviceMesh lays ranks out)."""
+        return math.prod(self.axis_sizes[axis + 1:])
+
     def __str__(self) -> str:
         return ", ".join(f"{n} = {s}" for n, s in zip(self.axis_names, self.axis_sizes))
 

@@ -40,6 +40,10 @@ class LinkCost:
     beta_s_per_byte: float  # per byte of per-rank volume
 
 
+def _ring_seconds(link: LinkCost, kind: str, nbytes: float, n: int) -> float:
+    return link.alpha_s * ring_steps(kind, n) + link.beta_s_per_byte * nbytes
+
+
 def ring_steps(kind: str, n: int) -> int:
     """Latency terms of a ring collective over n ranks: 2(n-1) for an all-reduce, n-1 for the others."""
     return 2 * (n - 1) if kind == "all_reduce" else n - 1
@@ -57,22 +61,64 @@ class Machine:
     # Processors the ranks share (CPU ranks on one host); 0 where each rank has its own (a GPU each).
     cores: int = 0
     overlap: float = 1.0  # the share of a collective that hides behind compute running beside it
+    # Nodes: ranks per node (0: every rank in one), and the links between nodes per collective kind
+    # (`collectives` are then the links inside a node)
+    ranks_per_node: int = 0
+    between_nodes: dict[str, LinkCost] | None = None
+    device_memory_bytes: int = 0  # per rank; 0 where not known
+    name: str = ""  # a preset's
+    half_flops_per_s: float = 0.0  # a large bf16/fp16 matmul's throughput; 0: as float32's
 
-    def collective_seconds(self, kind: str, nbytes: int, n: int) -> float:
-        link = self.collectives[kind]
-        return link.alpha_s * ring_steps(kind, n) + link.beta_s_per_byte * nbytes
+    def span(self, n: int, stride: int = 1) -> tuple[int, int]:
+        """A group of n ranks `stride` apart (one mesh axis's, Mesh.axis_stride): how many of them share
+        a node, and how many nodes it spans."""
+        if not self.ranks_per_node or self.between_nodes is None or n * stride <= self.ranks_per_node:
+            return n, 1
+        inside = max(1, min(n, self.ranks_per_node // stride))
+        return inside, -(-n // inside)
 
-    def local_collective_seconds(self, kind: str, local_bytes: int, n: int) -> float:
+    def collective_seconds(self, kind: str, nbytes: int, n: int, stride: int = 1) -> float:
+        """A collective of `nbytes` per-rank volume over n ranks `stride` apart: over the links inside a
+        node, or where the group spans nodes over those between them (a ring is as fast as its slowest
+        link); an all-reduce whose group has several ranks in each node, hierarchically where that is
+        faster (reduce-scatter inside the nodes, all-reduce of a share between them, all-gather inside)."""
+        inside, nodes = self.span(n, stride)
+        if nodes == 1:
+            return _ring_seconds(self.collectives[kind], kind, nbytes, n)
+        flat = _ring_seconds(self.between_nodes[kind], kind, nbytes, n)
+        if kind != "all_reduce" or inside == 1:
+            return flat
+        whole = nbytes * n / (2 * (n - 1))  # the tensor all-reduced, from its per-rank volume
+        share = whole / inside
+        hierarchical = (
+            _ring_seconds(self.collectives["reduce_scatter"], "reduce_scatter", share * (inside - 1), inside)
+            + _ring_seconds(self.between_nodes["all_reduce"], "all_reduce", 2 * share * (nodes - 1) / nodes, nodes)
+            + _ring_seconds(self.collectives["all_gather"], "all_gather", share * (inside - 1), inside))
+        return min(flat, hierarchical)
+
+    def local_collective_seconds(self, kind: str, local_bytes: int, n: int, stride: int = 1) -> float:
         """A collective whose input is `local_bytes` on each of n ranks, at its per-rank volume."""
-        return self.collective_seconds(kind, collective_bytes(kind, local_bytes, n), n)
+        return self.collective_seconds(kind, collective_bytes(kind, local_bytes, n), n, stride)
 
-    def steps_seconds(self, steps, n: int) -> float:
+    def steps_seconds(self, steps, n: int, stride: int = 1) -> float:
         """Of collectives given as (phase, kind, bytes per rank), over n ranks (inference.one_axis_collectives)."""
-        return sum(self.collective_seconds(kind, nbytes, n) for _, kind, nbytes in steps)
+        return sum(self.collective_seconds(kind, nbytes, n, stride) for _, kind, nbytes in steps)
 
-    def compute_seconds(self, flops: float, nbytes: float) -> float:
-        """One op's roofline on one rank: its arithmetic or its memory traffic, whichever takes longer."""
-        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+    def axis_link(self, mesh, axis: int) -> str:
+        """Which links an axis's collectives cross, in words."""
+        n, stride = mesh.axis_sizes[axis], mesh.axis_stride(axis)
+        inside, nodes = self.span(n, stride)
+        if nodes == 1:
+            return "inside a node" if self.ranks_per_node else "one link"
+        if inside == 1:
+            return f"between nodes ({nodes} nodes, one rank in each)"
+        return f"across {nodes} nodes, {inside} ranks in each (hierarchical all-reduce where faster)"
+
+    def compute_seconds(self, flops: float, nbytes: float, half: bool = False) -> float:
+        """One op's roofline on one rank: its arithmetic or its memory traffic, whichever takes longer;
+        `half`: the op computes in bf16 or fp16 (tensor cores' rate where the machine gives one)."""
+        throughput = self.half_flops_per_s if half and self.half_flops_per_s else self.flops_per_s
+        return max(flops / throughput, nbytes / self.bytes_per_s)
 
     def slowdown(self, world_size: int) -> float:
         """How much slower one rank of `world_size` ranks runs than one of the calibration's, where ranks
@@ -87,10 +133,15 @@ class Machine:
         return speed(self.world_size) / speed(world_size)
 
     def to_json(self) -> dict:
+        nodes = {} if not self.ranks_per_node else {
+            "ranks_per_node": self.ranks_per_node,
+            "between_nodes": {k: asdict(v) for k, v in (self.between_nodes or {}).items()}}
         return {"pardsl_calibration": CALIBRATION_VERSION, "backend": self.backend, "world_size": self.world_size,
                 "collectives": {k: asdict(v) for k, v in self.collectives.items()},
                 "flops_per_s": self.flops_per_s, "bytes_per_s": self.bytes_per_s,
-                "op_overhead_s": self.op_overhead_s, "cores": self.cores, "overlap": self.overlap}
+                "op_overhead_s": self.op_overhead_s, "cores": self.cores, "overlap": self.overlap, **nodes,
+                **({"device_memory_bytes": self.device_memory_bytes} if self.device_memory_bytes else {}),
+                **({"half_flops_per_s": self.half_flops_per_s} if self.half_flops_per_s else {})}
 
 
 # Figures for machines that have not been calibrated. gloo's are the medians of 3 runs of `pardsl calibrate
@@ -109,6 +160,42 @@ DEFAULTS = {
     "nccl": Machine("nccl", {k: LinkCost(1e-5, 1 / 1e11) for k in COLLECTIVE_KINDS}, 3e14, 2e12, 1e-5,
                     "defaults for nccl (no calibration file; run `pardsl calibrate --backend nccl`)"),
 }
+
+
+def _links(alpha_s: float, bytes_per_s: float) -> dict[str, LinkCost]:
+    return {kind: LinkCost(alpha_s, 1 / bytes_per_s) for kind in COLLECTIVE_KINDS}
+
+
+# Machines one rents, by name (`--machine h100-nvlink-ib`): nodes of 8 GPUs, NVLink/NVSwitch inside a node
+# and one InfiniBand NIC per GPU between nodes. Round figures a planner can reason with, not a
+# measurement: β is per byte of a rank's ring volume (1 / NCCL's bus bandwidth: about 360 GB/s over H100
+# NVLink 4 and 230 over A100 NVLink 3; 400 Gb/s NDR and 200 Gb/s HDR InfiniBand give about 42 and 21 GB/s
+# per GPU), throughput a large matmul's sustained rate (H100 SXM: 700 of 989 TFLOPS dense bf16, 50 in
+# float32 without TF32; A100: 230 of 312, 19), bandwidth HBM's sustained, memory what torch reports.
+GIB = 1 << 30
+PRESETS = {
+    "h100-nvlink-ib": Machine("nccl", _links(2e-6, 3.6e11), 5e13, 2.8e12, 8e-6,
+                              "preset h100-nvlink-ib: 8 H100 SXM per node, NVLink 4 inside, 400 Gb/s InfiniBand "
+                              "per GPU between", overlap=0.9, ranks_per_node=8, between_nodes=_links(6e-6, 4.2e10),
+                              device_memory_bytes=int(79.2 * GIB), name="h100-nvlink-ib", half_flops_per_s=7e14),
+    "a100-nvlink-ib": Machine("nccl", _links(3e-6, 2.3e11), 1.9e13, 1.6e12, 8e-6,
+                              "preset a100-nvlink-ib: 8 A100 SXM 80 GB per node, NVLink 3 inside, 200 Gb/s "
+                              "InfiniBand per GPU between", overlap=0.9, ranks_per_node=8,
+                              between_nodes=_links(8e-6, 2.1e10), device_memory_bytes=int(79.2 * GIB),
+                              name="a100-nvlink-ib", half_flops_per_s=2.3e14),
+    "cpu-gloo": replace(DEFAULTS["gloo"], source="preset cpu-gloo: CPU ranks of one host over gloo (the "
+                        "defaults for gloo)", name="cpu-gloo"),
+}
+
+
+def machine_named(spec: str | None, backend: str = "gloo") -> Machine:
+    """`--machine NAME|FILE`: a preset by name, a machine file (`pardsl calibrate` writes one), or, for
+    None, this machine's calibration for `backend`, else its defaults."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if spec is not None and not os.path.exists(spec) and os.sep not in spec and not spec.endswith(".json"):
+        raise CalibrationError(f"no machine named {spec!r}: give a file, or one of {', '.join(sorted(PRESETS))}")
+    return load_machine(spec, backend)
 
 
 def calibration_path(backend: str) -> str:
@@ -143,9 +230,17 @@ def load_machine(path: str | None = None, backend: str = "gloo") -> Machine:
         if not all(isinstance(f, (int, float)) and math.isfinite(f) and f >= 0 for f in figures) or \
                 not data["flops_per_s"] > 0 or not data["bytes_per_s"] > 0:
             raise CalibrationError(f"{path}: throughput, bandwidth and overhead must be finite and positive")
+        between = None
+        if data.get("ranks_per_node"):
+            between = {k: LinkCost(float(v["alpha_s"]), float(v["beta_s_per_byte"]))
+                       for k, v in data["between_nodes"].items()}
+            if set(COLLECTIVE_KINDS) - set(between) or int(data["ranks_per_node"]) < 1:
+                raise CalibrationError(f"{path}: `ranks_per_node` needs figures `between_nodes` for every collective")
         return Machine(data["backend"], collectives, float(data["flops_per_s"]), float(data["bytes_per_s"]),
                        float(data["op_overhead_s"]), f"calibrated: {path}", int(data.get("world_size", 2)),
-                       int(data.get("cores", 0)), min(1.0, float(data.get("overlap", 1.0))))
+                       int(data.get("cores", 0)), min(1.0, float(data.get("overlap", 1.0))),
+                       int(data.get("ranks_per_node", 0)), between, int(data.get("device_memory_bytes", 0)),
+                       half_flops_per_s=float(data.get("half_flops_per_s", 0.0)))
     except OSError as error:
         raise CalibrationError(f"cannot read {path}: {error.strerror}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as error:
@@ -240,7 +335,7 @@ def op_costs(typed, machine: Machine, slow: float = 1.0) -> list[OpCost]:
             _nbytes(layout.local_shape(typed.info(operand).shape, mesh), typed.info(operand).dtype)
             for operand, layout in zip(node.operands, node.operand_layouts))
         local_flops = flops.get(name, 0) // share
-        forward = slow * (machine.compute_seconds(local_flops, moved) + machine.op_overhead_s)
+        forward = slow * (machine.compute_seconds(local_flops, moved, info.dtype.itemsize <= 2) + machine.op_overhead_s)
         backward = 2 * forward if name in typed.requires_grad else 0.0
         ops.append(OpCost(name, node.op.removeprefix("aten."), layer_of(bound.module_paths.get(name)),
                           local_flops, moved, forward, backward))
@@ -258,7 +353,8 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
            for o in op_costs(typed, machine, slow)]
 
     def seconds(c) -> float:
-        return slow * machine.collective_seconds(c.kind, c.bytes, mesh.axis_sizes[mesh.axis_index(c.axis)])
+        axis = mesh.axis_index(c.axis)
+        return slow * machine.collective_seconds(c.kind, c.bytes, mesh.axis_sizes[axis], mesh.axis_stride(axis))
 
     # (collective, its layer, whether it is off the critical path, whether a gradient bucket's)
     placed = [(c, layer_of(bound.module_paths.get(c.node)), False, False)

@@ -375,6 +375,7 @@ class _GroupProgram:
         self.group, self.later, self.limit, self.start = group, later, limit, start
         self.states, self.activation_weight = states, activation_weight
         self.sizes = [self.mesh.axis_sizes[a] for a in group]
+        self.strides = [self.mesh.axis_stride(a) for a in group]  # where its ranks lie: inside nodes or across
         self.whole_joint: Joint = (B,) * len(group)
         self.names = facts.placeholders + facts.nodes
         self.unhidden = 1.0 - machine.overlap
@@ -553,13 +554,13 @@ class _GroupProgram:
         gradient, parameter = name in self.facts.requires_grad, name in bound.parameters
         if len(group) == 1:
             seconds = machine.steps_seconds(one_axis_collectives(
-                source[0], target[0], self.local_bytes(name, source), sizes[0], gradient), sizes[0])
+                source[0], target[0], self.local_bytes(name, source), sizes[0], gradient), sizes[0], self.strides[0])
             if parameter and source[0].is_split and target[0] == B and group[0] in self.batch_axes:
                 # prefetched forward, reduce-scattered in buckets backward, and where compile reshards
                 # the group after forward, gathered again for backward
                 if self._regathered(self.layout(value[name], target)):
                     again = one_axis_collectives(source[0], target[0], self.local_bytes(name, source), sizes[0], False)
-                    seconds += machine.steps_seconds(again, sizes[0])
+                    seconds += machine.steps_seconds(again, sizes[0], self.strides[0])
                 seconds *= self.unhidden
             return seconds + EPSILON_S
         info = bound.tensors[name]
@@ -570,11 +571,12 @@ class _GroupProgram:
         prefetched = parameter and len(steps) == 1 and steps[0].kind == "all_gather" and steps[0].axis in self.batch_axes
         seconds = 0.0
         for conversion in steps:
-            moved = machine.steps_seconds(step_collectives(conversion, gradient), mesh.axis_sizes[conversion.axis])
+            moved = machine.steps_seconds(step_collectives(conversion, gradient), mesh.axis_sizes[conversion.axis],
+                                          mesh.axis_stride(conversion.axis))
             if prefetched:
                 if self._regathered(conversion.target):
                     moved += machine.steps_seconds(step_collectives(conversion, False),
-                                                   mesh.axis_sizes[conversion.axis])
+                                                   mesh.axis_sizes[conversion.axis], mesh.axis_stride(conversion.axis))
                 moved *= self.unhidden
             seconds += moved
         return seconds + EPSILON_S
@@ -627,7 +629,7 @@ class _GroupProgram:
                     first = bound.tensors[operands[0]]
                     local = self.layout(value[operands[0]], _operand(signature, 0)).local_shape(first.shape, mesh)
                     terms.append(machine.collective_seconds(
-                        inner.kind, inner.volume(local, one.operands[0], first.itemsize, sizes[i]), sizes[i]))
+                        inner.kind, inner.volume(local, one.operands[0], first.itemsize, sizes[i]), sizes[i], self.strides[i]))
             if written is not None and written != output:
                 terms.append(self._conversion_seconds(name, output, written))
             result.append(terms)
@@ -712,10 +714,11 @@ class _GroupProgram:
                             continue
                         if (key, i, source, target) not in syncs:
                             kind = "reduce_scatter" if source[i].is_split else "all_reduce"
-                            seconds = machine.local_collective_seconds(kind, self.local_bytes(name, target), sizes[i])
+                            seconds = machine.local_collective_seconds(kind, self.local_bytes(name, target), sizes[i],
+                                                                      self.strides[i])
                             syncs[key, i, source, target] = column = program.column()
                             if name in bound.parameters:  # in a bucket: its bytes, behind the rest of backward
-                                seconds = self.unhidden * (seconds - machine.collective_seconds(kind, 0, sizes[i]))
+                                seconds = self.unhidden * (seconds - machine.collective_seconds(kind, 0, sizes[i], self.strides[i]))
                                 self.bucketed.setdefault((i, kind), []).append(
                                     (column, count * self.local_bytes(name, target)))
                             program.cost[column] = count * seconds
@@ -731,7 +734,7 @@ class _GroupProgram:
                     for i, p in enumerate(placement):
                         if p == P:  # a partial output is finished
                             seconds = machine.local_collective_seconds(
-                                "all_reduce", self.local_bytes(name, placement), sizes[i])
+                                "all_reduce", self.local_bytes(name, placement), sizes[i], self.strides[i])
                             for column in terms:
                                 _add(self.objective, column, count * seconds)
 
@@ -838,7 +841,7 @@ class _GroupProgram:
             status, solution = nearest_the_bound(program, self.memory_row, hint)
         elif status in ("optimal", "time limit") and fewer_buckets:
             # where the batch may be split, every parameter's gradient is reduced: no other plan to try
-            latencies = {key: (self.unhidden * self.machine.collective_seconds(key[1], 0, self.sizes[key[0]]), members)
+            latencies = {key: (self.unhidden * self.machine.collective_seconds(key[1], 0, self.sizes[key[0]], self.strides[key[0]]), members)
                          for key, members in self.bucketed.items() if group[key[0]] not in self.batch_axes}
             programs_own = solution
             status, solution = _fewer_buckets(program, latencies, status, solution, hint)

@@ -101,9 +101,9 @@ def runner_ups(compiled, estimate: Estimate, count: int = 3) -> list[RunnerUp]:
                     continue
                 # priced as all-reduce bytes (candidates keep bytes, not kinds); a latency only where the
                 # chosen signature communicated nothing
-                moved = machine.collective_seconds("all_reduce", extra, mesh.axis_sizes[axis])
+                moved = machine.collective_seconds("all_reduce", extra, mesh.axis_sizes[axis], mesh.axis_stride(axis))
                 if chosen.forward + chosen.backward:
-                    moved -= machine.collective_seconds("all_reduce", 0, mesh.axis_sizes[axis])
+                    moved -= machine.collective_seconds("all_reduce", 0, mesh.axis_sizes[axis], mesh.axis_stride(axis))
                 compute = (other.compute - chosen.compute) / machine.bytes_per_s
                 alternatives.append(RunnerUp(node, compiled.bound.module_paths.get(node, ""), mesh.axis_names[axis],
                                              chosen.signature, other.signature, extra, slow * (moved + compute)))
@@ -121,6 +121,7 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
              f"machine: {machine.backend}, {machine.source}; all-reduce α {seconds_text(ar.alpha_s)} per ring step, "
              f"β {ar.beta_s_per_byte * 1e9:.3g} ns/B; {machine.flops_per_s / 1e9:.3g} GFLOP/s, "
              f"{machine.bytes_per_s / 1e9:.3g} GB/s" + (f"; ranks share {machine.cores} cores" if machine.cores else ""),
+             *_axis_links(mesh, machine),
              "",
              f"estimated step {seconds_text(seconds['step'])} per rank: compute {seconds_text(seconds['compute_forward'])}"
              f" forward + {seconds_text(seconds['compute_backward'])} backward; communication "
@@ -181,6 +182,16 @@ def _recomputed_layers(compiled) -> dict[str, str]:
                 if layer := layer_of(paths.get(inside.node)):
                     found.setdefault(layer, policy)
     return found
+
+
+def _axis_links(mesh, machine) -> list[str]:
+    """Where each mesh axis's collectives run, on a machine of several nodes (ranks laid out as torch's
+    DeviceMesh lays them: the last axis innermost)."""
+    if not machine.ranks_per_node:
+        return []
+    links = "; ".join(f"{name} ({size} ranks) {machine.axis_link(mesh, axis)}"
+                      for axis, (name, size) in enumerate(zip(mesh.axis_names, mesh.axis_sizes)))
+    return [f"nodes of {machine.ranks_per_node} ranks: {links}"]
 
 
 def _memory_line(memory: dict, bound: int | None) -> str:
