@@ -104,6 +104,19 @@ def _arguments() -> argparse.ArgumentParser:
     run.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
                      help="size of the buckets parameter gradients are synchronised in (default 25)")
     run.add_argument("--machine", metavar="NAME|FILE", help=MACHINE_HELP)
+
+    dryrun = commands.add_parser("dryrun", help="one rank's program at its real size in this process, collectives "
+                                 "answered by a fake process group: measured memory, time and collectives "
+                                 "beside the estimate")
+    dryrun.add_argument("file")
+    dryrun.add_argument("--rank", type=int, default=0, metavar="R", help="the rank whose program runs (default 0)")
+    dryrun.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    dryrun.add_argument("--steps", type=int, default=1, metavar="N", help="training steps (default 1)")
+    dryrun.add_argument("--machine", metavar="NAME|FILE", help=MACHINE_HELP + "; a plan its estimate says "
+                        "exceeds the machine's device memory is refused before anything is allocated")
+    dryrun.add_argument("--json", action="store_true")
+    dryrun.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
+                        help="give up compiling (error E090) after this long")
     return parser
 
 
@@ -291,6 +304,44 @@ def _explain(args, compiled, machine) -> int:
     return EXIT_OK
 
 
+def _dryrun(args, compiled, machine) -> int:
+    from pardsl.program.ir import format_bytes
+    from pardsl.tools.dryrun import DryRunRefused, dry_run
+
+    if args.steps < 1:
+        print("pardsl: error: --steps must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        result = dry_run(compiled, args.rank, args.device, args.steps, machine)
+    except DryRunRefused as refused:
+        if args.json:
+            print(json.dumps({"ok": False, "errors": [str(refused)]}, indent=2))
+        else:
+            print(f"pardsl: dry run refused: {refused}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    if args.json:
+        print(json.dumps({"ok": result.collectives_match and result.fits is not False, **result.to_json()}, indent=2))
+        return EXIT_OK
+    seconds = ", ".join(f"{phase} {value * 1000:.1f} ms" for phase, value in result.seconds.items())
+    after = ", ".join(f"{phase} {format_bytes(b)}" for phase, b in result.peak_after.items())
+    print(f"{args.file}: rank {result.rank} of {compiled.program.mesh} on {result.device}, {result.steps} step(s), "
+          "collectives answered by a fake process group")
+    print(f"  memory    peak {format_bytes(result.peak_bytes)} (estimate {format_bytes(result.estimated_bytes)}, "
+          f"{result.peak_bytes / max(result.estimated_bytes, 1):.2f} of it); set-up {format_bytes(result.set_up_bytes)}; "
+          f"peak by the end of {after}")
+    if result.device_memory_bytes:
+        print(f"  device    {format_bytes(result.device_memory_bytes)}: "
+              + ("fits" if result.fits else "DOES NOT FIT"))
+    print(f"  time      {seconds} (this device's)")
+    for phase in ("forward", "backward"):
+        issued = ", ".join(f"{n} {key}" for key, n in result.issued[phase].items()) or "none"
+        print(f"  {phase:<9} {issued}")
+    print(f"  collectives {'as planned' if result.collectives_match else 'DIFFER from the plan: ' + json.dumps(result.planned)}")
+    for note in result.notes:
+        print(f"  note: {note}")
+    return EXIT_OK
+
+
 @contextlib.contextmanager
 def _status_on_terminal(args):
     """On a terminal, one status line on stderr says what the compile is doing (a searched plan can take
@@ -352,6 +403,9 @@ def _main(args, quiet) -> int:
 
     if args.command == "explain":
         return _explain(args, compiled, machine)
+
+    if args.command == "dryrun":
+        return _dryrun(args, compiled, machine)
 
     if args.command == "compile":
         try:

@@ -1,0 +1,55 @@
+"""`pardsl dryrun`: one rank's program at its real shapes in one process, collectives answered by torch's
+fake process group; its measured peak beside the estimate, its collectives against the plan's, and the
+refusals (a plan over the machine's device memory, a rank off the mesh, a pipeline)."""
+
+import json
+import os
+import subprocess
+import sys
+
+from pardsl.planning.cost import PRESETS
+
+from .conftest import REPO
+from .test_machines import megatron_on
+
+
+def dryrun(path, *arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pardsl.cli", "dryrun", str(path), *arguments],
+                          capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO})
+
+
+def test_one_rank_of_a_64_rank_plan_runs_alone_with_the_planned_collectives(tmp_path):
+    path = tmp_path / "plan.par"
+    path.write_text(megatron_on("inner", "outer"))
+    result = dryrun(path, "--rank", "37", "--steps", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["collectives_match"] and report["rank"] == 37
+    # Megatron's f and g per layer on `inner`; the data-parallel gradients' buckets on `outer`
+    assert report["collectives"]["forward"] == {"inner:all_reduce": 4}
+    assert report["collectives"]["backward"]["inner:all_reduce"] == 4
+    assert report["collectives"] == report["planned"]
+    assert 0.85 <= report["peak_bytes"] / report["estimated_bytes"] <= 1.15
+    assert set(report["seconds"]) == {"forward", "backward", "optimizer"}
+    assert report["peak_after"]["forward"] <= report["peak_after"]["backward"] <= report["peak_bytes"]
+
+
+def test_a_plan_over_the_machines_device_memory_is_refused_before_it_runs(tmp_path):
+    path, machine = tmp_path / "plan.par", tmp_path / "small.json"
+    path.write_text(megatron_on("inner", "outer"))
+    small = PRESETS["h100-nvlink-ib"].to_json()
+    small["device_memory_bytes"] = 16 << 20
+    machine.write_text(json.dumps(small))
+    result = dryrun(path, "--machine", str(machine))
+    assert result.returncode == 1
+    assert "more than the 16.0 MiB" in result.stderr and "recompute" in result.stderr
+
+
+def test_a_rank_off_the_mesh_and_a_pipeline_are_refused_with_reasons(tmp_path):
+    path = tmp_path / "plan.par"
+    path.write_text(megatron_on("inner", "outer"))
+    off = dryrun(path, "--rank", "64")
+    assert off.returncode == 1 and "rank 64 is not on the mesh (outer = 8, inner = 8: ranks 0 to 63)" in off.stderr
+    pipelined = dryrun(os.path.join(REPO, "examples", "hf_llama_pp2.par"), "--json")
+    assert pipelined.returncode == 1 and "pipelined plan" in json.loads(pipelined.stdout)["errors"][0]
