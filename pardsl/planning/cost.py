@@ -410,13 +410,15 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
     gradients = sum(_nbytes(p.local_shape, _dtype(p.dtype)) for p in program.parameters if p.requires_grad)
     states = OPTIMIZER_STATES[optimizer]
     # resharded after forward (pardsl/passes/reshard.py), a group is whole only while in use with the next one
-    # prefetched (the last group, whose backward comes first, likewise); autograd keeps every other gathered
-    # weight from its forward to its backward
+    # prefetched (the last group, whose backward comes first, likewise): the largest two neighbours at once;
+    # autograd keeps every other gathered weight from its forward to its backward
     sizes = [sum(m.nbytes for m in g.members) for g in program.gathers]
     resharded = [i for i, g in enumerate(program.gathers) if g.resharded]
-    passing = resharded + [len(sizes) - 1] if resharded else []
-    gathered = sum(size for i, size in enumerate(sizes) if i not in passing) + \
-        sum(sorted((sizes[i] for i in passing), reverse=True)[:2]) + activity["parameter_copies_per_rank"]
+    passing = sorted(set(resharded + [len(sizes) - 1])) if resharded else []
+    neighbours = max((sizes[a] + sizes[b] for a, b in zip(passing, passing[1:])),
+                     default=sum(sizes[i] for i in passing))
+    gathered = sum(size for i, size in enumerate(sizes) if i not in passing) + neighbours + \
+        activity["parameter_copies_per_rank"]
     memory = {
         "parameters": activity["parameters_per_rank"],
         "gradients": gradients,

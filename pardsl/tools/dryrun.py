@@ -39,7 +39,7 @@ class DryRun:
     rank: int
     device: str
     steps: int
-    set_up_bytes: int  # parameters, buffers and inputs, before the first step
+    set_up_bytes: int  # parameters, buffers and inputs (the optimizer's state apart), before the first step
     peak_bytes: int  # over every step
     peak_after: dict[str, int]  # the peak up to the end of each phase of the first step
     seconds: dict[str, float]  # per phase, the last step's
@@ -110,6 +110,7 @@ def _run(compiled, rank: int, device: torch.device, steps: int, estimated: int, 
     inputs = [_local_input(slot, decl, device) for slot, decl in zip(program.inputs, compiled.par.inputs)]
     # fused: one kernel over every parameter, without the whole-model temporaries of the `foreach` step
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    _with_optimizer_state(optimizer)
     set_up = held_bytes([*module.parameters(), *module.buffers(), *inputs])
     peak_after, seconds, peak, issued = {}, {}, 0, None
     for step in range(steps):
@@ -129,6 +130,16 @@ def _run(compiled, rank: int, device: torch.device, steps: int, estimated: int, 
         "CPU: memory is tensor storage counted by pardsl (views and in-place writes make none); times are this CPU's"]
     return DryRun(rank, device.type, steps, set_up, peak, peak_after, seconds, issued,
                   _by_axis(program.collective_counts_by_axis()), estimated, device_memory, notes)
+
+
+def _with_optimizer_state(optimizer) -> None:
+    """The optimizer's state made before the measured steps, as a step of zero gradients makes it: a rank
+    in training holds it through every forward and backward, not only from its first step on."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _backward(outputs) -> None:
