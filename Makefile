@@ -5,7 +5,7 @@ PIP    := $(PYTHON) -m pip
 # The CPU build of torch, pinned: an unpinned torch pulls gigabytes of CUDA packages.
 TORCH  := torch==2.13.0
 
-.PHONY: install demo test bench fuzz docs clean
+.PHONY: install demo test bench fuzz docs gpu-check clean
 
 install:
 	$(PIP) install --quiet $(TORCH)
@@ -26,6 +26,11 @@ fuzz: install
 # The documentation site (docs/, mkdocs.yml) into site/; the test suite builds it too, strictly.
 docs: install
 	$(PYTHON) -m mkdocs build --strict
+
+# On a machine with one NVIDIA GPU and torch's CUDA build (not `make install`'s CPU build): every example
+# family against serial on CUDA, the 8B shape's dry run on the GPU, and pardsl against PyTorch's tools there.
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py
 
 bench: install
 	$(PYTHON) benchmarks/compile_and_step.py
