@@ -64,9 +64,6 @@ def check_pipeline(par: ParFile) -> PipelineDecl:
                        if takes == 1 else f"write `stages per rank {takes}`")
     if pipeline.stages_per_rank < 1:
         sink.error("E075", "a rank needs at least one stage", pipeline.stages_per_rank_span, "write `stages per rank 1`")
-    if par.precision is not None:
-        sink.error("E078", "a mixed-precision policy in a pipelined plan", par.precision.span,
-                   "train a pipelined model in one dtype for now (the model's own, or `model.to(...)` in its factory)")
     if par.offload is not None:
         sink.error("E078", "offload in a pipelined plan", par.offload.span,
                    "a pipeline stage holds only its own layers: a smaller `pp` stage, or a plan without a pipeline")

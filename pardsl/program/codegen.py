@@ -161,8 +161,7 @@ def render(program: LoweredProgram) -> str:
         resharded=_resharded(program),
         buckets=_buckets(program),
         training_only=_training_only_message(program.training_only),
-        precision=None if program.precision is None else
-        "(" + ", ".join(f"torch.{dtype}" for dtype in program.precision) + ")",
+        precision=_precision(program),
         offload=program.offload,
         offload_comment=OFFLOAD_COMMENTS.get(program.offload),
     )
@@ -174,6 +173,13 @@ OFFLOAD_COMMENTS = {
     "parameters": "the parameters below are masters in host memory, which the optimizer steps there; "
                   "each use copies its shard to the device (sync.fetch, and before a group's all-gather)",
 }
+
+
+def _precision(program: LoweredProgram) -> str | None:
+    """A mixed-precision policy's dtypes as the module spells them: `(torch.bfloat16, torch.float32)`."""
+    if program.precision is None:
+        return None
+    return "(" + ", ".join(f"torch.{dtype}" for dtype in program.precision) + ")"
 
 
 def _training_only_message(draws: list[str]) -> str | None:
@@ -228,6 +234,7 @@ def render_pipeline(stages: list[LoweredProgram], plan) -> str:
         pipeline_dict=repr(pipeline),
         shared=[(name, list(held)) for name, held in plan.shared_parameters],
         stages=rendered,
+        precision=_precision(stages[0]),
     )
 
 

@@ -245,6 +245,8 @@ class ParameterSync:
     def arrive(self, bucket: int, member: int, grad: torch.Tensor) -> None:
         held = self._held
         if held is not None:  # a pipeline stage: micro-batches before the step's last hold their gradients
+            if self.reduce_dtype is not None:  # summed over micro-batches in the dtype they are reduced in
+                grad = grad.to(self.reduce_dtype)
             key = (bucket, member)
             if not self._module.sync_gradients:
                 held[key] = held[key] + grad if key in held else grad

@@ -363,7 +363,11 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         for stage in modules.values():  # every step starts from serial's parameters (run_rank's reason)
             stage.load_full_state_dict(full)
         start = time.perf_counter()
-        serial_out = torch.utils._pytree.tree_leaves(serial(**dict(zip(input_names, full_inputs))))
+        reference = _under_precision(serial, job.precision)
+        serial_params = dict(reference.named_parameters(remove_duplicate=False))
+        given = full_inputs if job.precision is None else [  # floating inputs cast on entry, as the plan does
+            x.to(getattr(torch, job.precision[0])) if x.is_floating_point() else x for x in full_inputs]
+        serial_out = torch.utils._pytree.tree_leaves(reference(**dict(zip(input_names, given))))
         if not own_loss and gradient is None:
             gradient = _unit_norm(torch.randn(serial_out[0].shape, generator=torch.Generator().manual_seed(
                 job.seed + 2))).to(device, serial_out[0].dtype)
