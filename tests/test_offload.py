@@ -180,8 +180,12 @@ def test_offload_names_every_target_on_one_line(compile_par):
     assert compiled.program.offload == "parameters"
 
 
-def test_a_pipelined_plan_takes_no_offload_yet(compile_par):
-    text = open(os.path.join(REPO, "examples/hf_llama_pp2.par")).read() + "offload optimizer\n"
-    with pytest.raises(CompileError) as error:
-        compile_par(text)
-    assert [(d.code, d.message) for d in error.value.diagnostics] == [("E078", "offload in a pipelined plan")]
+def test_a_pipelined_plan_offloads_its_stages(pools, compile_par):
+    text = open(os.path.join(REPO, "examples/hf_llama_pp2.par")).read()
+    compiled = compile_par(text + "precision params bf16, reduce fp32\noffload optimizer\n")
+    assert 'OFFLOAD = "optimizer"' in compiled.source and "= sync.fetch(self." in compiled.source
+    from pardsl.planning.cost import pipelined_memory_per_rank
+    memory = pipelined_memory_per_rank(compiled.stages, compiled.pipeline)
+    assert memory["parameters"] == memory["optimizer_state"] == 0 and memory["host_optimizer_state"] > 0
+    report = run_on(pools, compiled, steps=2)
+    assert report["ok"], report

@@ -64,9 +64,6 @@ def check_pipeline(par: ParFile) -> PipelineDecl:
                        if takes == 1 else f"write `stages per rank {takes}`")
     if pipeline.stages_per_rank < 1:
         sink.error("E075", "a rank needs at least one stage", pipeline.stages_per_rank_span, "write `stages per rank 1`")
-    if par.offload is not None:
-        sink.error("E078", "offload in a pipelined plan", par.offload.span,
-                   "a pipeline stage holds only its own layers: a smaller `pp` stage, or a plan without a pipeline")
     if pipeline.microbatches < 1:
         sink.error("E074", "the pipeline needs at least one micro-batch", pipeline.microbatches_span,
                    "write `microbatches 4` (at least the number of stages keeps every rank busy)")

@@ -486,11 +486,15 @@ def pipelined_memory_per_rank(stages, plan, optimizer: str = "adamw") -> dict[st
         in_flight = micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank)
         held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0,
                 "compute_copies": 0}
+        host: dict[str, int] = {}  # offloaded stages' host memory, apart
         for stage in stages_of_rank(rank, axis_size, len(stages), plan.schedule):
             memory = memory_per_rank(stages[stage], optimizer)
             for key in held:
                 held[key] += memory[key] * (in_flight if key == "activations" else 1)
+            for key in (k for k in memory if k.startswith("host_")):
+                host[key] = host.get(key, 0) + memory[key]
         held["total"] = sum(held.values())
+        held.update(host)
         if worst is None or held["total"] > worst["total"]:
             worst = held
     return worst

@@ -235,6 +235,8 @@ def render_pipeline(stages: list[LoweredProgram], plan) -> str:
         shared=[(name, list(held)) for name, held in plan.shared_parameters],
         stages=rendered,
         precision=_precision(stages[0]),
+        offload=stages[0].offload,
+        offload_comment=OFFLOAD_COMMENTS.get(stages[0].offload),
     )
 
 

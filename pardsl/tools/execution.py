@@ -353,7 +353,8 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
     stage_params = [(name, getattr(m, attr), layout) for m in modules.values()
                     for name, (attr, layout, _) in m.PARAMETERS.items()]
     serial_opt = _optimizer(job.optimizer, serial.parameters(), job.lr)
-    compiled_opt = _optimizer(job.optimizer, [p for m in modules.values() for p in m.parameters()], job.lr)
+    compiled_opt = _optimizer(job.optimizer, [p for m in modules.values() for p in m.parameters()], job.lr,
+                              fused=hasattr(module, "OFFLOAD"))
     tally, counts = _Tally(), None
     note = tally.note
 
