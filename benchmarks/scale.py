@@ -82,7 +82,7 @@ def published(seq: int = 8192) -> None:
         ("Llama 3.1 8B, FSDP 8, local batch 2, selective AC", "8b", "dp = 8", zero3("dp"), 2 * 8,
          ["precision params bf16, reduce fp32", "recompute model.layers.* : selective"], 5762, 82.4),
         ("Llama 3.1 70B, FSDP 32 × TP 8, local batch 1, full AC", "70b", "dp = 32, tp = 8",
-         [f"input_ids : S(0) @ dp", f"model.embed_tokens.weight : S(0) @ dp"]
+         ["input_ids : S(0) @ dp", "model.embed_tokens.weight : S(0) @ dp"]
          + [f"model.layers.*.{w}.weight : {p} @ tp, {'S(1)' if p == 'S(0)' else 'S(0)'} @ dp" for w, p in MEGATRON.items()]
          + ["lm_head.weight : S(0) @ tp, S(1) @ dp"], 32,
          ["precision params bf16, reduce fp32", "recompute model.layers.*"], None, None),

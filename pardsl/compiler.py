@@ -116,9 +116,10 @@ def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
 # The passes over every lowered program (or pipeline stage), in order, each program -> program (with the
 # typed graph to read): norms and rotary embeddings fused, a partial loss's count started early, parameters
 # held in float32 under a mixed-precision policy, and in host memory where offloaded (which turns the
-# precision's casts into fetches, so it comes after), then each value released after its last use, which reads what the others made, and last the regions made again in
-# backward, which read the releases. Before them, where a plan needs them: FSDP's reshard after forward
-# (_lowered) and the cut into pipeline stages (_compile_pipelined).
+# precision's casts into fetches, so it comes after), then each value released after its last use, which
+# reads what the others made, and last the regions made again in backward, which read the releases.
+# Before them, where a plan needs them: FSDP's reshard after forward (_lowered) and the cut into pipeline
+# stages (_compile_pipelined).
 PASSES_AFTER_LOWERING = (
     ("fuse each local RMSNorm", lambda program, typed: fuse_rms_norms(program, typed.bound.kept)),
     ("fuse each local rotary embedding", lambda program, typed: fuse_rotary_embeddings(program)),

@@ -52,8 +52,8 @@ def test_an_axis_inside_a_node_and_one_across_nodes_are_priced_apart():
     assert FLAT.collective_seconds("all_gather", GIB, 8, 8) == pytest.approx(inside)
     # 16 ranks in 2 nodes: the all-reduce inside the nodes, then a share between them, then inside again
     whole = 2 * GIB * 15 / 16
-    flat = FLAT.between_nodes if FLAT.between_nodes else H100.between_nodes
-    ring_between = flat["all_reduce"].alpha_s * 30 + flat["all_reduce"].beta_s_per_byte * whole
+    between = H100.between_nodes["all_reduce"]
+    ring_between = between.alpha_s * 30 + between.beta_s_per_byte * whole
     assert H100.span(16, 1) == (8, 2)
     assert H100.collective_seconds("all_reduce", whole, 16, 1) < 0.2 * ring_between
     assert H100.axis_link(mesh, 0) == "between nodes (8 nodes, one rank in each)"

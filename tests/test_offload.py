@@ -125,17 +125,15 @@ def test_the_module_says_where_parameters_live_and_fetches_each_once(compile_par
     assert 'OFFLOAD = "optimizer"' in source
     assert "nn.Parameter(rt.host_empty((32, 64), torch.float32))" in source
     fetches = [line for line in source.splitlines() if "= sync.fetch(" in line]
-    floating = [p for p in compiled.program.parameters]
-    assert len(fetches) == len(floating)  # each master fetched where first read, once
+    assert len(fetches) == len(compiled.program.parameters)  # each master fetched where first read, once
     assert "model_model_layers_0_self_attn_q_proj_weight__bfloat16 = sync.fetch(" \
            "self.model_model_layers_0_self_attn_q_proj_weight, torch.bfloat16)" in source
     assert "rt.cast(self." not in source
 
 
 def test_the_estimate_counts_host_and_device_apart(compile_par):
-    from pardsl.planning.cost import memory_per_rank
+    from pardsl.planning.cost import default_machine, estimate, memory_per_rank
     from pardsl.tools.explain import report
-    from pardsl.planning.cost import default_machine, estimate
 
     text = with_lines("hf_llama_tp2.par", "precision params bf16, reduce fp32")
     kept = memory_per_rank(compile_par(text).program)

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from pardsl.program.ir import Instruction, LoweredProgram, Statement, Var
+from pardsl.program.ir import Instruction, LoweredProgram, Statement, Var, torch_dtype
 
 FETCH = "sync.fetch"
 WHY = {"optimizer": "its device copy (the master and the optimizer's state are in host memory)",
@@ -35,7 +33,7 @@ def offload_to_host(program: LoweredProgram, offload) -> LoweredProgram:
     without one."""
     if offload is None:
         return program
-    floating = {slot.var: slot for slot in program.parameters if _dtype(slot.dtype).is_floating_point}
+    floating = {slot.var: slot for slot in program.parameters if torch_dtype(slot.dtype).is_floating_point}
     fetched: dict[str, str] = {}  # parameter variable → its device copy
     statements: list[Statement] = []
     for statement in program.statements:
@@ -71,7 +69,3 @@ def _cast_parameter(instruction: Instruction, floating: dict) -> str | None:
         return None
     name = instruction.args[0].name
     return name.removeprefix("self.") if name.startswith("self.") and name.removeprefix("self.") in floating else None
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 
 from pardsl.model.loading import DTYPES
-from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement, Text, Var
+from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement, Text, Var, torch_dtype
 
 MASTER = "torch.float32"
 
@@ -32,7 +31,7 @@ def apply_precision(program: LoweredProgram, precision, inputs=()) -> LoweredPro
     if precision is None:
         return program
     compute = f"torch.{precision.params}"
-    floating = {slot.var: slot for slot in program.parameters if _dtype(slot.dtype).is_floating_point}
+    floating = {slot.var: slot for slot in program.parameters if torch_dtype(slot.dtype).is_floating_point}
     cast_of: dict[str, str] = {}  # parameter variable → its compute-dtype copy
     # a floating input is given as declared and cast on entry (it was traced in the compute dtype)
     declared = {decl.name: str(DTYPES[decl.dtype]) for decl in inputs}
@@ -75,7 +74,7 @@ def apply_precision(program: LoweredProgram, precision, inputs=()) -> LoweredPro
 
 def _outputs_cast(statements, outputs, program: LoweredProgram, dtype: str):
     """Each floating output cast to `dtype` at the end of the forward."""
-    floating = {name for name, value in program.values.items() if _dtype(value["dtype"]).is_floating_point}
+    floating = {name for name, value in program.values.items() if torch_dtype(value["dtype"]).is_floating_point}
     statements, cast = list(statements), []
     for output in outputs:
         # an output converted on its way out is a variable named after its value (`x__B`)
@@ -94,9 +93,5 @@ def _scaled(collective: Collective, ratio: tuple[int, int]) -> Collective:
                                reason=f"{collective.reason}, reduced in {ratio[0] * 8}-bit floats")
 
 
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
-
-
 def _itemsize(name: str) -> int:
-    return _dtype(name).itemsize
+    return torch_dtype(name).itemsize

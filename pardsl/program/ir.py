@@ -275,7 +275,7 @@ class LoweredProgram:
         recomputed region's inputs) or makes again in backward (`recomputed`: pardsl/passes/recompute.py);
         the converted copies of parameters an op keeps for backward outside gather groups."""
         def nbytes(shape, dtype):
-            return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
+            return math.prod(shape) * torch_dtype(dtype).itemsize
 
         # backward makes one recomputed region's activations again at a time: the largest adds to the peak
         again: dict[str, int] = {}
@@ -302,6 +302,11 @@ class LoweredProgram:
         for c in self.collectives:
             totals[c.phase] += c.bytes
         return totals
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A dtype as the program spells it (`torch.float32` or `float32`)."""
+    return getattr(torch, name.removeprefix("torch."))
 
 
 def named_layout(layout: Layout, mesh: Mesh) -> str:

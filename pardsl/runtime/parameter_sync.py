@@ -33,7 +33,7 @@ parameter itself: the bucket writes `.grad` once the collective has finished.
 (pinned on CUDA), which the optimizer steps there. `fetch` gives an op its device copy (in the compute
 dtype under a mixed-precision policy), and a gather group is gathered from the device copies of its
 shards. Under `offload optimizer` each device copy stays between steps and is written again only after
-the optimizer has changed its master (the master's version counter says when); under `offload
+its master may have changed (an optimizer step, an in-place write, new storage); under `offload
 parameters` it is made for each use and dropped after. Gradients go to the masters' `.grad` on the host:
 a bucket's result is copied out once waited on, the others by the fetch's backward.
 """
@@ -105,17 +105,17 @@ class ParameterSync:
             return master
         if self.offload != "optimizer":
             return master.to(self.rt.device, dtype, non_blocking=True)
-        copies = self._module.device_copies  # id(master) → (the master, weakly; its state when copied; the copy)
+        copies = self._module.device_copies  # id(master) → _DeviceCopy
         known = copies.get(id(parameter))
-        if known is None or known[0]() is not parameter or known[2].dtype != dtype:
-            copy = torch.empty(master.shape, dtype=dtype, device=self.rt.device)
-            known = (weakref.ref(parameter), None, copy)
+        if known is None or known.master() is not parameter or known.copy.dtype != dtype:
+            known = _DeviceCopy(weakref.ref(parameter), None, torch.empty(master.shape, dtype=dtype,
+                                                                          device=self.rt.device))
         state = _master_state(parameter)
-        if known[1] != state:  # an optimizer stepped (or a checkpoint was loaded) since it was copied
-            known[2].copy_(master, non_blocking=True)
-            known = (known[0], state, known[2])
+        if known.state != state:  # an optimizer stepped (or a checkpoint was loaded) since it was copied
+            known.copy.copy_(master, non_blocking=True)
+            known = known._replace(state=state)
         copies[id(parameter)] = known
-        return known[2]
+        return known.copy
 
     def _gather_source(self, attr: str) -> torch.Tensor:
         """What a gather group's all-gather sends of one member: its shard, on the device where offloaded."""
@@ -363,20 +363,30 @@ class ParameterSync:
             torch.cuda.current_stream(self.rt.device).synchronize()  # the host steps on these next
 
 
-_OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process, by any optimizer
+class _DeviceCopy(NamedTuple):
+    """An offloaded master's copy on the device, kept between steps, and the master's state it was made at."""
+
+    master: weakref.ref
+    state: tuple[int, int, int] | None
+    copy: torch.Tensor
+
+
+# optimizer steps taken in this process, by any optimizer; None until a device copy is first kept
+_OPTIMIZER_STEPS: list[int] | None = None
 
 
 def _count_step(optimizer, args, kwargs) -> None:
     _OPTIMIZER_STEPS[0] += 1
 
 
-# torch's fused optimizer steps leave a parameter's version counter as it was, so a step is known by this
-# hook: after any optimizer's step, every kept device copy is written again from its master at its next use
-register_optimizer_step_post_hook(_count_step)
-
-
 def _master_state(master: torch.Tensor) -> tuple[int, int, int]:
-    """What changes when a master's values may have: an optimizer step, an in-place write, new storage."""
+    """What changes when a master's values may have: an optimizer step, an in-place write, new storage.
+    torch's fused optimizer steps leave a tensor's version counter as it was, so a step is known by a
+    hook on every optimizer's step, registered when the first device copy is kept."""
+    global _OPTIMIZER_STEPS
+    if _OPTIMIZER_STEPS is None:
+        _OPTIMIZER_STEPS = [0]
+        register_optimizer_step_post_hook(_count_step)
     return _OPTIMIZER_STEPS[0], master._version, master.data_ptr()
 
 

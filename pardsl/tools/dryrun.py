@@ -23,9 +23,9 @@ import torch.distributed as dist
 from pardsl.layouts.algebra import COLLECTIVE_KINDS
 from pardsl.planning.cost import default_machine, estimate
 from pardsl.program.codegen import load_module
-from pardsl.program.ir import format_bytes
+from pardsl.program.ir import format_bytes, torch_dtype
 from pardsl.runtime.core import Runtime
-from pardsl.tools.memory import _StorageBytes, held_bytes
+from pardsl.tools.memory import held_bytes, optimizer_state, peak_so_far
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -115,7 +115,7 @@ def _run(compiled, rank: int, device: torch.device, steps: int, estimated: int, 
     peak_after, seconds, peak, issued = {}, {}, 0, None
     for step in range(steps):
         rt.counter.reset()
-        with _measured(device, set_up + held_bytes(_state(optimizer))) as measure:
+        with peak_so_far(device, set_up + held_bytes(optimizer_state(optimizer))) as measure:
             outputs = _timed(seconds, "forward", device, lambda: module(*inputs))
             peak_after["forward"] = measure()
             _timed(seconds, "backward", device, functools.partial(_backward, outputs))
@@ -151,7 +151,7 @@ def _backward(outputs) -> None:
 
 def _local_input(slot, decl, device: torch.device) -> torch.Tensor:
     """This rank's input at its local shape: integers in the declared range, floats from a normal."""
-    dtype = getattr(torch, slot.dtype.removeprefix("torch."))
+    dtype = torch_dtype(slot.dtype)
     shape = tuple(slot.local_shape)
     if dtype.is_floating_point:
         return torch.randn(shape, dtype=dtype, device=device)
@@ -159,25 +159,6 @@ def _local_input(slot, decl, device: torch.device) -> torch.Tensor:
         return torch.ones(shape, dtype=dtype, device=device)
     low, high = decl.value_range or (0, 2)
     return torch.randint(low, high, shape, dtype=dtype, device=device)
-
-
-def _state(optimizer) -> list[torch.Tensor]:
-    return [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-
-
-@contextlib.contextmanager
-def _measured(device: torch.device, held: int):
-    """Within the block, `measure()` gives the peak so far: what the rank held as it began plus the most
-    it has made on top."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-        yield lambda: held + torch.cuda.max_memory_allocated(device) - start
-        return
-    counting = _StorageBytes()
-    with counting:
-        yield lambda: held + counting.peak
 
 
 def _timed(seconds: dict, phase: str, device: torch.device, work):

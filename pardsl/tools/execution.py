@@ -48,7 +48,7 @@ from pardsl.program.codegen import load_module
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.devices import rank_device, resolve_device
 from pardsl.runtime.schedule import Pipeline, loss_output
-from pardsl.tools.memory import held_bytes, peak_measured
+from pardsl.tools.memory import held_bytes, optimizer_state, peak_measured
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,7 @@ class _NothingToOptimize:
 def _optimizer(name: str, parameters, lr: float, fused: bool = False):
     """`fused`: one kernel for every parameter's step (offloaded masters, stepped on the host)."""
     parameters = list(parameters)
-    if not parameters:
-        return _NothingToOptimize()
-    return OPTIMIZERS[name](parameters, lr=lr, fused=True) if fused else OPTIMIZERS[name](parameters, lr=lr)
+    return OPTIMIZERS[name](parameters, lr=lr, fused=fused or None) if parameters else _NothingToOptimize()
 
 
 def tolerance_for(dtypes) -> float:
@@ -176,7 +174,7 @@ class _Tally:
         measured (pardsl/tools/memory.py; `held`: the tensors the rank holds as it begins, its optimizer's
         state added), its optimizer's first step inside it, where that state is made; where there are other
         steps to time, its time is not counted. Later steps' optimizer steps are the caller's."""
-        measuring = peak_measured(device, held_bytes([*held, *_optimizer_state(optimizer)])) if step == 0 \
+        measuring = peak_measured(device, held_bytes([*held, *optimizer_state(optimizer)])) if step == 0 \
             else contextlib.nullcontext([])
         start = time.perf_counter()
         with measuring as peak:
@@ -246,8 +244,7 @@ def run_rank(job: RankJob) -> dict:
         reference = _under_precision(serial, job.precision)
         serial_params = dict(reference.named_parameters(remove_duplicate=False))  # tied weights under every name
         serial_buffers = dict(reference.named_buffers(remove_duplicate=False))
-        given = full_inputs if job.precision is None else [  # floating inputs cast on entry, as the plan does
-            x.to(getattr(torch, job.precision[0])) if x.is_floating_point() else x for x in full_inputs]
+        given = _as_given(full_inputs, job.precision)
         serial_out = torch.utils._pytree.tree_leaves(reference(**dict(zip(input_names, given))))
         if output_grads is None:
             # unit-norm output gradients (a mean, not a sum, of outputs × random weights): the objective is
@@ -349,7 +346,6 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         pipeline = Pipeline(module, rt, modules, lambda output, target: output[loss])
     else:
         pipeline = Pipeline(module, rt, modules, lambda output, target: (output[0] * target).sum(), scale_grads=False)
-    serial_params = dict(serial.named_parameters(remove_duplicate=False))
     stage_params = [(name, getattr(m, attr), layout) for m in modules.values()
                     for name, (attr, layout, _) in m.PARAMETERS.items()]
     serial_opt = _optimizer(job.optimizer, serial.parameters(), job.lr)
@@ -366,8 +362,7 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         start = time.perf_counter()
         reference = _under_precision(serial, job.precision)
         serial_params = dict(reference.named_parameters(remove_duplicate=False))
-        given = full_inputs if job.precision is None else [  # floating inputs cast on entry, as the plan does
-            x.to(getattr(torch, job.precision[0])) if x.is_floating_point() else x for x in full_inputs]
+        given = _as_given(full_inputs, job.precision)
         serial_out = torch.utils._pytree.tree_leaves(reference(**dict(zip(input_names, given))))
         if not own_loss and gradient is None:
             gradient = _unit_norm(torch.randn(serial_out[0].shape, generator=torch.Generator().manual_seed(
@@ -418,10 +413,11 @@ def _under_precision(serial: torch.nn.Module, precision: tuple[str, str] | None)
     return serial if precision is None else copy.deepcopy(serial).to(getattr(torch, precision[0]))
 
 
-def _optimizer_state(optimizer) -> list[torch.Tensor]:
-    state = getattr(optimizer, "state", {})
-    return [value for per_parameter in state.values() for value in per_parameter.values()
-            if isinstance(value, torch.Tensor)]
+def _as_given(inputs: list[torch.Tensor], precision: tuple[str, str] | None) -> list[torch.Tensor]:
+    """The inputs as the plan takes them: under a mixed-precision policy, floating ones cast on entry."""
+    if precision is None:
+        return inputs
+    return [x.to(getattr(torch, precision[0])) if x.is_floating_point() else x for x in inputs]
 
 
 def _sync(device: torch.device) -> None:

@@ -62,19 +62,34 @@ def held_bytes(tensors) -> int:
 
 
 @contextlib.contextmanager
-def peak_measured(device: torch.device, held: int):
-    """Within the block, the step to measure; `held`: what the rank holds as it begins (held_bytes).
-    Yields a list that holds the step's peak in bytes once the block ends."""
-    peak: list[int] = []
+def peak_so_far(device: torch.device, held: int):
+    """Within the block, `peak()` gives the peak so far: what the rank held as it began (`held`,
+    held_bytes) plus the most it has made on top and held at once."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
-        yield peak
-        torch.cuda.synchronize(device)
-        peak.append(held + torch.cuda.max_memory_allocated(device) - start)
+        yield lambda: held + torch.cuda.max_memory_allocated(device) - start
         return
     counting = _StorageBytes()
     with counting:
-        yield peak
-    peak.append(held + counting.peak)
+        yield lambda: held + counting.peak
+
+
+@contextlib.contextmanager
+def peak_measured(device: torch.device, held: int):
+    """Within the block, the step to measure; `held`: what the rank holds as it begins (held_bytes).
+    Yields a list that holds the step's peak in bytes once the block ends."""
+    peak_bytes: list[int] = []
+    with peak_so_far(device, held) as peak:
+        yield peak_bytes
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        peak_bytes.append(peak())
+
+
+def optimizer_state(optimizer) -> list[torch.Tensor]:
+    """The tensors an optimizer holds as its state (none for one without)."""
+    state = getattr(optimizer, "state", {})
+    return [value for per_parameter in state.values() for value in per_parameter.values()
+            if isinstance(value, torch.Tensor)]
