@@ -13,6 +13,7 @@ from .conftest import run_on
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA_TP2 = open(os.path.join(REPO, "examples/llama_tp2.par")).read()
+HF_LLAMA_TP2 = open(os.path.join(REPO, "examples/hf_llama_tp2.par")).read()
 GPT2_DP2_TP2 = open(os.path.join(REPO, "examples/gpt2_train_dp2_tp2.par")).read()
 
 
@@ -96,6 +97,41 @@ def test_what_a_recomputed_layer_keeps_is_counted(compile_par):
     assert full < selective
 
 
+def _long_hf_llama(attention: str = "sdpa", precision: str = "") -> str:
+    """The tp 2 Hugging Face LLaMA of the examples with 8 layers and a sequence of 256."""
+    return HF_LLAMA_TP2.replace('HFLlama(layers=2, attention="sdpa")',
+                                f'HFLlama(layers=8, positions=256, attention="{attention}")') \
+        .replace("int64[2, 16]", "int64[4, 256]").replace("layout {", f"{precision}\nlayout {{", 1)
+
+
+def test_under_a_precision_policy_a_recomputed_layer_is_one_region_with_its_casts(compile_par):
+    """The policy's casts of a layer's weights stand between its ops: they are made again with the layer
+    rather than cutting it into a region per product (each keeping its inputs), so full recomputation
+    saves as much as in float32."""
+    text = _long_hf_llama(precision="precision params bf16, reduce fp32")
+    plain = compile_par(text).program.memory()["activations_per_rank"]
+    compiled = compile_par(recomputed(text, "recompute model.model.layers.*"))
+    assert compiled.source.count("= rt.recompute(") == 8
+    (region,) = [s for s in compiled.program.statements if s.target.startswith("add_") and s.body][:1]
+    assert any(s.instruction.callee == "rt.cast" for s in region.body)
+    assert compiled.program.memory()["activations_per_rank"] < 0.3 * plain
+
+
+def test_selective_recomputation_makes_unfused_attention_again(compile_par):
+    """Attention in its reference form (two batched products with a softmax between them, a sequence² per
+    head): `selective` keeps the linear layers' results and makes attention's again, as Megatron's
+    selective recomputation does, so nothing a layer keeps grows with the square of the sequence."""
+    text = _long_hf_llama(attention="eager")
+    plain = compile_par(text).program
+    selective = compile_par(recomputed(text, "recompute model.model.layers.* : selective")).program
+    def per_head_square(value):  # [batch, heads, sequence, sequence]; the causal mask is one for all heads
+        return value["local_shape"][-2:] == [256, 256] and value["local_shape"][-3] > 1
+
+    assert not [name for name, v in selective.values.items() if v.get("held_here") and per_head_square(v)]
+    assert any(v.get("kept_for_backward") and per_head_square(v) for v in plain.values.values())
+    assert selective.memory()["activations_per_rank"] < 0.5 * plain.memory()["activations_per_rank"]
+
+
 def test_recomputed_layers_with_dropout_draw_serials_masks_again(pools, tmp_path):
     """GPT-2 with dropout on dp 2 × tp 2, its gradients in data-parallel buckets: the masks drawn again in
     backward are the forward's, so every output and gradient is the plan's without recomputation."""
@@ -111,8 +147,8 @@ def test_the_generated_module_shows_each_region_and_why(compile_par):
     compiled = compile_par(recomputed(LLAMA_TP2, "recompute layers.0 : selective", "recompute layers.1"))
     source = compiled.source
     assert "def layers_0(embedding__B, embedding):" in source
-    assert "layers.0 made again in backward (selective: matrix products, attention and collective results " \
-           "kept; no collective issued again)" in source
+    assert "layers.0 made again in backward (selective: linear layers', fused attention's and collectives' " \
+           "results kept; no collective issued again)" in source
     assert "layers.1 made again in backward (full: only its inputs kept; its 2 forward collectives issued " \
            "again there)" in source
     assert "= rt.recompute(layers_1, 'full', " in source

@@ -22,6 +22,11 @@ def test_an_op_keeps_what_its_backward_reads():
     assert exp.results == {0} and not exp.operands  # exp's gradient is its result
     view = probe(torch.ops.aten.view.default, (x, [32]), {})
     assert view.view_of == 0 and not view.operands and not view.results
+    # an op that gives its operand back holds nothing of its own: dropout that drops nothing, a cast to the
+    # operand's own dtype (counted once, by what keeps it: eager attention's softmax and its dropout)
+    assert probe(torch.ops.aten.dropout.default, (x, 0.0, True), {}).view_of == 0
+    assert probe(torch.ops.aten.to.dtype, (x, torch.float32), {}).view_of == 0
+    assert probe(torch.ops.aten.dropout.default, (x, 0.1, True), {}).view_of is None
     frozen = torch.empty(4, 8, device="meta")
     assert not probe(torch.ops.aten.exp.default, (frozen,), {}).requires_grad  # no gradient: nothing kept
 

@@ -68,8 +68,11 @@ def probe(target, args, kwargs) -> Saved:
             first = results[0] if results else None
             if not isinstance(first, torch.Tensor) or tensor.numel() >= first.numel():
                 kept_results.add(0)
+    # a view, or an operand itself given back (dropout with p = 0, a cast to its own dtype); not `contiguous`,
+    # whose answer depends on strides the probe's operands do not have
     view_of = None
-    if isinstance(result, torch.Tensor) and result._base is not None:
+    given_back = target is not torch.ops.aten.contiguous.default and any(result is o for o in operands)
+    if isinstance(result, torch.Tensor) and (result._base is not None or given_back):
         view_of = position(result, operands)
     return Saved(frozenset(kept_operands), frozenset(kept_results), view_of,
                  any(isinstance(r, torch.Tensor) and r.requires_grad for r in results))
@@ -147,6 +150,8 @@ def what_autograd_keeps(graph: torch.fx.Graph, tensor_info, parameters) -> Kept:
             return torch.empty(shape, dtype=dtype, device="meta", requires_grad=gradient)
 
         args, kwargs = meta(node.args), meta(node.kwargs)
+        if node.target is torch.ops.aten.dropout.default:  # as training runs it (rt.dropout): a new tensor
+            args = (*args[:2], True)
         frozen = tuple(key)
         if frozen not in answered:
             answered[frozen] = probe(node.target, args, kwargs)

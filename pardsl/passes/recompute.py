@@ -7,10 +7,12 @@ same masks). In backward the region runs forward again to give autograd what it 
 its collectives are issued again: each forward collective of the region counts once more in backward.
 
 `recompute ... : selective` keeps what is costly to make again, as torchtitan's op-level policy does:
-the results of matrix products and attention (`torch.utils.checkpoint`'s selective contexts) and of
-the region's collectives (the runtime keeps each one's result in forward and gives it back when the
-region runs again, with no communication). The rest — norms, rotary embeddings, activations, residual
-adds — is made again. No collective is added.
+the results of products with a weight, of fused attention (`torch.utils.checkpoint`'s selective
+contexts) and of the region's collectives (the runtime keeps each one's result in forward and gives it
+back when the region runs again, with no communication). The rest — norms, rotary embeddings,
+activations, residual adds, and unfused attention's products of two activations with the softmax
+between them, which grow with the square of the sequence (Megatron's selective recomputation) — is
+made again. No collective is added.
 
 A layer whose parameters are gathered before use (ZeRO-3) gathers its group again for its second run,
 as a resharded group is gathered again for backward: where the group is resharded anyway that is the
@@ -41,8 +43,8 @@ from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement
 
 # What a selective region keeps: the results of these statements (their calls), as well as every
 # collective's. The ATen ops `rt.recompute` keeps under `selective` are the same families (runtime).
-_COSTLY_CALLS = ("aten.linear.", "aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.matmul.",
-                 "aten.scaled_dot_product_attention.", "rt.column_parallel_linears", "rt.row_parallel_linear")
+_COSTLY_CALLS = ("aten.linear.", "aten.mm.", "aten.addmm.", "aten.scaled_dot_product_attention.",
+                 "rt.column_parallel_linears", "rt.row_parallel_linear")
 
 
 def recompute_layers(program: LoweredProgram, typed: TypedGraph,
@@ -96,6 +98,7 @@ def _units(program: LoweredProgram, typed: TypedGraph, decls: tuple[RecomputeDec
                        f"first named on line {first.span.line}; name each submodule once")
         if found:
             units[index] = found[0][1], found[0][0]
+    _with_their_readers(program.statements, units)
     known = sorted({layer for layer in map(repeated_layer, paths.values()) if layer})
     hint = (f"recompute one of {', '.join(known[:4])}{', ...' if len(known) > 4 else ''}, or all of them: "
             f"`{re.sub(r'[0-9]+$', '*', known[0])}`" if known else
@@ -106,6 +109,25 @@ def _units(program: LoweredProgram, typed: TypedGraph, decls: tuple[RecomputeDec
                        hint)
     sink.raise_if_any()
     return units
+
+
+def _with_their_readers(statements: list[Statement], units: dict[int, tuple]) -> None:
+    """A statement of no unit joins the unit of its first reader where it is a parameter's compute copy (a
+    precision policy's cast, an offloaded master's fetch: placed just before that reader) or stands between
+    two statements of that unit (a conversion of a value the layer takes in, for an op of the layer): so a
+    layer stays one region, made again in backward with them, rather than one region per stretch."""
+    previous = None  # the unit of the statement before, releases aside
+    for index, statement in enumerate(statements):
+        if statement.instruction.kind == "release":
+            continue
+        if index not in units and statement.target:
+            reader = next((later for later in range(index + 1, len(statements))
+                           if set(statement.targets) & set(statements[later].instruction.reads())), None)
+            copy = statement.instruction.callee in ("rt.cast", "sync.fetch") and \
+                all(name.startswith("self.") for name in statement.instruction.reads())
+            if reader in units and (copy or previous == units[reader]):
+                units[index] = units[reader]
+        previous = units.get(index)
 
 
 def _runs(statements: list[Statement], unit_of: dict[int, tuple]) -> list[tuple[int, int, tuple]]:
@@ -160,7 +182,7 @@ def _region(body: list[Statement], later: list[Statement], outputs: set[str], un
     again = tuple(Collective(c.kind, c.axis, "backward", c.bytes, c.value, f"made again in backward: {c.reason}",
                              c.node) for c in forward) if decl.policy == "full" else ()
     kept = "only its inputs kept" if decl.policy == "full" else \
-        "matrix products, attention and collective results kept"
+        "linear layers', fused attention's and collectives' results kept"
     issued = (f"its {len(forward)} forward collective{'s' if len(forward) != 1 else ''} issued again there"
               if again else "no collective issued again")
     region = Statement(

@@ -29,10 +29,13 @@ from torch.utils.checkpoint import (
 
 aten = torch.ops.aten
 
-# The ATen ops whose results a selective region keeps: matrix products and attention, as the op-level
-# policy of torchtitan's selective activation checkpointing keeps them
+# The ATen ops whose results a selective region keeps: products with a weight (a linear layer's mm) and
+# fused attention, as the op-level policy of torchtitan's selective activation checkpointing keeps them.
+# Products of two activations (unfused attention's scores and weighted values, batched) are made again
+# with the softmax between them: they are what grows with the square of the sequence, and Megatron's
+# selective recomputation exists to drop them.
 COSTLY_OPS = frozenset(op for op in (
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.mm.default, aten.addmm.default,
     aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
     getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None) and
     aten._scaled_dot_product_flash_attention_for_cpu.default,
