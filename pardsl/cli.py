@@ -462,7 +462,7 @@ def _main(args, quiet) -> int:
     report["compile_s"] = sum(compiled.seconds.values())
     if "memory" in report:  # what the plan's estimate says a rank holds, beside what each measured
         memory = estimate(compiled, machine, args.optimizer).memory
-        estimated = memory["total"]
+        estimated = memory["peak"]
         if device == "cpu" and "host_total" in memory:
             # on CPU ranks host and device memory are one: the peak measured holds the offloaded tensors too,
             # and a device copy in the master's own dtype is the master itself

@@ -220,16 +220,28 @@ def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgr
     op outside it keeps, or an output (the others `recomputed`, by the region's name: backward holds one
     region's again at a time)."""
     kept, paths = typed.bound.kept, typed.bound.module_paths
+
+    def held_copy(name: str, made: Statement) -> None:
+        """A converted value that is no graph value: held here, at the layout the statement makes it."""
+        whole = values[made.node]
+        layout = made.layouts[made.targets.index(name)]
+        values[name] = {"kind": "copy", "parameter": False, "shape": whole["shape"], "dtype": whole["dtype"],
+                        "local_shape": list(layout.local_shape(tuple(whole["shape"]), program.mesh)),
+                        "layout": str(layout), "held_here": True,
+                        **({"layer": whole["layer"]} if "layer" in whole else {})}
+
     for name in region.instruction.reads():
         if name in values:
             if values[name].get("kind") != "placeholder":
                 values[name] = {**values[name], "held_here": True}
         elif (made := _made(program, name)) is not None and made.node in values and made.layouts:
-            whole = values[made.node]
-            layout = made.layouts[made.targets.index(name)]
-            values[name] = {"kind": "copy", "parameter": False, "shape": whole["shape"], "dtype": whole["dtype"],
-                            "local_shape": list(layout.local_shape(tuple(whole["shape"]), program.mesh)),
-                            "layout": str(layout), "held_here": True}
+            held_copy(name, made)
+    if policy == "selective":  # every collective's result is kept, whether or not autograd would keep it
+        for statement in region.body:
+            if statement.instruction.kind == "convert" and statement.node in values and statement.layouts:
+                for name in statement.targets:
+                    if name not in values:
+                        held_copy(name, statement)
     statements = {t: statement for statement in region.body for t in statement.targets}
     inside = {statement.node for statement in region.body} | set(statements) | \
         {name for name, path in paths.items() if path == unit or path.startswith(unit + ".")}

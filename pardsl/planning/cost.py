@@ -20,6 +20,7 @@ on the backend at hand into a file; without one, defaults for the backend stand 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -399,13 +400,16 @@ FIRST_BUCKET_MB = 1.0  # DDP's first bucket: the first collective starts early i
 
 
 def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
-    """Bytes one rank holds at its peak: parameters, gradients, optimizer state, activations kept for
-    backward and the outputs (saved_for_backward.py), parameters gathered for use (resharded after forward:
-    this group and the prefetched next; else all of them; converted where used outside a group, each copy
-    an op keeps for backward), the compute-dtype copies of parameters (a mixed-precision policy's, which
-    autograd keeps for backward; offloaded masters' device copies); and what the serial model holds, for a
-    bound written as a percentage. `total` is the device's; where the program offloads, the `host_` entries
-    are what host memory holds (JAX's memory kinds): the masters, their gradients and optimizer state."""
+    """Bytes one rank holds: parameters, gradients, optimizer state, activations kept for backward and the
+    outputs (saved_for_backward.py), parameters gathered for use (resharded after forward: this group and
+    the prefetched next; else all of them; converted where used outside a group, each copy an op keeps for
+    backward), the compute-dtype copies of parameters (a mixed-precision policy's, which autograd keeps for
+    backward; offloaded masters' device copies); and what the serial model holds, for a bound written as a
+    percentage. `total` counts every one at once: linear in the plan's choices, it is what the search and a
+    `memory <=` bound weigh. `peak` is the estimate of what the device holds at its worst, walking backward
+    (_backward_peak): gradients arrive as activations leave, and backward has working memory of its own.
+    Where the program offloads, the `host_` entries are what host memory holds (JAX's memory kinds): the
+    masters, their gradients and optimizer state."""
     activity = program.memory()
     gradients = sum(_nbytes(p.local_shape, _dtype(p.dtype)) for p in program.parameters if p.requires_grad)
     states = OPTIMIZER_STATES[optimizer]
@@ -413,12 +417,19 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
     # prefetched (the last group, whose backward comes first, likewise): the largest two neighbours at once;
     # autograd keeps every other gathered weight from its forward to its backward
     sizes = [sum(m.nbytes for m in g.members) for g in program.gathers]
-    resharded = [i for i, g in enumerate(program.gathers) if g.resharded]
+    # a recomputed layer gathers its group again for backward (pardsl/passes/recompute.py): nothing of it kept
+    again = {target for statement in program.statements for inside in statement.body
+             if inside.instruction.kind == "param_gather" for target in inside.targets}
+    resharded = [i for i, g in enumerate(program.gathers) if g.resharded or again & set(g.vars)]
     passing = sorted(set(resharded + [len(sizes) - 1])) if resharded else []
     neighbours = max((sizes[a] + sizes[b] for a, b in zip(passing, passing[1:])),
                      default=sum(sizes[i] for i in passing))
-    gathered = sum(size for i, size in enumerate(sizes) if i not in passing) + neighbours + \
-        activity["parameter_copies_per_rank"]
+    held_gathered = {}  # groups kept whole from forward to backward, by layer: freed as its backward ends
+    for i, size in enumerate(sizes):
+        if i not in passing:
+            unit = program.gathers[i].members[0].unit
+            held_gathered[unit] = held_gathered.get(unit, 0) + size
+    gathered = sum(held_gathered.values()) + neighbours + activity["parameter_copies_per_rank"]
     memory = {
         "parameters": activity["parameters_per_rank"],
         "gradients": gradients,
@@ -434,11 +445,122 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
         host = {"host_parameters": floating, "host_gradients": gradients, "host_optimizer_state": states * gradients}
         memory.update(parameters=memory["parameters"] - floating, gradients=0, optimizer_state=0)
     memory["total"] = sum(memory.values())
+    memory["peak"] = memory["total"] - memory["activations"] - memory["gradients"] - sum(held_gathered.values()) + \
+        _backward_peak(program, held_gathered, count_gradients=program.offload is None)
     memory["serial_total"] = serial_bytes(activity["parameters_total"], activity["parameters_trained_total"],
                                           activity["activations_total"], optimizer)
     if host:
         memory.update(host, host_total=sum(host.values()))
     return memory
+
+
+IN_FLIGHT_BUCKETS = 3  # reduce-scatter buckets whose whole gradients a rank holds at once: one filling, two sent
+
+
+def _backward_peak(program, held_gathered: dict[str, int], count_gradients: bool = True) -> int:
+    """The most activations and gradients a rank holds at once, walking backward as it runs: the outputs'
+    side first (the head), then the repeated layers from the last, then what comes before them. At each
+    place: what forward kept that backward has not yet freed (each layer's activations are freed by its own
+    backward), backward's own memory there (working), the gradients made so far, the buffers of the
+    all-reduce buckets begun and the whole gradients of the reduce-scatter buckets in flight. Parameters gathered whole and kept for
+    backward (`held_gathered`, by layer; "" for none) are freed with their layer's activations. Each place
+    is looked at as its backward starts (all its activations held, none of its gradients made) and as it
+    ends (the reverse). Gradients arrive as activations leave, so the peak is mostly below both counted at
+    once (`total`): where the last layer's backward starts, or for a recomputed model where the first's
+    ends."""
+    layer_order: list[str] = []
+    made_at: dict[str, int] = {}  # the place in forward (statements, a region's own in line) of each value
+    read_at: dict[str, int] = {}  # and of each parameter's first read
+    positions = itertools.count()
+
+    def walk(statements):
+        for statement in statements:
+            position = next(positions)
+            for name in statement.instruction.reads():
+                read_at.setdefault(name.removeprefix("self."), position)
+            for target in statement.targets:
+                made_at.setdefault(target, position)
+                layer = program.values.get(target, {}).get("layer")
+                if layer and layer not in layer_order:
+                    layer_order.append(layer)
+            walk(statement.body)
+
+    walk(program.statements)
+    starts = [made_at[name] for name, v in program.values.items() if v.get("layer") and name in made_at]
+    first_layer_at = min(starts, default=None)
+
+    def place(layer: str, at: int | None) -> str:
+        """A repeated layer, else the outputs' side ("after") or the inputs' ("before") of them."""
+        if layer:
+            return layer
+        return "before" if first_layer_at is None or at is None or at < first_layer_at else "after"
+
+    outputs = {output.var for output in program.outputs}
+    kept: dict[str, int] = {}
+    again: dict[str, dict[str, int]] = {}
+    largest: dict[str, int] = {}
+    for name, size, layer, region in program.held_for_backward():
+        where = "outputs" if name in outputs else place(layer, made_at.get(name))
+        if region:
+            again.setdefault(where, {})[region] = again.setdefault(where, {}).get(region, 0) + size
+        else:
+            kept[where] = kept.get(where, 0) + size
+    for name, v in program.values.items():
+        if v["kind"] != "placeholder":
+            where = place(v.get("layer", ""), made_at.get(name))
+            largest[where] = max(largest.get(where, 0), math.prod(v["local_shape"]) * _dtype(v["dtype"]).itemsize)
+    for unit, size in held_gathered.items():
+        where = unit or "outputs"  # a group of no layer: held through backward
+        kept[where] = kept.get(where, 0) + size
+    gradients: dict[str, int] = {}
+    if count_gradients:
+        for p in program.parameters:
+            if p.requires_grad:
+                where = place(parameter_unit(p.name), read_at.get(p.var))
+                gradients[where] = gradients.get(where, 0) + _nbytes(p.local_shape, _dtype(p.dtype))
+    order = ["after", *reversed(layer_order), "before"]  # backward's order
+    # a bucket's buffer is made when its first gradient arrives; beside it, each gradient as autograd makes
+    # it (whole, where a reduce-scatter is to split it) until it is copied in
+    mesh = program.mesh
+    place_of = {p.var: place(parameter_unit(p.name), read_at.get(p.var)) for p in program.parameters}
+    local = {p.var: _nbytes(p.local_shape, _dtype(p.dtype)) for p in program.parameters}
+    # (where in `order` its first gradient arrives, its bytes, its largest gradient as made, kind, ranks)
+    buckets = []
+    for bucket in program.buckets:
+        whole = mesh.axis_sizes[mesh.axis_index(bucket.axes[0])] if bucket.kind == "reduce_scatter" else 1
+        starts = [order.index(place_of[attr]) for attr, _, _ in bucket.members if place_of.get(attr) in order]
+        buckets.append((min(starts, default=0), bucket.nbytes,
+                        max((local.get(attr, 0) * whole for attr, _, _ in bucket.members), default=0), bucket.kind,
+                        whole))
+        for attr, _, _ in bucket.members:  # its members' gradients are in its buffer until it is reduced
+            if place_of.get(attr) in gradients:
+                gradients[place_of[attr]] -= local.get(attr, 0)
+
+    def working(where: str) -> int:
+        """Backward's own memory at a place: the gradients of its largest value and of that op's input
+        (eager attention's softmax: the gradient of its output and of its input, beside the output kept),
+        and a recomputed region's activations made again."""
+        return max(again.get(where, {}).values(), default=0) + 2 * largest.get(where, 0)
+
+    def in_flight(started) -> int:
+        buffers = [b for b in buckets if started(b[0])]
+        scattered = sorted((b for b in buffers if b[3] == "reduce_scatter"), key=lambda b: -b[1])
+        # the whole gradients of those in flight (at most, the largest); of those let go, this rank's part
+        return sum(b[1] for b in scattered[:IN_FLIGHT_BUCKETS]) + \
+            sum(b[1] // b[4] for b in scattered[IN_FLIGHT_BUCKETS:]) + \
+            sum(b[1] for b in buffers if b[3] == "all_reduce") + max((b[2] for b in buffers), default=0)
+
+    peak = sum(kept.values())  # the end of forward
+    for index, where in enumerate(order):
+        # as its backward starts: its activations all held, a recomputed region's made again beside them,
+        # the gradients and buckets of the places before it
+        before = kept.get("outputs", 0) + sum(kept.get(w, 0) for w in order[index:]) + working(where) + \
+            sum(gradients.get(w, 0) for w in order[:index]) + in_flight(lambda start: start < index)
+        # as it ends: its activations freed, its gradients made, its buckets begun
+        after = kept.get("outputs", 0) + sum(kept.get(w, 0) for w in order[index + 1:]) + \
+            sum(gradients.get(w, 0) for w in order[:index + 1]) + in_flight(lambda start: start <= index)
+        peak = max(peak, before, after)
+    return peak
 
 
 def _compute_copies(program) -> int:
@@ -494,6 +616,7 @@ def pipelined_memory_per_rank(stages, plan, optimizer: str = "adamw") -> dict[st
             for key in (k for k in memory if k.startswith("host_")):
                 host[key] = host.get(key, 0) + memory[key]
         held["total"] = sum(held.values())
+        held["peak"] = held["total"]  # micro-batches' activations and gradients are not walked: all at once
         held.update(host)
         if worst is None or held["total"] > worst["total"]:
             worst = held

@@ -277,25 +277,38 @@ class LoweredProgram:
         def nbytes(shape, dtype):
             return math.prod(shape) * torch_dtype(dtype).itemsize
 
+        held = self.held_for_backward()
         # backward makes one recomputed region's activations again at a time: the largest adds to the peak
         again: dict[str, int] = {}
-        for v in self.values.values():
-            if v.get("recomputed") and (v.get("kept_for_backward") and v.get("kept_here", True)
-                                        or v["kind"] == "copy" and not v["parameter"]):
-                again[v["recomputed"]] = again.get(v["recomputed"], 0) + nbytes(v["local_shape"], v["dtype"])
+        for _, size, _, region in held:
+            if region:
+                again[region] = again.get(region, 0) + size
         return {
             "parameters_per_rank": sum(nbytes(p.local_shape, p.dtype) for p in self.parameters),
             "parameters_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters),
             "parameters_trained_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters if p.requires_grad),
-            "activations_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
-                                        if (v.get("kept_for_backward") and v.get("kept_here", True)
-                                            or v["kind"] == "copy" and not v["parameter"]) and not v.get("recomputed")
-                                        or v.get("held_here")) + max(again.values(), default=0),
+            "activations_per_rank": sum(size for _, size, _, region in held if not region) +
+            max(again.values(), default=0),
             "parameter_copies_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
                                              if v["kind"] == "copy" and v["parameter"]),
             "activations_total": sum(nbytes(v["shape"], v["dtype"]) for v in self.values.values()
                                      if v.get("kept_for_backward")),
         }
+
+    def held_for_backward(self) -> list[tuple[str, int, str, str]]:
+        """The activations a rank holds from forward into backward: (name, local bytes, the repeated layer
+        that makes it or "", the recomputed region that makes it again in backward or ""). What autograd
+        keeps (unless a pass made the program keep it no longer), a region's inputs, the outputs, and the
+        converted copies an op keeps."""
+        held = []
+        for name, v in self.values.items():
+            size, layer = math.prod(v["local_shape"]) * torch_dtype(v["dtype"]).itemsize, v.get("layer", "")
+            kept = v.get("kept_for_backward") and v.get("kept_here", True) or v["kind"] == "copy" and not v["parameter"]
+            if v.get("held_here") or kept and not v.get("recomputed"):
+                held.append((name, size, layer, ""))
+            if kept and v.get("recomputed"):  # made again by its region, beside a region's input it may be too
+                held.append((name, size, layer, v["recomputed"]))
+        return held
 
     def collective_bytes(self) -> dict[str, int]:
         totals = {"forward": 0, "backward": 0}

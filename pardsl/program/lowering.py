@@ -37,7 +37,7 @@ from pardsl.layouts.algebra import (
     step_collectives,
 )
 from pardsl.layouts.oprules import WHOLE, Signature, is_drawn_whole, op_name, rule_for
-from pardsl.planning.cost import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, parameter_unit
+from pardsl.planning.cost import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, parameter_unit, repeated_layer
 from pardsl.planning.inference import TypedGraph
 from pardsl.program.ir import (
     Arg,
@@ -921,6 +921,8 @@ class _Lowerer:
             }
             if activation:  # held at its own layout wherever autograd keeps it (_copies_held_for_backward)
                 values[name]["kept_for_backward"] = name in self.bound.kept_for_backward
+                if layer := repeated_layer(self.bound.module_paths.get(name)):  # when backward frees it
+                    values[name]["layer"] = layer
         for (name, layout), var in self._copies_held_for_backward().items():
             info = self.bound.tensors[name]
             values[var] = {
@@ -930,6 +932,8 @@ class _Lowerer:
                 "local_shape": list(layout.local_shape(info.shape, self.mesh)),
                 "dtype": str(info.dtype).removeprefix("torch."),
             }
+            if layer := repeated_layer(self.bound.module_paths.get(name)):
+                values[var]["layer"] = layer
         return values
 
     def _copies_held_for_backward(self) -> dict[tuple[str, Layout], str]:

@@ -260,7 +260,8 @@ class ParameterSync:
             self._buffers = [None] * len(self.buckets)
             self._arrived = [{} for _ in self.buckets]
             for _, work, _, _ in self._launched:
-                work.wait()
+                if work is not None:
+                    work.wait()
             self._launched = []
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._backward = backward
@@ -315,6 +316,21 @@ class ParameterSync:
         else:
             work, summed = self.rt.reduce_scatter_started(buffer.view(-1), axis)
         self._launched.append((bucket, work, summed, shapes))
+        if kind == "reduce_scatter":
+            self._let_go_of_sent_buckets()
+
+    def _let_go_of_sent_buckets(self) -> None:
+        """A reduce-scatter's input is its bucket's whole gradients: beyond the two buckets sent last (still
+        overlapping backward), the oldest is waited for and its input let go, as FSDP frees it, so a rank
+        holds the whole gradients of at most three buckets at once (cost.IN_FLIGHT_BUCKETS)."""
+        sent = [index for index, (_, work, _, _) in enumerate(self._launched) if work is not None]
+        for index in sent[:-2]:
+            bucket, work, reduced, shapes = self._launched[index]
+            if self.buckets[bucket][0] != "reduce_scatter":
+                continue
+            work.wait()
+            result = reduced()
+            self._launched[index] = (bucket, None, lambda result=result: result, shapes)
 
     def _finish(self) -> None:
         """End of backward: issue what did not fill (gradients that never came), wait, write `.grad`."""
@@ -329,7 +345,8 @@ class ParameterSync:
         launched, self._launched = self._launched, []
         copied_out = False
         for bucket, work, reduced, shapes in launched:
-            work.wait()
+            if work is not None:  # else waited for already, its input let go (_let_go_of_sent_buckets)
+                work.wait()
             result = reduced()
             kind, axes, members = self.buckets[bucket]
             for axis in axes[1:]:  # a gradient partial over several axes: the further ones in turn

@@ -18,7 +18,7 @@ import contextlib
 import functools
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -48,6 +48,11 @@ def _costly_kept(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in COSTLY_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# the modes torch.utils.checkpoint's selective contexts enter: forward's (results cached) and recomputation's
+_SELECTIVE_CHECKPOINT_MODES = (torch.utils.checkpoint._CachingTorchDispatchMode,
+                               torch.utils.checkpoint._CachedTorchDispatchMode)
+
+
 class RegionCollectives:
     """The forward collectives of one run of a region: `keep` (the first run of a selective region: each
     result kept), `replay` (its second run: each given back, none issued) or `again` (the second run of
@@ -60,8 +65,9 @@ class RegionCollectives:
         """A context for the runtime's own work within a selective region (a collective's copies, a group's
         gathers): torch's selective checkpointing wants the second run to call the ATen ops the first did,
         in the same order, and the runtime's own work differs between them (a kept result given back, a
-        group gathered again instead of prefetched), so it is done out of the checkpoint's sight."""
-        return _disable_current_modes() if self.mode in ("keep", "replay") else contextlib.nullcontext()
+        group gathered again instead of prefetched), so it is done out of the checkpoint's sight; not out
+        of any other mode's (a rank's measured memory counts what it keeps)."""
+        return _out_of_selective_checkpoints_sight() if self.mode in ("keep", "replay") else contextlib.nullcontext()
 
     def issued(self, issue):
         """The result of a forward collective `issue(phase)` (a tensor)."""
@@ -98,6 +104,16 @@ class RegionCollectives:
         value = self.kept[self._next]
         self._next += 1
         return value
+
+
+@contextlib.contextmanager
+def _out_of_selective_checkpoints_sight():
+    """The dispatch modes of torch's selective checkpointing set aside (the innermost, as its contexts enter
+    them within the region's run); the others, entered before the region ran, stay."""
+    with contextlib.ExitStack() as set_aside:
+        while isinstance(_get_current_dispatch_mode(), _SELECTIVE_CHECKPOINT_MODES):
+            set_aside.enter_context(_pop_mode_temporarily())
+        yield
 
 
 def recompute(rt, region, policy: str, *arguments):

@@ -55,6 +55,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 # a datagram's kind: that a buffer has been read, or that one holds the sender's input to one of these
 _READ = 0
@@ -441,7 +442,10 @@ class SharedMemoryGroup:
             status = os.fstat(fds[0])
             if not stat.S_ISREG(status.st_mode) or status.st_size < capacity:
                 return "not a buffer"
-            memory = torch.from_file(f"/proc/self/fd/{fds[0]}", shared=True, size=capacity, dtype=torch.uint8)
+            # the peer's memory, mapped here to read: outside any dispatch mode, so that a rank's measured
+            # memory (pardsl/tools/memory.py) counts its own buffers and not its peers'
+            with _disable_current_modes():
+                memory = torch.from_file(f"/proc/self/fd/{fds[0]}", shared=True, size=capacity, dtype=torch.uint8)
             self._mapped[(peer, buffer)] = memory
             self._views = {key: view for key, view in self._views.items() if key[0] != (peer, buffer)}
         mapped = self._mapped.get((peer, buffer))

@@ -79,13 +79,13 @@ def dry_run(compiled, rank: int = 0, device: str = "cpu", steps: int = 1, machin
     machine = machine or default_machine()
     planned_memory = estimate(compiled, machine).memory
     device_memory = machine.device_memory_bytes
-    if device_memory and planned_memory["total"] > device_memory:
+    if device_memory and planned_memory["peak"] > device_memory:
         raise DryRunRefused(
-            f"the plan needs {format_bytes(planned_memory['total'])} per rank by its estimate, more than the "
+            f"the plan needs {format_bytes(planned_memory['peak'])} per rank by its estimate, more than the "
             f"{format_bytes(device_memory)} of {machine.name or 'the machine'}'s devices: split more, recompute "
             f"(`recompute model.layers.*`) or offload (`offload optimizer`)")
     with _fake_process_group(rank, mesh.size):
-        return _run(compiled, rank, torch.device(device), steps, planned_memory["total"], device_memory)
+        return _run(compiled, rank, torch.device(device), steps, planned_memory["peak"], device_memory)
 
 
 @contextlib.contextmanager

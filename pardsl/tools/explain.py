@@ -196,7 +196,8 @@ def _axis_links(mesh, machine) -> list[str]:
 
 def _memory_line(memory: dict, bound: int | None) -> str:
     parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in memory.items()
-                      if k not in ("total", "serial_total") and not k.startswith("host_") and (v or k != "compute_copies"))
+                      if k not in ("total", "peak", "serial_total") and not k.startswith("host_")
+                      and (v or k != "compute_copies"))
     against = "" if bound is None else \
         f"; bound {format_bytes(bound)}: {'within' if memory['total'] <= bound else 'EXCEEDED'}"
     host = ""
@@ -204,8 +205,8 @@ def _memory_line(memory: dict, bound: int | None) -> str:
         held = ", ".join(f"{k.removeprefix('host_').replace('_', ' ')} {format_bytes(v)}" for k, v in memory.items()
                          if k.startswith("host_") and k != "host_total")
         host = f"\nhost memory per rank {format_bytes(memory['host_total'])} ({held})"
-    return (f"memory per rank {format_bytes(memory['total'])} ({parts}); serial "
-            f"{format_bytes(memory['serial_total'])}{against}{host}")
+    return (f"memory per rank {format_bytes(memory['total'])} all at once ({parts}), "
+            f"{format_bytes(memory['peak'])} at its peak; serial {format_bytes(memory['serial_total'])}{against}{host}")
 
 
 # ---------------------------------------------------------------------------------------------------
