@@ -757,3 +757,23 @@ def test_a_descent_asks_no_program_whose_answer_it_has_and_lowers_each_plan_once
     again = real_search(compiled.bound, machine, search.memory_limit(compiled.bound), order=(1,), start=start)
     assert descent.layouts_of(again) == descent.layouts_of(start)
     assert len(lowered) == len(set(lowered)) < len(asked)
+
+
+def test_under_offload_the_search_counts_the_device_copies_alone(compile_par, monkeypatch):
+    """`offload optimizer`: each parameter's shard, gradient and optimizer state live in host memory and
+    the device holds a copy for compute. The search's memory row counts that copy alone, byte for byte as
+    the estimate does, so a bound only the device copies meet is met (the search counted the host's
+    state as the device's: four times the bytes, and no plan within the bound)."""
+    from pardsl.passes.offload import offload_to_host
+
+    text = open("examples/mlp.par").read().split("layout {")[0] + \
+        "offload optimizer\nmemory <= 20 %\nlayout {\n  x : ?\n}\n"
+    compiled = compile_par(text)
+    limit = search.memory_limit(compiled.bound)
+    solved = programs_solved(monkeypatch)
+    moved = search.search(compiled.bound, GLOO, limit, order=(0,), start=compiled.typed)
+    program, _, (status, solution) = solved[-1]
+    assert status == "optimal"
+    device = memory_per_rank(offload_to_host(lower(moved), compiled.bound.par.offload))
+    assert round(memory_counted(program, solution, limit)) == device["total"] <= limit < device["host_total"]
+    assert not [n for n in compiled.program.notes if n.code == "N003"]

@@ -52,6 +52,8 @@ import math
 import re
 from dataclasses import dataclass
 
+import torch
+
 from pardsl.language.progress import report
 from pardsl.layouts.algebra import (
     B,
@@ -528,7 +530,7 @@ class _GroupProgram:
         self.fixed_memory = 0.0
         for name in self.names:
             if name in bound.parameters:
-                factor = 1 + (1 + self.states) * (name in self.facts.requires_grad)
+                factor = self._parameter_factor(name)
             elif name in bound.kept_for_backward:  # held at its own layout, whoever reads it how
                 factor = self.activation_weight
             else:
@@ -545,6 +547,15 @@ class _GroupProgram:
                     if placement != self.whole_joint:
                         for column in terms:
                             _add(self.objective, column, EPSILON_S)
+
+    def _parameter_factor(self, name: str) -> float:
+        """A parameter's device bytes per byte of its shard: the shard, its gradient and optimizer state;
+        where the file offloads them (cost.memory_per_rank), a copy for compute in the compute dtype."""
+        par, dtype = self.bound.par, self.bound.tensors[name].dtype
+        if par.offload is not None and dtype.is_floating_point:
+            compute = dtype if par.precision is None else getattr(torch, par.precision.params)
+            return compute.itemsize / dtype.itemsize
+        return 1 + (1 + self.states) * (name in self.facts.requires_grad)
 
     def _conversion_seconds(self, name: str, source: Joint, target: Joint) -> float:
         """Converting a value: on one axis, the catalogue's step; on several, the steps lowering plans
