@@ -1,14 +1,19 @@
 """Measured memory against the estimate: each plan's peak per rank, what the plan says it holds, the step.
 
-Hugging Face's LlamaForCausalLM (examples/hf_models.py, `HFLlama`) with a long sequence, so that
-activations outweigh parameters, under data parallelism, ZeRO-3, Megatron TP and Megatron TP with
-sequence parallelism, each without recomputation, with `recompute model.model.layers.*` and with its
-`: selective` form, and under `precision params bf16, reduce fp32` without and with full recomputation (at this size inference completes the sequence-parallel layouts by gathering the
-weights, as ZeRO-3 does). Each plan runs
-under `pardsl run --json` (2 ranks, every step checked against serial): the peak is the measured one of
-its first step (pardsl/tools/memory.py; on CUDA the allocator's), the estimate `memory_per_rank`'s total.
+Hugging Face's LlamaForCausalLM (examples/hf_models.py, `HFLlama`) with a long sequence and attention in
+its reference form (`--attention eager`: the per-head sequence² matrices Megatron's selective
+recomputation is about; `sdpa` for the fused kernel), so that activations outweigh parameters, under
+data parallelism, ZeRO-3, Megatron TP and Megatron TP with sequence parallelism, each without
+recomputation, with `recompute model.model.layers.*` and with its `: selective` form, and under
+`precision params bf16, reduce fp32` without and with full recomputation (at this size inference
+completes the sequence-parallel layouts by gathering the weights, as ZeRO-3 does). Each plan runs under
+`pardsl run --json` (2 ranks, every step checked against serial): the peak is the measured one of its
+first step (pardsl/tools/memory.py; on CUDA the allocator's), the estimate `memory_per_rank`'s peak.
+Activations are the measured peak less the rank's parameters, gradients and optimizer state (their
+exact sizes); beside each, its ratio and the step's to the same plan and precision without recomputation.
 
-    python benchmarks/memory.py [--layers 4 --hidden 128 --seq 256 --batch 4] [--steps 3] [--device cpu|cuda]
+    python benchmarks/memory.py [--layers 8 --hidden 256 --seq 256 --batch 4] [--attention eager|sdpa]
+                                [--steps 3] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HEADER = """mesh   {mesh}
-model  examples.hf_models:HFLlama(layers={layers}, hidden={hidden}, heads=8, kv_heads=4, ffn={ffn}, positions={seq})
+model  examples.hf_models:HFLlama(layers={layers}, hidden={hidden}, heads=8, kv_heads=4, ffn={ffn}, positions={seq}, attention="{attention}")
 input  input_ids : int64[{batch}, {seq}] in [0, 256)
 {recompute}
 {precision}
@@ -51,45 +56,60 @@ PRECISION = {"float32": "", "bf16": "precision params bf16, reduce fp32"}
 
 
 def main() -> None:
+    sys.path.insert(0, ROOT)  # the plans' model module (examples.hf_models), compiled here for their sizes
+    from pardsl.compiler import compile_file
+    from pardsl.planning.cost import memory_per_rank
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--attention", choices=("eager", "sdpa"), default="eager")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     ffn = args.hidden * 8 // 3 // 8 * 8  # LLaMA's SwiGLU width, a multiple of 8
-    print(f"HFLlama: {args.layers} layers, hidden {args.hidden}, ffn {ffn}, batch {args.batch} x {args.seq}; "
-          f"2 ranks, {args.device}")
-    print("| plan | recomputation | precision | peak per rank (measured) | estimate | estimate / measured | step (ms) "
-          "| ≡ serial |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"HFLlama: {args.layers} layers, hidden {args.hidden}, ffn {ffn}, batch {args.batch} x {args.seq}, "
+          f"{args.attention} attention; 2 ranks, {args.device}")
+    print("| plan | recomputation | precision | peak per rank (measured) | estimate | estimate / measured "
+          "| activations (measured) | vs none | step (ms) | vs none | ≡ serial |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    mib = 2 ** 20
     with tempfile.TemporaryDirectory() as folder:
         for name, (mesh, layouts) in PLANS.items():
+            without: dict[str, tuple[float, float]] = {}  # per precision: activations and step without recomputation
             for policy, precision in VARIANTS:
                 text = HEADER.format(mesh=mesh, layers=args.layers, hidden=args.hidden, ffn=ffn, seq=args.seq,
-                                     batch=args.batch, recompute=RECOMPUTE[policy], precision=PRECISION[precision],
+                                     batch=args.batch, attention=args.attention, recompute=RECOMPUTE[policy],
+                                     precision=PRECISION[precision],
                                      layouts="".join(f"    {entry}\n" for entry in layouts))
                 path = os.path.join(folder, "plan.par")
                 with open(path, "w") as handle:
                     handle.write(text)
+                row = f"| {name} | {policy} | {precision} |"
                 result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", path, "--nproc", "2", "--steps",
-                                         str(args.steps), "--json", "--device", args.device, "--timeout", "600"],
-                                        capture_output=True, text=True, cwd=ROOT)
+                                         str(args.steps), "--json", "--device", args.device, "--timeout", "600",
+                                         "--optimizer", "sgd"], capture_output=True, text=True, cwd=ROOT)
                 try:
                     report = json.loads(result.stdout)
                 except json.JSONDecodeError:
-                    print(f"| {name} | {policy} | {precision} | failed: {result.stderr.strip().splitlines()[-1:]} | | | | |")
+                    print(f"{row} failed: {result.stderr.strip().splitlines()[-1:]} | | | | | | | |")
                     continue
                 if "memory" not in report:
                     errors = "; ".join(f"{e['code']}: {e['message']}" for e in report.get("errors", []))
-                    print(f"| {name} | {policy} | {precision} | {errors or 'not measured'} | | | | |")
+                    print(f"{row} {errors or 'not measured'} | | | | | | | |")
                     continue
                 peak, estimated = max(report["memory"]["peak_bytes"]), report["memory"]["estimated_bytes"]
-                print(f"| {name} | {policy} | {precision} | {peak / 2**20:.2f} MiB | {estimated / 2**20:.2f} MiB | "
-                      f"{estimated / peak:.2f} | {report['step_ms']['compiled']:.1f} | {'yes' if report['ok'] else 'NO'} |",
-                      flush=True)
+                planned = memory_per_rank(compile_file(path).program, "sgd")
+                activations = peak - planned["parameters"] - planned["gradients"] - planned["optimizer_state"]
+                step = report["step_ms"]["compiled"]
+                if policy == "none":
+                    without[precision] = (activations, step)
+                base_activations, base_step = without.get(precision, (activations, step))
+                print(f"{row} {peak / mib:.2f} MiB | {estimated / mib:.2f} MiB | {estimated / peak:.2f} | "
+                      f"{activations / mib:.2f} MiB | {activations / base_activations:.2f} | {step:.1f} | "
+                      f"{step / base_step:.2f} | {'yes' if report['ok'] else 'NO'} |", flush=True)
 
 
 if __name__ == "__main__":

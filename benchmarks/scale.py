@@ -97,7 +97,7 @@ def published(seq: int = 8192) -> None:
         seconds = time.perf_counter() - start
         ranks = compiled.program.mesh.size
         estimated = batch * seq / ranks / result.step_s
-        estimated_gib = result.memory["total"] / 2**30
+        estimated_gib = result.memory["peak"] / 2**30
         print(f"| {name} | {tokens_s or '—'} | {estimated:,.0f} | "
               f"{f'{estimated / tokens_s:.2f}' if tokens_s else '—'} | {memory_gib or '—'} GiB | {estimated_gib:.1f} GiB | "
               f"{seconds:.0f} s |")
