@@ -25,6 +25,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -457,13 +458,24 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
 IN_FLIGHT_BUCKETS = 3  # reduce-scatter buckets whose whole gradients a rank holds at once: one filling, two sent
 
 
+class _HeldBucket(NamedTuple):
+    """A gradient bucket as the backward walk sees it."""
+
+    start: int  # the place in backward's order where its first gradient arrives
+    nbytes: int  # its buffer's (whole, for a reduce-scatter)
+    kind: str
+    ranks: int  # those a reduce-scatter splits it over (1 for an all-reduce)
+    largest_made: int  # its largest member's gradient as autograd makes it, before it is copied in
+
+
 def _backward_peak(program, held_gathered: dict[str, int], count_gradients: bool = True) -> int:
     """The most activations and gradients a rank holds at once, walking backward as it runs: the outputs'
     side first (the head), then the repeated layers from the last, then what comes before them. At each
     place: what forward kept that backward has not yet freed (each layer's activations are freed by its own
     backward), backward's own memory there (working), the gradients made so far, the buffers of the
-    all-reduce buckets begun and the whole gradients of the reduce-scatter buckets in flight. Parameters gathered whole and kept for
-    backward (`held_gathered`, by layer; "" for none) are freed with their layer's activations. Each place
+    all-reduce buckets begun and the whole gradients of the reduce-scatter buckets in flight. Parameters
+    gathered whole and kept for backward (`held_gathered`, by layer; "" for none) are freed with their
+    layer's activations. Each place
     is looked at as its backward starts (all its activations held, none of its gradients made) and as it
     ends (the reverse). Gradients arrive as activations leave, so the peak is mostly below both counted at
     once (`total`): where the last layer's backward starts, or for a recomputed model where the first's
@@ -524,14 +536,12 @@ def _backward_peak(program, held_gathered: dict[str, int], count_gradients: bool
     mesh = program.mesh
     place_of = {p.var: place(parameter_unit(p.name), read_at.get(p.var)) for p in program.parameters}
     local = {p.var: _nbytes(p.local_shape, _dtype(p.dtype)) for p in program.parameters}
-    # (where in `order` its first gradient arrives, its bytes, its largest gradient as made, kind, ranks)
     buckets = []
     for bucket in program.buckets:
         whole = mesh.axis_sizes[mesh.axis_index(bucket.axes[0])] if bucket.kind == "reduce_scatter" else 1
         starts = [order.index(place_of[attr]) for attr, _, _ in bucket.members if place_of.get(attr) in order]
-        buckets.append((min(starts, default=0), bucket.nbytes,
-                        max((local.get(attr, 0) * whole for attr, _, _ in bucket.members), default=0), bucket.kind,
-                        whole))
+        buckets.append(_HeldBucket(min(starts, default=0), bucket.nbytes, bucket.kind, whole,
+                                   max((local.get(attr, 0) * whole for attr, _, _ in bucket.members), default=0)))
         for attr, _, _ in bucket.members:  # its members' gradients are in its buffer until it is reduced
             if place_of.get(attr) in gradients:
                 gradients[place_of[attr]] -= local.get(attr, 0)
@@ -543,12 +553,13 @@ def _backward_peak(program, held_gathered: dict[str, int], count_gradients: bool
         return max(again.get(where, {}).values(), default=0) + 2 * largest.get(where, 0)
 
     def in_flight(started) -> int:
-        buffers = [b for b in buckets if started(b[0])]
-        scattered = sorted((b for b in buffers if b[3] == "reduce_scatter"), key=lambda b: -b[1])
+        """The buckets' buffers once their first gradient has arrived (`started(where it arrives)`)."""
+        begun = [b for b in buckets if started(b.start)]
+        scattered = sorted((b for b in begun if b.kind == "reduce_scatter"), key=lambda b: -b.nbytes)
         # the whole gradients of those in flight (at most, the largest); of those let go, this rank's part
-        return sum(b[1] for b in scattered[:IN_FLIGHT_BUCKETS]) + \
-            sum(b[1] // b[4] for b in scattered[IN_FLIGHT_BUCKETS:]) + \
-            sum(b[1] for b in buffers if b[3] == "all_reduce") + max((b[2] for b in buffers), default=0)
+        return sum(b.nbytes for b in scattered[:IN_FLIGHT_BUCKETS]) + \
+            sum(b.nbytes // b.ranks for b in scattered[IN_FLIGHT_BUCKETS:]) + \
+            sum(b.nbytes for b in begun if b.kind == "all_reduce") + max((b.largest_made for b in begun), default=0)
 
     peak = sum(kept.values())  # the end of forward
     for index, where in enumerate(order):
