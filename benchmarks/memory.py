@@ -55,20 +55,25 @@ VARIANTS = [(policy, "float32") for policy in RECOMPUTE] + [("none", "bf16"), ("
 PRECISION = {"float32": "", "bf16": "precision params bf16, reduce fp32"}
 
 
+def model_arguments(doc: str, attention: str, steps: int) -> argparse.ArgumentParser:
+    """The LLaMA's shape, its attention, the steps and the device, as the benchmarks on it take them."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--attention", choices=("eager", "sdpa"), default=attention)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--device", default="cpu")
+    return parser
+
+
 def main() -> None:
     sys.path.insert(0, ROOT)  # the plans' model module (examples.hf_models), compiled here for their sizes
     from pardsl.compiler import compile_file
     from pardsl.planning.cost import memory_per_rank
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--attention", choices=("eager", "sdpa"), default="eager")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    args = model_arguments(__doc__, attention="eager", steps=3).parse_args()
     ffn = args.hidden * 8 // 3 // 8 * 8  # LLaMA's SwiGLU width, a multiple of 8
     print(f"HFLlama: {args.layers} layers, hidden {args.hidden}, ffn {ffn}, batch {args.batch} x {args.seq}, "
           f"{args.attention} attention; 2 ranks, {args.device}")

@@ -27,7 +27,7 @@ from pardsl.model.deferred_init import InitialValues, record
 from pardsl.model.loading import build_model, full_state, import_paths, load_factory, par_import_paths
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine, machine_named
 from pardsl.planning.solver import LogMismatch, SolutionLog
-from pardsl.program.codegen import load_module
+from pardsl.program.codegen import cannot_compile, compile_pieces, load_module, render
 from pardsl.runtime.checkpoint import load_model_state
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.schedule import Pipeline, loss_output
@@ -37,7 +37,8 @@ from pardsl.runtime.schedule import Pipeline, loss_output
 _CACHE: dict[tuple[str, str, str, float, str], tuple[Compiled, list, Machine]] = {}
 
 
-def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine | None = None) -> "Plan":
+def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine | None = None,
+         compile: bool = False) -> "Plan":
     """Compile a `.par` file into a Plan. Compiles once per process for the same file content, working
     directory and options; a mistake in the file raises `CompileError` (its `render()` points into the file).
 
@@ -49,6 +50,11 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine
 
     `bucket_mb`: parameter gradients are synchronised during backward in buckets of this size (MiB), each
     issued as soon as its last gradient is ready (DDP's default, 25).
+
+    `compile`: regional compilation: each run of the forward's ATen ops between the runtime's calls is a
+    function compiled by `torch.compile`, one per distinct run, shared by every repeated layer that runs the
+    same code (torchtitan compiles each transformer block); collectives, fused norms and a recomputed
+    region's statements stay eager. Not with a pipeline yet.
 
     `machine`: what a searched plan is searched for: a preset's name (`"h100-nvlink-ib"`), a machine file
     (`pardsl calibrate` writes one) or a `Machine`; default: this machine's calibration, else its
@@ -76,7 +82,7 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine
     if grouped:
         _raise_on_every_rank(None)
         _CACHE[key] = _as_rank_0_compiled(_CACHE[key], text, path, bucket_mb)
-    return Plan(_CACHE[key][0])
+    return Plan(_CACHE[key][0], compile=compile)
 
 
 def _raise_on_every_rank(failure: str | None, error: Exception | None = None) -> None:
@@ -124,10 +130,14 @@ def default_device() -> torch.device:
 class Plan:
     """A compiled `.par` file: the layouts, the generated module, and what runs it on this rank."""
 
-    def __init__(self, compiled: Compiled):
+    def __init__(self, compiled: Compiled, compile: bool = False):
         self.compiled = compiled
         self.mesh = compiled.program.mesh
-        self._generated = load_module(compiled.source)
+        refused = cannot_compile(compiled.program, compiled.pipeline is not None) if compile else None
+        if refused:
+            raise NotImplementedError(refused)
+        self._generated = compile_pieces(load_module(render(compiled.program, pieces=True))) if compile else \
+            load_module(compiled.source)
         self._runtimes: dict[torch.device, object] = {}
         bound = compiled.bound
         self.input_names = [slot.name for slot in compiled.program.inputs]

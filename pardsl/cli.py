@@ -95,6 +95,9 @@ def _arguments() -> argparse.ArgumentParser:
                      help="training steps, each compared with serial from the same parameters")
     run.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     run.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd")
+    run.add_argument("--compile", action="store_true",
+                     help="regional compilation: the forward's runs of ATen ops compiled by torch.compile, one "
+                          "function per distinct run, shared by the repeated layers")
     run.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                      help="collective timeout per rank (a hang fails instead of blocking)")
     run.add_argument("--stall-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
@@ -424,6 +427,7 @@ def _main(args, quiet) -> int:
     # run
     from pardsl.planning.cost import estimate
     from pardsl.runtime.devices import resolve_backend, resolve_device
+    from pardsl.program.codegen import cannot_compile
     from pardsl.tools.execution import RunFailed, job_for, launch
 
     mesh = compiled.program.mesh
@@ -448,12 +452,13 @@ def _main(args, quiet) -> int:
         return _report_errors(too_big, args.json)
     backend = resolve_backend(args.backend)
     device = resolve_device(args.device, backend)
-    usage = _device_mistake(backend, device, args.nproc)
+    usage = _device_mistake(backend, device, args.nproc) or \
+        (cannot_compile(compiled.program, compiled.pipeline is not None) if args.compile else None)
     if usage:
         print(f"pardsl: error: {usage}", file=sys.stderr)
         return EXIT_USAGE
     job = job_for(compiled, seed=args.seed, steps=args.steps, backend=backend, device=device, timeout_s=args.timeout,
-                  lr=args.lr, optimizer=args.optimizer, stdout_to_stderr=args.json)
+                  lr=args.lr, optimizer=args.optimizer, stdout_to_stderr=args.json, compile=args.compile)
     try:
         report = launch(job, stall_s=args.stall_timeout)
     except RunFailed as error:  # a rank failed or stalled: which and why, without the launcher's traceback

@@ -6,8 +6,10 @@ the one the user gave, dict orders fixed by the graph).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import re
 import types
 
 import jinja2
@@ -15,7 +17,9 @@ import jinja2
 from pardsl import __version__
 from pardsl.language import shipped
 from pardsl.planning.cost import slot_bytes
-from pardsl.program.ir import Arg, Instruction, Items, LoweredProgram, Text, Var, format_bytes, named_layout
+from pardsl.program.ir import (
+    Arg, Instruction, Items, LoweredProgram, Statement, Text, Var, format_bytes, named_layout,
+)
 
 _COMMENT_COLUMN = 72
 
@@ -77,9 +81,9 @@ def render_expression(instruction: Instruction) -> str:
     return f"{instruction.callee}({', '.join(parts)})"
 
 
-def _lines(program: LoweredProgram) -> list[str]:
+def _lines(statements) -> list[str]:
     return [f"{code.ljust(_COMMENT_COLUMN)}  # {comment}" if comment is not None else code
-            for code, comment in _codes(program.statements)]
+            for code, comment in _codes(statements)]
 
 
 def _codes(statements) -> list[list]:
@@ -139,10 +143,114 @@ def _mesh_dict(mesh) -> str:
     return "{" + ", ".join(f"{n!r}: {s}" for n, s in zip(mesh.axis_names, mesh.axis_sizes)) + "}"
 
 
-def render(program: LoweredProgram) -> str:
+# the fewest ATen ops a compiled piece holds: a lone op gains nothing from compiling
+_PIECE_OPS = 2
+# a name in an expression: not an attribute (`rt.device`), not a keyword argument's (`device=`)
+_NAMES = re.compile(r"(?<![.\w])[A-Za-z_]\w*(?!\w|\s*=[^=])")
+
+
+def _pieces(program: LoweredProgram) -> tuple[list[Statement], list[str]]:
+    """Regional compilation: each run of the forward's ATen ops between the runtime's calls (collectives,
+    fused norms, casts, gathers) becomes a call of a module function, `self.pieces[k]`, that `torch.compile`
+    compiles (api.load(compile=True)). The runs are named canonically (inputs a0.., weights w0.., values
+    v0..), so every repeated layer whose run is the same code calls one function, compiled once for all
+    of them. A recomputed region's own statements stay as they are. The statements to render, and the
+    functions' source."""
+    statements, texts, functions = list(program.statements), {}, []
+    returned = {output.var for output in program.outputs}
+    # named dims' sizes (`batch = input_ids.shape[0] * 2`), which ops read as text: a piece takes them too
+    sizes = {t for s in statements if s.instruction.kind in ("size", "expression") for t in s.targets}
+    rendered: list[Statement] = []
+    index = 0
+    while index < len(statements):
+        end = index
+        while end < len(statements) and _pure(statements[end]):
+            end += 1
+        run = statements[index:end]
+        if sum(s.instruction.kind != "release" for s in run) < _PIECE_OPS:
+            rendered.append(statements[index])
+            index += 1
+            continue
+        later = {name for statement in statements[end:] for name in _all_reads(statement)} | returned
+        call, released, text = _piece_call(run, later, sizes)
+        if text not in texts:
+            texts[text] = len(functions)
+            functions.append(text.replace("def _piece(", f"def _piece_{len(functions)}(", 1))
+        number = texts[text]
+        rendered.append(dataclasses.replace(call, instruction=dataclasses.replace(
+            call.instruction, callee=f"self.pieces[{number}]")))
+        if released:
+            rendered.append(Statement("", Instruction("release", "del", tuple(Var(n) for n in released)), ""))
+        index = end
+    return rendered, functions
+
+
+def _pure(statement: Statement) -> bool:
+    """An ATen op of the forward's own (or a release), which a compiled piece may hold: one that reads the
+    module (`self.training`) or the step's gathers other than through its operands stays in the forward."""
+    instruction = statement.instruction
+    if statement.body or instruction.kind not in ("release", "compute"):
+        return False
+    if instruction.kind == "release":
+        return True
+    text = render_expression(instruction.renamed({name: "_" for name in instruction.reads()}))
+    return instruction.callee.startswith("aten.") and "self." not in text and "sync." not in text
+
+
+def _all_reads(statement: Statement) -> list[str]:
+    return statement.instruction.reads() + [name for inside in statement.body for name in _all_reads(inside)]
+
+
+def _piece_call(run: list[Statement], later: set[str], sizes: set[str]) -> tuple[Statement, list[str], str]:
+    """The call that runs `run`, the caller's names it released (released after the call instead), and the
+    piece's canonical source. `sizes`: the forward's named dims, which a piece takes as arguments (ints:
+    torch.compile specialises on each, so a new size compiles the piece once more)."""
+    made: list[str] = []
+    inputs: list[str] = []
+    weights: list[str] = []
+    dims: list[str] = []
+    released: list[str] = []
+    for statement in run:
+        if statement.instruction.kind == "release":
+            released += [name for name in statement.instruction.reads() if name not in made]
+            continue
+        for name in statement.instruction.reads():
+            if name.startswith("self."):
+                weights += [name] if name not in weights else []
+            elif name not in made and name not in inputs:
+                inputs.append(name)
+        text = render_expression(statement.instruction.renamed({name: "_" for name in statement.instruction.reads()}))
+        dims += [word for word in _NAMES.findall(text) if word in sizes and word not in dims]
+        made += statement.targets
+    results = [name for name in made if name in later]
+    names = {name: f"a{i}" for i, name in enumerate(inputs)} | {name: f"w{i}" for i, name in enumerate(weights)} | \
+        {name: f"v{i}" for i, name in enumerate(made)}
+    dim_names = {name: f"d{i}" for i, name in enumerate(dims)}
+
+    def canonical(statement: Statement) -> str:
+        code = render_expression(statement.instruction.renamed(names))
+        if dim_names:
+            code = _NAMES.sub(lambda word: dim_names.get(word.group(0), word.group(0)), code)
+        return f"{', '.join(names[t] for t in statement.targets)} = {code}"
+
+    body = [[canonical(s), s.comment] for s in run if s.instruction.kind != "release"]
+    signature = ", ".join(["rt"] + [names[n] for n in inputs] + [names[n] for n in weights] + list(dim_names.values()))
+    lines = [f"def _piece({signature}):"] + \
+        [f"    {code.ljust(_COMMENT_COLUMN - 4)}  # {comment}" if comment else f"    {code}" for code, comment in body] + \
+        [f"    return ({''.join(names[n] + ', ' for n in results)})"]
+    ops = sum(s.instruction.kind != "release" for s in run)
+    call = Statement(", ".join(results) + ("," if len(results) == 1 else ""),
+                     Instruction("compute", "self.pieces", tuple(Var(n) for n in ["rt"] + inputs + weights + dims)),
+                     f"{ops} ATen ops, compiled as one piece")
+    return call, released, "\n".join(lines)
+
+
+def render(program: LoweredProgram, pieces: bool = False) -> str:
+    """The module's source; `pieces`: the forward's runs of ATen ops as functions for torch.compile (_pieces)."""
     mesh = program.mesh
     counts = program.collective_counts()
     totals = program.collective_bytes()
+    rendered, functions = _pieces(program) if pieces else (program.statements, [])
     return _template().render(
         version=__version__,
         source=program.source_path,
@@ -156,7 +264,8 @@ def render(program: LoweredProgram) -> str:
         buffers=[_slot(b, mesh) for b in program.buffers],
         inputs=[_slot(i, mesh) for i in program.inputs],
         outputs=_outputs(program),
-        lines=_lines(program),
+        lines=_lines(rendered),
+        pieces=functions,
         gathers=_gathers(program),
         resharded=_resharded(program),
         buckets=_buckets(program),
@@ -216,7 +325,7 @@ def render_pipeline(stages: list[LoweredProgram], plan) -> str:
             "buffers": [_slot(b, mesh) for b in program.buffers],
             "inputs": [_slot(i, mesh) for i in program.inputs],
             "outputs": outputs,
-            "lines": _lines(program),
+            "lines": _lines(program.statements),
             "gathers": _gathers(program),
             "buckets": _buckets(program),
         })
@@ -238,6 +347,28 @@ def render_pipeline(stages: list[LoweredProgram], plan) -> str:
         offload=stages[0].offload,
         offload_comment=OFFLOAD_COMMENTS.get(stages[0].offload),
     )
+
+
+def cannot_compile(program: LoweredProgram, pipelined: bool) -> str | None:
+    """Why regional compilation cannot take the plan, or None."""
+    if pipelined:
+        return "compiled layers (compile=True, --compile) are not supported with a pipeline yet"
+    if _resharded(program):
+        # autograd keeps a resharded group's weights through saved-tensor hooks, which torch.compile's
+        # graphs do not take
+        return ("compiled layers (compile=True, --compile) are not supported yet where gathered weights are "
+                "resharded after forward (ZeRO-3, FSDP): compile the plan without them, or without compile")
+    return None
+
+
+def compile_pieces(module: types.ModuleType) -> types.ModuleType:
+    """The module with each of its pieces (render(..., pieces=True)) compiled by torch.compile: once per
+    distinct piece and input shape, shared by every layer that calls it (dynamic=False: a new size of a
+    named dim compiles it once more)."""
+    import torch
+
+    module.PIECES[:] = [torch.compile(piece, dynamic=False) for piece in getattr(module, "PIECES", [])]
+    return module
 
 
 def load_module(source: str, name: str = "pardsl_module") -> types.ModuleType:

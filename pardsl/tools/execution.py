@@ -44,7 +44,7 @@ import torch.distributed as dist
 from pardsl.language.syntax import InputDecl, ModelDecl
 from pardsl.layouts.algebra import Layout, Mesh
 from pardsl.model.loading import build_model, full_state, import_paths, make_inputs, par_import_paths
-from pardsl.program.codegen import load_module
+from pardsl.program.codegen import compile_pieces, load_module, render
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.devices import rank_device, resolve_device
 from pardsl.runtime.schedule import Pipeline, loss_output
@@ -76,6 +76,7 @@ class RankJob:
     # a mixed-precision policy's (compute dtype, reduce dtype), torch names: serial's reference computes
     # in the first, from its float32 parameters, as the plan does
     precision: tuple[str, str] | None = None
+    compile: bool = False  # module_source has pieces (codegen.render(..., pieces=True)): torch.compile them
 
 
 TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -107,16 +108,19 @@ def tolerance_for(dtypes) -> float:
 
 def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", device: str | None = None,
             timeout_s: float = 120.0, lr: float = 0.01, optimizer: str = "sgd",
-            stdout_to_stderr: bool = False) -> RankJob:
-    """`device`: "cpu" or "cuda" (default: CUDA under NCCL, else the CPU)."""
+            stdout_to_stderr: bool = False, compile: bool = False) -> RankJob:
+    """`device`: "cpu" or "cuda" (default: CUDA under NCCL, else the CPU); `compile`: regional compilation
+    (pardsl.load's)."""
     par = compiled.par
     tolerance = tolerance_for({info.dtype for info in compiled.bound.tensors.values()})
-    return RankJob(compiled.source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
+    source = render(compiled.program, pieces=True) if compile else compiled.source
+    return RankJob(source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
                    par.inputs, seed, steps, lr=lr, backend=backend, device=resolve_device(device, backend),
                    sys_path=par_import_paths(par.source.path, par.model.module), timeout_s=timeout_s,
                    tolerance=tolerance, optimizer=optimizer, stdout_to_stderr=stdout_to_stderr,
                    constants=compiled.bound.constant_values,
-                   precision=None if par.precision is None else (par.precision.params, par.precision.reduce))
+                   precision=None if par.precision is None else (par.precision.params, par.precision.reduce),
+                   compile=compile)
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -158,7 +162,7 @@ class _Tally:
         self.worst = {"output": None, "grad": None}
         self.compiled_ms, self.serial_ms = [], []
         self.serial_finite = True
-        self.peak_bytes = 0  # the measured step's (pardsl/tools/memory.py)
+        self.peak_bytes: int | None = None  # the measured step's (pardsl/tools/memory.py), where one was
 
     def note(self, kind: str, what: str, got: torch.Tensor | None, expected: torch.Tensor | None) -> None:
         err = float("inf") if got is None or expected is None else _max_err(got, expected)
@@ -169,13 +173,16 @@ class _Tally:
         if self.worst[kind] is None or rel > self.relative[kind]:
             self.relative[kind], self.worst[kind] = rel, what
 
-    def compiled_step(self, step: int, steps: int, device: torch.device, held: list, work, optimizer):
+    def compiled_step(self, step: int, steps: int, device: torch.device, held: list, work, optimizer,
+                      measured: bool = True):
         """`work()`'s result: the compiled step's forward and backward, timed. The first step's memory is
         measured (pardsl/tools/memory.py; `held`: the tensors the rank holds as it begins, its optimizer's
         state added), its optimizer's first step inside it, where that state is made; where there are other
-        steps to time, its time is not counted. Later steps' optimizer steps are the caller's."""
-        measuring = peak_measured(device, held_bytes([*held, *optimizer_state(optimizer)])) if step == 0 \
-            else contextlib.nullcontext([])
+        steps to time, its time is not counted. Later steps' optimizer steps are the caller's. `measured`:
+        False where the measurement would change the step (torch.compile does not compile a function first
+        called under the CPU count's dispatch mode, nor afterwards)."""
+        measuring = peak_measured(device, held_bytes([*held, *optimizer_state(optimizer)])) \
+            if step == 0 and measured else contextlib.nullcontext([])
         start = time.perf_counter()
         with measuring as peak:
             result = work()
@@ -185,7 +192,8 @@ class _Tally:
                 optimizer.step()
         if step or steps == 1:
             self.compiled_ms.append(milliseconds)
-        self.peak_bytes = max([self.peak_bytes, *peak])
+        if peak:
+            self.peak_bytes = max(self.peak_bytes or 0, *peak)
         return result
 
     def report(self, counts: dict) -> dict:
@@ -196,7 +204,7 @@ class _Tally:
             "max_rel_err": self.relative,
             "worst": self.worst,
             "step_ms": {"compiled": statistics.median(self.compiled_ms), "serial": statistics.median(self.serial_ms)},
-            "peak_bytes": self.peak_bytes,
+            **({"peak_bytes": self.peak_bytes} if self.peak_bytes is not None else {}),
             **counts,
         }
 
@@ -212,6 +220,8 @@ def run_rank(job: RankJob) -> dict:
         progress.advance("building the serial model")
         rt.counter.progress = progress
     module = load_module(job.module_source, job.module_name)
+    if job.compile:
+        compile_pieces(module)
 
     torch.manual_seed(job.seed)
     with import_paths(*job.sys_path):
@@ -233,6 +243,7 @@ def run_rank(job: RankJob) -> dict:
     output_grads = None
     tally, counts = _Tally(), None
     note = tally.note
+    graphs: list[int] = []  # torch.compile's graphs made so far, after each step (regional compilation)
 
     for step in range(job.steps):
         if progress:
@@ -276,7 +287,8 @@ def run_rank(job: RankJob) -> dict:
             return out
 
         held = [*compiled.parameters(), *compiled.buffers(), *local_inputs, *seeds]
-        local_out = tally.compiled_step(step, job.steps, device, held, forward_and_backward, compiled_opt)
+        local_out = tally.compiled_step(step, job.steps, device, held, forward_and_backward, compiled_opt,
+                                        measured=not (job.compile and device.type == "cpu"))
         counts = rt.counter.summary()
 
         tally.serial_finite = tally.serial_finite and all(bool(torch.isfinite(o).all()) for o in serial_out)
@@ -304,8 +316,13 @@ def run_rank(job: RankJob) -> dict:
         serial_opt.step()
         if step:
             compiled_opt.step()
+        if job.compile:
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
-    return tally.report(counts)
+    report = tally.report(counts)
+    if job.compile:
+        report["compiled_graphs"] = {"first_step": graphs[0], "last_step": graphs[-1]}
+    return report
 
 
 def _generator_state(device: torch.device):
@@ -457,6 +474,8 @@ def combine(results: list[dict], job: RankJob) -> dict:
         # each rank's measured peak over its first step (pardsl/tools/memory.py)
         **({"memory": {"peak_bytes": [r["peak_bytes"] for r in sorted(results, key=lambda r: r["rank"])]}}
            if all("peak_bytes" in r for r in results) else {}),
+        # regional compilation: the graphs torch.compile made by the end of the first step and of the last
+        **({"compiled_graphs": first["compiled_graphs"]} if "compiled_graphs" in first else {}),
     }
 
 
