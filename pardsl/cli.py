@@ -426,8 +426,8 @@ def _main(args, quiet) -> int:
 
     # run
     from pardsl.planning.cost import estimate
-    from pardsl.runtime.devices import resolve_backend, resolve_device
     from pardsl.program.codegen import cannot_compile
+    from pardsl.runtime.devices import resolve_backend, resolve_device
     from pardsl.tools.execution import RunFailed, job_for, launch
 
     mesh = compiled.program.mesh

@@ -37,12 +37,21 @@ def test_every_repeated_layer_calls_the_same_pieces():
     assert repeated and all(calls[6].count(number) == 6 for number in repeated)
 
 
+def test_a_module_without_pieces_is_compiled_as_it_is():
+    """A forward with no run of ATen ops long enough to be a piece: `compile` leaves the module as it is."""
+    from pardsl.program.codegen import compile_pieces, load_module
+
+    module = load_module("VALUE = 1\n")
+    assert compile_pieces(module) is module and not hasattr(module, "PIECES")
+
+
 def test_compiled_layers_run_equal_to_serial_with_the_plans_collectives_and_no_recompilation(tmp_path):
     """Two ranks of the tp 2 LLaMA, three steps: equal to serial (at the tolerance: inductor's kernels
     order sums their own way), the plan's collectives, and no graph compiled after the first step."""
     result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/hf_llama_tp2.par", "--nproc", "2",
                              "--steps", "3", "--json", "--compile", "--timeout", "400"],
-                            capture_output=True, text=True, cwd=REPO, timeout=600, env={**os.environ, "PYTHONPATH": REPO})
+                            capture_output=True, text=True, cwd=REPO, timeout=600,
+                            env={**os.environ, "PYTHONPATH": REPO})
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["ok"], report

@@ -475,11 +475,10 @@ def _backward_peak(program, held_gathered: dict[str, int], count_gradients: bool
     backward), backward's own memory there (working), the gradients made so far, the buffers of the
     all-reduce buckets begun and the whole gradients of the reduce-scatter buckets in flight. Parameters
     gathered whole and kept for backward (`held_gathered`, by layer; "" for none) are freed with their
-    layer's activations. Each place
-    is looked at as its backward starts (all its activations held, none of its gradients made) and as it
-    ends (the reverse). Gradients arrive as activations leave, so the peak is mostly below both counted at
-    once (`total`): where the last layer's backward starts, or for a recomputed model where the first's
-    ends."""
+    layer's activations. Each place is looked at as its backward starts (all its activations held, none
+    of its gradients made) and as it ends (the reverse). Gradients arrive as activations leave, so the
+    peak is mostly below both counted at once (`total`): where the last layer's backward starts, or for a
+    recomputed model where the first's ends."""
     layer_order: list[str] = []
     made_at: dict[str, int] = {}  # the place in forward (statements, a region's own in line) of each value
     read_at: dict[str, int] = {}  # and of each parameter's first read
@@ -498,8 +497,8 @@ def _backward_peak(program, held_gathered: dict[str, int], count_gradients: bool
             walk(statement.body)
 
     walk(program.statements)
-    starts = [made_at[name] for name, v in program.values.items() if v.get("layer") and name in made_at]
-    first_layer_at = min(starts, default=None)
+    first_layer_at = min((made_at[name] for name, v in program.values.items() if v.get("layer") and name in made_at),
+                         default=None)
 
     def place(layer: str, at: int | None) -> str:
         """A repeated layer, else the outputs' side ("after") or the inputs' ("before") of them."""
@@ -514,7 +513,8 @@ def _backward_peak(program, held_gathered: dict[str, int], count_gradients: bool
     for name, size, layer, region in program.held_for_backward():
         where = "outputs" if name in outputs else place(layer, made_at.get(name))
         if region:
-            again.setdefault(where, {})[region] = again.setdefault(where, {}).get(region, 0) + size
+            regions = again.setdefault(where, {})
+            regions[region] = regions.get(region, 0) + size
         else:
             kept[where] = kept.get(where, 0) + size
     for name, v in program.values.items():

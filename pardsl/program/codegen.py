@@ -13,6 +13,7 @@ import re
 import types
 
 import jinja2
+import torch
 
 from pardsl import __version__
 from pardsl.language import shipped
@@ -185,6 +186,11 @@ def _pieces(program: LoweredProgram) -> tuple[list[Statement], list[str]]:
     return rendered, functions
 
 
+def _own_text(instruction: Instruction) -> str:
+    """The instruction's expression with each operand it reads as `_`: what it names besides its operands."""
+    return render_expression(instruction.renamed({name: "_" for name in instruction.reads()}))
+
+
 def _pure(statement: Statement) -> bool:
     """An ATen op of the forward's own (or a release), which a compiled piece may hold: one that reads the
     module (`self.training`) or the step's gathers other than through its operands stays in the forward."""
@@ -193,7 +199,7 @@ def _pure(statement: Statement) -> bool:
         return False
     if instruction.kind == "release":
         return True
-    text = render_expression(instruction.renamed({name: "_" for name in instruction.reads()}))
+    text = _own_text(instruction)
     return instruction.callee.startswith("aten.") and "self." not in text and "sync." not in text
 
 
@@ -219,8 +225,8 @@ def _piece_call(run: list[Statement], later: set[str], sizes: set[str]) -> tuple
                 weights += [name] if name not in weights else []
             elif name not in made and name not in inputs:
                 inputs.append(name)
-        text = render_expression(statement.instruction.renamed({name: "_" for name in statement.instruction.reads()}))
-        dims += [word for word in _NAMES.findall(text) if word in sizes and word not in dims]
+        dims += [word for word in _NAMES.findall(_own_text(statement.instruction))
+                 if word in sizes and word not in dims]
         made += statement.targets
     results = [name for name in made if name in later]
     names = {name: f"a{i}" for i, name in enumerate(inputs)} | {name: f"w{i}" for i, name in enumerate(weights)} | \
@@ -236,7 +242,8 @@ def _piece_call(run: list[Statement], later: set[str], sizes: set[str]) -> tuple
     body = [[canonical(s), s.comment] for s in run if s.instruction.kind != "release"]
     signature = ", ".join(["rt"] + [names[n] for n in inputs] + [names[n] for n in weights] + list(dim_names.values()))
     lines = [f"def _piece({signature}):"] + \
-        [f"    {code.ljust(_COMMENT_COLUMN - 4)}  # {comment}" if comment else f"    {code}" for code, comment in body] + \
+        [f"    {code.ljust(_COMMENT_COLUMN - 4)}  # {comment}" if comment else f"    {code}"
+         for code, comment in body] + \
         [f"    return ({''.join(names[n] + ', ' for n in results)})"]
     ops = sum(s.instruction.kind != "release" for s in run)
     call = Statement(", ".join(results) + ("," if len(results) == 1 else ""),
@@ -365,9 +372,8 @@ def compile_pieces(module: types.ModuleType) -> types.ModuleType:
     """The module with each of its pieces (render(..., pieces=True)) compiled by torch.compile: once per
     distinct piece and input shape, shared by every layer that calls it (dynamic=False: a new size of a
     named dim compiles it once more)."""
-    import torch
-
-    module.PIECES[:] = [torch.compile(piece, dynamic=False) for piece in getattr(module, "PIECES", [])]
+    if hasattr(module, "PIECES"):  # a forward with no run of ATen ops long enough has none
+        module.PIECES[:] = [torch.compile(piece, dynamic=False) for piece in module.PIECES]
     return module
 
 
