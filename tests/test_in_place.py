@@ -31,10 +31,47 @@ class Chained(nn.Module):
 
 
 class WritesIntoAView(nn.Module):
+    """A write through a view whose base is read after it: the base's new value is the view's, put back."""
+
     def forward(self, x):
         y = x * 2
         y.view(-1).add_(1)
+        y.t()[1:3].mul_(3.0)
         return y
+
+
+class FillsAFreshBuffer(nn.Module):
+    """DeepSeek-V3's keys: a buffer made by new_empty, its parts written by copy_ (one broadcast, one in
+    another dtype), a column zeroed by fill_, a row by index_put_; read after."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.linear(x)
+        buffer = h.new_empty(4, 12)
+        buffer[:, :8].copy_(h)
+        buffer[..., 8:].copy_(h[:, :1].to(torch.float64))
+        buffer.select(1, 9).fill_(0.5)
+        buffer[:, 10:].index_put_((torch.tensor([0, 2], device=h.device),), h.new_ones(2))
+        return buffer * 2
+
+
+class ReadsAnAliasTakenBeforeTheWrite(nn.Module):
+    """`peek` shares y's memory, is taken before the write and read after: it would see the write."""
+
+    def forward(self, x):
+        y = x * 2
+        peek = y.t()
+        y[0].add_(1)
+        return peek * 1
+
+
+class WritesIntoAnInput(nn.Module):
+    def forward(self, x):
+        x[0].mul_(2)
+        return x * 1
 
 
 class WritesIntoAViewNothingReadsAgain(nn.Module):
@@ -69,15 +106,59 @@ def test_in_place_ops_become_functional_and_later_reads_see_them(compile_par, po
     assert report["ok"], report  # outputs, gradients, and the buffer after each step equal serial's
 
 
-def test_a_write_into_a_view_is_located(compile_par):
+def test_a_write_into_a_view_puts_the_new_value_back_into_its_base(compile_par, pools):
+    compiled = compile_par(_par("WritesIntoAView"))
+    source = compiled.source
+    assert "aten.add_" not in source and "aten.mul_" not in source
+    assert "aten.slice_scatter.default(" in source  # the transposed rows, put back
+    assert run_on(pools, compiled, steps=2)["ok"]
+
+
+def test_writes_into_a_fresh_buffer_become_scatters(compile_par, pools):
+    compiled = compile_par(_par("FillsAFreshBuffer"))
+    source = compiled.source
+    assert not any(f"aten.{op}_" in source for op in ("copy", "fill", "index_put"))
+    assert source.count("aten.slice_scatter.default(") == 3 and source.count("aten.select_scatter.default(") == 1
+    assert run_on(pools, compiled, steps=2)["ok"]
+
+
+@pytest.mark.parametrize("model", ["ReadsAnAliasTakenBeforeTheWrite", "WritesIntoAnInput"])
+def test_a_write_another_alias_would_see_is_located_at_the_models_line(compile_par, model):
     with pytest.raises(CompileError) as caught:
-        compile_par(_par("WritesIntoAView"))
+        compile_par(_par(model))
     [error] = caught.value.diagnostics
     assert (error.code, error.span.line, error.span.column) == ("E062", 2, 1)
-    assert "aten.add_.Tensor" in error.message
+    assert "aten.add_.Tensor" in error.message or "aten.mul_.Tensor" in error.message
+    [line] = [note for note in error.notes if note.startswith("at ")]
+    source = "y[0].add_(1)" if model.startswith("Reads") else "x[0].mul_(2)"
+    assert line.startswith("at tests/test_in_place.py:") and line.endswith(source)
 
 
 def test_a_write_into_a_view_nothing_reads_again_becomes_functional(compile_par, pools):
     compiled = compile_par(_par("WritesIntoAViewNothingReadsAgain"))
     assert "aten.mul_" not in compiled.source and "aten.add_" not in compiled.source
     assert run_on(pools, compiled, steps=2)["ok"]
+
+
+DEEPSEEK = ('examples.more_families:CausalLM(family="DeepseekV3", n_routed_experts=4, num_experts_per_tok=2, '
+            'n_group=2, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1, num_hidden_layers=1, '
+            'q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8)')
+
+
+def test_deepseek_v3_keys_filled_into_a_fresh_buffer_split_by_heads(compile_par, pools):
+    """DeepSeek-V3's attention makes its keys with new_empty and two slice copy_ calls (expand_kv): under
+    Megatron's plan the buffer is made whole (no collective: it reads nothing) and each part is put in
+    with the heads split. Forward: attention's and the MLP's row-parallel all-reduces; backward: theirs
+    and the shared rotary key's gradient (its heads expanded from one), gathered over the heads."""
+    from .test_distributed import _nonzero, check
+
+    layouts = "".join(f"    model.model.layers.*.{name} : {layout}\n" for name, layout in (
+        ("self_attn.q_b_proj.weight", "S(0)"), ("self_attn.kv_b_proj.weight", "S(0)"),
+        ("self_attn.o_proj.weight", "S(1)"), ("mlp.gate_proj.weight", "S(0)"), ("mlp.up_proj.weight", "S(0)"),
+        ("mlp.down_proj.weight", "S(1)")))
+    compiled = compile_par(f"mesh tp = 2\nmodel {DEEPSEEK}\ninput input_ids : int64[2, 16] in [0, 128)\n"
+                           f"layout {{\n{layouts}}}\n")
+    assert "aten.copy_" not in compiled.source and compiled.source.count("aten.slice_scatter.default(") == 2
+    expected = {"forward": {"tp:all_reduce": 2}, "backward": {"tp:all_gather": 1, "tp:all_reduce": 3}}
+    assert _nonzero(compiled.program.collective_counts_by_axis()) == expected
+    check(pools, compiled)

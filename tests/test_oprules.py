@@ -97,7 +97,7 @@ def test_rules_are_data():
                                                   "reshape", "permute", "attention", "source", "cut", "project",
                                                   "expand", "check", "select", "loss", "index", "gather", "pad",
                                                   "conv", "window", "batch_norm", "group_norm", "along", "one_hot",
-                                                  "histogram", "index_put"}
+                                                  "histogram", "index_put", "equation", "stack", "recurrent"}
     assert RULES[torch.ops.aten.linear.default].spec == "...k,nk,n->...n"
 
 
@@ -258,6 +258,55 @@ def test_routing_rules_golden_lines():
     routing = ("topk", "sort", "argsort", "one_hot", "scatter", "scatter_add", "index_add", "repeat_interleave",
                "histc", "index_put")
     assert _signature_lines(n for n in nodes.values() if op_name(n).split(".")[1] in routing) == ROUTING_GOLDEN
+
+
+class _FallbacksWithRules(nn.Module):
+    """einsum (explicit and implicit output, broadcast dims, a diagonal), stack, transposed convolutions
+    (plain and grouped), an LSTM batch first and a bidirectional GRU."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1)
+        self.grouped_up = nn.ConvTranspose1d(4, 6, 3, groups=2)
+        self.lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(8, 16, bidirectional=True)
+
+    def forward(self, x, image):
+        mixed = torch.einsum("bij,jk->bik", x, x[0])
+        implicit = torch.einsum("...ij,jk", x, x[0])
+        diagonal = torch.einsum("bii->bi", x)
+        stacked = torch.stack([x, mixed], dim=1)
+        up = self.up(image)
+        grouped = self.grouped_up(image[:, :, 0])
+        output, (hidden, cell) = self.lstm(x)
+        sequence, state = self.gru(x)
+        return mixed, implicit, diagonal, stacked, up, grouped, output, hidden, cell, sequence, state
+
+
+FALLBACKS_GOLDEN = """\
+aten.einsum.default: S(0),B->S(0) | S(1),B->S(1) | B,S(1)->S(2) | S(2),S(0)->P | P,B->P | B,P->P
+aten.einsum.default: S(0),B->S(0) | S(1),B->S(1) | B,S(1)->S(2) | S(2),S(0)->P | P,B->P | B,P->P
+aten.einsum.default: P->P
+aten.stack.default: S(0),S(0)->S(0) | S(1),S(1)->S(2) | S(2),S(2)->S(3) | P,P->P
+aten.conv_transpose2d.input: S(0),B,B->S(0) | B,S(1),S(0)->S(1) | S(1),S(0),P->P | P,B,P->P | B,P,P->P
+aten.conv_transpose1d.default: S(0),B,B->S(0) | P,B,P->P | B,P,P->P
+aten.lstm.input: S(0),S(1),S(1),B,B,B,B,B,B,B,B->S(0)
+_operator.getitem: S(0)->S(0) | S(1)->S(1) | S(2)->S(2) | P->P
+_operator.getitem: S(0)->S(1) | P->P
+_operator.getitem: S(0)->S(1) | P->P
+aten.gru.input: S(1),S(1),B,B,B,B,B,B,B,B->S(1)
+_operator.getitem: S(0)->S(0) | S(1)->S(1) | S(2)->S(2) | P->P
+_operator.getitem: S(1)->S(1) | P->P
+"""
+
+
+def test_einsum_stack_transposed_convolution_and_recurrent_golden_lines():
+    """einsum: each subscript a dim (the contracted j gives P; a diagonal keeps every dim whole); stack: a
+    new whole dim; transposed convolutions: the weight's channels the other way round, grouped ones whole;
+    LSTM and GRU: the batch only, wherever it lies (batch first or not), in the sequence and the states."""
+    nodes = _nodes(_FallbacksWithRules(), torch.randn(2, 8, 8), torch.randn(2, 4, 5, 5))
+    shown = ("einsum", "stack", "conv_transpose2d", "conv_transpose1d", "lstm", "gru", "getitem")
+    assert _signature_lines(n for n in nodes.values() if op_name(n).split(".")[1] in shown) == FALLBACKS_GOLDEN
 
 
 def test_every_rule_has_one_golden_line():

@@ -60,6 +60,7 @@ class Rule:
     joins: bool = False  # cat: m equal operands split along the dim join into S(dim, blocks=m)
     parallel_form: str = ""  # runtime function computing the op where it takes one of its extra signatures
     spatial: int = 0  # conv / window ops: how many trailing spatial dims (conv2d's 2); 0: from the weight
+    transposed: bool = False  # conv_transpose: the weight is [in channels, out channels / groups, *kernel]
     groups_arg: int | None = None  # conv: the `groups` argument (grouped channels are not split)
     training_arg: int | None = None  # the `training` argument (batch_norm's, dropout's): traced True, it follows
     # the module's mode in the generated code
@@ -109,13 +110,16 @@ RULES: dict[Any, Rule] = {
     aten.arange.start: Rule("source"),
     aten.arange.default: Rule("source"),
     aten.arange.start_step: Rule("source"),
-    aten.zeros.default: Rule("source"),
-    aten.ones.default: Rule("source"),
-    aten.full.default: Rule("source"),
+    # constant fills: made split where a split is wanted, at the local shape
+    aten.zeros.default: Rule("source", shape_arg=0),
+    aten.ones.default: Rule("source", shape_arg=0),
+    aten.full.default: Rule("source", shape_arg=0),
     # the operand gives only dtype and device; the shape is an argument
     aten.new_ones.default: Rule("source"),
     aten.new_zeros.default: Rule("source"),
     aten.new_full.default: Rule("source"),
+    # uninitialised buffers, which the forward then writes into (as scatters, see pardsl/model/in_place.py)
+    aten.empty.memory_format: Rule("source", shape_arg=0),
     # advanced indexing x[i, j]: the indexed dims of x stay whole; the index tensors' dims may be split
     aten.index.Tensor: Rule("index", linear="product", linear_operands=(0,)),
     # gather(x, dim, index): the gathered dim stays whole; other dims split with the index where sizes match
@@ -127,7 +131,13 @@ RULES: dict[Any, Rule] = {
     aten.slice.Tensor: Rule("cut", linear="sum", dim_arg=1),
     aten.narrow.default: Rule("cut", linear="sum", dim_arg=1),
     aten.cat.default: Rule("cut", linear="sum", dim_arg=1, joins=True),
+    # a new dim of the operands, whole; the operands' own dims split alike
+    aten.stack.default: Rule("stack", linear="sum", dim_arg=1),
     aten.select.int: Rule("select", linear="sum", dim_arg=1),
+    aten.unbind.int: Rule("select", linear="sum", dim_arg=1),  # every index of the dim: parts that getitem takes
+    # writes into a part of a tensor, functionalised: the tensor's new value with the part replaced
+    aten.slice_scatter.default: Rule("cut", linear="sum", dim_arg=2),
+    aten.select_scatter.default: Rule("select", linear="sum", dim_arg=2),
     aten.diff.default: Rule("cut", linear="sum", dim_arg=2, dim_default=-1),
     # padding: the padded dims stay whole, the others pass through
     aten.pad.default: Rule("pad", linear="sum", fill_arg=3),
@@ -142,6 +152,9 @@ RULES: dict[Any, Rule] = {
     aten.mm.default: Rule("einsum", "mk,kn->mn", linear="product"),
     aten.bmm.default: Rule("einsum", "bmk,bkn->bmn", linear="product"),
     aten.matmul.default: Rule("matmul", linear="product"),
+    # einsum by its subscripts: each letter a dim, as the rows above are written (a letter repeated in one
+    # operand, a diagonal, keeps every dim whole); multilinear, so P passes through any one operand
+    aten.einsum.default: Rule("equation", linear="product", linear_operands=(0, 1, 2, 3)),
     # elementwise arithmetic (broadcasting; scalars allowed)
     aten.add.Tensor: _elementwise("sum"),
     aten.sub.Tensor: _elementwise("sum"),
@@ -169,6 +182,9 @@ RULES: dict[Any, Rule] = {
     aten.where.ScalarOther: _elementwise(),
     aten.where.Scalar: _elementwise(),
     aten.zeros_like.default: _elementwise(),
+    aten.empty_like.default: _elementwise(),
+    aten.fill.Scalar: _elementwise(),
+    aten.fill.Tensor: _elementwise(),
     aten.ones_like.default: _elementwise(),
     aten.full_like.default: _elementwise(),
     **{_op(f"{cmp}.{kind}"): _elementwise() for cmp in ("eq", "ne", "lt", "le", "gt", "ge")
@@ -210,8 +226,10 @@ RULES: dict[Any, Rule] = {
     # channels: row parallel, partial sums with the bias added once. Grouped channels are not split.
     **{_op(f"conv{k}d.default"): Rule("conv", linear="product", addends=(2,), spatial=k, groups_arg=6)
        for k in (1, 2, 3)},
-    aten.convolution.default: Rule("conv", linear="product", addends=(2,), groups_arg=8,
-                                     requires=((6, "transposed", False),)),
+    # transposed convolutions alike: their weight holds the input channels first
+    **{_op(f"conv_transpose{k}d.{'default' if k == 1 else 'input'}"):
+       Rule("conv", linear="product", addends=(2,), spatial=k, groups_arg=6, transposed=True) for k in (1, 2, 3)},
+    aten.convolution.default: Rule("conv", linear="product", addends=(2,), groups_arg=8),  # `transposed`: arg 6
     # pooling and resizing: windows over the trailing spatial dims (whole); batch and channels split.
     # Averages and interpolations are linear, so partial sums pass through them.
     **{_op(f"max_pool{k}d.default"): Rule("window", spatial=k) for k in (1, 2, 3)},
@@ -224,6 +242,13 @@ RULES: dict[Any, Rule] = {
     aten.upsample_bilinear2d.vec: Rule("window", linear="sum", spatial=2),
     aten.upsample_bicubic2d.vec: Rule("window", linear="sum", spatial=2),
     aten.upsample_trilinear3d.vec: Rule("window", linear="sum", spatial=3),
+    # recurrent layers: the batch splits (each rank runs its sequences through the whole weights, whose
+    # gradients are then summed); time, features and layers stay whole. Dropout between layers would draw
+    # per rank: refused.
+    aten.lstm.input: Rule("recurrent", requires=((5, "dropout", 0.0),)),
+    aten.gru.input: Rule("recurrent", requires=((5, "dropout", 0.0),)),
+    aten.rnn_tanh.input: Rule("recurrent", requires=((5, "dropout", 0.0),)),
+    aten.rnn_relu.input: Rule("recurrent", requires=((5, "dropout", 0.0),)),
     # batch norm: per-channel statistics, so channels split freely. In training the statistics are over
     # the batch and spatial dims: a split batch computes the global ones (SyncBatchNorm's form: one
     # all-reduce of per-channel sums forward, one backward); in eval the running statistics are used.
@@ -637,9 +662,11 @@ def _letters_products(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: 
 
 
 def _letters_source(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
-    # an operand (new_ones' self) only lends dtype and device
+    # an operand (new_ones' self) only lends dtype and device; a constant fill of a given shape may be made
+    # split (the same value everywhere), an arange not
     draft.operand_letters, draft.output = [(None,) * len(s) for s in shapes], tuple(_LETTERS[: len(out_shape)])
-    draft.unsplittable |= set(draft.output)
+    if rule.shape_arg is None:
+        draft.unsplittable |= set(draft.output)
 
 
 def _letters_gather(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
@@ -658,6 +685,13 @@ def _letters_index(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tup
 
 def _letters_project(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
     draft.operand_letters, draft.output = [tuple(_LETTERS[: len(out_shape)])], tuple(_LETTERS[: len(out_shape)])
+    moved = recurrent_state_dims(node)
+    if moved is not None:  # a recurrent layer's final state: its batch dim is not the output's
+        output_batch, state_batch = moved
+        letters = iter("KLMNOPQRSTUVWXYZ")
+        draft.operand_letters = [tuple("n" if d == output_batch else next(letters) for d in range(len(shapes[0])))]
+        draft.output = tuple("n" if d == state_batch else next(letters) for d in range(len(out_shape)))
+        draft.unsplittable |= set(draft.operand_letters[0] + draft.output) - {"n"}
 
 
 def _letters_cut(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
@@ -718,7 +752,11 @@ def _letters_select(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tu
     in_letters = tuple(_LETTERS[: len(shapes[0])])
     dim = call_arg(node, rule.dim_arg, "dim", 0) % len(shapes[0])
     draft.unsplittable.add(in_letters[dim])
-    draft.operand_letters, draft.output = [in_letters], in_letters[:dim] + in_letters[dim + 1:]
+    selected = in_letters[:dim] + in_letters[dim + 1:]
+    if len(shapes) == 2:  # select_scatter(x, part, dim, index): x with its part at index replaced
+        draft.operand_letters, draft.output = [in_letters, selected], in_letters
+    else:
+        draft.operand_letters, draft.output = [in_letters], selected
 
 
 def _letters_expand(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
@@ -742,14 +780,78 @@ def _letters_attention(node: torch.fx.Node, rule: Rule, shapes: list, out_shape:
 
 def _letters_conv(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
     # x [n, c, *in], weight [o, c/groups, *kernel], bias [o] → [n, o, *out]; x may lack the batch dim
+    # (transposed: weight [c, o/groups, *kernel])
     k = len(shapes[1]) - 2
     batch = ("n",) if len(shapes[0]) == k + 2 else ()
     grouped = call_arg(node, rule.groups_arg, "groups", 1) != 1
-    inner = "g" if grouped else "c"
+    transposed = rule.transposed or (node.target is aten.convolution.default and call_arg(node, 6, "transposed"))
     spatial_in, kernel, spatial_out = tuple("pqr"[:k]), tuple("uvw"[:k]), tuple("xyz"[:k])
-    draft.operand_letters = [batch + ("c",) + spatial_in, ("o", inner) + kernel, ("o",)][: len(shapes)]
+    weight = ("c", "g") if transposed and grouped else ("c", "o") if transposed else ("o", "g" if grouped else "c")
+    draft.operand_letters = [batch + ("c",) + spatial_in, weight + kernel, ("o",)][: len(shapes)]
     draft.output = batch + ("o",) + spatial_out
     draft.unsplittable |= set(spatial_in + kernel + spatial_out) | ({"c", "g", "o"} if grouped else set())
+
+
+def _letters_equation(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    equation = call_arg(node, 0, "equation").replace(" ", "")
+    inputs, _, output = equation.partition("->")
+    terms = inputs.split(",")
+    if not _:  # implicit output: the letters used once, in alphabetical order, after the broadcast dims
+        counts = {letter: inputs.count(letter) for letter in inputs if letter.isalpha()}
+        output = ("..." if "..." in inputs else "") + "".join(sorted(l for l, n in counts.items() if n == 1))
+    repeated = any(len(set(t.replace("...", ""))) != len(t.replace("...", "")) for t in terms)
+    if repeated or len(terms) != len(shapes) or ("..." in inputs and "..." not in output):
+        # diagonals, and broadcast dims summed away: every dim its own letter, none split
+        letters = iter(_LETTERS)
+        draft.operand_letters = [tuple(next(letters) for _ in shape) for shape in shapes]
+        draft.output = tuple(next(letters) for _ in out_shape)
+        draft.unsplittable |= {l for ls in (*draft.operand_letters, draft.output) for l in ls}
+        return
+    # the equation's letters renamed from the start of the alphabet: the broadcast dims take the end
+    renamed = {letter: _LETTERS[i] for i, letter in enumerate(dict.fromkeys(c for c in equation if c.isalpha()))}
+    spec = "".join(renamed.get(c, c) for c in f"{','.join(terms)}->{output}")
+    operand_letters, draft.output = _einsum(spec, shapes, out_shape)
+    sizes: dict[str, int] = {}
+    for letters, shape in zip(operand_letters, shapes):
+        for letter, size in zip(letters, shape):
+            if letter is not None:
+                sizes[letter] = max(sizes.get(letter, 1), size)
+    # a dim of size 1 broadcast against the letter's larger size reads the same values on every rank
+    draft.operand_letters = [tuple(None if letter is not None and size == 1 and sizes[letter] > 1 else letter
+                                   for letter, size in zip(letters, shape))
+                             for letters, shape in zip(operand_letters, shapes)]
+
+
+def _letters_stack(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    in_letters = tuple(_LETTERS[: len(shapes[0])])
+    dim = call_arg(node, rule.dim_arg, "dim", 0) % len(out_shape)
+    draft.operand_letters = [in_letters for _ in shapes]
+    draft.output = in_letters[:dim] + ("J",) + in_letters[dim:]
+    draft.unsplittable.add("J")
+
+
+def _letters_recurrent(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    # (input, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first): input [t, n, f]
+    # ([n, t, f] batch first; [t, f] unbatched), each state [layers × directions, n, h], the weights whole;
+    # results: output like the input with features of the hidden size, then the final states
+    batched = len(shapes[0]) == 3
+    batch_first = batched and call_arg(node, 8, "batch_first", False)
+    sequence = ("n", "t", "f") if batch_first else ("t", "n", "f") if batched else ("t", "f")
+    states = len(shapes) - 1 - len(call_arg(node, 2, "params"))
+    draft.operand_letters = [sequence] + [("l", "n", "h")[-len(shapes[1]):]] * states + \
+        [(None,) * len(shape) for shape in shapes[1 + states:]]
+    draft.output = sequence[:-1] + ("o",)
+    draft.unsplittable |= {"t", "f", "l", "h", "o"}
+
+
+def recurrent_state_dims(node: torch.fx.Node) -> tuple[int, int] | None:
+    """For a final state taken from a recurrent layer's results (getitem i > 0): (the batch dim of the
+    layer's output, which the results' layout speaks of, and the state's own batch dim); None otherwise."""
+    layer = node.args[0] if node.target is operator.getitem else None
+    if not isinstance(layer, torch.fx.Node) or RULES.get(layer.target, WHOLE).family != "recurrent" or \
+            node.args[1] == 0 or len(_shape(tensor_operands(layer)[0])) != 3:
+        return None
+    return (0 if call_arg(layer, 8, "batch_first", False) else 1), 1
 
 
 def _letters_window(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
@@ -907,6 +1009,9 @@ _LETTERS_OF_FAMILY = {
     "select": _letters_select,
     "expand": _letters_expand,
     "attention": _letters_attention,
+    "equation": _letters_equation,
+    "stack": _letters_stack,
+    "recurrent": _letters_recurrent,
     "conv": _letters_conv,
     "window": _letters_window,
     "batch_norm": _letters_norm_over_channels,

@@ -25,7 +25,7 @@ from pardsl.language.progress import modules_reported, report
 from pardsl.language.syntax import LayoutEntry, LayoutSyntax, ParFile
 from pardsl.layouts.algebra import B, Layout, Mesh, Placement
 from pardsl.layouts.oprules import carries_gradient, concrete_size, op_name, rule_for
-from pardsl.model.export import constant_values, python_random_seeded, trace
+from pardsl.model.export import called_at, constant_values, python_random_seeded, source_line, trace
 from pardsl.model.grouped_query import fold_grouped_query_repeats
 from pardsl.model.in_place import functionalize_in_place
 from pardsl.model.loading import DTYPES, build_model, import_paths, par_import_paths, parameters_on_meta
@@ -92,6 +92,8 @@ class BoundPlan:
     # parameters the model freezes (`requires_grad_(False)`: Whisper's sinusoidal positions, a fine-tune's
     # frozen layers), by every name: no gradient, no optimizer state, nothing to synchronise
     frozen: frozenset[str] = frozenset()
+    # node name → `file:line: code` of the model's source that made the op, for diagnostics
+    source_lines: dict[str, str] = field(default_factory=dict)
 
     @property
     def trained_parameters(self) -> list[str]:
@@ -571,8 +573,9 @@ def bind(par: ParFile) -> BoundPlan:
     for node in functionalize_in_place(exported.graph_module):
         where = (list((node.meta.get("nn_module_stack") or {}).values())[-1:] or [("the model's own forward()",)])[0][0]
         sink.error("E062", f"in-place `{op_name(node)}` writes into a view, or into a tensor a view of which is read",
-                   par.model.span, f"used in {where}",
-                   "the write would change the other tensor too: write the op out of place (`x = x + y`)")
+                   par.model.span, f"used in {where}", *called_at(source_line(node)),
+                   "another tensor sharing its memory, taken before the write and read after it, or a graph input "
+                   "would see the write: write the op out of place (`x = x + y`, `torch.cat` for parts)")
     if mesh is not None:
         fold_grouped_query_repeats(exported.graph_module, mesh.size)
     clock = time.perf_counter()
@@ -621,11 +624,14 @@ def bind(par: ParFile) -> BoundPlan:
     dynamic_nodes: set[str] = set()
     dims, symbol_text = _named_dims(exported, inputs, par)
     scalars: dict[str, str] = {}
+    source_lines: dict[str, str] = {}
     for node in exported.graph.nodes:
         value = node.meta.get("val")
         stack = node.meta.get("nn_module_stack") or {}
         if stack:
             module_paths[node.name] = list(stack.values())[-1][0]
+        if node.op == "call_function" and source_line(node) is not None:
+            source_lines[node.name] = source_line(node)
         if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
             value = value[0]  # a split's parts: its getitem nodes carry each part's own shape
         if isinstance(value, torch.SymInt) and node.op == "call_function":
@@ -642,13 +648,13 @@ def bind(par: ParFile) -> BoundPlan:
             dynamic_nodes.add(node.name)
             if not any(operand.name in dynamic_nodes for operand in node.all_input_nodes):
                 where = module_paths.get(node.name) or "the model's own forward()"
-                data_dependent.setdefault(op_name(node), set()).add(where)
+                data_dependent.setdefault(op_name(node), {}).setdefault(where, source_lines.get(node.name))
             continue
         tensors[node.name] = TensorInfo(tuple(concrete_size(s) for s in value.shape), value.dtype,
                                         symbolic if any(symbolic) else None)
     for op, places in data_dependent.items():
         sink.error("E061", f"operation `{op}` gives a result whose shape depends on the data", par.model.span,
-                   f"used in {', '.join(sorted(places)[:3])}",
+                   f"used in {', '.join(sorted(places)[:3])}", *called_at(*places.values()),
                    "pardsl lays out tensors of static shape: select with masks (where, masked_fill) instead",
                    *([MOE_HINT] if any("expert" in place for place in places) else []))
     if data_dependent:
@@ -711,7 +717,7 @@ def bind(par: ParFile) -> BoundPlan:
     return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
                      module_paths, seconds, buffer_values, persistent,
                      {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars,
-                     frozenset(searched - set(pins)), frozen)
+                     frozenset(searched - set(pins)), frozen, source_lines)
 
 
 def _check_input_values(par: ParFile, exported, inputs: dict[str, str], sink: DiagnosticSink) -> None:

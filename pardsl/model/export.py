@@ -1,14 +1,20 @@
 """The model traced: torch.export on meta tensors (by forward() argument name), the values of constants a
-trace on meta cannot give, and grad-mode regions inlined into the graph."""
+trace on meta cannot give, grad-mode regions inlined into the graph, and where in the model's source each
+op was called."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import logging
+import os
+import re
+import sys
 import warnings
 
 import torch
+
+aten = torch.ops.aten
 
 
 def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
@@ -27,6 +33,7 @@ def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
     finally:
         logging.disable(previous)
     inline_grad_mode_regions(exported.graph_module)
+    make_fresh_tensors_from_nothing(exported.graph_module)
     return exported
 
 
@@ -112,7 +119,71 @@ def inline_grad_mode_regions(graph_module: torch.fx.GraphModule) -> None:
         graph_module.recompile()
 
 
+_FROM_NOTHING = {aten.new_empty.default: (aten.empty.memory_format, 0), aten.new_zeros.default: (aten.zeros.default, 0),
+                 aten.new_ones.default: (aten.ones.default, 0), aten.new_full.default: (aten.full.default, 1)}
+
+
+def make_fresh_tensors_from_nothing(graph_module: torch.fx.GraphModule) -> None:
+    """`x.new_empty(shape)` (new_zeros, new_ones, new_full) as `torch.empty(shape, dtype=x.dtype)`: x lends
+    only its dtype and device, and as an operand it would have to be made whole on every rank first
+    (its layout is that of a tensor the op reads)."""
+    graph = graph_module.graph
+    changed = False
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _FROM_NOTHING:
+            continue
+        target, values = _FROM_NOTHING[node.target]
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        operand = node.args[0]
+        node.target, changed = target, True
+        node.args = tuple(node.args[1:2 + values])
+        node.kwargs = {**{k: v for k, v in node.kwargs.items() if k == "pin_memory"},
+                       "dtype": value.dtype, "device": value.device}
+        if isinstance(operand, torch.fx.Node) and not operand.users and _is_pure_view(operand):
+            graph.erase_node(operand)
+    if changed:
+        graph.lint()
+        graph_module.recompile()
+
+
+def _is_pure_view(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and not schema.is_mutable and \
+        any(r.alias_info is not None for r in schema.returns)
+
+
 def _detached(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
     detached = graph.call_function(torch.ops.aten.detach.default, (node,))
     detached.meta = {**node.meta, "val": node.meta["val"].detach()}
     return detached
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in \S+\n[ \t]*(?P<code>[^\n]*)')
+
+
+def source_line(node: torch.fx.Node) -> str | None:
+    """`file:line: code` of the model's source line that made the op: the innermost forward() frame
+    torch.export recorded for it (it keeps the frames of forward methods only, so an op made in a helper
+    the forward calls is placed at that call). Files under an installed package are named from the
+    package, others from the working directory where they lie under it."""
+    frames = list(_FRAME.finditer(node.meta.get("stack_trace") or ""))
+    if not frames:
+        return None
+    frame = frames[-1]
+    return f"{_short_path(frame['file'])}:{frame['line']}: {frame['code'].strip()}"
+
+
+def called_at(*lines: str | None) -> list[str]:
+    """Diagnostic notes naming the model's source lines an op was called at (the first three known)."""
+    known = list(dict.fromkeys(line for line in lines if line))
+    return [f"at {line}" for line in known[:3]]
+
+
+def _short_path(path: str) -> str:
+    for root in sorted((p for p in sys.path if p and os.path.isdir(p)), key=len, reverse=True):
+        if "-packages" in root and path.startswith(root.rstrip(os.sep) + os.sep):
+            return os.path.relpath(path, root)
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative

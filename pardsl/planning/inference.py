@@ -54,6 +54,7 @@ from pardsl.layouts.oprules import (
     unmet_requirement,
 )
 from pardsl.model.binding import MOE_HINT, BoundPlan, TensorInfo
+from pardsl.model.export import called_at
 
 
 @dataclass(frozen=True)
@@ -159,16 +160,17 @@ def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
             continue
         if rule is None or not is_tensor_valued(node):
             unsupported.setdefault((op_name(node), " (random: each rank would draw its own values)"
-                                    if is_random(node) else ""), []).append(where)
+                                    if is_random(node) else ""), {}).setdefault(where, bound.source_lines.get(node.name))
             continue
         problem = unmet_requirement(node, rule)
         if problem is not None:
-            unsupported.setdefault((op_name(node), f" with {problem}"), []).append(where)
+            unsupported.setdefault((op_name(node), f" with {problem}"), {}).setdefault(
+                where, bound.source_lines.get(node.name))
             continue
         specs[node.name] = dim_spec(node, rule)
     for (op, detail), places in unsupported.items():
         sink.error("E060", f"operation `{op}`{detail} is not supported", bound.par.model.span,
-                   f"used in {', '.join(sorted(set(places))[:3])}",
+                   f"used in {', '.join(sorted(places)[:3])}", *called_at(*places.values()),
                    "pardsl knows the ops listed in pardsl/layouts/oprules.py (RULES)",
                    *([MOE_HINT] if any("expert" in place for place in places) else []),
                    *([ATTENTION_DROPOUT_HINT] if "dropout_p" in detail else []))

@@ -37,6 +37,7 @@ from pardsl.layouts.algebra import (
     step_collectives,
 )
 from pardsl.layouts.oprules import WHOLE, Signature, is_drawn_whole, op_name, rule_for
+from pardsl.model.export import called_at
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, parameter_unit, repeated_layer
 from pardsl.planning.inference import TypedGraph
 from pardsl.program.ir import (
@@ -825,11 +826,13 @@ class _Lowerer:
     def _note_computed_whole(self) -> None:
         """N005: operators pardsl has no rule for, computed whole on every rank (oprules.WHOLE)."""
         places: dict[str, list[str]] = {}
+        lines: list[str] = []
         for name in self.typed.nodes:
             node = self._fx[name]
             if rule_for(node) is WHOLE:
                 places.setdefault(op_name(node), []).append(
                     self.bound.module_paths.get(name) or "the model's own forward()")
+                lines.append(self.bound.source_lines.get(name))
         if not places:
             return
         by_place: dict[str, list[str]] = {}  # the ops used in the same modules, listed together
@@ -844,7 +847,8 @@ class _Lowerer:
                          "every rank alike); traced in training mode, the module raises in eval mode")
         self.notes.append(Diagnostic(
             "N005", f"{len(places)} operator(s) without a rule are computed whole on every rank, each tensor "
-            f"they read made whole first (B): {ops}", self.bound.par.model.span, tuple(hints), severity="note"))
+            f"they read made whole first (B): {ops}", self.bound.par.model.span, (*called_at(*lines), *hints),
+            severity="note"))
 
     def _rescale_mean(self, typed_node, fx_node, name: str) -> None:
         operand_layout = typed_node.operand_layouts[0]
