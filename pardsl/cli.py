@@ -173,6 +173,8 @@ def _summary(compiled) -> str:
 
     program = compiled.program
     lines = [f"{program.source_path}: mesh {program.mesh} ({program.mesh.size} ranks), model {program.model}"]
+    if compiled.mesh_shapes:
+        lines.append(f"  mesh shape searched: the fastest of {len(compiled.mesh_shapes)} (`pardsl explain` prices each)")
     width = max([len(p.name) for p in program.parameters + program.inputs] + [len(o.path) for o in program.outputs] + [8])
     for slot in program.inputs + program.parameters:
         lines.append(f"  {slot.kind:<9} {slot.name:<{width}}  {named_layout(slot.layout, program.mesh):<18} "

@@ -11,14 +11,16 @@ import gc
 import json
 import os
 import time
-from dataclasses import dataclass
+import itertools
+import math
+from dataclasses import dataclass, replace
 
 from pardsl import __version__
-from pardsl.language.diagnostics import Diagnostic
+from pardsl.language.diagnostics import CompileError, Diagnostic
 from pardsl.language.files import write_atomically
 from pardsl.language.progress import timed
 from pardsl.language.syntax import ParFile, parse, parse_file
-from pardsl.model.binding import BoundPlan, bind
+from pardsl.model.binding import BoundPlan, bind, bound_on_mesh
 from pardsl.passes import pipeline as pp
 from pardsl.passes.early_count import start_counts_early
 from pardsl.passes.fused_norms import fuse_rms_norms
@@ -57,6 +59,7 @@ class Compiled:
     memory_bound: int | None = None  # bytes per rank, from `memory <= …`
     pipeline: object = None  # pardsl.pipeline.PipelinePlan where the file has a `pipeline` statement
     stages: tuple = ()  # then each stage's LoweredProgram; `program` is the uncut one (one micro-batch)
+    mesh_shapes: tuple["MeshShape", ...] = ()  # a searched mesh: every shape priced, the chosen one first
 
     @property
     def seconds_after_export(self) -> float:
@@ -92,10 +95,25 @@ def _cyclic_collector_paused():
             gc.collect(0)
 
 
-def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
+@dataclass(frozen=True)
+class MeshShape:
+    """One shape of a searched mesh, as the compiler priced it: its axes' sizes, its best plan's estimated
+    step and memory per rank, whether that is within the bound, or why it has no plan."""
+
+    sizes: tuple[int, ...]
+    step_s: float | None = None
+    memory: int | None = None
+    within_bound: bool = True
+    why_not: str = ""
+    same_as: tuple[int, ...] | None = None  # priced as this shape, its axes renamed (a flat machine)
+
+
+def _compile(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = None) -> Compiled:
+    if par.mesh.searched:
+        return _compile_searched_mesh(par, bucket_mb, machine)
     if par.pipeline is not None:
         return _compile_pipelined(par, bucket_mb, machine)
-    bound = bind(par)
+    bound = bind(par) if bound is None else bound
     seconds = dict(bound.seconds)
     if wants_search(bound):
         typed, program = searched_or_greedy(bound, machine or default_machine(),
@@ -111,6 +129,79 @@ def _compile(par: ParFile, bucket_mb: float, machine) -> Compiled:
                                                                        machine or default_machine()))
     source = timed(seconds, "codegen", lambda: render(program))
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
+
+
+def mesh_shapes(ranks: int, axes: int) -> list[tuple[int, ...]]:
+    """Every way to give `axes` axes sizes whose product is `ranks` (1 allowed), in order."""
+    divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+    return [sizes for sizes in itertools.product(divisors, repeat=axes) if math.prod(sizes) == ranks]
+
+
+def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
+    """`mesh dp, tp = 8`: each shape of the mesh compiled as its own file would be (its layouts searched or
+    inferred, recomputation chosen within the bound), all from one trace of the model, and the shape
+    whose plan is estimated fastest within the memory bound kept (over it, the one that needs least).
+
+    Exhaustive over the shapes, with one exact pruning: on a machine whose links are all alike, where the
+    file writes no layout for an axis to tell them apart, two shapes that are each other's axes renamed
+    have the same best plan up to the names, and the second is not compiled again."""
+    _check_searched_mesh(par)
+    machine = machine or default_machine()
+    names = [axis.name for axis in par.mesh.axes]
+    symmetric = not any(entry.layout.form != "searched" for entry in par.layouts) and \
+        (not machine.ranks_per_node or machine.between_nodes is None or par.mesh.ranks <= machine.ranks_per_node)
+    bound, priced, shapes, elapsed = None, {}, [], {}
+    for sizes in mesh_shapes(par.mesh.ranks, len(names)):
+        twin = next((other for other in priced if sorted(other) == sorted(sizes)), None)
+        if symmetric and twin is not None:
+            shapes.append(replace(priced[twin][1], sizes=sizes, same_as=twin))
+            continue
+        shaped = replace(par, meshes=(replace(par.mesh, ranks=None, axes=tuple(
+            replace(axis, size=size) for axis, size in zip(par.mesh.axes, sizes))),))
+        clock = time.perf_counter()
+        try:
+            bound = bind(shaped) if bound is None else bound_on_mesh(bound, shaped)
+            compiled = _compile(shaped, bucket_mb, machine, bound)
+        except CompileError as error:
+            elapsed[sizes] = time.perf_counter() - clock
+            shapes.append(MeshShape(sizes, why_not=f"error[{error.diagnostics[0].code}]: {error.diagnostics[0].message}"))
+            continue
+        plan = estimate(compiled, machine)
+        elapsed[sizes] = time.perf_counter() - clock
+        within = compiled.memory_bound is None or plan.memory["total"] <= compiled.memory_bound
+        shape = MeshShape(sizes, plan.step_s, plan.memory["total"], within)
+        priced[sizes] = (compiled, shape)
+        shapes.append(shape)
+    if not priced:
+        raise CompileError([Diagnostic("E013", f"no shape of the mesh ({', '.join(names)} = {par.mesh.ranks}) "
+                                               "has a plan", par.mesh.span,
+                                       tuple(f"{_shape_text(names, s.sizes)}: {s.why_not}" for s in shapes[:6]))],
+                           par.source)
+    compiled, chosen = min(priced.values(), key=lambda pair: (not pair[1].within_bound,
+                                                               pair[1].step_s if pair[1].within_bound else pair[1].memory))
+    compiled.seconds["other mesh shapes"] = sum(t for sizes, t in elapsed.items() if sizes != chosen.sizes)
+    return replace(compiled, mesh_shapes=(chosen, *(s for s in shapes if s.sizes != chosen.sizes)))
+
+
+def _shape_text(names: list[str], sizes: tuple[int, ...]) -> str:
+    return ", ".join(f"{name} = {size}" for name, size in zip(names, sizes))
+
+
+def _check_searched_mesh(par: ParFile) -> None:
+    """A searched mesh's axes are distinct and its rank count positive; its pipeline is not searched yet."""
+    problems, seen = [], set()
+    for axis in par.mesh.axes:
+        if axis.name in seen:
+            problems.append(Diagnostic("E010", f"mesh axis `{axis.name}` named twice", axis.span))
+        seen.add(axis.name)
+    if par.mesh.ranks < 1:
+        problems.append(Diagnostic("E011", f"a mesh of {par.mesh.ranks} ranks", par.mesh.span))
+    if par.pipeline is not None:
+        problems.append(Diagnostic(
+            "E078", "a pipeline on a searched mesh", par.pipeline.span,
+            ("the stage count and the cuts are not searched yet: write the mesh's sizes (`mesh dp = 2, pp = 4`)",)))
+    if problems:
+        raise CompileError(problems, par.source)
 
 
 # The passes over every lowered program (or pipeline stage), in order, each program -> program (with the

@@ -24,6 +24,7 @@ ERROR_CODES: dict[str, str] = {
     "E010": "mesh axis named twice",
     "E011": "mesh axis size must be at least 1",
     "E012": "mesh size does not match the world size",
+    "E013": "no shape of a searched mesh has a plan",
     "E020": "model module cannot be imported",
     "E021": "model factory not found in its module",
     "E022": "model factory failed or did not return an nn.Module",

@@ -23,7 +23,7 @@ from pardsl.language.diagnostics import DiagnosticSink, SourceFile, Span
 @dataclass(frozen=True)
 class MeshAxis:
     name: str
-    size: int
+    size: int | None  # None: the search chooses it (a searched mesh)
     span: Span
 
 
@@ -31,6 +31,11 @@ class MeshAxis:
 class MeshDecl:
     axes: tuple[MeshAxis, ...]
     span: Span
+    ranks: int | None = None  # `mesh dp, tp = 8`: the product of the axes' sizes, which the search chooses
+
+    @property
+    def searched(self) -> bool:
+        return self.ranks is not None
 
 
 @dataclass(frozen=True)
@@ -260,6 +265,10 @@ class _ToSyntaxTree(Transformer):
 
     def mesh_decl(self, meta, axes):
         return MeshDecl(tuple(axes), _span(meta))
+
+    def searched_mesh_decl(self, meta, children):
+        *names, ranks = children
+        return MeshDecl(tuple(MeshAxis(str(name), None, _token_span(name)) for name in names), _span(meta), int(ranks))
 
     def module_path(self, meta, names):
         return ".".join(str(n) for n in names)

@@ -15,7 +15,7 @@ import inspect
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils import _pytree as pytree
@@ -94,6 +94,7 @@ class BoundPlan:
     frozen: frozenset[str] = frozenset()
     # node name → `file:line: code` of the model's source that made the op, for diagnostics
     source_lines: dict[str, str] = field(default_factory=dict)
+    names: tuple = ()  # what a layout's name may match (_Named), for binding the file on another mesh
 
     @property
     def trained_parameters(self) -> list[str]:
@@ -496,6 +497,8 @@ def _tied_aliases(model: torch.nn.Module, exported, parameters: dict[str, str]) 
 
 
 def _check_mesh(par: ParFile, sink: DiagnosticSink) -> Mesh | None:
+    if par.mesh.searched:  # the compiler binds each of its shapes (pardsl/compiler.py)
+        raise ValueError("a searched mesh is bound one shape at a time")
     seen: dict[str, int] = {}
     ok = True
     for axis in par.mesh.axes:
@@ -675,9 +678,34 @@ def bind(par: ParFile) -> BoundPlan:
     table = _name_table(exported, inputs, parameters, buffers)
     table += [_Named("parameter", name, used) for name, used in aliases.values()]
     outputs = [(path, node) for path, node in _flat_outputs(exported)]
+    pins, output_pins, searched = _bound_layouts(written, _NameIndex(table), tensors, mesh, sink)
+    sink.raise_if_any()
+    seconds["bind"] = time.perf_counter() - clock
+    return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
+                     module_paths, seconds, buffer_values, persistent,
+                     {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars,
+                     frozenset(searched - set(pins)), frozen, source_lines, tuple(table))
+
+
+def bound_on_mesh(bound: BoundPlan, par: ParFile) -> BoundPlan:
+    """`bound`'s traced model with `par`'s layouts bound on `par`'s mesh: the same file with another mesh
+    shape (a searched mesh's), which is one trace for all its shapes (their rank counts are the same, and
+    only the count reaches the trace)."""
+    sink = DiagnosticSink(par.source)
+    mesh = _check_mesh(par, sink)
+    written = [(entry, layout_from_syntax(entry.layout, mesh, sink) if mesh else None) for entry in par.layouts]
+    pins, output_pins, searched = _bound_layouts(written, _NameIndex(list(bound.names)), bound.tensors, mesh, sink)
+    sink.raise_if_any()
+    return replace(bound, par=par, mesh=mesh, pins=pins, output_pins=output_pins,
+                   searched=frozenset(searched - set(pins)), seconds={"bind": 0.0})
+
+
+def _bound_layouts(written: list, index: "_NameIndex", tensors: dict[str, TensorInfo], mesh: Mesh | None,
+                   sink: DiagnosticSink) -> tuple[dict[str, Pin], dict[int, Pin], set[str]]:
+    """Each layout the file writes, bound to the tensors its name matches and checked on the mesh: the
+    pins of graph nodes, of outputs, and the nodes written `?`."""
     pins: dict[str, Pin] = {}
     output_pins: dict[int, Pin] = {}
-    index = _NameIndex(table)
     searched: set[str] = set()
     for entry, layout in written:
         reported = len(sink.diagnostics)
@@ -712,12 +740,7 @@ def bind(par: ParFile) -> BoundPlan:
                 continue
             store.setdefault(key, pin)
         sink.one_per_place_since(reported)
-    sink.raise_if_any()
-    seconds["bind"] = time.perf_counter() - clock
-    return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
-                     module_paths, seconds, buffer_values, persistent,
-                     {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars,
-                     frozenset(searched - set(pins)), frozen, source_lines)
+    return pins, output_pins, searched
 
 
 def _check_input_values(par: ParFile, exported, inputs: dict[str, str], sink: DiagnosticSink) -> None:

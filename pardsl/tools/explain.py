@@ -122,6 +122,7 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
              f"β {ar.beta_s_per_byte * 1e9:.3g} ns/B; {machine.flops_per_s / 1e9:.3g} GFLOP/s, "
              f"{machine.bytes_per_s / 1e9:.3g} GB/s" + (f"; ranks share {machine.cores} cores" if machine.cores else ""),
              *_axis_links(mesh, machine),
+             *_mesh_shapes(compiled, mesh),
              "",
              f"estimated step {seconds_text(seconds['step'])} per rank: compute {seconds_text(seconds['compute_forward'])}"
              f" forward + {seconds_text(seconds['compute_backward'])} backward; communication "
@@ -170,6 +171,29 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
                      f"({format_bytes(max(alt.extra_bytes, 0))} more communication)"
                      f" → step {seconds_text(seconds['step'] + alt.extra_s)}")
     return "\n".join(lines)
+
+
+def _mesh_shapes(compiled, mesh) -> list[str]:
+    """A searched mesh: the shape kept, then every other shape priced with its best plan's estimate."""
+    shapes = getattr(compiled, "mesh_shapes", ())
+    if not shapes:
+        return []
+
+    def sizes_text(sizes) -> str:
+        return ", ".join(f"{name} = {size}" for name, size in zip(mesh.axis_names, sizes))
+
+    within = " within the bound" if compiled.memory_bound is not None else ""
+    lines = [f"mesh shape searched: {sizes_text(shapes[0].sizes)} kept, the fastest of {len(shapes)}{within} "
+             "(each shape's best plan, estimated):"]
+    for shape in shapes:
+        if shape.why_not:
+            lines.append(f"  {sizes_text(shape.sizes)}: no plan, {shape.why_not}")
+            continue
+        fits = "" if shape.within_bound else ", over the bound"
+        twin = f" (as {sizes_text(shape.same_as)}, its axes renamed)" if shape.same_as else ""
+        lines.append(f"  {sizes_text(shape.sizes)}: step {seconds_text(shape.step_s)}, memory "
+                     f"{format_bytes(shape.memory)} per rank{fits}{twin}")
+    return lines
 
 
 def _recomputed_layers(compiled) -> dict[str, str]:

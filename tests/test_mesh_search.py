@@ -1,0 +1,73 @@
+"""`mesh dp, tp = 4`: the search chooses the axes' sizes with the layouts. Each shape is compiled as its
+own file would be, from one trace; the shape kept is estimated no slower than any fixed shape compiled
+alone with the same bound, runs equal to serial, and `explain` prices every shape."""
+
+import pytest
+
+from pardsl.compiler import compile_text, mesh_shapes
+from pardsl.language.diagnostics import CompileError
+from pardsl.planning.cost import default_machine, estimate, machine_named
+
+from .test_distributed import check
+
+LLAMA = 'model examples.hf_models:HFLlama(layers=2, attention="sdpa")\ninput input_ids : int64[4, 16] in [0, 256)\n'
+
+
+def _compiled(mesh: str, rest: str = "memory <= 40 %\n", machine=None):
+    return compile_text(f"mesh {mesh}\n{LLAMA}{rest}", "examples/searched_mesh.par", machine=machine)
+
+
+def test_every_shape_of_the_ranks_is_priced():
+    assert mesh_shapes(8, 2) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert len(mesh_shapes(8, 3)) == 10 and all(a * b * c == 8 for a, b, c in mesh_shapes(8, 3))
+
+
+def test_the_shape_kept_is_no_slower_than_any_fixed_shape_and_runs_equal_to_serial(pools):
+    searched = _compiled("dp, tp = 4")
+    machine = default_machine()
+    kept = estimate(searched, machine).step_s
+    sizes = searched.program.mesh.axis_sizes
+    assert searched.mesh_shapes[0].sizes == sizes and searched.mesh_shapes[0].step_s == pytest.approx(kept)
+    assert sorted(shape.sizes for shape in searched.mesh_shapes) == [(1, 4), (2, 2), (4, 1)]
+    for dp, tp in [(1, 4), (2, 2), (4, 1)]:
+        fixed = _compiled(f"dp = {dp}, tp = {tp}")
+        assert kept <= estimate(fixed, machine).step_s * (1 + 1e-9), (dp, tp)
+    check(pools, searched)
+
+
+def test_shapes_that_are_each_others_axes_renamed_are_priced_once_on_a_flat_machine_only():
+    flat = _compiled("dp, tp = 4", rest="")
+    assert [shape.same_as for shape in flat.mesh_shapes if shape.same_as] == [(1, 4)]  # (4, 1) is (1, 4) renamed
+    # nodes of 2 ranks: an axis of 4 spans nodes where one of 2 does not, so every shape is compiled
+    nodes = machine_named("h100-nvlink-ib")
+    nodes = type(nodes)(**{**vars(nodes), "ranks_per_node": 2})
+    assert not any(shape.same_as for shape in _compiled("dp, tp = 4", rest="", machine=nodes).mesh_shapes)
+
+
+def test_explain_lists_every_shape_with_its_estimate():
+    from pardsl.tools.explain import report
+
+    searched = _compiled("dp, tp = 4")
+    text = report(searched, estimate(searched, default_machine()), searched.memory_bound)
+    listed = [line for line in text.splitlines() if line.startswith("  dp = ")]
+    assert len(listed) == 3 and all("step" in line and "per rank" in line for line in listed)
+    assert text.splitlines()[2].startswith("mesh shape searched: dp = 2, tp = 2 kept, the fastest of 3 within the bound")
+
+
+def test_a_mesh_no_shape_of_which_fits_the_written_layouts_is_located():
+    with pytest.raises(CompileError) as caught:
+        compile_text("mesh dp, tp = 4\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[3, 3, 16]\n"
+                     "layout {\n    x : S(0)@dp, S(1)@tp\n}\n", "examples/searched_mesh.par")
+    [error] = caught.value.diagnostics
+    assert (error.code, error.span.line, error.span.column) == ("E013", 1, 1)
+    assert len(error.notes) == 3 and all("error[E05" in note for note in error.notes)
+
+
+@pytest.mark.parametrize("text, code, column", [
+    ("mesh dp, dp = 4\n", "E010", 10),
+    ("mesh dp, pp = 4\npipeline pp : schedule 1F1B, microbatches 2, cut balanced\n", "E078", 1),
+])
+def test_searched_mesh_errors(text, code, column):
+    with pytest.raises(CompileError) as caught:
+        compile_text(text + LLAMA, "examples/searched_mesh.par")
+    assert (caught.value.diagnostics[0].code, caught.value.diagnostics[0].span.column) == (code, column)
