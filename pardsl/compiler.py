@@ -39,6 +39,7 @@ from pardsl.planning.cost import (
 )
 from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning.descent import searched_or_greedy
+from pardsl.planning.pipeline_search import choose_pipeline
 from pardsl.planning.search import memory_limit, wants_search
 from pardsl.program.codegen import render, render_pipeline
 from pardsl.program.ir import LoweredProgram, format_bytes, named_layout
@@ -60,6 +61,7 @@ class Compiled:
     pipeline: object = None  # pardsl.pipeline.PipelinePlan where the file has a `pipeline` statement
     stages: tuple = ()  # then each stage's LoweredProgram; `program` is the uncut one (one micro-batch)
     mesh_shapes: tuple["MeshShape", ...] = ()  # a searched mesh: every shape priced, the chosen one first
+    pipeline_options: tuple = ()  # a searched pipeline: every option priced (PipelineOption), the chosen first
 
     @property
     def seconds_after_export(self) -> float:
@@ -148,7 +150,7 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
     _check_searched_mesh(par)
     machine = machine or default_machine()
     names = [axis.name for axis in par.mesh.axes]
-    symmetric = not any(entry.layout.form != "searched" for entry in par.layouts) and \
+    symmetric = not any(entry.layout.form != "searched" for entry in par.layouts) and par.pipeline is None and \
         (not machine.ranks_per_node or machine.between_nodes is None or par.mesh.ranks <= machine.ranks_per_node)
     bound, priced, shapes, elapsed = None, {}, [], {}
     for sizes in mesh_shapes(par.mesh.ranks, len(names)):
@@ -158,6 +160,9 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
             continue
         shaped = replace(par, meshes=(replace(par.mesh, ranks=None, axes=tuple(
             replace(axis, size=size) for axis, size in zip(par.mesh.axes, sizes))),))
+        stages = sizes[names.index(par.pipeline.axis)] if par.pipeline and par.pipeline.axis in names else None
+        if stages == 1:
+            shaped = replace(shaped, pipelines=())  # one stage: no pipeline
         clock = time.perf_counter()
         try:
             bound = bind(shaped) if bound is None else bound_on_mesh(bound, shaped)
@@ -169,7 +174,8 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
         plan = estimate(compiled, machine)
         elapsed[sizes] = time.perf_counter() - clock
         within = compiled.memory_bound is None or plan.memory["total"] <= compiled.memory_bound
-        shape = MeshShape(sizes, plan.step_s, plan.memory["total"], within)
+        shape = MeshShape(sizes, pipelined_step_seconds(compiled, machine) if compiled.pipeline else plan.step_s,
+                          plan.memory["total"], within)
         priced[sizes] = (compiled, shape)
         shapes.append(shape)
     if not priced:
@@ -183,12 +189,25 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
     return replace(compiled, mesh_shapes=(chosen, *(s for s in shapes if s.sizes != chosen.sizes)))
 
 
+def pipelined_step_seconds(compiled: Compiled, machine) -> float:
+    """A pipelined plan's step as the pipeline search's model prices it (its stages' times per micro-batch
+    and the schedule's bubble): the option kept where the search chose it, else the file's own."""
+    if compiled.pipeline_options:
+        return compiled.pipeline_options[0].step_s
+    plan = compiled.pipeline
+    decl = replace(compiled.par.pipeline, schedule=plan.schedule, microbatches=plan.microbatches,
+                   stages_per_rank=plan.stages_per_rank, cuts=tuple((name, compiled.par.pipeline.cut_span)
+                                                                   for name in plan.cut_before), searched=frozenset())
+    _, (option,) = choose_pipeline(compiled.typed, compiled.program, decl, machine, None, plan.microbatches)
+    return option.step_s
+
+
 def _shape_text(names: list[str], sizes: tuple[int, ...]) -> str:
     return ", ".join(f"{name} = {size}" for name, size in zip(names, sizes))
 
 
 def _check_searched_mesh(par: ParFile) -> None:
-    """A searched mesh's axes are distinct and its rank count positive; its pipeline is not searched yet."""
+    """A searched mesh's axes are distinct and its rank count positive."""
     problems, seen = [], set()
     for axis in par.mesh.axes:
         if axis.name in seen:
@@ -196,10 +215,6 @@ def _check_searched_mesh(par: ParFile) -> None:
         seen.add(axis.name)
     if par.mesh.ranks < 1:
         problems.append(Diagnostic("E011", f"a mesh of {par.mesh.ranks} ranks", par.mesh.span))
-    if par.pipeline is not None:
-        problems.append(Diagnostic(
-            "E078", "a pipeline on a searched mesh", par.pipeline.span,
-            ("the stage count and the cuts are not searched yet: write the mesh's sizes (`mesh dp = 2, pp = 4`)",)))
     if problems:
         raise CompileError(problems, par.source)
 
@@ -241,10 +256,12 @@ def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredP
     return reshard_after_forward(program, typed, any_axis=limit is not None)
 
 
-def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
+def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = None) -> Compiled:
     """The same stages for one micro-batch, with the pipeline pass between lowering and codegen."""
+    if par.pipeline.searched:
+        return _compile_searched_pipeline(par, bucket_mb, machine)
     decl = pp.check_pipeline(par)
-    bound = bind(pp.micro_batched(par))
+    bound = bind(pp.micro_batched(par)) if bound is None else bound
     pp.check_layouts(bound, decl)
     seconds = dict(bound.seconds)
     typed = timed(seconds, "infer", lambda: infer(bound))
@@ -278,6 +295,29 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine) -> Compiled:
     source = timed(seconds, "codegen", lambda: render_pipeline(stages, plan))
     memory_bound = _check_memory_bound(bound, program, pipelined_memory_per_rank(stages, plan), limit)
     return Compiled(par, bound, typed, program, source, seconds, memory_bound, plan, tuple(stages))
+
+
+def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compiled:
+    """`pipeline pp : schedule ?, microbatches ?, cut ?`: the options written `?` chosen by the cost model
+    (pardsl/planning/pipeline_search.py) on the plan traced once, then the pipeline chosen compiled as if
+    written (traced again only where the micro-batch count chosen differs from the one traced)."""
+    decl = pp.check_pipeline(par)
+    bound = bind(pp.micro_batched(par))
+    pp.check_layouts(bound, decl)
+    seconds = dict(bound.seconds)
+    typed = timed(seconds, "infer", lambda: infer(bound))
+    pp.check_unsplit(typed, decl)
+    machine = machine or default_machine()
+    program = timed(seconds, "lower", lambda: lower(typed, bucket_mb))
+    chosen, options = timed(seconds, "pipeline search", lambda: choose_pipeline(
+        typed, program, decl, machine, memory_limit(bound, microbatches=decl.microbatches), decl.microbatches))
+    concrete = replace(par, pipelines=(replace(chosen, searched=frozenset()),))
+    same_trace = chosen.microbatches == decl.microbatches
+    compiled = _compile_pipelined(concrete, bucket_mb, machine,
+                                  replace(bound, par=pp.micro_batched(concrete)) if same_trace else None)
+    for stage, spent in seconds.items():
+        compiled.seconds[f"pipeline search: {stage}" if stage in compiled.seconds else stage] = spent
+    return replace(compiled, pipeline_options=options)
 
 
 def _check_memory_bound(bound: BoundPlan, program: LoweredProgram, memory: dict[str, int] | None = None,

@@ -49,9 +49,10 @@ def llama(pipeline: str, layers: int = 2, mesh: str = "", extra: str = "") -> st
      "E078", 2, 1),
     ("mesh pp = 2\nmodel tests.zoo:StochasticDepth()\ninput x : float32[8, 16]\n"
      "pipeline pp : microbatches 4, cut before blocks.1\n", "E078", 2, 1),
+    (llama("pp : schedule ?, stages per rank 2, microbatches 4, cut ?"), "E003", 5, 27),
 ], ids=["unknown-axis", "unknown-schedule", "no-submodule", "empty-first-stage", "out-of-order",
         "batch-not-divided", "stage-count", "stages-per-rank", "split-on-pipeline-axis", "option-twice",
-        "no-cut", "stray-name", "dropout", "random-draw"])
+        "no-cut", "stray-name", "dropout", "random-draw", "searched-schedule-with-stages-per-rank"])
 def test_each_pipeline_mistake_is_a_located_error(text, code, line, column):
     with pytest.raises(CompileError) as raised:
         compile_text(text, "plan.par")
@@ -268,3 +269,65 @@ def test_pardsl_run_gives_each_rank_its_rows_of_each_micro_batch(pools):
     # differed from serial by 12 % in the gradients)
     report = run_on(pools, compile_text(LLAMA_PP2_DP2_MIXED, "plan.par"), steps=1)
     assert report["ok"], {k: v for k, v in report.items() if "collectives" not in k}
+
+
+SEARCHED = llama("pp : schedule ?, microbatches ?, cut ?", layers=4)
+
+
+def test_a_searched_pipeline_prices_every_option_and_is_no_slower_than_balanced_1f1b():
+    """`schedule ?, microbatches ?, cut ?`: every schedule searched at every micro-batch count dividing the
+    batch, each with its cuts from the dynamic program, priced by one model; the option kept is the
+    fastest, and no slower than `cut balanced` under 1F1B at the same stage count priced alike."""
+    from dataclasses import replace
+
+    from pardsl.planning.cost import default_machine
+    from pardsl.planning.pipeline_search import choose_pipeline
+
+    searched = compile_text(SEARCHED, "plan.par")
+    options = searched.pipeline_options
+    kept = options[0]
+    assert (searched.pipeline.schedule, searched.pipeline.microbatches, searched.pipeline.cut_before) == \
+        (kept.schedule, kept.microbatches, kept.cut_before)
+    assert {option.schedule for option in options} == {"GPipe", "1F1B", "Interleaved1F1B"}
+    assert {option.microbatches for option in options} == {1, 2, 4, 8}
+    assert all(kept.step_s <= option.step_s for option in options)
+    for m in (1, 2, 4, 8):
+        balanced = compile_text(llama(f"pp : schedule 1F1B, microbatches {m}, cut balanced", layers=4), "plan.par")
+        decl = replace(balanced.par.pipeline, cuts=tuple((name, balanced.par.pipeline.cut_span)
+                                                         for name in balanced.pipeline.cut_before))
+        _, (priced,) = choose_pipeline(balanced.typed, balanced.program, decl, default_machine(), None, m)
+        assert kept.step_s <= priced.step_s * (1 + 1e-9), m
+
+
+def test_a_searched_pipeline_keeps_within_the_memory_bound():
+    """Under a bound the fastest option exceeds, the one kept is within it: fewer micro-batches held."""
+    free = compile_text(SEARCHED, "plan.par").pipeline_options
+    fastest = free[0]
+    bound = sorted({option.memory for option in free})[0]
+    assert fastest.memory > bound
+    serial = compile_text(SEARCHED + f"memory <= {bound // 1024 + 1} KiB\n", "plan.par")
+    kept = serial.pipeline_options[0]
+    assert kept.within_bound and kept.memory <= serial.memory_bound and kept.step_s >= fastest.step_s
+    assert all(not option.within_bound for option in serial.pipeline_options if option.step_s < kept.step_s)
+
+
+def test_a_searched_pipeline_trains_equal_to_serial(trained):
+    compiled = compile_text(SEARCHED, "plan.par")
+    ranks = trained(SEARCHED, 2, "HFLlama", 4)
+    for rank in ranks:
+        assert rank["grad_error"] < 1e-5, rank["rank"]
+        assert rank["norms"] == pytest.approx(rank["serial_norms"], rel=1e-5)
+    stages = len(compiled.pipeline.cut_before) + 1
+    sends = sum(r["counts"].get("sends", {}).get(phase, 0) for r in ranks for phase in ("forward", "backward"))
+    assert sends == 2 * compiled.pipeline.microbatches * (stages - 1)
+
+
+def test_the_mesh_and_the_pipeline_searched_together():
+    """`mesh dp, pp = 4` with a searched pipeline: a shape with one pipeline rank has no pipeline, the
+    others theirs searched; each priced by its step (the pipeline's model where it has one)."""
+    text = SEARCHED.replace("mesh     pp = 2", "mesh     dp, pp = 4")
+    compiled = compile_text(text, "plan.par")
+    assert sorted(shape.sizes for shape in compiled.mesh_shapes) == [(1, 4), (2, 2), (4, 1)]
+    kept = compiled.mesh_shapes[0]
+    assert all(kept.step_s <= shape.step_s for shape in compiled.mesh_shapes)
+    assert (compiled.pipeline is None) == (kept.sizes[1] == 1)

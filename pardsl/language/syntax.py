@@ -127,6 +127,8 @@ class PipelineDecl:
     span: Span
     stages_per_rank: int = 1
     stages_per_rank_span: Span | None = None
+    # the options written `?`, for the compiler to choose: "schedule", "microbatches", "cut"
+    searched: frozenset[str] = frozenset()
 
     @property
     def balanced(self) -> bool:
@@ -374,6 +376,15 @@ class _ToSyntaxTree(Transformer):
     def pipeline_microbatches(self, meta, children):
         return ("microbatches", int(children[0]), _span(meta))
 
+    def pipeline_schedule_searched(self, meta, children):
+        return ("schedule", "?", _span(meta))
+
+    def pipeline_microbatches_searched(self, meta, children):
+        return ("microbatches", "?", _span(meta))
+
+    def pipeline_cut_searched(self, meta, children):
+        return ("cut", "?", _span(meta))
+
     def pipeline_stages_per_rank(self, meta, children):
         return ("stages per rank", int(children[0]), _span(meta))
 
@@ -403,16 +414,22 @@ class _ToSyntaxTree(Transformer):
                 raise _BadDeclaration("E003", f"pipeline option `{kind}` given twice", span,
                                    f"first given at column {given[kind][1].column}")
             given[kind] = (value, span)
-            if kind == "cut" and value is not None:
+            if kind == "cut" and value not in (None, "?"):
                 cuts.append(value)
         for required, example in (("microbatches", "microbatches 4"), ("cut", "cut before model.layers.2")):
             if required not in given:
                 raise _BadDeclaration("E004", f"the pipeline has no `{required}`", _span(meta), f"add `{example}`")
         schedule = given.get("schedule", ("1F1B", _span(meta)))
         per_rank = given.get("stages per rank", (1, None))
-        return PipelineDecl(str(axis), _token_span(axis), schedule[0], schedule[1], given["microbatches"][0],
+        searched = frozenset(kind for kind, (value, _) in given.items() if value == "?")
+        if "schedule" in searched and "stages per rank" in given:
+            raise _BadDeclaration("E003", "`stages per rank` with `schedule ?`", given["stages per rank"][1],
+                                  "the schedule chosen sets how many stages a rank runs: leave it out")
+        # a searched option holds a placeholder the compiler replaces: 1F1B, one micro-batch, balanced cuts
+        return PipelineDecl(str(axis), _token_span(axis), "1F1B" if "schedule" in searched else schedule[0],
+                            schedule[1], 1 if "microbatches" in searched else given["microbatches"][0],
                             given["microbatches"][1], tuple(cuts), given["cut"][1], _span(meta),
-                            per_rank[0], per_rank[1])
+                            per_rank[0], per_rank[1], searched)
 
     def recompute_decl(self, meta, children):
         pattern, policy = children[0], (children[1] if len(children) > 1 else None)

@@ -123,6 +123,7 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
              f"{machine.bytes_per_s / 1e9:.3g} GB/s" + (f"; ranks share {machine.cores} cores" if machine.cores else ""),
              *_axis_links(mesh, machine),
              *_mesh_shapes(compiled, mesh),
+             *_pipeline_options(compiled),
              "",
              f"estimated step {seconds_text(seconds['step'])} per rank: compute {seconds_text(seconds['compute_forward'])}"
              f" forward + {seconds_text(seconds['compute_backward'])} backward; communication "
@@ -193,6 +194,28 @@ def _mesh_shapes(compiled, mesh) -> list[str]:
         twin = f" (as {sizes_text(shape.same_as)}, its axes renamed)" if shape.same_as else ""
         lines.append(f"  {sizes_text(shape.sizes)}: step {seconds_text(shape.step_s)}, memory "
                      f"{format_bytes(shape.memory)} per rank{fits}{twin}")
+    return lines
+
+
+def _pipeline_options(compiled) -> list[str]:
+    """A searched pipeline: the option kept, then the others priced, by the pipeline search's model."""
+    options = getattr(compiled, "pipeline_options", ())
+    if not options:
+        return []
+
+    def text(option) -> str:
+        cuts = ", ".join(option.cut_before) or "none"
+        per_rank = f", {option.stages_per_rank} stages per rank" if option.stages_per_rank > 1 else ""
+        over = "" if option.within_bound else ", over the bound"
+        return (f"{option.schedule}{per_rank}, {option.microbatches} micro-batch{'es' if option.microbatches > 1 else ''}, "
+                f"cut before {cuts}: step "
+                f"{seconds_text(option.step_s)}, memory {format_bytes(option.memory)} per rank{over}")
+
+    lines = [f"pipeline searched: {text(options[0])} kept, of {len(options)} priced (the pipeline search's "
+             "model: stages' times per micro-batch, the bubble of the schedule):"]
+    lines += [f"  {text(option)}" for option in options[1:8]]
+    if len(options) > 8:
+        lines.append(f"  … {len(options) - 8} more")
     return lines
 
 

@@ -1,0 +1,245 @@
+"""The pipeline chosen: `pipeline pp : schedule ?, microbatches ?, cut ?` (any of the three).
+
+For each schedule (GPipe and 1F1B with one stage per rank, Interleaved1F1B with two) and each micro-batch
+count (a divisor of the batch that leaves each micro-batch's rows split as the plan splits them), the cuts
+are chosen by a dynamic program over the layer boundaries (Alpa's inter-operator pass, on this cost model):
+the stages' estimated times per micro-batch as even as they can be, each rank within the memory bound
+with the micro-batches its stage holds at once under the schedule. The option estimated fastest within
+the bound is kept (none within it: the one needing least); every option priced is reported.
+
+The model of a step, per micro-batch stage times t_k (forward and backward of the stage's ops at the
+micro-batch's size, and its activations sent on and their gradient received back):
+- GPipe, 1F1B: Σ t_k + (m - 1) · max t_k (the pipeline fills and drains once; 1F1B holds fewer
+  micro-batches, not less time);
+- Interleaved1F1B, v stages a rank, m a multiple of p: m · max w_r + (p - 1) · max w_r / v, w_r a rank's
+  stages together (the bubble shrinks v times).
+Collectives along the other axes (tensor parallelism's all-reduces) count in their stage's time, and the
+gradient buckets once a step, exposed. Op and collective times at another micro-batch size scale with
+the rows they compute, the per-op overhead does not; layouts along the other axes are the greedy
+completion's (the search of those axes runs after, on the pipeline chosen), and parameter gathers
+(ZeRO-3 within a stage) are not priced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from pardsl.language.diagnostics import CompileError, Diagnostic
+from pardsl.language.syntax import PipelineDecl
+from pardsl.planning.cost import Machine, op_costs, repeated_layer
+from pardsl.runtime.schedules import micro_batches_held
+
+# the schedules searched, with the stages a rank runs under each
+SEARCHED_SCHEDULES = (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2))
+STATE_COPIES = 4  # a trained parameter's bytes held: itself, its gradient, AdamW's two moments
+
+
+@dataclass(frozen=True)
+class PipelineOption:
+    """One pipeline priced: schedule, micro-batches, the submodules each later stage starts with, the
+    estimated step, and the most memory a rank of the pipeline holds."""
+
+    schedule: str
+    stages_per_rank: int
+    microbatches: int
+    cut_before: tuple[str, ...]
+    step_s: float
+    memory: int
+    within_bound: bool
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """The program between consecutive layer boundaries: its ops' time at the traced micro-batch size
+    (the part that scales with rows, and the per-op overhead that does not), its parameters' and
+    activations' bytes per rank, and the bytes it sends on to the next segment."""
+
+    names: tuple[str, ...]  # the submodule each segment after the first starts with
+    scaled_s: tuple[float, ...]
+    fixed_s: tuple[float, ...]
+    parameter_bytes: tuple[int, ...]
+    activation_bytes: tuple[int, ...]
+    sent_bytes: tuple[int, ...]
+
+
+def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit: int | None,
+                    traced_microbatches: int) -> tuple[PipelineDecl, tuple[PipelineOption, ...]]:
+    """The pipeline the file leaves to the compiler (see the module's docstring): the statement with its
+    `?` options decided, and every option priced, the chosen one first. `typed`: the plan traced at
+    `traced_microbatches` micro-batches, `program` its lowered program (uncut), whose collectives along
+    the other axes count in their stage's time, and its gradient buckets once a step."""
+    bound = typed.bound
+    axis = bound.mesh.axis_index(decl.axis)
+    ranks = bound.mesh.axis_sizes[axis]
+    segments = _segments(typed, program, machine)
+    synchronised = sum(_collective_seconds(machine, typed.mesh, c) for bucket in program.buckets
+                       for c in bucket.collectives)
+    schedules = SEARCHED_SCHEDULES if "schedule" in decl.searched else ((decl.schedule, decl.stages_per_rank),)
+    batch = bound.par.inputs[0].shape[0] * traced_microbatches if bound.par.inputs else traced_microbatches
+    counts = _microbatch_counts(typed, batch) if "microbatches" in decl.searched else [decl.microbatches]
+    options = []
+    for schedule, per_rank in schedules:
+        stages = ranks * per_rank
+        if stages > len(segments.scaled_s):
+            continue
+        for m in counts:
+            if per_rank > 1 and m % ranks:  # torch's looped schedules run micro-batches in rounds of p
+                continue
+            rows = traced_microbatches / m  # a micro-batch's rows against the traced one's
+            times = [scaled * rows + fixed for scaled, fixed in zip(segments.scaled_s, segments.fixed_s)]
+            sends = [machine_send_seconds(machine, int(b * rows)) for b in segments.sent_bytes]
+            activations = [int(b * rows) for b in segments.activation_bytes]
+            cut = _cut(segments, times, sends, activations, stages, ranks, schedule, m, limit) \
+                if "cut" in decl.searched or decl.balanced else _written_cut(segments, decl)
+            if cut is None:
+                continue
+            step, memory = _priced(segments, times, sends, activations, cut, ranks, per_rank, schedule, m)
+            options.append(PipelineOption(schedule, per_rank, m, tuple(segments.names[i - 1] for i in cut[1:-1]),
+                                          step + synchronised, memory, limit is None or memory <= limit))
+    if not options:
+        raise CompileError([Diagnostic(
+            "E075", f"no pipeline of {ranks} ranks fits the model's {len(segments.scaled_s)} layer boundaries",
+            decl.span, ("use fewer pipeline ranks",))], bound.par.source)
+    options.sort(key=lambda o: (not o.within_bound, o.step_s if o.within_bound else o.memory))
+    best = options[0]
+    chosen = dataclasses.replace(
+        decl, schedule=best.schedule, stages_per_rank=best.stages_per_rank, microbatches=best.microbatches,
+        cuts=tuple((name, decl.cut_span) for name in best.cut_before),
+        searched=frozenset())
+    return chosen, tuple(options)
+
+
+def machine_send_seconds(machine: Machine, nbytes: int) -> float:
+    """A point-to-point send of `nbytes` between neighbouring stages: one latency and the bytes, on the
+    all-reduce's link figures (a ring step is such a send)."""
+    link = machine.collectives["all_reduce"]
+    return link.alpha_s + nbytes * link.beta_s_per_byte if nbytes else 0.0
+
+
+def _collective_seconds(machine: Machine, mesh, collective) -> float:
+    axis = mesh.axis_index(collective.axis)
+    return machine.slowdown(mesh.size) * machine.collective_seconds(
+        collective.kind, collective.bytes, mesh.axis_sizes[axis], mesh.axis_stride(axis))
+
+
+def _segments(typed, program, machine: Machine) -> _Segments:
+    bound, mesh = typed.bound, typed.mesh
+    order = list(typed.nodes)
+    starts, names, seen = [0], [], set()
+    for index, name in enumerate(order):
+        unit = repeated_layer(bound.module_paths.get(name))
+        if unit and unit not in seen:
+            seen.add(unit)
+            if index > 0:
+                starts.append(index)
+                names.append(unit)
+    segment_of = {}
+    for k, (start, end) in enumerate(zip(starts, starts[1:] + [len(order)])):
+        for name in order[start:end]:
+            segment_of[name] = k
+    count = len(starts)
+    scaled, fixed = [0.0] * count, [0.0] * count
+    overhead = machine.op_overhead_s * machine.slowdown(mesh.size)
+    for op in op_costs(typed, machine, machine.slowdown(mesh.size)):
+        k = segment_of[op.node]
+        both = op.forward_s + op.backward_s
+        per_op = overhead * (both / op.forward_s) if op.forward_s else 0.0
+        fixed[k] += per_op
+        scaled[k] += max(0.0, both - per_op)
+    for statement in program.statements:  # the other axes' collectives, on the stage's critical path
+        if statement.node in segment_of:
+            scaled[segment_of[statement.node]] += sum(_collective_seconds(machine, mesh, c)
+                                                      for c in statement.collectives)
+    parameters, activations, sent = [0] * count, [0] * count, [0] * count
+
+    def local_bytes(name: str, layout) -> int:
+        info = typed.info(name)
+        return math.prod(layout.local_shape(info.shape, mesh)) * info.dtype.itemsize
+
+    graph_nodes = {node.name: node for node in bound.graph.nodes}
+    for placeholder, layout in typed.placeholder_layouts.items():
+        if placeholder not in bound.parameters:
+            continue
+        readers = [segment_of[user.name] for user in graph_nodes[placeholder].users if user.name in segment_of]
+        copies = STATE_COPIES if bound.parameters[placeholder] not in bound.frozen else 1
+        for k in set(readers) or {0}:  # a tied parameter is held by every stage that reads it
+            parameters[k] += copies * local_bytes(placeholder, layout)
+    for name in bound.kept_for_backward & set(segment_of):
+        activations[segment_of[name]] += local_bytes(name, typed.nodes[name].op_layout)
+    for k, end in enumerate(starts[1:]):  # what the segment's last op makes crosses to the next
+        last = order[end - 1]
+        sent[k] = local_bytes(last, typed.nodes[last].op_layout)
+    return _Segments(tuple(names), tuple(scaled), tuple(fixed), tuple(parameters), tuple(activations), tuple(sent))
+
+
+def _microbatch_counts(typed, batch: int) -> list[int]:
+    """Divisors of the batch that leave every input's micro-batch splittable as the plan splits dim 0."""
+    mesh = typed.mesh
+    split = max([typed.placeholder_layouts[name].split_factor(0, mesh) for name in typed.bound.inputs
+                 if name in typed.placeholder_layouts] or [1])
+    return [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % split == 0]
+
+
+def _written_cut(segments: _Segments, decl: PipelineDecl) -> list[int] | None:
+    """The file's own cuts as segment boundaries (None where one is not a layer boundary)."""
+    points = [0]
+    for module, _ in decl.cuts:
+        if module not in segments.names:
+            return None
+        points.append(segments.names.index(module) + 1)
+    return points + [len(segments.scaled_s)]
+
+
+def _cut(segments: _Segments, times, sends, activations, stages: int, ranks: int, schedule: str, m: int,
+         limit: int | None) -> list[int] | None:
+    """Stage boundaries (segment indices, 0 and the end included) whose largest stage time is least, each
+    stage's rank within the memory bound: a dynamic program over the segments (stage k of `stages` runs
+    on rank k mod `ranks`; with several stages a rank, the bound is checked after, over its stages)."""
+    count = len(times)
+    prefix_t = [0.0]
+    for t in times:
+        prefix_t.append(prefix_t[-1] + t)
+
+    def stage_time(i: int, j: int) -> float:
+        return prefix_t[j] - prefix_t[i] + (sends[j - 1] if j < count else 0.0) + (sends[i - 1] if i > 0 else 0.0)
+
+    def stage_memory(k: int, i: int, j: int) -> int:
+        held = micro_batches_held(schedule, m, ranks, k % ranks)
+        return sum(segments.parameter_bytes[i:j]) + held * sum(activations[i:j])
+
+    def fits(k: int, i: int, j: int) -> bool:
+        return limit is None or stages > ranks or stage_memory(k, i, j) <= limit
+
+    # best[k][j]: (largest stage time, total) over the first k stages ending at segment j, and its cuts
+    best: list[dict[int, tuple[tuple[float, float], list[int]]]] = [{0: ((0.0, 0.0), [0])}]
+    for k in range(stages):
+        row = {}
+        for j in range(k + 1, count - (stages - k - 1) + 1):
+            options = [((max(score[0], stage_time(i, j)), score[1] + stage_time(i, j)), cuts + [j])
+                       for i, (score, cuts) in best[k].items() if i < j and fits(k, i, j)]
+            if options:
+                row[j] = min(options, key=lambda option: option[0])
+        best.append(row)
+    if count not in best[stages]:
+        return None
+    return best[stages][count][1]
+
+
+def _priced(segments: _Segments, times, sends, activations, cut: list[int], ranks: int, per_rank: int,
+            schedule: str, m: int) -> tuple[float, int]:
+    """The step's estimate and the most memory a rank holds, for stages cut at `cut`."""
+    count = len(times)
+    stage_times = [sum(times[i:j]) + (sends[j - 1] if j < count else 0.0) + (sends[i - 1] if i > 0 else 0.0)
+                   for i, j in zip(cut, cut[1:])]
+    memory = [0] * ranks
+    for k, (i, j) in enumerate(zip(cut, cut[1:])):
+        held = micro_batches_held(schedule, m, ranks, k % ranks)
+        memory[k % ranks] += sum(segments.parameter_bytes[i:j]) + held * sum(activations[i:j])
+    if per_rank == 1:
+        step = sum(stage_times) + (m - 1) * max(stage_times)
+    else:
+        work = max(sum(stage_times[r::ranks]) for r in range(ranks))
+        step = m * work + (ranks - 1) * work / per_rank
+    return step, max(memory)
