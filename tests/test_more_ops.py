@@ -118,3 +118,65 @@ def test_searched_plans_equal_serial(pools, compile_par, model, inputs):
     compiled = compile_par(_par(model, inputs + "memory <= 60 %\n"))
     assert not [note for note in compiled.program.notes if note.code == "N005"]
     check(pools, compiled)
+
+
+class HaloUNet(nn.Module):
+    """A U-Net's level: two 3×3 convolutions with batch norm, a 2×2 max pool down, a strided 3×3
+    convolution, a nearest upsampling back up, the skip joined, a 1×1 convolution out."""
+
+    def __init__(self, channels: int = 3, width: int = 8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, width, 3, padding=1)
+        self.norm1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+        self.down = nn.Conv2d(width, width, 3, stride=2, padding=1)
+        self.pool_conv = nn.Conv2d(width, width, 5, padding=2)
+        self.out = nn.Conv2d(3 * width, channels, 1)
+
+    def forward(self, x):
+        skip = F.relu(self.conv2(F.relu(self.norm1(self.conv1(x)))))
+        pooled = F.max_pool2d(skip, 2)
+        strided = self.down(skip)
+        deep = F.relu(self.pool_conv(pooled + strided))
+        up = F.interpolate(deep, scale_factor=2, mode="nearest")
+        return self.out(torch.cat([up, skip, F.max_pool2d(skip, 3, stride=1, padding=1)], dim=1))
+
+
+HALO_PINS = "".join(f"    {module}() : S(2)\n" for module in ("conv1", "norm1", "conv2", "down", "pool_conv", "out"))
+
+
+@pytest.mark.parametrize("ranks, size", [(2, 32), (4, 64)])
+def test_an_image_split_by_rows_exchanges_only_its_halos(pools, compile_par, ranks, size):
+    """Rows split over sp, each convolution's output kept so: every 3×3 and 5×5 convolution and the 3×3 max
+    pool all-gather their ranks' edge rows (forward; their gradients backward, but the input's, which
+    needs none), batch norm reduces its statistics over the rows, the 2×2 pool and the nearest upsampling
+    need nothing; the image itself is never gathered. A rank holds 1/ranks of the activations."""
+    compiled = compile_par(_par("HaloUNet", f"input x : float32[1, 3, {size}, {size}]\n", "    x : S(2)\n" + HALO_PINS,
+                                mesh=f"sp = {ranks}"))
+    expected = {"forward": {"sp:all_gather": 5, "sp:all_reduce": 1}, "backward": {"sp:all_gather": 4, "sp:all_reduce": 2}}
+    assert _nonzero(compiled.program.collective_counts_by_axis()) == expected
+    assert all("edge row" in c.reason for c in compiled.program.collectives if c.kind == "all_gather")
+    memory = compiled.program.memory()
+    assert memory["activations_per_rank"] <= memory["activations_total"] / ranks
+    report = check(pools, compiled)
+    assert _nonzero(report["collectives_by_axis"]) == expected
+
+
+def test_the_search_may_split_an_image_by_rows(pools, compile_par):
+    compiled = compile_par(_par("HaloUNet", "input x : float32[1, 3, 32, 32]\n", "    x : S(2)\n", mesh="sp = 2")
+                           .replace("layout {", "memory <= 40 %\nlayout {"))
+    assert "halo_2=('sp',)" in compiled.source
+    check(pools, compiled)
+
+
+@pytest.mark.parametrize("ranks, size", [(2, 16), (4, 32)])
+def test_a_transposed_convolution_over_split_rows_exchanges_its_halo(pools, compile_par, ranks, size):
+    """The U-Net step's strided convolution down (1 row before each rank's) and transposed convolution up
+    (each input row makes 2 output rows; 1 row of each neighbour's reaches a rank's own): one all-gather
+    of edge rows each forward, the transposed one's gradients backward (the input needs none)."""
+    compiled = compile_par(_par("UpsamplingNet", f"input x : float32[1, 4, {size}, {size}]\n",
+                                "    x : S(2)\n    down() : S(2)\n    up() : S(2)\n    out() : S(2)\n", mesh=f"sp = {ranks}"))
+    expected = {"forward": {"sp:all_gather": 2}, "backward": {"sp:all_gather": 1, "sp:all_reduce": 1}}
+    assert _nonzero(compiled.program.collective_counts_by_axis()) == expected
+    assert "rt.conv_transpose_halo(" in compiled.source
+    check(pools, compiled)

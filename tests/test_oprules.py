@@ -166,15 +166,15 @@ class _Vision(nn.Module):
 
 # One golden line per op: its legal one-axis signatures beyond all-B (operands -> output).
 VISION_GOLDEN = """\
-aten.conv2d.default: S(0),B,B->S(0) | B,S(0),S(0)->S(1) | S(1),S(1),P->P | P,B,P->P | B,P,P->P
-aten.conv2d.default: S(0),B,B->S(0) | P,B,P->P | B,P,P->P
-aten.batch_norm.default: S(1),S(0),S(0),S(0),S(0)->S(1) | S(0),B,B,B,B->S(0)
+aten.conv2d.default: S(0),B,B->S(0) | B,S(0),S(0)->S(1) | S(1),S(1),P->P | P,B,P->P | B,P,P->P | S(2),B,B->S(2) | S(3),B,B->S(3)
+aten.conv2d.default: S(0),B,B->S(0) | P,B,P->P | B,P,P->P | S(2),B,B->S(2) | S(3),B,B->S(3)
+aten.batch_norm.default: S(1),S(0),S(0),S(0),S(0)->S(1) | S(0),B,B,B,B->S(0) | S(2),B,B,B,B->S(2) | S(3),B,B,B,B->S(3)
 aten.group_norm.default: S(0),B,B->S(0)
-aten.max_pool2d.default: S(0)->S(0) | S(1)->S(1)
-aten.avg_pool2d.default: S(0)->S(0) | S(1)->S(1) | P->P
+aten.max_pool2d.default: S(0)->S(0) | S(1)->S(1) | S(2)->S(2) | S(3)->S(3)
+aten.avg_pool2d.default: S(0)->S(0) | S(1)->S(1) | S(2)->S(2) | S(3)->S(3) | P->P
 aten.adaptive_avg_pool2d.default: S(0)->S(0) | S(1)->S(1) | P->P
 aten.conv1d.default: S(0),B,B->S(0) | B,S(0),S(0)->S(1) | S(1),S(1),P->P | P,B,P->P | B,P,P->P
-aten.upsample_nearest2d.vec: S(0)->S(0) | S(1)->S(1) | P->P
+aten.upsample_nearest2d.vec: S(0)->S(0) | S(1)->S(1) | S(2)->S(2) | S(3)->S(3) | P->P
 aten.min.other: S(0),S(0)->S(0) | S(1),S(1)->S(1) | S(2),S(2)->S(2)
 aten.maximum.default: S(0),S(0)->S(0) | S(1),S(1)->S(1) | S(2),S(2)->S(2)
 """
@@ -182,8 +182,11 @@ aten.maximum.default: S(0),S(0)->S(0) | S(1),S(1)->S(1) | S(2),S(2)->S(2)
 
 def test_vision_rules_golden_lines():
     """Convolutions: batch, output channels (column), input channels (row: P, the bias added once); grouped
-    ones keep channels whole. Pools and resizes keep spatial dims whole; averages pass P. Batch norm splits
-    channels, or the batch through its synchronised form (the last signature); group norm the batch."""
+    ones keep channels whole; a 3×3 with padding 1 splits its rows and columns by its halo form (the last
+    two), a 1-D one without padding (its output shorter than its input) not. Pools whose stride is their
+    window and whole-factor nearest resizes split spatial dims as they are; an adaptive pool not; averages
+    pass P. Batch norm splits channels, or the batch or the image's rows and columns through its
+    synchronised form; group norm the batch."""
     nodes = _nodes(_Vision(), torch.randn(2, 4, 8, 8), torch.randn(2, 4, 10))
     skipped = ("aten.add.Tensor", "aten.add_.Tensor", "aten.zeros_like.default")
     assert _signature_lines(n for n in nodes.values() if op_name(n) not in skipped) == VISION_GOLDEN
@@ -202,8 +205,8 @@ def _signature_lines(nodes) -> str:
 def test_synchronised_batch_norm_declares_its_reductions():
     node = next(n for n in _nodes(_Vision(), torch.randn(2, 4, 8, 8), torch.randn(2, 4, 10)).values()
                 if op_name(n) == "aten.batch_norm.default")
-    [form] = dim_spec(node, rule_for(node)).extra
-    assert form.name == "batch"
+    form, *spatial = dim_spec(node, rule_for(node)).extra
+    assert form.name == "batch" and [f.name for f in spatial] == ["batch", "batch"]  # rows, columns
     statistics, gradients = form.inner_collectives
     # per channel a sum and a sum of squares, in float64; the count is known (the batch splits evenly)
     assert (statistics.phase, statistics.nbytes((1, 6, 8, 8), S(0), 4)) == ("forward", 2 * 6 * 8)

@@ -221,18 +221,26 @@ RULES: dict[Any, Rule] = {
     aten.layer_norm.default: Rule("normalize", dim_arg=1, parallel_form="layer_norm"),
     # running sums along a dim that stays whole
     aten.cumsum.default: Rule("normalize", linear="sum", dim_arg=1),
-    # convolutions: an einsum over channels with windows over the spatial dims, which stay whole (a split
-    # would need a halo exchange). Batch split: data parallel; output channels: column parallel; input
-    # channels: row parallel, partial sums with the bias added once. Grouped channels are not split.
-    **{_op(f"conv{k}d.default"): Rule("conv", linear="product", addends=(2,), spatial=k, groups_arg=6)
-       for k in (1, 2, 3)},
+    # convolutions: an einsum over channels with windows over the spatial dims. Batch split: data parallel;
+    # output channels: column parallel; input channels: row parallel, partial sums with the bias added
+    # once. Grouped channels are not split. A spatial dim splits where the windows tile it (output size ×
+    # stride = input size): each rank gets the rows of its neighbours its windows read (the halo, by one
+    # all-gather of every rank's edge rows forward, and one of their gradients backward), none where a
+    # window reads only its own rows (1×1, or kernel = stride).
+    **{_op(f"conv{k}d.default"): Rule("conv", linear="product", addends=(2,), spatial=k, groups_arg=6,
+                                       parallel_form="conv_halo") for k in (1, 2, 3)},
     # transposed convolutions alike: their weight holds the input channels first
     **{_op(f"conv_transpose{k}d.{'default' if k == 1 else 'input'}"):
-       Rule("conv", linear="product", addends=(2,), spatial=k, groups_arg=6, transposed=True) for k in (1, 2, 3)},
-    aten.convolution.default: Rule("conv", linear="product", addends=(2,), groups_arg=8),  # `transposed`: arg 6
-    # pooling and resizing: windows over the trailing spatial dims (whole); batch and channels split.
-    # Averages and interpolations are linear, so partial sums pass through them.
-    **{_op(f"max_pool{k}d.default"): Rule("window", spatial=k) for k in (1, 2, 3)},
+       Rule("conv", linear="product", addends=(2,), spatial=k, groups_arg=6, transposed=True,
+            parallel_form="conv_transpose_halo") for k in (1, 2, 3)},
+    aten.convolution.default: Rule("conv", linear="product", addends=(2,), groups_arg=8,  # `transposed`: arg 6
+                                     parallel_form="convolution_halo"),
+    # pooling and resizing: windows over the trailing spatial dims; batch and channels split. A spatial dim
+    # splits where each rank's windows read its own rows (a pool whose stride is its window, a nearest
+    # upsampling by a whole factor), or, for max pools, with the rows of its neighbours' it needs
+    # exchanged (the halo, as for convolutions). Averages and interpolations are linear, so partial sums
+    # pass through them.
+    **{_op(f"max_pool{k}d.default"): Rule("window", spatial=k, parallel_form="max_pool_halo") for k in (1, 2, 3)},
     **{_op(f"avg_pool{k}d.default"): Rule("window", linear="sum", spatial=k) for k in (1, 2, 3)},
     **{_op(f"adaptive_avg_pool{k}d.default"): Rule("window", linear="sum", spatial=k) for k in (1, 2, 3)},
     aten.upsample_nearest1d.vec: Rule("window", linear="sum", spatial=1),
@@ -785,11 +793,17 @@ def _letters_conv(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tupl
     batch = ("n",) if len(shapes[0]) == k + 2 else ()
     grouped = call_arg(node, rule.groups_arg, "groups", 1) != 1
     transposed = rule.transposed or (node.target is aten.convolution.default and call_arg(node, 6, "transposed"))
-    spatial_in, kernel, spatial_out = tuple("pqr"[:k]), tuple("uvw"[:k]), tuple("xyz"[:k])
+    spatial_in, kernel, spatial_out = list("pqr"[:k]), tuple("uvw"[:k]), list("xyz"[:k])
     weight = ("c", "g") if transposed and grouped else ("c", "o") if transposed else ("o", "g" if grouped else "c")
-    draft.operand_letters = [batch + ("c",) + spatial_in, weight + kernel, ("o",)][: len(shapes)]
-    draft.output = batch + ("o",) + spatial_out
-    draft.unsplittable |= set(spatial_in + kernel + spatial_out) | ({"c", "g", "o"} if grouped else set())
+    halos = _halos(node, shapes[0], out_shape, k, shapes[1][2:], transposed)
+    for j, halo in enumerate(halos):
+        if halo == (0, 0):  # each output row reads its own input rows: the dim splits as it is
+            spatial_out[j] = spatial_in[j]
+    draft.operand_letters = [batch + ("c",) + tuple(spatial_in), weight + kernel, ("o",)][: len(shapes)]
+    draft.output = batch + ("o",) + tuple(spatial_out)
+    draft.unsplittable |= (set(spatial_in + spatial_out) - (set(spatial_in) & set(spatial_out))) | set(kernel) | \
+        ({"c", "g", "o"} if grouped else set())
+    draft.extra = _halo_signatures(halos, len(batch) + 1, len(shapes))
 
 
 def _letters_equation(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
@@ -857,9 +871,103 @@ def recurrent_state_dims(node: torch.fx.Node) -> tuple[int, int] | None:
 def _letters_window(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
     rank = len(shapes[0])
     leading = tuple(_LETTERS[: rank - rule.spatial])
-    spatial_in, spatial_out = tuple("pqr"[: rule.spatial]), tuple("xyz"[: rule.spatial])
-    draft.operand_letters, draft.output = [leading + spatial_in], leading + spatial_out
-    draft.unsplittable |= set(spatial_in + spatial_out)
+    spatial_in, spatial_out = list("pqr"[: rule.spatial]), list("xyz"[: rule.spatial])
+    halos = _window_halos(node, shapes[0], out_shape, rule.spatial)
+    for j, halo in enumerate(halos):
+        if halo == (0, 0):
+            spatial_out[j] = spatial_in[j]
+    draft.operand_letters, draft.output = [leading + tuple(spatial_in)], leading + tuple(spatial_out)
+    draft.unsplittable |= set(spatial_in + spatial_out) - (set(spatial_in) & set(spatial_out))
+    if rule.parallel_form:
+        draft.extra = _halo_signatures(halos, len(leading), 1)
+
+
+def _per_dim(value, k: int, default) -> list[int]:
+    """A window argument (an int, or one per spatial dim; left out or empty: the default) as one int per dim."""
+    if value is None or (isinstance(value, (list, tuple)) and not value):
+        value = default
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value] if len(value) == k else [int(value[0])] * k
+    return [int(value)] * k
+
+
+def _halo(size: int, out_size: int, kernel: int, stride: int, padding: int, dilation: int) -> tuple[int, int] | None:
+    """Rows of the neighbours before and after a rank's own that its windows read, where the windows tile
+    the dim (out_size × stride = size: rank r's outputs read from its first row less `padding`); None
+    where they do not."""
+    if out_size * stride != size:
+        return None
+    before, after = padding, dilation * (kernel - 1) - padding - stride + 1
+    return (before, after) if before >= 0 and after >= 0 else None
+
+
+def _transposed_halo(size: int, out_size: int, kernel: int, stride: int, padding: int,
+                     dilation: int) -> tuple[int, int] | None:
+    """A transposed convolution's halo: the input rows before and after a rank's own whose contributions
+    reach its output rows, where each input row makes `stride` of them (out_size = size × stride) and the
+    kernel covers the stride (no output row is left to the bias alone)."""
+    reach = dilation * (kernel - 1)
+    if out_size != size * stride or reach + 1 < stride:
+        return None
+    before, after = (reach - padding) // stride, (padding - 1 + stride) // stride
+    if before < 0 or (after - 1) * stride + reach + 1 - padding < 0:
+        return None
+    return before, after
+
+
+def _halos(node: torch.fx.Node, in_shape, out_shape, k: int, kernel, transposed: bool = False) -> list:
+    """A convolution's halo per spatial dim: stride and padding at 3 and 4; the dilation at 5 (conv{k}d,
+    convolution) or 7 (conv_transpose{k}d)."""
+    padding = call_arg(node, 4, "padding", 0)
+    if isinstance(padding, str):  # conv2d.padding's "same" / "valid": not read here
+        return [None] * k
+    at = 7 if op_name(node).startswith("aten.conv_transpose") else 5
+    stride, dilation = _per_dim(call_arg(node, 3, "stride", 1), k, 1), _per_dim(call_arg(node, at, "dilation", 1), k, 1)
+    padding = _per_dim(padding, k, 0)
+    first = len(in_shape) - k
+    halo = _transposed_halo if transposed else _halo
+    return [halo(in_shape[first + j], out_shape[first + j], kernel[j], stride[j], padding[j], dilation[j])
+            for j in range(k)]
+
+
+def _window_halos(node: torch.fx.Node, in_shape, out_shape, k: int) -> list:
+    """A pool's or resize's halo per spatial dim: max pools (kernel, stride, padding, dilation, ceil_mode at
+    1-5), average pools without padding whose stride is their window, nearest upsampling by whole factors."""
+    first = len(in_shape) - k
+    target = node.target
+    if target in (aten.upsample_nearest1d.vec, aten.upsample_nearest2d.vec, aten.upsample_nearest3d.vec):
+        return [(0, 0) if out_shape[first + j] % in_shape[first + j] == 0 else None for j in range(k)]
+    name = op_name(node)
+    if ".max_pool" not in name and ".avg_pool" not in name or ".adaptive" in name:
+        return [None] * k
+    kernel = _per_dim(call_arg(node, 1, "kernel_size"), k, 1)
+    stride = _per_dim(call_arg(node, 2, "stride", None), k, kernel)
+    padding = _per_dim(call_arg(node, 3, "padding", 0), k, 0)
+    if ".max_pool" in name:
+        dilation, ceil_mode = _per_dim(call_arg(node, 4, "dilation", 1), k, 1), call_arg(node, 5, "ceil_mode", False)
+    else:
+        dilation, ceil_mode = [1] * k, call_arg(node, 4, "ceil_mode", False)
+    if ceil_mode:
+        return [None] * k
+    halos = [_halo(in_shape[first + j], out_shape[first + j], kernel[j], stride[j], padding[j], dilation[j])
+             for j in range(k)]
+    # an average's edge windows divide by what they cover: only windows that tile the rows exactly split
+    return halos if ".max_pool" in name else [h if h == (0, 0) and padding[j] == 0 else None for j, h in enumerate(halos)]
+
+
+def _halo_signatures(halos: list, first: int, operands: int) -> tuple["Signature", ...]:
+    """The spatial splits with a halo: the input split along the dim, the rest B, the output split alike;
+    the edge rows all-gathered forward, their gradients backward (named `halo_<dim>` in the form's call)."""
+    extra = []
+    for j, halo in enumerate(halos):
+        if halo is None or halo == (0, 0):
+            continue
+        dim, rows = first + j, sum(halo)
+        extra.append(Signature((S(dim),) + (B,) * (operands - 1), S(dim), None, name=f"halo_{dim}", inner_collectives=(
+            InnerCollective(rows, what=f"{rows} edge row(s) of each rank along dim {dim}", kind="all_gather"),
+            InnerCollective(rows, what=f"the gradients of {rows} edge row(s) along dim {dim}", phase="backward",
+                            kind="all_gather"))))
+    return tuple(extra)
 
 
 def _letters_norm_over_channels(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
@@ -873,9 +981,13 @@ def _letters_norm_over_channels(node: torch.fx.Node, rule: Rule, shapes: list, o
         draft.unsplittable |= set(x_letters) - {"c"}
         # per channel (the rank's own, where another axis splits them): the sum and the centered sum of
         # squares, and the count, in float64; backward: the sums of the gradient and of it times x̂
-        draft.extra = (Signature((S(0),) + (B,) * (len(shapes) - 1), S(0), "n", name="batch", inner_collectives=(
-            InnerCollective(0, 0, (1, 2), "batch statistics per channel", itemsize=8),
-            InnerCollective(0, 0, (1, 2), "gradient sums per channel", phase="backward"))),)
+        # A spatial dim split (images split by rows) is reduced alike: the statistics are over every dim
+        # but the channels.
+        draft.extra = tuple(
+            Signature((S(d),) + (B,) * (len(shapes) - 1), S(d), x_letters[d], name="batch", inner_collectives=(
+                InnerCollective(0, 0, (1, 2), "batch statistics per channel", itemsize=8),
+                InnerCollective(0, 0, (1, 2), "gradient sums per channel", phase="backward")))
+            for d in range(rank) if d != 1)
     else:  # eval: running statistics, nothing to reduce
         draft.unsplittable |= set(x_letters) - {"c", "n"}
 

@@ -36,6 +36,7 @@ from pardsl.runtime.parallel_ops import (
     RMSNorm,
     Rotary,
     SplitLayerNorm,
+    HaloExchange,
     SyncBatchNorm,
     targets_counted,
 )
@@ -76,6 +77,13 @@ class CommCounter:
                                     for p in PHASES},
             "bytes": dict(self.bytes),
         }
+
+
+def _per_dim(value, k: int) -> list[int]:
+    """A window argument (an int, or one per spatial dim) as one int per dim."""
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value] if len(value) == k else [int(value[0])] * k
+    return [int(value)] * k
 
 
 class Runtime:
@@ -290,6 +298,71 @@ class Runtime:
         if not features:
             return torch.ops.aten.layer_norm.default(x, normalized_shape, weight, bias, eps, cudnn_enable)
         return SplitLayerNorm.apply(x, weight, bias, eps, self, features)
+
+    def conv_halo(self, x: torch.Tensor, weight, bias=None, stride=1, padding=0, dilation=1, groups=1,
+                  **halos: tuple[str, ...]) -> torch.Tensor:
+        """aten.conv{1,2,3}d of x split along spatial dims (`halo_<dim>=axes`): each rank's rows extended
+        by the rows of its neighbours its windows read (HaloExchange; zeros past the image's edges, which
+        are the convolution's own padding there), then convolved without padding along those dims."""
+        k = weight.dim() - 2
+        return self.convolution_halo(x, weight, bias, stride, padding, dilation, False, [0] * k, groups, **halos)
+
+    def conv_transpose_halo(self, x: torch.Tensor, weight, bias=None, stride=1, padding=0, output_padding=0,
+                            groups=1, dilation=1, **halos: tuple[str, ...]) -> torch.Tensor:
+        """aten.conv_transpose{1,2,3}d of x split along spatial dims: see convolution_halo."""
+        return self.convolution_halo(x, weight, bias, stride, padding, dilation, True, output_padding, groups, **halos)
+
+    def convolution_halo(self, x: torch.Tensor, weight, bias, stride, padding, dilation, transposed, output_padding,
+                         groups, **halos: tuple[str, ...]) -> torch.Tensor:
+        """aten.convolution with spatial dims split (`halo_<dim>=axes`): see conv_halo. Transposed, each
+        input row makes `stride` output rows: the rank's rows extended by the neighbours' rows whose
+        contributions reach its own output rows, convolved without padding along those dims, and its own
+        output rows taken from the result."""
+        k = weight.dim() - 2
+        stride, padding, dilation = (_per_dim(v, k) for v in (stride, padding, dilation))
+        output_padding = _per_dim(output_padding, k)
+        first = x.dim() - k
+        if transposed:
+            taken = []
+            for name, axes in sorted(halos.items()):
+                dim = int(name.removeprefix("halo_"))
+                j = dim - first
+                reach = dilation[j] * (weight.shape[2 + j] - 1)
+                before, after = (reach - padding[j]) // stride[j], (padding[j] - 1 + stride[j]) // stride[j]
+                taken.append((dim, before * stride[j] + padding[j], x.shape[dim] * stride[j]))
+                x = HaloExchange.apply(x, self, axes, dim, before, after, 0.0)
+                padding[j], output_padding[j] = 0, 0
+            y = torch.ops.aten.convolution.default(x, weight, bias, stride, padding, dilation, True, output_padding,
+                                                   groups)
+            for dim, start, rows in taken:
+                y = y.narrow(dim, start, rows)
+            return y.contiguous()  # as serial's result is: the exported graph may view it
+        for name, axes in sorted(halos.items()):
+            dim = int(name.removeprefix("halo_"))
+            j = dim - first
+            before, after = padding[j], dilation[j] * (weight.shape[2 + j] - 1) - padding[j] - stride[j] + 1
+            x = HaloExchange.apply(x, self, axes, dim, before, after, 0.0)
+            padding[j] = 0
+        return torch.ops.aten.convolution.default(x, weight, bias, stride, padding, dilation, False, [0] * k, groups)
+
+    def max_pool_halo(self, x: torch.Tensor, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False,
+                      **halos: tuple[str, ...]) -> torch.Tensor:
+        """aten.max_pool{1,2,3}d with spatial dims split: each rank's rows extended by its neighbours' it
+        reads (-inf past the image's edges, the pool's own padding there), then pooled without padding
+        along those dims."""
+        k = len(kernel_size) if isinstance(kernel_size, (list, tuple)) else 1
+        kernel = _per_dim(kernel_size, k)
+        stride = _per_dim(stride, k) if stride not in ((), [], None) else list(kernel)
+        padding, dilation = _per_dim(padding, k), _per_dim(dilation, k)
+        first = x.dim() - k
+        for name, axes in sorted(halos.items()):
+            dim = int(name.removeprefix("halo_"))
+            j = dim - first
+            before, after = padding[j], dilation[j] * (kernel[j] - 1) - padding[j] - stride[j] + 1
+            x = HaloExchange.apply(x, self, axes, dim, before, after, float("-inf"))
+            padding[j] = 0
+        op = {1: torch.ops.aten.max_pool1d, 2: torch.ops.aten.max_pool2d, 3: torch.ops.aten.max_pool3d}[k]
+        return op.default(x, kernel, stride, padding, dilation, ceil_mode)
 
     def _chunk(self, axes: tuple[str, ...]) -> int:
         """This rank's chunk index of a dim split over `axes`, outermost first."""

@@ -1,6 +1,6 @@
 """Parallel forms of ops, each an autograd function: the column-parallel step of the linears that read one
 input, fused RMSNorm and rotary embeddings, the vocabulary-parallel cross-entropy, batch norm over a split
-batch, layer norm over a split hidden dim."""
+batch, layer norm over a split hidden dim, the halo exchange of a spatially split image."""
 
 from __future__ import annotations
 
@@ -280,6 +280,51 @@ class SyncBatchNorm(torch.autograd.Function):
             grad_x = (grad - mean_grad - xhat * mean_grad_xhat) * scale.view(ctx.per_channel)
         return (grad_x, grad_weight if weight is not None else None, grad_bias if ctx.needs_input_grad[2] else None,
                 None, None, None, None, None, None)
+
+
+class HaloExchange(torch.autograd.Function):
+    """A tensor split along `dim` over `axes`, each rank's rows extended by the last `before` rows of the
+    rank before it and the first `after` rows of the rank after it (`fill` past the first and the last
+    rank: a window op's own padding there). Forward: one all-gather per axis of every rank's edge rows;
+    backward: one of the gradients of the rows it lent, which each rank adds to its own."""
+
+    @staticmethod
+    def forward(ctx, x, rt, axes, dim, before, after, fill):
+        rows = x.shape[dim]
+        if before > rows or after > rows:
+            raise ValueError(f"a rank holds {rows} row(s) along dim {dim}, fewer than the {max(before, after)} its "
+                             "neighbours' windows read: split the image over fewer ranks")
+        ctx.rt, ctx.axes, ctx.dim, ctx.before, ctx.after = rt, axes, dim, before, after
+        edges = torch.cat([x.narrow(dim, rows - before, before), x.narrow(dim, 0, after)], dim)
+        gathered, rank, ranks = _gathered_chunks(edges, rt, axes, dim, "forward")
+        shape = list(x.shape)
+        shape[dim] = before
+        first = gathered[rank - 1].narrow(dim, 0, before) if rank > 0 else x.new_full(shape, fill)
+        shape[dim] = after
+        last = gathered[rank + 1].narrow(dim, before, after) if rank < ranks - 1 else x.new_full(shape, fill)
+        return torch.cat([first, x, last], dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, before, after = ctx.dim, ctx.before, ctx.after
+        rows = grad.shape[dim] - before - after
+        own = grad.narrow(dim, before, rows).clone()
+        lent = torch.cat([grad.narrow(dim, 0, before), grad.narrow(dim, before + rows, after)], dim)
+        gathered, rank, ranks = _gathered_chunks(lent.contiguous(), ctx.rt, ctx.axes, dim, "backward")
+        if rank < ranks - 1:  # the rank after read my last rows as its first
+            own.narrow(dim, rows - before, before).add_(gathered[rank + 1].narrow(dim, 0, before))
+        if rank > 0:  # the rank before read my first rows as its last
+            own.narrow(dim, 0, after).add_(gathered[rank - 1].narrow(dim, before, after))
+        return own, None, None, None, None, None, None
+
+
+def _gathered_chunks(x: torch.Tensor, rt, axes: tuple[str, ...], dim: int, phase: str):
+    """Every rank's `x` along `axes` (outermost first, as the split orders the chunks), this rank's index
+    among them, and how many there are."""
+    for axis in reversed(axes):  # the innermost first: the outer gathers then keep the chunks in order
+        x = rt._all_gather(x, axis, dim, phase)
+    ranks = math.prod(rt.size[axis] for axis in axes)
+    return x.chunk(ranks, dim), rt._chunk(axes), ranks
 
 
 class SplitLayerNorm(torch.autograd.Function):
