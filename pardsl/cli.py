@@ -495,7 +495,8 @@ def _main(args, quiet) -> int:
             parts = [f"{n} {k.replace('_', '-')}" for k, n in report["collectives"][phase].items() if n]
             print(f"  {phase} collectives (measured): {', '.join(parts) or 'none'}, {report['bytes'][phase]} bytes")
         if "sends" in report:
-            print(f"  point-to-point sends between stages, all ranks (measured): {report['sends']['forward']} forward, "
+            between = "between stages" if compiled.pipeline is not None else "of halos"
+            print(f"  point-to-point sends {between}, all ranks (measured): {report['sends']['forward']} forward, "
                   f"{report['sends']['backward']} backward")
         print(f"  step time: compiled {report['step_ms']['compiled']:.2f} ms, serial {report['step_ms']['serial']:.2f} ms")
     return EXIT_OK if report["ok"] else EXIT_INPUT_ERROR

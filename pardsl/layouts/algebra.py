@@ -240,6 +240,8 @@ def collective_bytes(kind: str, local_bytes: int, n: int) -> int:
         return local_bytes * (n - 1)
     if kind in ("reduce_scatter", "all_to_all"):
         return local_bytes * (n - 1) // n
+    if kind == "send":  # point to point: what one send carries
+        return local_bytes
     return 0  # split, to_partial: local
 
 

@@ -224,9 +224,9 @@ RULES: dict[Any, Rule] = {
     # convolutions: an einsum over channels with windows over the spatial dims. Batch split: data parallel;
     # output channels: column parallel; input channels: row parallel, partial sums with the bias added
     # once. Grouped channels are not split. A spatial dim splits where the windows tile it (output size ×
-    # stride = input size): each rank gets the rows of its neighbours its windows read (the halo, by one
-    # all-gather of every rank's edge rows forward, and one of their gradients backward), none where a
-    # window reads only its own rows (1×1, or kernel = stride).
+    # stride = input size): each rank gets the rows of its neighbours its windows read (the halo, sent
+    # point to point forward, their gradients sent back backward), none where a window reads only its own
+    # rows (1×1, or kernel = stride).
     **{_op(f"conv{k}d.default"): Rule("conv", linear="product", addends=(2,), spatial=k, groups_arg=6,
                                        parallel_form="conv_halo") for k in (1, 2, 3)},
     # transposed convolutions alike: their weight holds the input channels first
@@ -358,7 +358,8 @@ class InnerCollective:
     phase: str = "forward"  # or backward: the form's autograd function reduces in its backward
     itemsize: int | None = None  # bytes per value when not operand 0's (statistics reduced in float64)
     min_itemsize: int = 0  # at least this many (sums of a half-precision operand reduced in float32)
-    kind: str = "all_reduce"  # or all_gather: then each rank contributes these values, and gets everyone's
+    kind: str = "all_reduce"  # or all_gather: then each rank contributes these values, and gets everyone's;
+    # or send: one message of these values to a neighbour
 
     def values(self, local_shape: tuple[int, ...], placement: Placement) -> int:
         """How many values it reduces, for operand 0 of this local shape and placement on the axis."""
@@ -956,17 +957,25 @@ def _window_halos(node: torch.fx.Node, in_shape, out_shape, k: int) -> list:
 
 
 def _halo_signatures(halos: list, first: int, operands: int) -> tuple["Signature", ...]:
-    """The spatial splits with a halo: the input split along the dim, the rest B, the output split alike;
-    the edge rows all-gathered forward, their gradients backward (named `halo_<dim>` in the form's call)."""
+    """The spatial splits with a halo: the input split along the dim, the rest B, the output split alike
+    (named `halo_<dim>` in the form's call). Each rank sends its last rows to the next rank and its first
+    rows to the one before (a ring, so that every rank sends alike; the first and the last drop what
+    wraps around), and backward the gradients of the rows it was sent, back to their owners."""
     extra = []
     for j, halo in enumerate(halos):
         if halo is None or halo == (0, 0):
             continue
-        dim, rows = first + j, sum(halo)
-        extra.append(Signature((S(dim),) + (B,) * (operands - 1), S(dim), None, name=f"halo_{dim}", inner_collectives=(
-            InnerCollective(rows, what=f"{rows} edge row(s) of each rank along dim {dim}", kind="all_gather"),
-            InnerCollective(rows, what=f"the gradients of {rows} edge row(s) along dim {dim}", phase="backward",
-                            kind="all_gather"))))
+        dim, (before, after) = first + j, halo
+        sends = []
+        for phase, what in (("forward", "row(s)"), ("backward", "gradients of row(s)")):
+            if before:
+                sends.append(InnerCollective(before, what=f"{what}: its last {before} along dim {dim} to the next "
+                                             "rank", phase=phase, kind="send"))
+            if after:
+                sends.append(InnerCollective(after, what=f"{what}: its first {after} along dim {dim} to the rank "
+                                             "before", phase=phase, kind="send"))
+        extra.append(Signature((S(dim),) + (B,) * (operands - 1), S(dim), None, name=f"halo_{dim}",
+                               inner_collectives=tuple(sends)))
     return tuple(extra)
 
 

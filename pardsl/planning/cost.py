@@ -85,6 +85,9 @@ class Machine:
         link); an all-reduce whose group has several ranks in each node, hierarchically where that is
         faster (reduce-scatter inside the nodes, all-reduce of a share between them, all-gather inside)."""
         inside, nodes = self.span(n, stride)
+        if kind == "send":  # one message to a neighbour, on the links a ring step crosses
+            link = (self.collectives if nodes == 1 else self.between_nodes)["all_reduce"]
+            return link.alpha_s + nbytes * link.beta_s_per_byte
         if nodes == 1:
             return _ring_seconds(self.collectives[kind], kind, nbytes, n)
         flat = _ring_seconds(self.between_nodes[kind], kind, nbytes, n)

@@ -257,7 +257,8 @@ class LoweredProgram:
     def collective_counts(self) -> dict[str, dict[str, int]]:
         counts = {phase: {kind: 0 for kind in COLLECTIVE_KINDS} for phase in ("forward", "backward")}
         for c in self.collectives:
-            counts[c.phase][c.kind] += 1
+            if c.kind in COLLECTIVE_KINDS:  # point-to-point sends (a halo's) are counted by axis only
+                counts[c.phase][c.kind] += 1
         return counts
 
     def collective_counts_by_axis(self) -> dict[str, dict[str, int]]:

@@ -364,6 +364,45 @@ class Runtime:
         op = {1: torch.ops.aten.max_pool1d, 2: torch.ops.aten.max_pool2d, 3: torch.ops.aten.max_pool3d}[k]
         return op.default(x, kernel, stride, padding, dilation, ceil_mode)
 
+    def exchange_with_neighbours(self, to_next: torch.Tensor, to_previous: torch.Tensor, axes: tuple[str, ...],
+                                 dim: int, phase: str) -> torch.Tensor:
+        """Send `to_next` to the next rank along a dim split over `axes` (in the split's order, a ring: the
+        last rank's next is the first) and `to_previous` to the one before; receive theirs. Returns what the
+        rank before sent, then what the rank after sent, joined along `dim`. Sends that carry nothing are
+        not made; each that is counts as one `send` over the innermost axis."""
+
+        def issue(phase: str) -> torch.Tensor:
+            previous, following = self._neighbour_ranks(axes)
+            from_previous, from_next = torch.empty_like(to_next), torch.empty_like(to_previous)
+            operations = []
+            for sent, received, peer_to, peer_from in ((to_next, from_previous, following, previous),
+                                                      (to_previous, from_next, previous, following)):
+                if sent.numel():
+                    sent = sent.contiguous()
+                    self.counter.record(phase, "send", nbytes(sent), axes[-1])
+                    operations += [dist.P2POp(dist.isend, sent, peer_to), dist.P2POp(dist.irecv, received, peer_from)]
+            for work in dist.batch_isend_irecv(operations) if operations else ():
+                work.wait()
+            return torch.cat([from_previous, from_next], dim)
+        return self._issued(phase, issue)
+
+    def _neighbour_ranks(self, axes: tuple[str, ...]) -> tuple[int, int]:
+        """The global ranks holding the chunks before and after this rank's, of a dim split over `axes`
+        (outermost first), around a ring."""
+        ranks = math.prod(self.size[axis] for axis in axes)
+        me = dist.get_rank()
+
+        def rank_of(chunk: int) -> int:
+            rank = me
+            for axis in reversed(axes):
+                index = self.mesh.axis_index(axis)
+                rank += (chunk % self.size[axis] - self.coordinate[axis]) * self.mesh.axis_stride(index)
+                chunk //= self.size[axis]
+            return rank
+
+        chunk = self._chunk(axes)
+        return rank_of((chunk - 1) % ranks), rank_of((chunk + 1) % ranks)
+
     def _chunk(self, axes: tuple[str, ...]) -> int:
         """This rank's chunk index of a dim split over `axes`, outermost first."""
         chunk = 0

@@ -285,8 +285,9 @@ class SyncBatchNorm(torch.autograd.Function):
 class HaloExchange(torch.autograd.Function):
     """A tensor split along `dim` over `axes`, each rank's rows extended by the last `before` rows of the
     rank before it and the first `after` rows of the rank after it (`fill` past the first and the last
-    rank: a window op's own padding there). Forward: one all-gather per axis of every rank's edge rows;
-    backward: one of the gradients of the rows it lent, which each rank adds to its own."""
+    rank: a window op's own padding there). Forward: each rank sends its last rows to the next rank and its
+    first rows to the one before (Runtime.exchange_with_neighbours); backward: the gradients of the rows it
+    received go back to their owners, who add them to their own."""
 
     @staticmethod
     def forward(ctx, x, rt, axes, dim, before, after, fill):
@@ -295,13 +296,18 @@ class HaloExchange(torch.autograd.Function):
             raise ValueError(f"a rank holds {rows} row(s) along dim {dim}, fewer than the {max(before, after)} its "
                              "neighbours' windows read: split the image over fewer ranks")
         ctx.rt, ctx.axes, ctx.dim, ctx.before, ctx.after = rt, axes, dim, before, after
-        edges = torch.cat([x.narrow(dim, rows - before, before), x.narrow(dim, 0, after)], dim)
-        gathered, rank, ranks = _gathered_chunks(edges, rt, axes, dim, "forward")
-        shape = list(x.shape)
-        shape[dim] = before
-        first = gathered[rank - 1].narrow(dim, 0, before) if rank > 0 else x.new_full(shape, fill)
-        shape[dim] = after
-        last = gathered[rank + 1].narrow(dim, before, after) if rank < ranks - 1 else x.new_full(shape, fill)
+        if math.prod(rt.size[axis] for axis in axes) == 1:  # not split after all: the padding alone
+            shape = list(x.shape)
+            return torch.cat([x.new_full(shape[:dim] + [before] + shape[dim + 1:], fill), x,
+                              x.new_full(shape[:dim] + [after] + shape[dim + 1:], fill)], dim)
+        received = rt.exchange_with_neighbours(x.narrow(dim, rows - before, before), x.narrow(dim, 0, after),
+                                               axes, dim, "forward")
+        first, last = received.narrow(dim, 0, before), received.narrow(dim, before, after)
+        rank, ranks = rt._chunk(axes), math.prod(rt.size[axis] for axis in axes)
+        if rank == 0:
+            first = torch.full_like(first, fill)
+        if rank == ranks - 1:
+            last = torch.full_like(last, fill)
         return torch.cat([first, x, last], dim)
 
     @staticmethod
@@ -309,22 +315,17 @@ class HaloExchange(torch.autograd.Function):
         dim, before, after = ctx.dim, ctx.before, ctx.after
         rows = grad.shape[dim] - before - after
         own = grad.narrow(dim, before, rows).clone()
-        lent = torch.cat([grad.narrow(dim, 0, before), grad.narrow(dim, before + rows, after)], dim)
-        gathered, rank, ranks = _gathered_chunks(lent.contiguous(), ctx.rt, ctx.axes, dim, "backward")
+        if math.prod(ctx.rt.size[axis] for axis in ctx.axes) == 1:
+            return own, None, None, None, None, None, None
+        # the gradient of the rows the rank before lent goes back to it, of the rank after's to it
+        returned = ctx.rt.exchange_with_neighbours(grad.narrow(dim, before + rows, after), grad.narrow(dim, 0, before),
+                                                   ctx.axes, dim, "backward")
+        rank, ranks = ctx.rt._chunk(ctx.axes), math.prod(ctx.rt.size[axis] for axis in ctx.axes)
         if rank < ranks - 1:  # the rank after read my last rows as its first
-            own.narrow(dim, rows - before, before).add_(gathered[rank + 1].narrow(dim, 0, before))
+            own.narrow(dim, rows - before, before).add_(returned.narrow(dim, after, before))
         if rank > 0:  # the rank before read my first rows as its last
-            own.narrow(dim, 0, after).add_(gathered[rank - 1].narrow(dim, before, after))
+            own.narrow(dim, 0, after).add_(returned.narrow(dim, 0, after))
         return own, None, None, None, None, None, None
-
-
-def _gathered_chunks(x: torch.Tensor, rt, axes: tuple[str, ...], dim: int, phase: str):
-    """Every rank's `x` along `axes` (outermost first, as the split orders the chunks), this rank's index
-    among them, and how many there are."""
-    for axis in reversed(axes):  # the innermost first: the outer gathers then keep the chunks in order
-        x = rt._all_gather(x, axis, dim, phase)
-    ranks = math.prod(rt.size[axis] for axis in axes)
-    return x.chunk(ranks, dim), rt._chunk(axes), ranks
 
 
 class SplitLayerNorm(torch.autograd.Function):
