@@ -146,15 +146,23 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
 
     Exhaustive over the shapes, with one exact pruning: on a machine whose links are all alike, where the
     file writes no layout for an axis to tell them apart, two shapes that are each other's axes renamed
-    have the same best plan up to the names, and the second is not compiled again."""
+    (the pipeline's axis left as it is) have the same best plan up to the names, and the second is not
+    compiled again."""
     _check_searched_mesh(par)
     machine = machine or default_machine()
     names = [axis.name for axis in par.mesh.axes]
-    symmetric = not any(entry.layout.form != "searched" for entry in par.layouts) and par.pipeline is None and \
+    symmetric = not any(entry.layout.form != "searched" for entry in par.layouts) and \
         (not machine.ranks_per_node or machine.between_nodes is None or par.mesh.ranks <= machine.ranks_per_node)
+    pipeline_axis = names.index(par.pipeline.axis) if par.pipeline and par.pipeline.axis in names else None
+
+    def renamed(sizes: tuple[int, ...]) -> tuple:
+        """What a shape is up to its axes' names: the pipeline axis's size, and the others' as a set."""
+        others = sorted(size for axis, size in enumerate(sizes) if axis != pipeline_axis)
+        return (sizes[pipeline_axis] if pipeline_axis is not None else None, others)
+
     bound, priced, shapes, elapsed = None, {}, [], {}
     for sizes in mesh_shapes(par.mesh.ranks, len(names)):
-        twin = next((other for other in priced if sorted(other) == sorted(sizes)), None)
+        twin = next((other for other in priced if renamed(other) == renamed(sizes)), None)
         if symmetric and twin is not None:
             shapes.append(replace(priced[twin][1], sizes=sizes, same_as=twin))
             continue
@@ -191,9 +199,8 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
 
 def pipelined_step_seconds(compiled: Compiled, machine) -> float:
     """A pipelined plan's step as the pipeline search's model prices it (its stages' times per micro-batch
-    and the schedule's bubble): the option kept where the search chose it, else the file's own."""
-    if compiled.pipeline_options:
-        return compiled.pipeline_options[0].step_s
+    and the schedule's bubble), with the layouts the plan has on its other axes (the pipeline search itself
+    priced its options with their greedy completion)."""
     plan = compiled.pipeline
     decl = replace(compiled.par.pipeline, schedule=plan.schedule, microbatches=plan.microbatches,
                    stages_per_rank=plan.stages_per_rank, cuts=tuple((name, compiled.par.pipeline.cut_span)
