@@ -67,3 +67,25 @@ def test_an_axis_named_twice_in_a_searched_mesh_is_located():
     with pytest.raises(CompileError) as caught:
         compile_text("mesh dp, dp = 4\n" + LLAMA, "examples/searched_mesh.par")
     assert (caught.value.diagnostics[0].code, caught.value.diagnostics[0].span.column) == ("E010", 10)
+
+
+def test_three_axes_with_the_pipeline_searched_keep_a_shape_no_slower_than_any_fixed_one():
+    """`mesh dp, tp, pp = 8` with `pipeline pp : schedule ?, microbatches ?, cut ?` (compiled only: 8 ranks
+    do not run here): the shape kept is estimated no slower than each shape written out and compiled
+    alone, its pipeline searched too; shapes whose pipeline cannot be cut (more stages than layer
+    boundaries) have no plan, and say why."""
+    from pardsl.compiler import pipelined_step_seconds
+
+    text = (f"mesh {{mesh}}\n{LLAMA.replace('[4, 16]', '[8, 16]')}input labels : int64[8, 16] in [0, 256)\n"
+            "memory <= 50 %\n{pipeline}")
+    machine = default_machine()
+    searched = compile_text(text.format(mesh="dp, tp, pp = 8", pipeline="pipeline pp : schedule ?, microbatches ?, cut ?\n"),
+                            "examples/searched_mesh.par")
+    kept = searched.mesh_shapes[0]
+    assert [shape.why_not.startswith("error[E075]") for shape in searched.mesh_shapes if shape.why_not] == [True] * 3
+    for dp, tp, pp in [shape.sizes for shape in searched.mesh_shapes if not shape.why_not]:
+        pipeline = "pipeline pp : schedule ?, microbatches ?, cut ?\n" if pp > 1 else ""
+        fixed = compile_text(text.format(mesh=f"dp = {dp}, tp = {tp}, pp = {pp}", pipeline=pipeline),
+                             "examples/searched_mesh.par")
+        step = pipelined_step_seconds(fixed, machine) if fixed.pipeline else estimate(fixed, machine).step_s
+        assert kept.step_s <= step * (1 + 1e-9), (dp, tp, pp)

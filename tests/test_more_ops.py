@@ -181,3 +181,31 @@ def test_a_transposed_convolution_over_split_rows_exchanges_its_halo(pools, comp
     assert _nonzero(compiled.program.collective_counts_by_axis()) == expected
     assert "rt.conv_transpose_halo(" in compiled.source
     check(pools, compiled)
+
+
+class HaloVolumes(nn.Module):
+    """1-D convolutions (5 taps; 3 taps dilated by 2) with a max pool, and a 3-D convolution, for the halo
+    of each convolution form."""
+
+    def __init__(self, channels: int = 2):
+        super().__init__()
+        self.line = nn.Conv1d(channels, channels, 5, padding=2)
+        self.dilated = nn.Conv1d(channels, channels, 3, padding=2, dilation=2)
+        self.volume = nn.Conv3d(channels, channels, 3, padding=1)
+
+    def forward(self, signal, volume):
+        line = F.max_pool1d(F.relu(self.line(signal)), 3, stride=1, padding=1)
+        return self.dilated(line), self.volume(volume)
+
+
+def test_one_and_three_dimensional_convolutions_exchange_their_halos(pools, compile_par):
+    """A length split for conv1d (5 taps, and 3 dilated by 2: 2 rows each way) and its max pool (1 each
+    way); a depth split for conv3d (1 each way): 2 sends each forward, their gradients back where the
+    input needs them (not the signal's and volume's own)."""
+    compiled = compile_par(_par("HaloVolumes", "input signal : float32[2, 2, 64]\ninput volume : float32[1, 2, 8, 6, 6]\n",
+                                "    signal : S(2)\n    volume : S(2)\n    line() : S(2)\n    dilated() : S(2)\n"
+                                "    volume() : S(2)\n", mesh="sp = 2"))
+    expected = {"forward": {"sp:send": 8}, "backward": {"sp:all_reduce": 1, "sp:send": 4}}
+    assert _nonzero(compiled.program.collective_counts_by_axis()) == expected
+    assert compiled.source.count("rt.conv_halo(") == 3 and compiled.source.count("rt.max_pool_halo(") == 1
+    check(pools, compiled)
