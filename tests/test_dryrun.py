@@ -1,6 +1,7 @@
 """`pardsl dryrun`: one rank's program at its real shapes in one process, collectives answered by torch's
 fake process group; its measured peak beside the estimate, its collectives against the plan's, and the
-refusals (a plan over the machine's device memory, a rank off the mesh, a pipeline)."""
+refusals (a plan over the machine's device memory, a rank off the mesh); a pipelined plan's rank runs its
+stages alone, with the micro-batches its schedule holds."""
 
 import json
 import os
@@ -46,10 +47,31 @@ def test_a_plan_over_the_machines_device_memory_is_refused_before_it_runs(tmp_pa
     assert "more than the 16.0 MiB" in result.stderr and "recompute" in result.stderr
 
 
-def test_a_rank_off_the_mesh_and_a_pipeline_are_refused_with_reasons(tmp_path):
+def test_a_rank_off_the_mesh_is_refused_with_reasons(tmp_path):
     path = tmp_path / "plan.par"
     path.write_text(megatron_on("inner", "outer"))
     off = dryrun(path, "--rank", "64")
     assert off.returncode == 1 and "rank 64 is not on the mesh (outer = 8, inner = 8: ranks 0 to 63)" in off.stderr
-    pipelined = dryrun(os.path.join(REPO, "examples", "hf_llama_pp2.par"), "--json")
-    assert pipelined.returncode == 1 and "pipelined plan" in json.loads(pipelined.stdout)["errors"][0]
+
+
+def test_a_pipelined_rank_runs_its_stage_with_the_micro_batches_its_schedule_holds():
+    """pp 2 × tp 2 under 1F1B with 4 micro-batches: rank 0 (stage 0) holds 2 micro-batches at once, rank 3
+    (stage 1) one; each issues its stage's tensor-parallel all-reduces once per micro-batch held, and its
+    gradient bucket once; the peak is near the estimate of that rank's stage."""
+    plan = os.path.join(REPO, "examples", "hf_llama_pp2_tp2.par")
+    for rank, stage, held in ((0, 0, 2), (3, 1, 1)):
+        result = dryrun(plan, "--rank", str(rank), "--json")
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+        assert report["collectives_match"], report
+        assert f"stage(s) {stage} of 2, {held} micro-batch(es) held" in report["notes"][0]
+        assert 0.85 <= report["peak_bytes"] / report["estimated_bytes"] <= 1.15
+
+
+def test_a_pipelined_ranks_gradient_bucket_is_synchronised_once_a_step():
+    """pp 2 × dp 2 under GPipe with 2 micro-batches: both held at once, the data-parallel bucket all-reduced
+    once, in the last backward."""
+    result = dryrun(os.path.join(REPO, "examples", "hf_llama_pp2_dp2.par"), "--rank", "0", "--json")
+    report = json.loads(result.stdout)
+    assert report["collectives_match"] and report["collectives"]["backward"] == {"dp:all_reduce": 1}
+    assert "2 micro-batch(es) held" in report["notes"][0]

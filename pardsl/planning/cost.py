@@ -612,29 +612,34 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def pipelined_memory_per_rank(stages, plan, optimizer: str = "adamw") -> dict[str, int]:
-    """memory_per_rank for a pipeline (`plan`: its PipelinePlan): the rank that holds the most, its
-    stages' parameters, gradients, optimizer state and gathered parameters, and each stage's activations
-    for one micro-batch times the micro-batches it holds at once."""
+    """memory_per_rank for a pipeline (`plan`: its PipelinePlan): the rank that holds the most (see
+    pipeline_rank_memory)."""
     mesh = stages[0].mesh
     axis_size = mesh.axis_sizes[mesh.axis_index(plan.axis)]
-    worst: dict[str, int] | None = None
-    for rank in range(axis_size):
-        in_flight = micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank)
-        held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0,
-                "compute_copies": 0}
-        host: dict[str, int] = {}  # offloaded stages' host memory, apart
-        for stage in stages_of_rank(rank, axis_size, len(stages), plan.schedule):
-            memory = memory_per_rank(stages[stage], optimizer)
-            for key in held:
-                held[key] += memory[key] * (in_flight if key == "activations" else 1)
-            for key in (k for k in memory if k.startswith("host_")):
-                host[key] = host.get(key, 0) + memory[key]
-        held["total"] = sum(held.values())
-        held["peak"] = held["total"]  # micro-batches' activations and gradients are not walked: all at once
-        held.update(host)
-        if worst is None or held["total"] > worst["total"]:
-            worst = held
-    return worst
+    return max((pipeline_rank_memory(stages, plan, rank, optimizer) for rank in range(axis_size)),
+               key=lambda held: held["total"])
+
+
+def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> dict[str, int]:
+    """What the rank at `rank` along the pipeline axis holds: its stages' parameters, gradients, optimizer
+    state and gathered parameters, and each stage's activations for one micro-batch times the
+    micro-batches it holds at once under the schedule."""
+    mesh = stages[0].mesh
+    axis_size = mesh.axis_sizes[mesh.axis_index(plan.axis)]
+    in_flight = micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank)
+    held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0,
+            "compute_copies": 0}
+    host: dict[str, int] = {}  # offloaded stages' host memory, apart
+    for stage in stages_of_rank(rank, axis_size, len(stages), plan.schedule):
+        memory = memory_per_rank(stages[stage], optimizer)
+        for key in held:
+            held[key] += memory[key] * (in_flight if key == "activations" else 1)
+        for key in (k for k in memory if k.startswith("host_")):
+            host[key] = host.get(key, 0) + memory[key]
+    held["total"] = sum(held.values())
+    held["peak"] = held["total"]  # micro-batches' activations and gradients are not walked: all at once
+    held.update(host)
+    return held
 
 
 def default_machine() -> "Machine":

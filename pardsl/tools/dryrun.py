@@ -8,6 +8,12 @@ nothing). What it measures is what that rank would hold and issue on the cluster
 each phase (CUDA: the allocator's; CPU: pardsl/tools/memory.py's count of tensor storage), each phase's
 time on this device, and the collectives it issued, kind by kind and axis by axis, against the plan's.
 Values are whatever empty storage holds: nothing is compared, and a data-dependent branch may go either way.
+
+A pipelined plan's rank runs its stage(s) alone: as many micro-batches' forwards as its schedule holds
+at once (1F1B: p − r on rank r along the pipeline axis; the others: every micro-batch), then their
+backwards, the gradients synchronised in the last, then the optimizer step. What crosses a stage boundary
+is made up (the stage's inputs at their real shapes) and not sent: the sends are the pipeline's, not
+counted here; the collectives of the other axes are, per micro-batch, against the stage programs'.
 """
 
 from __future__ import annotations
@@ -15,23 +21,26 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from pardsl.layouts.algebra import COLLECTIVE_KINDS
-from pardsl.planning.cost import default_machine, estimate
+from pardsl.planning.cost import default_machine, estimate, pipeline_rank_memory
 from pardsl.program.codegen import load_module
 from pardsl.program.ir import format_bytes, torch_dtype
 from pardsl.runtime.core import Runtime
+from pardsl.runtime.schedules import micro_batches_held, stages_of_rank
 from pardsl.tools.memory import held_bytes, optimizer_state, peak_so_far
 
 PHASES = ("forward", "backward", "optimizer")
 
 
 class DryRunRefused(Exception):
-    """The plan cannot be dry-run as asked (a rank outside the mesh, a pipelined plan, a device missing)."""
+    """The plan cannot be dry-run as asked (a rank outside the mesh, a device missing, a plan over the
+    machine's memory)."""
 
 
 @dataclass
@@ -69,23 +78,24 @@ def dry_run(compiled, rank: int = 0, device: str = "cpu", steps: int = 1, machin
     """Rank `rank`'s program of `compiled` at its real size on `device` ("cpu" or "cuda"), `steps`
     training steps; the estimate it is set beside is `machine`'s (cost.estimate)."""
     mesh = compiled.program.mesh
-    if compiled.pipeline is not None:
-        raise DryRunRefused("a pipelined plan cannot be dry-run yet: dry-run it without its `pipeline` line, "
-                            "with the pipeline axis's size in a data-parallel axis")
     if not 0 <= rank < mesh.size:
         raise DryRunRefused(f"rank {rank} is not on the mesh ({mesh}: ranks 0 to {mesh.size - 1})")
     if device == "cuda" and not torch.cuda.is_available():
         raise DryRunRefused("--device cuda needs a CUDA device; this machine has none")
     machine = machine or default_machine()
     planned_memory = estimate(compiled, machine).memory
+    if compiled.pipeline is not None:  # this rank's stages, not the rank that holds the most
+        axis = mesh.axis_index(compiled.pipeline.axis)
+        planned_memory = pipeline_rank_memory(compiled.stages, compiled.pipeline, mesh.coordinates(rank)[axis])
     device_memory = machine.device_memory_bytes
     if device_memory and planned_memory["peak"] > device_memory:
         raise DryRunRefused(
             f"the plan needs {format_bytes(planned_memory['peak'])} per rank by its estimate, more than the "
             f"{format_bytes(device_memory)} of {machine.name or 'the machine'}'s devices: split more, recompute "
             f"(`recompute model.layers.*`) or offload (`offload optimizer`)")
+    run = _run_pipelined if compiled.pipeline is not None else _run
     with _fake_process_group(rank, mesh.size):
-        return _run(compiled, rank, torch.device(device), steps, planned_memory["peak"], device_memory)
+        return run(compiled, rank, torch.device(device), steps, planned_memory["peak"], device_memory)
 
 
 @contextlib.contextmanager
@@ -132,6 +142,77 @@ def _run(compiled, rank: int, device: torch.device, steps: int, estimated: int, 
                   _by_axis(program.collective_counts_by_axis()), estimated, device_memory, notes)
 
 
+def _run_pipelined(compiled, rank: int, device: torch.device, steps: int, estimated: int,
+                   device_memory: int) -> DryRun:
+    plan, mesh = compiled.pipeline, compiled.program.mesh
+    generated = load_module(compiled.source)
+    rt = Runtime(mesh, device)
+    axis = mesh.axis_index(plan.axis)
+    coordinate, ranks = mesh.coordinates(rank)[axis], mesh.axis_sizes[axis]
+    mine = stages_of_rank(coordinate, ranks, len(compiled.stages), plan.schedule)
+    held = micro_batches_held(plan.schedule, plan.microbatches, ranks, coordinate)
+    modules = {stage: generated.STAGES[stage](rt) for stage in mine}
+    for module in modules.values():  # gradients held over micro-batches, as the pipeline's stages hold them
+        module.sync_gradients, module.held_gradients = True, {}
+    inputs = {stage: _stage_inputs(compiled, stage, device) for stage in mine}
+    optimizer = torch.optim.AdamW([p for m in modules.values() for p in m.parameters() if p.requires_grad],
+                                  lr=1e-3, fused=True)
+    _with_optimizer_state(optimizer)
+    set_up = held_bytes([t for m in modules.values() for t in (*m.parameters(), *m.buffers())] +
+                        [t for ts in inputs.values() for t in ts])
+    peak_after, seconds, peak, issued = {}, {}, 0, None
+    for step in range(steps):
+        rt.counter.reset()
+        with peak_so_far(device, set_up + held_bytes(optimizer_state(optimizer))) as measure:
+            outputs = _timed(seconds, "forward", device, lambda: [
+                (stage, modules[stage](*inputs[stage])) for _ in range(held) for stage in mine])
+            peak_after["forward"] = measure()
+            _timed(seconds, "backward", device, functools.partial(_backward_micro_batches, outputs, modules, len(mine)))
+            peak_after["backward"] = measure()
+            del outputs
+            _timed(seconds, "optimizer", device, optimizer.step)
+            optimizer.zero_grad(set_to_none=True)
+            peak_after["optimizer"] = measure()
+        peak = max(peak, peak_after["optimizer"])
+        issued = issued or _by_axis(rt.counter.summary()["collectives_by_axis"])
+    planned: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    for stage in mine:  # each micro-batch's collectives, and the gradient buckets' once a step
+        program = compiled.stages[stage]
+        once = Counter((c.phase, f"{c.axis}:{c.kind}") for bucket in program.buckets for c in bucket.collectives)
+        for phase, counts in program.collective_counts_by_axis().items():
+            for key, count in counts.items():
+                per_step = once[(phase, key)]
+                planned[phase][key] = planned[phase].get(key, 0) + (count - per_step) * held + per_step
+    notes = [f"pipeline: stage(s) {', '.join(map(str, mine))} of {len(compiled.stages)}, {held} micro-batch(es) held "
+             f"at once ({plan.schedule}, {plan.microbatches} micro-batches); the sends between stages are not run"]
+    if device.type != "cuda":
+        notes.append("CPU: memory is tensor storage counted by pardsl (views and in-place writes make none); "
+                     "times are this CPU's")
+    return DryRun(rank, device.type, steps, set_up, peak, peak_after, seconds, issued, _by_axis(planned),
+                  estimated, device_memory, notes)
+
+
+def _backward_micro_batches(outputs: list, modules: dict, stages: int) -> None:
+    """Backward of each micro-batch's stage outputs, the last forward's first; the stages synchronise
+    their gradients in the step's last backward only, as the pipeline's schedule has them."""
+    for index, (stage, result) in enumerate(reversed(outputs)):
+        modules[stage].sync_gradients = index >= len(outputs) - stages
+        _backward(result if isinstance(result, (tuple, list)) else (result,))
+
+
+def _stage_inputs(compiled, stage: int, device: torch.device) -> list[torch.Tensor]:
+    """A stage's inputs at this rank's shapes: the model's inputs for the first, else what the stage
+    before would send (floats from a normal, needing a gradient where the plan sends one back)."""
+    program = compiled.stages[stage]
+    if stage == 0:
+        return [_local_input(slot, decl, device) for slot, decl in zip(program.inputs, compiled.par.inputs)]
+    made = []
+    for slot in program.inputs:
+        value = _local_input(slot, None, device)
+        made.append(value.requires_grad_(slot.requires_grad) if value.is_floating_point() else value)
+    return made
+
+
 def _with_optimizer_state(optimizer) -> None:
     """The optimizer's state made before the measured steps, as a step of zero gradients makes it: a rank
     in training holds it through every forward and backward, not only from its first step on."""
@@ -157,7 +238,7 @@ def _local_input(slot, decl, device: torch.device) -> torch.Tensor:
         return torch.randn(shape, dtype=dtype, device=device)
     if dtype == torch.bool:
         return torch.ones(shape, dtype=dtype, device=device)
-    low, high = decl.value_range or (0, 2)
+    low, high = (decl.value_range if decl is not None else None) or (0, 2)
     return torch.randint(low, high, shape, dtype=dtype, device=device)
 
 
