@@ -122,20 +122,7 @@ def _run(compiled, rank: int, device: torch.device, steps: int, estimated: int, 
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3, fused=True)
     _with_optimizer_state(optimizer)
     set_up = held_bytes([*module.parameters(), *module.buffers(), *inputs])
-    peak_after, seconds, peak, issued = {}, {}, 0, None
-    for step in range(steps):
-        rt.counter.reset()
-        with peak_so_far(device, set_up + held_bytes(optimizer_state(optimizer))) as measure:
-            outputs = _timed(seconds, "forward", device, lambda: module(*inputs))
-            peak_after["forward"] = measure()
-            _timed(seconds, "backward", device, functools.partial(_backward, outputs))
-            peak_after["backward"] = measure()
-            del outputs
-            _timed(seconds, "optimizer", device, optimizer.step)
-            optimizer.zero_grad(set_to_none=True)
-            peak_after["optimizer"] = measure()
-        peak = max(peak, peak_after["optimizer"])
-        issued = issued or _by_axis(rt.counter.summary()["collectives_by_axis"])
+    peak, peak_after, seconds, issued = _steps(rt, device, steps, set_up, optimizer, lambda: module(*inputs), _backward)
     notes = [] if device.type == "cuda" else [
         "CPU: memory is tensor storage counted by pardsl (views and in-place writes make none); times are this CPU's"]
     return DryRun(rank, device.type, steps, set_up, peak, peak_after, seconds, issued,
@@ -160,21 +147,10 @@ def _run_pipelined(compiled, rank: int, device: torch.device, steps: int, estima
     _with_optimizer_state(optimizer)
     set_up = held_bytes([t for m in modules.values() for t in (*m.parameters(), *m.buffers())] +
                         [t for ts in inputs.values() for t in ts])
-    peak_after, seconds, peak, issued = {}, {}, 0, None
-    for step in range(steps):
-        rt.counter.reset()
-        with peak_so_far(device, set_up + held_bytes(optimizer_state(optimizer))) as measure:
-            outputs = _timed(seconds, "forward", device, lambda: [
-                (stage, modules[stage](*inputs[stage])) for _ in range(held) for stage in mine])
-            peak_after["forward"] = measure()
-            _timed(seconds, "backward", device, functools.partial(_backward_micro_batches, outputs, modules, len(mine)))
-            peak_after["backward"] = measure()
-            del outputs
-            _timed(seconds, "optimizer", device, optimizer.step)
-            optimizer.zero_grad(set_to_none=True)
-            peak_after["optimizer"] = measure()
-        peak = max(peak, peak_after["optimizer"])
-        issued = issued or _by_axis(rt.counter.summary()["collectives_by_axis"])
+    peak, peak_after, seconds, issued = _steps(
+        rt, device, steps, set_up, optimizer,
+        lambda: [(stage, modules[stage](*inputs[stage])) for _ in range(held) for stage in mine],
+        functools.partial(_backward_micro_batches, modules=modules, stages=len(mine)))
     planned: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
     for stage in mine:  # each micro-batch's collectives, and the gradient buckets' once a step
         program = compiled.stages[stage]
@@ -190,6 +166,27 @@ def _run_pipelined(compiled, rank: int, device: torch.device, steps: int, estima
                      "times are this CPU's")
     return DryRun(rank, device.type, steps, set_up, peak, peak_after, seconds, issued, _by_axis(planned),
                   estimated, device_memory, notes)
+
+
+def _steps(rt, device: torch.device, steps: int, set_up: int, optimizer, forward, backward):
+    """`steps` training steps, `forward()` then `backward(its outputs)` then the optimizer's: the peak over
+    them all, the peak by the end of each phase and each phase's seconds (the last step's), and the
+    collectives the first step issued, by axis."""
+    peak_after, seconds, peak, issued = {}, {}, 0, None
+    for _ in range(steps):
+        rt.counter.reset()
+        with peak_so_far(device, set_up + held_bytes(optimizer_state(optimizer))) as measure:
+            outputs = _timed(seconds, "forward", device, forward)
+            peak_after["forward"] = measure()
+            _timed(seconds, "backward", device, functools.partial(backward, outputs))
+            peak_after["backward"] = measure()
+            del outputs
+            _timed(seconds, "optimizer", device, optimizer.step)
+            optimizer.zero_grad(set_to_none=True)
+            peak_after["optimizer"] = measure()
+        peak = max(peak, peak_after["optimizer"])
+        issued = issued or _by_axis(rt.counter.summary()["collectives_by_axis"])
+    return peak, peak_after, seconds, issued
 
 
 def _backward_micro_batches(outputs: list, modules: dict, stages: int) -> None:
