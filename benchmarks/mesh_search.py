@@ -19,9 +19,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pardsl.compiler import compile_text, mesh_shapes, pipelined_step_seconds  # noqa: E402
+from pardsl.compiler import compile_text, mesh_shapes  # noqa: E402
 from pardsl.language.diagnostics import CompileError  # noqa: E402
 from pardsl.planning.cost import default_machine, estimate, machine_named  # noqa: E402
+from pardsl.planning.pipeline_search import pipelined_step_seconds  # noqa: E402
 
 FILE = """mesh     {mesh}
 model    examples.hf_models:HFLlama(layers={layers}, hidden=128, heads=8, kv_heads=4, ffn=256, vocab=512)

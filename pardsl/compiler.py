@@ -39,7 +39,7 @@ from pardsl.planning.cost import (
 )
 from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning.descent import searched_or_greedy
-from pardsl.planning.pipeline_search import choose_pipeline
+from pardsl.planning.pipeline_search import choose_pipeline, pipelined_step_seconds
 from pardsl.planning.search import memory_limit, wants_search
 from pardsl.program.codegen import render, render_pipeline
 from pardsl.program.ir import LoweredProgram, format_bytes, named_layout
@@ -195,18 +195,6 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
                                                                pair[1].step_s if pair[1].within_bound else pair[1].memory))
     compiled.seconds["other mesh shapes"] = sum(t for sizes, t in elapsed.items() if sizes != chosen.sizes)
     return replace(compiled, mesh_shapes=(chosen, *(s for s in shapes if s.sizes != chosen.sizes)))
-
-
-def pipelined_step_seconds(compiled: Compiled, machine) -> float:
-    """A pipelined plan's step as the pipeline search's model prices it (its stages' times per micro-batch
-    and the schedule's bubble), with the layouts the plan has on its other axes (the pipeline search itself
-    priced its options with their greedy completion)."""
-    plan = compiled.pipeline
-    decl = replace(compiled.par.pipeline, schedule=plan.schedule, microbatches=plan.microbatches,
-                   stages_per_rank=plan.stages_per_rank, cuts=tuple((name, compiled.par.pipeline.cut_span)
-                                                                   for name in plan.cut_before), searched=frozenset())
-    _, (option,) = choose_pipeline(compiled.typed, compiled.program, decl, machine, None, plan.microbatches)
-    return option.step_s
 
 
 def _shape_text(names: list[str], sizes: tuple[int, ...]) -> str:

@@ -74,7 +74,7 @@ def test_three_axes_with_the_pipeline_searched_keep_a_shape_no_slower_than_any_f
     do not run here): the shape kept is estimated no slower than each shape written out and compiled
     alone, its pipeline searched too; shapes whose pipeline cannot be cut (more stages than layer
     boundaries) have no plan, and say why."""
-    from pardsl.compiler import pipelined_step_seconds
+    from pardsl.planning.pipeline_search import pipelined_step_seconds
 
     text = (f"mesh {{mesh}}\n{LLAMA.replace('[4, 16]', '[8, 16]')}input labels : int64[8, 16] in [0, 256)\n"
             "memory <= 50 %\n{pipeline}")

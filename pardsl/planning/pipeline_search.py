@@ -243,3 +243,15 @@ def _priced(segments: _Segments, times, sends, activations, cut: list[int], rank
         work = max(sum(stage_times[r::ranks]) for r in range(ranks))
         step = m * work + (ranks - 1) * work / per_rank
     return step, max(memory)
+
+
+def pipelined_step_seconds(compiled, machine: Machine) -> float:
+    """A compiled pipelined plan's step as this model prices it (its stages' times per micro-batch and the
+    schedule's bubble), with the layouts the plan has on its other axes (the search priced its options
+    with their greedy completion)."""
+    plan, written = compiled.pipeline, compiled.par.pipeline
+    decl = dataclasses.replace(written, schedule=plan.schedule, microbatches=plan.microbatches,
+                               stages_per_rank=plan.stages_per_rank, searched=frozenset(),
+                               cuts=tuple((name, written.cut_span) for name in plan.cut_before))
+    _, (option,) = choose_pipeline(compiled.typed, compiled.program, decl, machine, None, plan.microbatches)
+    return option.step_s

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pardsl.layouts.oprules import Signature
 from pardsl.planning.cost import Estimate, layer_of
+from pardsl.planning.pipeline_search import pipelined_step_seconds
 from pardsl.program.ir import format_bytes, named_layout
 
 
@@ -130,6 +131,7 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
              f"{seconds_text(seconds['communication_forward'])} forward + {seconds_text(seconds['communication_backward'])}"
              f" backward; {seconds_text(seconds['overlapped'])} overlapped with compute, of which "
              f"{seconds_text(seconds['overlapped_exposed'])} exposed",
+             *_pipelined_step(compiled, machine),
              _memory_line(memory, memory_bound), ""]
     recomputed = _recomputed_layers(compiled)
     for layer in layers(compiled, estimate):
@@ -195,6 +197,17 @@ def _mesh_shapes(compiled, mesh) -> list[str]:
         lines.append(f"  {sizes_text(shape.sizes)}: step {seconds_text(shape.step_s)}, memory "
                      f"{format_bytes(shape.memory)} per rank{fits}{twin}")
     return lines
+
+
+def _pipelined_step(compiled, machine) -> list[str]:
+    """A pipelined plan's step, which the line above gives for one micro-batch through the whole model."""
+    plan = compiled.pipeline
+    if plan is None:
+        return []
+    step = pipelined_step_seconds(compiled, machine)
+    return [f"pipelined: step {seconds_text(step)} per rank, {plan.microbatches} micro-batch"
+            f"{'es' if plan.microbatches > 1 else ''} through {len(compiled.stages)} stages under {plan.schedule} "
+            "(the pipeline search's model: the stages' times per micro-batch, the schedule's bubble, the sends)"]
 
 
 def _pipeline_options(compiled) -> list[str]:
