@@ -50,9 +50,11 @@ def llama(pipeline: str, layers: int = 2, mesh: str = "", extra: str = "") -> st
     ("mesh pp = 2\nmodel tests.zoo:StochasticDepth()\ninput x : float32[8, 16]\n"
      "pipeline pp : microbatches 4, cut before blocks.1\n", "E078", 2, 1),
     (llama("pp : schedule ?, stages per rank 2, microbatches 4, cut ?"), "E003", 5, 27),
+    (llama("pp : schedule ?, microbatches 4, cut before model.model.norm"), "E072", 5, 54),
 ], ids=["unknown-axis", "unknown-schedule", "no-submodule", "empty-first-stage", "out-of-order",
         "batch-not-divided", "stage-count", "stages-per-rank", "split-on-pipeline-axis", "option-twice",
-        "no-cut", "stray-name", "dropout", "random-draw", "searched-schedule-with-stages-per-rank"])
+        "no-cut", "stray-name", "dropout", "random-draw", "searched-schedule-with-stages-per-rank",
+        "searched-pipeline-cut-not-at-a-layer"])
 def test_each_pipeline_mistake_is_a_located_error(text, code, line, column):
     with pytest.raises(CompileError) as raised:
         compile_text(text, "plan.par")

@@ -79,6 +79,13 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
     schedules = SEARCHED_SCHEDULES if "schedule" in decl.searched else ((decl.schedule, decl.stages_per_rank),)
     batch = bound.par.inputs[0].shape[0] * traced_microbatches if bound.par.inputs else traced_microbatches
     counts = _microbatch_counts(typed, batch) if "microbatches" in decl.searched else [decl.microbatches]
+    written = None if "cut" in decl.searched or decl.balanced else _written_cut(segments, decl)
+    if written is None and decl.cuts and "cut" not in decl.searched:
+        module, span = next((module, span) for module, span in decl.cuts if module not in segments.names)
+        raise CompileError([Diagnostic(
+            "E072", f"`{module}` is not where a repeated layer starts: the pipeline search prices cuts there",
+            span, ("cut before one of " + ", ".join(segments.names[:6]) + (" ..." if len(segments.names) > 6 else ""),
+                   "or write `cut ?`"))], bound.par.source)
     options = []
     for schedule, per_rank in schedules:
         stages = ranks * per_rank
@@ -91,17 +98,18 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
             times = [scaled * rows + fixed for scaled, fixed in zip(segments.scaled_s, segments.fixed_s)]
             sends = [machine_send_seconds(machine, int(b * rows)) for b in segments.sent_bytes]
             activations = [int(b * rows) for b in segments.activation_bytes]
-            cut = _cut(segments, times, sends, activations, stages, ranks, schedule, m, limit) \
-                if "cut" in decl.searched or decl.balanced else _written_cut(segments, decl)
-            if cut is None:
+            cut = written if written is not None else \
+                _cut(segments, times, sends, activations, stages, ranks, schedule, m, limit)
+            if cut is None or len(cut) - 1 != stages:
                 continue
             step, memory = _priced(segments, times, sends, activations, cut, ranks, per_rank, schedule, m)
             options.append(PipelineOption(schedule, per_rank, m, tuple(segments.names[i - 1] for i in cut[1:-1]),
                                           step + synchronised, memory, limit is None or memory <= limit))
     if not options:
         raise CompileError([Diagnostic(
-            "E075", f"no pipeline of {ranks} ranks fits the model's {len(segments.scaled_s)} layer boundaries",
-            decl.span, ("use fewer pipeline ranks",))], bound.par.source)
+            "E075", f"no pipeline of {ranks} ranks fits the model: cut where its repeated layers start, it makes "
+            f"at most {len(segments.scaled_s)} stages", decl.span,
+            ("use fewer pipeline ranks, or a schedule with fewer stages per rank",))], bound.par.source)
     options.sort(key=lambda o: (not o.within_bound, o.step_s if o.within_bound else o.memory))
     best = options[0]
     chosen = dataclasses.replace(
