@@ -69,6 +69,10 @@ def check_pipeline(par: ParFile) -> PipelineDecl:
                    "write `microbatches 4` (at least the number of stages keeps every rank busy)")
     elif pipeline.axis in axes:
         stages = axes[pipeline.axis].size * pipeline.stages_per_rank
+        if schedule == "1F1B" and pipeline.microbatches < stages and not pipeline.searched & {"schedule", "microbatches"}:
+            sink.error("E074", f"1F1B runs at least as many micro-batches as stages: {pipeline.microbatches} for "
+                       f"{stages} stages", pipeline.microbatches_span, f"write `microbatches {stages}` or more, "
+                       "or `schedule GPipe`")
         if pipeline.cuts and len(pipeline.cuts) + 1 != stages:
             sink.error("E075", f"{len(pipeline.cuts)} cut{'s' if len(pipeline.cuts) != 1 else ''} make "
                        f"{len(pipeline.cuts) + 1} stages; {pipeline.axis} = {axes[pipeline.axis].size} with "

@@ -92,7 +92,7 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
         if stages > len(segments.scaled_s):
             continue
         for m in counts:
-            if per_rank > 1 and m % ranks:  # torch's looped schedules run micro-batches in rounds of p
+            if per_rank > 1 and m % ranks or schedule == "1F1B" and m < stages:  # what torch's schedules take
                 continue
             rows = traced_microbatches / m  # a micro-batch's rows against the traced one's
             times = [scaled * rows + fixed for scaled, fixed in zip(segments.scaled_s, segments.fixed_s)]
