@@ -168,8 +168,7 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
             continue
         shaped = replace(par, meshes=(replace(par.mesh, ranks=None, axes=tuple(
             replace(axis, size=size) for axis, size in zip(par.mesh.axes, sizes))),))
-        stages = sizes[names.index(par.pipeline.axis)] if par.pipeline and par.pipeline.axis in names else None
-        if stages == 1:
+        if pipeline_axis is not None and sizes[pipeline_axis] == 1:
             shaped = replace(shaped, pipelines=())  # one stage: no pipeline
         clock = time.perf_counter()
         try:
@@ -306,7 +305,7 @@ def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compi
     program = timed(seconds, "lower", lambda: lower(typed, bucket_mb))
     chosen, options = timed(seconds, "pipeline search", lambda: choose_pipeline(
         typed, program, decl, machine, memory_limit(bound, microbatches=decl.microbatches), decl.microbatches))
-    concrete = replace(par, pipelines=(replace(chosen, searched=frozenset()),))
+    concrete = replace(par, pipelines=(chosen,))
     same_trace = chosen.microbatches == decl.microbatches
     compiled = _compile_pipelined(concrete, bucket_mb, machine,
                                   replace(bound, par=pp.micro_batched(concrete)) if same_trace else None)

@@ -61,6 +61,7 @@ class Rule:
     parallel_form: str = ""  # runtime function computing the op where it takes one of its extra signatures
     spatial: int = 0  # conv / window ops: how many trailing spatial dims (conv2d's 2); 0: from the weight
     transposed: bool = False  # conv_transpose: the weight is [in channels, out channels / groups, *kernel]
+    window: str = ""  # pools and resizes whose spatial dims may split: "max", "average" or "nearest"
     groups_arg: int | None = None  # conv: the `groups` argument (grouped channels are not split)
     training_arg: int | None = None  # the `training` argument (batch_norm's, dropout's): traced True, it follows
     # the module's mode in the generated code
@@ -240,12 +241,13 @@ RULES: dict[Any, Rule] = {
     # upsampling by a whole factor), or, for max pools, with the rows of its neighbours' it needs
     # exchanged (the halo, as for convolutions). Averages and interpolations are linear, so partial sums
     # pass through them.
-    **{_op(f"max_pool{k}d.default"): Rule("window", spatial=k, parallel_form="max_pool_halo") for k in (1, 2, 3)},
-    **{_op(f"avg_pool{k}d.default"): Rule("window", linear="sum", spatial=k) for k in (1, 2, 3)},
+    **{_op(f"max_pool{k}d.default"): Rule("window", spatial=k, window="max", parallel_form="max_pool_halo")
+       for k in (1, 2, 3)},
+    **{_op(f"avg_pool{k}d.default"): Rule("window", linear="sum", spatial=k, window="average") for k in (1, 2, 3)},
     **{_op(f"adaptive_avg_pool{k}d.default"): Rule("window", linear="sum", spatial=k) for k in (1, 2, 3)},
-    aten.upsample_nearest1d.vec: Rule("window", linear="sum", spatial=1),
-    aten.upsample_nearest2d.vec: Rule("window", linear="sum", spatial=2),
-    aten.upsample_nearest3d.vec: Rule("window", linear="sum", spatial=3),
+    aten.upsample_nearest1d.vec: Rule("window", linear="sum", spatial=1, window="nearest"),
+    aten.upsample_nearest2d.vec: Rule("window", linear="sum", spatial=2, window="nearest"),
+    aten.upsample_nearest3d.vec: Rule("window", linear="sum", spatial=3, window="nearest"),
     aten.upsample_linear1d.vec: Rule("window", linear="sum", spatial=1),
     aten.upsample_bilinear2d.vec: Rule("window", linear="sum", spatial=2),
     aten.upsample_bicubic2d.vec: Rule("window", linear="sum", spatial=2),
@@ -873,7 +875,7 @@ def _letters_window(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tu
     rank = len(shapes[0])
     leading = tuple(_LETTERS[: rank - rule.spatial])
     spatial_in, spatial_out = list("pqr"[: rule.spatial]), list("xyz"[: rule.spatial])
-    halos = _window_halos(node, shapes[0], out_shape, rule.spatial)
+    halos = _window_halos(node, rule, shapes[0], out_shape)
     for j, halo in enumerate(halos):
         if halo == (0, 0):
             spatial_out[j] = spatial_in[j]
@@ -883,7 +885,7 @@ def _letters_window(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tu
         draft.extra = _halo_signatures(halos, len(leading), 1)
 
 
-def _per_dim(value, k: int, default) -> list[int]:
+def per_dim(value, k: int, default=1) -> list[int]:
     """A window argument (an int, or one per spatial dim; left out or empty: the default) as one int per dim."""
     if value is None or (isinstance(value, (list, tuple)) and not value):
         value = default
@@ -892,68 +894,72 @@ def _per_dim(value, k: int, default) -> list[int]:
     return [int(value)] * k
 
 
+def named_arg(node: torch.fx.Node, name: str, default: Any = None) -> Any:
+    """The argument the operator's schema names `name`, given by position or keyword, else `default`."""
+    arguments = [argument.name for argument in getattr(getattr(node.target, "_schema", None), "arguments", ())]
+    return call_arg(node, arguments.index(name), name, default) if name in arguments else default
+
+
+def halo_rows(kernel: int, stride: int, padding: int, dilation: int) -> tuple[int, int]:
+    """The rows of its neighbours, before and after its own, that a rank's windows read where they tile
+    the dim (rank r's first output reads from its first row less `padding`). The compiler offers the split
+    with these; the runtime exchanges them."""
+    return padding, dilation * (kernel - 1) - padding - stride + 1
+
+
+def transposed_halo_rows(kernel: int, stride: int, padding: int, dilation: int) -> tuple[int, int]:
+    """A transposed convolution's: the input rows before and after a rank's own whose contributions reach
+    its output rows, each input row making `stride` of them."""
+    reach = dilation * (kernel - 1)
+    return (reach - padding) // stride, (padding - 1 + stride) // stride
+
+
 def _halo(size: int, out_size: int, kernel: int, stride: int, padding: int, dilation: int) -> tuple[int, int] | None:
-    """Rows of the neighbours before and after a rank's own that its windows read, where the windows tile
-    the dim (out_size × stride = size: rank r's outputs read from its first row less `padding`); None
-    where they do not."""
-    if out_size * stride != size:
-        return None
-    before, after = padding, dilation * (kernel - 1) - padding - stride + 1
-    return (before, after) if before >= 0 and after >= 0 else None
+    """halo_rows where the windows tile the dim (out_size × stride = size), else None."""
+    before, after = halo_rows(kernel, stride, padding, dilation)
+    return (before, after) if out_size * stride == size and before >= 0 and after >= 0 else None
 
 
 def _transposed_halo(size: int, out_size: int, kernel: int, stride: int, padding: int,
                      dilation: int) -> tuple[int, int] | None:
-    """A transposed convolution's halo: the input rows before and after a rank's own whose contributions
-    reach its output rows, where each input row makes `stride` of them (out_size = size × stride) and the
-    kernel covers the stride (no output row is left to the bias alone)."""
+    """transposed_halo_rows where each input row makes `stride` output rows (out_size = size × stride) and
+    the kernel covers the stride (no output row is left to the bias alone), else None."""
     reach = dilation * (kernel - 1)
-    if out_size != size * stride or reach + 1 < stride:
-        return None
-    before, after = (reach - padding) // stride, (padding - 1 + stride) // stride
-    if before < 0 or (after - 1) * stride + reach + 1 - padding < 0:
+    before, after = transposed_halo_rows(kernel, stride, padding, dilation)
+    if out_size != size * stride or reach + 1 < stride or before < 0 or (after - 1) * stride + reach + 1 - padding < 0:
         return None
     return before, after
 
 
 def _halos(node: torch.fx.Node, in_shape, out_shape, k: int, kernel, transposed: bool = False) -> list:
-    """A convolution's halo per spatial dim: stride and padding at 3 and 4; the dilation at 5 (conv{k}d,
-    convolution) or 7 (conv_transpose{k}d)."""
-    padding = call_arg(node, 4, "padding", 0)
+    """A convolution's halo per spatial dim."""
+    padding = named_arg(node, "padding", 0)
     if isinstance(padding, str):  # conv2d.padding's "same" / "valid": not read here
         return [None] * k
-    at = 7 if op_name(node).startswith("aten.conv_transpose") else 5
-    stride, dilation = _per_dim(call_arg(node, 3, "stride", 1), k, 1), _per_dim(call_arg(node, at, "dilation", 1), k, 1)
-    padding = _per_dim(padding, k, 0)
+    stride, dilation, padding = per_dim(named_arg(node, "stride"), k), per_dim(named_arg(node, "dilation"), k), \
+        per_dim(padding, k, 0)
     first = len(in_shape) - k
     halo = _transposed_halo if transposed else _halo
     return [halo(in_shape[first + j], out_shape[first + j], kernel[j], stride[j], padding[j], dilation[j])
             for j in range(k)]
 
 
-def _window_halos(node: torch.fx.Node, in_shape, out_shape, k: int) -> list:
-    """A pool's or resize's halo per spatial dim: max pools (kernel, stride, padding, dilation, ceil_mode at
-    1-5), average pools without padding whose stride is their window, nearest upsampling by whole factors."""
-    first = len(in_shape) - k
-    target = node.target
-    if target in (aten.upsample_nearest1d.vec, aten.upsample_nearest2d.vec, aten.upsample_nearest3d.vec):
+def _window_halos(node: torch.fx.Node, rule: Rule, in_shape, out_shape) -> list:
+    """A pool's or resize's halo per spatial dim, by the rule's `window`: a max pool's where its windows
+    tile the dim; an average pool's none, where its windows tile the rows exactly without padding (its
+    edge windows divide by what they cover); a nearest upsampling's none, by whole factors."""
+    k, first = rule.spatial, len(in_shape) - rule.spatial
+    if rule.window == "nearest":
         return [(0, 0) if out_shape[first + j] % in_shape[first + j] == 0 else None for j in range(k)]
-    name = op_name(node)
-    if ".max_pool" not in name and ".avg_pool" not in name or ".adaptive" in name:
+    if rule.window not in ("max", "average") or named_arg(node, "ceil_mode", False):
         return [None] * k
-    kernel = _per_dim(call_arg(node, 1, "kernel_size"), k, 1)
-    stride = _per_dim(call_arg(node, 2, "stride", None), k, kernel)
-    padding = _per_dim(call_arg(node, 3, "padding", 0), k, 0)
-    if ".max_pool" in name:
-        dilation, ceil_mode = _per_dim(call_arg(node, 4, "dilation", 1), k, 1), call_arg(node, 5, "ceil_mode", False)
-    else:
-        dilation, ceil_mode = [1] * k, call_arg(node, 4, "ceil_mode", False)
-    if ceil_mode:
-        return [None] * k
+    kernel = per_dim(named_arg(node, "kernel_size"), k)
+    stride = per_dim(named_arg(node, "stride"), k, kernel)
+    padding, dilation = per_dim(named_arg(node, "padding", 0), k, 0), per_dim(named_arg(node, "dilation", 1), k)
     halos = [_halo(in_shape[first + j], out_shape[first + j], kernel[j], stride[j], padding[j], dilation[j])
              for j in range(k)]
-    # an average's edge windows divide by what they cover: only windows that tile the rows exactly split
-    return halos if ".max_pool" in name else [h if h == (0, 0) and padding[j] == 0 else None for j, h in enumerate(halos)]
+    return halos if rule.window == "max" else [h if h == (0, 0) and padding[j] == 0 else None
+                                               for j, h in enumerate(halos)]
 
 
 def _halo_signatures(halos: list, first: int, operands: int) -> tuple["Signature", ...]:

@@ -92,8 +92,6 @@ class BoundPlan:
     # parameters the model freezes (`requires_grad_(False)`: Whisper's sinusoidal positions, a fine-tune's
     # frozen layers), by every name: no gradient, no optimizer state, nothing to synchronise
     frozen: frozenset[str] = frozenset()
-    # node name → `file:line: code` of the model's source that made the op, for diagnostics
-    source_lines: dict[str, str] = field(default_factory=dict)
     names: tuple = ()  # what a layout's name may match (_Named), for binding the file on another mesh
 
     @property
@@ -627,14 +625,11 @@ def bind(par: ParFile) -> BoundPlan:
     dynamic_nodes: set[str] = set()
     dims, symbol_text = _named_dims(exported, inputs, par)
     scalars: dict[str, str] = {}
-    source_lines: dict[str, str] = {}
     for node in exported.graph.nodes:
         value = node.meta.get("val")
         stack = node.meta.get("nn_module_stack") or {}
         if stack:
             module_paths[node.name] = list(stack.values())[-1][0]
-        if node.op == "call_function" and source_line(node) is not None:
-            source_lines[node.name] = source_line(node)
         if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
             value = value[0]  # a split's parts: its getitem nodes carry each part's own shape
         if isinstance(value, torch.SymInt) and node.op == "call_function":
@@ -651,7 +646,7 @@ def bind(par: ParFile) -> BoundPlan:
             dynamic_nodes.add(node.name)
             if not any(operand.name in dynamic_nodes for operand in node.all_input_nodes):
                 where = module_paths.get(node.name) or "the model's own forward()"
-                data_dependent.setdefault(op_name(node), {}).setdefault(where, source_lines.get(node.name))
+                data_dependent.setdefault(op_name(node), {}).setdefault(where, source_line(node))
             continue
         tensors[node.name] = TensorInfo(tuple(concrete_size(s) for s in value.shape), value.dtype,
                                         symbolic if any(symbolic) else None)
@@ -684,7 +679,7 @@ def bind(par: ParFile) -> BoundPlan:
     return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
                      module_paths, seconds, buffer_values, persistent,
                      {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars,
-                     frozenset(searched - set(pins)), frozen, source_lines, tuple(table))
+                     frozenset(searched - set(pins)), frozen, tuple(table))
 
 
 def bound_on_mesh(bound: BoundPlan, par: ParFile) -> BoundPlan:

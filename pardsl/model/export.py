@@ -14,6 +14,8 @@ import warnings
 
 import torch
 
+from pardsl.model.in_place import is_view
+
 aten = torch.ops.aten
 
 
@@ -141,17 +143,11 @@ def make_fresh_tensors_from_nothing(graph_module: torch.fx.GraphModule) -> None:
         node.args = tuple(node.args[1:2 + values])
         node.kwargs = {**{k: v for k, v in node.kwargs.items() if k == "pin_memory"},
                        "dtype": value.dtype, "device": value.device}
-        if isinstance(operand, torch.fx.Node) and not operand.users and _is_pure_view(operand):
+        if isinstance(operand, torch.fx.Node) and not operand.users and is_view(operand):
             graph.erase_node(operand)
     if changed:
         graph.lint()
         graph_module.recompile()
-
-
-def _is_pure_view(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and not schema.is_mutable and \
-        any(r.alias_info is not None for r in schema.returns)
 
 
 def _detached(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:

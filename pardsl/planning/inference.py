@@ -54,7 +54,7 @@ from pardsl.layouts.oprules import (
     unmet_requirement,
 )
 from pardsl.model.binding import MOE_HINT, BoundPlan, TensorInfo
-from pardsl.model.export import called_at
+from pardsl.model.export import called_at, source_line
 
 
 @dataclass(frozen=True)
@@ -160,12 +160,11 @@ def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
             continue
         if rule is None or not is_tensor_valued(node):
             unsupported.setdefault((op_name(node), " (random: each rank would draw its own values)"
-                                    if is_random(node) else ""), {}).setdefault(where, bound.source_lines.get(node.name))
+                                    if is_random(node) else ""), {}).setdefault(where, source_line(node))
             continue
         problem = unmet_requirement(node, rule)
         if problem is not None:
-            unsupported.setdefault((op_name(node), f" with {problem}"), {}).setdefault(
-                where, bound.source_lines.get(node.name))
+            unsupported.setdefault((op_name(node), f" with {problem}"), {}).setdefault(where, source_line(node))
             continue
         specs[node.name] = dim_spec(node, rule)
     for (op, detail), places in unsupported.items():

@@ -37,7 +37,7 @@ from pardsl.layouts.algebra import (
     step_collectives,
 )
 from pardsl.layouts.oprules import WHOLE, Signature, is_drawn_whole, op_name, rule_for
-from pardsl.model.export import called_at
+from pardsl.model.export import called_at, source_line
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, parameter_unit, repeated_layer
 from pardsl.planning.inference import TypedGraph
 from pardsl.program.ir import (
@@ -832,7 +832,7 @@ class _Lowerer:
             if rule_for(node) is WHOLE:
                 places.setdefault(op_name(node), []).append(
                     self.bound.module_paths.get(name) or "the model's own forward()")
-                lines.append(self.bound.source_lines.get(name))
+                lines.append(source_line(node))
         if not places:
             return
         by_place: dict[str, list[str]] = {}  # the ops used in the same modules, listed together

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pardsl.layouts.algebra import COLLECTIVE_KINDS, Layout, Mesh, block_major, collective_bytes, rank_major
+from pardsl.layouts.oprules import halo_rows, per_dim, transposed_halo_rows
 from pardsl.runtime.collectives import (
     all_gather_started,
     all_reduce_started,
@@ -77,13 +78,6 @@ class CommCounter:
                                     for p in PHASES},
             "bytes": dict(self.bytes),
         }
-
-
-def _per_dim(value, k: int) -> list[int]:
-    """A window argument (an int, or one per spatial dim) as one int per dim."""
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value] if len(value) == k else [int(value[0])] * k
-    return [int(value)] * k
 
 
 class Runtime:
@@ -319,31 +313,21 @@ class Runtime:
         contributions reach its own output rows, convolved without padding along those dims, and its own
         output rows taken from the result."""
         k = weight.dim() - 2
-        stride, padding, dilation = (_per_dim(v, k) for v in (stride, padding, dilation))
-        output_padding = _per_dim(output_padding, k)
-        first = x.dim() - k
-        if transposed:
-            taken = []
-            for name, axes in sorted(halos.items()):
-                dim = int(name.removeprefix("halo_"))
-                j = dim - first
-                reach = dilation[j] * (weight.shape[2 + j] - 1)
-                before, after = (reach - padding[j]) // stride[j], (padding[j] - 1 + stride[j]) // stride[j]
-                taken.append((dim, before * stride[j] + padding[j], x.shape[dim] * stride[j]))
-                x = HaloExchange.apply(x, self, axes, dim, before, after, 0.0)
-                padding[j], output_padding[j] = 0, 0
-            y = torch.ops.aten.convolution.default(x, weight, bias, stride, padding, dilation, True, output_padding,
-                                                   groups)
-            for dim, start, rows in taken:
-                y = y.narrow(dim, start, rows)
-            return y.contiguous()  # as serial's result is: the exported graph may view it
-        for name, axes in sorted(halos.items()):
-            dim = int(name.removeprefix("halo_"))
-            j = dim - first
-            before, after = padding[j], dilation[j] * (weight.shape[2 + j] - 1) - padding[j] - stride[j] + 1
-            x = HaloExchange.apply(x, self, axes, dim, before, after, 0.0)
-            padding[j] = 0
-        return torch.ops.aten.convolution.default(x, weight, bias, stride, padding, dilation, False, [0] * k, groups)
+        stride, padding, dilation, output_padding = (per_dim(v, k) for v in (stride, padding, dilation, output_padding))
+        rows = transposed_halo_rows if transposed else halo_rows
+        x, extended = self._with_halos(x, halos, k, lambda j: rows(weight.shape[2 + j], stride[j], padding[j],
+                                                                   dilation[j]), 0.0)
+        taken = [(dim, before * stride[j] + padding[j], (x.shape[dim] - before - after) * stride[j])
+                 for dim, j, before, after in extended]  # a transposed one's own output rows
+        for _, j, _, _ in extended:
+            padding[j] = output_padding[j] = 0
+        y = torch.ops.aten.convolution.default(x, weight, bias, stride, padding, dilation, transposed, output_padding,
+                                               groups)
+        if not transposed:
+            return y
+        for dim, start, count in taken:
+            y = y.narrow(dim, start, count)
+        return y.contiguous()  # as serial's result is: the exported graph may view it
 
     def max_pool_halo(self, x: torch.Tensor, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False,
                       **halos: tuple[str, ...]) -> torch.Tensor:
@@ -351,18 +335,27 @@ class Runtime:
         reads (-inf past the image's edges, the pool's own padding there), then pooled without padding
         along those dims."""
         k = len(kernel_size) if isinstance(kernel_size, (list, tuple)) else 1
-        kernel = _per_dim(kernel_size, k)
-        stride = _per_dim(stride, k) if stride not in ((), [], None) else list(kernel)
-        padding, dilation = _per_dim(padding, k), _per_dim(dilation, k)
-        first = x.dim() - k
-        for name, axes in sorted(halos.items()):
-            dim = int(name.removeprefix("halo_"))
-            j = dim - first
-            before, after = padding[j], dilation[j] * (kernel[j] - 1) - padding[j] - stride[j] + 1
-            x = HaloExchange.apply(x, self, axes, dim, before, after, float("-inf"))
+        kernel = per_dim(kernel_size, k)
+        stride, padding, dilation = per_dim(stride, k, kernel), per_dim(padding, k, 0), per_dim(dilation, k)
+        x, extended = self._with_halos(x, halos, k, lambda j: halo_rows(kernel[j], stride[j], padding[j],
+                                                                        dilation[j]), float("-inf"))
+        for _, j, _, _ in extended:
             padding[j] = 0
         op = {1: torch.ops.aten.max_pool1d, 2: torch.ops.aten.max_pool2d, 3: torch.ops.aten.max_pool3d}[k]
         return op.default(x, kernel, stride, padding, dilation, ceil_mode)
+
+    def _with_halos(self, x: torch.Tensor, halos: dict[str, tuple[str, ...]], k: int, rows, fill: float):
+        """x extended along each spatial dim split over axes (`halo_<dim>=axes`, dims counted from x's first)
+        by the rows of its neighbours `rows(j)` gives for the j-th spatial dim (HaloExchange): the extended x
+        and, per dim, (dim, j, rows before, rows after)."""
+        extended = []
+        for name, axes in sorted(halos.items()):
+            dim = int(name.removeprefix("halo_"))
+            j = dim - (x.dim() - k)
+            before, after = rows(j)
+            x = HaloExchange.apply(x, self, axes, dim, before, after, fill)
+            extended.append((dim, j, before, after))
+        return x, extended
 
     def exchange_with_neighbours(self, to_next: torch.Tensor, to_previous: torch.Tensor, axes: tuple[str, ...],
                                  dim: int, phase: str) -> torch.Tensor:
