@@ -218,6 +218,7 @@ def _aliases(owner: torch.fx.Node) -> set[torch.fx.Node]:
 def _read_after(aliases: set[torch.fx.Node], write: torch.fx.Node, order: dict) -> bool:
     """Whether a tensor of `aliases` taken before `write` is read after it (one taken after is taken
     from the new value: functionalized, the graph makes it so)."""
-    return any(order[alias] < order[write] and any(order.get(user, -1) > order[write] and user is not write
+    # (a node the rewrite inserted before an earlier write, copy_'s expand, has no order: it is before)
+    return any(order.get(alias, -1) < order[write] and any(order.get(user, -1) > order[write] and user is not write
                                                     for user in alias.users)
                for alias in aliases)

@@ -357,10 +357,6 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
     ops = [replace(o, backward_s=o.backward_s + o.forward_s) if o.node in program.recomputed_ops else o
            for o in op_costs(typed, machine, slow)]
 
-    def seconds(c) -> float:
-        axis = mesh.axis_index(c.axis)
-        return slow * machine.collective_seconds(c.kind, c.bytes, mesh.axis_sizes[axis], mesh.axis_stride(axis))
-
     # (collective, its layer, whether it is off the critical path, whether a gradient bucket's)
     placed = [(c, layer_of(bound.module_paths.get(c.node)), False, False)
               for statement in program.statements for c in statement.collectives]
@@ -368,7 +364,8 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
     placed += [(group.regather, group.members[0].unit, True, False) for group in program.gathers
                if group.regather is not None]  # prefetched in backward as in forward
     placed += [(c, "", True, True) for bucket in program.buckets for c in bucket.collectives]
-    costs = [CollectiveCost(c.kind, c.axis, c.phase, c.bytes, seconds(c), layer, c.reason, overlapped, bucket)
+    costs = [CollectiveCost(c.kind, c.axis, c.phase, c.bytes, collective_seconds(machine, mesh, c), layer, c.reason,
+                            overlapped, bucket)
              for c, layer, overlapped, bucket in placed]
 
     compute_forward = sum(o.forward_s for o in ops)
@@ -396,6 +393,14 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
                   "serial_total": serial_bytes(activity["parameters_total"], activity["parameters_trained_total"],
                                                activity["activations_total"] * pipeline.microbatches, optimizer)}
     return Estimate(machine, ops, costs, memory, seconds)
+
+
+def collective_seconds(machine: Machine, mesh, collective) -> float:
+    """A program's collective on `machine`: over its axis's ranks and the links they cross, slowed as
+    the ranks sharing the machine slow it."""
+    axis = mesh.axis_index(collective.axis)
+    return machine.slowdown(mesh.size) * machine.collective_seconds(
+        collective.kind, collective.bytes, mesh.axis_sizes[axis], mesh.axis_stride(axis))
 
 
 OPTIMIZER_STATES = {"sgd": 0, "adam": 2, "adamw": 2}  # tensors of state per parameter

@@ -23,12 +23,13 @@ completion's (the search of those axes runs after, on the pipeline chosen), and 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
 from pardsl.language.diagnostics import CompileError, Diagnostic
 from pardsl.language.syntax import PipelineDecl
-from pardsl.planning.cost import Machine, op_costs, repeated_layer
+from pardsl.planning.cost import Machine, collective_seconds, op_costs, repeated_layer
 from pardsl.runtime.schedules import micro_batches_held
 
 # the schedules searched, with the stages a rank runs under each
@@ -74,7 +75,7 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
     axis = bound.mesh.axis_index(decl.axis)
     ranks = bound.mesh.axis_sizes[axis]
     segments = _segments(typed, program, machine)
-    synchronised = sum(_collective_seconds(machine, typed.mesh, c) for bucket in program.buckets
+    synchronised = sum(collective_seconds(machine, typed.mesh, c) for bucket in program.buckets
                        for c in bucket.collectives)
     schedules = SEARCHED_SCHEDULES if "schedule" in decl.searched else ((decl.schedule, decl.stages_per_rank),)
     batch = bound.par.inputs[0].shape[0] * traced_microbatches if bound.par.inputs else traced_microbatches
@@ -96,7 +97,8 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
                 continue
             rows = traced_microbatches / m  # a micro-batch's rows against the traced one's
             times = [scaled * rows + fixed for scaled, fixed in zip(segments.scaled_s, segments.fixed_s)]
-            sends = [machine_send_seconds(machine, int(b * rows)) for b in segments.sent_bytes]
+            # a stage's activations to the next, one point-to-point send (its gradient back alike)
+            sends = [machine.collective_seconds("send", int(b * rows), 2) if b else 0.0 for b in segments.sent_bytes]
             activations = [int(b * rows) for b in segments.activation_bytes]
             cut = written if written is not None else \
                 _cut(segments, times, sends, activations, stages, ranks, schedule, m, limit)
@@ -117,19 +119,6 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
         cuts=tuple((name, decl.cut_span) for name in best.cut_before),
         searched=frozenset())
     return chosen, tuple(options)
-
-
-def machine_send_seconds(machine: Machine, nbytes: int) -> float:
-    """A point-to-point send of `nbytes` between neighbouring stages: one latency and the bytes, on the
-    all-reduce's link figures (a ring step is such a send)."""
-    link = machine.collectives["all_reduce"]
-    return link.alpha_s + nbytes * link.beta_s_per_byte if nbytes else 0.0
-
-
-def _collective_seconds(machine: Machine, mesh, collective) -> float:
-    axis = mesh.axis_index(collective.axis)
-    return machine.slowdown(mesh.size) * machine.collective_seconds(
-        collective.kind, collective.bytes, mesh.axis_sizes[axis], mesh.axis_stride(axis))
 
 
 def _segments(typed, program, machine: Machine) -> _Segments:
@@ -158,7 +147,7 @@ def _segments(typed, program, machine: Machine) -> _Segments:
         scaled[k] += max(0.0, both - per_op)
     for statement in program.statements:  # the other axes' collectives, on the stage's critical path
         if statement.node in segment_of:
-            scaled[segment_of[statement.node]] += sum(_collective_seconds(machine, mesh, c)
+            scaled[segment_of[statement.node]] += sum(collective_seconds(machine, mesh, c)
                                                       for c in statement.collectives)
     parameters, activations, sent = [0] * count, [0] * count, [0] * count
 
@@ -205,46 +194,48 @@ def _cut(segments: _Segments, times, sends, activations, stages: int, ranks: int
     """Stage boundaries (segment indices, 0 and the end included) whose largest stage time is least, each
     stage's rank within the memory bound: a dynamic program over the segments (stage k of `stages` runs
     on rank k mod `ranks`; with several stages a rank, the bound is checked after, over its stages)."""
-    count = len(times)
-    prefix_t = [0.0]
-    for t in times:
-        prefix_t.append(prefix_t[-1] + t)
-
-    def stage_time(i: int, j: int) -> float:
-        return prefix_t[j] - prefix_t[i] + (sends[j - 1] if j < count else 0.0) + (sends[i - 1] if i > 0 else 0.0)
-
-    def stage_memory(k: int, i: int, j: int) -> int:
-        held = micro_batches_held(schedule, m, ranks, k % ranks)
-        return sum(segments.parameter_bytes[i:j]) + held * sum(activations[i:j])
+    prefix = [0.0, *itertools.accumulate(times)]
 
     def fits(k: int, i: int, j: int) -> bool:
-        return limit is None or stages > ranks or stage_memory(k, i, j) <= limit
+        return limit is None or stages > ranks or \
+            _stage_bytes(segments, activations, schedule, m, ranks, k, i, j) <= limit
 
     # best[k][j]: (largest stage time, total) over the first k stages ending at segment j, and its cuts
     best: list[dict[int, tuple[tuple[float, float], list[int]]]] = [{0: ((0.0, 0.0), [0])}]
     for k in range(stages):
         row = {}
-        for j in range(k + 1, count - (stages - k - 1) + 1):
-            options = [((max(score[0], stage_time(i, j)), score[1] + stage_time(i, j)), cuts + [j])
+        for j in range(k + 1, len(times) - (stages - k - 1) + 1):
+            options = [((max(score[0], _stage_seconds(prefix, sends, i, j)),
+                         score[1] + _stage_seconds(prefix, sends, i, j)), cuts + [j])
                        for i, (score, cuts) in best[k].items() if i < j and fits(k, i, j)]
             if options:
                 row[j] = min(options, key=lambda option: option[0])
         best.append(row)
-    if count not in best[stages]:
-        return None
-    return best[stages][count][1]
+    return best[stages][len(times)][1] if len(times) in best[stages] else None
+
+
+def _stage_seconds(prefix: list[float], sends: list[float], i: int, j: int) -> float:
+    """A stage of segments i to j (`prefix`: the segments' times summed up to each), per micro-batch: their
+    ops and collectives, and the sends at its ends."""
+    return prefix[j] - prefix[i] + (sends[j - 1] if j < len(prefix) - 1 else 0.0) + (sends[i - 1] if i > 0 else 0.0)
+
+
+def _stage_bytes(segments: _Segments, activations: list[int], schedule: str, m: int, ranks: int, k: int, i: int,
+                 j: int) -> int:
+    """What stage k (segments i to j) holds on its rank: its parameters, and the activations of the
+    micro-batches its schedule keeps in flight there."""
+    held = micro_batches_held(schedule, m, ranks, k % ranks)
+    return sum(segments.parameter_bytes[i:j]) + held * sum(activations[i:j])
 
 
 def _priced(segments: _Segments, times, sends, activations, cut: list[int], ranks: int, per_rank: int,
             schedule: str, m: int) -> tuple[float, int]:
     """The step's estimate and the most memory a rank holds, for stages cut at `cut`."""
-    count = len(times)
-    stage_times = [sum(times[i:j]) + (sends[j - 1] if j < count else 0.0) + (sends[i - 1] if i > 0 else 0.0)
-                   for i, j in zip(cut, cut[1:])]
+    prefix = [0.0, *itertools.accumulate(times)]
+    stage_times = [_stage_seconds(prefix, sends, i, j) for i, j in zip(cut, cut[1:])]
     memory = [0] * ranks
     for k, (i, j) in enumerate(zip(cut, cut[1:])):
-        held = micro_batches_held(schedule, m, ranks, k % ranks)
-        memory[k % ranks] += sum(segments.parameter_bytes[i:j]) + held * sum(activations[i:j])
+        memory[k % ranks] += _stage_bytes(segments, activations, schedule, m, ranks, k, i, j)
     if per_rank == 1:
         step = sum(stage_times) + (m - 1) * max(stage_times)
     else:
