@@ -58,6 +58,17 @@ class FillsAFreshBuffer(nn.Module):
         return buffer * 2
 
 
+class BroadcastsAViewItThenWrites(nn.Module):
+    """copy_ broadcasts a view of `a` (an expand is made for it), and `a` is written in place later."""
+
+    def forward(self, x):
+        a = x * 2
+        buffer = x.new_empty(4, 8)
+        buffer.copy_(a[:, :1])
+        a.add_(1)
+        return buffer + a
+
+
 class ReadsAnAliasTakenBeforeTheWrite(nn.Module):
     """`peek` shares y's memory, is taken before the write and read after: it would see the write."""
 
@@ -119,6 +130,12 @@ def test_writes_into_a_fresh_buffer_become_scatters(compile_par, pools):
     source = compiled.source
     assert not any(f"aten.{op}_" in source for op in ("copy", "fill", "index_put"))
     assert source.count("aten.slice_scatter.default(") == 3 and source.count("aten.select_scatter.default(") == 1
+    assert run_on(pools, compiled, steps=2)["ok"]
+
+
+def test_a_write_after_a_broadcast_copy_of_a_view_of_its_tensor(compile_par, pools):
+    compiled = compile_par(_par("BroadcastsAViewItThenWrites"))
+    assert "aten.expand.default(" in compiled.source and "aten.add_" not in compiled.source
     assert run_on(pools, compiled, steps=2)["ok"]
 
 
