@@ -178,7 +178,7 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
 
 def _mesh_shapes(compiled, mesh) -> list[str]:
     """A searched mesh: the shape kept, then every other shape priced with its best plan's estimate."""
-    shapes = getattr(compiled, "mesh_shapes", ())
+    shapes = compiled.mesh_shapes
     if not shapes:
         return []
 
@@ -212,7 +212,7 @@ def _pipelined_step(compiled, machine) -> list[str]:
 
 def _pipeline_options(compiled) -> list[str]:
     """A searched pipeline: the option kept, then the others priced, by the pipeline search's model."""
-    options = getattr(compiled, "pipeline_options", ())
+    options = compiled.pipeline_options
     if not options:
         return []
 
