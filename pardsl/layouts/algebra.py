@@ -408,3 +408,30 @@ def block_major(gathered: "torch.Tensor", n: int, blocks: int) -> "torch.Tensor"
     if blocks == 1:
         return gathered
     return gathered.reshape(n, blocks, -1, *gathered.shape[1:]).transpose(0, 1).reshape(gathered.shape)
+
+
+# Windows over a split dim (convolutions, pools): the rows of its neighbours a rank reads. The compiler offers
+# the split with these (oprules), the runtime exchanges by them (Runtime.convolution_halo).
+
+
+def per_dim(value, k: int, default=1) -> list[int]:
+    """A window argument (an int, or one per spatial dim; left out or empty: the default) as one int per dim."""
+    if value is None or (isinstance(value, (list, tuple)) and not value):
+        value = default
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value] if len(value) == k else [int(value[0])] * k
+    return [int(value)] * k
+
+
+def halo_rows(kernel: int, stride: int, padding: int, dilation: int) -> tuple[int, int]:
+    """The rows of its neighbours, before and after its own, that a rank's windows read where they tile
+    the dim (rank r's first output reads from its first row less `padding`). The compiler offers the split
+    with these; the runtime exchanges them."""
+    return padding, dilation * (kernel - 1) - padding - stride + 1
+
+
+def transposed_halo_rows(kernel: int, stride: int, padding: int, dilation: int) -> tuple[int, int]:
+    """A transposed convolution's: the input rows before and after a rank's own whose contributions reach
+    its output rows, each input row making `stride` of them."""
+    reach = dilation * (kernel - 1)
+    return (reach - padding) // stride, (padding - 1 + stride) // stride

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pardsl.layouts.algebra import B, P, Placement, S, collective_bytes
+from pardsl.layouts.algebra import B, P, Placement, S, collective_bytes, halo_rows, per_dim, transposed_halo_rows
 
 Letters = tuple  # one letter (str) or None (a broadcast dim of size 1) per dim
 
@@ -885,33 +885,10 @@ def _letters_window(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tu
         draft.extra = _halo_signatures(halos, len(leading), 1)
 
 
-def per_dim(value, k: int, default=1) -> list[int]:
-    """A window argument (an int, or one per spatial dim; left out or empty: the default) as one int per dim."""
-    if value is None or (isinstance(value, (list, tuple)) and not value):
-        value = default
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value] if len(value) == k else [int(value[0])] * k
-    return [int(value)] * k
-
-
 def named_arg(node: torch.fx.Node, name: str, default: Any = None) -> Any:
     """The argument the operator's schema names `name`, given by position or keyword, else `default`."""
     arguments = [argument.name for argument in getattr(getattr(node.target, "_schema", None), "arguments", ())]
     return call_arg(node, arguments.index(name), name, default) if name in arguments else default
-
-
-def halo_rows(kernel: int, stride: int, padding: int, dilation: int) -> tuple[int, int]:
-    """The rows of its neighbours, before and after its own, that a rank's windows read where they tile
-    the dim (rank r's first output reads from its first row less `padding`). The compiler offers the split
-    with these; the runtime exchanges them."""
-    return padding, dilation * (kernel - 1) - padding - stride + 1
-
-
-def transposed_halo_rows(kernel: int, stride: int, padding: int, dilation: int) -> tuple[int, int]:
-    """A transposed convolution's: the input rows before and after a rank's own whose contributions reach
-    its output rows, each input row making `stride` of them."""
-    reach = dilation * (kernel - 1)
-    return (reach - padding) // stride, (padding - 1 + stride) // stride
 
 
 def _halo(size: int, out_size: int, kernel: int, stride: int, padding: int, dilation: int) -> tuple[int, int] | None:

@@ -19,8 +19,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pardsl.layouts.algebra import COLLECTIVE_KINDS, Layout, Mesh, block_major, collective_bytes, rank_major
-from pardsl.layouts.oprules import halo_rows, per_dim, transposed_halo_rows
+from pardsl.layouts.algebra import (
+    COLLECTIVE_KINDS,
+    Layout,
+    Mesh,
+    block_major,
+    collective_bytes,
+    halo_rows,
+    per_dim,
+    rank_major,
+    transposed_halo_rows,
+)
 from pardsl.runtime.collectives import (
     all_gather_started,
     all_reduce_started,
