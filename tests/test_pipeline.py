@@ -291,7 +291,8 @@ def test_a_searched_pipeline_prices_every_option_and_is_no_slower_than_balanced_
     kept = options[0]
     assert (searched.pipeline.schedule, searched.pipeline.microbatches, searched.pipeline.cut_before) == \
         (kept.schedule, kept.microbatches, kept.cut_before)
-    assert {option.schedule for option in options} == {"GPipe", "1F1B", "Interleaved1F1B"}
+    assert {option.schedule for option in options} == {"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
+                                                       "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
     assert {option.microbatches for option in options} == {1, 2, 4, 8}
     assert all(kept.step_s <= option.step_s for option in options)
     for m in (2, 4, 8):  # 1F1B runs at least as many micro-batches as stages
@@ -334,3 +335,25 @@ def test_the_mesh_and_the_pipeline_searched_together():
     kept = compiled.mesh_shapes[0]
     assert all(kept.step_s <= shape.step_s for shape in compiled.mesh_shapes)
     assert (compiled.pipeline is None) == (kept.sizes[1] == 1)
+
+
+def test_the_zero_bubble_schedules_fill_the_bubble_with_weight_gradients():
+    """Four segments of 3 units a micro-batch each (forward, input gradient and weight gradient 1 each),
+    2 ranks, 4 micro-batches: 1F1B's bubble is a whole stage, the interleaved one's half of a rank's
+    work, ZB-H1's a third of that, ZB-V's none; ZB-V puts stages 0 and 3 on rank 0."""
+    from pardsl.planning.pipeline_search import _priced, _Segments
+    from pardsl.runtime.schedules import rank_of_stage, stages_of_rank
+
+    segments = _Segments(("b", "c", "d"), (3.0,) * 4, (0.0,) * 4, (1.0,) * 4, (10,) * 4, (1,) * 4, (0,) * 4)
+    times, weights, sends, held = [3.0] * 4, [1.0] * 4, [0.0] * 4, [1] * 4
+
+    def step(schedule, per_rank, cut):
+        return _priced(segments, times, weights, sends, held, cut, 2, per_rank, schedule, 4)[0]
+
+    assert step("1F1B", 1, [0, 2, 4]) == 12 + 3 * 6
+    assert step("Interleaved1F1B", 2, [0, 1, 2, 3, 4]) == 4 * 6 + 6 / 2
+    assert step("LoopedBFS", 2, [0, 1, 2, 3, 4]) == 4 * 6 + 6 / 2
+    assert step("InterleavedZeroBubble", 2, [0, 1, 2, 3, 4]) == 4 * 6 + (6 - 4) / 2
+    assert step("ZBVZeroBubble", 2, [0, 1, 2, 3, 4]) == step("DualPipeV", 2, [0, 1, 2, 3, 4]) == 4 * 6
+    assert [rank_of_stage(k, 2, "ZBVZeroBubble") for k in range(4)] == [0, 1, 1, 0]
+    assert all(rank_of_stage(k, 2, "ZBVZeroBubble") == r for r in range(2) for k in stages_of_rank(r, 2, 4, "ZBVZeroBubble"))

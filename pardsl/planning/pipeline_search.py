@@ -1,18 +1,30 @@
 """The pipeline chosen: `pipeline pp : schedule ?, microbatches ?, cut ?` (any of the three).
 
-For each schedule (GPipe and 1F1B with one stage per rank, Interleaved1F1B with two) and each micro-batch
-count (a divisor of the batch that leaves each micro-batch's rows split as the plan splits them), the cuts
-are chosen by a dynamic program over the layer boundaries (Alpa's inter-operator pass, on this cost model):
-the stages' estimated times per micro-batch as even as they can be, each rank within the memory bound
-with the micro-batches its stage holds at once under the schedule. The option estimated fastest within
-the bound is kept (none within it: the one needing least); every option priced is reported.
+For each of torch's schedules (GPipe and 1F1B with one stage per rank; Interleaved1F1B, LoopedBFS,
+InterleavedZeroBubble, ZBVZeroBubble and DualPipeV with two) and each micro-batch count (a divisor of the
+batch that leaves each micro-batch's rows split as the plan splits them, and that the schedule takes),
+the cuts are chosen by a dynamic program over the layer boundaries (Alpa's inter-operator pass, on this
+cost model): the stages' estimated times per micro-batch as even as they can be, each rank within the
+memory bound with the micro-batches its stage holds at once under the schedule. The option estimated
+fastest within the bound is kept (none within it: the one needing least); every option priced is
+reported.
 
 The model of a step, per micro-batch stage times t_k (forward and backward of the stage's ops at the
-micro-batch's size, and its activations sent on and their gradient received back):
+micro-batch's size, and its activations sent on and their gradient received back), w the largest of the
+ranks' times per micro-batch (their stages together), W that rank's weight-gradient part of it, p ranks,
+v stages a rank:
 - GPipe, 1F1B: Σ t_k + (m - 1) · max t_k (the pipeline fills and drains once; 1F1B holds fewer
   micro-batches, not less time);
-- Interleaved1F1B, v stages a rank, m a multiple of p: m · max w_r + (p - 1) · max w_r / v, w_r a rank's
-  stages together (the bubble shrinks v times).
+- Interleaved1F1B and LoopedBFS: m · w + (p - 1) · w / v (the bubble shrinks v times; LoopedBFS runs
+  every micro-batch of a stage before the next stage, so it holds them all);
+- InterleavedZeroBubble (ZB-H1): m · w + (p - 1) · (w - 2W) / v: each backward is split into the
+  gradient of its inputs, which the stage before waits for, and of its weights, which fills the bubble;
+- ZBVZeroBubble and DualPipeV (stages r and 2p - 1 - r on rank r): m · w + (p - 1) · max(0, w - 3W) / 2,
+  no bubble where forward, input gradient and weight gradient take alike. DualPipeV's overlap of one
+  micro-batch's forward with another's backward hides communication this model does not separate, so it
+  is priced as ZB-V.
+W: an op's backward is shared evenly among its differentiable operands, and the shares of its trained
+parameters are weight gradient (a linear layer's backward: half input gradient, half weight gradient).
 Collectives along the other axes (tensor parallelism's all-reduces) count in their stage's time, and the
 gradient buckets once a step, exposed. Op and collective times at another micro-batch size scale with
 the rows they compute, the per-op overhead does not; layouts along the other axes are the greedy
@@ -30,10 +42,12 @@ from dataclasses import dataclass
 from pardsl.language.diagnostics import CompileError, Diagnostic
 from pardsl.language.syntax import PipelineDecl
 from pardsl.planning.cost import Machine, collective_seconds, op_costs, repeated_layer
-from pardsl.runtime.schedules import micro_batches_held
+from pardsl.runtime.schedules import micro_batches_held, rank_of_stage
 
 # the schedules searched, with the stages a rank runs under each
-SEARCHED_SCHEDULES = (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2))
+SEARCHED_SCHEDULES = (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2),
+                      ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 STATE_COPIES = 4  # a trained parameter's bytes held: itself, its gradient, AdamW's two moments
 
 
@@ -60,6 +74,7 @@ class _Segments:
     names: tuple[str, ...]  # the submodule each segment after the first starts with
     scaled_s: tuple[float, ...]
     fixed_s: tuple[float, ...]
+    weight_s: tuple[float, ...]  # the weight-gradient part of scaled_s
     parameter_bytes: tuple[int, ...]
     activation_bytes: tuple[int, ...]
     sent_bytes: tuple[int, ...]
@@ -93,10 +108,11 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
         if stages > len(segments.scaled_s):
             continue
         for m in counts:
-            if per_rank > 1 and m % ranks or schedule == "1F1B" and m < stages:  # what torch's schedules take
+            if not _takes(schedule, m, ranks, stages):
                 continue
             rows = traced_microbatches / m  # a micro-batch's rows against the traced one's
             times = [scaled * rows + fixed for scaled, fixed in zip(segments.scaled_s, segments.fixed_s)]
+            weights = [weight * rows for weight in segments.weight_s]
             # a stage's activations to the next, one point-to-point send (its gradient back alike)
             sends = [machine.collective_seconds("send", int(b * rows), 2) if b else 0.0 for b in segments.sent_bytes]
             activations = [int(b * rows) for b in segments.activation_bytes]
@@ -104,7 +120,7 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
                 _cut(segments, times, sends, activations, stages, ranks, schedule, m, limit)
             if cut is None or len(cut) - 1 != stages:
                 continue
-            step, memory = _priced(segments, times, sends, activations, cut, ranks, per_rank, schedule, m)
+            step, memory = _priced(segments, times, weights, sends, activations, cut, ranks, per_rank, schedule, m)
             options.append(PipelineOption(schedule, per_rank, m, tuple(segments.names[i - 1] for i in cut[1:-1]),
                                           step + synchronised, memory, limit is None or memory <= limit))
     if not options:
@@ -137,7 +153,7 @@ def _segments(typed, program, machine: Machine) -> _Segments:
         for name in order[start:end]:
             segment_of[name] = k
     count = len(starts)
-    scaled, fixed = [0.0] * count, [0.0] * count
+    scaled, fixed, weight = [0.0] * count, [0.0] * count, [0.0] * count
     overhead = machine.op_overhead_s * machine.slowdown(mesh.size)
     for op in op_costs(typed, machine, machine.slowdown(mesh.size)):
         k = segment_of[op.node]
@@ -145,6 +161,8 @@ def _segments(typed, program, machine: Machine) -> _Segments:
         per_op = overhead * (both / op.forward_s) if op.forward_s else 0.0
         fixed[k] += per_op
         scaled[k] += max(0.0, both - per_op)
+        weight[k] += _weight_gradient_share(typed, op.node) * op.backward_s * max(0.0, both - per_op) / both \
+            if both else 0.0
     for statement in program.statements:  # the other axes' collectives, on the stage's critical path
         if statement.node in segment_of:
             scaled[segment_of[statement.node]] += sum(collective_seconds(machine, mesh, c)
@@ -168,7 +186,30 @@ def _segments(typed, program, machine: Machine) -> _Segments:
     for k, end in enumerate(starts[1:]):  # what the segment's last op makes crosses to the next
         last = order[end - 1]
         sent[k] = local_bytes(last, typed.nodes[last].op_layout)
-    return _Segments(tuple(names), tuple(scaled), tuple(fixed), tuple(parameters), tuple(activations), tuple(sent))
+    return _Segments(tuple(names), tuple(scaled), tuple(fixed), tuple(weight), tuple(parameters),
+                     tuple(activations), tuple(sent))
+
+
+def _weight_gradient_share(typed, name: str) -> float:
+    """The part of an op's backward that computes its trained parameters' gradients: its backward shared
+    evenly among its differentiable operands."""
+    bound = typed.bound
+    floating = [operand for operand in typed.nodes[name].operands if typed.info(operand).dtype.is_floating_point]
+    trained = [operand for operand in floating
+               if operand in bound.parameters and bound.parameters[operand] not in bound.frozen]
+    return len(trained) / len(floating) if floating else 0.0
+
+
+def _takes(schedule: str, m: int, ranks: int, stages: int) -> bool:
+    """Whether torch's schedule runs m micro-batches over these stages (and, for the zero-bubble ones,
+    enough of them to fill the bubble the model assumes filled)."""
+    if schedule == "1F1B":
+        return m >= stages
+    if schedule in V_SHAPED:
+        return m >= stages  # ZB-V has empty slots below 2p - 1; DualPipeV refuses fewer than its stages
+    if stages > ranks:  # the looped schedules run rounds of p micro-batches
+        return m % ranks == 0
+    return True
 
 
 def _microbatch_counts(typed, batch: int) -> list[int]:
@@ -192,8 +233,8 @@ def _written_cut(segments: _Segments, decl: PipelineDecl) -> list[int] | None:
 def _cut(segments: _Segments, times, sends, activations, stages: int, ranks: int, schedule: str, m: int,
          limit: int | None) -> list[int] | None:
     """Stage boundaries (segment indices, 0 and the end included) whose largest stage time is least, each
-    stage's rank within the memory bound: a dynamic program over the segments (stage k of `stages` runs
-    on rank k mod `ranks`; with several stages a rank, the bound is checked after, over its stages)."""
+    stage's rank within the memory bound: a dynamic program over the segments (stage k runs on the
+    rank its schedule places it on; with several stages a rank, the bound is checked after, over its stages)."""
     prefix = [0.0, *itertools.accumulate(times)]
 
     def fits(k: int, i: int, j: int) -> bool:
@@ -224,23 +265,33 @@ def _stage_bytes(segments: _Segments, activations: list[int], schedule: str, m: 
                  j: int) -> int:
     """What stage k (segments i to j) holds on its rank: its parameters, and the activations of the
     micro-batches its schedule keeps in flight there."""
-    held = micro_batches_held(schedule, m, ranks, k % ranks)
+    held = micro_batches_held(schedule, m, ranks, rank_of_stage(k, ranks, schedule))
     return sum(segments.parameter_bytes[i:j]) + held * sum(activations[i:j])
 
 
-def _priced(segments: _Segments, times, sends, activations, cut: list[int], ranks: int, per_rank: int,
+def _priced(segments: _Segments, times, weights, sends, activations, cut: list[int], ranks: int, per_rank: int,
             schedule: str, m: int) -> tuple[float, int]:
-    """The step's estimate and the most memory a rank holds, for stages cut at `cut`."""
+    """The step's estimate and the most memory a rank holds, for stages cut at `cut` (the module's
+    docstring gives the model)."""
     prefix = [0.0, *itertools.accumulate(times)]
     stage_times = [_stage_seconds(prefix, sends, i, j) for i, j in zip(cut, cut[1:])]
-    memory = [0] * ranks
+    stage_weights = [sum(weights[i:j]) for i, j in zip(cut, cut[1:])]
+    memory, work, weight = [0] * ranks, [0.0] * ranks, [0.0] * ranks
     for k, (i, j) in enumerate(zip(cut, cut[1:])):
-        memory[k % ranks] += _stage_bytes(segments, activations, schedule, m, ranks, k, i, j)
+        rank = rank_of_stage(k, ranks, schedule)
+        memory[rank] += _stage_bytes(segments, activations, schedule, m, ranks, k, i, j)
+        work[rank] += stage_times[k]
+        weight[rank] += stage_weights[k]
+    slowest = max(range(ranks), key=lambda r: work[r])
+    w, w_weight = work[slowest], weight[slowest]
     if per_rank == 1:
         step = sum(stage_times) + (m - 1) * max(stage_times)
+    elif schedule == "InterleavedZeroBubble":
+        step = m * w + (ranks - 1) * max(0.0, w - 2 * w_weight) / per_rank
+    elif schedule in V_SHAPED:
+        step = m * w + (ranks - 1) * max(0.0, w - 3 * w_weight) / per_rank
     else:
-        work = max(sum(stage_times[r::ranks]) for r in range(ranks))
-        step = m * work + (ranks - 1) * work / per_rank
+        step = m * w + (ranks - 1) * w / per_rank
     return step, max(memory)
 
 

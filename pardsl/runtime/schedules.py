@@ -31,6 +31,13 @@ def stages_of_rank(rank: int, axis_size: int, stages: int, schedule: str) -> lis
     return [s for s in range(stages) if s % axis_size == rank]
 
 
+def rank_of_stage(stage: int, axis_size: int, schedule: str) -> int:
+    """The rank along the pipeline axis that runs `stage` (the inverse of `stages_of_rank`)."""
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
+        return stage if stage < axis_size else 2 * axis_size - 1 - stage
+    return stage % axis_size
+
+
 def micro_batches_held(schedule: str, microbatches: int, axis_size: int, rank: int) -> int:
     """How many micro-batches' activations one of the rank's stages holds at once: 1F1B starts backward
     once the pipeline is full, so rank r holds p - r of them; GPipe holds every micro-batch. For the
