@@ -493,7 +493,12 @@ def _main(args, quiet) -> int:
               f"parameters, {report['optimizer']})")
         for phase in ("forward", "backward"):
             parts = [f"{n} {k.replace('_', '-')}" for k, n in report["collectives"][phase].items() if n]
-            print(f"  {phase} collectives (measured): {', '.join(parts) or 'none'}, {report['bytes'][phase]} bytes")
+            routed = ""
+            if "routed_bytes" in report:  # a mixture's all-to-alls move what the routing sends
+                by_rank = ", ".join(str(r[phase]) for r in report["routed_bytes"])
+                routed = (f"; all-to-alls as routed: {by_rank} bytes by rank (planned "
+                          f"{compiled.program.routed_bytes()[phase]} for a balanced routing)")
+            print(f"  {phase} collectives (measured): {', '.join(parts) or 'none'}, {report['bytes'][phase]} bytes{routed}")
         if "sends" in report:
             between = "between stages" if compiled.pipeline is not None else "of halos"
             print(f"  point-to-point sends {between}, all ranks (measured): {report['sends']['forward']} forward, "

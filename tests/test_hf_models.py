@@ -379,3 +379,14 @@ def test_families_with_constants_frozen_weights_or_random_depth_train_under_the_
     else:
         assert "TRAINING_ONLY" in compiled.source and "drop_path" in compiled.source
     check(pools, compiled)
+
+
+@pytest.mark.parametrize("plan", ["memory <= 60 %\n", "layout {\n  input_ids : S(0)\n  pixel_values : S(0)\n}\n"])
+def test_clip_contrastive_loss_under_the_search_and_data_parallel(pools, compile_par, plan):
+    """CLIP as the library writes it, its loss contrasting every caption of the batch with every image:
+    under the search on tp 2, and data parallel, where each rank's captions meet the whole batch's
+    images (the similarity matrix's rows split), both equal to serial."""
+    compiled = compile_par("mesh tp = 2\nmodel examples.more_families:Contrastive()\n"
+                           "input input_ids : int64[4, 8] in [0, 64)\ninput pixel_values : float32[4, 3, 32, 32]\n"
+                           + plan)
+    check(pools, compiled)

@@ -97,7 +97,8 @@ def test_rules_are_data():
                                                   "reshape", "permute", "attention", "source", "cut", "project",
                                                   "expand", "check", "select", "loss", "index", "gather", "pad",
                                                   "conv", "window", "batch_norm", "group_norm", "along", "one_hot",
-                                                  "histogram", "index_put", "equation", "stack", "recurrent"}
+                                                  "histogram", "index_put", "equation", "stack", "recurrent",
+                                                  "experts"}
     assert RULES[torch.ops.aten.linear.default].spec == "...k,nk,n->...n"
 
 

@@ -467,3 +467,70 @@ class ReturnsPart(nn.Module):
 
     def forward(self, x):
         return self.encoder(x)[0]
+
+
+def _zoo_experts(gate=None):
+    """An experts module written as transformers writes them (its experts interface), with an eager
+    forward; `gate`, where given, replaces the default act(gate) · up."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts, hidden, inner = config.num_experts, config.hidden_size, config.intermediate_size
+            self.gate_up_proj = nn.Parameter(torch.randn(self.num_experts, 2 * inner, hidden) / hidden ** 0.5)
+            self.down_proj = nn.Parameter(torch.randn(self.num_experts, hidden, inner) / inner ** 0.5)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            for token, experts in enumerate(top_k_index.tolist()):
+                for choice, e in enumerate(experts):
+                    h = self._apply_gate(self.gate_up_proj[e] @ hidden_states[token])
+                    out[token] += top_k_weights[token, choice] * (self.down_proj[e] @ h)
+            return out
+
+    if gate is not None:
+        Experts._apply_gate = gate
+    return use_experts_implementation(Experts)
+
+
+class SkewedExperts(nn.Module):
+    """A mixture of 4 experts whose router's choice is fixed, whatever its input, for `tokens` tokens:
+    `last`, every token the last two experts (under expert parallelism on 2 ranks every pair goes to the
+    second rank and the first rank's experts get none); `own`, the first half of the tokens the first two
+    experts and the second half the last two (with the tokens split alike, no pair leaves its rank)."""
+
+    def __init__(self, hidden: int = 16, inner: int = 8, experts: int = 4, gate=None, tokens: int = 24,
+                 prefer: str = "last"):
+        super().__init__()
+        import transformers
+
+        config = transformers.PretrainedConfig()
+        config.num_experts, config.hidden_size, config.intermediate_size = experts, hidden, inner
+        config._experts_implementation = "eager"
+        self.proj = nn.Linear(hidden, hidden)
+        self.router = nn.Linear(hidden, experts)
+        ranked = torch.arange(experts, dtype=torch.float32) * 5.0
+        preference = ranked.expand(tokens, experts).clone()
+        if prefer == "own":
+            preference[: tokens // 2] = ranked.flip(0)
+        self.register_buffer("preference", preference)
+        self.experts = _zoo_experts(gate)(config)
+
+    def forward(self, x):
+        h = self.proj(x).reshape(-1, x.shape[-1])
+        scores, index = torch.topk(self.router(h) + self.preference, 2, dim=-1)
+        out = self.experts(h, index, torch.softmax(scores, dim=-1))
+        return out.reshape(x.shape)
+
+
+class UnknownGateExperts(SkewedExperts):
+    """Experts whose gate is none the op knows (up · gate, no activation)."""
+
+    def __init__(self):
+        def plain_product(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return gate * up
+        super().__init__(gate=plain_product)
+

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+import pardsl.runtime.experts  # noqa: F401  (registers pardsl::experts, which RULES names)
 from pardsl.layouts.algebra import B, P, Placement, S, collective_bytes, halo_rows, per_dim, transposed_halo_rows
 
 Letters = tuple  # one letter (str) or None (a broadcast dim of size 1) per dim
@@ -59,6 +60,11 @@ class Rule:
     fill_arg: int | None = None  # pad's fill value: P passes a zero fill only
     joins: bool = False  # cat: m equal operands split along the dim join into S(dim, blocks=m)
     parallel_form: str = ""  # runtime function computing the op where it takes one of its extra signatures
+    every_signature: bool = False  # the parallel form computes the op under its plain signatures too
+    # inference prices gathering the op's split parameters as a stall, not as a prefetch hidden behind
+    # compute: gathering a mixture's experts puts every expert on every rank, which a written split of
+    # them over the tokens' axis means to avoid (expert parallelism); the search prices both as they run
+    unhidden_gathers: bool = False
     spatial: int = 0  # conv / window ops: how many trailing spatial dims (conv2d's 2); 0: from the weight
     transposed: bool = False  # conv_transpose: the weight is [in channels, out channels / groups, *kernel]
     window: str = ""  # pools and resizes whose spatial dims may split: "max", "average" or "nearest"
@@ -212,6 +218,10 @@ RULES: dict[Any, Rule] = {
     aten.mean.dim: Rule("reduce", linear="sum", dim_arg=1, keepdim_arg=2, mean=True),
     aten.mean.default: Rule("reduce", linear="sum", mean=True),
     aten.amax.default: Rule("reduce", dim_arg=1, keepdim_arg=2, unsplittable_reduce=True),
+    # a dim's maximum or minimum and where it is (GPT-OSS's attention sinks): the values and the
+    # indices alike
+    aten.max.dim: Rule("reduce", dim_arg=1, keepdim_arg=2, unsplittable_reduce=True),
+    aten.min.dim: Rule("reduce", dim_arg=1, keepdim_arg=2, unsplittable_reduce=True),
     # normalisation over a dim that must be whole on every rank
     aten.softmax.int: Rule("normalize", dim_arg=1),
     aten._softmax.default: Rule("normalize", dim_arg=1),
@@ -259,6 +269,12 @@ RULES: dict[Any, Rule] = {
     aten.gru.input: Rule("recurrent", requires=((5, "dropout", 0.0),)),
     aten.rnn_tanh.input: Rule("recurrent", requires=((5, "dropout", 0.0),)),
     aten.rnn_relu.input: Rule("recurrent", requires=((5, "dropout", 0.0),)),
+    # a mixture of experts' experts as one op (pardsl/runtime/experts.py): tokens split (data parallel),
+    # the intermediate dim split (tensor parallel: P), experts and tokens split alike over the same axis
+    # (expert parallel: each pair to its expert's rank and back, all-to-alls of a size the routing
+    # decides); computed by the runtime under every signature
+    torch.ops.pardsl.experts.default: Rule("experts", parallel_form="experts", every_signature=True,
+                                                 unhidden_gathers=True),
     # batch norm: per-channel statistics, so channels split freely. In training the statistics are over
     # the batch and spatial dims: a split batch computes the global ones (SyncBatchNorm's form: one
     # all-reduce of per-channel sums forward, one backward); in eval the running statistics are used.
@@ -361,7 +377,8 @@ class InnerCollective:
     itemsize: int | None = None  # bytes per value when not operand 0's (statistics reduced in float64)
     min_itemsize: int = 0  # at least this many (sums of a half-precision operand reduced in float32)
     kind: str = "all_reduce"  # or all_gather: then each rank contributes these values, and gets everyone's;
-    # or send: one message of these values to a neighbour
+    # or send: one message of these values to a neighbour; or all_to_all
+    routed: bool = False  # the values sent follow the data (a mixture's routing): these are a balanced one's
 
     def values(self, local_shape: tuple[int, ...], placement: Placement) -> int:
         """How many values it reduces, for operand 0 of this local shape and placement on the axis."""
@@ -861,6 +878,39 @@ def _letters_recurrent(node: torch.fx.Node, rule: Rule, shapes: list, out_shape:
     draft.unsplittable |= {"t", "f", "l", "h", "o"}
 
 
+def _letters_experts(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
+    # (hidden [t, h], index [t, k], weights [t, k], gate_up [e, i, h] (transposed [e, h, i]), its bias
+    # [e, i] or None, down [e, o, i] (transposed [e, i, o]), gate, transposed, ...) -> [t, o]. A split h
+    # would sum before the gate, so it stays whole; a split k sums the choices' contributions (P); a split
+    # o is each rank's columns of the down projection. The experts (e) split with the tokens, and the
+    # intermediate dim (i), by the forms below, which the runtime computes.
+    has_bias = node.args[4] is not None
+    gate, transposed = node.args[6], node.args[7]
+    gate_up, down = (("e", "h", "i"), ("e", "i", "o")) if transposed else (("e", "i", "h"), ("e", "o", "i"))
+    draft.operand_letters = [("t", "h"), ("t", "k"), ("t", "k"), gate_up] + [("e", "i")] * has_bias + [down]
+    draft.output = ("t", "o")
+    draft.unsplittable |= {"e", "h", "i"}
+    draft.sums_contraction = True
+    # gate and up are the intermediate dim's two halves where concatenated: a split keeps them paired
+    halves = 2 if gate == "glu" else 1
+    weights = [S(gate_up.index("i"), halves)] + [S(1, halves)] * has_bias + [S(down.index("i"))]
+    tokens, experts = (S(0), S(0), S(0)), (S(0),) * (2 + has_bias)
+    choices, hidden = shapes[1][1], shapes[0][1]
+    draft.extra = (
+        Signature((B, B, B, *weights), P, "i", name="intermediate"),
+        Signature((*tokens, *experts), S(0), "t", name="expert_parallel", inner_collectives=(
+            InnerCollective(0, shapes[3][0], what="rows for each expert", itemsize=8, kind="all_to_all"),
+            InnerCollective(0, per_index=(0, choices * hidden), what="each (token, choice) pair to its expert's rank",
+                            kind="all_to_all", routed=True),
+            InnerCollective(0, per_index=(0, choices * out_shape[1]), what="the experts' results back",
+                            kind="all_to_all", routed=True),
+            InnerCollective(0, per_index=(0, choices * out_shape[1]), what="the results' gradients to the experts",
+                            kind="all_to_all", phase="backward", routed=True),
+            InnerCollective(0, per_index=(0, choices * hidden), what="the pairs' gradients back", kind="all_to_all",
+                            phase="backward", routed=True))),
+    )
+
+
 def recurrent_state_dims(node: torch.fx.Node) -> tuple[int, int] | None:
     """For a final state taken from a recurrent layer's results (getitem i > 0): (the batch dim of the
     layer's output, which the results' layout speaks of, and the state's own batch dim); None otherwise."""
@@ -1116,6 +1166,7 @@ _LETTERS_OF_FAMILY = {
     "equation": _letters_equation,
     "stack": _letters_stack,
     "recurrent": _letters_recurrent,
+    "experts": _letters_experts,
     "conv": _letters_conv,
     "window": _letters_window,
     "batch_norm": _letters_norm_over_channels,

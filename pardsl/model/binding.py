@@ -140,7 +140,7 @@ class BoundPlan:
 # FLOP per op
 
 
-_COUNTED_FAMILIES = ("einsum", "matmul", "attention", "conv")  # op rule families that do the arithmetic
+_COUNTED_FAMILIES = ("einsum", "matmul", "attention", "conv", "experts")  # op rule families that do the arithmetic
 
 
 def global_flops(bound) -> dict[str, int]:
@@ -514,8 +514,10 @@ def _check_mesh(par: ParFile, sink: DiagnosticSink) -> Mesh | None:
 
 
 # where a mixture of experts routes tokens with data-dependent shapes, or through an opaque grouped matmul
-MOE_HINT = ("for a transformers mixture of experts, `pardsl.moe.use_static_capacity(config, groups)` gives "
-            "its experts static shapes that expert parallelism can split")
+MOE_HINT = ("transformers' experts are traced as one op (pardsl::experts) where their gate is one the op knows "
+            "(act(gate) · up with silu, gelu, relu, sigmoid or tanh; GPT-OSS's clamped SwiGLU; an activation "
+            "alone: GATES in pardsl/runtime/experts.py); this module's is none of them, or it normalises after its "
+            "experts. For SiLU-gated experts, `pardsl.model.moe.use_static_capacity(config, groups)` is another form")
 
 
 def _computed_as(dtype: torch.dtype, par: ParFile) -> torch.dtype:

@@ -1,6 +1,6 @@
-"""The model traced: torch.export on meta tensors (by forward() argument name), the values of constants a
-trace on meta cannot give, grad-mode regions inlined into the graph, and where in the model's source each
-op was called."""
+"""The model traced: torch.export on meta tensors (by forward() argument name), transformers' experts as
+one op (pardsl/model/moe.py), the values of constants a trace on meta cannot give, grad-mode regions
+inlined into the graph, and where in the model's source each op was called."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import warnings
 import torch
 
 from pardsl.model.in_place import is_view
+from pardsl.model.moe import experts_as_one_op
 
 aten = torch.ops.aten
 
@@ -28,7 +29,7 @@ def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
     previous = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), experts_as_one_op(model):
             warnings.simplefilter("ignore")
             exported = torch.export.export(model, (), dict(example_inputs), strict=False,
                                            dynamic_shapes=dynamic_shapes)

@@ -1,4 +1,16 @@
-"""Mixture-of-experts layers in a static capacity form, which expert parallelism can split.
+"""Mixture-of-experts layers as pardsl traces them: transformers' experts as one op, or, where the user
+chooses it, in a static capacity form.
+
+**As one op** (the default, nothing to change in the model): while the model is traced, each experts
+module that uses transformers' experts interface computes through `pardsl::experts`
+(pardsl/runtime/experts.py), which holds the routing inside and has static shapes, so the plan may split
+its tokens, its experts (expert parallelism: a variable all-to-all each way) and their intermediate dim
+(tensor parallelism). Which gate the module applies between its projections is read by running the
+module's own gate on a probe and comparing it with the forms the op knows (`GATES`); a module whose gate
+is none of them is traced as the library writes it (E060 on its grouped matmul names it). A down
+projection's bias is added outside the op, Σ_k weight_k · bias[expert_k], by ordinary ops.
+
+**Static capacity** (a choice, for a fixed communication volume):
 
 Hugging Face's experts route each token to its top-k experts with shapes that depend on the routing
 (`nonzero`, `index_add_`: E061 in pardsl), or gather every token's expert weights (`batched_mm`: the
@@ -24,11 +36,93 @@ whose experts use transformers' experts interface) to this form.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+import torch.nn.functional as F
+
+from pardsl.runtime.experts import ACTIVATIONS, GATES
 
 IMPLEMENTATION = "pardsl_capacity"
+ONE_OP = "pardsl_experts"
+
+
+def one_op_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts interface, computed by `pardsl::experts` (the module's doc)."""
+    gate, act, alpha, limit = self.pardsl_gate
+    first = self.gate_up_proj if self.has_gate else self.up_proj
+    first_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
+    out = torch.ops.pardsl.experts(hidden_states, top_k_index, top_k_weights, first, first_bias, self.down_proj,
+                                   gate, self.is_transposed, act, alpha, limit)
+    if self.has_bias:
+        chosen = F.embedding(top_k_index, self.down_proj_bias)  # [T, k, H]: each choice's expert's bias
+        out = out + (top_k_weights.unsqueeze(-1).to(chosen.dtype) * chosen).sum(1).to(out.dtype)
+    return out
+
+
+def _gate_of(module) -> tuple[str, str, float, float | None] | None:
+    """The op's gate (name, activation, alpha, limit) that computes what the module's own gate does, tried
+    on a probe; None where no form matches or the module does more than the op does."""
+    if getattr(module, "has_post_expert_norm", False) or getattr(module, "_is_expert_parallel", False):
+        return None
+    probe = torch.linspace(-6.0, 6.0, 48, dtype=torch.float32).reshape(2, 24)
+    alpha, limit = float(getattr(module, "alpha", 1.0)), getattr(module, "limit", None)
+    limit = float(limit) if limit is not None else None
+    try:
+        if not module.has_gate:
+            wanted = module.act_fn(probe)
+            forms = [("activation", act) for act in ACTIVATIONS]
+        else:
+            wanted = module._apply_gate(probe)
+            forms = [(gate, act) for gate in GATES if gate != "activation" for act in ACTIVATIONS]
+    except Exception:  # a gate that cannot run on a probe: traced as the library writes it
+        return None
+    for gate, act in forms:
+        if gate == "clamped_swiglu" and limit is None:
+            continue
+        got = GATES[gate][0](probe, ACTIVATIONS[act], alpha, limit)
+        if got.shape == wanted.shape and torch.allclose(got, wanted.to(got.dtype), atol=1e-6, rtol=1e-5):
+            return gate, act, alpha, limit
+    return None
+
+
+def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that compute through transformers' experts interface."""
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")
+            and hasattr(getattr(m, "config", None), "_experts_implementation")]
+
+
+@contextlib.contextmanager
+def experts_as_one_op(model: torch.nn.Module):
+    """While tracing: every experts module whose gate the op knows computes through it (the module's doc),
+    unless its config already chose static capacity; a config that another, unknown, experts module
+    shares is left as it is."""
+    modules = _experts_modules(model)
+    if not modules:
+        yield
+        return
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(ONE_OP, one_op_experts_forward)
+    gates = {id(m): _gate_of(m) for m in modules}
+    configs = {}
+    for module in modules:
+        configs.setdefault(id(module.config), (module.config, []))[1].append(module)
+    switched = []
+    for config, members in configs.values():
+        if config._experts_implementation == IMPLEMENTATION or any(gates[id(m)] is None for m in members):
+            continue
+        for module in members:
+            module.pardsl_gate = gates[id(module)]
+        switched.append((config, config._experts_implementation))
+        config._experts_implementation = ONE_OP
+    try:
+        yield
+    finally:
+        for config, previous in switched:
+            config._experts_implementation = previous
 
 
 def capacity_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

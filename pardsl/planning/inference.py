@@ -302,7 +302,8 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     forward_only = _one_axis_cost(source, target, size, n, False, written)
                     both = _one_axis_cost(source, target, size, n, grad, written)
                     changes += 1
-                    if name in bound.parameters and source.is_split and target == B and data_split:
+                    if name in bound.parameters and source.is_split and target == B and data_split and \
+                            not rule_for(node).unhidden_gathers:
                         deferred += both  # prefetched forward; reduce-scattered in buckets backward
                         continue
                     forward += forward_only

@@ -130,10 +130,12 @@ class Collective:
     value: str  # the variable it moves
     reason: str
     node: str = ""  # the graph op it is there for ("" for buckets, gather groups and outputs)
+    routed: bool = False  # its bytes follow the data (a mixture's routing): `bytes` is a balanced routing's
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "axis": self.axis, "phase": self.phase, "bytes": self.bytes,
-                "value": self.value, "reason": self.reason, "node": self.node}
+                "value": self.value, "reason": self.reason, "node": self.node,
+                **({"routed": True} if self.routed else {})}
 
 
 @dataclass(frozen=True)
@@ -312,9 +314,18 @@ class LoweredProgram:
         return held
 
     def collective_bytes(self) -> dict[str, int]:
+        """Bytes per rank and phase, the routed collectives' at a balanced routing."""
         totals = {"forward": 0, "backward": 0}
         for c in self.collectives:
             totals[c.phase] += c.bytes
+        return totals
+
+    def routed_bytes(self) -> dict[str, int]:
+        """The part of collective_bytes that follows the data: a run counts what it sent apart."""
+        totals = {"forward": 0, "backward": 0}
+        for c in self.collectives:
+            if c.routed:
+                totals[c.phase] += c.bytes
         return totals
 
 

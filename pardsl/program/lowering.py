@@ -668,7 +668,7 @@ class _Lowerer:
             splits = tuple((self.mesh.axis_names[a], p.dim, p.blocks)
                            for a, p in enumerate(typed_node.op_layout.placements) if p.is_split)
             expr = Instruction("form", f"rt.{rule.drawn_as}", tuple(args), tuple(kwargs + [("splits", Text(repr(splits)))]))
-        elif parallel_forms:
+        elif parallel_forms or rule.every_signature:
             # the rule's parallel form takes the op's own arguments, and per form the axes it is taken on
             forms = {}
             for axis, signature in parallel_forms.items():
@@ -714,10 +714,11 @@ class _Lowerer:
                     continue
                 axis_name = self.mesh.axis_names[axis]
                 moved = inner.volume(local, placement, info.itemsize, self.mesh.axis_sizes[axis])
-                made.append(f"{inner.kind.replace('_', '-')} {format_bytes(moved)} over {axis_name} ({inner.phase}): "
-                            f"{inner.what}")
+                size = f"~{format_bytes(moved)} as routed" if inner.routed else format_bytes(moved)
+                made.append(f"{inner.kind.replace('_', '-')} {size} over {axis_name} ({inner.phase}): {inner.what}")
                 collectives.append(Collective(inner.kind, axis_name, inner.phase, moved, self.var[operand],
-                                              f"{inner.what}, {signature.name} split — {reason}"))
+                                              f"{inner.what}, {signature.name} split — {reason}",
+                                              routed=inner.routed))
         return tuple(collectives), made
 
     def _intermediate_name(self, final: str, layout: Layout) -> str:

@@ -50,6 +50,7 @@ from pardsl.runtime.parallel_ops import (
     SyncBatchNorm,
     targets_counted,
 )
+from pardsl.runtime.experts import experts_exchanged, experts_local
 from pardsl.runtime.parameter_sync import ParameterSync
 from pardsl.runtime.recompute import RegionCollectives, recompute
 from pardsl.runtime.shared_memory import shared_memory_group
@@ -62,21 +63,25 @@ class CommCounter:
     counts: dict[str, Counter] = field(default_factory=lambda: {p: Counter() for p in PHASES})
     by_axis: dict[str, Counter] = field(default_factory=lambda: {p: Counter() for p in PHASES})
     bytes: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
+    routed_bytes: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})  # what the data decided
+    routed: bool = False  # whether any collective's bytes were the data's to decide (a mixture's exchanges)
 
     progress: object = None  # where `pardsl run` records each collective for its watchdog (advance(what))
 
-    def record(self, phase: str, kind: str, nbytes: int, axis: str) -> None:
+    def record(self, phase: str, kind: str, nbytes: int, axis: str, routed: bool = False) -> None:
         if self.progress is not None:
             self.progress.advance(f"{phase} {kind} over {axis}")
         self.counts[phase][kind] += 1
         self.by_axis[phase][(axis, kind)] += 1
-        self.bytes[phase] += nbytes
+        (self.routed_bytes if routed else self.bytes)[phase] += nbytes
+        self.routed |= routed
 
     def reset(self) -> None:
         for phase in PHASES:
             self.counts[phase].clear()
             self.by_axis[phase].clear()
             self.bytes[phase] = 0
+            self.routed_bytes[phase] = 0
 
     def summary(self) -> dict:
         sends = {p: self.counts[p]["send"] for p in PHASES}
@@ -86,6 +91,7 @@ class CommCounter:
             "collectives_by_axis": {p: {f"{axis}:{kind}": n for (axis, kind), n in sorted(self.by_axis[p].items())}
                                     for p in PHASES},
             "bytes": dict(self.bytes),
+            **({"routed_bytes": dict(self.routed_bytes)} if self.routed else {}),
         }
 
 
@@ -301,6 +307,17 @@ class Runtime:
         if not features:
             return torch.ops.aten.layer_norm.default(x, normalized_shape, weight, bias, eps, cudnn_enable)
         return SplitLayerNorm.apply(x, weight, bias, eps, self, features)
+
+    def experts(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                gate_up_bias, down: torch.Tensor, gate: str, transposed: bool, act: str, alpha: float, limit,
+                expert_parallel: tuple[str, ...] = (), intermediate: tuple[str, ...] = ()) -> torch.Tensor:
+        """pardsl::experts (runtime/experts.py) on this rank's shards: with the tokens and the experts split
+        over `expert_parallel` axes, each pair sent to its expert's rank and back; the intermediate dim
+        split over `intermediate` axes gives a partial sum with nothing to exchange."""
+        if expert_parallel:
+            return experts_exchanged(self, hidden, index, weights, gate_up, gate_up_bias, down, gate, transposed,
+                                     act, alpha, limit, expert_parallel)
+        return experts_local(hidden, index, weights, gate_up, gate_up_bias, down, gate, transposed, act, alpha, limit)
 
     def conv_halo(self, x: torch.Tensor, weight, bias=None, stride=1, padding=0, dilation=1, groups=1,
                   **halos: tuple[str, ...]) -> torch.Tensor:

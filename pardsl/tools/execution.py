@@ -469,7 +469,11 @@ def combine(results: list[dict], job: RankJob) -> dict:
         # a pipeline's point-to-point sends in one step, over every rank
         **({"sends": {phase: sum(r.get("sends", {}).get(phase, 0) for r in results) for phase in ("forward", "backward")}}
            if any("sends" in r for r in results) else {}),
-        "bytes": first["bytes"],
+        "bytes": first["bytes"],  # the collectives whose bytes the plan fixes
+        # the all-to-alls a routing decides (a mixture's experts), each rank's, as the data sent them
+        **({"routed_bytes": [r.get("routed_bytes", {"forward": 0, "backward": 0})
+                             for r in sorted(results, key=lambda r: r["rank"])]}
+           if any("routed_bytes" in r for r in results) else {}),
         "step_ms": first["step_ms"],
         # each rank's measured peak over its first step (pardsl/tools/memory.py)
         **({"memory": {"peak_bytes": [r["peak_bytes"] for r in sorted(results, key=lambda r: r["rank"])]}}
