@@ -500,7 +500,7 @@ def _main(args, quiet) -> int:
                           f"{compiled.program.routed_bytes()[phase]} for a balanced routing)")
             print(f"  {phase} collectives (measured): {', '.join(parts) or 'none'}, {report['bytes'][phase]} bytes{routed}")
         if "sends" in report:
-            between = "between stages" if compiled.pipeline is not None else "of halos"
+            between = "between stages" if compiled.pipeline is not None else "between neighbours (halos, ring attention)"
             print(f"  point-to-point sends {between}, all ranks (measured): {report['sends']['forward']} forward, "
                   f"{report['sends']['backward']} backward")
         print(f"  step time: compiled {report['step_ms']['compiled']:.2f} ms, serial {report['step_ms']['serial']:.2f} ms")

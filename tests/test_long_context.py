@@ -1,7 +1,11 @@
 """Long sequences split over ranks: a LLaMA whose tokens are written split (`input_ids : S(1)`) and left
-to the search under a memory bound keeps its sequence split, attention computed with the heads split
-instead (an all-to-all each way around it: DeepSpeed-Ulysses' form), and holds a share of the
-activations; at a short sequence the same file runs equal to serial."""
+to the search under a memory bound keeps its sequence split, attention included: ring attention, the
+key/value chunks passed around the ranks (or, where it is priced cheaper, the heads split between two
+all-to-alls: DeepSpeed-Ulysses' form), and holds a share of the activations; at a short sequence the
+same file runs equal to serial. Ring attention itself against serial attention: causal, full, under a
+mask tensor, grouped-query."""
+
+import pytest
 
 from pardsl.compiler import compile_text
 
@@ -22,12 +26,38 @@ def _activation_share(compiled) -> float:
 def test_the_sequence_stays_split_around_attention():
     at_2k = compile_text(_llama(2, 2048, "60 %"), "examples/long.par")
     assert _activation_share(at_2k) <= 0.6
-    attention = [line for line in at_2k.source.splitlines() if "scaled_dot_product_attention.default(" in line]
-    assert attention and all("S(1)@cp" in line for line in attention)  # heads split at the attention
-    assert at_2k.program.collective_counts_by_axis()["forward"].get("cp:all_to_all", 0) >= 2
+    attention = [line for line in at_2k.source.splitlines() if "rt.attention(" in line]
+    assert len(attention) == 2 and all("ring=('cp',)" in line for line in attention)  # the sequence stays split
+    # per layer one send of its keys and values forward; their gradients' two backward
+    assert at_2k.program.collective_counts_by_axis() == {"forward": {"cp:send": 2},
+                                                         "backward": {"cp:all_reduce": 1, "cp:send": 4}}
     at_16k = compile_text(_llama(4, 16384, "30 %"), "examples/long.par")
     assert _activation_share(at_16k) <= 0.3
 
 
 def test_a_split_sequence_trains_equal_to_serial(pools):
     check(pools, compile_text(_llama(2, 64, "60 %", batch=2), "examples/long.par"))
+
+
+def _sequence_attention(ranks: int, arguments: str, width: int = 8) -> str:
+    return (f"mesh cp = {ranks}\nmodel tests.zoo:SequenceAttention({arguments})\n"
+            f"input x : float32[1, 16, {width}]\nlayout {{\n    x : S(1)\n    output : S(1)\n}}\n")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("arguments, width", [
+    ("causal=True", 8),                           # is_causal: later chunks skipped, the own one masked
+    ("causal=False", 8),                          # every chunk attended in full
+    ("masked=True", 8),                           # a mask tensor: each step reads its chunk's columns
+    ("heads=4, kv_heads=1, causal=True", 32),     # grouped-query: one key/value head, nothing to split by heads
+])
+def test_ring_attention_equals_serial_attention(pools, compile_par, ranks, arguments, width):
+    """One sequence (no batch to split) of one head (no heads to split), split over the ranks: the
+    attention keeps it split, its key/value chunks passed around the ring: n - 1 sends forward, n
+    backward (the chunks with their gradients, then the gradients home), each rank; equal to serial."""
+    compiled = compile_par(_sequence_attention(ranks, arguments, width))
+    assert "ring=('cp',)" in compiled.source and "rt.all_gather" not in compiled.source
+    report = check(pools, compiled)
+    assert report["collectives_by_axis"]["forward"].get("cp:send") == ranks - 1
+    assert report["collectives_by_axis"]["backward"].get("cp:send") == ranks
+    assert report["sends"] == {"forward": ranks * (ranks - 1), "backward": ranks * ranks}

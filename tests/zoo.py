@@ -534,3 +534,27 @@ class UnknownGateExperts(SkewedExperts):
             return gate * up
         super().__init__(gate=plain_product)
 
+
+class SequenceAttention(nn.Module):
+    """Self-attention over x [batch, seq, heads · 8] with `kv_heads` key/value heads (grouped-query where
+    fewer), causal by `is_causal`, or under a mask tensor (`masked`: a causal sliding window of 5 keys, as
+    Mistral's), or neither."""
+
+    def __init__(self, heads: int = 1, kv_heads: int = 1, causal: bool = True, masked: bool = False,
+                 seq: int = 16):
+        super().__init__()
+        self.heads, self.kv_heads, self.causal = heads, kv_heads, causal
+        width = heads * 8
+        self.q = nn.Linear(width, width)
+        self.kv = nn.Linear(width, 2 * kv_heads * 8)
+        self.out = nn.Linear(width, width)
+        distance = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]  # query's position - key's
+        self.register_buffer("mask", ((distance >= 0) & (distance < 5))[None, None] if masked else None)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).reshape(b, s, self.heads, 8).transpose(1, 2)
+        k, v = self.kv(x).reshape(b, s, 2, self.kv_heads, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.causal and self.mask is None,
+                                           enable_gqa=self.heads != self.kv_heads)
+        return self.out(a.transpose(1, 2).reshape(b, s, -1))

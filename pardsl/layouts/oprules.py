@@ -106,7 +106,10 @@ RULES: dict[Any, Rule] = {
                                    masked_lookup=True),
     # attention: batch and heads split; sequence and head dims whole
     # (its dropout draws inside the fused kernel, per rank's heads: not serial's mask, so refused)
-    aten.scaled_dot_product_attention.default: Rule("attention", requires=((4, "dropout_p", 0.0),)),
+    # or, with no mask but a causal one, the sequence split: ring attention, the key/value chunks passed
+    # around the ranks (pardsl/runtime/ring_attention.py)
+    aten.scaled_dot_product_attention.default: Rule("attention", requires=((4, "dropout_p", 0.0),),
+                                                    parallel_form="attention"),
     # losses: with reduction="sum" a split batch gives a partial sum; with "mean" too, once the local sum
     # is divided by the global count of non-ignored targets (one all-reduce of a count), or whole, the sum
     # and count all-reduced together. Logits split over the classes (a column-parallel LM head's) are
@@ -379,6 +382,7 @@ class InnerCollective:
     kind: str = "all_reduce"  # or all_gather: then each rank contributes these values, and gets everyone's;
     # or send: one message of these values to a neighbour; or all_to_all
     routed: bool = False  # the values sent follow the data (a mixture's routing): these are a balanced one's
+    around_the_ring: bool = False  # one send per step around the ring of the axis's ranks: n - 1 of them
 
     def values(self, local_shape: tuple[int, ...], placement: Placement) -> int:
         """How many values it reduces, for operand 0 of this local shape and placement on the axis."""
@@ -393,6 +397,10 @@ class InnerCollective:
     def volume(self, local_shape: tuple[int, ...], placement: Placement, operand_itemsize: int, n: int) -> int:
         """Bytes each rank sends for it over n ranks."""
         return collective_bytes(self.kind, self.nbytes(local_shape, placement, operand_itemsize), n)
+
+    def messages(self, n: int) -> int:
+        """How many of it the form makes over n ranks (each of `volume`'s bytes)."""
+        return n - 1 if self.around_the_ring else 1
 
     def made(self, input_needs_grad: bool) -> bool:
         """A backward reduction is for the input's gradient: none where the input needs none."""
@@ -804,6 +812,21 @@ def _letters_attention(node: torch.fx.Node, rule: Rule, shapes: list, out_shape:
         draft.operand_letters.append(mask)
     draft.output = batch + ("H", "S", "E")
     draft.unsplittable |= {"S", "T", "D", "E"}
+    if shapes[0][-2] == shapes[1][-2]:  # self-attention: ring attention over a split sequence
+        sequence = len(batch) + 1
+        # a mask keeps the query rows it has split like the queries, and every key column
+        mask = [S(draft.operand_letters[3].index("S")) if "S" in draft.operand_letters[3] else B] \
+            if len(shapes) > 3 else []
+        # per sequence row of the chunk: its keys and values, all heads; backward in float32, with their
+        # gradients as they travel
+        row = math.prod(shapes[1][:-2]) * (shapes[1][-1] + shapes[2][-1])
+        draft.extra = (Signature((S(sequence),) * 3 + tuple(mask), S(sequence), "S", name="ring", inner_collectives=(
+            InnerCollective(0, per_index=(sequence, row), what="keys and values to the next rank", kind="send",
+                            around_the_ring=True),
+            InnerCollective(0, per_index=(sequence, 2 * row), what="keys, values and their gradients to the next rank",
+                            kind="send", phase="backward", itemsize=4, around_the_ring=True),
+            InnerCollective(0, per_index=(sequence, row), what="the keys' and values' gradients home", kind="send",
+                            phase="backward", itemsize=4))),)
 
 
 def _letters_conv(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:

@@ -313,7 +313,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
                         continue
                     first, placement = bound.tensors[names[0]], signature.operands[0]
                     local = layout_with(names[0], placement).local_shape(first.shape, mesh)
-                    cost = inner.volume(local, placement, first.itemsize, n)
+                    cost = inner.volume(local, placement, first.itemsize, n) * inner.messages(n)
                     if inner.phase == "forward":
                         forward += cost
                     else:

@@ -639,7 +639,7 @@ class _GroupProgram:
                         continue
                     first = bound.tensors[operands[0]]
                     local = self.layout(value[operands[0]], _operand(signature, 0)).local_shape(first.shape, mesh)
-                    terms.append(machine.collective_seconds(
+                    terms.append(inner.messages(sizes[i]) * machine.collective_seconds(
                         inner.kind, inner.volume(local, one.operands[0], first.itemsize, sizes[i]), sizes[i], self.strides[i]))
             if written is not None and written != output:
                 terms.append(self._conversion_seconds(name, output, written))

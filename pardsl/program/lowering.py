@@ -715,10 +715,12 @@ class _Lowerer:
                 axis_name = self.mesh.axis_names[axis]
                 moved = inner.volume(local, placement, info.itemsize, self.mesh.axis_sizes[axis])
                 size = f"~{format_bytes(moved)} as routed" if inner.routed else format_bytes(moved)
-                made.append(f"{inner.kind.replace('_', '-')} {size} over {axis_name} ({inner.phase}): {inner.what}")
-                collectives.append(Collective(inner.kind, axis_name, inner.phase, moved, self.var[operand],
-                                              f"{inner.what}, {signature.name} split — {reason}",
-                                              routed=inner.routed))
+                count = inner.messages(self.mesh.axis_sizes[axis])
+                made.append(f"{f'{count} × ' if count > 1 else ''}{inner.kind.replace('_', '-')} {size} over "
+                            f"{axis_name} ({inner.phase}): {inner.what}")
+                collectives += [Collective(inner.kind, axis_name, inner.phase, moved, self.var[operand],
+                                           f"{inner.what}, {signature.name} split — {reason}", routed=inner.routed)
+                                for _ in range(count)]
         return tuple(collectives), made
 
     def _intermediate_name(self, final: str, layout: Layout) -> str:

@@ -53,6 +53,7 @@ from pardsl.runtime.parallel_ops import (
 from pardsl.runtime.experts import experts_exchanged, experts_local
 from pardsl.runtime.parameter_sync import ParameterSync
 from pardsl.runtime.recompute import RegionCollectives, recompute
+from pardsl.runtime.ring_attention import RingAttention
 from pardsl.runtime.shared_memory import shared_memory_group
 
 PHASES = ("forward", "backward")
@@ -318,6 +319,32 @@ class Runtime:
             return experts_exchanged(self, hidden, index, weights, gate_up, gate_up_bias, down, gate, transposed,
                                      act, alpha, limit, expert_parallel)
         return experts_local(hidden, index, weights, gate_up, gate_up_bias, down, gate, transposed, act, alpha, limit)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, dropout_p: float = 0.0,
+                  is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                  ring: tuple[str, ...] = ()) -> torch.Tensor:
+        """aten.scaled_dot_product_attention (no dropout: the rule requires none); with the sequence split
+        over `ring` axes (queries, keys and values alike, a mask's query rows too), ring attention
+        (runtime/ring_attention.py): the key/value chunks passed around."""
+        if not ring:
+            return torch.ops.aten.scaled_dot_product_attention.default(
+                q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        return RingAttention.apply(q, k, v, attn_mask, bool(is_causal),
+                                   scale if scale is not None else q.shape[-1] ** -0.5, self, ring)
+
+    def ring_shift(self, x: torch.Tensor, axes: tuple[str, ...], phase: str) -> torch.Tensor:
+        """Send x to the next rank along a dim split over `axes` (a ring, in the split's order), and receive
+        the previous rank's: one `send`, counted over the innermost axis."""
+        def issue(phase: str) -> torch.Tensor:
+            previous, following = self._neighbour_ranks(axes)
+            sent = x.contiguous()
+            received = torch.empty_like(sent)
+            self.counter.record(phase, "send", nbytes(sent), axes[-1])
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, following),
+                                                dist.P2POp(dist.irecv, received, previous)]):
+                work.wait()
+            return received
+        return self._issued(phase, issue)
 
     def conv_halo(self, x: torch.Tensor, weight, bias=None, stride=1, padding=0, dilation=1, groups=1,
                   **halos: tuple[str, ...]) -> torch.Tensor:

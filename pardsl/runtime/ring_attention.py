@@ -1,0 +1,127 @@
+"""Ring attention: scaled dot-product attention over a sequence split across ranks, without gathering it.
+
+Each rank holds its chunk of the queries, keys and values. The key/value chunks travel around the ring
+of ranks, one point-to-point send per step; at each step a rank attends its queries to the chunk it
+holds, and folds the result into what it has with the log-sum-exp of each row (the online softmax of
+flash attention). Under `is_causal`, a chunk from a later rank is skipped and the rank's own chunk takes
+the causal mask; earlier chunks are attended in full. A mask tensor comes with the rank's query rows and
+every key column (what a traced model builds): each step reads the columns of the chunk it holds.
+
+Backward goes around the ring again: with the forward's output and row log-sum-exps it recomputes each
+block's probabilities, adds its share to the queries' gradient locally, and adds the keys' and values'
+shares to gradients that travel with their chunk; one last send brings each chunk's gradients home.
+Forward sends n - 1 messages (keys and values), backward n (keys, values and their gradients; then the
+gradients alone), counted as `send`s over the ring's innermost axis.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal_diagonal: bool,
+            mask: torch.Tensor | None) -> torch.Tensor:
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal_diagonal:
+        rows, cols = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    return scores
+
+
+def _columns(mask: torch.Tensor | None, source: int, width: int) -> torch.Tensor | None:
+    """The mask's columns for the keys of chunk `source` (all of them where it broadcasts over keys)."""
+    if mask is None or mask.shape[-1] == 1:
+        return mask
+    return mask[..., source * width:(source + 1) * width]
+
+
+def _expanded(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query keys or values, each head repeated for the query heads it serves."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=-3)
+
+
+def _grouped(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of an expanded key or value, summed back over the query heads of its group."""
+    if groups == 1:
+        return grad
+    *lead, heads, rows, width = grad.shape
+    return grad.reshape(*lead, heads // groups, groups, rows, width).sum(-3)
+
+
+def _attended(step: int, chunk: int, ranks: int, causal: bool) -> tuple[int, bool, bool]:
+    """(the chunk held at `step`, whether it is attended, whether with the causal diagonal): it came from
+    the rank `step` places before this one."""
+    source = (chunk - step) % ranks
+    if not causal:
+        return source, True, False
+    return source, source <= chunk, source == chunk
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """-inf (a row no key of the block may see) as 0, where it would make exp(-inf - -inf) a NaN."""
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, scale, rt, axes):
+        ranks, chunk = math.prod(rt.size[a] for a in axes), rt._chunk(axes)
+        groups = q.shape[-3] // k.shape[-3]
+        qf = q.float()
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        held = torch.cat([k, v], dim=-1)  # one message a step
+        for step in range(ranks):
+            source, attended, diagonal = _attended(step, chunk, ranks, causal)
+            if attended:
+                kh, vh = held.split([k.shape[-1], v.shape[-1]], dim=-1)
+                scores = _scores(qf, _expanded(kh.float(), groups), scale, diagonal,
+                                 _columns(mask, source, k.shape[-2]))
+                block_lse = torch.logsumexp(scores, dim=-1)
+                block = torch.exp(scores - _finite(block_lse).unsqueeze(-1)) @ _expanded(vh.float(), groups)
+                merged = torch.logaddexp(lse, block_lse)
+                out = out * torch.exp(lse - _finite(merged)).unsqueeze(-1) + \
+                    block * torch.exp(block_lse - _finite(merged)).unsqueeze(-1)
+                lse = merged
+            if step < ranks - 1:
+                held = rt.ring_shift(held, axes, "forward")
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
+        ctx.causal, ctx.scale, ctx.rt, ctx.axes = causal, scale, rt, axes
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, *mask = ctx.saved_tensors
+        mask = mask[0] if mask else None
+        rt, axes, causal, scale = ctx.rt, ctx.axes, ctx.causal, ctx.scale
+        ranks, chunk = math.prod(rt.size[a] for a in axes), rt._chunk(axes)
+        groups = q.shape[-3] // k.shape[-3]
+        qf, g = q.float(), grad.float()
+        row_dot = (g * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ O)
+        grad_q = torch.zeros_like(qf)
+        d, e = k.shape[-1], v.shape[-1]
+        # the chunk held, and the gradients of its keys and values that travel with it
+        held = torch.cat([k.float(), v.float(), torch.zeros_like(k, dtype=torch.float32),
+                          torch.zeros_like(v, dtype=torch.float32)], dim=-1)
+        for step in range(ranks):
+            source, attended, diagonal = _attended(step, chunk, ranks, causal)
+            if attended:
+                kh, vh, grad_k, grad_v = held.split([d, e, d, e], dim=-1)
+                kx, vx = _expanded(kh, groups), _expanded(vh, groups)
+                probs = torch.exp(_scores(qf, kx, scale, diagonal, _columns(mask, source, k.shape[-2]))
+                                  - _finite(lse).unsqueeze(-1))
+                grad_scores = probs * (g @ vx.transpose(-1, -2) - row_dot)
+                grad_q += (grad_scores @ kx) * scale
+                grad_k = grad_k + _grouped(grad_scores.transpose(-1, -2) @ qf, groups) * scale
+                grad_v = grad_v + _grouped(probs.transpose(-1, -2) @ g, groups)
+                held = torch.cat([kh, vh, grad_k, grad_v], dim=-1)
+            if step < ranks - 1:
+                held = rt.ring_shift(held, axes, "backward")
+        # the gradients have been with every rank; one more step brings them to their chunk's own
+        grads = rt.ring_shift(held[..., d + e:].contiguous(), axes, "backward")
+        grad_k, grad_v = grads.split([d, e], dim=-1)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None
