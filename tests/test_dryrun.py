@@ -75,3 +75,13 @@ def test_a_pipelined_ranks_gradient_bucket_is_synchronised_once_a_step():
     report = json.loads(result.stdout)
     assert report["collectives_match"] and report["collectives"]["backward"] == {"dp:all_reduce": 1}
     assert "2 micro-batch(es) held" in report["notes"][0]
+
+
+def test_an_expert_parallel_rank_runs_alone_its_exchanges_sized_as_it_sends():
+    """Nothing arrives through the fake process group: each exchange of counts gives back what the rank
+    sends, so its experts get about a balanced routing's rows, and the all-to-alls are the plan's."""
+    result = dryrun(os.path.join(REPO, "examples", "hf_mixtral_ep2.par"), "--rank", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["collectives_match"], report
+    assert report["collectives"]["forward"] == {"ep:all_to_all": 3}

@@ -155,7 +155,9 @@ def _counts_exchanged(rt, axis: str, counts: torch.Tensor) -> torch.Tensor:
     """`counts` [n, m]: row j what this rank sends peer j; returns [n, m], row j what peer j sends it."""
     def issue(phase: str) -> torch.Tensor:
         sent = counts.contiguous()
-        received = torch.empty_like(sent)
+        # filled by the peers; where nothing is sent (a dry run's fake process group), what this rank
+        # sends: shapes stay sane and the rows stay about a balanced routing's
+        received = sent.clone()
         rt.counter.record(phase, "all_to_all", collective_bytes("all_to_all", sent.numel() * sent.element_size(),
                                                                 rt.size[axis]), axis)
         dist.all_to_all_single(received, sent, group=rt.groups[axis])
