@@ -61,3 +61,26 @@ def test_ring_attention_equals_serial_attention(pools, compile_par, ranks, argum
     assert report["collectives_by_axis"]["forward"].get("cp:send") == ranks - 1
     assert report["collectives_by_axis"]["backward"].get("cp:send") == ranks
     assert report["sends"] == {"forward": ranks * (ranks - 1), "backward": ranks * ranks}
+
+
+@pytest.mark.parametrize("diagonal, masked", [(False, False), (True, False), (False, True)])
+def test_a_ring_blocks_fused_kernel_and_reference_form_agree(diagonal, masked):
+    """A block as the CPU's flash attention kernel computes it and in the reference form (what other
+    devices run): the same output, log-sum-exps (-inf where the mask hides a row whole) and gradients."""
+    import torch
+
+    from pardsl.runtime.ring_attention import _block, _block_gradients
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=generator) for _ in range(3))
+    mask = torch.rand(6, 6, generator=generator) < 0.5 if masked else None
+    if masked:
+        mask[0] = False  # one row sees nothing of this block
+    (out, lse), (ref, ref_lse) = (_block(q, k, v, 0.5, diagonal, mask, fused) for fused in (True, False))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    grad = torch.randn(out.shape, generator=generator)
+    seen = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # as the whole row's, other blocks seen
+    fused, reference = (_block_gradients(grad, q, k, v, out, seen, 0.5, diagonal, mask, fused) for fused in (True, False))
+    for a, b in zip(fused, reference):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

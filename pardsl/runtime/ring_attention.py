@@ -10,6 +10,10 @@ every key column (what a traced model builds): each step reads the columns of th
 Backward goes around the ring again: with the forward's output and row log-sum-exps it recomputes each
 block's probabilities, adds its share to the queries' gradient locally, and adds the keys' and values'
 shares to gradients that travel with their chunk; one last send brings each chunk's gradients home.
+
+On CPU each block is torch's fused flash attention kernel (forward with its log-sum-exps, and its
+backward given the whole output and log-sum-exps, which is exactly the block's share): no block's scores
+are held. Elsewhere the blocks are computed in their reference form (the scores materialised).
 Forward sends n - 1 messages (keys and values), backward n (keys, values and their gradients; then the
 gradients alone), counted as `send`s over the ring's innermost axis.
 """
@@ -66,12 +70,49 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A mask as the fused kernel takes it: added to the scores, in the queries' dtype."""
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool,
+           mask: torch.Tensor | None, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention in float32 and its rows' log-sum-exps (-inf for a row the mask hides whole);
+    `fused`: by the CPU's flash attention kernel, else in the reference form."""
+    if fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+            q, k, v, 0.0, diagonal, attn_mask=_additive(mask, q.dtype), scale=scale)
+        if mask is not None:  # the kernel gives a hidden row 0 where its log-sum-exp is -inf
+            seen = (mask if mask.dtype == torch.bool else torch.isfinite(mask)).any(-1)
+            lse = lse.masked_fill(~seen.expand(lse.shape), float("-inf"))
+        return out.float(), lse.float()
+    scores = _scores(q.float(), k.float(), scale, diagonal, mask)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - _finite(lse).unsqueeze(-1)) @ v.float(), lse
+
+
+def _block_gradients(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None,
+                     fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of the queries', keys' and values' gradients (float32), given the whole output and
+    its rows' log-sum-exps."""
+    if fused:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+            grad, q, k, v, out, lse, 0.0, diagonal, attn_mask=_additive(mask, q.dtype), scale=scale)
+        return tuple(g.float() for g in grads)
+    qf, kf, vf, g = q.float(), k.float(), v.float(), grad.float()
+    probs = torch.exp(_scores(qf, kf, scale, diagonal, mask) - _finite(lse).unsqueeze(-1))
+    grad_scores = probs * (g @ vf.transpose(-1, -2) - (g * out.float()).sum(-1, keepdim=True))
+    return (grad_scores @ kf) * scale, (grad_scores.transpose(-1, -2) @ qf) * scale, probs.transpose(-1, -2) @ g
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, scale, rt, axes):
         ranks, chunk = math.prod(rt.size[a] for a in axes), rt._chunk(axes)
         groups = q.shape[-3] // k.shape[-3]
-        qf = q.float()
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         held = torch.cat([k, v], dim=-1)  # one message a step
@@ -79,19 +120,18 @@ class RingAttention(torch.autograd.Function):
             source, attended, diagonal = _attended(step, chunk, ranks, causal)
             if attended:
                 kh, vh = held.split([k.shape[-1], v.shape[-1]], dim=-1)
-                scores = _scores(qf, _expanded(kh.float(), groups), scale, diagonal,
-                                 _columns(mask, source, k.shape[-2]))
-                block_lse = torch.logsumexp(scores, dim=-1)
-                block = torch.exp(scores - _finite(block_lse).unsqueeze(-1)) @ _expanded(vh.float(), groups)
+                block, block_lse = _block(q, _expanded(kh, groups), _expanded(vh, groups), scale, diagonal,
+                                          _columns(mask, source, k.shape[-2]), q.device.type == "cpu")
                 merged = torch.logaddexp(lse, block_lse)
                 out = out * torch.exp(lse - _finite(merged)).unsqueeze(-1) + \
                     block * torch.exp(block_lse - _finite(merged)).unsqueeze(-1)
                 lse = merged
             if step < ranks - 1:
                 held = rt.ring_shift(held, axes, "forward")
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
         ctx.causal, ctx.scale, ctx.rt, ctx.axes = causal, scale, rt, axes
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -100,25 +140,22 @@ class RingAttention(torch.autograd.Function):
         rt, axes, causal, scale = ctx.rt, ctx.axes, ctx.causal, ctx.scale
         ranks, chunk = math.prod(rt.size[a] for a in axes), rt._chunk(axes)
         groups = q.shape[-3] // k.shape[-3]
-        qf, g = q.float(), grad.float()
-        row_dot = (g * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ O)
-        grad_q = torch.zeros_like(qf)
+        grad = grad.contiguous()
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         d, e = k.shape[-1], v.shape[-1]
-        # the chunk held, and the gradients of its keys and values that travel with it
+        # the chunk held, and the gradients of its keys and values that travel with it (float32)
         held = torch.cat([k.float(), v.float(), torch.zeros_like(k, dtype=torch.float32),
                           torch.zeros_like(v, dtype=torch.float32)], dim=-1)
         for step in range(ranks):
             source, attended, diagonal = _attended(step, chunk, ranks, causal)
             if attended:
                 kh, vh, grad_k, grad_v = held.split([d, e, d, e], dim=-1)
-                kx, vx = _expanded(kh, groups), _expanded(vh, groups)
-                probs = torch.exp(_scores(qf, kx, scale, diagonal, _columns(mask, source, k.shape[-2]))
-                                  - _finite(lse).unsqueeze(-1))
-                grad_scores = probs * (g @ vx.transpose(-1, -2) - row_dot)
-                grad_q += (grad_scores @ kx) * scale
-                grad_k = grad_k + _grouped(grad_scores.transpose(-1, -2) @ qf, groups) * scale
-                grad_v = grad_v + _grouped(probs.transpose(-1, -2) @ g, groups)
-                held = torch.cat([kh, vh, grad_k, grad_v], dim=-1)
+                block_q, block_k, block_v = _block_gradients(
+                    grad, q, _expanded(kh.to(k.dtype), groups), _expanded(vh.to(v.dtype), groups), out, lse, scale,
+                    diagonal, _columns(mask, source, k.shape[-2]), q.device.type == "cpu")
+                grad_q += block_q
+                held = torch.cat([kh, vh, grad_k + _grouped(block_k, groups), grad_v + _grouped(block_v, groups)],
+                                 dim=-1)
             if step < ranks - 1:
                 held = rt.ring_shift(held, axes, "backward")
         # the gradients have been with every rank; one more step brings them to their chunk's own
