@@ -3,7 +3,8 @@
 Hugging Face's LlamaForCausalLM (examples/hf_models.py, `HFLlama`) with a long sequence and attention in
 its reference form (`--attention eager`: the per-head sequence² matrices Megatron's selective
 recomputation is about; `sdpa` for the fused kernel), so that activations outweigh parameters, under
-data parallelism, ZeRO-3, Megatron TP and Megatron TP with sequence parallelism, each without
+data parallelism, ZeRO-3, Megatron TP, Megatron TP with sequence parallelism and context parallelism
+(the tokens split, ring attention with `--attention sdpa`), each without
 recomputation, with `recompute model.model.layers.*` and with its `: selective` form, and under
 `precision params bf16, reduce fp32` without and with full recomputation (at this size inference
 completes the sequence-parallel layouts by gathering the weights, as ZeRO-3 does). Each plan runs under
@@ -13,7 +14,8 @@ Activations are the measured peak less the rank's parameters, gradients and opti
 exact sizes); beside each, its ratio and the step's to the same plan and precision without recomputation.
 
     python benchmarks/memory.py [--layers 8 --hidden 256 --seq 256 --batch 4] [--attention eager|sdpa]
-                                [--steps 3] [--device cpu|cuda]
+                                [--steps 3] [--device cpu|cuda] [--plans "context parallel" ...]
+                                [--serial-share]
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ model  examples.hf_models:HFLlama(layers={layers}, hidden={hidden}, heads=8, kv_
 input  input_ids : int64[{batch}, {seq}] in [0, 256)
 {recompute}
 {precision}
+{bound}
 layout {{
 {layouts}}}
 """
@@ -48,6 +51,9 @@ PLANS = {
     "Megatron TP + SP": ("tp = 2", MEGATRON + ["model.model.embed_tokens() : S(1)", f"{LAYER}self_attn() : S(1)",
                                                f"{LAYER}mlp() : S(1)", "model.model.norm() : S(1)",
                                                "model.lm_head.weight : S(0)", "output : S(2)"]),
+    # the sequence split and the rest left to the search under a bound: ring attention with `--attention
+    # sdpa` (eager attention's softmax needs every key, so there the sequence is gathered for it)
+    "context parallel": ("cp = 2", ["input_ids : S(1)"], "memory <= 60 %"),
 }
 RECOMPUTE = {"none": "", "full": "recompute model.model.layers.*", "selective": "recompute model.model.layers.* : selective"}
 # each plan in float32, with each recomputation; and under FSDP2's bf16 policy, without and with full recomputation
@@ -73,21 +79,28 @@ def main() -> None:
     from pardsl.compiler import compile_file
     from pardsl.planning.cost import memory_per_rank
 
-    args = model_arguments(__doc__, attention="eager", steps=3).parse_args()
+    parser = model_arguments(__doc__, attention="eager", steps=3)
+    parser.add_argument("--plans", nargs="*", choices=sorted(PLANS), help="plans to run (default: all)")
+    parser.add_argument("--serial-share", action="store_true",
+                        help="a column: the activations the plan estimates per rank against serial's")
+    args = parser.parse_args()
     ffn = args.hidden * 8 // 3 // 8 * 8  # LLaMA's SwiGLU width, a multiple of 8
     print(f"HFLlama: {args.layers} layers, hidden {args.hidden}, ffn {ffn}, batch {args.batch} x {args.seq}, "
           f"{args.attention} attention; 2 ranks, {args.device}")
+    share = " activations per rank / serial's (estimate) |" if args.serial_share else ""
     print("| plan | recomputation | precision | peak per rank (measured) | estimate | estimate / measured "
-          "| activations (measured) | vs none | step (ms) | vs none | ≡ serial |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| activations (measured) | vs none | step (ms) | vs none | ≡ serial |{share}")
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if share else ""))
     mib = 2 ** 20
     with tempfile.TemporaryDirectory() as folder:
-        for name, (mesh, layouts) in PLANS.items():
+        for name, (mesh, layouts, *bound) in PLANS.items():
+            if args.plans and name not in args.plans:
+                continue
             without: dict[str, tuple[float, float]] = {}  # per precision: activations and step without recomputation
             for policy, precision in VARIANTS:
                 text = HEADER.format(mesh=mesh, layers=args.layers, hidden=args.hidden, ffn=ffn, seq=args.seq,
                                      batch=args.batch, attention=args.attention, recompute=RECOMPUTE[policy],
-                                     precision=PRECISION[precision],
+                                     precision=PRECISION[precision], bound="".join(bound),
                                      layouts="".join(f"    {entry}\n" for entry in layouts))
                 path = os.path.join(folder, "plan.par")
                 with open(path, "w") as handle:
@@ -106,15 +119,18 @@ def main() -> None:
                     print(f"{row} {errors or 'not measured'} | | | | | | | |")
                     continue
                 peak, estimated = max(report["memory"]["peak_bytes"]), report["memory"]["estimated_bytes"]
-                planned = memory_per_rank(compile_file(path).program, "sgd")
+                program = compile_file(path).program
+                planned = memory_per_rank(program, "sgd")
                 activations = peak - planned["parameters"] - planned["gradients"] - planned["optimizer_state"]
                 step = report["step_ms"]["compiled"]
                 if policy == "none":
                     without[precision] = (activations, step)
                 base_activations, base_step = without.get(precision, (activations, step))
+                held = program.memory()
+                share = f" {held['activations_per_rank'] / held['activations_total']:.2f} |" if args.serial_share else ""
                 print(f"{row} {peak / mib:.2f} MiB | {estimated / mib:.2f} MiB | {estimated / peak:.2f} | "
                       f"{activations / mib:.2f} MiB | {activations / base_activations:.2f} | {step:.1f} | "
-                      f"{step / base_step:.2f} | {'yes' if report['ok'] else 'NO'} |", flush=True)
+                      f"{step / base_step:.2f} | {'yes' if report['ok'] else 'NO'} |{share}", flush=True)
 
 
 if __name__ == "__main__":
