@@ -31,6 +31,12 @@ def test_the_sequence_stays_split_around_attention():
     # per layer one send of its keys and values forward; their gradients' two backward
     assert at_2k.program.collective_counts_by_axis() == {"forward": {"cp:send": 2},
                                                          "backward": {"cp:all_reduce": 1, "cp:send": 4}}
+    # the mask and the rotary tables are built per shard: no rank makes the [seq, seq] mask or whole tables
+    lines = at_2k.source.splitlines()
+    masks = [line for line in lines if "  [1, 1, 2048, 2048]" in line]
+    assert masks and all("S(2)@cp  [1, 1, 2048, 2048] local [1, 1, 1024, 2048]" in line for line in masks)
+    tables = [line for line in lines if "aten.cos.default(" in line or "aten.sin.default(" in line]
+    assert tables and all("local [1, 1024, 8]" in line for line in tables)
     at_16k = compile_text(_llama(4, 16384, "30 %"), "examples/long.par")
     assert _activation_share(at_16k) <= 0.3
 
