@@ -2,6 +2,8 @@
 own file would be, from one trace; the shape kept is estimated no slower than any fixed shape compiled
 alone with the same bound, runs equal to serial, and `explain` prices every shape."""
 
+import functools
+
 import pytest
 
 from pardsl.compiler import compile_text, mesh_shapes
@@ -17,13 +19,19 @@ def _compiled(mesh: str, rest: str = "memory <= 40 %\n", machine=None):
     return compile_text(f"mesh {mesh}\n{LLAMA}{rest}", "examples/searched_mesh.par", machine=machine)
 
 
+@functools.cache
+def _searched():
+    """`mesh dp, tp = 4` under a bound, compiled once for the tests that read it (none changes it)."""
+    return _compiled("dp, tp = 4")
+
+
 def test_every_shape_of_the_ranks_is_priced():
     assert mesh_shapes(8, 2) == [(1, 8), (2, 4), (4, 2), (8, 1)]
     assert len(mesh_shapes(8, 3)) == 10 and all(a * b * c == 8 for a, b, c in mesh_shapes(8, 3))
 
 
 def test_the_shape_kept_is_no_slower_than_any_fixed_shape_and_runs_equal_to_serial(pools):
-    searched = _compiled("dp, tp = 4")
+    searched = _searched()
     machine = default_machine()
     kept = estimate(searched, machine).step_s
     sizes = searched.program.mesh.axis_sizes
@@ -47,7 +55,7 @@ def test_shapes_that_are_each_others_axes_renamed_are_priced_once_on_a_flat_mach
 def test_explain_lists_every_shape_with_its_estimate():
     from pardsl.tools.explain import report
 
-    searched = _compiled("dp, tp = 4")
+    searched = _searched()
     text = report(searched, estimate(searched, default_machine()), searched.memory_bound)
     listed = [line for line in text.splitlines() if line.startswith("  dp = ")]
     assert len(listed) == 3 and all("step" in line and "per rank" in line for line in listed)
