@@ -64,8 +64,7 @@ def main() -> None:
                     seconds = time.perf_counter() - started
                     report = pools[ranks].run(job_for(compiled, steps=2, timeout_s=300))
                     program = compiled.program
-                    fixed = {p: program.collective_bytes()[p] - program.routed_bytes()[p] for p in ("forward", "backward")}
-                    planned = report["collectives"] == program.collective_counts() and report["bytes"] == fixed
+                    planned = report["collectives"] == program.collective_counts() and report["bytes"] == program.fixed_bytes()
                     calls = [line for line in compiled.source.splitlines() if "rt.experts(" in line]
                     forms = sorted({form for line in calls
                                     for form in re.findall(r"(?:expert_parallel|intermediate)=\('\w+',\)", line)})

@@ -915,7 +915,7 @@ def _letters_experts(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: t
     draft.unsplittable |= {"e", "h", "i"}
     draft.sums_contraction = True
     # gate and up are the intermediate dim's two halves where concatenated: a split keeps them paired
-    halves = 2 if gate == "glu" else 1
+    halves = 2 if pardsl.runtime.experts.GATES[gate][1] else 1
     weights = [S(gate_up.index("i"), halves)] + [S(1, halves)] * has_bias + [S(down.index("i"))]
     tokens, experts = (S(0), S(0), S(0)), (S(0),) * (2 + has_bias)
     choices, hidden = shapes[1][1], shapes[0][1]

@@ -30,6 +30,7 @@ from pardsl.model.grouped_query import fold_grouped_query_repeats
 from pardsl.model.in_place import functionalize_in_place
 from pardsl.model.loading import DTYPES, build_model, import_paths, par_import_paths, parameters_on_meta
 from pardsl.model.saved_for_backward import what_autograd_keeps
+from pardsl.runtime.experts import ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -515,7 +516,7 @@ def _check_mesh(par: ParFile, sink: DiagnosticSink) -> Mesh | None:
 
 # where a mixture of experts routes tokens with data-dependent shapes, or through an opaque grouped matmul
 MOE_HINT = ("transformers' experts are traced as one op (pardsl::experts) where their gate is one the op knows "
-            "(act(gate) · up with silu, gelu, relu, sigmoid or tanh; GPT-OSS's clamped SwiGLU; an activation "
+            f"(act(gate) · up with act one of {', '.join(ACTIVATIONS)}; GPT-OSS's clamped SwiGLU; an activation "
             "alone: GATES in pardsl/runtime/experts.py); this module's is none of them, or it normalises after its "
             "experts. For SiLU-gated experts, `pardsl.model.moe.use_static_capacity(config, groups)` is another form")
 

@@ -322,9 +322,16 @@ class LoweredProgram:
 
     def routed_bytes(self) -> dict[str, int]:
         """The part of collective_bytes that follows the data: a run counts what it sent apart."""
+        return self._bytes(lambda c: c.routed)
+
+    def fixed_bytes(self) -> dict[str, int]:
+        """The part of collective_bytes the plan fixes: what a run's `bytes` counts."""
+        return self._bytes(lambda c: not c.routed)
+
+    def _bytes(self, which) -> dict[str, int]:
         totals = {"forward": 0, "backward": 0}
         for c in self.collectives:
-            if c.routed:
+            if which(c):
                 totals[c.phase] += c.bytes
         return totals
 

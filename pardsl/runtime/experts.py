@@ -119,10 +119,9 @@ def _pairs_through(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Ten
 
 
 def _held_through(rows: torch.Tensor, local: torch.Tensor, ffn: tuple) -> torch.Tensor:
-    """Rows through the rank's experts (`local`: each row's index among them), in the rows' order."""
-    regroup = torch.argsort(local, stable=True)
-    counts = torch.bincount(local, minlength=ffn[0].shape[0]).tolist()
-    return expert_ffn(rows[regroup], counts, *ffn)[torch.argsort(regroup)]
+    """Rows sorted by expert (`local`: each row's index among the rank's experts) through them: both the
+    local path and the exchanges hand them over sorted."""
+    return expert_ffn(rows, torch.bincount(local, minlength=ffn[0].shape[0]).tolist(), *ffn)
 
 
 class _Exchange(torch.autograd.Function):
