@@ -15,7 +15,11 @@ def reference_shard(full: torch.Tensor, layout: Layout, mesh: Mesh, coordinate) 
     """A rank's local value by torch.chunk, axis by axis, as the runtime's `shard` defines it."""
     local = full
     for axis, placement in enumerate(layout.placements):
-        if placement.is_split:
+        if placement.mirrored:  # zig-zag: pieces r and 2n - 1 - r of 2n
+            n, d, r = mesh.axis_sizes[axis], placement.dim, coordinate[axis]
+            pieces = local.chunk(2 * n, dim=placement.dim)
+            local = torch.cat([pieces[r], pieces[2 * n - 1 - r]], dim=d)
+        elif placement.is_split:
             n, d = mesh.axis_sizes[axis], placement.dim
             local = torch.cat([block.chunk(n, dim=d)[coordinate[axis]]
                                for block in local.chunk(placement.blocks, dim=d)], dim=d)
@@ -35,10 +39,11 @@ def meshes_and_layouts(draw):
             placements.append(B)
             continue
         blocks = draw(st.sampled_from([1, 1, 2, 3])) if dim not in split else 1
+        mirrored = blocks == 2 and draw(st.booleans())  # S(d, zigzag)
         if blocks > 1:
             blocked.add(dim)
         split.add(dim)
-        placements.append(S(dim, blocks))
+        placements.append(S(dim, blocks, mirrored))
         factors[dim] *= sizes[axis] * blocks
     shape = tuple(f * draw(st.integers(1, 2)) for f in factors)
     return mesh, Layout(tuple(placements)), shape

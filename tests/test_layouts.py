@@ -92,3 +92,25 @@ def test_a_conversion_over_many_axes_moves_only_the_axes_whose_placements_differ
         allowed = differ | {a for a in range(mesh.ndim) for p in (source.placements[a], target.placements[a])
                             if p.is_split and p.dim in dims}
         assert {step.axis for step in steps} <= allowed, (source, target)
+
+
+def test_a_zigzag_split_reads_and_converts():
+    """`S(d, zigzag)`: rank r of n holds pieces r and 2n - 1 - r of 2n. Written and read back; gathered by
+    one all-gather (whose rank-by-rank result reorders into the tensor) and split locally; no all-to-all
+    changes it (it goes through B)."""
+    import torch
+
+    from pardsl.layouts.algebra import Placement, block_major, rank_major, zigzag
+
+    assert str(zigzag(1)) == "S(1, zigzag)" and Placement.parse("S(1, zigzag)") == zigzag(1)
+    assert Layout.from_key(Layout((zigzag(0), B)).key()) == Layout((zigzag(0), B))
+    mesh = Mesh(("cp",), (4,))
+    assert Layout((zigzag(0),)).local_shape((16, 3), mesh) == (4, 3)
+    full = torch.arange(16)
+    shards = [torch.cat([full.chunk(8)[r], full.chunk(8)[7 - r]]) for r in range(4)]
+    assert torch.equal(block_major(torch.cat(shards), 4, 2, mirrored=True), full)  # an all-gather's result
+    assert all(torch.equal(chunk, shard) for chunk, shard in zip(rank_major(full, 4, 2, mirrored=True).chunk(4), shards))
+    [gather] = plan_conversion(Layout((zigzag(0),)), Layout((B,)), (16, 3), 4, mesh)
+    assert (gather.kind, gather.src_blocks, gather.src_mirrored) == ("all_gather", 2, True)
+    to_plain = plan_conversion(Layout((zigzag(0),)), Layout((S(0),)), (16, 3), 4, mesh)
+    assert [step.kind for step in to_plain] == ["all_gather", "split"]

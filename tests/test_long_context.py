@@ -12,10 +12,10 @@ from pardsl.compiler import compile_text
 from .test_distributed import check
 
 
-def _llama(ranks: int, tokens: int, bound: str, batch: int = 1) -> str:
+def _llama(ranks: int, tokens: int, bound: str, batch: int = 1, split: str = "S(1)") -> str:
     return (f"mesh cp = {ranks}\nmodel examples.hf_models:HFLlama(layers=2, attention=\"sdpa\")\n"
             f"input input_ids : int64[{batch}, {tokens}] in [0, 256)\nmemory <= {bound}\n"
-            "layout {\n    input_ids : S(1)\n}\n")
+            f"layout {{\n    input_ids : {split}\n}}\n")
 
 
 def _activation_share(compiled) -> float:
@@ -45,24 +45,66 @@ def test_a_split_sequence_trains_equal_to_serial(pools):
     check(pools, compile_text(_llama(2, 64, "60 %", batch=2), "examples/long.par"))
 
 
-def _sequence_attention(ranks: int, arguments: str, width: int = 8) -> str:
+def test_a_zigzag_sequence_stays_zigzag_and_trains_equal_to_serial(pools):
+    """`input_ids : S(1, zigzag)`: rank r of n holds pieces r and 2n - 1 - r of the sequence. The search
+    keeps it so through the model: the positions, the mask's rows and the rotary tables are built zig-zag
+    (split from what every rank makes, locally), and attention is ring attention over the zig-zag pieces;
+    nothing gathers the sequence. Equal to serial."""
+    compiled = compile_text(_llama(2, 512, "60 %", split="S(1, zigzag)"), "examples/long.par")
+    lines = compiled.source.splitlines()
+    attention = [line for line in lines if "rt.attention(" in line]
+    assert len(attention) == 2 and all("ring_zigzag=('cp',)" in line for line in attention)
+    masks = [line for line in lines if "  [1, 1, 512, 512]" in line]
+    assert masks and all("S(2, zigzag)@cp  [1, 1, 512, 512] local [1, 1, 256, 512]" in line for line in masks)
+    assert all("rt.all_gather(" not in line for line in lines)
+    assert compiled.program.collective_counts_by_axis()["forward"]["cp:send"] == 2
+    check(pools, compiled)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_a_zigzag_split_evens_the_ranks_causal_work(ranks):
+    """Under a causal mask, ring attention's blocks per rank and step (in the area of the queries by keys
+    they cover, a diagonal block half of it): a plain split leaves rank 0 its own chunk only and the last
+    rank every chunk; split zig-zag, every rank does the same at every step, and the busiest does about
+    half of the plain split's busiest."""
+    from pardsl.runtime.ring_attention import block_plan, pieces
+
+    def work(chunk: int, step: int, zigzag: bool) -> float:
+        own, held = pieces(chunk, ranks, zigzag), pieces((chunk - step) % ranks, ranks, zigzag)
+        area = 1.0 / len(own) ** 2  # a piece of a rank's chunk by a piece of another's
+        return sum(area * (0.5 if diagonal else 1.0) for _, _, diagonal in block_plan(own, held, True, None))
+
+    plain = [[work(chunk, step, False) for step in range(ranks)] for chunk in range(ranks)]
+    zigzag = [[work(chunk, step, True) for step in range(ranks)] for chunk in range(ranks)]
+    assert [sum(row) for row in plain] == [0.5 + chunk for chunk in range(ranks)]
+    assert all(row == zigzag[0] for row in zigzag)  # every rank alike, step by step
+    assert sum(zigzag[0]) == ranks / 2
+    # the whole causal triangle, however it is split
+    assert sum(map(sum, plain)) == sum(map(sum, zigzag)) == ranks * ranks / 2
+
+
+def _sequence_attention(ranks: int, arguments: str, width: int = 8, split: str = "S(1)") -> str:
     return (f"mesh cp = {ranks}\nmodel tests.zoo:SequenceAttention({arguments})\n"
-            f"input x : float32[1, 16, {width}]\nlayout {{\n    x : S(1)\n    output : S(1)\n}}\n")
+            f"input x : float32[1, 16, {width}]\nlayout {{\n    x : {split}\n    output : {split}\n}}\n")
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("arguments, width", [
-    ("causal=True", 8),                           # is_causal: later chunks skipped, the own one masked
-    ("causal=False", 8),                          # every chunk attended in full
-    ("masked=True", 8),                           # a mask tensor: each step reads its chunk's columns
-    ("heads=4, kv_heads=1, causal=True", 32),     # grouped-query: one key/value head, nothing to split by heads
+@pytest.mark.parametrize("arguments, width, split", [
+    ("causal=True", 8, "S(1)"),                        # is_causal: later chunks skipped, the own one masked
+    ("causal=False", 8, "S(1)"),                       # every chunk attended in full
+    ("masked=True", 8, "S(1)"),                        # a mask tensor: each step reads its chunk's columns
+    ("heads=4, kv_heads=1, causal=True", 32, "S(1)"),  # grouped-query: one key/value head, nothing to split by heads
+    ("causal=True", 8, "S(1, zigzag)"),                # zig-zag: each rank's two pieces, the later keys skipped
+    ("masked=True", 8, "S(1, zigzag)"),                # the mask's rows zig-zag too; blocks it hides skipped
+    ("heads=4, kv_heads=1, causal=True", 32, "S(1, zigzag)"),
 ])
-def test_ring_attention_equals_serial_attention(pools, compile_par, ranks, arguments, width):
+def test_ring_attention_equals_serial_attention(pools, compile_par, ranks, arguments, width, split):
     """One sequence (no batch to split) of one head (no heads to split), split over the ranks: the
     attention keeps it split, its key/value chunks passed around the ring: n - 1 sends forward, n
     backward (the chunks with their gradients, then the gradients home), each rank; equal to serial."""
-    compiled = compile_par(_sequence_attention(ranks, arguments, width))
-    assert "ring=('cp',)" in compiled.source and "rt.all_gather" not in compiled.source
+    compiled = compile_par(_sequence_attention(ranks, arguments, width, split))
+    form = "ring_zigzag" if "zigzag" in split else "ring"
+    assert f"{form}=('cp',)" in compiled.source and "rt.all_gather" not in compiled.source
     report = check(pools, compiled)
     assert report["collectives_by_axis"]["forward"].get("cp:send") == ranks - 1
     assert report["collectives_by_axis"]["backward"].get("cp:send") == ranks

@@ -143,7 +143,7 @@ def test_cat_of_equal_split_parts_is_a_blocked_split_and_blocks_contract():
     nodes = _nodes(Join(), torch.randn(4, 8), torch.randn(4, 8), torch.randn(16, 4))
     assert (("S(1)", "S(1)"), "S(1, blocks=2)") in _sigs(nodes["cat"])
     spec = dim_spec(nodes["matmul"], rule_for(nodes["matmul"]))
-    blocked = {(tuple(str(p) for p in s.operands), str(s.output)) for s in signatures(spec, {"k": {2}})}
+    blocked = {(tuple(str(p) for p in s.operands), str(s.output)) for s in signatures(spec, {"k": {(2, False)}})}
     assert (("S(1, blocks=2)", "S(0, blocks=2)"), "P") in blocked
 
 

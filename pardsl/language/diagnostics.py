@@ -52,6 +52,7 @@ ERROR_CODES: dict[str, str] = {
     "E055": "partial sum (P) on a parameter, buffer or input",
     "E056": "a dim split in blocks by more than one mesh axis",
     "E057": "blocks must be at least 1",
+    "E058": "zig-zag split on a parameter or buffer",
     "E060": "operation not supported",
     "E061": "operation whose result shape depends on the data",
     "E062": "in-place operation on a view",

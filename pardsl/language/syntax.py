@@ -89,6 +89,7 @@ class PlacementSyntax:
     dim: int | None
     span: Span
     blocks: int = 1
+    zigzag: bool = False
 
 
 @dataclass(frozen=True)
@@ -345,6 +346,9 @@ class _ToSyntaxTree(Transformer):
     def split(self, meta, children):
         blocks = int(children[1]) if len(children) > 1 and children[1] is not None else 1
         return PlacementSyntax("S", int(children[0]), _span(meta), blocks)
+
+    def zigzag_split(self, meta, children):
+        return PlacementSyntax("S", int(children[0]), _span(meta), 2, zigzag=True)
 
     def broadcast(self, meta, children):
         return PlacementSyntax("B", None, _span(meta))

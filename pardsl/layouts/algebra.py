@@ -24,10 +24,19 @@ class Placement:
     kind: str  # "S" split, "B" broadcast, "P" partial sum
     dim: int | None = None  # the split dim, for "S" (negative only as written, before binding)
     blocks: int = 1  # S(d, blocks=k): dim d is k equal blocks, each chunked over the axis
+    # S(d, zigzag): two blocks, the second chunked in reverse rank order, so rank r of n holds chunks r and
+    # 2n - 1 - r of the dim: under a causal mask every rank's queries see as many keys (ring attention)
+    mirrored: bool = False
 
     def __post_init__(self):
         assert self.kind in ("S", "B", "P") and (self.kind == "S") == (self.dim is not None), self
         assert self.blocks >= 1 and (self.blocks == 1 or self.kind == "S"), self
+        assert not self.mirrored or self.blocks == 2, self
+
+    @property
+    def arrangement(self) -> tuple[int, bool]:
+        """How the split dim is cut into blocks: (blocks, mirrored); (1, False) for a plain split."""
+        return self.blocks, self.mirrored
 
     @property
     def is_split(self) -> bool:
@@ -36,6 +45,8 @@ class Placement:
     def __str__(self) -> str:
         if self.kind != "S":
             return self.kind
+        if self.mirrored:
+            return f"S({self.dim}, zigzag)"
         return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim}, blocks={self.blocks})"
 
     @staticmethod
@@ -45,6 +56,8 @@ class Placement:
             return Placement(text)
         if text.startswith("S(") and text.endswith(")"):
             dim, _, blocks = text[2:-1].partition(",")
+            if blocks.strip() == "zigzag":
+                return zigzag(int(dim))
             return Placement("S", int(dim), int(blocks.split("=")[1]) if blocks else 1)
         raise ValueError(f"not a placement: {text!r}")
 
@@ -53,8 +66,12 @@ B = Placement("B")
 P = Placement("P")
 
 
-def S(dim: int, blocks: int = 1) -> Placement:
-    return Placement("S", dim, blocks)
+def S(dim: int, blocks: int = 1, mirrored: bool = False) -> Placement:
+    return Placement("S", dim, blocks, mirrored)
+
+
+def zigzag(dim: int) -> Placement:
+    return Placement("S", dim, 2, True)
 
 
 @dataclass(frozen=True)
@@ -139,6 +156,9 @@ class Layout:
     def blocks_of(self, dim: int) -> int:
         return max((p.blocks for p in self.placements if p.kind == "S" and p.dim == dim), default=1)
 
+    def mirrored_dims(self) -> list[int]:
+        return [p.dim for p in self.placements if p.kind == "S" and p.mirrored]
+
     def local_shape(self, shape: Iterable[int], mesh: Mesh) -> tuple[int, ...]:
         return _local_shape(self.placements, tuple(shape), mesh.axis_sizes)
 
@@ -196,6 +216,8 @@ class ConversionStep:
     backward_bytes: int
     src_blocks: int = 1
     dst_blocks: int = 1
+    src_mirrored: bool = False
+    dst_mirrored: bool = False
 
 
 @dataclass(frozen=True)
@@ -218,11 +240,13 @@ class Conversion:
 CONVERSIONS: dict[tuple[str, str], Conversion] = {(c.source, c.target): c for c in (
     Conversion("P", "B", "all_reduce", "all_reduce", None),  # adjoint: identity (P's gradient is full)
     Conversion("P", "S", "reduce_scatter", "reduce_scatter", "all_gather",
-               (("dim", "dst_dim"), ("blocks", "dst_blocks"))),
+               (("dim", "dst_dim"), ("blocks", "dst_blocks"), ("mirrored", "dst_mirrored"))),
     # adjoint: this rank's slice, or a reduce-scatter where the gathered value's consumers are sharded
-    Conversion("S", "B", "all_gather", "all_gather", None, (("dim", "src_dim"), ("blocks", "src_blocks"))),
+    Conversion("S", "B", "all_gather", "all_gather", None,
+               (("dim", "src_dim"), ("blocks", "src_blocks"), ("mirrored", "src_mirrored"))),
     Conversion("S", "S", "all_to_all", "all_to_all", "all_to_all", (("split_dim", "dst_dim"), ("concat_dim", "src_dim"))),
-    Conversion("B", "S", "split", None, "all_gather", (("dim", "dst_dim"), ("blocks", "dst_blocks"))),
+    Conversion("B", "S", "split", None, "all_gather",
+               (("dim", "dst_dim"), ("blocks", "dst_blocks"), ("mirrored", "dst_mirrored"))),
     Conversion("B", "P", "to_partial", None, None),  # adjoint: identity
 )}
 CONVERSION_OF_KIND = {c.kind: c for c in CONVERSIONS.values()}
@@ -277,6 +301,8 @@ def _one_axis_step(
         backward,
         current.blocks,
         placement.blocks,
+        current.mirrored,
+        placement.mirrored,
     )
 
 
@@ -304,8 +330,9 @@ def _planned_conversion(source: Layout, target: Layout, shape: tuple[int, ...], 
                         with_backward: bool) -> tuple[ConversionStep, ...]:
     """plan_conversion's search, once per question: a joint layout search prices every pair of a
     value's placements, and many values share a shape."""
-    blocks = {p.blocks for p in (*source.placements, *target.placements) if p.is_split}
-    candidates = (B, P) + tuple(S(d, k) for d in range(len(shape)) for k in sorted(blocks | {1}))
+    arrangements = {p.arrangement for p in (*source.placements, *target.placements) if p.is_split}
+    candidates = (B, P) + tuple(S(d, k, mirrored) for d in range(len(shape))
+                                for k, mirrored in sorted(arrangements | {(1, False)}))
     axes = tuple(range(mesh.ndim))
     if len(candidates) ** mesh.ndim > _WHOLE_SEARCH_LAYOUTS:
         # Every layout of many axes is too many to search: only the axes whose placements differ move, and
@@ -395,19 +422,37 @@ def conversion_cost(steps: list[ConversionStep], with_backward: bool = True) -> 
 # or the tensor's own order (block-major).
 
 
-def rank_major(moved: "torch.Tensor", n: int, blocks: int) -> "torch.Tensor":
+def rank_major(moved: "torch.Tensor", n: int, blocks: int, mirrored: bool = False) -> "torch.Tensor":
     """A dim (moved first) split over n ranks in `blocks` blocks, reordered so each rank's chunks of every
-    block are adjacent: block-major [blocks, n, chunk] → rank-major [n, blocks, chunk]."""
+    block are adjacent: block-major [blocks, n, chunk] → rank-major [n, blocks, chunk]. `mirrored`: the odd
+    blocks are chunked in reverse rank order (a zig-zag split)."""
     if blocks == 1:
         return moved
-    return moved.reshape(blocks, n, -1, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
+    return _mirror_odd_blocks(moved.reshape(blocks, n, -1, *moved.shape[1:]), mirrored) \
+        .transpose(0, 1).reshape(moved.shape)
 
 
-def block_major(gathered: "torch.Tensor", n: int, blocks: int) -> "torch.Tensor":
+def block_major(gathered: "torch.Tensor", n: int, blocks: int, mirrored: bool = False) -> "torch.Tensor":
     """The inverse of `rank_major`: what an all-gather returns, rank by rank, back in block order."""
     if blocks == 1:
         return gathered
-    return gathered.reshape(n, blocks, -1, *gathered.shape[1:]).transpose(0, 1).reshape(gathered.shape)
+    by_block = gathered.reshape(n, blocks, -1, *gathered.shape[1:]).transpose(0, 1)
+    return _mirror_odd_blocks(by_block, mirrored).reshape(gathered.shape)
+
+
+def _mirror_odd_blocks(chunks: "torch.Tensor", mirrored: bool) -> "torch.Tensor":
+    """[blocks, n, ...] with the chunks of every odd block in reverse order where `mirrored` (its own
+    inverse)."""
+    if not mirrored:
+        return chunks
+    blocks, n = chunks.shape[:2]
+    order = [b * n + chunk_of_block(b, i, n, True) for b in range(blocks) for i in range(n)]
+    return chunks.reshape(blocks * n, *chunks.shape[2:])[order].reshape(chunks.shape)
+
+
+def chunk_of_block(block: int, coordinate: int, n: int, mirrored: bool) -> int:
+    """Which of a block's n chunks the rank at `coordinate` holds."""
+    return n - 1 - coordinate if mirrored and block % 2 else coordinate
 
 
 # Windows over a split dim (convolutions, pools): the rows of its neighbours a rank reads. The compiler offers

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import pardsl.runtime.experts  # noqa: F401  (registers pardsl::experts, which RULES names)
-from pardsl.layouts.algebra import B, P, Placement, S, collective_bytes, halo_rows, per_dim, transposed_halo_rows
+from pardsl.layouts.algebra import B, P, Placement, S, collective_bytes, halo_rows, per_dim, transposed_halo_rows, zigzag
 
 Letters = tuple  # one letter (str) or None (a broadcast dim of size 1) per dim
 
@@ -418,6 +418,19 @@ class Signature:
     # arguments and, as keyword `name`, the axes it is taken on; it declares the all-reduces it makes.
     name: str = ""
     inner_collectives: tuple[InnerCollective, ...] = ()
+    # the share of its split of the op's work a rank does in this form (the busiest rank's), where the
+    # form leaves some undone: ring attention split zig-zag skips the blocks a causal mask hides
+    compute_share: float = 1.0
+
+
+def compute_share(spec: DimSpec, operand_layouts, op_layout) -> float:
+    """The share of its split of the op's work a rank does: the product, over the axes where the op takes
+    a parallel form, of that form's `compute_share`."""
+    share = 1.0
+    for axis, output in enumerate(op_layout.placements):
+        operands = tuple(layout.placements[axis] for layout in operand_layouts)
+        share *= next((s.compute_share for s in spec.extra if s.operands == operands and s.output == output), 1.0)
+    return share
 
 
 def is_tensor_list(node: torch.fx.Node) -> bool:
@@ -820,13 +833,21 @@ def _letters_attention(node: torch.fx.Node, rule: Rule, shapes: list, out_shape:
         # per sequence row of the chunk: its keys and values, all heads; backward in float32, with their
         # gradients as they travel
         row = math.prod(shapes[1][:-2]) * (shapes[1][-1] + shapes[2][-1])
-        draft.extra = (Signature((S(sequence),) * 3 + tuple(mask), S(sequence), "S", name="ring", inner_collectives=(
+        sends = (
             InnerCollective(0, per_index=(sequence, row), what="keys and values to the next rank", kind="send",
                             around_the_ring=True),
             InnerCollective(0, per_index=(sequence, 2 * row), what="keys, values and their gradients to the next rank",
                             kind="send", phase="backward", itemsize=4, around_the_ring=True),
             InnerCollective(0, per_index=(sequence, row), what="the keys' and values' gradients home", kind="send",
-                            phase="backward", itemsize=4))),)
+                            phase="backward", itemsize=4))
+        # the same, the sequence split zig-zag (rank r of n holding pieces r and 2n - 1 - r): under
+        # `is_causal` every rank computes half its blocks, where a plain split leaves the last rank all of
+        # its own (a mask tensor's blocks are skipped where it hides them whole: priced as all computed)
+        zigzag_mask = [zigzag(m.dim) if m.is_split else m for m in mask]
+        causal = len(shapes) == 3 and bool(call_arg(node, 5, "is_causal", False))
+        draft.extra = (Signature((S(sequence),) * 3 + tuple(mask), S(sequence), "S", name="ring", inner_collectives=sends),
+                       Signature((zigzag(sequence),) * 3 + tuple(zigzag_mask), zigzag(sequence), "S",
+                                 name="ring_zigzag", inner_collectives=sends, compute_share=0.5 if causal else 1.0))
 
 
 def _letters_conv(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
@@ -1238,38 +1259,39 @@ def _equal_parts(node: torch.fx.Node, dim: int, size: int) -> int | None:
     return len(parts) if len(sizes) == 1 and size == len(parts) * sizes.pop() else None
 
 
-def _placement_for(letters: Letters, letter: str, blocks: int = 1) -> Placement:
-    return S(letters.index(letter), blocks) if letter in letters else B
+def _placement_for(letters: Letters, letter: str, arrangement: tuple[int, bool] = (1, False)) -> Placement:
+    return S(letters.index(letter), *arrangement) if letter in letters else B
 
 
-def signatures(spec: DimSpec, blocks: dict[str, set[int]] | None = None) -> list[Signature]:
+def signatures(spec: DimSpec, blocks: dict[str, set[tuple[int, bool]]] | None = None) -> list[Signature]:
     """Every legal one-axis signature of the op, cheapest-looking first (all-B, splits, partials).
 
-    `blocks` offers, per letter, the block counts its operands are split in (S(d, blocks=k)): a letter
-    kept whole in size carries them through; cutting a dim into k equal parts turns S(d, blocks=k) into a
-    plain split of every part.
+    `blocks` offers, per letter, the block arrangements its operands are split in ((k, mirrored):
+    S(d, blocks=k), or S(d, zigzag)): a letter kept whole in size carries them through; cutting a dim
+    into k equal parts turns S(d, blocks=k) into a plain split of every part.
     """
     blocks = blocks or {}
     n = len(spec.operands)
     result = [Signature((B,) * n, B)]
     splittable = [l for l in spec.letters() if l not in spec.unsplittable]
+    plain = (1, False)
     for letter in splittable:
         if letter in spec.output:
             carried = blocks.get(letter, set()) if spec.fixed_size is None or letter in spec.fixed_size else set()
-            for k in [1, *sorted(carried - {1})]:
-                operands = tuple(_placement_for(letters, letter, k) for letters in spec.operands)
-                result.append(Signature(operands, S(spec.output.index(letter), k), letter))
+            for arrangement in [plain, *sorted(carried - {plain})]:
+                operands = tuple(_placement_for(letters, letter, arrangement) for letters in spec.operands)
+                result.append(Signature(operands, S(spec.output.index(letter), *arrangement), letter))
     if spec.cut is not None:
         letter, parts = spec.cut
-        operands = tuple(_placement_for(letters, letter, parts) for letters in spec.operands)
+        operands = tuple(_placement_for(letters, letter, (parts, False)) for letters in spec.operands)
         result.append(Signature(operands, S(spec.output.index(letter)), letter))
     sums = spec.linear != "none" if spec.sums_contraction is None else spec.sums_contraction
     for letter in splittable:
         if letter not in spec.output and spec.contractible and sums:
             # every operand split alike, in blocks too: each rank sums over the same indices
-            for k in [1, *sorted(blocks.get(letter, set()) - {1})]:
+            for arrangement in [plain, *sorted(blocks.get(letter, set()) - {plain})]:
                 operands = tuple(
-                    P if i in spec.addends else _placement_for(letters, letter, k)
+                    P if i in spec.addends else _placement_for(letters, letter, arrangement)
                     for i, letters in enumerate(spec.operands)
                 )
                 result.append(Signature(operands, P, letter))

@@ -241,7 +241,7 @@ def layout_from_syntax(syntax: LayoutSyntax, mesh: Mesh, sink: DiagnosticSink) -
         return None
 
     def placement(p) -> Placement:
-        return Placement("S", p.dim, max(1, p.blocks)) if p.kind == "S" else Placement(p.kind)
+        return Placement("S", p.dim, max(1, p.blocks), p.zigzag) if p.kind == "S" else Placement(p.kind)
 
     if syntax.form == "searched":
         return None  # no layout: binding records the name as searched
@@ -291,7 +291,7 @@ def check_layout_fits(layout: Layout, entry: LayoutEntry, name: str, info: Tenso
                 ok = False
                 normalized.append(p)
                 continue
-            normalized.append(Placement("S", dim, p.blocks))
+            normalized.append(Placement("S", dim, p.blocks, p.mirrored))
         else:
             normalized.append(p)
     if not ok:
@@ -727,6 +727,12 @@ def _bound_layouts(written: list, index: "_NameIndex", tensors: dict[str, Tensor
                 sink.error("E055", f"`{named.name}` is {article} {named.kind}: it cannot be a partial sum",
                            _placement_spans(entry.layout, mesh)[axis],
                            "a partial sum is the result of a computation; parameters and inputs are B or S(d)")
+                continue
+            if fitted.mirrored_dims() and named.kind in ("parameter", "buffer"):
+                axis = next(a for a, p in enumerate(fitted.placements) if p.mirrored)
+                sink.error("E058", f"`{named.name}` is a {named.kind}: a zig-zag split is for a sequence of "
+                           f"activations", _placement_spans(entry.layout, mesh)[axis],
+                           "split a parameter plainly (`S(d)`) or in blocks (`S(d, blocks=k)`)")
                 continue
             pin = Pin(fitted, entry)
             store, key = (output_pins, named.output_index) if named.kind == "output" else (pins, named.node)

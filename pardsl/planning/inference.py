@@ -256,12 +256,12 @@ def infer(bound: BoundPlan) -> TypedGraph:
             names = operands[node.name]
             pin = bound.pins.get(node.name)
             priced: list[Candidate] = []
-            offered: dict[str, set[int]] = {}
+            offered: dict[str, set[tuple[int, bool]]] = {}
             for o, letters in zip(names, spec.operands):
                 current = value[o][axis] if o not in free else None
                 if current is not None and current.is_split and current.blocks > 1 and current.dim < len(letters):
                     if letters[current.dim] is not None:
-                        offered.setdefault(letters[current.dim], set()).add(current.blocks)
+                        offered.setdefault(letters[current.dim], set()).add(current.arrangement)
             replicated_operands = all(o not in free and value[o][axis] == B for o in names)
             for index, signature in enumerate(signatures(spec, offered)):
                 # what the op needs of each operand (and computes), over the axes decided so far and this one
@@ -328,8 +328,8 @@ def infer(bound: BoundPlan) -> TypedGraph:
             candidates[node.name].append([replace(c, chosen=True) if c is cheapest else c for c in priced])
             best = cheapest.signature
             for slot, (o, req) in enumerate(zip(names, best.operands)):
-                if o in free:
-                    value[o].append(B if req == P else req)
+                if o in free:  # held as the op takes it, but as B where that is a partial sum or a zig-zag split
+                    value[o].append(B if req == P or req.mirrored else req)
                     free.discard(o)
                 if value[o][axis] != req:
                     bought.add((o, req))

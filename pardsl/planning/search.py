@@ -205,25 +205,34 @@ def _gather_units(bound: BoundPlan, nodes: list[str], operands) -> dict[str, str
     return units
 
 
-def blocks_wanted(specs, nodes: list[str], operands) -> dict[str, dict[str, set[int]]]:
-    """Per op, per letter of its output, block counts worth offering its signatures: where an op
-    downstream cuts a dim into m equal parts (a fused QKV projection's split into q, k and v), the dim can
-    be split in m blocks all the way from the parameters (Megatron's fused QKV: `S(1, blocks=3)`), each
-    rank then holding its share of every part. Inference offers only the blocks its operands already
-    carry, which a parameter left to the search never does."""
-    wanted: dict[str, dict[str, set[int]]] = {}
+def blocks_wanted(specs, nodes: list[str], operands) -> dict[str, dict[str, set[tuple[int, bool]]]]:
+    """Per op, per letter of its output, block arrangements (count, mirrored) worth offering its
+    signatures, asked by the ops downstream:
+    - where an op cuts a dim into m equal parts (a fused QKV projection's split into q, k and v), the dim
+      can be split in m blocks all the way from the parameters (Megatron's fused QKV: `S(1, blocks=3)`),
+      each rank then holding its share of every part;
+    - where an op's parallel form takes an operand split zig-zag (ring attention's), the sequence can be
+      split so from where it is made (the positions, the mask, the rotary tables built per shard).
+    Inference offers only the blocks its operands already carry, which a parameter left to the search, or
+    a tensor made from nothing, never does."""
+    wanted: dict[str, dict[str, set[tuple[int, bool]]]] = {}
     for name in reversed(nodes):  # consumers before producers
         spec = specs[name]
         asks = {letter: set(counts) for letter, counts in wanted.get(name, {}).items()}
         if spec.cut is not None:
             letter, parts = spec.cut
-            asks.setdefault(letter, set()).add(parts)
-        for o, letters in zip(operands[name], spec.operands):
+            asks.setdefault(letter, set()).add((parts, False))
+        for slot, (o, letters) in enumerate(zip(operands[name], spec.operands)):
             if o not in specs:
                 continue  # a placeholder: its placements are its consumers' signatures'
-            for d, letter in enumerate(letters):
-                if letter in asks and d < len(specs[o].output) and specs[o].output[d] is not None:
-                    wanted.setdefault(o, {}).setdefault(specs[o].output[d], set()).update(asks[letter])
+            asked_of_operand = {d: set(asks.get(letter, ())) for d, letter in enumerate(letters)}
+            for signature in spec.extra:
+                placement = signature.operands[slot] if slot < len(signature.operands) else B
+                if placement.mirrored and placement.dim < len(letters):
+                    asked_of_operand[placement.dim].add(placement.arrangement)
+            for d, asked in asked_of_operand.items():
+                if asked and d < len(specs[o].output) and specs[o].output[d] is not None:
+                    wanted.setdefault(o, {}).setdefault(specs[o].output[d], set()).update(asked)
     return wanted
 
 
@@ -238,7 +247,7 @@ class GraphFacts:
     operands: dict[str, tuple[str, ...]]
     requires_grad: set[str]
     flops: dict[str, int]
-    cut_blocks: dict[str, dict[str, set[int]]]
+    cut_blocks: dict[str, dict[str, set[tuple[int, bool]]]]
     gather_unit: dict[str, str]
     consumers: dict[str, list[tuple[str, int]]]
     outputs_of: dict[str, list[int]]
@@ -458,12 +467,15 @@ class _GroupProgram:
             self.legal_on[name], self.legal[name], outputs = answered[key]
             written = self.pinned(name)
             self.domain[name] = [written] if written is not None else outputs
-        for name in self.free:  # what its consumers can take it as (a partial sum: from B, locally)
+        # what a free tensor's consumers can take it as (a partial sum: from B, locally; a zig-zag split is
+        # an activation's, for its sequence: the parameters' syncs and checkpoints cut plainly)
+        for name in self.free:
             wanted = [self.whole_joint] + [_operand(signature, slot) for consumer, slot in facts.consumers[name]
                                            for signature in self.legal[consumer]]
             if start is not None:  # a move may keep it as it is (its consumers may no longer take it so)
                 wanted.append(tuple(start.layout_of(name).placements[a] for a in group))
-            self.domain[name] = [p for p in dict.fromkeys(wanted) if P not in p and self.fits(name, p)]
+            self.domain[name] = [p for p in dict.fromkeys(wanted)
+                                 if P not in p and not any(q.mirrored for q in p) and self.fits(name, p)]
 
     def _pinned_on(self, name: str, axis: int) -> Joint | None:
         pin = self.bound.pins.get(name)
@@ -632,7 +644,8 @@ class _GroupProgram:
             split = math.prod(n for n, p in zip(sizes, output) if p != B)
             moved = self.local_bytes(name, output) + sum(
                 self.local_bytes(o, _operand(signature, slot)) for slot, o in enumerate(operands))
-            terms = [backward * machine.compute_seconds(self.facts.flops.get(name, 0) / share / split, moved)]
+            work = math.prod(one.compute_share for one in signature)
+            terms = [backward * machine.compute_seconds(self.facts.flops.get(name, 0) * work / share / split, moved)]
             for i, one in enumerate(signature):
                 for inner in one.inner_collectives:
                     if not inner.made(operands[0] in requires_grad):
@@ -939,7 +952,7 @@ def _legal(name, group, spec, cut_blocks, operands, free, domain, needs, op_out,
                 placement = joint[i]
                 if placement.is_split and placement.blocks > 1 and placement.dim < len(letters) and \
                         letters[placement.dim] is not None:
-                    offered.setdefault(letters[placement.dim], set()).add(placement.blocks)
+                    offered.setdefault(letters[placement.dim], set()).add(placement.arrangement)
         per_axis.append([
             (index, signature) for index, signature in enumerate(signatures(spec, offered))
             if all(fits(o, _on(i, width, B if (req == P and o in free) else req), needs[slot])

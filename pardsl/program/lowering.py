@@ -138,8 +138,9 @@ def _shape_text(info, layout: Layout | None = None, mesh: Mesh | None = None) ->
 
 
 def _tag(layout: Layout) -> str:
-    """A layout as part of a Python name: `S0_B`, `S2blocks2` for `S(2, blocks=2)`."""
-    return "_".join(p.kind + (f"{p.dim}" if p.is_split else "") + (f"blocks{p.blocks}" if p.blocks > 1 else "")
+    """A layout as part of a Python name: `S0_B`, `S2blocks2` for `S(2, blocks=2)`, `S1zigzag`."""
+    return "_".join(p.kind + (f"{p.dim}" if p.is_split else "") +
+                    ("zigzag" if p.mirrored else f"blocks{p.blocks}" if p.blocks > 1 else "")
                     for p in layout.placements)
 
 
@@ -163,7 +164,7 @@ def step_call(step: ConversionStep, rs_backward: bool = False) -> tuple[str, dic
     its row of the catalogue; block counts only where there are blocks."""
     conversion = CONVERSION_OF_KIND[step.kind]
     kwargs = {keyword: getattr(step, field) for keyword, field in conversion.arguments
-              if keyword != "blocks" or getattr(step, field) > 1}
+              if (keyword != "blocks" or getattr(step, field) > 1) and (keyword != "mirrored" or getattr(step, field))}
     if step.kind == "all_gather":  # its adjoint: a slice, or a reduce-scatter (Megatron-SP's g)
         kwargs = {"dim": kwargs["dim"], "backward": "reduce_scatter" if rs_backward else "slice",
                   **{k: v for k, v in kwargs.items() if k != "dim"}}
@@ -351,6 +352,7 @@ class _Lowerer:
             collectives = (Collective("all_gather", axis_names[0], "forward", gather.forward_bytes, var, reason),
                            Collective("reduce_scatter", axis_names[0], "backward", gather.forward_bytes, var, reason))
             blocks = (("blocks", Text(str(gather.src_blocks))),) if gather.src_blocks > 1 else ()
+            blocks += (("mirrored", Text("True")),) if gather.src_mirrored else ()
             extra, what = (("gather_dim", Text(str(gather.src_dim))),) + blocks + op, \
                 "gathered first; its gradient reduce-scattered"
         moved = ", ".join(f"{c.kind.replace('_', '-')} {format_bytes(c.bytes)} ({c.phase})" for c in collectives)
@@ -665,7 +667,7 @@ class _Lowerer:
                                                                         *(Text(f'"{a}"') for a in vocab_axes)))
         elif rule.drawn_as:
             # random: every rank draws serial's whole tensor and keeps its part of it, so the values are serial's
-            splits = tuple((self.mesh.axis_names[a], p.dim, p.blocks)
+            splits = tuple((self.mesh.axis_names[a], p.dim, p.blocks) + ((True,) if p.mirrored else ())
                            for a, p in enumerate(typed_node.op_layout.placements) if p.is_split)
             expr = Instruction("form", f"rt.{rule.drawn_as}", tuple(args), tuple(kwargs + [("splits", Text(repr(splits)))]))
         elif parallel_forms or rule.every_signature:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pardsl.layouts.algebra import Layout, Mesh
+from pardsl.layouts.algebra import Layout, Mesh, chunk_of_block
 
 INDEX_FILE = "pardsl.index.json"
 HF_INDEX_FILE = "model.safetensors.index.json"
@@ -93,9 +93,10 @@ def local_regions(layout: Layout, shape: tuple[int, ...], mesh: Mesh, coordinate
             per_dim.append([(0, size, 0)])
         elif blocks > 1:
             (axis,) = axes
-            block = size // blocks
-            chunk = block // mesh.axis_sizes[axis]
-            per_dim.append([(j * block + coordinate[axis] * chunk, chunk, j * chunk) for j in range(blocks)])
+            block, n = size // blocks, mesh.axis_sizes[axis]
+            chunk, mirrored = block // n, dim in layout.mirrored_dims()
+            per_dim.append([(j * block + chunk_of_block(j, coordinate[axis], n, mirrored) * chunk, chunk, j * chunk)
+                            for j in range(blocks)])
         else:
             index, ways = 0, 1
             for axis in axes:

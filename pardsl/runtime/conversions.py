@@ -19,31 +19,32 @@ class AllReduce(torch.autograd.Function):
 
 
 class AllGather(torch.autograd.Function):
-    """S(d) → B. Backward: take this rank's slice of the full gradient, or reduce-scatter a partial one."""
+    """S(d) → B (`arrangement`: the split's (blocks, mirrored)). Backward: take this rank's slice of the full gradient, or reduce-scatter a partial one."""
 
     @staticmethod
-    def forward(ctx, x, rt, axis, dim, backward, blocks):
-        ctx.rt, ctx.axis, ctx.dim, ctx.mode, ctx.blocks = rt, axis, dim, backward, blocks
-        return rt._all_gather(x, axis, dim, "forward", blocks)
+    def forward(ctx, x, rt, axis, dim, backward, arrangement):
+        ctx.rt, ctx.axis, ctx.dim, ctx.mode, ctx.arrangement = rt, axis, dim, backward, arrangement
+        return rt._all_gather(x, axis, dim, "forward", *arrangement)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.mode == "reduce_scatter":
-            return ctx.rt._reduce_scatter(grad, ctx.axis, ctx.dim, "backward", ctx.blocks), None, None, None, None, None
-        return ctx.rt._slice(grad, ctx.axis, ctx.dim, ctx.blocks), None, None, None, None, None
+            return ctx.rt._reduce_scatter(grad, ctx.axis, ctx.dim, "backward", *ctx.arrangement), \
+                None, None, None, None, None
+        return ctx.rt._slice(grad, ctx.axis, ctx.dim, *ctx.arrangement), None, None, None, None, None
 
 
 class ReduceScatter(torch.autograd.Function):
     """P → S(d). Backward: all-gather."""
 
     @staticmethod
-    def forward(ctx, x, rt, axis, dim, blocks):
-        ctx.rt, ctx.axis, ctx.dim, ctx.blocks = rt, axis, dim, blocks
-        return rt._reduce_scatter(x, axis, dim, "forward", blocks)
+    def forward(ctx, x, rt, axis, dim, arrangement):
+        ctx.rt, ctx.axis, ctx.dim, ctx.arrangement = rt, axis, dim, arrangement
+        return rt._reduce_scatter(x, axis, dim, "forward", *arrangement)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.rt._all_gather(grad, ctx.axis, ctx.dim, "backward", ctx.blocks), None, None, None, None
+        return ctx.rt._all_gather(grad, ctx.axis, ctx.dim, "backward", *ctx.arrangement), None, None, None, None
 
 
 class AllToAll(torch.autograd.Function):
@@ -63,13 +64,14 @@ class Split(torch.autograd.Function):
     """B → S(d): a local slice. Backward: all-gather, so the B value's gradient is full on every rank."""
 
     @staticmethod
-    def forward(ctx, x, rt, axis, dim, blocks):
-        ctx.rt, ctx.axis, ctx.dim, ctx.blocks = rt, axis, dim, blocks
-        return rt._slice(x, axis, dim, blocks)
+    def forward(ctx, x, rt, axis, dim, arrangement):
+        ctx.rt, ctx.axis, ctx.dim, ctx.arrangement = rt, axis, dim, arrangement
+        return rt._slice(x, axis, dim, *arrangement)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.rt._all_gather(grad.contiguous(), ctx.axis, ctx.dim, "backward", ctx.blocks), None, None, None, None
+        return ctx.rt._all_gather(grad.contiguous(), ctx.axis, ctx.dim, "backward", *ctx.arrangement), \
+            None, None, None, None
 
 
 class ToPartial(torch.autograd.Function):

@@ -27,6 +27,7 @@ from pardsl.layouts.algebra import (
     collective_bytes,
     halo_rows,
     per_dim,
+    chunk_of_block,
     rank_major,
     transposed_halo_rows,
 )
@@ -157,32 +158,34 @@ class Runtime:
     def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         return AllReduce.apply(x, self, axis)
 
-    def all_gather(self, x: torch.Tensor, axis: str, dim: int, backward: str = "slice", blocks: int = 1) -> torch.Tensor:
-        return AllGather.apply(x, self, axis, dim, backward, blocks)
+    def all_gather(self, x: torch.Tensor, axis: str, dim: int, backward: str = "slice", blocks: int = 1,
+                   mirrored: bool = False) -> torch.Tensor:
+        return AllGather.apply(x, self, axis, dim, backward, (blocks, mirrored))
 
-    def reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> torch.Tensor:
-        return ReduceScatter.apply(x, self, axis, dim, blocks)
+    def reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1,
+                       mirrored: bool = False) -> torch.Tensor:
+        return ReduceScatter.apply(x, self, axis, dim, (blocks, mirrored))
 
     def all_to_all(self, x: torch.Tensor, axis: str, split_dim: int, concat_dim: int) -> torch.Tensor:
         return AllToAll.apply(x, self, axis, split_dim, concat_dim)
 
-    def split(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> torch.Tensor:
-        return Split.apply(x, self, axis, dim, blocks)
+    def split(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1, mirrored: bool = False) -> torch.Tensor:
+        return Split.apply(x, self, axis, dim, (blocks, mirrored))
 
-    def dropout(self, x: torch.Tensor, p: float, train: bool, splits: tuple[tuple[str, int, int], ...]) -> torch.Tensor:
+    def dropout(self, x: torch.Tensor, p: float, train: bool, splits: tuple[tuple, ...]) -> torch.Tensor:
         """Dropout with serial's mask, whatever x's layout: the whole tensor's mask is drawn by the op serial
         calls, on ones of the whole shape, dtype and device (so the generator advances as serial's does,
         and each rank draws the same), and this rank keeps its part: its chunk along each (axis, dim,
-        blocks) of `splits`, x's S placements in mesh order (B and P hold all of it, a partial sum's every
-        part scaled alike)."""
+        blocks[, mirrored]) of `splits`, x's S placements in mesh order (B and P hold all of it, a partial
+        sum's every part scaled alike)."""
         if not train or p == 0:
             return torch.ops.aten.dropout.default(x, p, train)
         shape = list(x.shape)
-        for axis, dim, _ in splits:
+        for axis, dim, *_ in splits:
             shape[dim] *= self.size[axis]
         scaled_mask = torch.ops.aten.dropout.default(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
-        for axis, dim, blocks in splits:
-            scaled_mask = self._slice(scaled_mask, axis, dim, blocks)
+        for axis, dim, *arrangement in splits:
+            scaled_mask = self._slice(scaled_mask, axis, dim, *arrangement)
         return x * scaled_mask
 
     def to_partial(self, x: torch.Tensor, axis: str) -> torch.Tensor:
@@ -192,7 +195,7 @@ class Runtime:
         return GradAllReduce.apply(x, self, axes)
 
     def column_parallel_linears(self, x: torch.Tensor, axes: tuple[str, ...], *linears, gather_dim: int | None = None,
-                                blocks: int = 1, op: str = "linear") -> tuple[torch.Tensor, ...]:
+                                blocks: int = 1, mirrored: bool = False, op: str = "linear") -> tuple[torch.Tensor, ...]:
         """Megatron's f and the linears that read its value, as one step: `linears` are (weight, bias or
         None) pairs, the results are each linear of x. Backward computes x's gradient first, issues its
         all-reduce over `axes` and computes the weights' gradients while it moves (Megatron's overlap).
@@ -202,7 +205,7 @@ class Runtime:
 
         `op`: the ATen op each linear is, as the serial model computes it (`PROJECTIONS`): `linear` (weight
         [out, in]), or `addmm`, `mm`, `matmul` (weight [in, out]: GPT-2's Conv1D, `x @ W`)."""
-        return ColumnParallelLinears.apply(x, self, axes, (gather_dim, blocks, PROJECTIONS[op]),
+        return ColumnParallelLinears.apply(x, self, axes, (gather_dim, (blocks, mirrored), PROJECTIONS[op]),
                                             *(t for pair in linears for t in pair))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -322,15 +325,17 @@ class Runtime:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, dropout_p: float = 0.0,
                   is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                  ring: tuple[str, ...] = ()) -> torch.Tensor:
+                  ring: tuple[str, ...] = (), ring_zigzag: tuple[str, ...] = ()) -> torch.Tensor:
         """aten.scaled_dot_product_attention (no dropout: the rule requires none); with the sequence split
         over `ring` axes (queries, keys and values alike, a mask's query rows too), ring attention
-        (runtime/ring_attention.py): the key/value chunks passed around."""
-        if not ring:
+        (runtime/ring_attention.py): the key/value chunks passed around; `ring_zigzag`: the sequence split
+        zig-zag over that axis, which evens the ranks' work under a causal mask."""
+        if not ring and not ring_zigzag:
             return torch.ops.aten.scaled_dot_product_attention.default(
                 q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         return RingAttention.apply(q, k, v, attn_mask, bool(is_causal),
-                                   scale if scale is not None else q.shape[-1] ** -0.5, self, ring)
+                                   scale if scale is not None else q.shape[-1] ** -0.5, self, ring or ring_zigzag,
+                                   bool(ring_zigzag))
 
     def ring_shift(self, x: torch.Tensor, axes: tuple[str, ...], phase: str) -> torch.Tensor:
         """Send x to the next rank along a dim split over `axes` (a ring, in the split's order), and receive
@@ -510,7 +515,8 @@ class Runtime:
         """The axis's shared-memory transport where it has one and x is a CPU tensor, else None."""
         return self.shared.get(axis) if x.device.type == "cpu" else None
 
-    def _reduce_scatter_started(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1):
+    def _reduce_scatter_started(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1,
+                                mirrored: bool = False):
         """Reduce-scatter x asynchronously: (work or None, a function giving the result once waited on)."""
         n = self.size[axis]
         if n == 1:
@@ -519,8 +525,8 @@ class Runtime:
         def issue(phase: str):
             self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", nbytes(x), n), axis)
             if (shared := self._shared_for(axis, x)) is not None:
-                return shared.reduce_scatter_along(x, dim, blocks)
-            moved = rank_major(x.movedim(dim, 0), n, blocks).contiguous()
+                return shared.reduce_scatter_along(x, dim, blocks, mirrored)
+            moved = rank_major(x.movedim(dim, 0), n, blocks, mirrored).contiguous()
             work, summed = self.reduce_scatter_started(moved, axis)
             return work, lambda: summed().movedim(0, dim).contiguous()
         return self._started(phase, issue)
@@ -537,7 +543,8 @@ class Runtime:
         return all_gather_started(out, x, self.size[axis], self.groups[axis], self.by_all_to_all,
                                   self.shared.get(axis))
 
-    def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:
+    def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1,
+                    mirrored: bool = False) -> torch.Tensor:
         n = self.size[axis]
         if n == 1:
             return x
@@ -545,16 +552,17 @@ class Runtime:
         def issue(phase: str) -> torch.Tensor:
             self.counter.record(phase, "all_gather", collective_bytes("all_gather", nbytes(x), n), axis)
             if (shared := self._shared_for(axis, x)) is not None:
-                return shared.all_gather_along(x, dim, blocks)
+                return shared.all_gather_along(x, dim, blocks, mirrored)
             moved = x.movedim(dim, 0).contiguous()
             out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
             self.all_gather_started(out, moved, axis).wait()
             # contiguous as the serial value was: the exported graph may `view` it (a copy only where dim > 0)
-            return block_major(out, n, blocks).movedim(0, dim).contiguous()
+            return block_major(out, n, blocks, mirrored).movedim(0, dim).contiguous()
         return self._issued(phase, issue)
 
-    def _reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1) -> torch.Tensor:
-        work, result = self._reduce_scatter_started(x, axis, dim, phase, blocks)
+    def _reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1,
+                        mirrored: bool = False) -> torch.Tensor:
+        work, result = self._reduce_scatter_started(x, axis, dim, phase, blocks, mirrored)
         if work is not None:
             work.wait()
         return result()
@@ -575,9 +583,10 @@ class Runtime:
             return torch.cat(received.unbind(0), dim=concat_dim)
         return self._issued(phase, issue)
 
-    def _slice(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> torch.Tensor:
+    def _slice(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1, mirrored: bool = False) -> torch.Tensor:
         n, coordinate = self.size[axis], self.coordinate[axis]
-        return torch.cat([block.chunk(n, dim=dim)[coordinate] for block in x.chunk(blocks, dim=dim)], dim=dim)
+        return torch.cat([block.chunk(n, dim=dim)[chunk_of_block(b, coordinate, n, mirrored)]
+                          for b, block in enumerate(x.chunk(blocks, dim=dim))], dim=dim)
 
     # -- host side: shards of full tensors, and full tensors from shards -----------------------------
 
@@ -594,7 +603,7 @@ class Runtime:
         local = full
         for axis, placement in zip(self.mesh.axis_names, layout.placements):
             if placement.kind == "S":
-                local = self._slice(local, axis, placement.dim, placement.blocks)
+                local = self._slice(local, axis, placement.dim, *placement.arrangement)
             elif placement.kind == "P" and self.coordinate[axis] != 0:
                 local = torch.zeros_like(local)
         return local.contiguous()
@@ -613,6 +622,7 @@ class Runtime:
             elif placement.kind == "S":
                 parts = [torch.empty_like(full) for _ in range(self.size[axis])]
                 dist.all_gather(parts, full.contiguous(), group=self.groups[axis])
-                k, d = placement.blocks, placement.dim
-                full = torch.cat([torch.cat([p.chunk(k, dim=d)[j] for p in parts], dim=d) for j in range(k)], dim=d)
+                k, d, n = placement.blocks, placement.dim, len(parts)
+                full = torch.cat([torch.cat([parts[chunk_of_block(j, r, n, placement.mirrored)].chunk(k, dim=d)[j]
+                                             for r in range(n)], dim=d) for j in range(k)], dim=d)
         return full

@@ -49,9 +49,9 @@ class ColumnParallelLinears(torch.autograd.Function):
     def forward(ctx, x, rt, axes, how, *weights_and_biases):
         weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
         ctx.rt, ctx.axes, ctx.how, ctx.has_bias = rt, axes, how, [b is not None for b in biases]
-        gather_dim, blocks, projection = how
+        gather_dim, arrangement, projection = how
         if gather_dim is not None:
-            x = rt._all_gather(x, axes[0], gather_dim, "forward", blocks)
+            x = rt._all_gather(x, axes[0], gather_dim, "forward", *arrangement)
         ctx.save_for_backward(x, *weights)
         return tuple(projection.compute(x, w, b) for w, b in zip(weights, biases))
 
@@ -59,7 +59,7 @@ class ColumnParallelLinears(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         rt = ctx.rt
-        gather_dim, blocks, projection = ctx.how
+        gather_dim, arrangement, projection = ctx.how
         grad_x, work, result = None, None, None
         products = [(grad.reshape(-1, grad.shape[-1]), weight.t() if projection.weight_in_out else weight)
                     for grad, weight in zip(grads, weights) if grad is not None]
@@ -72,7 +72,7 @@ class ColumnParallelLinears(torch.autograd.Function):
             for grad_rows, factor in products[1:]:
                 rows_of_grad_x.addmm_(grad_rows, factor)
             if gather_dim is not None:
-                work, result = rt._reduce_scatter_started(grad_x, ctx.axes[0], gather_dim, "backward", blocks)
+                work, result = rt._reduce_scatter_started(grad_x, ctx.axes[0], gather_dim, "backward", *arrangement)
             else:
                 work, result = rt._all_reduce_started(grad_x, ctx.axes[0], "backward")
         rows = x.reshape(-1, x.shape[-1])

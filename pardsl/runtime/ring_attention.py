@@ -7,6 +7,12 @@ flash attention). Under `is_causal`, a chunk from a later rank is skipped and th
 the causal mask; earlier chunks are attended in full. A mask tensor comes with the rank's query rows and
 every key column (what a traced model builds): each step reads the columns of the chunk it holds.
 
+Under a causal mask a plain split leaves the work uneven: the first rank's queries see only their own
+chunk, the last rank's every chunk. Split zig-zag (`S(d, zigzag)`: rank r of n holds pieces r and
+2n - 1 - r of 2n), every rank attends the same number of (piece, piece) blocks at every step, and each
+step half of the pairs at most. Blocks run piece by piece: a pair is skipped where the causal order, or a
+mask tensor that hides it whole, lets no query see a key of it (the mask is read once per call for that).
+
 Backward goes around the ring again: with the forward's output and row log-sum-exps it recomputes each
 block's probabilities, adds its share to the queries' gradient locally, and adds the keys' and values'
 shares to gradients that travel with their chunk; one last send brings each chunk's gradients home.
@@ -36,11 +42,16 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal_diagonal: boo
     return scores
 
 
-def _columns(mask: torch.Tensor | None, source: int, width: int) -> torch.Tensor | None:
-    """The mask's columns for the keys of chunk `source` (all of them where it broadcasts over keys)."""
-    if mask is None or mask.shape[-1] == 1:
-        return mask
-    return mask[..., source * width:(source + 1) * width]
+def _part(mask: torch.Tensor | None, query_piece: int, local_pieces: int, key_piece: int,
+          width: int) -> torch.Tensor | None:
+    """The mask's block for a local query piece and a global key piece of `width` keys (all its rows where
+    it broadcasts over queries, all its columns where over keys)."""
+    if mask is None:
+        return None
+    if mask.shape[-2] > 1 and local_pieces > 1:
+        rows = mask.shape[-2] // local_pieces
+        mask = mask[..., query_piece * rows:(query_piece + 1) * rows, :]
+    return mask if mask.shape[-1] == 1 else mask[..., key_piece * width:(key_piece + 1) * width]
 
 
 def _expanded(kv: torch.Tensor, groups: int) -> torch.Tensor:
@@ -56,13 +67,39 @@ def _grouped(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.reshape(*lead, heads // groups, groups, rows, width).sum(-3)
 
 
-def _attended(step: int, chunk: int, ranks: int, causal: bool) -> tuple[int, bool, bool]:
-    """(the chunk held at `step`, whether it is attended, whether with the causal diagonal): it came from
-    the rank `step` places before this one."""
-    source = (chunk - step) % ranks
-    if not causal:
-        return source, True, False
-    return source, source <= chunk, source == chunk
+def pieces(chunk: int, ranks: int, zigzag: bool) -> tuple[int, ...]:
+    """The pieces of the sequence the rank at `chunk` of the ring holds, in its local order (their number:
+    `ranks`, or 2 · `ranks` split zig-zag)."""
+    return (chunk, 2 * ranks - 1 - chunk) if zigzag else (chunk,)
+
+
+def block_plan(queries: tuple[int, ...], keys: tuple[int, ...], causal: bool,
+               hidden: list[list[bool]] | None) -> list[tuple[int, int, bool]]:
+    """The (query piece, key piece, with the causal diagonal) blocks a rank computes for the keys it holds
+    at a step: its own pieces `queries` against `keys` (indices into them), leaving out those no query of
+    the block may see: a later piece under `is_causal`, or one the mask hides whole (`hidden`, by local
+    query piece and global key piece)."""
+    plan = []
+    for i, a in enumerate(queries):
+        for j, b in enumerate(keys):
+            if causal and b > a or hidden is not None and hidden[i][b]:
+                continue
+            plan.append((i, j, causal and a == b))
+    return plan
+
+
+def _hidden(mask: torch.Tensor | None, local_pieces: int, all_pieces: int) -> list[list[bool]] | None:
+    """Per local query piece and global key piece, whether the mask hides every query of it from every key
+    of it (so the block need not be computed); None where there is no mask, or it broadcasts over keys."""
+    if mask is None or mask.shape[-1] == 1:
+        return None
+    seen = mask if mask.dtype == torch.bool else torch.isfinite(mask)
+    rows, columns = seen.shape[-2:]
+    pieces_of_rows = local_pieces if rows > 1 else 1
+    seen = seen.reshape(-1, pieces_of_rows, rows // pieces_of_rows, all_pieces, columns // all_pieces)
+    visible = seen.any(dim=4).any(dim=2).any(dim=0)  # [query piece, key piece]
+    hidden = (~visible).tolist()
+    return hidden if pieces_of_rows == local_pieces else hidden * local_pieces
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -108,57 +145,82 @@ def _block_gradients(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     return (grad_scores @ kf) * scale, (grad_scores.transpose(-1, -2) @ qf) * scale, probs.transpose(-1, -2) @ g
 
 
+def _rows(x: torch.Tensor, piece: int, count: int) -> torch.Tensor:
+    """Piece `piece` of `count` along the rows (dim -2) of x: a view."""
+    rows = x.shape[-2] // count
+    return x.narrow(-2, piece * rows, rows)
+
+
+def _row_values(x: torch.Tensor, piece: int, count: int) -> torch.Tensor:
+    """Piece `piece` of `count` of a value per row (the last dim of x: the rows' log-sum-exps): a view."""
+    rows = x.shape[-1] // count
+    return x.narrow(-1, piece * rows, rows)
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, scale, rt, axes):
+    def forward(ctx, q, k, v, mask, causal, scale, rt, axes, zigzag):
         ranks, chunk = math.prod(rt.size[a] for a in axes), rt._chunk(axes)
         groups = q.shape[-3] // k.shape[-3]
+        own = pieces(chunk, ranks, zigzag)
+        count, all_pieces = len(own), len(own) * ranks
+        width = k.shape[-2] // count  # keys per piece
+        hidden = _hidden(mask, count, all_pieces)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         held = torch.cat([k, v], dim=-1)  # one message a step
+        fused = q.device.type == "cpu"
         for step in range(ranks):
-            source, attended, diagonal = _attended(step, chunk, ranks, causal)
-            if attended:
-                kh, vh = held.split([k.shape[-1], v.shape[-1]], dim=-1)
-                block, block_lse = _block(q, _expanded(kh, groups), _expanded(vh, groups), scale, diagonal,
-                                          _columns(mask, source, k.shape[-2]), q.device.type == "cpu")
-                merged = torch.logaddexp(lse, block_lse)
-                out = out * torch.exp(lse - _finite(merged)).unsqueeze(-1) + \
-                    block * torch.exp(block_lse - _finite(merged)).unsqueeze(-1)
-                lse = merged
+            source = (chunk - step) % ranks  # the keys held came from the rank `step` places before
+            keys = pieces(source, ranks, zigzag)
+            for i, j, diagonal in block_plan(own, keys, causal, hidden):
+                kh, vh = _rows(held, j, count).split([k.shape[-1], v.shape[-1]], dim=-1)
+                block, block_lse = _block(_rows(q, i, count), _expanded(kh, groups), _expanded(vh, groups), scale,
+                                          diagonal, _part(mask, i, count, keys[j], width), fused)
+                rows_out, rows_lse = _rows(out, i, count), _row_values(lse, i, count)
+                merged = torch.logaddexp(rows_lse, block_lse)
+                rows_out.copy_(rows_out * torch.exp(rows_lse - _finite(merged)).unsqueeze(-1) +
+                               block * torch.exp(block_lse - _finite(merged)).unsqueeze(-1))
+                rows_lse.copy_(merged)
             if step < ranks - 1:
                 held = rt.ring_shift(held, axes, "forward")
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
-        ctx.causal, ctx.scale, ctx.rt, ctx.axes = causal, scale, rt, axes
+        ctx.causal, ctx.scale, ctx.rt, ctx.axes, ctx.zigzag, ctx.hidden = causal, scale, rt, axes, zigzag, hidden
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse, *mask = ctx.saved_tensors
         mask = mask[0] if mask else None
-        rt, axes, causal, scale = ctx.rt, ctx.axes, ctx.causal, ctx.scale
+        rt, axes, causal, scale, zigzag = ctx.rt, ctx.axes, ctx.causal, ctx.scale, ctx.zigzag
         ranks, chunk = math.prod(rt.size[a] for a in axes), rt._chunk(axes)
         groups = q.shape[-3] // k.shape[-3]
+        own = pieces(chunk, ranks, zigzag)
+        count = len(own)
+        width = k.shape[-2] // count
         grad = grad.contiguous()
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         d, e = k.shape[-1], v.shape[-1]
         # the chunk held, and the gradients of its keys and values that travel with it (float32)
         held = torch.cat([k.float(), v.float(), torch.zeros_like(k, dtype=torch.float32),
                           torch.zeros_like(v, dtype=torch.float32)], dim=-1)
+        fused = q.device.type == "cpu"
         for step in range(ranks):
-            source, attended, diagonal = _attended(step, chunk, ranks, causal)
-            if attended:
-                kh, vh, grad_k, grad_v = held.split([d, e, d, e], dim=-1)
+            source = (chunk - step) % ranks
+            keys = pieces(source, ranks, zigzag)
+            for i, j, diagonal in block_plan(own, keys, causal, ctx.hidden):
+                kh, vh, grad_k, grad_v = _rows(held, j, count).split([d, e, d, e], dim=-1)
                 block_q, block_k, block_v = _block_gradients(
-                    grad, q, _expanded(kh.to(k.dtype), groups), _expanded(vh.to(v.dtype), groups), out, lse, scale,
-                    diagonal, _columns(mask, source, k.shape[-2]), q.device.type == "cpu")
-                grad_q += block_q
-                held = torch.cat([kh, vh, grad_k + _grouped(block_k, groups), grad_v + _grouped(block_v, groups)],
-                                 dim=-1)
+                    _rows(grad, i, count), _rows(q, i, count), _expanded(kh.to(k.dtype), groups),
+                    _expanded(vh.to(v.dtype), groups), _rows(out, i, count), _row_values(lse, i, count),
+                    scale, diagonal, _part(mask, i, count, keys[j], width), fused)
+                _rows(grad_q, i, count).add_(block_q)
+                grad_k.add_(_grouped(block_k, groups))
+                grad_v.add_(_grouped(block_v, groups))
             if step < ranks - 1:
                 held = rt.ring_shift(held, axes, "backward")
         # the gradients have been with every rank; one more step brings them to their chunk's own
         grads = rt.ring_shift(held[..., d + e:].contiguous(), axes, "backward")
         grad_k, grad_v = grads.split([d, e], dim=-1)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None, None

@@ -57,6 +57,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from pardsl.layouts.algebra import chunk_of_block
+
 # a datagram's kind: that a buffer has been read, or that one holds the sender's input to one of these
 _READ = 0
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -208,7 +210,7 @@ class SharedMemoryGroup:
         """(work, a function giving this rank's chunk of dim 0 of the sum of `moved` once waited on)."""
         return self.reduce_scatter_along(moved, 0)
 
-    def all_gather_along(self, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
+    def all_gather_along(self, x: torch.Tensor, dim: int, blocks: int = 1, mirrored: bool = False) -> torch.Tensor:
         """x gathered along `dim` (blocks-major: block b of the result holds block b of every rank's x, in
         rank order), written from each rank's buffer straight into its place: the tensor is never moved
         to put `dim` first and back, as a gather of dim 0 needs."""
@@ -222,13 +224,14 @@ class SharedMemoryGroup:
             for r, flat in enumerate(inputs):
                 theirs = flat.view(x.shape)
                 for b in range(blocks):
-                    out.narrow(dim, (b * self.size + r) * chunk, chunk).copy_(theirs.narrow(dim, b * chunk, chunk))
+                    where = (b * self.size + chunk_of_block(b, r, self.size, mirrored)) * chunk
+                    out.narrow(dim, where, chunk).copy_(theirs.narrow(dim, b * chunk, chunk))
             return out
 
         work, result = self._started_work(x, gathered, "all_gather")
         return result()
 
-    def reduce_scatter_along(self, x: torch.Tensor, dim: int, blocks: int = 1):
+    def reduce_scatter_along(self, x: torch.Tensor, dim: int, blocks: int = 1, mirrored: bool = False):
         """(work, a function giving this rank's part of the sum of x over the group along `dim` once
         waited on: of each of the `blocks` blocks of dim, chunk `rank`), summed from the ranks' buffers
         straight into its place, without moving `dim` first and back."""
@@ -241,7 +244,7 @@ class SharedMemoryGroup:
             out = x.new_empty(shape)
             parts = [flat.view(x.shape) for flat in inputs]
             for b in range(blocks):
-                where = (b * self.size + self.rank) * chunk
+                where = (b * self.size + chunk_of_block(b, self.rank, self.size, mirrored)) * chunk
                 _sum_in_rank_order([part.narrow(dim, where, chunk) for part in parts],
                                    out=out.narrow(dim, b * chunk, chunk))
             return out
