@@ -12,10 +12,11 @@ from pardsl.compiler import compile_text
 from .test_distributed import check
 
 
-def _llama(ranks: int, tokens: int, bound: str, batch: int = 1, split: str = "S(1)") -> str:
+def _llama(ranks: int, tokens: int, bound: str, batch: int = 1, split: str = "S(1)", labels: bool = False) -> str:
     return (f"mesh cp = {ranks}\nmodel examples.hf_models:HFLlama(layers=2, attention=\"sdpa\")\n"
-            f"input input_ids : int64[{batch}, {tokens}] in [0, 256)\nmemory <= {bound}\n"
-            f"layout {{\n    input_ids : {split}\n}}\n")
+            f"input input_ids : int64[{batch}, {tokens}] in [0, 256)\n"
+            + (f"input labels : int64[{batch}, {tokens}] in [0, 256)\n" if labels else "") +
+            f"memory <= {bound}\nlayout {{\n    input_ids : {split}\n}}\n")
 
 
 def _activation_share(compiled) -> float:
@@ -48,16 +49,36 @@ def test_a_split_sequence_trains_equal_to_serial(pools):
 def test_a_zigzag_sequence_stays_zigzag_and_trains_equal_to_serial(pools):
     """`input_ids : S(1, zigzag)`: rank r of n holds pieces r and 2n - 1 - r of the sequence. The search
     keeps it so through the model: the positions, the mask's rows and the rotary tables are built zig-zag
-    (split from what every rank makes, locally), and attention is ring attention over the zig-zag pieces;
-    nothing gathers the sequence. Equal to serial."""
-    compiled = compile_text(_llama(2, 512, "60 %", split="S(1, zigzag)"), "examples/long.par")
+    (split from what every rank makes, locally), attention is ring attention over the zig-zag pieces, and
+    the model's own loss reads its rows where they are (the shifted labels split alike); nothing gathers
+    the sequence. Equal to serial."""
+    compiled = compile_text(_llama(2, 512, "60 %", split="S(1, zigzag)", labels=True), "examples/long.par")
     lines = compiled.source.splitlines()
     attention = [line for line in lines if "rt.attention(" in line]
     assert len(attention) == 2 and all("ring_zigzag=('cp',)" in line for line in attention)
     masks = [line for line in lines if "  [1, 1, 512, 512]" in line]
     assert masks and all("S(2, zigzag)@cp  [1, 1, 512, 512] local [1, 1, 256, 512]" in line for line in masks)
     assert all("rt.all_gather(" not in line for line in lines)
+    assert any("rt.cross_entropy(" in line and "mean=('cp',)" in line for line in lines)
     assert compiled.program.collective_counts_by_axis()["forward"]["cp:send"] == 2
+    check(pools, compiled)
+
+
+def test_a_zigzag_ring_composes_with_tensor_parallel_heads(pools):
+    """`mesh tp = 2, cp = 2`: Megatron's layers written over tp (each rank its heads), the sequence
+    zig-zag over cp: ring attention over cp for each tp rank's heads, an all-reduce over tp per half
+    layer. Equal to serial on 4 ranks."""
+    megatron = "".join(f"    model.model.layers.*.{name}.weight : {split} @ tp\n" for name, split in (
+        ("self_attn.q_proj", "S(0)"), ("self_attn.k_proj", "S(0)"), ("self_attn.v_proj", "S(0)"),
+        ("self_attn.o_proj", "S(1)"), ("mlp.gate_proj", "S(0)"), ("mlp.up_proj", "S(0)"), ("mlp.down_proj", "S(1)")))
+    text = ("mesh tp = 2, cp = 2\nmodel examples.hf_models:HFLlama(layers=2, attention=\"sdpa\")\n"
+            "input input_ids : int64[1, 512] in [0, 256)\nmemory <= 60 %\n"
+            f"layout {{\n    input_ids : S(1, zigzag) @ cp\n{megatron}}}\n")
+    compiled = compile_text(text, "examples/long.par")
+    attention = [line for line in compiled.source.splitlines() if "rt.attention(" in line]
+    assert len(attention) == 2 and all("ring_zigzag=('cp',)" in line and "S(1)@tp, S(2, zigzag)@cp" in line
+                                       for line in attention)
+    assert compiled.program.collective_counts_by_axis()["forward"] == {"cp:send": 2, "tp:all_reduce": 4}
     check(pools, compiled)
 
 

@@ -383,13 +383,16 @@ class InnerCollective:
     # or send: one message of these values to a neighbour; or all_to_all
     routed: bool = False  # the values sent follow the data (a mixture's routing): these are a balanced one's
     around_the_ring: bool = False  # one send per step around the ring of the axis's ranks: n - 1 of them
+    # and this many values per value of operand 0's local shape (other tensors, sized in proportion to it
+    # where another axis splits them alike: ring attention's keys and values, by the queries' local shape)
+    per_value: float = 0.0
 
     def values(self, local_shape: tuple[int, ...], placement: Placement) -> int:
         """How many values it reduces, for operand 0 of this local shape and placement on the axis."""
         elements = math.prod(local_shape)
         rows = elements // local_shape[placement.dim] if placement.is_split else elements
         dim, per_index = self.per_index
-        return self.per_row * rows + per_index * local_shape[dim] + self.fixed
+        return self.per_row * rows + per_index * local_shape[dim] + self.fixed + round(self.per_value * elements)
 
     def nbytes(self, local_shape: tuple[int, ...], placement: Placement, operand_itemsize: int) -> int:
         return self.values(local_shape, placement) * max(self.itemsize or operand_itemsize, self.min_itemsize)
@@ -421,6 +424,9 @@ class Signature:
     # the share of its split of the op's work a rank does in this form (the busiest rank's), where the
     # form leaves some undone: ring attention split zig-zag skips the blocks a causal mask hides
     compute_share: float = 1.0
+    # whether the search should offer its operands' block arrangements to the ops that make them, all the
+    # way up (the form is why a zig-zag split is worth making; a loss merely takes one)
+    asked_upstream: bool = False
 
 
 def compute_share(spec: DimSpec, operand_layouts, op_layout) -> float:
@@ -774,19 +780,21 @@ def _letters_loss(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tupl
         draft.extra = (Signature((S(1), B), B, classes, name="classes", inner_collectives=(
             InnerCollective(4 if smoothing else 3, what="max, sum of exps and target logit per row",
                             min_itemsize=4, kind="all_gather"),)),)
+        # the rows split plainly, or zig-zag (a sequence's tokens): the same sum, whichever rows a rank holds
+        splits = (S, zigzag)
         if reduction == 1:  # the local sum over the global count of counted targets: a partial mean
             # (the count in float32 at least: a half-precision one is exact only up to 256 targets)
-            draft.extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), P, letter,
+            draft.extra += tuple(Signature((split(in_letters.index(letter)), split(batch.index(letter))), P, letter,
                                      name="counts", inner_collectives=(
                                          InnerCollective(0, 1, what="count of targets", min_itemsize=4),))
-                           for letter in batch)
+                           for letter in batch for split in splits)
             # or the mean itself, where it is wanted whole: the local sum and count in one all-reduce
             # (one latency where the partial mean and its all-reduce take two), reduced in float32 at least
-            draft.extra += tuple(Signature((S(in_letters.index(letter)), S(batch.index(letter))), B, letter,
+            draft.extra += tuple(Signature((split(in_letters.index(letter)), split(batch.index(letter))), B, letter,
                                      name="mean", inner_collectives=(
                                          InnerCollective(0, 2, what="sum and count of targets",
                                                         min_itemsize=4),))
-                           for letter in batch)
+                           for letter in batch for split in splits)
 
 
 def _letters_pad(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:
@@ -830,15 +838,16 @@ def _letters_attention(node: torch.fx.Node, rule: Rule, shapes: list, out_shape:
         # a mask keeps the query rows it has split like the queries, and every key column
         mask = [S(draft.operand_letters[3].index("S")) if "S" in draft.operand_letters[3] else B] \
             if len(shapes) > 3 else []
-        # per sequence row of the chunk: its keys and values, all heads; backward in float32, with their
+        # a message: the rank's keys and values, sized by its queries' local shape (as many rows, batch
+        # and heads split alike, grouped-query heads in proportion); backward in float32, with their
         # gradients as they travel
-        row = math.prod(shapes[1][:-2]) * (shapes[1][-1] + shapes[2][-1])
+        per_query = shapes[1][-3] * (shapes[1][-1] + shapes[2][-1]) / (shapes[0][-3] * shapes[0][-1])
         sends = (
-            InnerCollective(0, per_index=(sequence, row), what="keys and values to the next rank", kind="send",
+            InnerCollective(0, per_value=per_query, what="keys and values to the next rank", kind="send",
                             around_the_ring=True),
-            InnerCollective(0, per_index=(sequence, 2 * row), what="keys, values and their gradients to the next rank",
+            InnerCollective(0, per_value=2 * per_query, what="keys, values and their gradients to the next rank",
                             kind="send", phase="backward", itemsize=4, around_the_ring=True),
-            InnerCollective(0, per_index=(sequence, row), what="the keys' and values' gradients home", kind="send",
+            InnerCollective(0, per_value=per_query, what="the keys' and values' gradients home", kind="send",
                             phase="backward", itemsize=4))
         # the same, the sequence split zig-zag (rank r of n holding pieces r and 2n - 1 - r): under
         # `is_causal` every rank computes half its blocks, where a plain split leaves the last rank all of
@@ -847,7 +856,8 @@ def _letters_attention(node: torch.fx.Node, rule: Rule, shapes: list, out_shape:
         causal = len(shapes) == 3 and bool(call_arg(node, 5, "is_causal", False))
         draft.extra = (Signature((S(sequence),) * 3 + tuple(mask), S(sequence), "S", name="ring", inner_collectives=sends),
                        Signature((zigzag(sequence),) * 3 + tuple(zigzag_mask), zigzag(sequence), "S",
-                                 name="ring_zigzag", inner_collectives=sends, compute_share=0.5 if causal else 1.0))
+                                 name="ring_zigzag", inner_collectives=sends, compute_share=0.5 if causal else 1.0,
+                                 asked_upstream=True))
 
 
 def _letters_conv(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple, draft: _Draft) -> None:

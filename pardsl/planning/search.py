@@ -226,9 +226,9 @@ def blocks_wanted(specs, nodes: list[str], operands) -> dict[str, dict[str, set[
             if o not in specs:
                 continue  # a placeholder: its placements are its consumers' signatures'
             asked_of_operand = {d: set(asks.get(letter, ())) for d, letter in enumerate(letters)}
-            for signature in spec.extra:
+            for signature in (s for s in spec.extra if s.asked_upstream):
                 placement = signature.operands[slot] if slot < len(signature.operands) else B
-                if placement.mirrored and placement.dim < len(letters):
+                if placement.is_split and placement.dim < len(letters):
                     asked_of_operand[placement.dim].add(placement.arrangement)
             for d, asked in asked_of_operand.items():
                 if asked and d < len(specs[o].output) and specs[o].output[d] is not None:
