@@ -4,7 +4,7 @@ Hugging Face's LlamaForCausalLM (examples/hf_models.py, `HFLlama`) with a long s
 its reference form (`--attention eager`: the per-head sequence² matrices Megatron's selective
 recomputation is about; `sdpa` for the fused kernel), so that activations outweigh parameters, under
 data parallelism, ZeRO-3, Megatron TP, Megatron TP with sequence parallelism and context parallelism
-(the tokens split, ring attention with `--attention sdpa`), each without
+(the tokens split, ring attention with `--attention sdpa`; contiguous or zig-zag), each without
 recomputation, with `recompute model.model.layers.*` and with its `: selective` form, and under
 `precision params bf16, reduce fp32` without and with full recomputation (at this size inference
 completes the sequence-parallel layouts by gathering the weights, as ZeRO-3 does). Each plan runs under
@@ -54,6 +54,8 @@ PLANS = {
     # the sequence split and the rest left to the search under a bound: ring attention with `--attention
     # sdpa` (eager attention's softmax needs every key, so there the sequence is gathered for it)
     "context parallel": ("cp = 2", ["input_ids : S(1)"], "memory <= 60 %"),
+    # the same, the sequence split zig-zag: under the causal mask each rank attends as many key blocks
+    "context parallel, zig-zag": ("cp = 2", ["input_ids : S(1, zigzag)"], "memory <= 60 %"),
 }
 RECOMPUTE = {"none": "", "full": "recompute model.model.layers.*", "selective": "recompute model.model.layers.* : selective"}
 # each plan in float32, with each recomputation; and under FSDP2's bf16 policy, without and with full recomputation
