@@ -1278,7 +1278,9 @@ def signatures(spec: DimSpec, blocks: dict[str, set[tuple[int, bool]]] | None = 
 
     `blocks` offers, per letter, the block arrangements its operands are split in ((k, mirrored):
     S(d, blocks=k), or S(d, zigzag)): a letter kept whole in size carries them through; cutting a dim
-    into k equal parts turns S(d, blocks=k) into a plain split of every part.
+    into k equal parts turns S(d, blocks=k) into a plain split of every part. A parallel form taking a
+    zig-zag split is offered only where one is: else every attention and loss would widen the search
+    by a form nothing feeds.
     """
     blocks = blocks or {}
     n = len(spec.operands)
@@ -1312,4 +1314,6 @@ def signatures(spec: DimSpec, blocks: dict[str, set[tuple[int, bool]]] | None = 
             if i < n:
                 operands = tuple(P if (j == i or j in spec.addends) else B for j in range(n))
                 result.append(Signature(operands, P))
-    return result + list(spec.extra)
+    zigzag_offered = any(mirrored for arrangements in blocks.values() for _, mirrored in arrangements)
+    return result + [extra for extra in spec.extra
+                     if zigzag_offered or not any(p.mirrored for p in (*extra.operands, extra.output))]

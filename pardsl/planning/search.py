@@ -205,14 +205,23 @@ def _gather_units(bound: BoundPlan, nodes: list[str], operands) -> dict[str, str
     return units
 
 
-def blocks_wanted(specs, nodes: list[str], operands) -> dict[str, dict[str, set[tuple[int, bool]]]]:
+def _writes_zigzag(bound: BoundPlan) -> bool:
+    """Whether the file splits a tensor zig-zag: the search carries such a split, it does not start one."""
+    pins = [*bound.pins.values(), *bound.output_pins.values()]
+    return any(pin.layout.mirrored_dims() for pin in pins)
+
+
+def blocks_wanted(specs, nodes: list[str], operands,
+                  zigzag_written: bool = False) -> dict[str, dict[str, set[tuple[int, bool]]]]:
     """Per op, per letter of its output, block arrangements (count, mirrored) worth offering its
     signatures, asked by the ops downstream:
     - where an op cuts a dim into m equal parts (a fused QKV projection's split into q, k and v), the dim
       can be split in m blocks all the way from the parameters (Megatron's fused QKV: `S(1, blocks=3)`),
       each rank then holding its share of every part;
-    - where an op's parallel form takes an operand split zig-zag (ring attention's), the sequence can be
-      split so from where it is made (the positions, the mask, the rotary tables built per shard).
+    - where the file splits a sequence zig-zag and an op's parallel form takes an operand so (ring
+      attention's), the sequence can be split so from where it is made (the positions, the mask, the
+      rotary tables built per shard). Without a written zig-zag split nothing asks for one: offering it
+      upstream of every attention would widen every model's search for a split no input has.
     Inference offers only the blocks its operands already carry, which a parameter left to the search, or
     a tensor made from nothing, never does."""
     wanted: dict[str, dict[str, set[tuple[int, bool]]]] = {}
@@ -226,7 +235,7 @@ def blocks_wanted(specs, nodes: list[str], operands) -> dict[str, dict[str, set[
             if o not in specs:
                 continue  # a placeholder: its placements are its consumers' signatures'
             asked_of_operand = {d: set(asks.get(letter, ())) for d, letter in enumerate(letters)}
-            for signature in (s for s in spec.extra if s.asked_upstream):
+            for signature in (s for s in spec.extra if s.asked_upstream and zigzag_written):
                 placement = signature.operands[slot] if slot < len(signature.operands) else B
                 if placement.is_split and placement.dim < len(letters):
                     asked_of_operand[placement.dim].add(placement.arrangement)
@@ -269,7 +278,8 @@ def graph_facts(bound: BoundPlan) -> GraphFacts:
         if name:
             outputs_of.setdefault(name, []).append(index)
     return GraphFacts(specs, graph_nodes, placeholders, operands, requires_grad, bound.flops,
-                      blocks_wanted(specs, nodes, operands), _gather_units(bound, nodes, operands), consumers,
+                      blocks_wanted(specs, nodes, operands, _writes_zigzag(bound)), _gather_units(bound, nodes, operands),
+                      consumers,
                       outputs_of)
 
 
