@@ -9,6 +9,7 @@ import pytest
 
 from pardsl.compiler import compile_text
 
+from .conftest import run_on
 from .test_distributed import check
 
 
@@ -153,3 +154,20 @@ def test_a_ring_blocks_fused_kernel_and_reference_form_agree(diagonal, masked):
     fused, reference = (_block_gradients(grad, q, k, v, out, seen, 0.5, diagonal, mask, fused) for fused in (True, False))
     for a, b in zip(fused, reference):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_zigzag_ring_runs_inside_pipeline_stages(pools):
+    """`mesh pp = 2, cp = 2`: 1F1B over the pipeline axis, the sequence zig-zag over cp in each stage (the
+    model's loss at the last one): ring attention over cp in both stages, its sends per micro-batch. Equal
+    to serial on 4 ranks."""
+    text = ("mesh pp = 2, cp = 2\nmodel examples.hf_models:HFLlama(layers=2, attention=\"sdpa\")\n"
+            "input input_ids : int64[2, 256] in [0, 256)\ninput labels : int64[2, 256] in [0, 256)\n"
+            "pipeline pp : schedule 1F1B, microbatches 2, cut before model.model.layers.1\nmemory <= 60 %\n"
+            "layout {\n    input_ids : S(1, zigzag) @ cp\n}\n")
+    compiled = compile_text(text, "examples/long.par")
+    assert len(compiled.stages) == 2 and sum("ring_zigzag=('cp',)" in line for line in compiled.source.splitlines()) == 2
+    report = run_on(pools, compiled, steps=2)
+    assert report["ok"], report
+    # rank 0 (the first stage, one layer): per micro-batch one send forward (n - 1), two backward (n)
+    assert report["collectives_by_axis"]["forward"] == {"cp:send": 2, "pp:send": 2}
+    assert report["collectives_by_axis"]["backward"]["cp:send"] == 4
