@@ -249,7 +249,8 @@ def _timed(seconds: dict, phase: str, device: torch.device, work):
 
 
 def _by_axis(counts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """Per phase, the nonzero counts by "axis:kind", sorted."""
+    """Per phase, the nonzero counts by "axis:kind", sorted: the collectives, and the point-to-point sends
+    a plan makes inside a stage (ring attention's, halo exchanges)."""
     return {phase: dict(sorted((key, n) for key, n in counts.get(phase, {}).items()
-                               if n and key.split(":")[-1] in COLLECTIVE_KINDS))
+                               if n and key.split(":")[-1] in (*COLLECTIVE_KINDS, "send")))
             for phase in ("forward", "backward")}
