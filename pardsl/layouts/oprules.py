@@ -429,14 +429,21 @@ class Signature:
     asked_upstream: bool = False
 
 
+def forms_taken(spec: DimSpec, operand_layouts, op_layout) -> dict[int, Signature]:
+    """Per mesh axis, the extra signature (a rule's parallel form) the op computes on it, if any."""
+    taken = {}
+    for axis, output in enumerate(op_layout.placements):
+        operands = tuple(layout.placements[axis] for layout in operand_layouts)
+        for signature in spec.extra:
+            if signature.operands == operands and signature.output == output:
+                taken[axis] = signature
+    return taken
+
+
 def compute_share(spec: DimSpec, operand_layouts, op_layout) -> float:
     """The share of its split of the op's work a rank does: the product, over the axes where the op takes
     a parallel form, of that form's `compute_share`."""
-    share = 1.0
-    for axis, output in enumerate(op_layout.placements):
-        operands = tuple(layout.placements[axis] for layout in operand_layouts)
-        share *= next((s.compute_share for s in spec.extra if s.operands == operands and s.output == output), 1.0)
-    return share
+    return math.prod(form.compute_share for form in forms_taken(spec, operand_layouts, op_layout).values())
 
 
 def is_tensor_list(node: torch.fx.Node) -> bool:

@@ -228,6 +228,7 @@ def blocks_wanted(specs, nodes: list[str], operands,
     for name in reversed(nodes):  # consumers before producers
         spec = specs[name]
         asks = {letter: set(counts) for letter, counts in wanted.get(name, {}).items()}
+        asking_forms = [form for form in spec.extra if form.asked_upstream] if zigzag_written else []
         if spec.cut is not None:
             letter, parts = spec.cut
             asks.setdefault(letter, set()).add((parts, False))
@@ -235,7 +236,7 @@ def blocks_wanted(specs, nodes: list[str], operands,
             if o not in specs:
                 continue  # a placeholder: its placements are its consumers' signatures'
             asked_of_operand = {d: set(asks.get(letter, ())) for d, letter in enumerate(letters)}
-            for signature in (s for s in spec.extra if s.asked_upstream and zigzag_written):
+            for signature in asking_forms:
                 placement = signature.operands[slot] if slot < len(signature.operands) else B
                 if placement.is_split and placement.dim < len(letters):
                     asked_of_operand[placement.dim].add(placement.arrangement)

@@ -36,7 +36,7 @@ from pardsl.layouts.algebra import (
     plan_conversion,
     step_collectives,
 )
-from pardsl.layouts.oprules import WHOLE, Signature, is_drawn_whole, op_name, rule_for
+from pardsl.layouts.oprules import WHOLE, Signature, forms_taken, is_drawn_whole, op_name, rule_for
 from pardsl.model.export import called_at, source_line
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, parameter_unit, repeated_layer
 from pardsl.planning.inference import TypedGraph
@@ -656,7 +656,8 @@ class _Lowerer:
         expr = Instruction("compute", typed_node.op, tuple(args), tuple(kwargs))
         vocab_axes = [self.mesh.axis_names[a] for a, p in enumerate(typed_node.operand_layouts[0].placements)
                       if p.is_split and p.dim == 0] if rule.masked_lookup else []
-        parallel_forms = self._extra_signatures_taken(typed_node) if rule.parallel_form else {}
+        parallel_forms = forms_taken(typed_node.spec, typed_node.operand_layouts, typed_node.op_layout) \
+            if rule.parallel_form else {}
         inner: tuple[Collective, ...] = ()
         made: list[str] = []  # what the form's own collectives are, for the line's comment
         if rule.family == "project":
@@ -689,17 +690,6 @@ class _Lowerer:
         if typed_node.value_layout != typed_node.op_layout:
             self._convert_op_result(name, value_var)
         self.emitted.add(self.var[name])
-
-    def _extra_signatures_taken(self, typed_node) -> dict[int, Signature]:
-        """Per mesh axis, the extra signature (a rule's parallel form) the op computes on it, if any."""
-        taken = {}
-        for axis in range(self.mesh.ndim):
-            operands = tuple(layout.placements[axis] for layout in typed_node.operand_layouts)
-            output = typed_node.op_layout.placements[axis]
-            for signature in typed_node.spec.extra:
-                if signature.operands == operands and signature.output == output:
-                    taken[axis] = signature
-        return taken
 
     def _inner_collectives(self, typed_node, forms: dict[int, Signature],
                            reason: str) -> tuple[tuple[Collective, ...], list[str]]:

@@ -24,10 +24,10 @@ from pardsl.layouts.algebra import (
     Layout,
     Mesh,
     block_major,
+    chunk_of_block,
     collective_bytes,
     halo_rows,
     per_dim,
-    chunk_of_block,
     rank_major,
     transposed_halo_rows,
 )
