@@ -3,6 +3,7 @@ gradients bit-equal to the plan without it, and the mistakes a file can make."""
 
 import functools
 import os
+import re
 
 import pytest
 import torch
@@ -66,6 +67,8 @@ def test_recomputed_layers_give_bit_equal_outputs_and_gradients_and_the_planned_
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     line = "recompute layers.*" + ("" if policy == "full" else " : selective")
     (plain, again), compiled_plain, compiled = _compare(pools, tmp_path, LLAMA_TP2, (line,), {"input_ids": ids}, 2)
+    # under `selective`, each layer's output and down projections are made once (a stand-in in backward)
+    assert compiled.source.count("= rt.made_once(") == (4 if policy == "selective" else 0)
     for rank in range(2):
         assert _bit_equal(plain[rank], again[rank]), f"rank {rank}"
     planned = compiled.program.collective_counts()
@@ -132,6 +135,23 @@ def test_selective_recomputation_makes_unfused_attention_again(compile_par):
     assert selective.memory()["activations_per_rank"] < 0.5 * plain.memory()["activations_per_rank"]
 
 
+def test_a_product_that_only_a_kept_collective_reads_is_made_once(compile_par):
+    """Megatron's layers, the residual stream summed partially over tp: the output and down projections'
+    partial sums are read only by the all-reduce, whose result `selective` keeps, and by residual adds that
+    keep nothing. So they are neither kept nor made again: `rt.made_once`. The column-parallel products,
+    which attention and the MLP keep or read, are kept; full recomputation has no such statement."""
+    compiled = compile_par(recomputed(LLAMA_TP2, "recompute layers.* : selective"))
+    once = re.findall(r"(\w+) = rt\.made_once\(aten\.linear\.default, \w+, self\.(\w+)\)", compiled.source)
+    assert [weight for _, weight in once] == [f"layers_{layer}_{projection}_weight" for layer in (0, 1)
+                                              for projection in ("self_attn_o_proj", "mlp_down_proj")]
+    assert "made once: backward needs nothing of it" in compiled.source
+    held = {name for name, *_ in compiled.program.held_for_backward()}
+    assert not held & {name for name, _ in once}
+    assert {"linear", "linear_1", "linear_2", "linear_4", "linear_5"} <= held  # the column-parallel products
+    full = compile_par(recomputed(LLAMA_TP2, "recompute layers.*"), "full.par")
+    assert "rt.made_once(" not in full.source
+
+
 def test_recomputed_layers_with_dropout_draw_serials_masks_again(pools, tmp_path):
     """GPT-2 with dropout on dp 2 × tp 2, its gradients in data-parallel buckets: the masks drawn again in
     backward are the forward's, so every output and gradient is the plan's without recomputation."""
@@ -194,16 +214,17 @@ def test_recomputed_zero3_layers_gather_their_group_again_and_stay_bit_equal(poo
     assert "rt.recompute(model_layers_0" in compiled.source
 
 
-def test_full_recomputation_lowers_the_measured_peak(pools, compile_par):
+def test_recomputation_lowers_the_measured_peak(pools, compile_par):
     """A sequence of 256 (activations outweigh parameters): each rank's measured peak is lower with every
-    layer recomputed, and both plans run equal to serial."""
+    layer recomputed, lowest under `full`, and every plan runs equal to serial."""
     text = LLAMA_TP2.replace("int64[2, 16]", "int64[8, 256]")
     peaks = {}
-    for name, source in (("plain", text), ("full", recomputed(text, "recompute layers.*"))):
-        report = run_on(pools, compile_par(source, f"{name}.par"), steps=2)
+    for name, line in (("plain", ""), ("full", "recompute layers.*"), ("selective", "recompute layers.* : selective")):
+        report = run_on(pools, compile_par(recomputed(text, line), f"{name}.par"), steps=2)
         assert report["ok"], report
         peaks[name] = max(report["memory"]["peak_bytes"])
     assert peaks["full"] < 0.9 * peaks["plain"], peaks
+    assert peaks["full"] < peaks["selective"] < peaks["plain"], peaks
 
 
 def test_under_a_bound_the_fewest_layers_are_recomputed_and_the_plan_runs_equal_to_serial(pools, compile_par):

@@ -12,7 +12,10 @@ contexts) and of the region's collectives (the runtime keeps each one's result i
 back when the region runs again, with no communication). The rest — norms, rotary embeddings,
 activations, residual adds, and unfused attention's products of two activations with the softmax
 between them, which grow with the square of the sequence (Megatron's selective recomputation) — is
-made again. No collective is added.
+made again. No collective is added. A product whose result nothing backward needs is not kept either
+(`rt.made_once`): with the residual stream summed partially over tensor parallelism, the partial sums of
+the attention's output projection and of the MLP's down projection feed only the all-reduce, whose result
+is kept, and a residual add that saves nothing. When the region runs again such a product gets a stand-in.
 
 A layer whose parameters are gathered before use (ZeRO-3) gathers its group again for its second run,
 as a resharded group is gathered again for backward: where the group is resharded anyway that is the
@@ -69,10 +72,12 @@ def recompute_layers(program: LoweredProgram, typed: TypedGraph,
             statements.extend(program.statements[start:end])
             continue
         region = _gathered_again(region, program, unit)
+        if decl.policy == "selective":
+            region = _made_once(region, typed.bound.kept)
         statements.extend([region, *after])
         _count_kept(region, unit, decl.policy, program, values, typed, outputs)
         again.update(statement.node for statement in region.body if statement.node and
-                     not (decl.policy == "selective" and _costly(statement)))
+                     not (decl.policy == "selective" and (_costly(statement) or _is_made_once(statement))))
     return dataclasses.replace(program, statements=statements, values=values, recomputed_ops=frozenset(again))
 
 
@@ -198,6 +203,49 @@ def _region(body: list[Statement], later: list[Statement], outputs: set[str], un
     return region, after
 
 
+def _made_once(region: Statement, kept) -> Statement:
+    """The selective region with each product (a linear, a matrix product) that nothing backward needs made
+    once: `rt.made_once`, neither kept nor made again. Backward needs what an op of the region keeps (an
+    operand, its own result) and, of a value the second run makes, what makes it; a kept result (a costly
+    op's, a collective's given back) needs nothing of what it is made from. What is not known to keep
+    nothing (the runtime's own calls) is taken to keep all it reads and makes."""
+    keepers = {op for op, _ in kept.reads}
+    needed: set[str] = set()
+    once: set[int] = set()
+    for index in reversed(range(len(region.body))):
+        statement = region.body[index]
+        instruction = statement.instruction
+        if instruction.kind == "release" or _communicates(statement):
+            continue
+        aten = instruction.callee.startswith("aten.") and bool(statement.node)
+        keeps_result = not aten or kept.owner.get(statement.node, statement.node) in kept.by_itself
+        result_needed = keeps_result or bool(needed & set(statement.targets))
+        if _costly(statement) and aten and not result_needed:
+            once.add(index)
+        keeps_operands = not aten or statement.node in keepers
+        if keeps_operands or (result_needed and not _costly(statement)):
+            needed.update(instruction.reads())
+    if not once:
+        return region
+    body = tuple(dataclasses.replace(
+        statement, comment=f"{statement.comment} — made once: backward needs nothing of it",
+        instruction=Instruction(statement.instruction.kind, "rt.made_once",
+                                (Text(statement.instruction.callee), *statement.instruction.args),
+                                statement.instruction.kwargs)) if index in once else statement
+        for index, statement in enumerate(region.body))
+    return dataclasses.replace(region, body=body)
+
+
+def _communicates(statement: Statement) -> bool:
+    """A conversion that communicates in forward: in a selective region's second run its result is given
+    back, whatever it reads."""
+    return statement.instruction.kind == "convert" and any(c.phase == "forward" for c in statement.collectives)
+
+
+def _is_made_once(statement: Statement) -> bool:
+    return statement.instruction.callee == "rt.made_once"
+
+
 def _gathered_again(region: Statement, program: LoweredProgram, unit: str) -> Statement:
     """The region with the all-gathers its second run makes: each gather group its statements take a
     parameter from is gathered again in backward (ParameterSync, as for a resharded group). A group
@@ -252,6 +300,8 @@ def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgr
         statement = statements.get(name)
         if policy == "selective" and statement is not None and _costly(statement):
             values[name] = {**values[name], "held_here": True}
+        elif statement is not None and _is_made_once(statement):
+            continue  # nothing of it is kept, nor made again
         elif name not in outputs and kept.owner.get(name, name) not in outside_keeps:
             values[name] = {**values[name], "recomputed": region.instruction.args[0].text}
 

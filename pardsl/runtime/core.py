@@ -53,7 +53,7 @@ from pardsl.runtime.parallel_ops import (
 )
 from pardsl.runtime.experts import experts_exchanged, experts_local
 from pardsl.runtime.parameter_sync import ParameterSync
-from pardsl.runtime.recompute import RegionCollectives, recompute
+from pardsl.runtime.recompute import RegionCollectives, made_once, recompute
 from pardsl.runtime.ring_attention import RingAttention
 from pardsl.runtime.shared_memory import shared_memory_group
 
@@ -134,6 +134,11 @@ class Runtime:
         """`region(*arguments)`, a submodule's statements, its activations made again in backward rather
         than kept (`policy`: "full" or "selective"; pardsl/runtime/recompute.py)."""
         return recompute(self, region, policy, *arguments)
+
+    def made_once(self, op, *args):
+        """`op(*args)`, a product in a selective region that backward needs nothing of: not kept, and a
+        stand-in of its shape when the region runs again (pardsl/runtime/recompute.py)."""
+        return made_once(self, op, *args)
 
     def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple], precision: tuple | None = None,
                        offload: str | None = None):

@@ -10,6 +10,10 @@ Under `selective`, the ATen ops that are costly to run again — matrix products
 their results (torch's selective checkpoint contexts), and so does every forward collective of the
 region: the runtime keeps each result in the first run and gives it back, in order, in the second,
 without communicating. What runs again is the cheap rest.
+
+A product whose result nothing backward needs (`rt.made_once`: a row-parallel linear's partial sums, which
+only its all-reduce reads, and that result is kept) is neither kept nor made again: the second run gets
+zeros in its place, and autograd still keeps what the product reads.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import contextlib
 import functools
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -44,8 +49,9 @@ COSTLY_OPS = frozenset(op for op in (
 ) if op is not None)
 
 
-def _costly_kept(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in COSTLY_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _costly_kept(rt, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    made_once = rt.region is not None and rt.region.making_once
+    return CheckpointPolicy.MUST_SAVE if op in COSTLY_OPS and not made_once else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # the modes torch.utils.checkpoint's selective contexts enter: forward's (results cached) and recomputation's
@@ -60,6 +66,7 @@ class RegionCollectives:
 
     def __init__(self, mode: str, kept: list):
         self.mode, self.kept, self._next = mode, kept, 0
+        self.making_once = False  # within `made_once` in the first run: the selective policy keeps nothing
 
     def unseen(self):
         """A context for the runtime's own work within a selective region (a collective's copies, a group's
@@ -116,6 +123,44 @@ def _out_of_selective_checkpoints_sight():
         yield
 
 
+def made_once(rt, op, *args):
+    """`op(*args)`, a product of a selective region whose result nothing backward needs (the compiler proves
+    it: pardsl/passes/recompute.py): in the region's first run, made and not kept; in its second, a
+    stand-in. Elsewhere, and in a full region, made as usual."""
+    region = rt.region
+    if region is None or region.mode not in ("keep", "replay"):
+        return op(*args)
+    if region.mode == "replay":
+        with _StandIns():
+            return op(*args)
+    region.making_once = True
+    try:
+        return op(*args)
+    finally:
+        region.making_once = False
+
+
+class _StandIns(TorchDispatchMode):
+    """Each ATen op's result stood in for by zeros of its shape, dtype and strides: no work done. The
+    strides are the op's own, so what reads the stand-in takes the same path as in the first run (a
+    reshape copies or views as it did). Views are taken as usual. Autograd, above this mode, records the
+    ops and keeps what they read, as in the first run. Torch's selective checkpointing, below it, counts
+    every op of both runs to match them: each op reaches it, on meta tensors where stood in for."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not tensors or any(returned.alias_info is not None for returned in func._schema.returns):
+            return func(*args, **kwargs)
+        with _out_of_selective_checkpoints_sight():  # its own tensors are none of the region's ops
+            shaped_args, shaped_kwargs = tree_map_only(torch.Tensor, lambda t: torch.empty_strided(
+                t.shape, t.stride(), dtype=t.dtype, device="meta"), (args, kwargs))
+        shaped = func(*shaped_args, **shaped_kwargs)
+        with _out_of_selective_checkpoints_sight():
+            return tree_map_only(torch.Tensor, lambda result: torch.empty_strided(
+                result.shape, result.stride(), dtype=result.dtype, device=tensors[0].device).zero_(), shaped)
+
+
 def recompute(rt, region, policy: str, *arguments):
     """`region(*arguments)`, its activations made again in backward (`policy`: "full" or "selective")."""
     if not torch.is_grad_enabled():
@@ -131,7 +176,8 @@ def recompute(rt, region, policy: str, *arguments):
         with _collectives(rt, RegionCollectives(mode, kept) if mode else None):
             return region(*inputs)
 
-    context = functools.partial(create_selective_checkpoint_contexts, _costly_kept) if selective else noop_context_fn
+    context = functools.partial(create_selective_checkpoint_contexts, functools.partial(_costly_kept, rt)) \
+        if selective else noop_context_fn
     with set_checkpoint_early_stop(False):
         return checkpoint(run, *arguments, use_reentrant=False, preserve_rng_state=True, context_fn=context)
 
