@@ -13,9 +13,10 @@ back when the region runs again, with no communication). The rest — norms, rot
 activations, residual adds, and unfused attention's products of two activations with the softmax
 between them, which grow with the square of the sequence (Megatron's selective recomputation) — is
 made again. No collective is added. A product whose result nothing backward needs is not kept either
-(`rt.made_once`): with the residual stream summed partially over tensor parallelism, the partial sums of
-the attention's output projection and of the MLP's down projection feed only the all-reduce, whose result
-is kept, and a residual add that saves nothing. When the region runs again such a product gets a stand-in.
+(`rt.made_once`): a layer's down projection feeds only the residual add that ends it, which saves
+nothing; with the residual stream summed partially over tensor parallelism, the attention's output
+projection feeds only that sum's all-reduce, whose result is kept, and a residual add. When the region
+runs again such a product gets a stand-in.
 
 A layer whose parameters are gathered before use (ZeRO-3) gathers its group again for its second run,
 as a resharded group is gathered again for backward: where the group is resharded anyway that is the

@@ -146,9 +146,7 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
         if split or replicated:
             lines.append("  layouts: " + ", ".join(split + ([f"{replicated} more B"] if replicated else [])))
         if layer.name in recomputed:
-            lines.append(f"  made again in backward ({recomputed[layer.name]}): "
-                         + ("only its inputs kept" if recomputed[layer.name] == "full" else
-                            "matrix products, attention and collective results kept"))
+            lines.append(f"  made again in backward {recomputed[layer.name]}")
         for cost in layer.collectives:
             when = f"{cost.phase}, overlapped" if cost.overlapped else cost.phase
             lines.append(f"  {cost.kind.replace('_', '-'):<14} {cost.axis:<4} {when:<19} {format_bytes(cost.bytes):>10} "
@@ -233,14 +231,20 @@ def _pipeline_options(compiled) -> list[str]:
 
 
 def _recomputed_layers(compiled) -> dict[str, str]:
-    """Each layer a recomputed region makes again in backward (pardsl/passes/recompute.py), with its policy."""
+    """Each layer a recomputed region makes again in backward (pardsl/passes/recompute.py), with what it
+    keeps."""
     paths, found = compiled.bound.module_paths, {}
     for statement in compiled.program.statements:
         if statement.instruction.kind == "recompute":
             policy = statement.instruction.args[1].text.strip("'")
+            once = sum(inside.instruction.callee == "rt.made_once" for inside in statement.body)
+            kept = "only its inputs kept" if policy == "full" else \
+                "matrix products, attention and collective results kept"
+            if once:
+                kept += f" but {once} made once: backward needs none of their results"
             for inside in statement.body:
                 if layer := layer_of(paths.get(inside.node)):
-                    found.setdefault(layer, policy)
+                    found.setdefault(layer, f"({policy}): {kept}")
     return found
 
 
