@@ -27,7 +27,7 @@ from pardsl.model.deferred_init import InitialValues, record
 from pardsl.model.loading import build_model, full_state, import_paths, load_factory, par_import_paths
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine, machine_named
 from pardsl.planning.solver import LogMismatch, SolutionLog
-from pardsl.program.codegen import cannot_compile, compile_pieces, load_module, render
+from pardsl.program.codegen import cannot_compile, compile_pieces, load_module
 from pardsl.runtime.checkpoint import load_model_state
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.schedule import Pipeline, loss_output
@@ -54,7 +54,7 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine
     `compile`: regional compilation: each run of the forward's ATen ops between the runtime's calls is a
     function compiled by `torch.compile`, one per distinct run, shared by every repeated layer that runs the
     same code (torchtitan compiles each transformer block); collectives, fused norms and a recomputed
-    region's statements stay eager. Not with a pipeline yet.
+    region's statements stay eager. In a pipeline, the stages share the pieces of their layers.
 
     `machine`: what a searched plan is searched for: a preset's name (`"h100-nvlink-ib"`), a machine file
     (`pardsl calibrate` writes one) or a `Machine`; default: this machine's calibration, else its
@@ -133,10 +133,10 @@ class Plan:
     def __init__(self, compiled: Compiled, compile: bool = False):
         self.compiled = compiled
         self.mesh = compiled.program.mesh
-        refused = cannot_compile(compiled.program, compiled.pipeline is not None) if compile else None
+        refused = cannot_compile(compiled.programs) if compile else None
         if refused:
             raise NotImplementedError(refused)
-        self._generated = compile_pieces(load_module(render(compiled.program, pieces=True))) if compile else \
+        self._generated = compile_pieces(load_module(compiled.source_with_pieces())) if compile else \
             load_module(compiled.source)
         self._runtimes: dict[torch.device, object] = {}
         bound = compiled.bound

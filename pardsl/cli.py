@@ -455,7 +455,7 @@ def _main(args, quiet) -> int:
     backend = resolve_backend(args.backend)
     device = resolve_device(args.device, backend)
     usage = _device_mistake(backend, device, args.nproc) or \
-        (cannot_compile(compiled.program, compiled.pipeline is not None) if args.compile else None)
+        (cannot_compile(compiled.programs) if args.compile else None)
     if usage:
         print(f"pardsl: error: {usage}", file=sys.stderr)
         return EXIT_USAGE

@@ -64,6 +64,18 @@ class Compiled:
     pipeline_options: tuple = ()  # a searched pipeline: every option priced (PipelineOption), the chosen first
 
     @property
+    def programs(self) -> tuple[LoweredProgram, ...]:
+        """What runs: the program, or a pipeline's stages."""
+        return self.stages if self.pipeline is not None else (self.program,)
+
+    def source_with_pieces(self) -> str:
+        """The generated module with the forward's runs of ATen ops as functions for torch.compile (compiled
+        layers: pardsl.load(..., compile=True))."""
+        if self.pipeline is not None:
+            return render_pipeline(list(self.stages), self.pipeline, pieces=True)
+        return render(self.program, pieces=True)
+
+    @property
     def seconds_after_export(self) -> float:
         return sum(v for k, v in self.seconds.items() if k not in ("build", "export"))
 

@@ -61,14 +61,45 @@ def test_compiled_layers_run_equal_to_serial_with_the_plans_collectives_and_no_r
     assert graphs["first_step"] >= 3 and graphs["last_step"] == graphs["first_step"]
 
 
+def test_the_stages_of_a_pipeline_share_the_pieces_of_their_layers():
+    """Each stage's runs of ATen ops are pieces of the one module, numbered across stages: a layer in the
+    second stage calls the pieces the first stage's layer calls, compiled once for both."""
+    from pardsl.compiler import compile_file
+
+    os.chdir(REPO)
+    compiled = compile_file("examples/hf_llama_pp2.par")
+    source = compiled.source_with_pieces()
+    assert "self.pieces" not in compiled.source
+    stages = source.split("\nclass Stage")[1:]
+    calls = [re.findall(r"self\.pieces\[(\d+)\]\(rt", stage) for stage in stages]
+    assert len(calls) == 2 and all(calls)
+    shared = set(calls[0]) & set(calls[1])
+    assert len(shared) >= 2, calls  # the attention's runs of layer 0 and of layer 1
+    assert len(re.findall(r"^def (_piece_\d+)\(", source, re.M)) == len(set(calls[0]) | set(calls[1]))
+
+
+def test_a_compiled_pipeline_runs_equal_to_serial_with_no_recompilation():
+    """`hf_llama_pp2` (1F1B over two stages, four micro-batches) with compiled layers: equal to serial, the
+    sends between stages as planned, and no graph compiled after the first step."""
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/hf_llama_pp2.par", "--nproc", "2",
+                             "--steps", "3", "--json", "--compile", "--timeout", "400"],
+                            capture_output=True, text=True, cwd=REPO, timeout=600,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["ok"], report
+    assert report["collectives_by_axis"] == {"forward": {"pp:send": 4}, "backward": {}}
+    graphs = report["compiled_graphs"]
+    assert graphs["first_step"] >= 3 and graphs["last_step"] == graphs["first_step"]
+
+
 @pytest.mark.parametrize("example, message", [
-    ("hf_llama_pp2", "not supported with a pipeline yet"),
     ("llama_zero3", "not supported yet where gathered weights are resharded after forward"),
 ])
 def test_what_regional_compilation_cannot_take_yet_is_refused_with_why(example, message):
-    """A pipeline, and ZeRO-3's resharded groups (autograd keeps their weights through saved-tensor hooks,
-    which compiled graphs do not take: the run died of a segmentation fault), are refused by `load` and by
-    `pardsl run --compile`, before anything runs."""
+    """ZeRO-3's resharded groups (autograd keeps their weights through saved-tensor hooks, which compiled
+    graphs do not take: the run died of a segmentation fault) are refused by `load` and by `pardsl run
+    --compile`, before anything runs."""
     import pardsl
 
     os.chdir(REPO)

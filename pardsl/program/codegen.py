@@ -150,14 +150,15 @@ _PIECE_OPS = 2
 _NAMES = re.compile(r"(?<![.\w])[A-Za-z_]\w*(?!\w|\s*=[^=])")
 
 
-def _pieces(program: LoweredProgram) -> tuple[list[Statement], list[str]]:
+def _pieces(program: LoweredProgram, known: dict[str, int]) -> list[Statement]:
     """Regional compilation: each run of the forward's ATen ops between the runtime's calls (collectives,
     fused norms, casts, gathers) becomes a call of a module function, `self.pieces[k]`, that `torch.compile`
     compiles (api.load(compile=True)). The runs are named canonically (inputs a0.., weights w0.., values
     v0..), so every repeated layer whose run is the same code calls one function, compiled once for all
-    of them. A recomputed region's own statements stay as they are. The statements to render, and the
-    functions' source."""
-    statements, texts, functions = list(program.statements), {}, []
+    of them: in one program, and in the stages of a pipeline, which share `known` (each function's
+    canonical source → its number, numbered as found). A recomputed region's own statements stay as they
+    are. The statements to render."""
+    statements = list(program.statements)
     returned = {output.var for output in program.outputs}
     # named dims' sizes (`batch = input_ids.shape[0] * 2`), which ops read as text: a piece takes them too
     sizes = {t for s in statements if s.instruction.kind in ("size", "expression") for t in s.targets}
@@ -174,16 +175,18 @@ def _pieces(program: LoweredProgram) -> tuple[list[Statement], list[str]]:
             continue
         later = {name for statement in statements[end:] for name in _all_reads(statement)} | returned
         call, released, text = _piece_call(run, later, sizes)
-        if text not in texts:
-            texts[text] = len(functions)
-            functions.append(text.replace("def _piece(", f"def _piece_{len(functions)}(", 1))
-        number = texts[text]
+        number = known.setdefault(text, len(known))
         rendered.append(dataclasses.replace(call, instruction=dataclasses.replace(
             call.instruction, callee=f"self.pieces[{number}]")))
         if released:
             rendered.append(Statement("", Instruction("release", "del", tuple(Var(n) for n in released)), ""))
         index = end
-    return rendered, functions
+    return rendered
+
+
+def _piece_functions(known: dict[str, int]) -> list[str]:
+    """The pieces' source, in their numbers' order."""
+    return [text.replace("def _piece(", f"def _piece_{number}(", 1) for text, number in known.items()]
 
 
 def _own_text(instruction: Instruction) -> str:
@@ -257,7 +260,8 @@ def render(program: LoweredProgram, pieces: bool = False) -> str:
     mesh = program.mesh
     counts = program.collective_counts()
     totals = program.collective_bytes()
-    rendered, functions = _pieces(program) if pieces else (program.statements, [])
+    known: dict[str, int] = {}
+    rendered = _pieces(program, known) if pieces else program.statements
     return _template().render(
         version=__version__,
         source=program.source_path,
@@ -272,7 +276,7 @@ def render(program: LoweredProgram, pieces: bool = False) -> str:
         inputs=[_slot(i, mesh) for i in program.inputs],
         outputs=_outputs(program),
         lines=_lines(rendered),
-        pieces=functions,
+        pieces=_piece_functions(known),
         gathers=_gathers(program),
         resharded=_resharded(program),
         buckets=_buckets(program),
@@ -307,10 +311,12 @@ def _training_only_message(draws: list[str]) -> str | None:
             f"with those draws turned off (a stochastic depth rate of 0)")
 
 
-def render_pipeline(stages: list[LoweredProgram], plan) -> str:
-    """One module with a class per stage (`plan`: pardsl.pipeline.PipelinePlan)."""
+def render_pipeline(stages: list[LoweredProgram], plan, pieces: bool = False) -> str:
+    """One module with a class per stage (`plan`: pardsl.pipeline.PipelinePlan); `pieces`: each stage's runs
+    of ATen ops as functions for torch.compile (_pieces), one per distinct run whichever stage runs it."""
     mesh = stages[0].mesh
     rendered = []
+    known: dict[str, int] = {}
     for index, program in enumerate(stages):
         counts, totals = program.collective_counts(), program.collective_bytes()
         outputs = _outputs(program)
@@ -332,7 +338,7 @@ def render_pipeline(stages: list[LoweredProgram], plan) -> str:
             "buffers": [_slot(b, mesh) for b in program.buffers],
             "inputs": [_slot(i, mesh) for i in program.inputs],
             "outputs": outputs,
-            "lines": _lines(program.statements),
+            "lines": _lines(_pieces(program, known) if pieces else program.statements),
             "gathers": _gathers(program),
             "buckets": _buckets(program),
         })
@@ -350,17 +356,16 @@ def render_pipeline(stages: list[LoweredProgram], plan) -> str:
         pipeline_dict=repr(pipeline),
         shared=[(name, list(held)) for name, held in plan.shared_parameters],
         stages=rendered,
+        pieces=_piece_functions(known),
         precision=_precision(stages[0]),
         offload=stages[0].offload,
         offload_comment=OFFLOAD_COMMENTS.get(stages[0].offload),
     )
 
 
-def cannot_compile(program: LoweredProgram, pipelined: bool) -> str | None:
-    """Why regional compilation cannot take the plan, or None."""
-    if pipelined:
-        return "compiled layers (compile=True, --compile) are not supported with a pipeline yet"
-    if _resharded(program):
+def cannot_compile(programs: list[LoweredProgram]) -> str | None:
+    """Why regional compilation cannot take the plan (its program, or a pipeline's stages), or None."""
+    if any(_resharded(program) for program in programs):
         # autograd keeps a resharded group's weights through saved-tensor hooks, which torch.compile's
         # graphs do not take
         return ("compiled layers (compile=True, --compile) are not supported yet where gathered weights are "

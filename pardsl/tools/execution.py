@@ -44,7 +44,7 @@ import torch.distributed as dist
 from pardsl.language.syntax import InputDecl, ModelDecl
 from pardsl.layouts.algebra import Layout, Mesh
 from pardsl.model.loading import build_model, full_state, import_paths, make_inputs, par_import_paths
-from pardsl.program.codegen import compile_pieces, load_module, render
+from pardsl.program.codegen import compile_pieces, load_module
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.devices import rank_device, resolve_device
 from pardsl.runtime.schedule import Pipeline, loss_output
@@ -113,7 +113,7 @@ def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", d
     (pardsl.load's)."""
     par = compiled.par
     tolerance = tolerance_for({info.dtype for info in compiled.bound.tensors.values()})
-    source = render(compiled.program, pieces=True) if compile else compiled.source
+    source = compiled.source_with_pieces() if compile else compiled.source
     return RankJob(source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
                    par.inputs, seed, steps, lr=lr, backend=backend, device=resolve_device(device, backend),
                    sys_path=par_import_paths(par.source.path, par.model.module), timeout_s=timeout_s,
@@ -319,8 +319,13 @@ def run_rank(job: RankJob) -> dict:
         if job.compile:
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
-    report = tally.report(counts)
-    if job.compile:
+    return _with_graphs(tally.report(counts), graphs)
+
+
+def _with_graphs(report: dict, graphs: list[int]) -> dict:
+    """The report, with the graphs torch.compile had made by the end of the first step and of the last
+    under compiled layers (`graphs`: one count per step; none without them)."""
+    if graphs:
         report["compiled_graphs"] = {"first_step": graphs[0], "last_step": graphs[-1]}
     return report
 
@@ -371,6 +376,7 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
     tally, counts = _Tally(), None
     note = tally.note
 
+    graphs: list[int] = []  # torch.compile's graphs made so far, after each step (regional compilation)
     for step in range(job.steps):
         if progress:
             progress.advance(f"step {step + 1}: the serial model")
@@ -399,7 +405,8 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         held = [*(t for m in modules.values() for t in (*m.parameters(), *m.buffers())), *local_inputs,
                 *([target] if target is not None else [])]
         losses, merged = tally.compiled_step(step, job.steps, device, held, lambda: pipeline.step(
-            local_inputs, target, return_outputs=not own_loss), compiled_opt)
+            local_inputs, target, return_outputs=not own_loss), compiled_opt,
+            measured=not (job.compile and device.type == "cpu"))
         counts = rt.counter.summary()
         if pipeline.is_last:
             # a partial output (P) is summed over the last stage's ranks, which alone hold it, as run_rank sums it
@@ -420,8 +427,10 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         serial_opt.step()
         if step:
             compiled_opt.step()
+        if job.compile:
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
-    return tally.report(counts)
+    return _with_graphs(tally.report(counts), graphs)
 
 
 def _under_precision(serial: torch.nn.Module, precision: tuple[str, str] | None) -> torch.nn.Module:
