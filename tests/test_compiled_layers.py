@@ -20,6 +20,18 @@ def _with_layers(layers: int) -> str:
     return HF_LLAMA_TP2.replace('HFLlama(layers=2, attention="sdpa")', f'HFLlama(layers={layers}, attention="sdpa")')
 
 
+def _run_compiled(example: str) -> dict:
+    """`pardsl run --compile --json` of the example on two ranks, three steps: its report, checked ok."""
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", f"examples/{example}.par", "--nproc", "2",
+                             "--steps", "3", "--json", "--compile", "--timeout", "400"],
+                            capture_output=True, text=True, cwd=REPO, timeout=600,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["ok"], report
+    return report
+
+
 def test_every_repeated_layer_calls_the_same_pieces():
     """Two layers or six: the same functions, each layer calling them, so torch.compile compiles each
     once whatever the depth; the module without `compile` is as it was."""
@@ -48,13 +60,7 @@ def test_a_module_without_pieces_is_compiled_as_it_is():
 def test_compiled_layers_run_equal_to_serial_with_the_plans_collectives_and_no_recompilation(tmp_path):
     """Two ranks of the tp 2 LLaMA, three steps: equal to serial (at the tolerance: inductor's kernels
     order sums their own way), the plan's collectives, and no graph compiled after the first step."""
-    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/hf_llama_tp2.par", "--nproc", "2",
-                             "--steps", "3", "--json", "--compile", "--timeout", "400"],
-                            capture_output=True, text=True, cwd=REPO, timeout=600,
-                            env={**os.environ, "PYTHONPATH": REPO})
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
-    assert report["ok"], report
+    report = _run_compiled("hf_llama_tp2")
     planned = compile_text(HF_LLAMA_TP2).program.collective_counts()
     assert report["collectives"] == planned
     graphs = report["compiled_graphs"]
@@ -81,13 +87,7 @@ def test_the_stages_of_a_pipeline_share_the_pieces_of_their_layers():
 def test_a_compiled_pipeline_runs_equal_to_serial_with_no_recompilation():
     """`hf_llama_pp2` (1F1B over two stages, four micro-batches) with compiled layers: equal to serial, the
     sends between stages as planned, and no graph compiled after the first step."""
-    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/hf_llama_pp2.par", "--nproc", "2",
-                             "--steps", "3", "--json", "--compile", "--timeout", "400"],
-                            capture_output=True, text=True, cwd=REPO, timeout=600,
-                            env={**os.environ, "PYTHONPATH": REPO})
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
-    assert report["ok"], report
+    report = _run_compiled("hf_llama_pp2")
     assert report["collectives_by_axis"] == {"forward": {"pp:send": 4}, "backward": {}}
     graphs = report["compiled_graphs"]
     assert graphs["first_step"] >= 3 and graphs["last_step"] == graphs["first_step"]
