@@ -27,7 +27,9 @@ same inputs, in the same order. The program's memory counts what a region keeps 
 it makes again: `recomputed`), so the memory bound and `explain` see the saving. Under a bound, with
 nothing named, `recomputed_within` chooses the fewest layers to recompute.
 
-A region is a run of consecutive statements whose ops come from one recomputed submodule. This runs last
+A region is a run of consecutive statements whose ops come from one recomputed submodule, up to the last
+that keeps something for backward: what follows it (a layer's residual add, and with Megatron's layers
+the all-reduce of the residual sum) keeps nothing, so it runs once, outside the region. This runs last
 among the passes, on the released program (pardsl/passes/liveness.py): a value a region makes and the
 program reads after it is the region's result; a value made before it is an argument, released after
 the region where the region read it last.
@@ -67,15 +69,16 @@ def recompute_layers(program: LoweredProgram, typed: TypedGraph,
         if decl is None:
             statements.extend(program.statements[start:end])
             continue
-        later = program.statements[end:]
-        region, after = _region(program.statements[start:end], later, outputs, unit, decl, names)
+        stop = _region_end(program.statements, start, end, typed.bound.kept)
+        region, after = _region(program.statements[start:stop], program.statements[stop:], outputs, unit, decl,
+                                names) if stop > start else (None, [])
         if region is None:
             statements.extend(program.statements[start:end])
             continue
         region = _gathered_again(region, program, unit)
         if decl.policy == "selective":
             region = _made_once(region, typed.bound.kept)
-        statements.extend([region, *after])
+        statements.extend([region, *after, *program.statements[stop:end]])
         _count_kept(region, unit, decl.policy, program, values, typed, outputs)
         again.update(statement.node for statement in region.body if statement.node and
                      not (decl.policy == "selective" and (_costly(statement) or _is_made_once(statement))))
@@ -149,6 +152,32 @@ def _runs(statements: list[Statement], unit_of: dict[int, tuple]) -> list[tuple[
         else:
             runs.append([index, index + 1, key])
     return [tuple(run) for run in runs]
+
+
+def _region_end(statements: list[Statement], start: int, end: int, kept) -> int:
+    """Where the region of the run `statements[start:end]` ends: after its last statement that keeps
+    something for backward (and the releases that follow it). What comes after keeps nothing, so backward
+    needs nothing of it made again: it runs once, in forward, outside the region, its collectives issued
+    once (a layer's residual add, and with Megatron's layers the all-reduce of the residual sum that
+    follows it). Conversions keep nothing (their adjoints are linear maps); the runtime's own calls are
+    taken to keep what they read."""
+    keepers = {op for op, _ in kept.reads}
+
+    def keeps(statement: Statement) -> bool:
+        instruction = statement.instruction
+        if instruction.kind in ("release", "convert", "project", "size", "expression"):
+            return False
+        if instruction.callee.startswith("aten.") and statement.node:
+            return statement.node in keepers or kept.owner.get(statement.node, statement.node) in kept.by_itself
+        return True
+
+    last = next((index for index in reversed(range(start, end)) if keeps(statements[index])), None)
+    if last is None:
+        return start
+    stop = last + 1
+    while stop < end and statements[stop].instruction.kind == "release":
+        stop += 1
+    return stop
 
 
 def _region(body: list[Statement], later: list[Statement], outputs: set[str], unit: str, decl: RecomputeDecl,
