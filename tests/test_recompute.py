@@ -157,6 +157,30 @@ def test_a_product_that_only_a_kept_collective_reads_is_made_once(compile_par):
     assert "rt.made_once(" not in full.source
 
 
+@pytest.mark.parametrize("conversion, collectives, made_once", [
+    ("rt.all_reduce", (("all_reduce", "forward"),), True),  # its result given back in the second run
+    ("rt.split", (), False),  # a local conversion, made again from the product: the product is needed
+])
+def test_a_product_is_made_once_only_where_nothing_backward_needs_depends_on_it(conversion, collectives, made_once):
+    """A product read only by a conversion whose result a later op keeps: made once where the conversion
+    communicates (its result is kept and given back), not where it is a local one, made again from it."""
+    from pardsl.model.saved_for_backward import Kept
+    from pardsl.passes.recompute import _made_once
+    from pardsl.program.ir import Collective, Instruction, Statement, Text, Var
+
+    body = (
+        Statement("linear", Instruction("compute", "aten.linear.default", (Var("x"), Var("self.w"))), "", node="linear"),
+        Statement("moved", Instruction("convert", conversion, (Var("linear"), Text('"tp"'))), "",
+                  tuple(Collective(kind, "tp", phase, 64, "linear", "") for kind, phase in collectives), node="linear"),
+        Statement("mul", Instruction("compute", "aten.mul.Tensor", (Var("moved"), Var("moved"))), "", node="mul"),
+    )
+    region = Statement("mul", Instruction("recompute", "rt.recompute", (Text("layer"), Text("'selective'"), Var("x"))),
+                       "", body=body)
+    kept = Kept(frozenset({"linear"}), frozenset({("mul", "linear")}), {}, frozenset())
+    callees = [statement.instruction.callee for statement in _made_once(region, kept).body]
+    assert (callees[0] == "rt.made_once") == made_once
+
+
 def test_recomputed_layers_with_dropout_draw_serials_masks_again(pools, tmp_path):
     """GPT-2 with dropout on dp 2 × tp 2, its gradients in data-parallel buckets: the masks drawn again in
     backward are the forward's, so every output and gradient is the plan's without recomputation."""

@@ -159,25 +159,28 @@ def _region_end(statements: list[Statement], start: int, end: int, kept) -> int:
     something for backward (and the releases that follow it). What comes after keeps nothing, so backward
     needs nothing of it made again: it runs once, in forward, outside the region, its collectives issued
     once (a layer's residual add, and with Megatron's layers the all-reduce of the residual sum that
-    follows it). Conversions keep nothing (their adjoints are linear maps); the runtime's own calls are
-    taken to keep what they read."""
+    follows it)."""
     keepers = {op for op, _ in kept.reads}
-
-    def keeps(statement: Statement) -> bool:
-        instruction = statement.instruction
-        if instruction.kind in ("release", "convert", "project", "size", "expression"):
-            return False
-        if instruction.callee.startswith("aten.") and statement.node:
-            return statement.node in keepers or kept.owner.get(statement.node, statement.node) in kept.by_itself
-        return True
-
-    last = next((index for index in reversed(range(start, end)) if keeps(statements[index])), None)
+    last = next((index for index in reversed(range(start, end)) if any(_keeps(statements[index], kept, keepers))),
+                None)
     if last is None:
         return start
     stop = last + 1
     while stop < end and statements[stop].instruction.kind == "release":
         stop += 1
     return stop
+
+
+def _keeps(statement: Statement, kept, keepers: set[str]) -> tuple[bool, bool]:
+    """Whether the statement keeps for backward what it reads, and what it makes: an ATen op as autograd
+    keeps for it (pardsl/model/saved_for_backward.py); conversions nothing (their adjoints are linear
+    maps); the runtime's own calls are taken to keep all they read and make."""
+    instruction = statement.instruction
+    if instruction.kind in ("release", "convert", "project", "size", "expression"):
+        return False, False
+    if instruction.callee.startswith("aten.") and statement.node:
+        return statement.node in keepers, kept.owner.get(statement.node, statement.node) in kept.by_itself
+    return True, True
 
 
 def _region(body: list[Statement], later: list[Statement], outputs: set[str], unit: str, decl: RecomputeDecl,
@@ -237,24 +240,21 @@ def _made_once(region: Statement, kept) -> Statement:
     """The selective region with each product (a linear, a matrix product) that nothing backward needs made
     once: `rt.made_once`, neither kept nor made again. Backward needs what an op of the region keeps (an
     operand, its own result) and, of a value the second run makes, what makes it; a kept result (a costly
-    op's, a collective's given back) needs nothing of what it is made from. What is not known to keep
-    nothing (the runtime's own calls) is taken to keep all it reads and makes."""
+    op's, a collective's given back) needs nothing of what it is made from."""
     keepers = {op for op, _ in kept.reads}
     needed: set[str] = set()
     once: set[int] = set()
     for index in reversed(range(len(region.body))):
         statement = region.body[index]
-        instruction = statement.instruction
-        if instruction.kind == "release" or _communicates(statement):
+        if _communicates(statement):
             continue
-        aten = instruction.callee.startswith("aten.") and bool(statement.node)
-        keeps_result = not aten or kept.owner.get(statement.node, statement.node) in kept.by_itself
+        keeps_operands, keeps_result = _keeps(statement, kept, keepers)
         result_needed = keeps_result or bool(needed & set(statement.targets))
-        if _costly(statement) and aten and not result_needed:
+        product = statement.instruction.kind != "convert" and _costly(statement)  # its result kept, not made again
+        if product and statement.instruction.callee.startswith("aten.") and not result_needed:
             once.add(index)
-        keeps_operands = not aten or statement.node in keepers
-        if keeps_operands or (result_needed and not _costly(statement)):
-            needed.update(instruction.reads())
+        if keeps_operands or (result_needed and not product):
+            needed.update(statement.instruction.reads())
     if not once:
         return region
     body = tuple(dataclasses.replace(
