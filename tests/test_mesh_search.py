@@ -78,19 +78,22 @@ def test_an_axis_named_twice_in_a_searched_mesh_is_located():
 
 
 def test_three_axes_with_the_pipeline_searched_keep_a_shape_no_slower_than_any_fixed_one():
-    """`mesh dp, tp, pp = 8` with `pipeline pp : schedule ?, microbatches ?, cut ?` (compiled only: 8 ranks
-    do not run here): the shape kept is estimated no slower than each shape written out and compiled
-    alone, its pipeline searched too; shapes whose pipeline cannot be cut (more stages than layer
-    boundaries) have no plan, and say why."""
+    """`mesh dp, tp, pp = 4` with `pipeline pp : schedule ?, microbatches ?, cut ?` (compiled only): the
+    shape kept is estimated no slower than each shape written out and compiled alone, its pipeline
+    searched too; the shape whose pipeline cannot be cut (four stages of two layers) has no plan, and
+    says why."""
     from pardsl.planning.pipeline_search import pipelined_step_seconds
 
     text = (f"mesh {{mesh}}\n{LLAMA.replace('[4, 16]', '[8, 16]')}input labels : int64[8, 16] in [0, 256)\n"
             "memory <= 50 %\n{pipeline}")
     machine = default_machine()
-    searched = compile_text(text.format(mesh="dp, tp, pp = 8", pipeline="pipeline pp : schedule ?, microbatches ?, cut ?\n"),
+    searched = compile_text(text.format(mesh="dp, tp, pp = 4", pipeline="pipeline pp : schedule ?, microbatches ?, cut ?\n"),
                             "examples/searched_mesh.par")
     kept = searched.mesh_shapes[0]
-    assert [shape.why_not.startswith("error[E075]") for shape in searched.mesh_shapes if shape.why_not] == [True] * 3
+    assert len(searched.mesh_shapes) == 6
+    unplanned = [shape for shape in searched.mesh_shapes if shape.why_not]
+    assert [shape.sizes for shape in unplanned] == [(1, 1, 4)]
+    assert unplanned[0].why_not.startswith("error[E075]")
     for dp, tp, pp in [shape.sizes for shape in searched.mesh_shapes if not shape.why_not]:
         pipeline = "pipeline pp : schedule ?, microbatches ?, cut ?\n" if pp > 1 else ""
         fixed = compile_text(text.format(mesh=f"dp = {dp}, tp = {tp}, pp = {pp}", pipeline=pipeline),
