@@ -90,6 +90,7 @@ def modules_reported(stage: str, model: torch.nn.Module, every_s: float = 0.5):
     deep model takes minutes to trace)."""
     total = sum(1 for _ in model.modules())
     calls, reported_at = [0], [time.monotonic()]
+    report(f"{stage}: 0 module calls traced (the model has {total} modules)")  # a stop before the first call says so
 
     def counted(module, args):
         calls[0] += 1
