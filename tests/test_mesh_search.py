@@ -19,17 +19,6 @@ def _compiled(mesh: str, rest: str = "memory <= 40 %\n", machine=None):
     return compile_text(f"mesh {mesh}\n{LLAMA}{rest}", "examples/searched_mesh.par", machine=machine)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _whole_searches():
-    """Each search here runs to its end, as on a fast machine: the shapes' plans are compared with each
-    other, and a search stopped at its time budget (N006) keeps whatever it had found by then."""
-    from pardsl.planning import descent
-
-    budget, descent.SEARCH_BUDGET_S = descent.SEARCH_BUDGET_S, 300.0
-    yield
-    descent.SEARCH_BUDGET_S = budget
-
-
 @functools.cache
 def _searched():
     """`mesh dp, tp = 4` under a bound, compiled once for the tests that read it (none changes it)."""
