@@ -251,7 +251,7 @@ def _made_once(region: Statement, kept) -> Statement:
         keeps_operands, keeps_result = _keeps(statement, kept, keepers)
         result_needed = keeps_result or bool(needed & set(statement.targets))
         product = statement.instruction.kind != "convert" and _costly(statement)  # its result kept, not made again
-        if product and statement.instruction.callee.startswith("aten.") and not result_needed:
+        if product and not result_needed:  # the runtime's own calls keep their results: never here
             once.add(index)
         if keeps_operands or (result_needed and not product):
             needed.update(statement.instruction.reads())
