@@ -27,7 +27,8 @@ from pardsl.model.deferred_init import InitialValues, record
 from pardsl.model.loading import build_model, full_state, import_paths, load_factory, par_import_paths
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine, machine_named
 from pardsl.planning.solver import LogMismatch, SolutionLog
-from pardsl.program.codegen import cannot_compile, compile_pieces, load_module
+from pardsl.program.codegen import cannot_compile, load_module
+from pardsl.runtime.pieces import collectives_in_graphs as in_graphs_by_default, compile_pieces
 from pardsl.runtime.checkpoint import load_model_state
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.schedule import Pipeline, loss_output
@@ -38,7 +39,7 @@ _CACHE: dict[tuple[str, str, str, float, str], tuple[Compiled, list, Machine]] =
 
 
 def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine | None = None,
-         compile: bool = False) -> "Plan":
+         compile: bool = False, collectives_in_graphs: bool | None = None) -> "Plan":
     """Compile a `.par` file into a Plan. Compiles once per process for the same file content, working
     directory and options; a mistake in the file raises `CompileError` (its `render()` points into the file).
 
@@ -53,8 +54,12 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine
 
     `compile`: regional compilation: each run of the forward's ATen ops between the runtime's calls is a
     function compiled by `torch.compile`, one per distinct run, shared by every repeated layer that runs the
-    same code (torchtitan compiles each transformer block); collectives, fused norms and a recomputed
-    region's statements stay eager. In a pipeline, the stages share the pieces of their layers.
+    same code (torchtitan compiles each transformer block); fused norms and a recomputed region's statements
+    stay eager. In a pipeline, the stages share the pieces of their layers.
+
+    `collectives_in_graphs`: the compiled pieces take in the conversions between them, as functional
+    collectives the compiler schedules with the computation (default: where the process group is NCCL;
+    on gloo the runtime's own CPU transports are faster, and the collectives run between the pieces).
 
     `machine`: what a searched plan is searched for: a preset's name (`"h100-nvlink-ib"`), a machine file
     (`pardsl calibrate` writes one) or a `Machine`; default: this machine's calibration, else its
@@ -82,7 +87,9 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine
     if grouped:
         _raise_on_every_rank(None)
         _CACHE[key] = _as_rank_0_compiled(_CACHE[key], text, path, bucket_mb)
-    return Plan(_CACHE[key][0], compile=compile)
+    if collectives_in_graphs is None:
+        collectives_in_graphs = in_graphs_by_default(dist.get_backend() if dist.is_initialized() else "gloo")
+    return Plan(_CACHE[key][0], compile=compile, collectives_in_graphs=collectives_in_graphs)
 
 
 def _raise_on_every_rank(failure: str | None, error: Exception | None = None) -> None:
@@ -130,13 +137,14 @@ def default_device() -> torch.device:
 class Plan:
     """A compiled `.par` file: the layouts, the generated module, and what runs it on this rank."""
 
-    def __init__(self, compiled: Compiled, compile: bool = False):
+    def __init__(self, compiled: Compiled, compile: bool = False, collectives_in_graphs: bool = False):
         self.compiled = compiled
         self.mesh = compiled.program.mesh
         refused = cannot_compile(compiled.programs) if compile else None
         if refused:
             raise NotImplementedError(refused)
-        self._generated = compile_pieces(load_module(compiled.source_with_pieces())) if compile else \
+        self._generated = compile_pieces(load_module(compiled.source_with_pieces(collectives_in_graphs))) \
+            if compile else \
             load_module(compiled.source)
         self._runtimes: dict[torch.device, object] = {}
         bound = compiled.bound

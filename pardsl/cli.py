@@ -98,6 +98,9 @@ def _arguments() -> argparse.ArgumentParser:
     run.add_argument("--compile", action="store_true",
                      help="regional compilation: the forward's runs of ATen ops compiled by torch.compile, one "
                           "function per distinct run, shared by the repeated layers")
+    run.add_argument("--collectives-in-graphs", choices=("yes", "no"), default=None,
+                     help="with --compile: the conversions between the runs inside the compiled graphs, as "
+                          "functional collectives (default: yes on NCCL, no on gloo)")
     run.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                      help="collective timeout per rank (a hang fails instead of blocking)")
     run.add_argument("--stall-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
@@ -455,12 +458,15 @@ def _main(args, quiet) -> int:
     backend = resolve_backend(args.backend)
     device = resolve_device(args.device, backend)
     usage = _device_mistake(backend, device, args.nproc) or \
-        (cannot_compile(compiled.programs) if args.compile else None)
+        (cannot_compile(compiled.programs) if args.compile else None) or \
+        ("--collectives-in-graphs needs --compile" if args.collectives_in_graphs and not args.compile else None)
     if usage:
         print(f"pardsl: error: {usage}", file=sys.stderr)
         return EXIT_USAGE
     job = job_for(compiled, seed=args.seed, steps=args.steps, backend=backend, device=device, timeout_s=args.timeout,
-                  lr=args.lr, optimizer=args.optimizer, stdout_to_stderr=args.json, compile=args.compile)
+                  lr=args.lr, optimizer=args.optimizer, stdout_to_stderr=args.json, compile=args.compile,
+                  collectives_in_graphs=None if args.collectives_in_graphs is None else
+                  args.collectives_in_graphs == "yes")
     try:
         report = launch(job, stall_s=args.stall_timeout)
     except RunFailed as error:  # a rank failed or stalled: which and why, without the launcher's traceback

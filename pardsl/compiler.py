@@ -68,12 +68,13 @@ class Compiled:
         """What runs: the program, or a pipeline's stages."""
         return self.stages if self.pipeline is not None else (self.program,)
 
-    def source_with_pieces(self) -> str:
+    def source_with_pieces(self, collectives: bool = False) -> str:
         """The generated module with the forward's runs of ATen ops as functions for torch.compile (compiled
-        layers: pardsl.load(..., compile=True))."""
+        layers: pardsl.load(..., compile=True)); `collectives`: with the conversions between them inside, as
+        functional collectives."""
         if self.pipeline is not None:
-            return render_pipeline(list(self.stages), self.pipeline, pieces=True)
-        return render(self.program, pieces=True)
+            return render_pipeline(list(self.stages), self.pipeline, pieces=True, collectives=collectives)
+        return render(self.program, pieces=True, collectives=collectives)
 
     @property
     def seconds_after_export(self) -> float:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pardsl.compiler import compile_text
 from pardsl.program.codegen import render
@@ -20,10 +21,10 @@ def _with_layers(layers: int) -> str:
     return HF_LLAMA_TP2.replace('HFLlama(layers=2, attention="sdpa")', f'HFLlama(layers={layers}, attention="sdpa")')
 
 
-def _run_compiled(example: str) -> dict:
+def _run_compiled(example: str, *options: str) -> dict:
     """`pardsl run --compile --json` of the example on two ranks, three steps: its report, checked ok."""
     result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", f"examples/{example}.par", "--nproc", "2",
-                             "--steps", "3", "--json", "--compile", "--timeout", "400"],
+                             "--steps", "3", "--json", "--compile", "--timeout", "400", *options],
                             capture_output=True, text=True, cwd=REPO, timeout=600,
                             env={**os.environ, "PYTHONPATH": REPO})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -51,7 +52,8 @@ def test_every_repeated_layer_calls_the_same_pieces():
 
 def test_a_module_without_pieces_is_compiled_as_it_is():
     """A forward with no run of ATen ops long enough to be a piece: `compile` leaves the module as it is."""
-    from pardsl.program.codegen import compile_pieces, load_module
+    from pardsl.program.codegen import load_module
+    from pardsl.runtime.pieces import compile_pieces
 
     module = load_module("VALUE = 1\n")
     assert compile_pieces(module) is module and not hasattr(module, "PIECES")
@@ -109,3 +111,93 @@ def test_what_regional_compilation_cannot_take_yet_is_refused_with_why(example, 
                              "--compile"], capture_output=True, text=True, cwd=REPO, timeout=300,
                             env={**os.environ, "PYTHONPATH": REPO})
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+
+
+def _piece_with_conversions(rt, a0, w0):
+    """A piece as codegen writes one with collectives in the graphs: ATen ops and conversions."""
+    aten = torch.ops.aten
+    v0 = aten.linear.default(a0, w0)
+    v1 = rt.all_reduce(v0, "tp")
+    v2 = aten.relu.default(v1)
+    v3 = rt.all_gather(v2, "tp", 0, backward="reduce_scatter")
+    v4 = rt.reduce_scatter(v3, "tp", 1)
+    v5 = rt.grad_all_reduce(v4, "tp")
+    return (aten.mul.Tensor(v5, 2.0), )
+
+
+def test_a_piece_with_conversions_counts_what_its_graph_issues_at_each_size():
+    """The conversions inside a compiled piece are functional collectives in its graph (one graph per
+    size, no break), out of the runtime's sight: the piece counts them for it, forward at each call and
+    backward when its backward runs, with the bytes at that call's size — what the same piece run eagerly
+    counts, collective by collective. Over torch's fake process group of two ranks, in this process."""
+    from torch._dynamo.utils import counters
+
+    from pardsl.layouts.algebra import Mesh
+    from pardsl.runtime.core import Runtime
+    from pardsl.runtime.pieces import CompiledPiece
+    from pardsl.tools.dryrun import _fake_process_group
+
+    torch._dynamo.reset()
+    counters.clear()
+    with _fake_process_group(0, 2):
+        rt = Runtime(Mesh(("tp",), (2,)))
+        piece = CompiledPiece(_piece_with_conversions)
+        weight = torch.nn.Parameter(torch.randn(8, 8))
+        for rows in (4, 6, 4):  # a new size, then the first again
+            counted = {}
+            for run in (_piece_with_conversions, piece):
+                rt.counter.reset()
+                x = torch.randn(rows, 8, requires_grad=True)
+                out, = run(rt, x, weight)
+                out.sum().backward()
+                counted[run] = rt.counter.summary()
+            assert counted[piece] == counted[_piece_with_conversions]
+            assert counted[piece]["collectives"]["forward"]["all_reduce"] == 1
+            assert counted[piece]["collectives"]["backward"] == \
+                {"all_reduce": 1, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 0}
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 2  # one per size
+
+
+def test_compiled_layers_with_collectives_in_the_graphs_run_equal_to_serial_with_the_plans_collectives(tmp_path):
+    """Sequence parallelism (reduce-scatters out of the row-parallel projections, all-gathers in their
+    backward) with `--collectives-in-graphs yes` on gloo: the pieces hold the conversions between their ATen
+    ops, the run equals serial, issues the plan's collectives and bytes, and compiles nothing after the
+    first step."""
+    from pardsl.compiler import compile_file
+
+    os.chdir(REPO)
+    compiled = compile_file("examples/gpt_sp_tp2.par")
+    source = compiled.source_with_pieces(collectives=True)
+    inside = r'^    v\d+ = rt\.reduce_scatter\(v\d+, "tp", dim=1\)'
+    assert re.search(inside, source, re.M) and not re.search(inside, compiled.source_with_pieces(), re.M)
+    assert "conversion(s) (functional collectives), compiled as one piece" in source
+    report = _run_compiled("gpt_sp_tp2", "--collectives-in-graphs", "yes")
+    assert report["collectives"] == compiled.program.collective_counts()
+    assert report["bytes"] == compiled.program.collective_bytes()
+    graphs = report["compiled_graphs"]
+    assert graphs["first_step"] == len(re.findall(r"^def _piece_", source, re.M)) == graphs["last_step"]
+
+
+def test_collectives_in_graphs_need_compile():
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/mlp.par", "--nproc", "2",
+                             "--collectives-in-graphs", "yes"], capture_output=True, text=True, cwd=REPO,
+                            timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 2 and "--collectives-in-graphs needs --compile" in result.stderr, result.stderr
+
+
+def test_training_through_the_api_with_collectives_in_the_graphs_equals_serial_as_shapes_change(tmp_path):
+    """`pardsl.load(..., compile=True, collectives_in_graphs=True)` under torchrun: the tp 2 LLaMA on its own
+    loss with AdamW and clipping, a batch and sequence length that change at the second step (the new size
+    compiles the pieces once more), equal to serial step by step at the tolerance of inductor's sums."""
+    from examples.hf_models import llama_causal_lm
+    from tests.launch import torchrun
+    from tests.test_training import serial_training
+
+    out = tmp_path / "result.json"
+    torchrun(2, "tests/scripts/api_train.py", "examples/llama_train_tp2.par", str(out), "--compile", "--steps", "2")
+    result = json.loads(out.read_text())
+    expected = serial_training(llama_causal_lm)
+    assert result["logits"] == [2, 8, 128]  # the second step's (batch 2, seq 8), the vocabulary split
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(expected[key][:2]), rtol=1e-4, atol=1e-5)

@@ -13,7 +13,6 @@ import re
 import types
 
 import jinja2
-import torch
 
 from pardsl import __version__
 from pardsl.language import shipped
@@ -146,14 +145,19 @@ def _mesh_dict(mesh) -> str:
 
 # the fewest ATen ops a compiled piece holds: a lone op gains nothing from compiling
 _PIECE_OPS = 2
+# the conversions a piece may hold where collectives are in the graphs: each has a functional twin
+# (runtime/functional.py) that torch.compile traces
+_CONVERSIONS_IN_GRAPHS = frozenset({"rt.all_reduce", "rt.all_gather", "rt.reduce_scatter", "rt.all_to_all",
+                                    "rt.split", "rt.to_partial", "rt.grad_all_reduce"})
 # a name in an expression: not an attribute (`rt.device`), not a keyword argument's (`device=`)
 _NAMES = re.compile(r"(?<![.\w])[A-Za-z_]\w*(?!\w|\s*=[^=])")
 
 
-def _pieces(program: LoweredProgram, known: dict[str, int]) -> list[Statement]:
+def _pieces(program: LoweredProgram, known: dict[str, int], collectives: bool = False) -> list[Statement]:
     """Regional compilation: each run of the forward's ATen ops between the runtime's calls (collectives,
     fused norms, casts, gathers) becomes a call of a module function, `self.pieces[k]`, that `torch.compile`
-    compiles (api.load(compile=True)). The runs are named canonically (inputs a0.., weights w0.., values
+    compiles (api.load(compile=True)). `collectives`: the runs take in the conversions between them, which
+    run as functional collectives inside the compiled graphs (runtime/functional.py). The runs are named canonically (inputs a0.., weights w0.., values
     v0..), so every repeated layer whose run is the same code calls one function, compiled once for all
     of them: in one program, and in the stages of a pipeline, which share `known` (each function's
     canonical source → its number, numbered as found). A recomputed region's own statements stay as they
@@ -166,10 +170,10 @@ def _pieces(program: LoweredProgram, known: dict[str, int]) -> list[Statement]:
     index = 0
     while index < len(statements):
         end = index
-        while end < len(statements) and _pure(statements[end]):
+        while end < len(statements) and _pure(statements[end], collectives):
             end += 1
         run = statements[index:end]
-        if sum(s.instruction.kind != "release" for s in run) < _PIECE_OPS:
+        if sum(s.instruction.kind == "compute" for s in run) < _PIECE_OPS:
             rendered.append(statements[index])
             index += 1
             continue
@@ -194,11 +198,16 @@ def _own_text(instruction: Instruction) -> str:
     return render_expression(instruction.renamed({name: "_" for name in instruction.reads()}))
 
 
-def _pure(statement: Statement) -> bool:
+def _pure(statement: Statement, collectives: bool = False) -> bool:
     """An ATen op of the forward's own (or a release), which a compiled piece may hold: one that reads the
-    module (`self.training`) or the step's gathers other than through its operands stays in the forward."""
+    module (`self.training`) or the step's gathers other than through its operands stays in the forward.
+    `collectives`: a conversion too (_CONVERSIONS_IN_GRAPHS)."""
     instruction = statement.instruction
-    if statement.body or instruction.kind not in ("release", "compute"):
+    if statement.body:
+        return False
+    if collectives and instruction.kind in ("convert", "grad_sync") and instruction.callee in _CONVERSIONS_IN_GRAPHS:
+        return True
+    if instruction.kind not in ("release", "compute"):
         return False
     if instruction.kind == "release":
         return True
@@ -248,20 +257,23 @@ def _piece_call(run: list[Statement], later: set[str], sizes: set[str]) -> tuple
         [f"    {code.ljust(_COMMENT_COLUMN - 4)}  # {comment}" if comment else f"    {code}"
          for code, comment in body] + \
         [f"    return ({''.join(names[n] + ', ' for n in results)})"]
-    ops = sum(s.instruction.kind != "release" for s in run)
+    ops = sum(s.instruction.kind == "compute" for s in run)
+    conversions = sum(s.instruction.kind in ("convert", "grad_sync") for s in run)
+    held = f"{ops} ATen ops" + (f" and {conversions} conversion(s) (functional collectives)" if conversions else "")
     call = Statement(", ".join(results) + ("," if len(results) == 1 else ""),
                      Instruction("compute", "self.pieces", tuple(Var(n) for n in ["rt"] + inputs + weights + dims)),
-                     f"{ops} ATen ops, compiled as one piece")
+                     f"{held}, compiled as one piece")
     return call, released, "\n".join(lines)
 
 
-def render(program: LoweredProgram, pieces: bool = False) -> str:
-    """The module's source; `pieces`: the forward's runs of ATen ops as functions for torch.compile (_pieces)."""
+def render(program: LoweredProgram, pieces: bool = False, collectives: bool = False) -> str:
+    """The module's source; `pieces`: the forward's runs of ATen ops as functions for torch.compile (_pieces),
+    `collectives`: with the conversions between them inside."""
     mesh = program.mesh
     counts = program.collective_counts()
     totals = program.collective_bytes()
     known: dict[str, int] = {}
-    rendered = _pieces(program, known) if pieces else program.statements
+    rendered = _pieces(program, known, collectives) if pieces else program.statements
     return _template().render(
         version=__version__,
         source=program.source_path,
@@ -311,9 +323,10 @@ def _training_only_message(draws: list[str]) -> str | None:
             f"with those draws turned off (a stochastic depth rate of 0)")
 
 
-def render_pipeline(stages: list[LoweredProgram], plan, pieces: bool = False) -> str:
+def render_pipeline(stages: list[LoweredProgram], plan, pieces: bool = False, collectives: bool = False) -> str:
     """One module with a class per stage (`plan`: pardsl.pipeline.PipelinePlan); `pieces`: each stage's runs
-    of ATen ops as functions for torch.compile (_pieces), one per distinct run whichever stage runs it."""
+    of ATen ops as functions for torch.compile (_pieces), one per distinct run whichever stage runs it;
+    `collectives`: with the conversions between them inside."""
     mesh = stages[0].mesh
     rendered = []
     known: dict[str, int] = {}
@@ -338,7 +351,7 @@ def render_pipeline(stages: list[LoweredProgram], plan, pieces: bool = False) ->
             "buffers": [_slot(b, mesh) for b in program.buffers],
             "inputs": [_slot(i, mesh) for i in program.inputs],
             "outputs": outputs,
-            "lines": _lines(_pieces(program, known) if pieces else program.statements),
+            "lines": _lines(_pieces(program, known, collectives) if pieces else program.statements),
             "gathers": _gathers(program),
             "buckets": _buckets(program),
         })
@@ -371,15 +384,6 @@ def cannot_compile(programs: list[LoweredProgram]) -> str | None:
         return ("compiled layers (compile=True, --compile) are not supported yet where gathered weights are "
                 "resharded after forward (ZeRO-3, FSDP): compile the plan without them, or without compile")
     return None
-
-
-def compile_pieces(module: types.ModuleType) -> types.ModuleType:
-    """The module with each of its pieces (render(..., pieces=True)) compiled by torch.compile: once per
-    distinct piece and input shape, shared by every layer that calls it (dynamic=False: a new size of a
-    named dim compiles it once more)."""
-    if hasattr(module, "PIECES"):  # a forward with no run of ATen ops long enough has none
-        module.PIECES[:] = [torch.compile(piece, dynamic=False) for piece in module.PIECES]
-    return module
 
 
 def load_module(source: str, name: str = "pardsl_module") -> types.ModuleType:

@@ -39,6 +39,7 @@ from pardsl.runtime.collectives import (
     nbytes,
     reduce_scatter_started,
 )
+from pardsl.runtime import functional
 from pardsl.runtime.conversions import AllGather, AllReduce, AllToAll, GradAllReduce, ReduceScatter, Split, ToPartial
 from pardsl.runtime.parallel_ops import (
     PROJECTIONS,
@@ -110,6 +111,9 @@ class Runtime:
         self.by_all_to_all = False  # collectives_by_all_to_all
         self.shared: dict[str, object] = {}  # per axis, its shared-memory transport where it has one
         self.region: RegionCollectives | None = None  # the recomputed region running (runtime/recompute.py)
+        self.group_names: dict[str, str] = {}  # per axis, its group's name, as functional collectives take it
+        # where a compiled piece's collectives are logged while it runs on fake tensors (runtime/pieces.py)
+        self.piece_log: list[tuple] | None = None
         if mesh.size > 1 or (dist.is_available() and dist.is_initialized()):
             if not dist.is_initialized():
                 raise RuntimeError(f"a mesh of {mesh.size} ranks needs torch.distributed to be initialized")
@@ -119,6 +123,7 @@ class Runtime:
             groups = device_mesh(mesh, self.device.type)
             for name in mesh.axis_names:
                 self.groups[name] = groups.get_group(name)
+                self.group_names[name] = self.groups[name].group_name
                 self.coordinate[name] = groups.get_local_rank(name)
             self.by_all_to_all = collectives_by_all_to_all(dist.get_backend())
             self.shared = {name: shared_memory_group(self.groups[name]) for name in mesh.axis_names if self.size[name] > 1}
@@ -468,7 +473,21 @@ class Runtime:
 
     # -- the primitives, counted ----------------------------------------------------------------------
 
+    def _in_graph(self) -> bool:
+        """Whether a collective is being traced into a compiled graph, or run on fake tensors to log what
+        that graph will issue (runtime/pieces.py): then it is a functional one (runtime/functional.py),
+        which torch.compile traces."""
+        return torch.compiler.is_compiling() or self.piece_log is not None
+
+    def log_traced(self, phase: str, kind: str, x: torch.Tensor, axis: str) -> None:
+        """A functional collective's kind and bytes, logged while its piece runs on fake tensors; nothing
+        while torch.compile traces it."""
+        if not torch.compiler.is_compiling() and self.piece_log is not None:
+            self.piece_log.append((phase, kind, collective_bytes(kind, nbytes(x), self.size[axis]), axis))
+
     def _all_reduce(self, x: torch.Tensor, axis: str, phase: str) -> torch.Tensor:
+        if self._in_graph():
+            return functional.all_reduce(x, self, axis, phase)
         if self.size[axis] == 1:
             return x
         work, summed = self._all_reduce_started(x.contiguous(), axis, phase, overwrite=False)
@@ -550,6 +569,8 @@ class Runtime:
 
     def _all_gather(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1,
                     mirrored: bool = False) -> torch.Tensor:
+        if self._in_graph():
+            return functional.all_gather(x, self, axis, dim, phase, blocks, mirrored)
         n = self.size[axis]
         if n == 1:
             return x
@@ -567,12 +588,16 @@ class Runtime:
 
     def _reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1,
                         mirrored: bool = False) -> torch.Tensor:
+        if self._in_graph():
+            return functional.reduce_scatter(x, self, axis, dim, phase, blocks, mirrored)
         work, result = self._reduce_scatter_started(x, axis, dim, phase, blocks, mirrored)
         if work is not None:
             work.wait()
         return result()
 
     def _all_to_all(self, x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, phase: str) -> torch.Tensor:
+        if self._in_graph():
+            return functional.all_to_all(x, self, axis, split_dim, concat_dim, phase)
         n = self.size[axis]
         if n == 1:
             return x

@@ -44,7 +44,8 @@ import torch.distributed as dist
 from pardsl.language.syntax import InputDecl, ModelDecl
 from pardsl.layouts.algebra import Layout, Mesh
 from pardsl.model.loading import build_model, full_state, import_paths, make_inputs, par_import_paths
-from pardsl.program.codegen import compile_pieces, load_module
+from pardsl.program.codegen import load_module
+from pardsl.runtime.pieces import collectives_in_graphs as in_graphs_by_default, compile_pieces
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.devices import rank_device, resolve_device
 from pardsl.runtime.schedule import Pipeline, loss_output
@@ -108,12 +109,16 @@ def tolerance_for(dtypes) -> float:
 
 def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", device: str | None = None,
             timeout_s: float = 120.0, lr: float = 0.01, optimizer: str = "sgd",
-            stdout_to_stderr: bool = False, compile: bool = False) -> RankJob:
-    """`device`: "cpu" or "cuda" (default: CUDA under NCCL, else the CPU); `compile`: regional compilation
-    (pardsl.load's)."""
+            stdout_to_stderr: bool = False, compile: bool = False,
+            collectives_in_graphs: bool | None = None) -> RankJob:
+    """`device`: "cpu" or "cuda" (default: CUDA under NCCL, else the CPU); `compile`, `collectives_in_graphs`:
+    regional compilation (pardsl.load's), with the conversions inside the compiled graphs (default: on
+    NCCL)."""
     par = compiled.par
     tolerance = tolerance_for({info.dtype for info in compiled.bound.tensors.values()})
-    source = compiled.source_with_pieces() if compile else compiled.source
+    if collectives_in_graphs is None:
+        collectives_in_graphs = in_graphs_by_default(backend)
+    source = compiled.source_with_pieces(collectives_in_graphs) if compile else compiled.source
     return RankJob(source, "pardsl_module", compiled.program.mesh, par.model, par.source.path,
                    par.inputs, seed, steps, lr=lr, backend=backend, device=resolve_device(device, backend),
                    sys_path=par_import_paths(par.source.path, par.model.module), timeout_s=timeout_s,

@@ -2,10 +2,12 @@
 runs on every rank of a process group (the tests' worker pool); run under torchrun, rank 0 writes the
 losses and gradient norms as JSON:
 
-    api_train.py PLAN.par OUT.json [--local-batch]
+    api_train.py PLAN.par OUT.json [--local-batch] [--compile] [--steps N]
 
 --local-batch: each rank takes its data-parallel part of the batch itself (plan.data_parallel), as a
-DistributedSampler would give it, and passes it with shard_inputs(..., local_batch=True).
+DistributedSampler would give it, and passes it with shard_inputs(..., local_batch=True). --compile:
+compiled layers with the collectives inside the graphs (pardsl.load(..., compile=True,
+collectives_in_graphs=True)). --steps N: the first N of the steps (each compiles the pieces once more).
 """
 
 import json
@@ -25,15 +27,15 @@ def batches():
     return [torch.randint(0, 256, shape, generator=generator) for shape in SHAPES]
 
 
-def train(plan_path: str, local_batch: bool = False) -> dict:
+def train(plan_path: str, local_batch: bool = False, compile: bool = False, steps: int = len(SHAPES)) -> dict:
     """On every rank of an initialised process group: the losses and clipped gradient norms of each step,
     and the last step's output type and local logits' shape."""
     torch.manual_seed(0)
-    plan = pardsl.load(plan_path)
+    plan = pardsl.load(plan_path, compile=compile, collectives_in_graphs=True if compile else None)
     model = plan.module()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, norms = [], []
-    for batch in batches():
+    for batch in batches()[:steps]:
         if local_batch:
             rank, size = plan.data_parallel
             batch = batch.chunk(size)[rank]
@@ -49,7 +51,8 @@ def train(plan_path: str, local_batch: bool = False) -> dict:
 def main() -> None:
     plan_path, out_path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
-    result = train(plan_path, "--local-batch" in sys.argv)
+    steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else len(SHAPES)
+    result = train(plan_path, "--local-batch" in sys.argv, "--compile" in sys.argv, steps)
     if dist.get_rank() == 0:
         with open(out_path, "w") as handle:
             json.dump(result, handle)

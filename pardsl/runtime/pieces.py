@@ -1,0 +1,94 @@
+"""A piece of regional compilation (a function of the generated module, `self.pieces[k]`) compiled by
+torch.compile, counting the collectives its graphs issue.
+
+Where a piece holds conversions (collectives in the graphs), they are functional collectives inside the
+compiled graph, out of the runtime's sight: the counter would miss them. So the first call with each input
+signature runs the piece once more on fake tensors (no data, nothing sent), forward and backward, and logs
+each collective's phase, kind, bytes and axis (runtime/functional.py). Every call then counts the logged
+forward collectives, and the logged backward ones when its backward runs: exactly what the graphs issue,
+at this call's sizes (a new size of a named dim is a new signature, logged again, as it is compiled again).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# what a piece calls on the runtime when it holds conversions (codegen: _CONVERSIONS_IN_GRAPHS)
+_CONVERSIONS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "split", "grad_all_reduce"})
+
+
+def collectives_in_graphs(backend: str) -> bool:
+    """Where compiled pieces take in the conversions between them by default: on NCCL, whose functional
+    collectives the compiler can overlap with the computation around them. On gloo the runtime's own CPU
+    transports (runtime/collectives.py) are faster than gloo's collectives, which functional ones go
+    through."""
+    return backend == "nccl"
+
+
+def compile_pieces(module: types.ModuleType) -> types.ModuleType:
+    """The generated module with each of its pieces (codegen.render(..., pieces=True)) compiled by
+    torch.compile: once per distinct piece and input shape, shared by every layer that calls it
+    (dynamic=False: a new size of a named dim compiles it once more), counting the collectives inside."""
+    if hasattr(module, "PIECES"):  # a forward with no run of ATen ops long enough has none
+        module.PIECES[:] = [CompiledPiece(piece) for piece in module.PIECES]
+    return module
+
+
+class CompiledPiece:
+    def __init__(self, piece):
+        self.piece = piece
+        self.compiled = torch.compile(piece, dynamic=False)
+        self.converts = bool(_CONVERSIONS & set(piece.__code__.co_names))
+        self.logged: dict[tuple, tuple[list, list]] = {}  # per input signature: (forward, backward) collectives
+
+    def __call__(self, rt, *args):
+        if not self.converts:
+            return self.compiled(rt, *args)
+        signature = tuple((tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else a
+                          for a in args)
+        if signature not in self.logged:
+            self.logged[signature] = self._log(rt, args)
+        forward, backward = self.logged[signature]
+        for collective in forward:
+            rt.counter.record("forward", *collective)
+        results = self.compiled(rt, *args)
+        if backward:
+            _count_backward(rt, backward, results)
+        return results
+
+    def _log(self, rt, args) -> tuple[list, list]:
+        """The piece's collectives for these arguments' shapes: it runs on fake tensors, forward and then
+        backward from zero gradients of its results, its conversions logging what they issue."""
+        rt.piece_log = []
+        try:
+            with FakeTensorMode() as mode:
+                fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+                results = [r for r in self.piece(rt, *fakes) if isinstance(r, torch.Tensor) and r.requires_grad]
+                inputs = [a for a in fakes if isinstance(a, torch.Tensor) and a.requires_grad]
+                if results and inputs:
+                    torch.autograd.grad(results, inputs, [torch.zeros_like(r) for r in results], allow_unused=True)
+            logged = rt.piece_log
+        finally:
+            rt.piece_log = None
+        return ([entry[1:] for entry in logged if entry[0] == "forward"],
+                [entry[1:] for entry in logged if entry[0] == "backward"])
+
+
+def _count_backward(rt, backward: list, results) -> None:
+    """Count `backward` once, when the gradient of the first of `results` to receive one is computed: the
+    compiled graph's backward runs then."""
+    counted = []
+
+    def count(grad):
+        if not counted:
+            counted.append(True)
+            for collective in backward:
+                rt.counter.record("backward", *collective)
+        return grad
+
+    for result in results:
+        if isinstance(result, torch.Tensor) and result.requires_grad:
+            result.register_hook(count)
