@@ -7,9 +7,11 @@ summary at the end is what goes into benchmarks/README.md with the date and the 
 2. every example family against serial on one rank over NCCL (its mesh cut to one rank), and on two
    gloo ranks with CUDA tensors (the GPU shared), with the mixed-precision policy and offload on one
    of them (pinned host memory, copies to and from the device);
-3. the dry run of the Llama 3.1 8B shape's tensor-parallel rank (tp 8) on the GPU, its measured peak
+3. compiled layers (`run --compile`, inductor on CUDA) with the collectives inside the graphs as functional
+   ones, on two gloo ranks with CUDA tensors, against serial;
+4. the dry run of the Llama 3.1 8B shape's tensor-parallel rank (tp 8) on the GPU, its measured peak
    against the estimate and its collectives against the plan's;
-4. `benchmarks/vs_torch.py --device cuda`: pardsl against DDP, FSDP2 and DTensor on the GPU.
+5. `benchmarks/vs_torch.py --device cuda`: pardsl against DDP, FSDP2 and DTensor on the GPU.
 
     python benchmarks/gpu_check.py [--quick]      # --quick: one family per step, no vs_torch
 """
@@ -28,6 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ["mlp.par", "gpt_tp2.par", "hf_gpt2_tp2.par", "hf_llama_tp2.par", "hf_bert_tp2.par", "hf_t5_tp2.par",
             "hf_vit_tp2.par", "hf_resnet_dp2.par", "hf_mixtral_ep2.par", "llama_zero3.par", "hf_llama_pp2.par"]
+COMPILED_FAMILIES = ["hf_llama_tp2.par", "gpt_sp_tp2.par"]
 MEMORY_LINES = {"precision": "precision params bf16, reduce fp32",
                 "precision and offload": "precision params bf16, reduce fp32\noffload optimizer"}
 
@@ -105,6 +108,14 @@ def main() -> int:
                                "--device", "cuda", "--steps", "3", "--optimizer", "adamw", "--json"], 120)
             failed += not ok
             summary.append(f"llama_zero3 with {name}: {run_report(output)}")
+
+    for family in COMPILED_FAMILIES[:1] if args.quick else COMPILED_FAMILIES:
+        ok, output = step(f"{family} compiled, collectives in the graphs, 2 gloo ranks on CUDA",
+                          [python, "-m", "pardsl.cli", "run", os.path.join("examples", family), "--nproc", "2",
+                           "--backend", "gloo", "--device", "cuda", "--steps", "3", "--compile",
+                           "--collectives-in-graphs", "yes", "--json"], 240)
+        failed += not ok
+        summary.append(f"{family} compiled, collectives in graphs, 2 gloo ranks on CUDA: {run_report(output)}")
 
     ok, output = step("dry run of the 8B shape's tp 8 rank on the GPU",
                       [python, "-m", "pardsl.cli", "dryrun", "examples/scale/llama3_8b_tp8.par", "--device", "cuda",
