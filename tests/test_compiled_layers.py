@@ -35,19 +35,22 @@ def _run_compiled(example: str, *options: str) -> dict:
 
 def test_every_repeated_layer_calls_the_same_pieces():
     """Two layers or six: the same functions, each layer calling them, so torch.compile compiles each
-    once whatever the depth; the module without `compile` is as it was."""
-    sources = {}
-    for layers in (2, 6):
-        os.chdir(REPO)
-        compiled = compile_text(_with_layers(layers))
-        sources[layers] = render(compiled.program, pieces=True)
-        assert "self.pieces" not in compiled.source
-    defined = {layers: re.findall(r"^def (_piece_\d+)\(", source, re.M) for layers, source in sources.items()}
-    calls = {layers: re.findall(r"self\.pieces\[(\d+)\]\(rt", source) for layers, source in sources.items()}
-    assert defined[2] == defined[6] and len(defined[2]) >= 3
-    # the layers after the first run the first's pieces: four more layers, four more calls of each of them
-    repeated = {number for number in calls[2] if calls[2].count(number) == 2}
-    assert repeated and all(calls[6].count(number) == 6 for number in repeated)
+    once whatever the depth, with the collectives in the graphs too (a conversion's bytes and the layer it
+    serves are in each call's comment, not in the shared piece); the module without `compile` is as it
+    was."""
+    os.chdir(REPO)
+    programs = {layers: compile_text(_with_layers(layers)) for layers in (2, 6)}
+    assert all("self.pieces" not in compiled.source for compiled in programs.values())
+    for collectives in (False, True):
+        sources = {layers: render(compiled.program, pieces=True, collectives=collectives)
+                   for layers, compiled in programs.items()}
+        defined = {layers: re.findall(r"^def (_piece_\d+)\(", source, re.M) for layers, source in sources.items()}
+        calls = {layers: re.findall(r"self\.pieces\[(\d+)\]\(rt", source) for layers, source in sources.items()}
+        assert defined[2] == defined[6] and len(defined[2]) >= 3
+        # the layers after the first run the first's pieces: four more layers, four more calls of each
+        repeated = {number for number in calls[2] if calls[2].count(number) == 2}
+        assert repeated and all(calls[6].count(number) == 6 for number in repeated)
+    assert "in model.model.layers.5.post_attention_layernorm" in sources[6]  # the call's comment
 
 
 def test_a_module_without_pieces_is_compiled_as_it_is():

@@ -251,19 +251,30 @@ def _piece_call(run: list[Statement], later: set[str], sizes: set[str]) -> tuple
             code = _NAMES.sub(lambda word: dim_names.get(word.group(0), word.group(0)), code)
         return f"{', '.join(names[t] for t in statement.targets)} = {code}"
 
-    body = [[canonical(s), s.comment] for s in run if s.instruction.kind != "release"]
+    body = [[canonical(s), _shared_comment(s)] for s in run if s.instruction.kind != "release"]
     signature = ", ".join(["rt"] + [names[n] for n in inputs] + [names[n] for n in weights] + list(dim_names.values()))
     lines = [f"def _piece({signature}):"] + \
         [f"    {code.ljust(_COMMENT_COLUMN - 4)}  # {comment}" if comment else f"    {code}"
          for code, comment in body] + \
         [f"    return ({''.join(names[n] + ', ' for n in results)})"]
     ops = sum(s.instruction.kind == "compute" for s in run)
-    conversions = sum(s.instruction.kind in ("convert", "grad_sync") for s in run)
-    held = f"{ops} ATen ops" + (f" and {conversions} conversion(s) (functional collectives)" if conversions else "")
+    conversions = [s.comment for s in run if s.instruction.kind in ("convert", "grad_sync")]
+    held = f"{ops} ATen ops" + (f" and {len(conversions)} conversion(s) (functional collectives)" if conversions else "")
     call = Statement(", ".join(results) + ("," if len(results) == 1 else ""),
                      Instruction("compute", "self.pieces", tuple(Var(n) for n in ["rt"] + inputs + weights + dims)),
-                     f"{held}, compiled as one piece")
+                     "; ".join([f"{held}, compiled as one piece"] + conversions))
     return call, released, "\n".join(lines)
+
+
+_BYTES = re.compile(r" [\d.]+ (?:[KMG]i)?B\b")
+
+
+def _shared_comment(statement: Statement) -> str:
+    """A statement's comment inside a piece, which every layer that runs the same code shares: a
+    conversion's says what it does, not its bytes nor which layer's op it serves (the call says those)."""
+    if statement.instruction.kind in ("convert", "grad_sync"):
+        return _BYTES.sub("", statement.comment.split(" — ")[0])
+    return statement.comment
 
 
 def render(program: LoweredProgram, pieces: bool = False, collectives: bool = False) -> str:
