@@ -46,7 +46,7 @@ def main() -> None:
             path = os.path.join(folder, "plan.par")
             with open(path, "w") as handle:
                 handle.write(HEADER.format(mesh=mesh, layers=args.layers, hidden=args.hidden, ffn=ffn, seq=args.seq,
-                                           batch=args.batch, attention=args.attention, recompute="", precision="",
+                                           batch=args.batch, attention=args.attention, recompute="", precision="", bound="",
                                            layouts="".join(f"    {entry}\n" for entry in layouts)))
             runs = [run(path, args.steps, args.device, options)
                     for options in ([], ["--compile"], ["--compile", "--collectives-in-graphs", "yes"])]
