@@ -33,21 +33,16 @@ def serial_training(factory) -> dict:
     return {"losses": losses, "norms": norms}
 
 
-# launched: run as a user's script runs, under torch's launcher; the others run in the worker pool, which
-# saves them the launcher's and the ranks' start
-@pytest.mark.parametrize("plan, factory, nproc, local_batch, logits, launched", [
-    ("examples/llama_train_tp2.par", llama_causal_lm, 2, False, [2, 6, 128], True),  # logits split over the vocabulary
-    ("examples/gpt2_train_dp2_tp2.par", gpt2_lm_head, 4, True, [1, 6, 256], False),  # batch split over dp
-    ("examples/llama_zero3.par", llama_causal_lm, 2, False, [1, 6, 256], False),  # FSDP: weights gathered, batch split
+# In the tests' worker pool, which saves the launcher's and the ranks' start: the same script runs under
+# torch's launcher as a user's does in the compiled-layers test, and the documented scripts below
+@pytest.mark.parametrize("plan, factory, nproc, local_batch, logits", [
+    ("examples/llama_train_tp2.par", llama_causal_lm, 2, False, [2, 6, 128]),  # logits split over the vocabulary
+    ("examples/gpt2_train_dp2_tp2.par", gpt2_lm_head, 4, True, [1, 6, 256]),  # batch split over dp
+    ("examples/llama_zero3.par", llama_causal_lm, 2, False, [1, 6, 256]),  # FSDP: weights gathered, batch split
 ], ids=["llama-tp2", "gpt2-dp2xtp2-local-batch", "llama-zero3"])
-def test_adamw_on_the_models_own_loss_equals_serial_with_varying_shapes(tmp_path, pools, plan, factory, nproc,
-                                                                        local_batch, logits, launched):
-    if launched:
-        out = tmp_path / "result.json"
-        torchrun(nproc, "tests/scripts/api_train.py", plan, str(out), *(["--local-batch"] if local_batch else []))
-        result = json.loads(out.read_text())
-    else:
-        result = pools(nproc).run_on_every_rank(functools.partial(train, os.path.join(REPO, plan), local_batch))[0]
+def test_adamw_on_the_models_own_loss_equals_serial_with_varying_shapes(pools, plan, factory, nproc, local_batch,
+                                                                        logits):
+    result = pools(nproc).run_on_every_rank(functools.partial(train, os.path.join(REPO, plan), local_batch))[0]
     expected = serial_training(factory)
     expected_output = "CausalLMOutputWithCrossAttentions" if factory is gpt2_lm_head else "CausalLMOutputWithPast"
     assert result["output"] == expected_output
