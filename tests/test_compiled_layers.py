@@ -162,6 +162,30 @@ def test_a_piece_with_conversions_counts_what_its_graph_issues_at_each_size():
     assert counters["stats"]["unique_graphs"] == 2  # one per size
 
 
+def _piece_with_a_data_dependent_op(rt, a0):
+    aten = torch.ops.aten
+    v0 = aten.nonzero.default(a0)
+    v1 = rt.all_reduce(aten.mul.Tensor(a0, 2.0), "tp")
+    return (v0, v1)
+
+
+def test_a_piece_whose_shapes_are_its_datas_runs_as_written_and_counted():
+    """An op whose result's shape is its data's (nonzero) cannot run on fake tensors, so the piece's
+    collectives cannot be logged ahead: it runs as written, uncompiled, each collective counted as issued."""
+    from pardsl.layouts.algebra import Mesh
+    from pardsl.runtime.core import Runtime
+    from pardsl.runtime.pieces import CompiledPiece
+    from pardsl.tools.dryrun import _fake_process_group
+
+    with _fake_process_group(0, 2):
+        rt = Runtime(Mesh(("tp",), (2,)))
+        piece = CompiledPiece(_piece_with_a_data_dependent_op)
+        indices, summed = piece(rt, torch.tensor([0.0, 1.0, 2.0]))
+        assert indices.tolist() == [[1], [2]] and summed.shape == (3,)
+        assert rt.counter.summary()["collectives"]["forward"]["all_reduce"] == 1
+        assert list(piece.logged.values()) == [None]
+
+
 def test_compiled_layers_with_collectives_in_the_graphs_run_equal_to_serial_with_the_plans_collectives(tmp_path):
     """Sequence parallelism (reduce-scatters out of the row-parallel projections, all-gathers in their
     backward) with `--collectives-in-graphs yes` on gloo: the pieces hold the conversions between their ATen

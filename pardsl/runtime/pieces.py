@@ -14,7 +14,15 @@ from __future__ import annotations
 import types
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+
+# what a fake run of a piece cannot do: an op whose result's shape or value is its data's (nonzero, item)
+_NOT_FAKEABLE = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
 # what a piece calls on the runtime when it holds conversions (codegen: _CONVERSIONS_IN_GRAPHS)
 _CONVERSIONS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "split", "grad_all_reduce"})
@@ -42,7 +50,8 @@ class CompiledPiece:
         self.piece = piece
         self.compiled = torch.compile(piece, dynamic=False)
         self.converts = bool(_CONVERSIONS & set(piece.__code__.co_names))
-        self.logged: dict[tuple, tuple[list, list]] = {}  # per input signature: (forward, backward) collectives
+        # per input signature: its (forward, backward) collectives, or None where the piece runs eagerly
+        self.logged: dict[tuple, tuple[list, list] | None] = {}
 
     def __call__(self, rt, *args):
         if not self.converts:
@@ -51,6 +60,9 @@ class CompiledPiece:
                           for a in args)
         if signature not in self.logged:
             self.logged[signature] = self._log(rt, args)
+        if self.logged[signature] is None:
+            # its collectives cannot be known ahead: run as written, each collective counted as it is issued
+            return self.piece(rt, *args)
         forward, backward = self.logged[signature]
         for collective in forward:
             rt.counter.record("forward", *collective)
@@ -59,9 +71,10 @@ class CompiledPiece:
             _count_backward(rt, backward, results)
         return results
 
-    def _log(self, rt, args) -> tuple[list, list]:
+    def _log(self, rt, args) -> tuple[list, list] | None:
         """The piece's collectives for these arguments' shapes: it runs on fake tensors, forward and then
-        backward from zero gradients of its results, its conversions logging what they issue."""
+        backward from zero gradients of its results, its conversions logging what they issue. None where an
+        op of the piece cannot run on fake tensors (its result's shape is its data's)."""
         rt.piece_log = []
         try:
             with FakeTensorMode() as mode:
@@ -71,6 +84,8 @@ class CompiledPiece:
                 if results and inputs:
                     torch.autograd.grad(results, inputs, [torch.zeros_like(r) for r in results], allow_unused=True)
             logged = rt.piece_log
+        except _NOT_FAKEABLE:
+            return None
         finally:
             rt.piece_log = None
         return ([entry[1:] for entry in logged if entry[0] == "forward"],
