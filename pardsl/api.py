@@ -28,7 +28,7 @@ from pardsl.model.loading import build_model, full_state, import_paths, load_fac
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine, machine_named
 from pardsl.planning.solver import LogMismatch, SolutionLog
 from pardsl.program.codegen import cannot_compile, load_module
-from pardsl.runtime.pieces import collectives_in_graphs as in_graphs_by_default, compile_pieces
+from pardsl.runtime.pieces import check_backend, collectives_in_graphs as in_graphs_by_default, compile_pieces
 from pardsl.runtime.checkpoint import load_model_state
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.schedule import Pipeline, loss_output
@@ -39,7 +39,8 @@ _CACHE: dict[tuple[str, str, str, float, str], tuple[Compiled, list, Machine]] =
 
 
 def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine | None = None,
-         compile: bool = False, collectives_in_graphs: bool | None = None) -> "Plan":
+         compile: bool = False, collectives_in_graphs: bool | None = None,
+         compile_backend: str = "inductor") -> "Plan":
     """Compile a `.par` file into a Plan. Compiles once per process for the same file content, working
     directory and options; a mistake in the file raises `CompileError` (its `render()` points into the file).
 
@@ -60,6 +61,8 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine
     `collectives_in_graphs`: the compiled pieces take in the conversions between them, as functional
     collectives the compiler schedules with the computation (default: where the process group is NCCL;
     on gloo the runtime's own CPU transports are faster, and the collectives run between the pieces).
+    `compile_backend`: torch.compile's backend for the pieces ("aot_eager": the same graphs, their ATen ops
+    run as they are, without generated kernels).
 
     `machine`: what a searched plan is searched for: a preset's name (`"h100-nvlink-ib"`), a machine file
     (`pardsl calibrate` writes one) or a `Machine`; default: this machine's calibration, else its
@@ -89,7 +92,8 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine
         _CACHE[key] = _as_rank_0_compiled(_CACHE[key], text, path, bucket_mb)
     if collectives_in_graphs is None:
         collectives_in_graphs = in_graphs_by_default(dist.get_backend() if dist.is_initialized() else "gloo")
-    return Plan(_CACHE[key][0], compile=compile, collectives_in_graphs=collectives_in_graphs)
+    return Plan(_CACHE[key][0], compile=compile, collectives_in_graphs=collectives_in_graphs,
+                compile_backend=compile_backend)
 
 
 def _raise_on_every_rank(failure: str | None, error: Exception | None = None) -> None:
@@ -137,13 +141,17 @@ def default_device() -> torch.device:
 class Plan:
     """A compiled `.par` file: the layouts, the generated module, and what runs it on this rank."""
 
-    def __init__(self, compiled: Compiled, compile: bool = False, collectives_in_graphs: bool = False):
+    def __init__(self, compiled: Compiled, compile: bool = False, collectives_in_graphs: bool = False,
+                 compile_backend: str = "inductor"):
         self.compiled = compiled
         self.mesh = compiled.program.mesh
+        if compile and (unknown := check_backend(compile_backend)):
+            raise ValueError(unknown)
         refused = cannot_compile(compiled.programs) if compile else None
         if refused:
             raise NotImplementedError(refused)
-        self._generated = compile_pieces(load_module(compiled.source_with_pieces(collectives_in_graphs))) \
+        self._generated = compile_pieces(load_module(compiled.source_with_pieces(collectives_in_graphs)),
+                                         compile_backend) \
             if compile else \
             load_module(compiled.source)
         self._runtimes: dict[torch.device, object] = {}

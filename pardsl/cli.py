@@ -101,6 +101,9 @@ def _arguments() -> argparse.ArgumentParser:
     run.add_argument("--collectives-in-graphs", choices=("yes", "no"), default=None,
                      help="with --compile: the conversions between the runs inside the compiled graphs, as "
                           "functional collectives (default: yes on NCCL, no on gloo)")
+    run.add_argument("--compile-backend", default=None, metavar="NAME",
+                     help="with --compile: torch.compile's backend (default inductor; aot_eager runs the same "
+                          "graphs' ATen ops as they are)")
     run.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                      help="collective timeout per rank (a hang fails instead of blocking)")
     run.add_argument("--stall-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
@@ -433,6 +436,7 @@ def _main(args, quiet) -> int:
     from pardsl.planning.cost import estimate
     from pardsl.program.codegen import cannot_compile
     from pardsl.runtime.devices import resolve_backend, resolve_device
+    from pardsl.runtime.pieces import check_backend
     from pardsl.tools.execution import RunFailed, job_for, launch
 
     mesh = compiled.program.mesh
@@ -459,14 +463,16 @@ def _main(args, quiet) -> int:
     device = resolve_device(args.device, backend)
     usage = _device_mistake(backend, device, args.nproc) or \
         (cannot_compile(compiled.programs) if args.compile else None) or \
-        ("--collectives-in-graphs needs --compile" if args.collectives_in_graphs and not args.compile else None)
+        ("--collectives-in-graphs needs --compile" if args.collectives_in_graphs and not args.compile else None) or \
+        ("--compile-backend needs --compile" if args.compile_backend and not args.compile else None) or \
+        (check_backend(args.compile_backend) if args.compile_backend else None)
     if usage:
         print(f"pardsl: error: {usage}", file=sys.stderr)
         return EXIT_USAGE
     job = job_for(compiled, seed=args.seed, steps=args.steps, backend=backend, device=device, timeout_s=args.timeout,
                   lr=args.lr, optimizer=args.optimizer, stdout_to_stderr=args.json, compile=args.compile,
                   collectives_in_graphs=None if args.collectives_in_graphs is None else
-                  args.collectives_in_graphs == "yes")
+                  args.collectives_in_graphs == "yes", compile_backend=args.compile_backend or "inductor")
     try:
         report = launch(job, stall_s=args.stall_timeout)
     except RunFailed as error:  # a rank failed or stalled: which and why, without the launcher's traceback

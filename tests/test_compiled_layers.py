@@ -91,8 +91,9 @@ def test_the_stages_of_a_pipeline_share_the_pieces_of_their_layers():
 
 def test_a_compiled_pipeline_runs_equal_to_serial_with_no_recompilation():
     """`hf_llama_pp2` (1F1B over two stages, four micro-batches) with compiled layers: equal to serial, the
-    sends between stages as planned, and no graph compiled after the first step."""
-    report = _run_compiled("hf_llama_pp2")
+    sends between stages as planned, and no graph compiled after the first step (by aot_eager: the same
+    graphs as inductor's, whose kernels the run of the tp 2 LLaMA checks)."""
+    report = _run_compiled("hf_llama_pp2", "--compile-backend", "aot_eager")
     assert report["collectives_by_axis"] == {"forward": {"pp:send": 4}, "backward": {}}
     graphs = report["compiled_graphs"]
     assert graphs["first_step"] >= 3 and graphs["last_step"] == graphs["first_step"]
@@ -144,7 +145,7 @@ def test_a_piece_with_conversions_counts_what_its_graph_issues_at_each_size():
     counters.clear()
     with _fake_process_group(0, 2):
         rt = Runtime(Mesh(("tp",), (2,)))
-        piece = CompiledPiece(_piece_with_conversions)
+        piece = CompiledPiece(_piece_with_conversions, "aot_eager")
         weight = torch.nn.Parameter(torch.randn(8, 8))
         for rows in (4, 6, 4):  # a new size, then the first again
             counted = {}
@@ -179,7 +180,7 @@ def test_a_piece_whose_shapes_are_its_datas_runs_as_written_and_counted():
 
     with _fake_process_group(0, 2):
         rt = Runtime(Mesh(("tp",), (2,)))
-        piece = CompiledPiece(_piece_with_a_data_dependent_op)
+        piece = CompiledPiece(_piece_with_a_data_dependent_op, "aot_eager")
         indices, summed = piece(rt, torch.tensor([0.0, 1.0, 2.0]))
         assert indices.tolist() == [[1], [2]] and summed.shape == (3,)
         assert rt.counter.summary()["collectives"]["forward"]["all_reduce"] == 1
@@ -206,23 +207,36 @@ def test_compiled_layers_with_collectives_in_the_graphs_run_equal_to_serial_with
     assert graphs["first_step"] == len(re.findall(r"^def _piece_", source, re.M)) == graphs["last_step"]
 
 
-def test_collectives_in_graphs_need_compile():
-    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/mlp.par", "--nproc", "2",
-                             "--collectives-in-graphs", "yes"], capture_output=True, text=True, cwd=REPO,
-                            timeout=300, env={**os.environ, "PYTHONPATH": REPO})
-    assert result.returncode == 2 and "--collectives-in-graphs needs --compile" in result.stderr, result.stderr
+@pytest.mark.parametrize("options, message", [
+    (["--collectives-in-graphs", "yes"], "--collectives-in-graphs needs --compile"),
+    (["--compile-backend", "aot_eager"], "--compile-backend needs --compile"),
+    (["--compile", "--compile-backend", "nope"], "no torch.compile backend is named 'nope'"),
+])
+def test_compile_options_without_compile_or_with_an_unknown_backend_are_usage_errors(options, message):
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/mlp.par", "--nproc", "2", *options],
+                            capture_output=True, text=True, cwd=REPO, timeout=300,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    if "nope" in options:
+        import pardsl
+
+        os.chdir(REPO)
+        with pytest.raises(ValueError, match=message):
+            pardsl.load("examples/mlp.par", compile=True, compile_backend="nope")
 
 
 def test_training_through_the_api_with_collectives_in_the_graphs_equals_serial_as_shapes_change(tmp_path):
     """`pardsl.load(..., compile=True, collectives_in_graphs=True)` under torchrun: the tp 2 LLaMA on its own
     loss with AdamW and clipping, a batch and sequence length that change at the second step (the new size
-    compiles the pieces once more), equal to serial step by step at the tolerance of inductor's sums."""
+    compiles the pieces once more), equal to serial step by step. Its graphs run by aot_eager (the same
+    capture, forward and backward, without inductor's kernels, which the runs above check)."""
     from examples.hf_models import llama_causal_lm
     from tests.launch import torchrun
     from tests.test_training import serial_training
 
     out = tmp_path / "result.json"
-    torchrun(2, "tests/scripts/api_train.py", "examples/llama_train_tp2.par", str(out), "--compile", "--steps", "2")
+    torchrun(2, "tests/scripts/api_train.py", "examples/llama_train_tp2.par", str(out), "--compile", "--steps", "2",
+             "--compile-backend", "aot_eager")
     result = json.loads(out.read_text())
     expected = serial_training(llama_causal_lm)
     assert result["logits"] == [2, 8, 128]  # the second step's (batch 2, seq 8), the vocabulary split

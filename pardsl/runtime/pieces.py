@@ -36,19 +36,30 @@ def collectives_in_graphs(backend: str) -> bool:
     return backend == "nccl"
 
 
-def compile_pieces(module: types.ModuleType) -> types.ModuleType:
+def compile_pieces(module: types.ModuleType, backend: str = "inductor") -> types.ModuleType:
     """The generated module with each of its pieces (codegen.render(..., pieces=True)) compiled by
     torch.compile: once per distinct piece and input shape, shared by every layer that calls it
-    (dynamic=False: a new size of a named dim compiles it once more), counting the collectives inside."""
+    (dynamic=False: a new size of a named dim compiles it once more), counting the collectives inside.
+    `backend`: torch.compile's (check_backend)."""
     if hasattr(module, "PIECES"):  # a forward with no run of ATen ops long enough has none
-        module.PIECES[:] = [CompiledPiece(piece) for piece in module.PIECES]
+        module.PIECES[:] = [CompiledPiece(piece, backend) for piece in module.PIECES]
     return module
 
 
+def check_backend(backend: str) -> str | None:
+    """Why `backend` is no torch.compile backend, or None. Besides "inductor" (generated kernels),
+    "aot_eager" captures the same graphs, forward and backward, and runs their ATen ops as they are: what
+    to compare with when a compiled run differs, and a quick check that a plan compiles whole."""
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend in known:
+        return None
+    return f"no torch.compile backend is named {backend!r} (inductor, aot_eager, eager, ...)"
+
+
 class CompiledPiece:
-    def __init__(self, piece):
+    def __init__(self, piece, backend: str = "inductor"):
         self.piece = piece
-        self.compiled = torch.compile(piece, dynamic=False)
+        self.compiled = torch.compile(piece, dynamic=False, backend=backend)
         self.converts = bool(_CONVERSIONS & set(piece.__code__.co_names))
         # per input signature: its (forward, backward) collectives, or None where the piece runs eagerly
         self.logged: dict[tuple, tuple[list, list] | None] = {}

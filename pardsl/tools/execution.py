@@ -78,6 +78,7 @@ class RankJob:
     # in the first, from its float32 parameters, as the plan does
     precision: tuple[str, str] | None = None
     compile: bool = False  # module_source has pieces (codegen.render(..., pieces=True)): torch.compile them
+    compile_backend: str = "inductor"  # torch.compile's backend for them
 
 
 TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -110,7 +111,7 @@ def tolerance_for(dtypes) -> float:
 def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", device: str | None = None,
             timeout_s: float = 120.0, lr: float = 0.01, optimizer: str = "sgd",
             stdout_to_stderr: bool = False, compile: bool = False,
-            collectives_in_graphs: bool | None = None) -> RankJob:
+            collectives_in_graphs: bool | None = None, compile_backend: str = "inductor") -> RankJob:
     """`device`: "cpu" or "cuda" (default: CUDA under NCCL, else the CPU); `compile`, `collectives_in_graphs`:
     regional compilation (pardsl.load's), with the conversions inside the compiled graphs (default: on
     NCCL)."""
@@ -125,7 +126,7 @@ def job_for(compiled, *, seed: int = 0, steps: int = 1, backend: str = "gloo", d
                    tolerance=tolerance, optimizer=optimizer, stdout_to_stderr=stdout_to_stderr,
                    constants=compiled.bound.constant_values,
                    precision=None if par.precision is None else (par.precision.params, par.precision.reduce),
-                   compile=compile)
+                   compile=compile, compile_backend=compile_backend)
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -226,7 +227,7 @@ def run_rank(job: RankJob) -> dict:
         rt.counter.progress = progress
     module = load_module(job.module_source, job.module_name)
     if job.compile:
-        compile_pieces(module)
+        compile_pieces(module, job.compile_backend)
 
     torch.manual_seed(job.seed)
     with import_paths(*job.sys_path):

@@ -2,7 +2,7 @@
 runs on every rank of a process group (the tests' worker pool); run under torchrun, rank 0 writes the
 losses and gradient norms as JSON:
 
-    api_train.py PLAN.par OUT.json [--local-batch] [--compile] [--steps N]
+    api_train.py PLAN.par OUT.json [--local-batch] [--compile [--compile-backend NAME]] [--steps N]
 
 --local-batch: each rank takes its data-parallel part of the batch itself (plan.data_parallel), as a
 DistributedSampler would give it, and passes it with shard_inputs(..., local_batch=True). --compile:
@@ -27,11 +27,13 @@ def batches():
     return [torch.randint(0, 256, shape, generator=generator) for shape in SHAPES]
 
 
-def train(plan_path: str, local_batch: bool = False, compile: bool = False, steps: int = len(SHAPES)) -> dict:
+def train(plan_path: str, local_batch: bool = False, compile: bool = False, steps: int = len(SHAPES),
+          compile_backend: str = "inductor") -> dict:
     """On every rank of an initialised process group: the losses and clipped gradient norms of each step,
     and the last step's output type and local logits' shape."""
     torch.manual_seed(0)
-    plan = pardsl.load(plan_path, compile=compile, collectives_in_graphs=True if compile else None)
+    plan = pardsl.load(plan_path, compile=compile, collectives_in_graphs=True if compile else None,
+                       compile_backend=compile_backend)
     model = plan.module()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, norms = [], []
@@ -51,8 +53,11 @@ def train(plan_path: str, local_batch: bool = False, compile: bool = False, step
 def main() -> None:
     plan_path, out_path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
-    steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else len(SHAPES)
-    result = train(plan_path, "--local-batch" in sys.argv, "--compile" in sys.argv, steps)
+    def option(name: str, default):
+        return type(default)(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+    result = train(plan_path, "--local-batch" in sys.argv, "--compile" in sys.argv, option("--steps", len(SHAPES)),
+                   option("--compile-backend", "inductor"))
     if dist.get_rank() == 0:
         with open(out_path, "w") as handle:
             json.dump(result, handle)
