@@ -150,10 +150,11 @@ class Plan:
         refused = cannot_compile(compiled.programs) if compile else None
         if refused:
             raise NotImplementedError(refused)
-        self._generated = compile_pieces(load_module(compiled.source_with_pieces(collectives_in_graphs)),
-                                         compile_backend) \
-            if compile else \
-            load_module(compiled.source)
+        if compile:
+            self._generated = compile_pieces(load_module(compiled.source_with_pieces(collectives_in_graphs)),
+                                             compile_backend)
+        else:
+            self._generated = load_module(compiled.source)
         self._runtimes: dict[torch.device, object] = {}
         bound = compiled.bound
         self.input_names = [slot.name for slot in compiled.program.inputs]

@@ -145,8 +145,8 @@ def _mesh_dict(mesh) -> str:
 
 # the fewest ATen ops a compiled piece holds: a lone op gains nothing from compiling
 _PIECE_OPS = 2
-# the conversions a piece may hold where collectives are in the graphs: each has a functional twin
-# (runtime/functional.py) that torch.compile traces
+# the conversions a piece may hold where collectives are in the graphs: traced by torch.compile, the
+# runtime's collectives under them are functional ones (runtime/functional.py)
 _CONVERSIONS_IN_GRAPHS = frozenset({"rt.all_reduce", "rt.all_gather", "rt.reduce_scatter", "rt.all_to_all",
                                     "rt.split", "rt.to_partial", "rt.grad_all_reduce"})
 # a name in an expression: not an attribute (`rt.device`), not a keyword argument's (`device=`)
@@ -157,11 +157,11 @@ def _pieces(program: LoweredProgram, known: dict[str, int], collectives: bool = 
     """Regional compilation: each run of the forward's ATen ops between the runtime's calls (collectives,
     fused norms, casts, gathers) becomes a call of a module function, `self.pieces[k]`, that `torch.compile`
     compiles (api.load(compile=True)). `collectives`: the runs take in the conversions between them, which
-    run as functional collectives inside the compiled graphs (runtime/functional.py). The runs are named canonically (inputs a0.., weights w0.., values
-    v0..), so every repeated layer whose run is the same code calls one function, compiled once for all
-    of them: in one program, and in the stages of a pipeline, which share `known` (each function's
-    canonical source → its number, numbered as found). A recomputed region's own statements stay as they
-    are. The statements to render."""
+    run as functional collectives inside the compiled graphs (runtime/functional.py). The runs are named
+    canonically (inputs a0.., weights w0.., values v0..), so every repeated layer whose run is the same code
+    calls one function, compiled once for all of them: in one program, and in the stages of a pipeline,
+    which share `known` (each function's canonical source → its number, numbered as found). A recomputed
+    region's own statements stay as they are. The statements to render."""
     statements = list(program.statements)
     returned = {output.var for output in program.outputs}
     # named dims' sizes (`batch = input_ids.shape[0] * 2`), which ops read as text: a piece takes them too
@@ -259,7 +259,8 @@ def _piece_call(run: list[Statement], later: set[str], sizes: set[str]) -> tuple
         [f"    return ({''.join(names[n] + ', ' for n in results)})"]
     ops = sum(s.instruction.kind == "compute" for s in run)
     conversions = [s.comment for s in run if s.instruction.kind in ("convert", "grad_sync")]
-    held = f"{ops} ATen ops" + (f" and {len(conversions)} conversion(s) (functional collectives)" if conversions else "")
+    held = f"{ops} ATen ops" + \
+        (f" and {len(conversions)} conversion(s) (functional collectives)" if conversions else "")
     call = Statement(", ".join(results) + ("," if len(results) == 1 else ""),
                      Instruction("compute", "self.pieces", tuple(Var(n) for n in ["rt"] + inputs + weights + dims)),
                      "; ".join([f"{held}, compiled as one piece"] + conversions))

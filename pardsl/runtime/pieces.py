@@ -24,7 +24,9 @@ from torch._subclasses.fake_tensor import (
 # what a fake run of a piece cannot do: an op whose result's shape or value is its data's (nonzero, item)
 _NOT_FAKEABLE = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
-# what a piece calls on the runtime when it holds conversions (codegen: _CONVERSIONS_IN_GRAPHS)
+# what a piece calls on the runtime when it holds conversions (codegen: _CONVERSIONS_IN_GRAPHS); read from
+# the names its code uses, which may also match an ATen op's (aten.split): such a piece is only run once
+# more on fake tensors, logging nothing
 _CONVERSIONS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "split", "grad_all_reduce"})
 
 
