@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from pardsl.tools.memory import held_bytes, peak_measured
+from pardsl.tools.memory import held_bytes, peak_measured, peak_so_far
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,6 +24,18 @@ def test_the_cpu_peak_counts_what_a_step_makes_and_not_its_views():
         w = torch.empty(2048)  # 8 KiB made, once the 4 KiB are freed
         del w
     assert peak == [4096 + 8192]
+
+
+def test_what_a_step_made_and_still_holds_is_counted_apart_from_its_peak():
+    x = torch.ones(1024)
+    with peak_so_far(torch.device("cpu"), held_bytes([x])) as measure:
+        y = x * 2  # 4 KiB made and held
+        z = torch.empty(2048)  # 8 KiB made, then freed
+        del z
+        assert measure.made_and_held() == 4096
+        del y
+        assert measure.made_and_held() == 0
+        assert measure() == 4096 + 4096 + 8192
 
 
 LLAMA = """mesh   {mesh}

@@ -49,7 +49,7 @@ from pardsl.runtime.pieces import collectives_in_graphs as in_graphs_by_default,
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.devices import rank_device, resolve_device
 from pardsl.runtime.schedule import Pipeline, loss_output
-from pardsl.tools.memory import held_bytes, optimizer_state, peak_measured
+from pardsl.tools.memory import held_bytes, optimizer_state, peak_so_far
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,7 @@ class _Tally:
         self.compiled_ms, self.serial_ms = [], []
         self.serial_finite = True
         self.peak_bytes: int | None = None  # the measured step's (pardsl/tools/memory.py), where one was
+        self.forward_bytes: int | None = None  # what its forward made and still held as it returned
 
     def note(self, kind: str, what: str, got: torch.Tensor | None, expected: torch.Tensor | None) -> None:
         err = float("inf") if got is None or expected is None else _max_err(got, expected)
@@ -181,25 +182,32 @@ class _Tally:
 
     def compiled_step(self, step: int, steps: int, device: torch.device, held: list, work, optimizer,
                       measured: bool = True):
-        """`work()`'s result: the compiled step's forward and backward, timed. The first step's memory is
-        measured (pardsl/tools/memory.py; `held`: the tensors the rank holds as it begins, its optimizer's
-        state added), its optimizer's first step inside it, where that state is made; where there are other
-        steps to time, its time is not counted. Later steps' optimizer steps are the caller's. `measured`:
-        False where the measurement would change the step (torch.compile does not compile a function first
-        called under the CPU count's dispatch mode, nor afterwards)."""
-        measuring = peak_measured(device, held_bytes([*held, *optimizer_state(optimizer)])) \
-            if step == 0 and measured else contextlib.nullcontext([])
+        """`work(forward_done)`'s result: the compiled step's forward and backward, timed; `work` calls
+        `forward_done()` as its forward returns. The first step's memory is measured (pardsl/tools/memory.py;
+        `held`: the tensors the rank holds as it begins, its optimizer's state added): its peak, and what the
+        forward made and still held as it returned (the activations kept for backward, the outputs); its
+        optimizer's first step is inside it, where that state is made; where there are other steps to time,
+        its time is not counted. Later steps' optimizer steps are the caller's. `measured`: False where the
+        measurement would change the step (torch.compile does not compile a function first called under the
+        CPU count's dispatch mode, nor afterwards)."""
+        measuring = peak_so_far(device, held_bytes([*held, *optimizer_state(optimizer)])) \
+            if step == 0 and measured else contextlib.nullcontext(None)
         start = time.perf_counter()
-        with measuring as peak:
-            result = work()
+        with measuring as measure:
+            def forward_done():
+                if measure is not None:
+                    _sync(device)
+                    self.forward_bytes = measure.made_and_held()
+            result = work(forward_done)
             _sync(device)
             milliseconds = (time.perf_counter() - start) * 1000
             if step == 0:
                 optimizer.step()
+            if measure is not None:
+                _sync(device)
+                self.peak_bytes = max(self.peak_bytes or 0, measure())
         if step or steps == 1:
             self.compiled_ms.append(milliseconds)
-        if peak:
-            self.peak_bytes = max(self.peak_bytes or 0, *peak)
         return result
 
     def report(self, counts: dict) -> dict:
@@ -211,6 +219,7 @@ class _Tally:
             "worst": self.worst,
             "step_ms": {"compiled": statistics.median(self.compiled_ms), "serial": statistics.median(self.serial_ms)},
             **({"peak_bytes": self.peak_bytes} if self.peak_bytes is not None else {}),
+            **({"forward_bytes": self.forward_bytes} if self.forward_bytes is not None else {}),
             **counts,
         }
 
@@ -284,9 +293,10 @@ def run_rank(job: RankJob) -> dict:
                  for g, (_, layout, _) in zip(output_grads, module.OUTPUTS)]
         compiled_opt.zero_grad(set_to_none=True)
 
-        def forward_and_backward():
+        def forward_and_backward(forward_done):
             _set_generator_state(device, generator)
             out = compiled(*local_inputs)
+            forward_done()
             pairs = [(o, s.to(o.dtype)) for o, s in zip(out, seeds) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs])
@@ -410,8 +420,8 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         target = None if own_loss else rt.shard(gradient, output_layout)
         held = [*(t for m in modules.values() for t in (*m.parameters(), *m.buffers())), *local_inputs,
                 *([target] if target is not None else [])]
-        losses, merged = tally.compiled_step(step, job.steps, device, held, lambda: pipeline.step(
-            local_inputs, target, return_outputs=not own_loss), compiled_opt,
+        losses, merged = tally.compiled_step(step, job.steps, device, held, lambda _: pipeline.step(
+            local_inputs, target, return_outputs=not own_loss), compiled_opt,  # (forward and backward interleave)
             measured=not (job.compile and device.type == "cpu"))
         counts = rt.counter.summary()
         if pipeline.is_last:
@@ -460,6 +470,7 @@ def _sync(device: torch.device) -> None:
 def combine(results: list[dict], job: RankJob) -> dict:
     """One report from every rank's: worst errors over ranks; rank 0's counts and times."""
     first = min(results, key=lambda r: r["rank"])
+    by_rank = sorted(results, key=lambda r: r["rank"])
     output_err = max(r["max_abs_err"]["output"] for r in results)
     grad_err = max(r["max_abs_err"]["grad"] for r in results)
     relative = {k: max(r["max_rel_err"][k] for r in results) for k in ("output", "grad")}
@@ -486,12 +497,14 @@ def combine(results: list[dict], job: RankJob) -> dict:
            if any("sends" in r for r in results) else {}),
         "bytes": first["bytes"],  # the collectives whose bytes the plan fixes
         # the all-to-alls a routing decides (a mixture's experts), each rank's, as the data sent them
-        **({"routed_bytes": [r.get("routed_bytes", {"forward": 0, "backward": 0})
-                             for r in sorted(results, key=lambda r: r["rank"])]}
+        **({"routed_bytes": [r.get("routed_bytes", {"forward": 0, "backward": 0}) for r in by_rank]}
            if any("routed_bytes" in r for r in results) else {}),
         "step_ms": first["step_ms"],
-        # each rank's measured peak over its first step (pardsl/tools/memory.py)
-        **({"memory": {"peak_bytes": [r["peak_bytes"] for r in sorted(results, key=lambda r: r["rank"])]}}
+        # each rank's measured peak over its first step (pardsl/tools/memory.py), and what its forward made
+        # and still held as it returned (not for a pipeline, whose forwards and backwards interleave)
+        **({"memory": {"peak_bytes": [r["peak_bytes"] for r in by_rank],
+                       **({"forward_bytes": [r["forward_bytes"] for r in by_rank]}
+                          if all("forward_bytes" in r for r in by_rank) else {})}}
            if all("peak_bytes" in r for r in results) else {}),
         # regional compilation: the graphs torch.compile made by the end of the first step and of the last
         **({"compiled_graphs": first["compiled_graphs"]} if "compiled_graphs" in first else {}),

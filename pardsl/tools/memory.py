@@ -61,19 +61,33 @@ def held_bytes(tensors) -> int:
     return sum(storages.values())
 
 
+class StepBytes:
+    """A measured step's memory so far: called, its peak (what the rank held as it began plus the most it
+    has made on top and held at once); `made_and_held()`, what it has made and still holds now."""
+
+    def __init__(self, held: int, peak, live):
+        self._held, self._peak, self._live = held, peak, live
+
+    def __call__(self) -> int:
+        return self._held + self._peak()
+
+    def made_and_held(self) -> int:
+        return self._live()
+
+
 @contextlib.contextmanager
 def peak_so_far(device: torch.device, held: int):
-    """Within the block, `peak()` gives the peak so far: what the rank held as it began (`held`,
-    held_bytes) plus the most it has made on top and held at once."""
+    """Within the block, a StepBytes of the step (`held`: what the rank holds as it begins, held_bytes)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
-        yield lambda: held + torch.cuda.max_memory_allocated(device) - start
+        yield StepBytes(held, lambda: torch.cuda.max_memory_allocated(device) - start,
+                        lambda: torch.cuda.memory_allocated(device) - start)
         return
     counting = _StorageBytes()
     with counting:
-        yield lambda: held + counting.peak
+        yield StepBytes(held, lambda: counting.peak, lambda: counting.live)
 
 
 @contextlib.contextmanager
