@@ -10,11 +10,14 @@ recomputation, with `recompute model.model.layers.*` and with its `: selective` 
 completes the sequence-parallel layouts by gathering the weights, as ZeRO-3 does). Each plan runs under
 `pardsl run --json` (2 ranks, every step checked against serial): the peak is the measured one of its
 first step (pardsl/tools/memory.py; on CUDA the allocator's), the estimate `memory_per_rank`'s peak.
-Activations are the measured peak less the rank's parameters, gradients and optimizer state (their
-exact sizes); beside each, its ratio and the step's to the same plan and precision without recomputation.
+Activations are what the first step's forward made and still held as it returned (`forward_bytes`: what
+it keeps for backward, and its outputs); beside them, their ratio and the step's to the same plan and
+precision without recomputation. A step's time is the median of the steps after the first; each variant
+runs `--rounds` times, in turn with the others, and the table gives the median of its rounds' times and of
+their ratios to the same round's step without recomputation.
 
     python benchmarks/memory.py [--layers 8 --hidden 256 --seq 256 --batch 4] [--attention eager|sdpa]
-                                [--steps 3] [--device cpu|cuda] [--plans "context parallel" ...]
+                                [--steps 6] [--rounds 3] [--device cpu|cuda] [--plans "context parallel" ...]
                                 [--serial-share]
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,11 +82,9 @@ def model_arguments(doc: str, attention: str, steps: int) -> argparse.ArgumentPa
 
 def main() -> None:
     sys.path.insert(0, ROOT)  # the plans' model module (examples.hf_models), compiled here for their sizes
-    from pardsl.compiler import compile_file
-    from pardsl.planning.cost import memory_per_rank
-
-    parser = model_arguments(__doc__, attention="eager", steps=3)
+    parser = model_arguments(__doc__, attention="eager", steps=6)
     parser.add_argument("--plans", nargs="*", choices=sorted(PLANS), help="plans to run (default: all)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each variant, in turn (default 3)")
     parser.add_argument("--serial-share", action="store_true",
                         help="a column: the activations the plan estimates per rank against serial's")
     args = parser.parse_args()
@@ -93,46 +95,69 @@ def main() -> None:
     print("| plan | recomputation | precision | peak per rank (measured) | estimate | estimate / measured "
           f"| activations (measured) | vs none | step (ms) | vs none | ≡ serial |{share}")
     print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if share else ""))
-    mib = 2 ** 20
     with tempfile.TemporaryDirectory() as folder:
         for name, (mesh, layouts, *bound) in PLANS.items():
             if args.plans and name not in args.plans:
                 continue
-            without: dict[str, tuple[float, float]] = {}  # per precision: activations and step without recomputation
-            for policy, precision in VARIANTS:
-                text = HEADER.format(mesh=mesh, layers=args.layers, hidden=args.hidden, ffn=ffn, seq=args.seq,
-                                     batch=args.batch, attention=args.attention, recompute=RECOMPUTE[policy],
-                                     precision=PRECISION[precision], bound="".join(bound),
-                                     layouts="".join(f"    {entry}\n" for entry in layouts))
-                path = os.path.join(folder, "plan.par")
-                with open(path, "w") as handle:
-                    handle.write(text)
-                row = f"| {name} | {policy} | {precision} |"
-                result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", path, "--nproc", "2", "--steps",
-                                         str(args.steps), "--json", "--device", args.device, "--timeout", "600",
-                                         "--optimizer", "sgd"], capture_output=True, text=True, cwd=ROOT)
-                try:
-                    report = json.loads(result.stdout)
-                except json.JSONDecodeError:
-                    print(f"{row} failed: {result.stderr.strip().splitlines()[-1:]} | | | | | | | |")
-                    continue
-                if "memory" not in report:
-                    errors = "; ".join(f"{e['code']}: {e['message']}" for e in report.get("errors", []))
-                    print(f"{row} {errors or 'not measured'} | | | | | | | |")
-                    continue
-                peak, estimated = max(report["memory"]["peak_bytes"]), report["memory"]["estimated_bytes"]
-                program = compile_file(path).program
-                planned = memory_per_rank(program, "sgd")
-                activations = peak - planned["parameters"] - planned["gradients"] - planned["optimizer_state"]
-                step = report["step_ms"]["compiled"]
-                if policy == "none":
-                    without[precision] = (activations, step)
-                base_activations, base_step = without.get(precision, (activations, step))
-                held = program.memory()
-                share = f" {held['activations_per_rank'] / held['activations_total']:.2f} |" if args.serial_share else ""
-                print(f"{row} {peak / mib:.2f} MiB | {estimated / mib:.2f} MiB | {estimated / peak:.2f} | "
-                      f"{activations / mib:.2f} MiB | {activations / base_activations:.2f} | {step:.1f} | "
-                      f"{step / base_step:.2f} | {'yes' if report['ok'] else 'NO'} |{share}", flush=True)
+            texts = {variant: HEADER.format(mesh=mesh, layers=args.layers, hidden=args.hidden, ffn=ffn, seq=args.seq,
+                                            batch=args.batch, attention=args.attention, recompute=RECOMPUTE[variant[0]],
+                                            precision=PRECISION[variant[1]], bound="".join(bound),
+                                            layouts="".join(f"    {entry}\n" for entry in layouts))
+                     for variant in VARIANTS}
+            # The variants run in turn, round after round: a drift in the machine's speed touches all of them
+            # alike, and each step is set against its own round's without recomputation.
+            reports: dict[tuple, list] = {variant: [] for variant in VARIANTS}
+            for _ in range(args.rounds):
+                for variant, text in texts.items():
+                    reports[variant].append(_run(folder, text, args))
+            for variant in VARIANTS:
+                print(_row(name, variant, reports, texts[variant], folder, args), flush=True)
+
+
+def _run(folder: str, text: str, args) -> dict:
+    """`pardsl run --json` of the plan `text` on 2 ranks: its report, or {"failed": why}."""
+    path = os.path.join(folder, "plan.par")
+    with open(path, "w") as handle:
+        handle.write(text)
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", path, "--nproc", "2", "--steps",
+                             str(args.steps), "--json", "--device", args.device, "--timeout", "600",
+                             "--optimizer", "sgd"], capture_output=True, text=True, cwd=ROOT)
+    try:
+        report = json.loads(result.stdout)
+    except json.JSONDecodeError:
+        return {"failed": f"failed: {result.stderr.strip().splitlines()[-1:]}"}
+    if "memory" not in report:
+        errors = "; ".join(f"{e['code']}: {e['message']}" for e in report.get("errors", []))
+        return {"failed": errors or "not measured"}
+    return report
+
+
+def _row(name: str, variant: tuple, reports: dict, text: str, folder: str, args) -> str:
+    """The table's row of one variant: its memory (the same every round), the median of its rounds' steps and
+    of their ratios to the same round's step without recomputation."""
+    from pardsl.compiler import compile_text
+
+    policy, precision = variant
+    row = f"| {name} | {policy} | {precision} |"
+    runs, without = reports[variant], reports[("none", precision)]
+    if any("failed" in report for report in runs):
+        return f"{row} {runs[0].get('failed') or runs[-1].get('failed')} | | | | | | | |"
+    mib = 2 ** 20
+    memory = runs[0]["memory"]
+    peak, estimated = max(memory["peak_bytes"]), memory["estimated_bytes"]
+    activations = max(memory["forward_bytes"])
+    base = without[0]["memory"] if "memory" in without[0] else memory
+    steps = [report["step_ms"]["compiled"] for report in runs]
+    ratios = [report["step_ms"]["compiled"] / plain["step_ms"]["compiled"] for report, plain in zip(runs, without)
+              if "step_ms" in plain]
+    share = ""
+    if args.serial_share:
+        held = compile_text(text, os.path.join(folder, "plan.par")).program.memory()
+        share = f" {held['activations_per_rank'] / held['activations_total']:.2f} |"
+    return (f"{row} {peak / mib:.2f} MiB | {estimated / mib:.2f} MiB | {estimated / peak:.2f} | "
+            f"{activations / mib:.2f} MiB | {activations / max(base['forward_bytes']):.2f} | "
+            f"{statistics.median(steps):.1f} | {statistics.median(ratios) if ratios else float('nan'):.2f} | "
+            f"{'yes' if all(report['ok'] for report in runs) else 'NO'} |{share}")
 
 
 if __name__ == "__main__":
