@@ -140,13 +140,14 @@ def _row(name: str, variant: tuple, reports: dict, text: str, folder: str, args)
     policy, precision = variant
     row = f"| {name} | {policy} | {precision} |"
     runs, without = reports[variant], reports[("none", precision)]
-    if any("failed" in report for report in runs):
-        return f"{row} {runs[0].get('failed') or runs[-1].get('failed')} | | | | | | | |"
+    failed = [report["failed"] for report in runs if "failed" in report]
+    if failed:
+        return f"{row} {failed[0]} | | | | | | | |"
     mib = 2 ** 20
     memory = runs[0]["memory"]
     peak, estimated = max(memory["peak_bytes"]), memory["estimated_bytes"]
     activations = max(memory["forward_bytes"])
-    base = without[0]["memory"] if "memory" in without[0] else memory
+    base = without[0].get("memory")  # none where the plan without recomputation failed
     steps = [report["step_ms"]["compiled"] for report in runs]
     ratios = [report["step_ms"]["compiled"] / plain["step_ms"]["compiled"] for report, plain in zip(runs, without)
               if "step_ms" in plain]
@@ -155,7 +156,7 @@ def _row(name: str, variant: tuple, reports: dict, text: str, folder: str, args)
         held = compile_text(text, os.path.join(folder, "plan.par")).program.memory()
         share = f" {held['activations_per_rank'] / held['activations_total']:.2f} |"
     return (f"{row} {peak / mib:.2f} MiB | {estimated / mib:.2f} MiB | {estimated / peak:.2f} | "
-            f"{activations / mib:.2f} MiB | {activations / max(base['forward_bytes']):.2f} | "
+            f"{activations / mib:.2f} MiB | {activations / max(base['forward_bytes']) if base else float('nan'):.2f} | "
             f"{statistics.median(steps):.1f} | {statistics.median(ratios) if ratios else float('nan'):.2f} | "
             f"{'yes' if all(report['ok'] for report in runs) else 'NO'} |{share}")
 

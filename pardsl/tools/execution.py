@@ -469,8 +469,8 @@ def _sync(device: torch.device) -> None:
 
 def combine(results: list[dict], job: RankJob) -> dict:
     """One report from every rank's: worst errors over ranks; rank 0's counts and times."""
-    first = min(results, key=lambda r: r["rank"])
     by_rank = sorted(results, key=lambda r: r["rank"])
+    first = by_rank[0]
     output_err = max(r["max_abs_err"]["output"] for r in results)
     grad_err = max(r["max_abs_err"]["grad"] for r in results)
     relative = {k: max(r["max_rel_err"][k] for r in results) for k in ("output", "grad")}
