@@ -1,12 +1,15 @@
 """Activation recomputation (`recompute`): the program's regions, their collectives and memory, outputs and
 gradients bit-equal to the plan without it, and the mistakes a file can make."""
 
+import collections
 import functools
 import os
 import re
+import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pardsl.language.diagnostics import CompileError
 
@@ -157,15 +160,15 @@ def test_a_product_that_only_a_kept_collective_reads_is_made_once(compile_par):
     assert "rt.made_once(" not in full.source
 
 
-@pytest.mark.parametrize("conversion, collectives, made_once", [
-    ("rt.all_reduce", (("all_reduce", "forward"),), True),  # its result given back in the second run
-    ("rt.split", (), False),  # a local conversion, made again from the product: the product is needed
+@pytest.mark.parametrize("conversion, collectives, marked", [
+    ("rt.all_reduce", (("all_reduce", "forward"),), "rt.made_once"),  # its result given back in the second run
+    ("rt.split", (), "rt.kept"),  # a local conversion, made again from the product: the product is needed
 ])
-def test_a_product_is_made_once_only_where_nothing_backward_needs_depends_on_it(conversion, collectives, made_once):
+def test_a_product_is_made_once_only_where_nothing_backward_needs_depends_on_it(conversion, collectives, marked):
     """A product read only by a conversion whose result a later op keeps: made once where the conversion
-    communicates (its result is kept and given back), not where it is a local one, made again from it."""
+    communicates (its result is kept and given back), kept where it is a local one, made again from it."""
     from pardsl.model.saved_for_backward import Kept
-    from pardsl.passes.recompute import _made_once
+    from pardsl.passes.recompute import _selective
     from pardsl.program.ir import Collective, Instruction, Statement, Text, Var
 
     body = (
@@ -177,8 +180,57 @@ def test_a_product_is_made_once_only_where_nothing_backward_needs_depends_on_it(
     region = Statement("mul", Instruction("recompute", "rt.recompute", (Text("layer"), Text("'selective'"), Var("x"))),
                        "", body=body)
     kept = Kept(frozenset({"linear"}), frozenset({("mul", "linear")}), {}, frozenset())
-    callees = [statement.instruction.callee for statement in _made_once(region, kept).body]
-    assert (callees[0] == "rt.made_once") == made_once
+    callees = [statement.instruction.callee for statement in _selective(region, kept).body]
+    assert callees == [marked, conversion, "aten.mul.Tensor"]
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_selective_region_gives_its_kept_products_back_and_makes_the_rest_again():
+    """In one process, a region of a kept linear and two pointwise ops: under `selective` backward makes the
+    pointwise ops again but not the product (backward's own two products aside), under `full` all of them;
+    the gradients are serial's bits. A second backward, or a kept result changed in place, is refused."""
+    from pardsl.runtime.recompute import kept, recompute
+
+    aten = torch.ops.aten
+    rt = types.SimpleNamespace(region=None)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def layer(x, in_place=False):
+        h = kept(rt, aten.linear.default, x, w)
+        if in_place:
+            h.add_(1.0)
+        return aten.sin.default(aten.relu.default(h))
+
+    found = {}
+    for policy in (None, "full", "selective"):
+        w.grad = x.grad = None
+        with _OpCount() as count:
+            out = layer(x) if policy is None else recompute(rt, layer, policy, x)
+            out.sum().backward()
+        found[policy] = ({op: count.calls[op] for op in ("mm", "relu", "sin")}, x.grad.clone(), w.grad.clone())
+    assert found[None][0] == {"mm": 3, "relu": 1, "sin": 1}
+    assert found["full"][0] == {"mm": 4, "relu": 2, "sin": 2}
+    assert found["selective"][0] == {"mm": 3, "relu": 2, "sin": 2}
+    for policy in ("full", "selective"):
+        assert torch.equal(found[policy][1], found[None][1]) and torch.equal(found[policy][2], found[None][2])
+
+    out = recompute(rt, layer, "selective", x)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran a second time"):
+        out.sum().backward()
+    out = recompute(rt, functools.partial(layer, in_place=True), "selective", x)
+    with pytest.raises(RuntimeError, match="changed in place"):
+        out.sum().backward()
 
 
 def test_recomputed_layers_with_dropout_draw_serials_masks_again(pools, tmp_path):
@@ -241,6 +293,8 @@ def test_recomputed_zero3_layers_gather_their_group_again_and_stay_bit_equal(poo
         assert _bit_equal(plain[rank], again[rank]), f"rank {rank}"
         assert again[rank]["counts"] == plain[rank]["counts"]
     assert "rt.recompute(model_layers_0" in compiled.source
+    # under `selective` the layers' linears keep their products' results (rt.kept), given back in backward
+    assert ("= rt.kept(aten.linear.default, " in compiled.source) == (policy == "selective")
 
 
 def test_recomputation_lowers_the_measured_peak(pools, compile_par):

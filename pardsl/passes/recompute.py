@@ -7,9 +7,9 @@ same masks). In backward the region runs forward again to give autograd what it 
 its collectives are issued again: each forward collective of the region counts once more in backward.
 
 `recompute ... : selective` keeps what is costly to make again, as torchtitan's op-level policy does:
-the results of products with a weight, of fused attention (`torch.utils.checkpoint`'s selective
-contexts) and of the region's collectives (the runtime keeps each one's result in forward and gives it
-back when the region runs again, with no communication). The rest — norms, rotary embeddings,
+the results of products with a weight and of fused attention (each such statement marked `rt.kept`)
+and of the region's collectives: the runtime keeps each one's result in forward and gives it back when
+the region runs again, with no computation or communication. The rest — norms, rotary embeddings,
 activations, residual adds, and unfused attention's products of two activations with the softmax
 between them, which grow with the square of the sequence (Megatron's selective recomputation) — is
 made again. No collective is added. A product whose result nothing backward needs is not kept either
@@ -50,7 +50,7 @@ from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement
 # What a selective region keeps: the results of these statements (their calls), as well as every
 # collective's. The ATen ops `rt.recompute` keeps under `selective` are the same families (runtime).
 _COSTLY_CALLS = ("aten.linear.", "aten.mm.", "aten.addmm.", "aten.scaled_dot_product_attention.",
-                 "rt.column_parallel_linears", "rt.row_parallel_linear")
+                 "rt.column_parallel_linears")
 
 
 def recompute_layers(program: LoweredProgram, typed: TypedGraph,
@@ -77,7 +77,7 @@ def recompute_layers(program: LoweredProgram, typed: TypedGraph,
             continue
         region = _gathered_again(region, program, unit)
         if decl.policy == "selective":
-            region = _made_once(region, typed.bound.kept)
+            region = _selective(region, typed.bound.kept)
         statements.extend([region, *after, *program.statements[stop:end]])
         _count_kept(region, unit, decl.policy, program, values, typed, outputs)
         again.update(statement.node for statement in region.body if statement.node and
@@ -236,14 +236,16 @@ def _region(body: list[Statement], later: list[Statement], outputs: set[str], un
     return region, after
 
 
-def _made_once(region: Statement, kept) -> Statement:
-    """The selective region with each product (a linear, a matrix product) that nothing backward needs made
-    once: `rt.made_once`, neither kept nor made again. Backward needs what an op of the region keeps (an
-    operand, its own result) and, of a value the second run makes, what makes it; a kept result (a costly
-    op's, a collective's given back) needs nothing of what it is made from."""
+def _selective(region: Statement, kept) -> Statement:
+    """The selective region with each product (a linear, a matrix product, attention) marked: `rt.kept`, its
+    products' results kept for backward and given back when the region runs again, or, where nothing
+    backward needs its result, `rt.made_once`: neither kept nor made again. The runtime's column-parallel
+    linears keep their products themselves, unmarked. Backward needs what an op of
+    the region keeps (an operand, its own result) and, of a value the second run makes, what makes it; a
+    kept result (a costly op's, a collective's given back) needs nothing of what it is made from."""
     keepers = {op for op, _ in kept.reads}
     needed: set[str] = set()
-    once: set[int] = set()
+    marked: dict[int, str] = {}
     for index in reversed(range(len(region.body))):
         statement = region.body[index]
         if _communicates(statement):
@@ -251,17 +253,17 @@ def _made_once(region: Statement, kept) -> Statement:
         keeps_operands, keeps_result = _keeps(statement, kept, keepers)
         result_needed = keeps_result or bool(needed & set(statement.targets))
         product = statement.instruction.kind != "convert" and _costly(statement)  # its result kept, not made again
-        if product and not result_needed:  # the runtime's own calls keep their results: never here
-            once.add(index)
+        if product and statement.instruction.callee.startswith("aten."):  # the runtime's calls keep their own
+            marked[index] = "rt.kept" if result_needed else "rt.made_once"
         if keeps_operands or (result_needed and not product):
             needed.update(statement.instruction.reads())
-    if not once:
-        return region
+    suffix = {"rt.kept": "its products' results kept for backward",
+              "rt.made_once": "made once: backward needs nothing of it"}
     body = tuple(dataclasses.replace(
-        statement, comment=f"{statement.comment} — made once: backward needs nothing of it",
-        instruction=Instruction(statement.instruction.kind, "rt.made_once",
+        statement, comment=f"{statement.comment} — {suffix[marked[index]]}",
+        instruction=Instruction(statement.instruction.kind, marked[index],
                                 (Text(statement.instruction.callee), *statement.instruction.args),
-                                statement.instruction.kwargs)) if index in once else statement
+                                statement.instruction.kwargs)) if index in marked else statement
         for index, statement in enumerate(region.body))
     return dataclasses.replace(region, body=body)
 
@@ -338,7 +340,8 @@ def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgr
 
 def _costly(statement: Statement) -> bool:
     """Whether a selective region keeps what the statement makes: a collective, a matrix product, attention."""
-    return statement.instruction.kind == "convert" or statement.instruction.callee.startswith(_COSTLY_CALLS)
+    return statement.instruction.kind == "convert" or statement.instruction.callee == "rt.kept" or \
+        statement.instruction.callee.startswith(_COSTLY_CALLS)
 
 
 def _made(program: LoweredProgram, name: str) -> Statement | None:

@@ -54,7 +54,7 @@ from pardsl.runtime.parallel_ops import (
 )
 from pardsl.runtime.experts import experts_exchanged, experts_local
 from pardsl.runtime.parameter_sync import ParameterSync
-from pardsl.runtime.recompute import RegionCollectives, made_once, recompute
+from pardsl.runtime.recompute import RegionRun, kept, made_once, recompute
 from pardsl.runtime.ring_attention import RingAttention
 from pardsl.runtime.shared_memory import shared_memory_group
 
@@ -110,7 +110,7 @@ class Runtime:
         self.size = dict(zip(mesh.axis_names, mesh.axis_sizes))
         self.by_all_to_all = False  # collectives_by_all_to_all
         self.shared: dict[str, object] = {}  # per axis, its shared-memory transport where it has one
-        self.region: RegionCollectives | None = None  # the recomputed region running (runtime/recompute.py)
+        self.region: RegionRun | None = None  # the recomputed region running (runtime/recompute.py)
         self.group_names: dict[str, str] = {}  # per axis, its group's name, as functional collectives take it
         # where a compiled piece's collectives are logged while it runs on fake tensors (runtime/pieces.py)
         self.piece_log: list[tuple] | None = None
@@ -139,6 +139,11 @@ class Runtime:
         """`region(*arguments)`, a submodule's statements, its activations made again in backward rather
         than kept (`policy`: "full" or "selective"; pardsl/runtime/recompute.py)."""
         return recompute(self, region, policy, *arguments)
+
+    def kept(self, op, *args, **kwargs):
+        """`op(*args, **kwargs)`, a statement of a selective region whose matrix products' results are kept
+        for backward and given back when the region runs again (pardsl/runtime/recompute.py)."""
+        return kept(self, op, *args, **kwargs)
 
     def made_once(self, op, *args):
         """`op(*args)`, a product in a selective region that backward needs nothing of: not kept, and a

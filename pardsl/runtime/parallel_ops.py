@@ -53,7 +53,13 @@ class ColumnParallelLinears(torch.autograd.Function):
         if gather_dim is not None:
             x = rt._all_gather(x, axes[0], gather_dim, "forward", *arrangement)
         ctx.save_for_backward(x, *weights)
-        return tuple(projection.compute(x, w, b) for w, b in zip(weights, biases))
+        region = rt.region  # a selective recomputed region keeps the products (pardsl/runtime/recompute.py)
+        if region is not None and region.mode == "replay":
+            return region.product_given_back(ColumnParallelLinears)
+        products = tuple(projection.compute(x, w, b) for w, b in zip(weights, biases))
+        if region is not None and region.mode == "keep":
+            region.keep_product(ColumnParallelLinears, products)
+        return products
 
     @staticmethod
     def backward(ctx, *grads):

@@ -134,15 +134,12 @@ class ParameterSync:
 
     def _gathered(self, group: int, item: int) -> torch.Tensor:
         region = self.rt.region
-        if region is None:
+        if region is None or region.mode == "keep":
             return self._taken(group, item)
-        with region.unseen():
-            if region.mode == "keep":
-                return self._taken(group, item)
-            # a recomputed layer's forward run again in backward: its group gathered again there, as a
-            # resharded group's is for backward, and nothing of the forward's prefetching touched
-            self._gathered_again(group)
-            return self._regathered[2][item]
+        # a recomputed layer's forward run again in backward: its group gathered again there, as a
+        # resharded group's is for backward, and nothing of the forward's prefetching touched
+        self._gathered_again(group)
+        return self._regathered[2][item]
 
     def _taken(self, group: int, item: int) -> torch.Tensor:
         if item == 0 or self._current is None or self._current[0] != group:  # the forward takes items in order
