@@ -160,6 +160,18 @@ def test_a_product_that_only_a_kept_collective_reads_is_made_once(compile_par):
     assert "rt.made_once(" not in full.source
 
 
+def test_a_selective_region_keeps_collectives_results_but_makes_local_conversions_again(compile_par):
+    """Hugging Face's LLaMA on tp 2: in a selective region the residual sum's all-reduce results are kept and
+    given back; the residual's local conversion to a partial sum (B→P: the value on one rank, zeros on the
+    other) is made again like any cheap op, so the estimate does not count it as kept."""
+    compiled = compile_par(recomputed(HF_LLAMA_TP2, "recompute model.model.layers.* : selective"))
+    inside = re.findall(r"^ {12}(\w+) = rt\.(all_reduce|to_partial)\(", compiled.source, re.M)
+    assert {kind for _, kind in inside} == {"all_reduce", "to_partial"}
+    held = {name for name, *_ in compiled.program.held_for_backward()}
+    assert {name for name, kind in inside if kind == "all_reduce"} <= held
+    assert not {name for name, kind in inside if kind == "to_partial"} & held
+
+
 @pytest.mark.parametrize("conversion, collectives, marked", [
     ("rt.all_reduce", (("all_reduce", "forward"),), "rt.made_once"),  # its result given back in the second run
     ("rt.split", (), "rt.kept"),  # a local conversion, made again from the product: the product is needed

@@ -80,7 +80,10 @@ def recompute_layers(program: LoweredProgram, typed: TypedGraph,
             region = _selective(region, typed.bound.kept)
         statements.extend([region, *after, *program.statements[stop:end]])
         _count_kept(region, unit, decl.policy, program, values, typed, outputs)
+        # the ops made again, whose forward compute backward adds (a conversion's node is the op it serves,
+        # which its own statement decides)
         again.update(statement.node for statement in region.body if statement.node and
+                     statement.instruction.kind != "convert" and
                      not (decl.policy == "selective" and (_costly(statement) or _is_made_once(statement))))
     return dataclasses.replace(program, statements=statements, values=values, recomputed_ops=frozenset(again))
 
@@ -317,8 +320,8 @@ def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgr
         elif (made := _made(program, name)) is not None and made.node in values and made.layouts:
             held_copy(name, made)
     if policy == "selective":  # every collective's result is kept, whether or not autograd would keep it
-        for statement in region.body:
-            if statement.instruction.kind == "convert" and statement.node in values and statement.layouts:
+        for statement in region.body:  # (a local conversion, a slice or a cast, is made again like any cheap op)
+            if _communicates(statement) and statement.node in values and statement.layouts:
                 for name in statement.targets:
                     if name not in values:
                         held_copy(name, statement)
@@ -339,8 +342,9 @@ def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgr
 
 
 def _costly(statement: Statement) -> bool:
-    """Whether a selective region keeps what the statement makes: a collective, a matrix product, attention."""
-    return statement.instruction.kind == "convert" or statement.instruction.callee == "rt.kept" or \
+    """Whether a selective region keeps what the statement makes: a forward collective, a matrix product,
+    attention."""
+    return _communicates(statement) or statement.instruction.callee == "rt.kept" or \
         statement.instruction.callee.startswith(_COSTLY_CALLS)
 
 
