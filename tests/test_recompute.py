@@ -46,7 +46,9 @@ def _steps(path: str, inputs: dict, steps: int = 2) -> dict:
         outputs.append([t.detach().clone() for t in flat])
         gradients.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
         model.zero_grad(set_to_none=True)
-    return {"outputs": outputs, "gradients": gradients, "counts": model.rt.counter.summary()["collectives"]}
+    summary = model.rt.counter.summary()
+    return {"outputs": outputs, "gradients": gradients, "counts": summary["collectives"],
+            "by_axis": summary["collectives_by_axis"]}
 
 
 def _bit_equal(a: dict, b: dict) -> bool:
@@ -167,7 +169,7 @@ def test_a_selective_region_keeps_collectives_results_but_makes_local_conversion
     compiled = compile_par(recomputed(HF_LLAMA_TP2, "recompute model.model.layers.* : selective"))
     inside = re.findall(r"^ {12}(\w+) = rt\.(all_reduce|to_partial)\(", compiled.source, re.M)
     assert {kind for _, kind in inside} == {"all_reduce", "to_partial"}
-    held = {name for name, *_ in compiled.program.held_for_backward()}
+    held = {name for name, _, _, again in compiled.program.held_for_backward() if not again}
     assert {name for name, kind in inside if kind == "all_reduce"} <= held
     assert not {name for name, kind in inside if kind == "to_partial"} & held
 
@@ -307,6 +309,31 @@ def test_recomputed_zero3_layers_gather_their_group_again_and_stay_bit_equal(poo
     assert "rt.recompute(model_layers_0" in compiled.source
     # under `selective` the layers' linears keep their products' results (rt.kept), given back in backward
     assert ("= rt.kept(aten.linear.default, " in compiled.source) == (policy == "selective")
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recomputed_ring_attention_stays_bit_equal_and_passes_its_chunks_again_only_under_full(pools, tmp_path,
+                                                                                              policy):
+    """A LLaMA whose sequence is split over cp 2 (ring attention: the key/value chunks passed around the
+    ranks): under `full` a layer's ring runs again in backward, its sends issued again; under `selective`
+    its result is kept and given back, so backward sends no more than without recomputation. Outputs and
+    gradients are bit-equal either way."""
+    text = ('mesh cp = 2\nmodel examples.hf_models:HFLlama(layers=2, attention="sdpa")\n'
+            "input input_ids : int64[1, 512] in [0, 256)\nmemory <= 60 %\nlayout {\n    input_ids : S(1)\n}\n")
+    ids = torch.randint(0, 256, (1, 512), generator=torch.Generator().manual_seed(4))
+    line = "recompute model.model.layers.*" + ("" if policy == "full" else " : selective")
+    (plain, again), compiled_plain, compiled = _compare(pools, tmp_path, text, (line,), {"input_ids": ids}, 2)
+    assert compiled.source.count("= rt.attention(") == 2 and "ring=('cp',)" in compiled.source
+    held = {name for name, _, _, again in compiled.program.held_for_backward() if not again}
+    attended = set(re.findall(r"(\w+) = rt\.attention\(", compiled.source))
+    assert (attended <= held) == (policy == "selective")  # kept under `selective`, made again under `full`
+    extra = 2 if policy == "full" else 0  # a send a layer, its keys and values, in each step's backward
+    before = compiled_plain.program.collective_counts_by_axis()
+    assert compiled.program.collective_counts_by_axis()["backward"]["cp:send"] == before["backward"]["cp:send"] + extra
+    for rank in range(2):
+        assert _bit_equal(plain[rank], again[rank]), f"rank {rank}"
+        assert again[rank]["by_axis"]["forward"] == plain[rank]["by_axis"]["forward"]
+        assert again[rank]["by_axis"]["backward"]["cp:send"] == plain[rank]["by_axis"]["backward"]["cp:send"] + 2 * extra
 
 
 def test_recomputation_lowers_the_measured_peak(pools, compile_par):

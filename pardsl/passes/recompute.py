@@ -50,7 +50,7 @@ from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement
 # What a selective region keeps: the results of these statements (their calls), as well as every
 # collective's. The ATen ops `rt.recompute` keeps under `selective` are the same families (runtime).
 _COSTLY_CALLS = ("aten.linear.", "aten.mm.", "aten.addmm.", "aten.scaled_dot_product_attention.",
-                 "rt.column_parallel_linears")
+                 "rt.column_parallel_linears", "rt.attention")
 
 
 def recompute_layers(program: LoweredProgram, typed: TypedGraph,
@@ -243,7 +243,7 @@ def _selective(region: Statement, kept) -> Statement:
     """The selective region with each product (a linear, a matrix product, attention) marked: `rt.kept`, its
     products' results kept for backward and given back when the region runs again, or, where nothing
     backward needs its result, `rt.made_once`: neither kept nor made again. The runtime's column-parallel
-    linears keep their products themselves, unmarked. Backward needs what an op of
+    linears and attention keep their results themselves, unmarked. Backward needs what an op of
     the region keeps (an operand, its own result) and, of a value the second run makes, what makes it; a
     kept result (a costly op's, a collective's given back) needs nothing of what it is made from."""
     keepers = {op for op, _ in kept.reads}

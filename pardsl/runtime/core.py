@@ -345,9 +345,9 @@ class Runtime:
         over `ring` axes (queries, keys and values alike, a mask's query rows too), ring attention
         (runtime/ring_attention.py): the key/value chunks passed around; `ring_zigzag`: the sequence split
         zig-zag over that axis, which evens the ranks' work under a causal mask."""
-        if not ring and not ring_zigzag:
-            return torch.ops.aten.scaled_dot_product_attention.default(
-                q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if not ring and not ring_zigzag:  # in a selective recomputed region, its result kept
+            return kept(self, torch.ops.aten.scaled_dot_product_attention.default,
+                        q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         return RingAttention.apply(q, k, v, attn_mask, bool(is_causal),
                                    scale if scale is not None else q.shape[-1] ** -0.5, self, ring or ring_zigzag,
                                    bool(ring_zigzag))

@@ -9,8 +9,9 @@ it issues again are the same on every rank and as many as the plan counts.
 Under `selective`, the statements whose results are costly to make again — linear layers, fused
 attention — run inside `rt.kept`: their matrix products' results are kept in the region's first run and
 given back in its second, in order, where autograd records the same ops and keeps what they read as in
-the first run. The runtime's column-parallel linears keep and give back their products themselves, and
-every forward collective of the region is kept and given back the same way, without communicating. What runs again is the cheap rest, with no dispatch mode around it: only the few ATen ops
+the first run. The runtime's column-parallel linears keep and give back their products themselves, ring
+attention its result (its key/value chunks are not passed around again), and every forward collective
+of the region is kept and given back the same way, without communicating. What runs again is the cheap rest, with no dispatch mode around it: only the few ATen ops
 of the kept statements pass through Python, where torch's selective checkpoint contexts would take every
 op of the region through it, twice.
 
@@ -120,6 +121,21 @@ def kept(rt, op, *args, **kwargs):
         return op(*args, **kwargs)
     with _ProductsKept(region):
         return op(*args, **kwargs)
+
+
+def kept_by_itself(rt, made_by, make):
+    """`make()`, a runtime op that keeps its own result in a selective region (ring attention): in the
+    region's first run made, its collectives issued as outside any region (the second run does not make it
+    again, so they are not kept), and the result kept; in the second, given back. Elsewhere made as usual."""
+    region = rt.region
+    if region is None or region.mode not in ("keep", "replay"):
+        return make()
+    if region.mode == "replay":
+        return region.product_given_back(made_by)
+    with _running(rt, None):
+        result = make()
+    region.keep_product(made_by, result)
+    return result
 
 
 class _ProductsKept(TorchDispatchMode):

@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from pardsl.runtime.recompute import kept_by_itself
+
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal_diagonal: bool,
             mask: torch.Tensor | None) -> torch.Tensor:
@@ -157,34 +159,45 @@ def _row_values(x: torch.Tensor, piece: int, count: int) -> torch.Tensor:
     return x.narrow(-1, piece * rows, rows)
 
 
+def _attended(q, k, v, mask, causal: bool, scale: float, rt, axes, zigzag: bool, hidden) -> tuple:
+    """Ring attention's forward on this rank's queries: (out, its rows' log-sum-exp), the key/value chunks
+    passed once around the ring."""
+    ranks, chunk = math.prod(rt.size[a] for a in axes), rt._chunk(axes)
+    groups = q.shape[-3] // k.shape[-3]
+    own = pieces(chunk, ranks, zigzag)
+    count = len(own)
+    width = k.shape[-2] // count  # keys per piece
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    held = torch.cat([k, v], dim=-1)  # one message a step
+    fused = q.device.type == "cpu"
+    for step in range(ranks):
+        source = (chunk - step) % ranks  # the keys held came from the rank `step` places before
+        keys = pieces(source, ranks, zigzag)
+        for i, j, diagonal in block_plan(own, keys, causal, hidden):
+            kh, vh = _rows(held, j, count).split([k.shape[-1], v.shape[-1]], dim=-1)
+            block, block_lse = _block(_rows(q, i, count), _expanded(kh, groups), _expanded(vh, groups), scale,
+                                      diagonal, _part(mask, i, count, keys[j], width), fused)
+            rows_out, rows_lse = _rows(out, i, count), _row_values(lse, i, count)
+            merged = torch.logaddexp(rows_lse, block_lse)
+            rows_out.copy_(rows_out * torch.exp(rows_lse - _finite(merged)).unsqueeze(-1) +
+                           block * torch.exp(block_lse - _finite(merged)).unsqueeze(-1))
+            rows_lse.copy_(merged)
+        if step < ranks - 1:
+            held = rt.ring_shift(held, axes, "forward")
+    return out.to(q.dtype), lse
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, scale, rt, axes, zigzag):
-        ranks, chunk = math.prod(rt.size[a] for a in axes), rt._chunk(axes)
-        groups = q.shape[-3] // k.shape[-3]
-        own = pieces(chunk, ranks, zigzag)
-        count, all_pieces = len(own), len(own) * ranks
-        width = k.shape[-2] // count  # keys per piece
-        hidden = _hidden(mask, count, all_pieces)
-        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        held = torch.cat([k, v], dim=-1)  # one message a step
-        fused = q.device.type == "cpu"
-        for step in range(ranks):
-            source = (chunk - step) % ranks  # the keys held came from the rank `step` places before
-            keys = pieces(source, ranks, zigzag)
-            for i, j, diagonal in block_plan(own, keys, causal, hidden):
-                kh, vh = _rows(held, j, count).split([k.shape[-1], v.shape[-1]], dim=-1)
-                block, block_lse = _block(_rows(q, i, count), _expanded(kh, groups), _expanded(vh, groups), scale,
-                                          diagonal, _part(mask, i, count, keys[j], width), fused)
-                rows_out, rows_lse = _rows(out, i, count), _row_values(lse, i, count)
-                merged = torch.logaddexp(rows_lse, block_lse)
-                rows_out.copy_(rows_out * torch.exp(rows_lse - _finite(merged)).unsqueeze(-1) +
-                               block * torch.exp(block_lse - _finite(merged)).unsqueeze(-1))
-                rows_lse.copy_(merged)
-            if step < ranks - 1:
-                held = rt.ring_shift(held, axes, "forward")
-        out = out.to(q.dtype)
+        ranks = math.prod(rt.size[a] for a in axes)
+        count = len(pieces(rt._chunk(axes), ranks, zigzag))  # this rank's pieces of the sequence
+        hidden = _hidden(mask, count, count * ranks)
+        # in a selective recomputed region, kept from the first run and given back in the second: the ring
+        # is neither computed nor passed around again (pardsl/runtime/recompute.py)
+        out, lse = kept_by_itself(rt, RingAttention, lambda: _attended(q, k, v, mask, causal, scale, rt, axes, zigzag,
+                                                                        hidden))
         ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
         ctx.causal, ctx.scale, ctx.rt, ctx.axes, ctx.zigzag, ctx.hidden = causal, scale, rt, axes, zigzag, hidden
         return out
