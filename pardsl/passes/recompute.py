@@ -47,8 +47,9 @@ from pardsl.planning.descent import CompletedPlan
 from pardsl.planning.inference import TypedGraph
 from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement, Text, Var, format_bytes
 
-# What a selective region keeps: the results of these statements (their calls), as well as every
-# collective's. The ATen ops `rt.recompute` keeps under `selective` are the same families (runtime).
+# What a selective region keeps: the results of these statements (their calls), as well as every forward
+# collective's. An ATen statement among them is marked `rt.kept`, the runtime's calls keep their own
+# (pardsl/runtime/recompute.py).
 _COSTLY_CALLS = ("aten.linear.", "aten.mm.", "aten.addmm.", "aten.scaled_dot_product_attention.",
                  "rt.column_parallel_linears", "rt.attention")
 

@@ -11,9 +11,9 @@ attention — run inside `rt.kept`: their matrix products' results are kept in t
 given back in its second, in order, where autograd records the same ops and keeps what they read as in
 the first run. The runtime's column-parallel linears keep and give back their products themselves, ring
 attention its result (its key/value chunks are not passed around again), and every forward collective
-of the region is kept and given back the same way, without communicating. What runs again is the cheap rest, with no dispatch mode around it: only the few ATen ops
-of the kept statements pass through Python, where torch's selective checkpoint contexts would take every
-op of the region through it, twice.
+of the region is kept and given back the same way, without communicating. What runs again is the cheap
+rest, with no dispatch mode around it: only the few ATen ops of the kept statements pass through Python,
+where torch's selective checkpoint contexts would take every op of the region through it, twice.
 
 A product whose result nothing backward needs (`rt.made_once`: a row-parallel linear's partial sums, which
 only its all-reduce reads, and that result is kept) is neither kept nor made again: the second run gets
