@@ -72,8 +72,9 @@ def test_recomputed_layers_give_bit_equal_outputs_and_gradients_and_the_planned_
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     line = "recompute layers.*" + ("" if policy == "full" else " : selective")
     (plain, again), compiled_plain, compiled = _compare(pools, tmp_path, LLAMA_TP2, (line,), {"input_ids": ids}, 2)
-    # under `selective`, each layer's output and down projections are made once (a stand-in in backward)
-    assert compiled.source.count("= rt.made_once(") == (4 if policy == "selective" else 0)
+    # each layer's down projection is made once (a stand-in in backward); under `selective` its output
+    # projection too, whose all-reduce's result is kept
+    assert compiled.source.count("= rt.made_once(") == (4 if policy == "selective" else 2)
     for rank in range(2):
         assert _bit_equal(plain[rank], again[rank]), f"rank {rank}"
     planned = compiled.program.collective_counts()
@@ -149,7 +150,7 @@ def test_a_product_that_only_a_kept_collective_reads_is_made_once(compile_par):
     """Megatron's layers, the residual stream summed partially over tp: the output and down projections'
     partial sums are read only by the all-reduce, whose result `selective` keeps, and by residual adds that
     keep nothing. So they are neither kept nor made again: `rt.made_once`. The column-parallel products,
-    which attention and the MLP keep or read, are kept; full recomputation has no such statement."""
+    which attention and the MLP keep or read, are kept; full recomputation makes the down projection once."""
     compiled = compile_par(recomputed(LLAMA_TP2, "recompute layers.* : selective"))
     once = re.findall(r"(\w+) = rt\.made_once\(aten\.linear\.default, \w+, self\.(\w+)\)", compiled.source)
     assert [weight for _, weight in once] == [f"layers_{layer}_{projection}_weight" for layer in (0, 1)
@@ -158,8 +159,10 @@ def test_a_product_that_only_a_kept_collective_reads_is_made_once(compile_par):
     held = {name for name, *_ in compiled.program.held_for_backward()}
     assert not held & {name for name, _ in once}
     assert {"linear", "linear_1", "linear_2", "linear_4", "linear_5"} <= held  # the column-parallel products
+    # under `full` the all-reduce is issued again and reads the output projection: only the down projection
     full = compile_par(recomputed(LLAMA_TP2, "recompute layers.*"), "full.par")
-    assert "rt.made_once(" not in full.source
+    once = re.findall(r"(\w+) = rt\.made_once\(aten\.linear\.default, \w+, self\.(\w+)\)", full.source)
+    assert [weight for _, weight in once] == [f"layers_{layer}_mlp_down_proj_weight" for layer in (0, 1)]
 
 
 def test_a_selective_region_keeps_collectives_results_but_makes_local_conversions_again(compile_par):
@@ -174,15 +177,18 @@ def test_a_selective_region_keeps_collectives_results_but_makes_local_conversion
     assert not {name for name, kind in inside if kind == "to_partial"} & held
 
 
-@pytest.mark.parametrize("conversion, collectives, marked", [
-    ("rt.all_reduce", (("all_reduce", "forward"),), "rt.made_once"),  # its result given back in the second run
-    ("rt.split", (), "rt.kept"),  # a local conversion, made again from the product: the product is needed
+@pytest.mark.parametrize("policy, conversion, collectives, marked", [
+    ("selective", "rt.all_reduce", (("all_reduce", "forward"),), "rt.made_once"),  # its result given back
+    ("selective", "rt.split", (), "rt.kept"),  # a local conversion, made again from the product: it is needed
+    ("full", "rt.all_reduce", (("all_reduce", "forward"),), "aten.linear.default"),  # issued again: needed
 ])
-def test_a_product_is_made_once_only_where_nothing_backward_needs_depends_on_it(conversion, collectives, marked):
-    """A product read only by a conversion whose result a later op keeps: made once where the conversion
-    communicates (its result is kept and given back), kept where it is a local one, made again from it."""
+def test_a_product_is_made_once_only_where_nothing_backward_needs_depends_on_it(policy, conversion, collectives,
+                                                                               marked):
+    """A product read only by a conversion whose result a later op keeps: under `selective` made once where
+    the conversion communicates (its result is kept and given back), kept where it is a local one, made
+    again from it; under `full` the collective is issued again from it, so it is made again."""
     from pardsl.model.saved_for_backward import Kept
-    from pardsl.passes.recompute import _selective
+    from pardsl.passes.recompute import _marked
     from pardsl.program.ir import Collective, Instruction, Statement, Text, Var
 
     body = (
@@ -194,7 +200,7 @@ def test_a_product_is_made_once_only_where_nothing_backward_needs_depends_on_it(
     region = Statement("mul", Instruction("recompute", "rt.recompute", (Text("layer"), Text("'selective'"), Var("x"))),
                        "", body=body)
     kept = Kept(frozenset({"linear"}), frozenset({("mul", "linear")}), {}, frozenset())
-    callees = [statement.instruction.callee for statement in _selective(region, kept).body]
+    callees = [statement.instruction.callee for statement in _marked(region, kept, policy).body]
     assert callees == [marked, conversion, "aten.mul.Tensor"]
 
 

@@ -5,6 +5,9 @@ of the layer become one region, rendered as a local function that `rt.recompute`
 `torch.utils.checkpoint` (non-reentrant, the RNG state of its start restored, so dropout draws the
 same masks). In backward the region runs forward again to give autograd what it would have kept, and
 its collectives are issued again: each forward collective of the region counts once more in backward.
+A product whose result nothing backward needs is not made again (`rt.made_once`: a stand-in of its
+shape in the second run): a layer's down projection feeds only the residual add that ends it, which
+keeps nothing, and its input, which autograd keeps for the weight's gradient, is made again all the same.
 
 `recompute ... : selective` keeps what is costly to make again, as torchtitan's op-level policy does:
 the results of products with a weight and of fused attention (each such statement marked `rt.kept`)
@@ -12,11 +15,10 @@ and of the region's collectives: the runtime keeps each one's result in forward 
 the region runs again, with no computation or communication. The rest — norms, rotary embeddings,
 activations, residual adds, and unfused attention's products of two activations with the softmax
 between them, which grow with the square of the sequence (Megatron's selective recomputation) — is
-made again. No collective is added. A product whose result nothing backward needs is not kept either
-(`rt.made_once`): a layer's down projection feeds only the residual add that ends it, which saves
-nothing; with the residual stream summed partially over tensor parallelism, the attention's output
-projection feeds only that sum's all-reduce, whose result is kept, and a residual add. When the region
-runs again such a product gets a stand-in.
+made again. No collective is added. A product whose result nothing backward needs is neither kept nor
+made again (`rt.made_once`), as under `full`; with the residual stream summed partially over tensor
+parallelism, the attention's output projection is such a product too: it feeds only that sum's
+all-reduce, whose result is kept, and a residual add.
 
 A layer whose parameters are gathered before use (ZeRO-3) gathers its group again for its second run,
 as a resharded group is gathered again for backward: where the group is resharded anyway that is the
@@ -77,15 +79,14 @@ def recompute_layers(program: LoweredProgram, typed: TypedGraph,
             statements.extend(program.statements[start:end])
             continue
         region = _gathered_again(region, program, unit)
-        if decl.policy == "selective":
-            region = _selective(region, typed.bound.kept)
+        region = _marked(region, typed.bound.kept, decl.policy)
         statements.extend([region, *after, *program.statements[stop:end]])
         _count_kept(region, unit, decl.policy, program, values, typed, outputs)
         # the ops made again, whose forward compute backward adds (a conversion's node is the op it serves,
         # which its own statement decides)
         again.update(statement.node for statement in region.body if statement.node and
                      statement.instruction.kind != "convert" and
-                     not (decl.policy == "selective" and (_costly(statement) or _is_made_once(statement))))
+                     not _is_made_once(statement) and not (decl.policy == "selective" and _costly(statement)))
     return dataclasses.replace(program, statements=statements, values=values, recomputed_ops=frozenset(again))
 
 
@@ -240,27 +241,33 @@ def _region(body: list[Statement], later: list[Statement], outputs: set[str], un
     return region, after
 
 
-def _selective(region: Statement, kept) -> Statement:
-    """The selective region with each product (a linear, a matrix product, attention) marked: `rt.kept`, its
-    products' results kept for backward and given back when the region runs again, or, where nothing
-    backward needs its result, `rt.made_once`: neither kept nor made again. The runtime's column-parallel
-    linears and attention keep their results themselves, unmarked. Backward needs what an op of
-    the region keeps (an operand, its own result) and, of a value the second run makes, what makes it; a
-    kept result (a costly op's, a collective's given back) needs nothing of what it is made from."""
+def _marked(region: Statement, kept, policy: str) -> Statement:
+    """The region with each product (a linear, a matrix product, attention) whose result nothing backward
+    needs marked `rt.made_once`: made in forward, a stand-in of its shape when the region runs again (in
+    any layer the down projection, which only the residual add after the region reads). Under `selective`
+    every other product is marked `rt.kept`: its products' results kept for backward and given back when
+    the region runs again (the runtime's column-parallel linears and attention keep theirs themselves,
+    unmarked). Backward needs what an op of the region keeps (an operand, its own result) and, of a value
+    the second run makes, what makes it; under `selective` a kept result (a costly op's, a collective's
+    given back) needs nothing of what it is made from."""
+    selective = policy == "selective"
     keepers = {op for op, _ in kept.reads}
     needed: set[str] = set()
     marked: dict[int, str] = {}
     for index in reversed(range(len(region.body))):
         statement = region.body[index]
-        if _communicates(statement):
+        if selective and _communicates(statement):
             continue
         keeps_operands, keeps_result = _keeps(statement, kept, keepers)
         result_needed = keeps_result or bool(needed & set(statement.targets))
-        product = statement.instruction.kind != "convert" and _costly(statement)  # its result kept, not made again
-        if product and statement.instruction.callee.startswith("aten."):  # the runtime's calls keep their own
+        product = statement.instruction.kind != "convert" and _costly(statement)
+        if product and statement.instruction.callee.startswith("aten.") and (selective or not result_needed):
             marked[index] = "rt.kept" if result_needed else "rt.made_once"
-        if keeps_operands or (result_needed and not product):
+        given_back = product and selective  # its result kept: what makes it is not made again
+        if keeps_operands or (result_needed and not given_back):
             needed.update(statement.instruction.reads())
+    if not marked:
+        return region
     suffix = {"rt.kept": "its products' results kept for backward",
               "rt.made_once": "made once: backward needs nothing of it"}
     body = tuple(dataclasses.replace(

@@ -171,11 +171,11 @@ def _versions(result) -> tuple[int, ...]:
 
 
 def made_once(rt, op, *args):
-    """`op(*args)`, a product of a selective region whose result nothing backward needs (the compiler proves
+    """`op(*args)`, a product of a recomputed region whose result nothing backward needs (the compiler proves
     it: pardsl/passes/recompute.py): in the region's first run, made and not kept; in its second, a
-    stand-in. Elsewhere, and in a full region, made as usual."""
+    stand-in. Elsewhere made as usual."""
     region = rt.region
-    if region is not None and region.mode == "replay":
+    if region is not None and region.mode in ("replay", "again"):
         with _StandIns():
             return op(*args)
     return op(*args)
