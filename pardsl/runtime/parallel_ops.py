@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pardsl.runtime import kernels
+from pardsl.runtime.recompute import kept_by_itself
 
 
 def targets_counted(target: torch.Tensor, ignore_index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -53,13 +54,10 @@ class ColumnParallelLinears(torch.autograd.Function):
         if gather_dim is not None:
             x = rt._all_gather(x, axes[0], gather_dim, "forward", *arrangement)
         ctx.save_for_backward(x, *weights)
-        region = rt.region  # a selective recomputed region keeps the products (pardsl/runtime/recompute.py)
-        if region is not None and region.mode == "replay":
-            return region.product_given_back(ColumnParallelLinears)
-        products = tuple(projection.compute(x, w, b) for w, b in zip(weights, biases))
-        if region is not None and region.mode == "keep":
-            region.keep_product(ColumnParallelLinears, products)
-        return products
+        # in a selective recomputed region, kept from the first run and given back in the second
+        # (pardsl/runtime/recompute.py); x is saved for backward in both runs
+        return kept_by_itself(rt, ColumnParallelLinears,
+                              lambda: tuple(projection.compute(x, w, b) for w, b in zip(weights, biases)))
 
     @staticmethod
     def backward(ctx, *grads):

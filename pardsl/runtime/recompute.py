@@ -124,9 +124,10 @@ def kept(rt, op, *args, **kwargs):
 
 
 def kept_by_itself(rt, made_by, make):
-    """`make()`, a runtime op that keeps its own result in a selective region (ring attention): in the
-    region's first run made, its collectives issued as outside any region (the second run does not make it
-    again, so they are not kept), and the result kept; in the second, given back. Elsewhere made as usual."""
+    """`make()`, a runtime op that keeps its own result in a selective region (column-parallel linears'
+    products, ring attention): in the region's first run made, its collectives issued as outside any region
+    (the second run does not make it again, so they are not kept), and the result kept; in the second,
+    given back. Elsewhere made as usual."""
     region = rt.region
     if region is None or region.mode not in ("keep", "replay"):
         return make()
