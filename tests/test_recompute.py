@@ -133,11 +133,17 @@ def test_under_a_precision_policy_a_recomputed_layer_is_one_region_with_its_cast
 
 def test_selective_recomputation_makes_unfused_attention_again(compile_par):
     """Attention in its reference form (two batched products with a softmax between them, a sequence² per
-    head): `selective` keeps the linear layers' results and makes attention's again, as Megatron's
-    selective recomputation does, so nothing a layer keeps grows with the square of the sequence."""
+    head): `selective` keeps the linear layers' results and makes the scores and softmax again, as
+    Megatron's selective recomputation does, so nothing a layer keeps grows with the square of the
+    sequence; the weighted values, a product no larger than a linear layer's, are kept."""
     text = _long_hf_llama(attention="eager")
     plain = compile_par(text).program
-    selective = compile_par(recomputed(text, "recompute model.model.layers.* : selective")).program
+    compiled = compile_par(recomputed(text, "recompute model.model.layers.* : selective"))
+    selective = compiled.program
+    scores = re.findall(r"= (\S+)\(aten\.matmul\.default, .*\[4, 8, 256, 256\]", compiled.source)
+    assert not scores and len(re.findall(r"= aten\.matmul\.default\(.*\[4, 8, 256, 256\]", compiled.source)) == 8
+    weighted = re.findall(r"= rt\.kept\(aten\.matmul\.default, .*\[4, 8, 256, 8\]", compiled.source)
+    assert len(weighted) == 8
     def per_head_square(value):  # [batch, heads, sequence, sequence]; the causal mask is one for all heads
         return value["local_shape"][-2:] == [256, 256] and value["local_shape"][-3] > 1
 
@@ -215,8 +221,9 @@ class _OpCount(TorchDispatchMode):
 
 
 def test_a_selective_region_gives_its_kept_products_back_and_makes_the_rest_again():
-    """In one process, a region of a kept linear and two pointwise ops: under `selective` backward makes the
-    pointwise ops again but not the product (backward's own two products aside), under `full` all of them;
+    """In one process, a region of a kept linear, two pointwise ops and a kept batched product of their
+    result with another activation (unfused attention's weighted values): under `selective` backward makes
+    the pointwise ops again but neither product (backward's own products aside), under `full` all of them;
     the gradients are serial's bits. A second backward, or a kept result changed in place, is refused."""
     from pardsl.runtime.recompute import kept, recompute
 
@@ -224,42 +231,48 @@ def test_a_selective_region_gives_its_kept_products_back_and_makes_the_rest_agai
     rt = types.SimpleNamespace(region=None)
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8, requires_grad=True)
+    v = torch.randn(2, 8, 3, requires_grad=True)
 
-    def layer(x, in_place=False):
+    def layer(x, v, in_place=False):
         h = kept(rt, aten.linear.default, x, w)
         if in_place:
             h.add_(1.0)
-        return aten.sin.default(aten.relu.default(h))
+        return kept(rt, aten.matmul.default, aten.sin.default(aten.relu.default(h)).view(2, 2, 8), v)
 
     found = {}
     for policy in (None, "full", "selective"):
-        w.grad = x.grad = None
+        w.grad = x.grad = v.grad = None
         with _OpCount() as count:
-            out = layer(x) if policy is None else recompute(rt, layer, policy, x)
+            out = layer(x, v) if policy is None else recompute(rt, layer, policy, x, v)
             out.sum().backward()
-        found[policy] = ({op: count.calls[op] for op in ("mm", "relu", "sin")}, x.grad.clone(), w.grad.clone())
-    assert found[None][0] == {"mm": 3, "relu": 1, "sin": 1}
-    assert found["full"][0] == {"mm": 4, "relu": 2, "sin": 2}
-    assert found["selective"][0] == {"mm": 3, "relu": 2, "sin": 2}
+        found[policy] = ({op: count.calls[op] for op in ("mm", "bmm", "relu", "sin")},
+                         [x.grad.clone(), w.grad.clone(), v.grad.clone()])
+    assert found[None][0] == {"mm": 3, "bmm": 3, "relu": 1, "sin": 1}
+    assert found["full"][0] == {"mm": 4, "bmm": 4, "relu": 2, "sin": 2}
+    assert found["selective"][0] == {"mm": 3, "bmm": 3, "relu": 2, "sin": 2}
     for policy in ("full", "selective"):
-        assert torch.equal(found[policy][1], found[None][1]) and torch.equal(found[policy][2], found[None][2])
+        assert all(map(torch.equal, found[policy][1], found[None][1]))
 
-    out = recompute(rt, layer, "selective", x)
+    out = recompute(rt, layer, "selective", x, v)
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran a second time"):
         out.sum().backward()
-    out = recompute(rt, functools.partial(layer, in_place=True), "selective", x)
+    out = recompute(rt, functools.partial(layer, in_place=True), "selective", x, v)
     with pytest.raises(RuntimeError, match="changed in place"):
         out.sum().backward()
 
 
-def test_recomputed_layers_with_dropout_draw_serials_masks_again(pools, tmp_path):
-    """GPT-2 with dropout on dp 2 × tp 2, its gradients in data-parallel buckets: the masks drawn again in
-    backward are the forward's, so every output and gradient is the plan's without recomputation."""
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recomputed_layers_with_dropout_draw_serials_masks_again(pools, tmp_path, policy):
+    """GPT-2 with dropout on dp 2 × tp 2, its gradients in data-parallel buckets, its attention unfused: the
+    masks drawn again in backward are the forward's, so every output and gradient is the plan's without
+    recomputation; under `selective` the weighted values, made from the dropped-out softmax, are given back
+    while the softmax and its mask are made again for their gradient."""
     text = GPT2_DP2_TP2.replace("gpt2_lm_head(layers=2)", 'gpt2_lm_head(layers=2, attention="eager", dropout=0.1)')
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
-    (plain, again), _, _ = _compare(pools, tmp_path, text, ("recompute transformer.h.*",),
-                                    {"input_ids": ids, "labels": ids}, 4)
+    line = "recompute transformer.h.*" + (" : selective" if policy == "selective" else "")
+    (plain, again), _, compiled = _compare(pools, tmp_path, text, (line,), {"input_ids": ids, "labels": ids}, 4)
+    assert compiled.source.count("= rt.kept(aten.matmul.default,") == (2 if policy == "selective" else 0)
     for rank in range(4):
         assert _bit_equal(plain[rank], again[rank]), f"rank {rank}"
 

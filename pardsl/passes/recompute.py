@@ -10,12 +10,12 @@ shape in the second run): a layer's down projection feeds only the residual add 
 keeps nothing, and its input, which autograd keeps for the weight's gradient, is made again all the same.
 
 `recompute ... : selective` keeps what is costly to make again, as torchtitan's op-level policy does:
-the results of products with a weight and of fused attention (each such statement marked `rt.kept`)
-and of the region's collectives: the runtime keeps each one's result in forward and gives it back when
-the region runs again, with no computation or communication. The rest — norms, rotary embeddings,
-activations, residual adds, and unfused attention's products of two activations with the softmax
-between them, which grow with the square of the sequence (Megatron's selective recomputation) — is
-made again. No collective is added. A product whose result nothing backward needs is neither kept nor
+the results of products with a weight, of fused attention and of unfused attention's weighted values (a
+product of two activations no larger than what it reads; each such statement marked `rt.kept`) and of
+the region's collectives: the runtime keeps each one's result in forward and gives it back when the
+region runs again, with no computation or communication. The rest — norms, rotary embeddings,
+activations, residual adds, and unfused attention's scores and softmax, which grow with the square of
+the sequence (Megatron's selective recomputation) — is made again. No collective is added. A product whose result nothing backward needs is neither kept nor
 made again (`rt.made_once`), as under `full`; with the residual stream summed partially over tensor
 parallelism, the attention's output projection is such a product too: it feeds only that sum's
 all-reduce, whose result is kept, and a residual add.
@@ -40,6 +40,7 @@ the region where the region read it last.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from pardsl.language.diagnostics import Diagnostic, DiagnosticSink
@@ -79,7 +80,7 @@ def recompute_layers(program: LoweredProgram, typed: TypedGraph,
             statements.extend(program.statements[start:end])
             continue
         region = _gathered_again(region, program, unit)
-        region = _marked(region, typed.bound.kept, decl.policy)
+        region = _marked(region, typed.bound.kept, decl.policy, _small_products(region, typed))
         statements.extend([region, *after, *program.statements[stop:end]])
         _count_kept(region, unit, decl.policy, program, values, typed, outputs)
         # the ops made again, whose forward compute backward adds (a conversion's node is the op it serves,
@@ -241,7 +242,7 @@ def _region(body: list[Statement], later: list[Statement], outputs: set[str], un
     return region, after
 
 
-def _marked(region: Statement, kept, policy: str) -> Statement:
+def _marked(region: Statement, kept, policy: str, small_products: frozenset[str] = frozenset()) -> Statement:
     """The region with each product (a linear, a matrix product, attention) whose result nothing backward
     needs marked `rt.made_once`: made in forward, a stand-in of its shape when the region runs again (in
     any layer the down projection, which only the residual add after the region reads). Under `selective`
@@ -249,7 +250,8 @@ def _marked(region: Statement, kept, policy: str) -> Statement:
     the region runs again (the runtime's column-parallel linears and attention keep theirs themselves,
     unmarked). Backward needs what an op of the region keeps (an operand, its own result) and, of a value
     the second run makes, what makes it; under `selective` a kept result (a costly op's, a collective's
-    given back) needs nothing of what it is made from."""
+    given back) needs nothing of what it is made from. `small_products`: the nodes of products of two
+    activations taken as products too (`_small_products`)."""
     selective = policy == "selective"
     keepers = {op for op, _ in kept.reads}
     needed: set[str] = set()
@@ -260,7 +262,7 @@ def _marked(region: Statement, kept, policy: str) -> Statement:
             continue
         keeps_operands, keeps_result = _keeps(statement, kept, keepers)
         result_needed = keeps_result or bool(needed & set(statement.targets))
-        product = statement.instruction.kind != "convert" and _costly(statement)
+        product = statement.instruction.kind != "convert" and (_costly(statement) or statement.node in small_products)
         if product and statement.instruction.callee.startswith("aten.") and (selective or not result_needed):
             marked[index] = "rt.kept" if result_needed else "rt.made_once"
         given_back = product and selective  # its result kept: what makes it is not made again
@@ -354,6 +356,18 @@ def _costly(statement: Statement) -> bool:
     attention."""
     return _communicates(statement) or statement.instruction.callee == "rt.kept" or \
         statement.instruction.callee.startswith(_COSTLY_CALLS)
+
+
+def _small_products(region: Statement, typed: TypedGraph) -> frozenset[str]:
+    """The region's products of two activations whose results are no larger than what they read: unfused
+    attention's weighted values, kept under `selective` as a weight's product is (its result is the size of a
+    linear layer's), where its scores, which grow with the square of the sequence, are made again."""
+    def size(name: str) -> int:
+        return math.prod(typed.info(name).shape)
+    return frozenset(statement.node for statement in region.body
+                     if statement.instruction.callee.startswith(("aten.matmul.", "aten.bmm."))
+                     and statement.node in typed.nodes and typed.nodes[statement.node].operands
+                     and size(statement.node) <= max(map(size, typed.nodes[statement.node].operands)))
 
 
 def _made(program: LoweredProgram, name: str) -> Statement | None:

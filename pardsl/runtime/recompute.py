@@ -7,13 +7,14 @@ dropout draws the same masks, and the run goes to the region's end (no early sto
 it issues again are the same on every rank and as many as the plan counts.
 
 Under `selective`, the statements whose results are costly to make again — linear layers, fused
-attention — run inside `rt.kept`: their matrix products' results are kept in the region's first run and
-given back in its second, in order, where autograd records the same ops and keeps what they read as in
-the first run. The runtime's column-parallel linears keep and give back their products themselves, ring
-attention its result (its key/value chunks are not passed around again), and every forward collective
-of the region is kept and given back the same way, without communicating. What runs again is the cheap
-rest, with no dispatch mode around it: only the few ATen ops of the kept statements pass through Python,
-where torch's selective checkpoint contexts would take every op of the region through it, twice.
+attention, unfused attention's weighted values — run inside `rt.kept`: their matrix products' results
+are kept in the region's first run and given back in its second, in order, where autograd records the
+same ops and keeps what they read as in the first run. The runtime's column-parallel linears keep and
+give back their products themselves, ring attention its result (its key/value chunks are not passed
+around again), and every forward collective of the region is kept and given back the same way, without
+communicating. What runs again is the cheap rest, with no dispatch mode around it: only the few ATen ops
+of the kept statements pass through Python, where torch's selective checkpoint contexts would take every
+op of the region through it, twice.
 
 A product whose result nothing backward needs (`rt.made_once`: a row-parallel linear's partial sums, which
 only its all-reduce reads, and that result is kept) is neither kept nor made again: the second run gets
@@ -31,13 +32,13 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 aten = torch.ops.aten
 
-# The ATen ops whose results a selective region keeps: products with a weight (a linear layer's mm) and
-# fused attention, as the op-level policy of torchtitan's selective activation checkpointing keeps them.
-# Products of two activations (unfused attention's scores and weighted values, batched) are made again
-# with the softmax between them: they are what grows with the square of the sequence, and Megatron's
-# selective recomputation exists to drop them.
+# The ATen ops whose results a selective region keeps, inside a statement the compiler marks `rt.kept`:
+# products with a weight (a linear layer's mm), fused attention, as the op-level policy of torchtitan's
+# selective activation checkpointing keeps them, and a batched product of two activations no larger than
+# what it reads (unfused attention's weighted values). Unfused attention's scores are not marked: they grow
+# with the square of the sequence, and Megatron's selective recomputation exists to drop them.
 COSTLY_OPS = frozenset(op for op in (
-    aten.mm.default, aten.addmm.default,
+    aten.mm.default, aten.addmm.default, aten.bmm.default,
     aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
     getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None) and
     aten._scaled_dot_product_flash_attention_for_cpu.default,
