@@ -31,7 +31,6 @@ from pardsl.program.codegen import cannot_compile, load_module
 from pardsl.runtime.pieces import check_backend, collectives_in_graphs as in_graphs_by_default, compile_pieces
 from pardsl.runtime.checkpoint import load_model_state
 from pardsl.runtime.core import Runtime
-from pardsl.runtime.schedule import Pipeline, loss_output
 
 # per file content, working directory, options and cost model: the compiled plan, its search's answers
 # (SolutionLog) and the cost model's figures (cost.Machine) it was searched with
@@ -261,6 +260,8 @@ class Plan:
         return full
 
     def _pipeline_module(self, rt, loss_fn) -> "PipelineModule":
+        from pardsl.runtime.schedule import Pipeline  # torch's pipelining takes a second to import: when used
+
         generated = self._generated
         full = self._full_state()
         modules = {}
@@ -274,6 +275,8 @@ class Plan:
         """torch's schedule calls loss(stage output, target micro-batch) on the last stage."""
         if loss_fn is not None:
             return lambda output, target: loss_fn(pytree.tree_unflatten(list(output), self.out_spec), target)
+        from pardsl.runtime.schedule import loss_output
+
         index = loss_output(self._generated.STAGES[-1].OUTPUTS)
         if index is None:
             raise TypeError(f"{self.compiled.par.model.text} returns no single scalar loss: pass "
