@@ -18,7 +18,7 @@ their ratios to the same round's step without recomputation.
 
     python benchmarks/memory.py [--layers 8 --hidden 256 --seq 256 --batch 4] [--attention eager|sdpa]
                                 [--steps 6] [--rounds 3] [--device cpu|cuda] [--plans "context parallel" ...]
-                                [--serial-share]
+                                [--recompute none full selective] [--precisions float32 bf16] [--serial-share]
 """
 
 from __future__ import annotations
@@ -85,9 +85,15 @@ def main() -> None:
     parser = model_arguments(__doc__, attention="eager", steps=6)
     parser.add_argument("--plans", nargs="*", choices=sorted(PLANS), help="plans to run (default: all)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each variant, in turn (default 3)")
+    parser.add_argument("--recompute", nargs="*", choices=list(RECOMPUTE),
+                        help="the recomputations to run (default: all; without recomputation always, as the base)")
+    parser.add_argument("--precisions", nargs="*", choices=list(PRECISION), help="the precisions to run (default: both)")
     parser.add_argument("--serial-share", action="store_true",
                         help="a column: the activations the plan estimates per rank against serial's")
     args = parser.parse_args()
+    variants = [(policy, precision) for policy, precision in VARIANTS
+                if (policy == "none" or not args.recompute or policy in args.recompute)
+                and (not args.precisions or precision in args.precisions)]
     ffn = args.hidden * 8 // 3 // 8 * 8  # LLaMA's SwiGLU width, a multiple of 8
     print(f"HFLlama: {args.layers} layers, hidden {args.hidden}, ffn {ffn}, batch {args.batch} x {args.seq}, "
           f"{args.attention} attention; 2 ranks, {args.device}")
@@ -103,14 +109,14 @@ def main() -> None:
                                             batch=args.batch, attention=args.attention, recompute=RECOMPUTE[variant[0]],
                                             precision=PRECISION[variant[1]], bound="".join(bound),
                                             layouts="".join(f"    {entry}\n" for entry in layouts))
-                     for variant in VARIANTS}
+                     for variant in variants}
             # The variants run in turn, round after round: a drift in the machine's speed touches all of them
             # alike, and each step is set against its own round's without recomputation.
-            reports: dict[tuple, list] = {variant: [] for variant in VARIANTS}
+            reports: dict[tuple, list] = {variant: [] for variant in variants}
             for _ in range(args.rounds):
                 for variant, text in texts.items():
                     reports[variant].append(_run(folder, text, args))
-            for variant in VARIANTS:
+            for variant in variants:
                 print(_row(name, variant, reports, texts[variant], folder, args), flush=True)
 
 
