@@ -224,22 +224,31 @@ class Plan:
         """
         rt = self.runtime(device)
         if self.pipelined:
-            if checkpoint is not None:
-                raise NotImplementedError("loading a checkpoint into a pipelined plan is not supported yet: "
-                                          "load it under a plan without a pipeline, or start from the factory")
-            return self._pipeline_module(rt, loss_fn)
+            from pardsl.runtime.schedule import Pipeline  # torch's pipelining takes a second to import: when used
+
+            generated = self._generated
+            stages = {index: generated.STAGES[index](rt) for index in Pipeline.of_rank(generated, rt)}
+            self._load(rt, [(stage, stage.PARAMETERS, stage.BUFFERS) for _, stage in sorted(stages.items())],
+                       checkpoint, strict)
+            return PipelineModule(self, Pipeline(generated, rt, stages, self._pipeline_loss(loss_fn)))
         spmd = self._generated.CompiledModule(rt)
-        bound = self.compiled.bound
+        self._load(rt, [(spmd, self._generated.PARAMETERS, self._generated.BUFFERS)], checkpoint, strict)
+        return ParallelModule(self, spmd)
+
+    def _load(self, rt, parts, checkpoint: str | None, strict: bool) -> None:
+        """Fill each generated module of `parts` (module, its parameters' table, its buffers' table) with
+        this rank's shards: from the checkpoint, else the factory's values."""
         if checkpoint is None:
             full = self._full_state()
-            spmd.load_full_state_dict(full)
+            for module, _, _ in parts:
+                module.load_full_state_dict(full)
             del full
-        else:
-            with torch.no_grad():
-                for name, (attr, layout, _) in self._generated.BUFFERS.items():
-                    getattr(spmd, attr).copy_(rt.shard(bound.buffer_values[name], layout))
-            load_model_state(spmd, self, checkpoint, strict=strict)
-        return ParallelModule(self, spmd)
+            return
+        with torch.no_grad():
+            for module, _, buffers in parts:
+                for name, (attr, layout, _) in buffers.items():
+                    getattr(module, attr).copy_(rt.shard(self.compiled.bound.buffer_values[name], layout))
+        load_model_state(parts, self, checkpoint, strict=strict)
 
     def _full_state(self):
         """Every parameter and buffer of the serial model by name, its values the factory's under the current
@@ -258,18 +267,6 @@ class Plan:
         full = full_state(serial)
         full.update((name, t) for name, t in bound.buffer_values.items() if name not in full)
         return full
-
-    def _pipeline_module(self, rt, loss_fn) -> "PipelineModule":
-        from pardsl.runtime.schedule import Pipeline  # torch's pipelining takes a second to import: when used
-
-        generated = self._generated
-        full = self._full_state()
-        modules = {}
-        for index in Pipeline.of_rank(generated, rt):
-            modules[index] = generated.STAGES[index](rt)
-            modules[index].load_full_state_dict(full)
-        del full
-        return PipelineModule(self, Pipeline(generated, rt, modules, self._pipeline_loss(loss_fn)))
 
     def _pipeline_loss(self, loss_fn):
         """torch's schedule calls loss(stage output, target micro-batch) on the last stage."""
@@ -361,12 +358,20 @@ class Plan:
 
     @property
     def parameter_layouts(self) -> dict[str, tuple[str, tuple[str, ...], tuple[int, ...]]]:
-        """State-dict name → (attribute of the generated module, layout per mesh axis, global shape)."""
-        return dict(self._generated.PARAMETERS)
+        """State-dict name → (attribute of the generated module, layout per mesh axis, global shape); in a
+        pipelined plan, of the first stage that holds it."""
+        return self._tables("PARAMETERS")
 
     @property
     def buffer_layouts(self) -> dict[str, tuple[str, tuple[str, ...], tuple[int, ...]]]:
-        return dict(self._generated.BUFFERS)
+        return self._tables("BUFFERS")
+
+    def _tables(self, kind: str) -> dict:
+        merged = {}
+        for holder in (self._generated.STAGES if self.pipelined else [self._generated]):
+            for name, entry in getattr(holder, kind).items():
+                merged.setdefault(name, entry)
+        return merged
 
 
 class ParallelModule(torch.nn.Module):
@@ -395,6 +400,11 @@ class ParallelModule(torch.nn.Module):
         """(state-dict name, local parameter, layout key) for every parameter, tied ones under one name."""
         for name, (attr, layout, _) in self.plan.parameter_layouts.items():
             yield name, getattr(self.spmd, attr), layout
+
+    def parts(self) -> list[tuple[int | None, torch.nn.Module, dict, dict]]:
+        """What this rank holds, as (pipeline stage, generated module, its parameters' table, its buffers'
+        table): here the one module, of no stage."""
+        return [(None, self.spmd, self.plan.parameter_layouts, self.plan.buffer_layouts)]
 
     def copies(self, name: str, layout: tuple[str, ...]) -> int:
         """How many ranks hold the same piece of a parameter as this rank: the axes where it is B."""
@@ -450,6 +460,11 @@ class PipelineModule(torch.nn.Module):
         for stage in self.stages:
             for name, (attr, layout, _) in stage.PARAMETERS.items():
                 yield name, getattr(stage, attr), layout
+
+    def parts(self) -> list[tuple[int | None, torch.nn.Module, dict, dict]]:
+        """What this rank holds, as (pipeline stage, generated module, its parameters' table, its buffers'
+        table): one per stage it runs."""
+        return [(index, module, module.PARAMETERS, module.BUFFERS) for index, module in sorted(self.pipeline.modules.items())]
 
     def copies(self, name: str, layout: tuple[str, ...]) -> int:
         """How many (rank, stage) pairs hold the same piece of a parameter: the axes where it is B, other

@@ -4,7 +4,9 @@ A checkpoint folder holds one safetensors file per rank with the pieces of param
 buffers and optimizer state that the rank owns, and `pardsl.index.json`: per tensor its global shape,
 dtype and pieces (file, key, global offsets and sizes), the .par file it was saved under, and the
 optimizer's hyperparameters. A replicated tensor is written once (by the ranks at coordinate 0 of the
-axes it is broadcast on), so the folder holds each element once, whatever the mesh.
+axes it is broadcast on), so the folder holds each element once, whatever the mesh. In a pipeline each
+stage's ranks write their stage's tensors, and a weight two stages hold (a tied embedding) is written by
+the first; each rank says what it wrote, and rank 0 gathers that into the index.
 
 A save is all or nothing. Every file of one save carries that save's id, in its name and in its metadata;
 each rank writes and fsyncs its file under a new name, and only once every rank has, rank 0 publishes the
@@ -107,9 +109,11 @@ def local_regions(layout: Layout, shape: tuple[int, ...], mesh: Mesh, coordinate
             for combo in itertools.product(*per_dim)]
 
 
-def owns(layout: Layout, coordinate: tuple[int, ...]) -> bool:
-    """Whether this rank writes its copy: it is the first of the ranks that hold the same values."""
-    return all(p.is_split or coordinate[axis] == 0 for axis, p in enumerate(layout.placements))
+def owns(layout: Layout, coordinate: tuple[int, ...], pipeline_axis: int | None = None) -> bool:
+    """Whether this rank writes its copy: it is the first of the ranks that hold the same values. Along a
+    pipeline axis the ranks hold different stages, so no copy there is another's."""
+    return all(p.is_split or coordinate[axis] == 0 or axis == pipeline_axis
+               for axis, p in enumerate(layout.placements))
 
 
 def _file_name(rank: int, world: int, save_id: str) -> str:
@@ -140,36 +144,79 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # Saving
 
 
-def _entries(model, optimizer) -> tuple[dict[str, tuple[torch.Tensor, Layout, tuple[int, ...]]], dict]:
-    """Every tensor to save: name → (local tensor, layout, global shape); and the optimizer's JSON part."""
-    plan = model.plan
-    entries = {}
-    for name, (attr, layout, shape) in plan.parameter_layouts.items():
-        entries[name] = (getattr(model.spmd, attr).detach(), Layout.from_key(layout), tuple(shape))
+@dataclass(frozen=True)
+class _Entry:
+    """A tensor this rank holds, to save: its local value, layout and global shape, and whether this rank's
+    copy is the one written."""
+
+    local: torch.Tensor
+    layout: Layout
+    shape: tuple[int, ...]
+    written: bool
+
+
+def _entries(model, optimizer) -> tuple[dict[str, _Entry], dict | None]:
+    """Every tensor this rank holds (parameters, persistent buffers, optimizer state), by name; and the
+    optimizer's JSON part. A copy is written by the first of the ranks that hold the same values (`owns`);
+    in a pipeline, where the ranks along the pipeline axis hold different stages, by the ranks of the first
+    stage that holds it (a tied weight two stages hold is written once)."""
+    plan, rt = model.plan, model.rt
+    mesh = rt.mesh
+    coordinate = tuple(rt.coordinate[name] for name in mesh.axis_names)
+    pipeline = getattr(model, "pipeline", None)
+    along = mesh.axis_names.index(pipeline.axis) if pipeline is not None else None
+    first_stage = {name: min(held) for name, held in pipeline.shared} if pipeline is not None else {}
     persistent = plan.compiled.bound.persistent_buffers
-    for name, (attr, layout, shape) in plan.buffer_layouts.items():
-        if name in persistent:
-            entries[name] = (getattr(model.spmd, attr).detach(), Layout.from_key(layout), tuple(shape))
-    optimizer_json = None
-    if optimizer is not None:
-        name_of = {id(parameter): name for name, parameter, _ in model.named_shards()}
-        groups, values = [], {}
-        for group in optimizer.param_groups:
-            names = [name_of[id(p)] for p in group["params"]]
-            hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
-            groups.append({"params": names, **{k: v for k, v in hyper.items() if _is_json(v)}})
-            for parameter, name in zip(group["params"], names):
-                _, layout, shape = entries[name]
-                for key, value in optimizer.state.get(parameter, {}).items():
-                    if isinstance(value, torch.Tensor) and value.shape == parameter.shape and value.dim() > 0:
-                        entries[f"optimizer.{name}.{key}"] = (value.detach(), layout, shape)
-                    elif isinstance(value, torch.Tensor):  # a count such as Adam's step: the same everywhere
-                        entries[f"optimizer.{name}.{key}"] = (value.detach(), Layout.broadcast(model.rt.mesh),
-                                                              tuple(value.shape))
-                    elif _is_json(value):
+    entries: dict[str, _Entry] = {}
+    of_parameter: dict[int, tuple[str, _Entry]] = {}
+    for stage, module, parameters, buffers in model.parts():
+        tables = [*parameters.items(), *((name, entry) for name, entry in buffers.items() if name in persistent)]
+        for name, (attr, layout, shape) in tables:
+            local = getattr(module, attr)
+            layout = Layout.from_key(layout)
+            written = first_stage.get(name, stage) == stage and owns(layout, coordinate, along)
+            entry = _Entry(local.detach(), layout, tuple(shape), written)
+            of_parameter[id(local)] = (name, entry)
+            entries.setdefault(name, entry)  # a tied weight two of this rank's stages hold: the first's
+    if optimizer is None:
+        return entries, None
+    groups, values = [], {}
+    count_written = owns(Layout.broadcast(mesh), coordinate, along)
+    for group in optimizer.param_groups:
+        names = [of_parameter[id(p)][0] for p in group["params"]]
+        hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+        groups.append({"params": names, **{k: v for k, v in hyper.items() if _is_json(v)}})
+        for parameter in group["params"]:
+            name, held = of_parameter[id(parameter)]
+            for key, value in optimizer.state.get(parameter, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == parameter.shape and value.dim() > 0:
+                    state = _Entry(value.detach(), held.layout, held.shape, held.written)
+                elif isinstance(value, torch.Tensor):  # a count such as Adam's step: the same on every rank
+                    state = _Entry(value.detach(), Layout.broadcast(mesh), tuple(value.shape),
+                                   held.written and count_written)
+                else:
+                    if _is_json(value):
                         values.setdefault(name, {})[key] = value
-        optimizer_json = {"class": type(optimizer).__name__, "param_groups": groups, "values": values}
-    return entries, optimizer_json
+                    continue
+                if state.written or f"optimizer.{name}.{key}" not in entries:
+                    entries[f"optimizer.{name}.{key}"] = state
+    return entries, {"class": type(optimizer).__name__, "param_groups": groups, "values": values}
+
+
+def _merged_optimizer(parts: list[dict | None]) -> dict | None:
+    """The optimizer's JSON part of the index from every rank's: in a pipeline each rank's optimizer steps
+    only its stages' parameters, so each group lists the names of every rank's."""
+    present = [part for part in parts if part is not None]
+    if not present:
+        return None
+    groups = [{**group, "params": []} for group in present[0]["param_groups"]]
+    values: dict = {}
+    for part in present:
+        for group, theirs in zip(groups, part["param_groups"]):
+            group["params"].extend(name for name in theirs["params"] if name not in group["params"])
+        for name, entry in part["values"].items():
+            values.setdefault(name, entry)
+    return {"class": present[0]["class"], "param_groups": groups, "values": values}
 
 
 def _is_json(value) -> bool:
@@ -181,22 +228,21 @@ def _is_json(value) -> bool:
 
 
 def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metadata: dict | None = None) -> None:
-    """Write this rank's shards of `model` (a ParallelModule) and of `optimizer`'s state to folder `path`;
+    """Write this rank's shards of `model` (a ParallelModule, or a PipelineModule: its stages) and of
+    `optimizer`'s state to folder `path`;
     `metadata` (JSON: the step, the data loader's position) is stored in the index with them, published
     by the same rename (`checkpoint_metadata` reads it back).
 
     Collective: every rank calls it. Returns once the checkpoint is published. Over an existing checkpoint,
     the old one stays loadable until the new one is complete.
     """
-    if model.plan.pipelined:  # its ranks along the pipeline axis hold different parameters
-        raise NotImplementedError("saving a pipelined model is not supported yet: the checkpoint index reads "
-                                  "every layout as replicated along the pipeline axis")
     if metadata is not None:
         json.dumps(metadata)  # fails here, on every rank alike, rather than after the files are written
     rt = model.rt
     mesh = rt.mesh
     world = mesh.size
     rank = dist.get_rank() if dist.is_initialized() else 0
+    coordinate = tuple(rt.coordinate[name] for name in mesh.axis_names)
     save_id = [secrets.token_hex(8)]
     if dist.is_initialized():
         dist.broadcast_object_list(save_id, src=0)
@@ -204,48 +250,48 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metad
     entries, optimizer_json = _entries(model, optimizer)
     os.makedirs(path, exist_ok=True)
 
-    index = {}
+    described = {}  # this rank's part of the index: every tensor it holds, and the pieces it writes
     mine = {}
-    for name, (local, layout, shape) in entries.items():
+    file_name = _file_name(rank, world, save_id)
+    for name, entry in entries.items():
         pieces = []
-        for other in range(world):
-            coordinate = mesh.coordinates(other)
-            if not owns(layout, coordinate):
-                continue
-            for region in local_regions(layout, shape, mesh, coordinate):
-                key = _key(name, region.offsets)
-                pieces.append({"file": _file_name(other, world, save_id), "key": key,
-                               "offsets": list(region.offsets), "sizes": list(region.sizes)})
-                if other == rank:
-                    mine[key] = local[region.local_index()].contiguous().clone()
-        index[name] = {"shape": list(shape), "dtype": _dtype_name(local.dtype), "pieces": pieces}
+        for region in local_regions(entry.layout, entry.shape, mesh, coordinate) if entry.written else ():
+            key = _key(name, region.offsets)
+            pieces.append({"file": file_name, "key": key, "offsets": list(region.offsets),
+                           "sizes": list(region.sizes)})
+            mine[key] = entry.local[region.local_index()].contiguous().clone()
+        described[name] = {"shape": list(entry.shape), "dtype": _dtype_name(entry.local.dtype), "pieces": pieces}
 
     written = None
     if mine:  # a rank whose copies another rank writes has no file
-        file = os.path.join(path, _file_name(rank, world, save_id))
+        file = os.path.join(path, file_name)
         save_file({k: v.cpu() for k, v in mine.items()}, file + ".tmp",
                   metadata={"format": "pt", SAVE_ID_KEY: save_id})
         _fsync(file + ".tmp")
         os.replace(file + ".tmp", file)
         _fsync(path)
         written = (os.path.basename(file), os.path.getsize(file))
-    sizes = [written]
+    parts = [(written, described, optimizer_json)]
     if dist.is_initialized():  # also the barrier: every rank's file is on disk before the index names it
-        sizes = [None] * dist.get_world_size()
-        dist.all_gather_object(sizes, written)
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (written, described, optimizer_json))
     if rank == 0:
         par = model.plan.compiled.par
+        index: dict[str, dict] = {}
+        for _, theirs, _ in parts:
+            for name, entry in theirs.items():
+                index.setdefault(name, {**entry, "pieces": []})["pieces"].extend(entry["pieces"])
         document = {
             "format": FORMAT,
             "save_id": save_id,
             "saved_at": time.time(),
-            "files": dict(entry for entry in sizes if entry is not None),
+            "files": dict(file for file, _, _ in parts if file is not None),
             "plan": {"path": par.source.path, "text": par.source.text, "model": par.model.text,
                      "mesh": dict(zip(mesh.axis_names, mesh.axis_sizes))},
             "tied": {name: list(names) for name, names in model.plan.compiled.bound.tied.items()
-                     if len(names) > 1 and name in entries},
+                     if len(names) > 1 and name in index},
             "tensors": index,
-            "optimizer": optimizer_json,
+            "optimizer": _merged_optimizer([optimizer_json for _, _, optimizer_json in parts]),
             "metadata": metadata,
         }
         index_path = os.path.join(path, INDEX_FILE)
@@ -460,31 +506,33 @@ class CheckpointSource:
 
 
 @torch.no_grad()
-def load_model_state(spmd, plan, checkpoint: str, strict: bool = True) -> None:
-    """Fill the generated module's parameters (and the persistent buffers the checkpoint has) with this
-    rank's slices of the checkpoint's tensors.
+def load_model_state(parts, plan, checkpoint: str, strict: bool = True) -> None:
+    """Fill the parameters (and the persistent buffers the checkpoint has) of what this rank holds, `parts`:
+    (generated module, its parameters' table, its buffers' table), one module or a pipeline's stages, with
+    this rank's slices of the checkpoint's tensors.
 
     A pardsl checkpoint must be of this plan's model (the same `model` line, and no tensor the model does
     not have), and its names match exactly; `strict=False` loads one saved from another model, matching
     names also with leading module names dropped, as for a Hugging Face checkpoint."""
     source = CheckpointSource(checkpoint)
-    rt = spmd.rt
-    coordinate = tuple(rt.coordinate[name] for name in rt.mesh.axis_names)
     tied = plan.compiled.bound.tied
     if source.document is not None and strict:
         _check_same_model(source, plan, checkpoint)
     by_suffix = source.document is None or not strict
     missing = []
-    for name, (attr, layout, _) in plan.parameter_layouts.items():
-        found = source.find(tied.get(name, (name,)), by_suffix)
-        if found is None:
-            missing.append(name)
-            continue
-        source.read_into(found, getattr(spmd, attr), Layout.from_key(layout), rt.mesh, coordinate)
-    for name, (attr, layout, _) in plan.buffer_layouts.items():
-        found = source.find((name,), by_suffix)
-        if found is not None:  # the others keep the values the model's factory gives them
-            source.read_into(found, getattr(spmd, attr), Layout.from_key(layout), rt.mesh, coordinate)
+    for module, parameters, buffers in parts:
+        rt = module.rt
+        coordinate = tuple(rt.coordinate[name] for name in rt.mesh.axis_names)
+        for name, (attr, layout, _) in parameters.items():
+            found = source.find(tied.get(name, (name,)), by_suffix)
+            if found is None:
+                missing.append(name)
+                continue
+            source.read_into(found, getattr(module, attr), Layout.from_key(layout), rt.mesh, coordinate)
+        for name, (attr, layout, _) in buffers.items():
+            found = source.find((name,), by_suffix)
+            if found is not None:  # the others keep the values the model's factory gives them
+                source.read_into(found, getattr(module, attr), Layout.from_key(layout), rt.mesh, coordinate)
     if missing:
         raise KeyError(f"{checkpoint} has no tensor for parameter(s) {', '.join(missing[:5])}"
                        + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
