@@ -31,6 +31,7 @@ from pardsl.program.codegen import cannot_compile, load_module
 from pardsl.runtime.pieces import check_backend, collectives_in_graphs as in_graphs_by_default, compile_pieces
 from pardsl.runtime.checkpoint import load_model_state
 from pardsl.runtime.core import Runtime
+from pardsl.runtime.schedule import Pipeline, loss_output
 
 # per file content, working directory, options and cost model: the compiled plan, its search's answers
 # (SolutionLog) and the cost model's figures (cost.Machine) it was searched with
@@ -224,8 +225,6 @@ class Plan:
         """
         rt = self.runtime(device)
         if self.pipelined:
-            from pardsl.runtime.schedule import Pipeline  # torch's pipelining takes a second to import: when used
-
             generated = self._generated
             stages = {index: generated.STAGES[index](rt) for index in Pipeline.of_rank(generated, rt)}
             self._load(rt, [(stage, stage.PARAMETERS, stage.BUFFERS) for _, stage in sorted(stages.items())],
@@ -272,8 +271,6 @@ class Plan:
         """torch's schedule calls loss(stage output, target micro-batch) on the last stage."""
         if loss_fn is not None:
             return lambda output, target: loss_fn(pytree.tree_unflatten(list(output), self.out_spec), target)
-        from pardsl.runtime.schedule import loss_output
-
         index = loss_output(self._generated.STAGES[-1].OUTPUTS)
         if index is None:
             raise TypeError(f"{self.compiled.par.model.text} returns no single scalar loss: pass "

@@ -48,6 +48,7 @@ from pardsl.program.codegen import load_module
 from pardsl.runtime.pieces import collectives_in_graphs as in_graphs_by_default, compile_pieces
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.devices import rank_device, resolve_device
+from pardsl.runtime.schedule import Pipeline, loss_output
 from pardsl.tools.memory import held_bytes, optimizer_state, peak_so_far
 
 
@@ -363,8 +364,6 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
     mean, averaged, as the schedule scales it), else its one output against a fixed random gradient (a
     sum over micro-batches). Compared: the loss or output on the last stage's ranks, and every gradient of
     this rank's stages."""
-    from pardsl.runtime.schedule import Pipeline, loss_output  # torch's pipelining takes a second to import
-
     device = rt.device
     full = {**full_state(serial), **job.constants}
     modules = {index: module.STAGES[index](rt) for index in Pipeline.of_rank(module, rt)}
