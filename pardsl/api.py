@@ -461,7 +461,8 @@ class PipelineModule(torch.nn.Module):
     def parts(self) -> list[tuple[int | None, torch.nn.Module, dict, dict]]:
         """What this rank holds, as (pipeline stage, generated module, its parameters' table, its buffers'
         table): one per stage it runs."""
-        return [(index, module, module.PARAMETERS, module.BUFFERS) for index, module in sorted(self.pipeline.modules.items())]
+        return [(index, module, module.PARAMETERS, module.BUFFERS)
+                for index, module in sorted(self.pipeline.modules.items())]
 
     def copies(self, name: str, layout: tuple[str, ...]) -> int:
         """How many (rank, stage) pairs hold the same piece of a parameter: the axes where it is B, other

@@ -15,10 +15,10 @@ product of two activations no larger than what it reads; each such statement mar
 the region's collectives: the runtime keeps each one's result in forward and gives it back when the
 region runs again, with no computation or communication. The rest — norms, rotary embeddings,
 activations, residual adds, and unfused attention's scores and softmax, which grow with the square of
-the sequence (Megatron's selective recomputation) — is made again. No collective is added. A product whose result nothing backward needs is neither kept nor
-made again (`rt.made_once`), as under `full`; with the residual stream summed partially over tensor
-parallelism, the attention's output projection is such a product too: it feeds only that sum's
-all-reduce, whose result is kept, and a residual add.
+the sequence (Megatron's selective recomputation) — is made again. No collective is added. A product
+whose result nothing backward needs is neither kept nor made again (`rt.made_once`), as under `full`;
+with the residual stream summed partially over tensor parallelism, the attention's output projection is
+such a product too: it feeds only that sum's all-reduce, whose result is kept, and a residual add.
 
 A layer whose parameters are gathered before use (ZeRO-3) gathers its group again for its second run,
 as a resharded group is gathered again for backward: where the group is resharded anyway that is the

@@ -229,9 +229,8 @@ def _is_json(value) -> bool:
 
 def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metadata: dict | None = None) -> None:
     """Write this rank's shards of `model` (a ParallelModule, or a PipelineModule: its stages) and of
-    `optimizer`'s state to folder `path`;
-    `metadata` (JSON: the step, the data loader's position) is stored in the index with them, published
-    by the same rename (`checkpoint_metadata` reads it back).
+    `optimizer`'s state to folder `path`; `metadata` (JSON: the step, the data loader's position) is stored
+    in the index with them, published by the same rename (`checkpoint_metadata` reads it back).
 
     Collective: every rank calls it. Returns once the checkpoint is published. Over an existing checkpoint,
     the old one stays loadable until the new one is complete.
