@@ -5,6 +5,9 @@ clipping, a checkpoint mid-way and a resume, loss and tokens per second with a p
     torchrun --nproc-per-node 4 examples/train.py --plan examples/llama_train_dp2_tp2.par --resume ckpt/step-30
     python examples/train.py --serial --steps 60        # the same training, plain PyTorch, one process
 
+A pipelined plan (`examples/llama_train_pp2_tp2.par`, whose sizes are fixed: `--batch 4 --seq 32`) trains
+the same way, each step's micro-batches run by `model.step`, and saves and resumes as any other.
+
 Surviving a dead rank: with `--save-every N --resume auto`, a run restarted by torchrun
 (`--max-restarts 1`) continues from the newest complete checkpoint in --checkpoint-dir (a save that died
 part-way is passed over), and trains on the batches a straight run would:
@@ -111,6 +114,13 @@ def save(model, optimizer, plan, steps_done: int, args, progress) -> None:
         progress.console.print(f"saved {folder}")
 
 
+def last_stage_loss(model, loss: torch.Tensor | None) -> float:
+    """A pipelined step's loss, which only the last stage's ranks have, on every rank (rank 0 logs it)."""
+    held = torch.tensor([0.0 if loss is None else loss.item(), 0.0 if loss is None else 1.0], dtype=torch.float64)
+    dist.all_reduce(held)
+    return (held[0] / held[1]).item()
+
+
 def main(argv=None) -> None:
     args = arguments(argv)
     tokens = corpus()
@@ -158,14 +168,19 @@ def main(argv=None) -> None:
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, args)
             inputs = dict(input_ids=batch, labels=batch)
-            out = model(**(plan.shard_inputs(**inputs) if plan else inputs))
-            if rank == args.kill_rank and step == args.kill_at and not args.resume:
+            if rank == args.kill_rank and step == args.kill_at and not args.resume and plan and plan.pipelined:
                 os.kill(os.getpid(), signal.SIGKILL)
-            out.loss.backward()
+            if plan and plan.pipelined:  # forwards and backwards of the micro-batches, in the schedule's order
+                loss = last_stage_loss(model, model.step(**plan.shard_inputs(**inputs)))
+            else:
+                out = model(**(plan.shard_inputs(**inputs) if plan else inputs))
+                if rank == args.kill_rank and step == args.kill_at and not args.resume:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                out.loss.backward()
+                loss = out.loss.item()
             norm = clip()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            loss = out.loss.item()
             tokens_per_s = batch.numel() / (time.perf_counter() - began)
             progress.update(task, advance=1, loss=loss, tps=tokens_per_s)
             if rank == 0 and ((step + 1) % 10 == 0 or step + 1 == args.steps):
