@@ -168,13 +168,14 @@ def main(argv=None) -> None:
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, args)
             inputs = dict(input_ids=batch, labels=batch)
-            if rank == args.kill_rank and step == args.kill_at and not args.resume and plan and plan.pipelined:
-                os.kill(os.getpid(), signal.SIGKILL)
+            killed = rank == args.kill_rank and step == args.kill_at and not args.resume
             if plan and plan.pipelined:  # forwards and backwards of the micro-batches, in the schedule's order
+                if killed:  # a pipelined step is forward and backward at once: before it
+                    os.kill(os.getpid(), signal.SIGKILL)
                 loss = last_stage_loss(model, model.step(**plan.shard_inputs(**inputs)))
             else:
                 out = model(**(plan.shard_inputs(**inputs) if plan else inputs))
-                if rank == args.kill_rank and step == args.kill_at and not args.resume:
+                if killed:
                     os.kill(os.getpid(), signal.SIGKILL)
                 out.loss.backward()
                 loss = out.loss.item()
