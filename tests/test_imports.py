@@ -5,6 +5,8 @@ imports the program or the passes over it; and each layer imports only the layer
 
 import ast
 import os
+import subprocess
+import sys
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pardsl")
 # Lazy public faces: the package's __init__ (its exports load on first use) and the CLI, which imports
@@ -106,3 +108,14 @@ def test_each_layer_imports_only_the_layers_below_it():
             continue
         above = [f"pardsl.{name}" for name in LAYERS[layer + 1:]] + ["pardsl.compiler", "pardsl.api", "pardsl.tools"]
         assert not {m for m in imported if _inside(m, above)}, (module, sorted(m for m in imported if _inside(m, above)))
+
+
+def test_a_rank_without_a_pipeline_does_not_import_torchs_pipelining():
+    """torch.distributed.pipelining brings dynamo and DTensor with it, a second and a half of each process's
+    start here: what a rank running a plan without a pipeline loads, and the training API, leave it out
+    (a model's own imports, Hugging Face's, may bring dynamo anyway)."""
+    loaded = subprocess.run([sys.executable, "-c", "import sys, pardsl.api, pardsl.tools.execution; "
+                             "print(sorted(m for m in ('torch.distributed.pipelining', 'torch._dynamo') "
+                             "if m in sys.modules))"],
+                            capture_output=True, text=True, cwd=os.path.dirname(PACKAGE), timeout=120)
+    assert loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr

@@ -19,11 +19,11 @@ summed over the ranks that hold it: one all-reduce per such parameter per step.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage
 
 from pardsl.layouts.algebra import Layout, collective_bytes
 from pardsl.runtime.schedules import schedule_class, stages_of_rank
@@ -44,38 +44,47 @@ def loss_output(outputs: list[tuple]) -> int | None:
     return scalars[0] if len(scalars) == 1 else None
 
 
-class CountedStage(PipelineStage):
-    """torch's pipeline stage over a generated stage module: counts its sends, and synchronises
-    gradients on the step's last backward only."""
+@functools.cache
+def _counted_stage():
+    """The stage class, made on a pipelined rank's first use: importing torch.distributed.pipelining
+    imports dynamo and DTensor, 1.5 s of every process's start on this CPU, which a rank without a
+    pipeline has no use for."""
+    from torch.distributed.pipelining import PipelineStage
 
-    def __init__(self, module: torch.nn.Module, index: int, count: int, rt, axis: str):
-        module.sync_gradients = True
-        module.held_gradients = {}
-        super().__init__(module, index, count, rt.device,
-                         input_args=tuple(_meta(entry, rt.mesh) for entry in module.INPUTS),
-                         output_args=tuple(_meta(entry, rt.mesh) for entry in module.OUTPUTS),
-                         group=rt.groups[axis])
-        self._counter = rt.counter
-        self._axis = axis
+    class CountedStage(PipelineStage):
+        """torch's pipeline stage over a generated stage module: counts its sends, and synchronises
+        gradients on the step's last backward only."""
 
-    def _count(self, phase: str, ops: list) -> list:
-        if ops:
-            nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-            self._counter.record(phase, "send", nbytes, self._axis)
-        return ops
+        def __init__(self, module: torch.nn.Module, index: int, count: int, rt, axis: str):
+            module.sync_gradients = True
+            module.held_gradients = {}
+            super().__init__(module, index, count, rt.device,
+                             input_args=tuple(_meta(entry, rt.mesh) for entry in module.INPUTS),
+                             output_args=tuple(_meta(entry, rt.mesh) for entry in module.OUTPUTS),
+                             group=rt.groups[axis])
+            self._counter = rt.counter
+            self._axis = axis
 
-    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
-        return self._count("forward", super().get_fwd_send_ops(fwd_chunk_id))
+        def _count(self, phase: str, ops: list) -> list:
+            if ops:
+                nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+                self._counter.record(phase, "send", nbytes, self._axis)
+            return ops
 
-    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
-        return self._count("backward", super().get_bwd_send_ops(bwd_chunk_id))
+        def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+            return self._count("forward", super().get_fwd_send_ops(fwd_chunk_id))
 
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        self.submod.sync_gradients = last_backward
-        try:
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        finally:
-            self.submod.sync_gradients = True
+        def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+            return self._count("backward", super().get_bwd_send_ops(bwd_chunk_id))
+
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+            self.submod.sync_gradients = last_backward
+            try:
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            finally:
+                self.submod.sync_gradients = True
+
+    return CountedStage
 
 
 class Pipeline:
@@ -91,7 +100,7 @@ class Pipeline:
         self.count = len(generated.STAGES)
         self.rt = rt
         self.modules = modules  # stage index → generated stage module, this rank's
-        self.stages = [CountedStage(modules[i], i, self.count, rt, self.axis) for i in sorted(modules)]
+        self.stages = [_counted_stage()(modules[i], i, self.count, rt, self.axis) for i in sorted(modules)]
         cls = schedule_class(table["schedule"])
         single = len(self.stages) == 1 and table["stages_per_rank"] == 1
         self.schedule = cls(self.stages[0] if single else self.stages, self.microbatches, loss_fn=loss_fn,
