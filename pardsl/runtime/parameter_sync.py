@@ -242,14 +242,19 @@ class ParameterSync:
     def arrive(self, bucket: int, member: int, grad: torch.Tensor) -> None:
         held = self._held
         if held is not None:  # a pipeline stage: micro-batches before the step's last hold their gradients
-            if self.reduce_dtype is not None:  # summed over micro-batches in the dtype they are reduced in
-                grad = grad.to(self.reduce_dtype)
+            # summed over micro-batches in the dtype they are reduced in, into a copy of the first this
+            # rank owns: each later one is added in place, one gradient beside the sum rather than two (a
+            # gradient autograd hands over may be another tensor's, an input's sent to the stage before)
+            dtype = self.reduce_dtype or grad.dtype
             key = (bucket, member)
             if not self._module.sync_gradients:
-                held[key] = held[key] + grad if key in held else grad
+                if key in held:
+                    held[key].add_(grad)
+                else:
+                    held[key] = grad.to(dtype, copy=True)
                 return
             if key in held:
-                grad = grad + held.pop(key)
+                grad = held.pop(key).add_(grad)
         backward = torch._C._current_graph_task_id()
         if self._backward != backward:
             # the first gradient of this backward; what an earlier one left (it raised before its end)
