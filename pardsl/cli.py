@@ -202,7 +202,8 @@ def _summary(compiled) -> str:
         held = pipelined_memory_per_rank(compiled.stages, compiled.pipeline)
         lines.append(f"  pipeline  the rank that holds most: {format_bytes(held['total'])} (its stages' parameters "
                      f"{format_bytes(held['parameters'])}, activations of the micro-batches in flight "
-                     f"{format_bytes(held['activations'])})")
+                     f"{format_bytes(held['activations'])}, torch's stage buffers {format_bytes(held['stage_buffers'])}), "
+                     f"{format_bytes(held['peak'])} at its peak")
     return "\n".join(lines)
 
 

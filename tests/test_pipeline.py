@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from pardsl.compiler import compile_text
+from pardsl.planning.cost import pipeline_rank_memory
 from pardsl.program.codegen import load_module
 from pardsl.language.diagnostics import CompileError
 from tests.conftest import run_on
@@ -258,11 +259,20 @@ def test_the_tied_embeddings_gradient_is_summed_over_its_stages_once_per_step(tr
 
 
 def test_pardsl_run_checks_a_pipelined_plan_against_serial():
+    """`pardsl run --json` on 2 fresh ranks: equal to serial, every micro-batch sent each way, and each
+    rank's measured peak near its own stage's estimate, which counts torch's stage buffers (a buffer per
+    micro-batch for what the stage receives) and the gradient a micro-batch adds to the one held."""
     result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/mlp_pp2.par", "--nproc", "2",
-                             "--steps", "2", "--timeout", "120"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                             "--steps", "2", "--timeout", "120", "--json"], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "equivalent to serial" in result.stdout
-    assert "point-to-point sends between stages, all ranks (measured): 4 forward, 4 backward" in result.stdout
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["sends"] == {"forward": 4, "backward": 4}
+    compiled = compile_text(open(os.path.join(REPO, "examples/mlp_pp2.par")).read(), "examples/mlp_pp2.par")
+    for rank, peak in enumerate(report["memory"]["peak_bytes"]):
+        held = pipeline_rank_memory(compiled.stages, compiled.pipeline, rank, report["optimizer"])
+        assert held["stage_buffers"] == 4 * 4 * 256 * 4  # 4 micro-batches of [4, 256] floats, each way
+        assert 0.85 <= held["peak"] / peak <= 1.15, (rank, peak, held)
 
 
 def test_pardsl_run_gives_each_rank_its_rows_of_each_micro_batch(pools):

@@ -628,24 +628,46 @@ def pipelined_memory_per_rank(stages, plan, optimizer: str = "adamw") -> dict[st
 
 def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> dict[str, int]:
     """What the rank at `rank` along the pipeline axis holds: its stages' parameters, gradients, optimizer
-    state and gathered parameters, and each stage's activations for one micro-batch times the
-    micro-batches it holds at once under the schedule."""
+    state and gathered parameters, each stage's activations for one micro-batch times the micro-batches
+    it holds at once under the schedule, and torch's stage buffers (_stage_buffer_bytes). `peak` is the
+    larger of two moments, each with the gradient a micro-batch's backward makes before it is added to the
+    one held (the largest of the rank's): every micro-batch in flight, or the step's last backward, one
+    micro-batch's activations beside the buffers of the gradient buckets it fills."""
     mesh = stages[0].mesh
     axis_size = mesh.axis_sizes[mesh.axis_index(plan.axis)]
     in_flight = micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank)
     held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0,
-            "compute_copies": 0}
+            "compute_copies": 0, "stage_buffers": 0}
     host: dict[str, int] = {}  # offloaded stages' host memory, apart
+    arriving = buckets = 0
     for stage in stages_of_rank(rank, axis_size, len(stages), plan.schedule):
-        memory = memory_per_rank(stages[stage], optimizer)
-        for key in held:
+        program = stages[stage]
+        memory = memory_per_rank(program, optimizer)
+        for key in held.keys() - {"stage_buffers"}:
             held[key] += memory[key] * (in_flight if key == "activations" else 1)
         for key in (k for k in memory if k.startswith("host_")):
             host[key] = host.get(key, 0) + memory[key]
+        held["stage_buffers"] += plan.microbatches * _stage_buffer_bytes(stages, stage)
+        reduced = [_dtype(program.precision[1]) if program.precision else _dtype(p.dtype) for p in program.parameters]
+        arriving = max([arriving] + [_nbytes(p.local_shape, dtype) for p, dtype in zip(program.parameters, reduced)
+                                     if p.requires_grad])
+        buckets += sum(bucket.nbytes for bucket in program.buckets)
     held["total"] = sum(held.values())
-    held["peak"] = held["total"]  # micro-batches' activations and gradients are not walked: all at once
+    one_micro_batch = held["activations"] // in_flight
+    held["peak"] = held["total"] - held["activations"] + arriving + max(held["activations"], one_micro_batch + buckets)
     held.update(host)
     return held
+
+
+def _stage_buffer_bytes(stages, stage: int) -> int:
+    """One micro-batch's share of what torch's PipelineStage allocates for a stage once and keeps, a buffer
+    per micro-batch: the activations it receives from the stage before (every input but the first stage's)
+    and the gradients of its outputs it receives from the stage after (the next stage's inputs that carry
+    one)."""
+    received = 0 if stage == 0 else sum(slot_bytes(slot.local_shape, slot.dtype) for slot in stages[stage].inputs)
+    gradients = 0 if stage == len(stages) - 1 else sum(
+        slot_bytes(slot.local_shape, slot.dtype) for slot in stages[stage + 1].inputs if slot.requires_grad)
+    return received + gradients
 
 
 def default_machine() -> "Machine":

@@ -145,12 +145,15 @@ def _run_pipelined(compiled, rank: int, device: torch.device, steps: int, estima
     optimizer = torch.optim.AdamW([p for m in modules.values() for p in m.parameters() if p.requires_grad],
                                   lr=1e-3, fused=True)
     _with_optimizer_state(optimizer)
+    buffers = _stage_buffers(compiled, mine, device)
     set_up = held_bytes([t for m in modules.values() for t in (*m.parameters(), *m.buffers())] +
-                        [t for ts in inputs.values() for t in ts])
+                        [t for ts in inputs.values() for t in ts] + buffers)
+    def micro_batch() -> list[tuple[int, object]]:  # one micro-batch's forward through the rank's stages
+        return [(stage, modules[stage](*inputs[stage])) for stage in mine]
+
     peak, peak_after, seconds, issued = _steps(
-        rt, device, steps, set_up, optimizer,
-        lambda: [(stage, modules[stage](*inputs[stage])) for _ in range(held) for stage in mine],
-        functools.partial(_backward_micro_batches, modules=modules, stages=len(mine)))
+        rt, device, steps, set_up, optimizer, lambda: [micro_batch() for _ in range(held)],
+        functools.partial(_rest_of_step, micro_batch=micro_batch, modules=modules, count=plan.microbatches))
     planned: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
     for stage in mine:  # each micro-batch's collectives, and the gradient buckets' once a step
         program = compiled.stages[stage]
@@ -158,9 +161,10 @@ def _run_pipelined(compiled, rank: int, device: torch.device, steps: int, estima
         for phase, counts in program.collective_counts_by_axis().items():
             for key, count in counts.items():
                 per_step = once[(phase, key)]
-                planned[phase][key] = planned[phase].get(key, 0) + (count - per_step) * held + per_step
+                planned[phase][key] = planned[phase].get(key, 0) + (count - per_step) * plan.microbatches + per_step
     notes = [f"pipeline: stage(s) {', '.join(map(str, mine))} of {len(compiled.stages)}, {held} micro-batch(es) held "
-             f"at once ({plan.schedule}, {plan.microbatches} micro-batches); the sends between stages are not run"]
+             f"at once ({plan.schedule}, {plan.microbatches} micro-batches, each run); the sends between stages are "
+             f"not run"]
     if device.type != "cuda":
         notes.append("CPU: memory is tensor storage counted by pardsl (views and in-place writes make none); "
                      "times are this CPU's")
@@ -189,12 +193,36 @@ def _steps(rt, device: torch.device, steps: int, set_up: int, optimizer, forward
     return peak, peak_after, seconds, issued
 
 
-def _backward_micro_batches(outputs: list, modules: dict, stages: int) -> None:
-    """Backward of each micro-batch's stage outputs, the last forward's first; the stages synchronise
-    their gradients in the step's last backward only, as the pipeline's schedule has them."""
-    for index, (stage, result) in enumerate(reversed(outputs)):
-        modules[stage].sync_gradients = index >= len(outputs) - stages
-        _backward(result if isinstance(result, (tuple, list)) else (result,))
+def _rest_of_step(in_flight: list, micro_batch, modules: dict, count: int) -> None:
+    """After the forwards of the micro-batches a rank holds at once (`in_flight`), the rest of its step as
+    1F1B runs it: the oldest micro-batch's backward, then the next one's forward, until `count` have run
+    forward, then the backwards of those left (GPipe holds them all: its forwards, then its backwards).
+    Every micro-batch's gradients are added to those held; the stages synchronise them in the step's last
+    backward, as the pipeline's schedule has them."""
+    remaining = count - len(in_flight)
+    while in_flight:
+        for stage, result in reversed(in_flight.pop(0)):
+            modules[stage].sync_gradients = not in_flight and not remaining
+            _backward(result if isinstance(result, (tuple, list)) else (result,))
+            del result  # its activations go with it, as the schedule drops a micro-batch after its backward
+        if remaining:
+            in_flight.append(micro_batch())
+            remaining -= 1
+
+
+def _stage_buffers(compiled, mine: list[int], device: torch.device) -> list[torch.Tensor]:
+    """What torch's PipelineStage allocates for the rank's stages and keeps: a buffer per micro-batch for
+    each activation a stage receives (the dry run's own inputs are one micro-batch's) and for each
+    gradient of its outputs that the stage after sends back. Nothing arrives in them here."""
+    stages, microbatches = compiled.stages, compiled.pipeline.microbatches
+    buffers = []
+    for stage in mine:
+        received = [] if stage == 0 else stages[stage].inputs * (microbatches - 1)
+        returned = [] if stage == len(stages) - 1 else \
+            [slot for slot in stages[stage + 1].inputs if slot.requires_grad] * microbatches
+        buffers += [torch.empty(slot.local_shape, dtype=torch_dtype(slot.dtype), device=device)
+                    for slot in received + returned]
+    return buffers
 
 
 def _stage_inputs(compiled, stage: int, device: torch.device) -> list[torch.Tensor]:
