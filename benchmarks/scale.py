@@ -2,7 +2,8 @@
 published runs on H100s against their figures.
 
 1. LLaMA 3.2 shapes of 1 B and 3 B parameters (Hugging Face's LlamaForCausalLM) on meshes of 8 and 64
-   ranks — ZeRO-3 over 8, Megatron TP 8, and dp 8 × tp 8, each without and with full recomputation —
+   ranks — ZeRO-3 over 8, Megatron TP 8, dp 8 × tp 8, and 4 stages under 1F1B × tp 8 (8 micro-batches of
+   a sequence), each without and with full recomputation —
    each plan's rank 0 dry-run (`pardsl dryrun`: its shards at their real shapes, collectives answered by a
    fake process group) on this machine's CPU: measured peak and time per phase beside `explain`'s estimate,
    and whether the collectives issued are the plan's.
@@ -54,10 +55,12 @@ def megatron(axis: str, batch_axis: str | None = None) -> list[str]:
         [f"model.layers.*.{w}.weight : {p} @ {axis}" for w, p in MEGATRON.items()] + [f"lm_head.weight : S(0) @ {axis}"]
 
 
-PLANS = {  # name: (mesh, layouts, ranks a local batch of 1 is split over)
-    "ZeRO-3 over 8": ("dp = 8", zero3("dp"), 8),
-    "Megatron TP 8": ("tp = 8", megatron("tp"), 1),
-    "dp 8 × tp 8": ("dp = 8, tp = 8", megatron("tp", "dp"), 8),
+PLANS = {  # name: (mesh, layouts, sequences in the batch, further lines)
+    "ZeRO-3 over 8": ("dp = 8", zero3("dp"), 8, []),
+    "Megatron TP 8": ("tp = 8", megatron("tp"), 1, []),
+    "dp 8 × tp 8": ("dp = 8, tp = 8", megatron("tp", "dp"), 8, []),
+    # rank 0 runs the first of 4 stages, holding 4 of the 8 micro-batches (a sequence each) at once
+    "pp 4 × tp 8, 1F1B": ("pp = 4, tp = 8", megatron("tp"), 8, ["pipeline pp : schedule 1F1B, microbatches 8, cut balanced"]),
 }
 
 
@@ -119,10 +122,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         for shape in args.sizes:
-            for name, (mesh, layouts, batch_ranks) in PLANS.items():
+            for name, (mesh, layouts, batch, lines) in PLANS.items():
                 for recompute in ("none", "full"):
-                    extra = ["recompute model.layers.*"] if recompute == "full" else []
-                    report = dry_run(plan_text(shape, mesh, layouts, batch_ranks, args.seq, extra), folder)
+                    extra = lines + (["recompute model.layers.*"] if recompute == "full" else [])
+                    report = dry_run(plan_text(shape, mesh, layouts, batch, args.seq, extra), folder)
                     if "peak_bytes" not in report:
                         print(f"| {shape} | {name} | {recompute} | failed: {report.get('errors')} |")
                         continue
