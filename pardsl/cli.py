@@ -517,7 +517,18 @@ def _main(args, quiet) -> int:
             print(f"  point-to-point sends {between}, all ranks (measured): {report['sends']['forward']} forward, "
                   f"{report['sends']['backward']} backward")
         print(f"  step time: compiled {report['step_ms']['compiled']:.2f} ms, serial {report['step_ms']['serial']:.2f} ms")
+        if "memory" in report:
+            print(measured_memory_line(report["memory"], pipelined=compiled.pipeline is not None))
     return EXIT_OK if report["ok"] else EXIT_INPUT_ERROR
+
+
+def measured_memory_line(memory: dict, pipelined: bool) -> str:
+    """`pardsl run`'s line for the memory its ranks held at their peak, beside the plan's estimate."""
+    from pardsl.program.ir import format_bytes
+
+    whose = " (the rank that holds most)" if pipelined else ""
+    return (f"  memory (measured, first step): peak {', '.join(map(format_bytes, memory['peak_bytes']))} by rank; "
+            f"estimate {format_bytes(memory['estimated_bytes'])}{whose}")
 
 
 def _device_mistake(backend: str, device: str, nproc: int) -> str | None:

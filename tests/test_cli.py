@@ -154,6 +154,11 @@ def test_run_json_on_two_ranks_with_the_elastic_launcher(tmp_path):
     assert len(peaks) == 2 and all(peak >= 2 * 1_051_648 for peak in peaks)
     assert all(abs(estimated / peak - 1) < 0.15 for peak in peaks), (peaks, estimated)
     assert (tmp_path / "plan.json").exists()
+    # without --json, the same figures on a line of their own
+    line = cli.measured_memory_line({"peak_bytes": [2_201_600, 2_150_400], "estimated_bytes": 2_103_296}, False)
+    assert line == "  memory (measured, first step): peak 2.1 MiB, 2.1 MiB by rank; estimate 2.0 MiB"
+    assert cli.measured_memory_line({"peak_bytes": [1024], "estimated_bytes": 2048}, True).endswith(
+        "estimate 2.0 KiB (the rank that holds most)")
 
 
 @pytest.mark.parametrize("options, message", [
