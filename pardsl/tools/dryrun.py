@@ -148,6 +148,7 @@ def _run_pipelined(compiled, rank: int, device: torch.device, steps: int, estima
     buffers = _stage_buffers(compiled, mine, device)
     set_up = held_bytes([t for m in modules.values() for t in (*m.parameters(), *m.buffers())] +
                         [t for ts in inputs.values() for t in ts] + buffers)
+
     def micro_batch() -> list[tuple[int, object]]:  # one micro-batch's forward through the rank's stages
         return [(stage, modules[stage](*inputs[stage])) for stage in mine]
 
