@@ -451,3 +451,28 @@ def test_a_pipelined_model_saves_and_resumes_bit_for_bit_and_any_plan_loads_its_
     assert written_by("model.transformer.ln_f.weight") == [2]
     names = {name for name in source.tensors if not name.startswith("optimizer.")}
     assert [sorted(group["params"]) for group in source.document["optimizer"]["param_groups"]] == [sorted(names)]
+
+
+@pytest.mark.parametrize("policy", [None, "bf16"])
+def test_a_stage_sums_its_micro_batches_gradients_in_a_copy_it_owns(policy):
+    """Before the step's last backward a stage holds each gradient's sum over the micro-batches: a copy of
+    the first, in the dtype gradients are reduced in, each later one added to it in place (one gradient
+    beside the sum, not two). The tensors autograd hands over are left as they were: one may also be an
+    input's gradient, on its way to the stage before."""
+    import torch
+
+    from pardsl.runtime.parameter_sync import ParameterSync
+
+    stage = torch.nn.Module()
+    stage.held_gradients, stage.sync_gradients = {}, False
+    sync = ParameterSync(None, stage, [], [("all_reduce", ("dp",), [("w", 0, 1)])],
+                         precision=(torch.bfloat16, torch.float32) if policy else None)
+    dtype = torch.bfloat16 if policy else torch.float32
+    first, second, third = (torch.full((4,), v, dtype=dtype) for v in (1.0, 2.0, 0.5))
+    sync.arrive(0, 0, first)
+    held = stage.held_gradients[(0, 0)]
+    assert held.dtype == torch.float32 and held.data_ptr() != first.data_ptr()
+    sync.arrive(0, 0, second)
+    sync.arrive(0, 0, third)
+    assert stage.held_gradients[(0, 0)] is held and held.tolist() == [3.5] * 4
+    assert first.tolist() == [1.0] * 4 and second.tolist() == [2.0] * 4
