@@ -114,7 +114,7 @@ def save(model, optimizer, plan, steps_done: int, args, progress) -> None:
         progress.console.print(f"saved {folder}")
 
 
-def last_stage_loss(model, loss: torch.Tensor | None) -> float:
+def last_stage_loss(loss: torch.Tensor | None) -> float:
     """A pipelined step's loss, which only the last stage's ranks have, on every rank (rank 0 logs it)."""
     held = torch.tensor([0.0 if loss is None else loss.item(), 0.0 if loss is None else 1.0], dtype=torch.float64)
     dist.all_reduce(held)
@@ -172,7 +172,7 @@ def main(argv=None) -> None:
             if plan and plan.pipelined:  # forwards and backwards of the micro-batches, in the schedule's order
                 if killed:  # a pipelined step is forward and backward at once: before it
                     os.kill(os.getpid(), signal.SIGKILL)
-                loss = last_stage_loss(model, model.step(**plan.shard_inputs(**inputs)))
+                loss = last_stage_loss(model.step(**plan.shard_inputs(**inputs)))
             else:
                 out = model(**(plan.shard_inputs(**inputs) if plan else inputs))
                 if killed:

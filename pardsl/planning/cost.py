@@ -629,7 +629,7 @@ def pipelined_memory_per_rank(stages, plan, optimizer: str = "adamw") -> dict[st
 def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> dict[str, int]:
     """What the rank at `rank` along the pipeline axis holds: its stages' parameters, gradients, optimizer
     state and gathered parameters, each stage's activations for one micro-batch times the micro-batches
-    it holds at once under the schedule, and torch's stage buffers (_stage_buffer_bytes). `peak` is the
+    it holds at once under the schedule, and torch's stage buffers (stage_buffer_slots). `peak` is the
     larger of two moments, each with the gradient a micro-batch's backward makes before it is added to the
     one held (the largest of the rank's): every micro-batch in flight, or the step's last backward, one
     micro-batch's activations beside the buffers of the gradient buckets it fills."""
@@ -647,10 +647,11 @@ def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> d
             held[key] += memory[key] * (in_flight if key == "activations" else 1)
         for key in (k for k in memory if k.startswith("host_")):
             host[key] = host.get(key, 0) + memory[key]
-        held["stage_buffers"] += plan.microbatches * _stage_buffer_bytes(stages, stage)
-        reduced = [_dtype(program.precision[1]) if program.precision else _dtype(p.dtype) for p in program.parameters]
-        arriving = max([arriving] + [_nbytes(p.local_shape, dtype) for p, dtype in zip(program.parameters, reduced)
-                                     if p.requires_grad])
+        received, returned = stage_buffer_slots(stages, stage)
+        held["stage_buffers"] += plan.microbatches * sum(slot_bytes(s.local_shape, s.dtype) for s in received + returned)
+        reduce_dtype = _dtype(program.precision[1]) if program.precision else None
+        arriving = max([arriving] + [_nbytes(p.local_shape, reduce_dtype or _dtype(p.dtype))
+                                     for p in program.parameters if p.requires_grad])
         buckets += sum(bucket.nbytes for bucket in program.buckets)
     held["total"] = sum(held.values())
     one_micro_batch = held["activations"] // in_flight
@@ -659,15 +660,13 @@ def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> d
     return held
 
 
-def _stage_buffer_bytes(stages, stage: int) -> int:
-    """One micro-batch's share of what torch's PipelineStage allocates for a stage once and keeps, a buffer
-    per micro-batch: the activations it receives from the stage before (every input but the first stage's)
-    and the gradients of its outputs it receives from the stage after (the next stage's inputs that carry
-    one)."""
-    received = 0 if stage == 0 else sum(slot_bytes(slot.local_shape, slot.dtype) for slot in stages[stage].inputs)
-    gradients = 0 if stage == len(stages) - 1 else sum(
-        slot_bytes(slot.local_shape, slot.dtype) for slot in stages[stage + 1].inputs if slot.requires_grad)
-    return received + gradients
+def stage_buffer_slots(stages, stage: int) -> tuple[list, list]:
+    """What torch's PipelineStage keeps a buffer for, once allocated, one per micro-batch: each activation
+    the stage receives from the one before (the inputs of every stage but the first), and each gradient of
+    its outputs the stage after sends back (that stage's inputs that carry one)."""
+    received = [] if stage == 0 else list(stages[stage].inputs)
+    returned = [] if stage == len(stages) - 1 else [slot for slot in stages[stage + 1].inputs if slot.requires_grad]
+    return received, returned
 
 
 def default_machine() -> "Machine":

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pardsl.layouts.algebra import COLLECTIVE_KINDS
-from pardsl.planning.cost import default_machine, estimate, pipeline_rank_memory
+from pardsl.planning.cost import default_machine, estimate, pipeline_rank_memory, stage_buffer_slots
 from pardsl.program.codegen import load_module
 from pardsl.program.ir import format_bytes, torch_dtype
 from pardsl.runtime.core import Runtime
@@ -212,17 +212,15 @@ def _rest_of_step(in_flight: list, micro_batch, modules: dict, count: int) -> No
 
 
 def _stage_buffers(compiled, mine: list[int], device: torch.device) -> list[torch.Tensor]:
-    """What torch's PipelineStage allocates for the rank's stages and keeps: a buffer per micro-batch for
-    each activation a stage receives (the dry run's own inputs are one micro-batch's) and for each
-    gradient of its outputs that the stage after sends back. Nothing arrives in them here."""
-    stages, microbatches = compiled.stages, compiled.pipeline.microbatches
+    """The buffers torch's PipelineStage keeps for the rank's stages (cost.stage_buffer_slots), one per
+    micro-batch; the dry run's own inputs of a stage are one micro-batch's received ones. Nothing arrives
+    in them here."""
+    microbatches = compiled.pipeline.microbatches
     buffers = []
     for stage in mine:
-        received = [] if stage == 0 else stages[stage].inputs * (microbatches - 1)
-        returned = [] if stage == len(stages) - 1 else \
-            [slot for slot in stages[stage + 1].inputs if slot.requires_grad] * microbatches
+        received, returned = stage_buffer_slots(compiled.stages, stage)
         buffers += [torch.empty(slot.local_shape, dtype=torch_dtype(slot.dtype), device=device)
-                    for slot in received + returned]
+                    for slot in received * (microbatches - 1) + returned * microbatches]
     return buffers
 
 
