@@ -28,7 +28,7 @@ from pardsl.passes.fused_rotary import fuse_rotary_embeddings
 from pardsl.passes.liveness import release_dead_values
 from pardsl.passes.offload import offload_to_host
 from pardsl.passes.precision import apply_precision
-from pardsl.passes.recompute import recompute_layers, recomputed_within
+from pardsl.passes.recompute import activations_recomputing_all, recompute_layers, recomputed_within
 from pardsl.passes.reshard import reshard_after_forward
 from pardsl.planning.cost import (
     DEFAULT_BUCKET_MB,
@@ -38,7 +38,8 @@ from pardsl.planning.cost import (
     pipelined_memory_per_rank,
 )
 from pardsl.planning.inference import TypedGraph, infer
-from pardsl.planning.descent import searched_or_greedy
+from pardsl.planning import descent
+from pardsl.planning.descent import CompletedPlan, searched_or_greedy
 from pardsl.planning.pipeline_search import choose_pipeline, pipelined_step_seconds
 from pardsl.planning.search import memory_limit, wants_search
 from pardsl.program.codegen import render, render_pipeline
@@ -130,20 +131,76 @@ def _compile(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = 
         return _compile_pipelined(par, bucket_mb, machine)
     bound = bind(par) if bound is None else bound
     seconds = dict(bound.seconds)
-    if wants_search(bound):
+    limit = memory_limit(bound)
+    if limit is not None:
+        typed, program = _searched_with_recomputation(bound, machine or default_machine(), bucket_mb, limit, seconds)
+    elif wants_search(bound):
         typed, program = searched_or_greedy(bound, machine or default_machine(),
                                             lambda typed, limit: _lowered(typed, bucket_mb, limit), seconds)
+        program = _passes_after_lowering(program, typed)
     else:
         typed = timed(seconds, "infer", lambda: infer(bound))
         program = timed(seconds, "lower", lambda: _lowered(typed, bucket_mb, None))
-    program = _passes_after_lowering(program, typed)
-    limit = memory_limit(bound)
-    # over the bound, with nothing named to recompute: which layers to recompute is the compiler's choice
-    if limit is not None and not par.recomputes_written and memory_per_rank(program)["total"] > limit:
-        program = timed(seconds, "recompute", lambda: recomputed_within(program, typed, limit,
-                                                                       machine or default_machine()))
+        program = _passes_after_lowering(program, typed)
     source = timed(seconds, "codegen", lambda: render(program))
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
+
+
+# How many times the layout search runs again under a bound, each time counting activations as more
+# recomputation would leave them, down to every layer recomputed
+RECOMPUTATION_STEPS = 4
+
+
+def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, limit: int,
+                                 seconds: dict[str, float]) -> tuple[TypedGraph, LoweredProgram]:
+    """The layouts searched under the bound `limit` with what recomputation saves weighed in.
+
+    The search's integer programs count a plan's activations as lowering holds them; recomputation is a
+    pass after lowering. Where the file names what to recompute, the search runs again with each byte of
+    activations counted as the share the passes leave of it. Where it names nothing, recomputation is the
+    compiler's choice (recompute.recomputed_within: the fewest layers that bring a plan under the bound),
+    and it saves memory in another coin than the layouts: a layer made again costs its forward's compute
+    once more, a layout that shards more costs collectives. So the search runs again with activations
+    counted at shares from 1 (nothing recomputed) down to what a rank keeps with every layer recomputed, in
+    RECOMPUTATION_STEPS steps, each plan found given the recomputation it needs. Of the plans found, the
+    one the cost model rates fastest within the bound is kept. The steps stop at the first whose plan is
+    not rated faster than the best so far (where the bound does not bind, the second search finds the
+    first's plan again: one search more is what weighing recomputation costs there), and together they
+    get the time budget of one search (note N006 where they spend it)."""
+    written = bound.par.recomputes_written
+
+    def planned(weight: float):
+        spent: dict[str, float] = {}
+        typed, lowered = searched_or_greedy(bound, machine, lambda typed, limit: _lowered(typed, bucket_mb, limit),
+                                            spent, activation_weight=weight)
+        for stage, elapsed in spent.items():
+            seconds[stage] = seconds.get(stage, 0.0) + elapsed
+        passed = program = _passes_after_lowering(lowered, typed)
+        if not written and memory_per_rank(program)["total"] > limit:
+            program = timed(seconds, "recompute", lambda: recomputed_within(passed, typed, limit, machine))
+        plan = estimate(CompletedPlan(typed, program), machine)
+        return (plan.memory["total"] > limit, plan.step_s), typed, program, lowered, passed
+
+    best = planned(1.0)
+    _, typed, _, lowered, passed = best
+    counted = memory_per_rank(lowered)["activations"]
+    if written:
+        least = memory_per_rank(passed)["activations"]
+        weights = [least / counted] if counted and least < counted else []
+    else:
+        least = activations_recomputing_all(passed, typed, bound.par.memory_bound.span)
+        weights = [1.0 - step / RECOMPUTATION_STEPS * (1.0 - least / counted)
+                   for step in range(1, RECOMPUTATION_STEPS + 1)] if counted and least < counted else []
+    deadline = time.monotonic() + descent.SEARCH_BUDGET_S  # the steps together: one search's budget
+    for step, weight in enumerate(weights):
+        if time.monotonic() > deadline:
+            best[2].notes.append(descent.out_of_time_note(bound, f"weighing recomputation at {step} of {len(weights)} shares"))
+            break
+        found = planned(weight)
+        if not found[0] < best[0]:
+            break
+        best = found
+    return best[1], best[2]
 
 
 def mesh_shapes(ranks: int, axes: int) -> list[tuple[int, ...]]:

@@ -398,6 +398,68 @@ def test_under_a_bound_the_fewest_layers_are_recomputed_and_the_plan_runs_equal_
     assert report["ok"], report
 
 
+def test_under_a_bound_recomputation_is_weighed_against_the_layouts(pools, compile_par, monkeypatch):
+    """Data parallelism over 2 ranks, a bound the replicated model does not meet. The search alone shards
+    the weights (gathered for use: collectives in every layer) and, over the bound all the same, has layers
+    recomputed on top. Weighed together, plain data parallelism with two of the four layers recomputed is
+    kept: rated faster, within the bound, its only collectives the gradient buckets' all-reduces. It runs
+    equal to serial."""
+    from pardsl import compiler
+    from pardsl.planning.cost import default_machine, estimate
+    from pardsl.planning.search import memory_limit
+
+    text = ("mesh dp = 2\nmodel examples.language_models:Llama(vocab_size=256, n_layer=4, n_head=8, n_kv_head=4, "
+            "d_model=256, d_ff=512)\ninput input_ids : int64[8, 256] in [0, 256)\nmemory <= 50 %\n")
+    compiled = compile_par(text)
+    with monkeypatch.context() as patched:
+        patched.setattr(compiler, "RECOMPUTATION_STEPS", 0)  # the search once, recomputation chosen after it
+        after = compile_par(text, "after.par")
+    machine, limit = default_machine(), memory_limit(compiled.bound)
+    weighed, alone = estimate(compiled, machine), estimate(after, machine)
+    assert weighed.memory["total"] <= limit and alone.memory["total"] <= limit
+    assert weighed.step_s < 0.95 * alone.step_s, (weighed.step_s, alone.step_s)
+    assert after.program.collective_counts_by_axis()["forward"]["dp:all_gather"] > 0
+    assert compiled.program.collective_counts_by_axis() == {"forward": {}, "backward": {"dp:all_reduce": 2}}
+    for plan in (compiled, after):
+        (note,) = [n for n in plan.program.notes if n.code == "N007"]
+        assert note.message.startswith("recomputes layers.0 to layers.1 (2 of 4 layers, full) in backward")
+    report = run_on(pools, compiled, steps=2)
+    assert report["ok"], report
+
+
+def test_weighing_recomputation_stops_at_the_search_budget_and_says_so(compile_par, monkeypatch):
+    from pardsl.planning import descent
+
+    monkeypatch.setattr(descent, "SEARCH_BUDGET_S", 0.0)
+    compiled = compile_par("mesh dp = 2\nmodel examples.language_models:Llama(vocab_size=256, n_layer=4, n_head=8, "
+                           "n_kv_head=4, d_model=256, d_ff=512)\ninput input_ids : int64[8, 256] in [0, 256)\n"
+                           "memory <= 50 %\n")
+    notes = [n.message for n in compiled.program.notes if n.code == "N006"]
+    assert notes == ["the layout search stopped at its time budget of 0 s, after weighing recomputation at 0 of 4 "
+                     "shares: the best plan found so far is compiled"]
+
+
+def test_named_recomputation_is_counted_by_the_search(compile_par):
+    """Ring attention over cp 2, every layer named to recompute, under a bound. Counting activations as
+    lowering holds them, the search shards the weights over cp (gathered for use, their gradients
+    reduce-scattered); counting what the recomputed regions leave, it keeps them whole, which the cost
+    model rates faster."""
+    from pardsl.compiler import _lowered, _passes_after_lowering
+    from pardsl.planning.cost import default_machine, estimate
+    from pardsl.planning.descent import CompletedPlan, searched_or_greedy
+
+    text = ('mesh cp = 2\nmodel examples.hf_models:HFLlama(layers=2, attention="sdpa")\n'
+            "input input_ids : int64[1, 512] in [0, 256)\nmemory <= 60 %\nrecompute model.model.layers.*\n"
+            "layout {\n    input_ids : S(1)\n}\n")
+    compiled, machine = compile_par(text), default_machine()
+    typed, counted_whole = searched_or_greedy(compiled.bound, machine, lambda typed, limit: _lowered(typed, 25, limit), {})
+    assert counted_whole.collective_counts_by_axis()["forward"]["cp:all_gather"] > 0
+    counts = compiled.program.collective_counts_by_axis()
+    assert "cp:all_gather" not in counts["forward"] and "cp:reduce_scatter" not in counts["backward"]
+    recomputed = _passes_after_lowering(counted_whole, typed)  # its layers recomputed, as the file names them
+    assert estimate(compiled, machine).step_s < estimate(CompletedPlan(typed, recomputed), machine).step_s
+
+
 def test_recompute_searched_and_named_together_is_refused(compile_par):
     with pytest.raises(CompileError) as error:
         compile_par(recomputed(LLAMA_TP2, "recompute ?", "recompute layers.*"))

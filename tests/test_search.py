@@ -8,6 +8,7 @@ import re
 import pytest
 
 from pardsl.planning import search, solver
+from pardsl import compiler
 from pardsl.compiler import _lowered, compile_file, compile_text
 from pardsl.planning.descent import CompletedPlan
 from pardsl.planning.cost import DEFAULTS, LinkCost, Machine, estimate, memory_per_rank
@@ -200,6 +201,7 @@ def calls_counted(monkeypatch, name: str) -> list[int]:
 
 
 def test_repeated_layers_are_one_set_of_choices(compile_par, monkeypatch):
+    monkeypatch.setattr(compiler, "RECOMPUTATION_STEPS", 0)  # the search once, recomputation not weighed
     solved = programs_solved(monkeypatch)
     legal, priced = calls_counted(monkeypatch, "_legal"), calls_counted(monkeypatch, "_priced")
     compile_par("mesh tp = 2\n" + LLAMA.format(layers=2) + "memory <= 60 %\n")

@@ -374,6 +374,23 @@ def _made(program: LoweredProgram, name: str) -> Statement | None:
     return next((statement for statement in program.statements if name in statement.targets), None)
 
 
+def repeated_units(program: LoweredProgram, typed: TypedGraph) -> list[str]:
+    """The repeated layers the program runs (model.layers.0, .1, …), in order: what recomputation under a
+    bound chooses among."""
+    return list(dict.fromkeys(layer for layer in (repeated_layer(typed.bound.module_paths.get(s.node))
+                                                  for s in program.statements) if layer))
+
+
+def activations_recomputing_all(program: LoweredProgram, typed: TypedGraph, span) -> int:
+    """The bytes of activations a rank holds with every repeated layer of the program recomputed (`full`):
+    the least that recomputation can bring them to on this plan."""
+    units = repeated_units(program, typed)
+    if not units:
+        return memory_per_rank(program)["activations"]
+    again = recompute_layers(program, typed, tuple(RecomputeDecl(unit, "full", span, span) for unit in units))
+    return memory_per_rank(again)["activations"]
+
+
 def recomputed_within(program: LoweredProgram, typed: TypedGraph, limit: int, machine,
                       optimizer: str = "adamw") -> LoweredProgram:
     """Where the file bounds memory and names nothing to recompute, and the plan holds more than `limit`
@@ -384,8 +401,7 @@ def recomputed_within(program: LoweredProgram, typed: TypedGraph, limit: int, ma
     holds least (N003 says by how much it is over)."""
     if memory_per_rank(program, optimizer)["total"] <= limit:
         return program
-    units = list(dict.fromkeys(layer for layer in (repeated_layer(typed.bound.module_paths.get(s.node))
-                                                   for s in program.statements) if layer))
+    units = repeated_units(program, typed)
     bound = typed.bound.par.memory_bound
     candidates = []
     for policy in ("selective", "full"):

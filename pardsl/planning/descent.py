@@ -104,13 +104,13 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
     for i, order in enumerate(orders):
         out_of_time = time.monotonic() > deadline
         if out_of_time and plans:
-            stopped.append(_out_of_time(bound, f"{i} of {len(orders)} orders of the mesh axes"))
+            stopped.append(out_of_time_note(bound, f"{i} of {len(orders)} orders of the mesh axes"))
             break
         with contextlib.suppress(BoundUnmet):  # out of time with no plan yet: this order's, or the nearest
             plans.append(searched(unsized + order, start=start,
                                   nearest=not plans and (out_of_time or i == len(orders) - 1)))
         if out_of_time and i < len(orders) - 1:
-            stopped.append(_out_of_time(bound, f"{i + 1} of {len(orders)} orders of the mesh axes"))
+            stopped.append(out_of_time_note(bound, f"{i + 1} of {len(orders)} orders of the mesh axes"))
             break
     best = best_searched = min(plans, key=lambda plan: plan[0])  # the mesh's own order on a tie
     clock = time.perf_counter()
@@ -122,7 +122,7 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
         best = (theirs, greedy, greedy_program)
     if len(sized) > 1 and not stopped:
         best = descended(best, sized, searched, deadline,
-                          lambda: stopped.append(_out_of_time(bound, "the first moves of its descent")))
+                          lambda: stopped.append(out_of_time_note(bound, "the first moves of its descent")))
     (_, step_s), typed, program = best
     program.notes.extend(stopped)
     if not from_greedy:
@@ -166,8 +166,8 @@ def _search_span(bound: BoundPlan):
     return par.memory_bound.span if par.memory_bound is not None else written or par.mesh.span
 
 
-def _out_of_time(bound: BoundPlan, where: str) -> Diagnostic:
-    """Note N006: the search stopped at its budget, and where."""
+def out_of_time_note(bound: BoundPlan, where: str) -> Diagnostic:
+    """Note N006: the search stopped at its budget (SEARCH_BUDGET_S as it is now), and where."""
     return Diagnostic(
         "N006", f"the layout search stopped at its time budget of {SEARCH_BUDGET_S:.0f} s, after {where}: the "
         "best plan found so far is compiled", _search_span(bound),
