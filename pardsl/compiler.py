@@ -161,27 +161,33 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
     compiler's choice (recompute.recomputed_within: the fewest layers that bring a plan under the bound),
     and it saves memory in another coin than the layouts: a layer made again costs its forward's compute
     once more, a layout that shards more costs collectives. So the search runs again with activations
-    counted at shares from 1 (nothing recomputed) down to what a rank keeps with every layer recomputed, in
-    RECOMPUTATION_STEPS steps, each plan found given the recomputation it needs. Of the plans found, the
-    one the cost model rates fastest within the bound is kept. The steps stop at the first whose plan is
-    not rated faster than the best so far (where the bound does not bind, the second search finds the
-    first's plan again: one search more is what weighing recomputation costs there), and together they
-    get the time budget of one search (note N006 where they spend it)."""
+    counted at shares from 1 (nothing recomputed) down to what a rank keeps with every layer recomputed,
+    in RECOMPUTATION_STEPS steps, each plan found given the recomputation it needs. Of the plans found,
+    the one the cost model rates fastest within the bound is kept. The steps stop at the first whose plan
+    is not rated faster than the best so far (where the bound does not bind, the second search finds the
+    first's plan again: one search more is what weighing costs there); the search at 1 keeps its own time
+    budget (descent.SEARCH_BUDGET_S), and the steps share one more, passed down to their searches, so
+    weighing about doubles the search's time at most (note N006 where the steps spend it)."""
     written = bound.par.recomputes_written
 
-    def planned(weight: float):
+    def planned(weight: float, deadline: float = math.inf):
+        """The search's plan with activations counted `weight` times, through the passes, its layers
+        recomputed where the file names none and it holds more than the bound; rated by the cost model
+        (within the bound before over it; over it, the nearer first)."""
         spent: dict[str, float] = {}
         typed, lowered = searched_or_greedy(bound, machine, lambda typed, limit: _lowered(typed, bucket_mb, limit),
-                                            spent, activation_weight=weight)
+                                            spent, activation_weight=weight, deadline=deadline)
         for stage, elapsed in spent.items():
             seconds[stage] = seconds.get(stage, 0.0) + elapsed
         passed = program = _passes_after_lowering(lowered, typed)
         if not written and memory_per_rank(program)["total"] > limit:
             program = timed(seconds, "recompute", lambda: recomputed_within(passed, typed, limit, machine))
         plan = estimate(CompletedPlan(typed, program), machine)
-        return (plan.memory["total"] > limit, plan.step_s), typed, program, lowered, passed
+        over = plan.memory["total"] > limit
+        return (over, plan.memory["total"] if over else plan.step_s), typed, program, lowered, passed
 
     best = planned(1.0)
+    deadline = time.monotonic() + descent.SEARCH_BUDGET_S  # the steps together: one search's budget more
     _, typed, _, lowered, passed = best
     counted = memory_per_rank(lowered)["activations"]
     if written:
@@ -191,12 +197,11 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
         least = activations_recomputing_all(passed, typed, bound.par.memory_bound.span)
         weights = [1.0 - step / RECOMPUTATION_STEPS * (1.0 - least / counted)
                    for step in range(1, RECOMPUTATION_STEPS + 1)] if counted and least < counted else []
-    deadline = time.monotonic() + descent.SEARCH_BUDGET_S  # the steps together: one search's budget
     for step, weight in enumerate(weights):
         if time.monotonic() > deadline:
             best[2].notes.append(descent.out_of_time_note(bound, f"weighing recomputation at {step} of {len(weights)} shares"))
             break
-        found = planned(weight)
+        found = planned(weight, deadline)
         if not found[0] < best[0]:
             break
         best = found

@@ -427,6 +427,30 @@ def test_under_a_bound_recomputation_is_weighed_against_the_layouts(pools, compi
     assert report["ok"], report
 
 
+def test_a_bound_that_does_not_bind_costs_one_search_more(compile_par, monkeypatch):
+    """Under a loose bound the first share below 1 finds the plan the search found at 1, and weighing
+    stops there: two searches, nothing recomputed. Under a tight one it goes on while plans get faster."""
+    from pardsl import compiler
+
+    weights = []
+    real = compiler.searched_or_greedy
+
+    def counted(*args, **kwargs):
+        weights.append(kwargs["activation_weight"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "searched_or_greedy", counted)
+    text = ("mesh dp = 2\nmodel examples.language_models:Llama(vocab_size=256, n_layer=4, n_head=8, n_kv_head=4, "
+            "d_model=256, d_ff=512)\ninput input_ids : int64[8, 256] in [0, 256)\nmemory <= {} %\n")
+    loose = compile_par(text.format(90))
+    assert len(weights) == 2 and weights[0] == 1.0 and weights[1] < 1.0
+    assert loose.program.collective_counts_by_axis() == {"forward": {}, "backward": {"dp:all_reduce": 2}}
+    assert not [n for n in loose.program.notes if n.code in ("N003", "N007")]
+    weights.clear()
+    compile_par(text.format(50), "tight.par")
+    assert len(weights) > 2 and weights == sorted(weights, reverse=True)
+
+
 def test_weighing_recomputation_stops_at_the_search_budget_and_says_so(compile_par, monkeypatch):
     from pardsl.planning import descent
 

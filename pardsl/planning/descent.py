@@ -34,7 +34,7 @@ class CompletedPlan(NamedTuple):
 
 def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[TypedGraph, int | None], Any],
                        seconds: dict[str, float], kept: tuple[int, ...] = (), limit: int | None = None,
-                       activation_weight: float = 1.0) -> tuple[TypedGraph, Any]:
+                       activation_weight: float = 1.0, deadline: float = math.inf) -> tuple[TypedGraph, Any]:
     """The search decides one mesh axis at a time, so what it finds depends on the order the axes are
     decided in, and on some meshes the greedy completion of the same file is estimated faster still. It
     runs in every order of the axes that have more than one rank; of those plans and the greedy completion
@@ -45,7 +45,8 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
     completion has them (B), and every program starts from it. `limit` (default: the file's bound) is
     met by the plan's memory with its activations counted `activation_weight` times. `lowered(typed,
     limit)`: the plan's lowered program, which the cost model rates (lowering is a later stage's: the
-    compiler passes it in). Returns the plan kept and its lowered program."""
+    compiler passes it in). `deadline` (time.monotonic's): where it comes before the search's own budget
+    is spent, no order or move is started after it. Returns the plan kept and its lowered program."""
     limit = memory_limit(bound) if limit is None else limit
     seconds["search"] = seconds["lower"] = 0.0
     facts = timed(seconds, "search", lambda: graph_facts(bound))
@@ -94,7 +95,7 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
     unsized = tuple(a for a in range(bound.mesh.ndim) if a not in sized and a not in kept)
     greedy = timed(seconds, "greedy", lambda: infer(bound))
     start = greedy if kept else None
-    deadline = time.monotonic() + SEARCH_BUDGET_S
+    deadline = min(deadline, time.monotonic() + SEARCH_BUDGET_S)
     stopped: list[Diagnostic] = []  # note N006, where the search ran out of time
     # An order whose plan cannot meet the bound loses to one whose plan does: the plan nearest the bound
     # (two more programs, seconds at 32 layers) is looked for only in the last order, where no order
