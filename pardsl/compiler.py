@@ -28,7 +28,12 @@ from pardsl.passes.fused_rotary import fuse_rotary_embeddings
 from pardsl.passes.liveness import release_dead_values
 from pardsl.passes.offload import offload_to_host
 from pardsl.passes.precision import apply_precision
-from pardsl.passes.recompute import activations_recomputing_all, recompute_layers, recomputed_within
+from pardsl.passes.recompute import (
+    activations_recomputing_all,
+    recompute_layers,
+    recomputed_stages_within,
+    recomputed_within,
+)
 from pardsl.passes.reshard import reshard_after_forward
 from pardsl.planning.cost import (
     DEFAULT_BUCKET_MB,
@@ -361,6 +366,11 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         return program, [_passes_after_lowering(stage, typed) for stage in stages], plan
 
     program, stages, plan = timed(seconds, "lower", lower_pipelined)
+    # over the bound, with nothing named to recompute: which stages' layers to recompute is the compiler's
+    if limit is not None and not par.recomputes_written and pipelined_memory_per_rank(stages, plan)["total"] > limit:
+        stages, note = timed(seconds, "recompute", lambda: recomputed_stages_within(
+            stages, plan, typed, limit, machine or default_machine()))
+        program.notes.extend([note] if note else [])
     source = timed(seconds, "codegen", lambda: render_pipeline(stages, plan))
     memory_bound = _check_memory_bound(bound, program, pipelined_memory_per_rank(stages, plan), limit)
     return Compiled(par, bound, typed, program, source, seconds, memory_bound, plan, tuple(stages))

@@ -502,6 +502,31 @@ def test_recomputed_layers_in_pipeline_stages_run_equal_to_serial(pools, compile
     assert "forward_bytes" not in report["memory"]  # forwards and backwards interleave: no end of forward
 
 
+def test_under_a_bound_a_pipeline_recomputes_layers_of_the_rank_that_holds_most(pools, compile_par):
+    """1F1B over two stages of two layers, four micro-batches: the first rank holds the most micro-batches'
+    activations, so under a bound that only it exceeds, its layers are recomputed and the second rank's
+    are not (N007); every rank then holds to the bound, and the plan runs equal to serial."""
+    from pardsl.planning.cost import pipeline_rank_memory
+
+    text = open(os.path.join(REPO, "examples/hf_llama_pp2.par")).read().replace("layers=2", "layers=4").replace(
+        "layers.1", "layers.2").replace("int64[8, 16]", "int64[8, 64]")
+    plain = compile_par(text)
+    held = [pipeline_rank_memory(list(plain.stages), plain.pipeline, rank)["total"] for rank in range(2)]
+    assert held[0] > held[1]
+    bound = (held[0] + held[1]) // 2  # between the two ranks
+    compiled = compile_par(text + f"memory <= {bound // 1024} KiB\n", "bounded.par")
+    (note,) = [n for n in compiled.program.notes if n.code == "N007"]
+    assert note.message.startswith("recomputes model.model.layers.0")
+    assert "layers.2" not in note.message and "layers.3" not in note.message
+    assert not [n for n in compiled.program.notes if n.code == "N003"]
+    first, second = compiled.stages
+    assert first.recomputed_ops and not second.recomputed_ops
+    assert max(pipeline_rank_memory(list(compiled.stages), compiled.pipeline, rank)["total"]
+               for rank in range(2)) <= compiled.memory_bound
+    report = run_on(pools, compiled, steps=2)
+    assert report["ok"], report
+
+
 def test_explain_says_which_layers_are_made_again(compile_par):
     from pardsl.planning.cost import DEFAULTS, estimate
     from pardsl.tools.explain import report

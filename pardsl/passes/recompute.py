@@ -45,10 +45,11 @@ import re
 
 from pardsl.language.diagnostics import Diagnostic, DiagnosticSink
 from pardsl.language.syntax import RecomputeDecl
-from pardsl.planning.cost import estimate, memory_per_rank, repeated_layer
+from pardsl.planning.cost import estimate, memory_per_rank, pipeline_rank_memory, repeated_layer
 from pardsl.planning.descent import CompletedPlan
 from pardsl.planning.inference import TypedGraph
 from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement, Text, Var, format_bytes
+from pardsl.runtime.schedules import stages_of_rank
 
 # What a selective region keeps: the results of these statements (their calls), as well as every forward
 # collective's. An ATen statement among them is marked `rt.kept`, the runtime's calls keep their own
@@ -434,3 +435,48 @@ def recomputed_within(program: LoweredProgram, typed: TypedGraph, limit: int, ma
         ("write `recompute` lines to choose otherwise; `pardsl explain` shows what each layer keeps",),
         severity="note"))
     return again
+
+
+def recomputed_stages_within(stages: list[LoweredProgram], plan, typed: TypedGraph, limit: int, machine,
+                             optimizer: str = "adamw") -> tuple[list[LoweredProgram], Diagnostic | None]:
+    """A pipeline's recomputed_within: where the rank that holds most (`plan`, its PipelinePlan) holds more
+    than `limit`, the stages with repeated layers recomputed, one layer at a time on the rank that holds
+    most, its stages' layers in order, until every rank holds to the bound (under 1F1B the first rank
+    holds the most micro-batches' activations, so its layers go first); `full` or `selective`, whichever
+    leaves the slowest rank's stages faster, as the slowest rank paces the pipeline. Returns the stages
+    and note N007 saying which layers (None where nothing repeats)."""
+    mesh = stages[0].mesh
+    ranks = mesh.axis_sizes[mesh.axis_index(plan.axis)]
+    units = [repeated_units(stage, typed) for stage in stages]
+    if not any(units):
+        return stages, None
+    span = typed.bound.par.memory_bound.span
+
+    def rank_stages(rank: int) -> list[int]:
+        return stages_of_rank(rank, ranks, len(stages), plan.schedule)
+
+    candidates = []
+    for policy in ("selective", "full"):
+        counts, current = [0] * len(stages), list(stages)
+        while True:
+            held = [pipeline_rank_memory(current, plan, rank, optimizer)["total"] for rank in range(ranks)]
+            most = max(range(ranks), key=held.__getitem__)
+            stage = next((s for s in rank_stages(most) if counts[s] < len(units[s])), None)
+            if held[most] <= limit or stage is None:
+                break
+            counts[stage] += 1
+            current[stage] = recompute_layers(stages[stage], typed, tuple(
+                RecomputeDecl(unit, policy, span, span) for unit in units[stage][:counts[stage]]))
+        slowest = max(sum(estimate(CompletedPlan(typed, current[s]), machine, optimizer).step_s for s in rank_stages(rank))
+                      for rank in range(ranks))
+        candidates.append((max(held), slowest, current, counts, policy))
+    fits = [c for c in candidates if c[0] <= limit]
+    held, _, current, counts, policy = min(fits, key=lambda c: c[1]) if fits else min(candidates, key=lambda c: c[0])
+    named = ", ".join(units[s][0] if count == 1 else f"{units[s][0]} to {units[s][count - 1]}"
+                      for s, count in enumerate(counts) if count)
+    note = Diagnostic(
+        "N007", f"recomputes {named} ({sum(counts)} of {sum(map(len, units))} layers, {policy}) in backward to "
+        f"hold to the bound: {format_bytes(held)} on the rank that holds most", span,
+        ("write `recompute` lines to choose otherwise; `pardsl explain` shows what each layer keeps",),
+        severity="note")
+    return current, note
