@@ -66,6 +66,16 @@ def pools():
 
 
 @pytest.fixture
+def search_once(monkeypatch):
+    """Compile with the layout search run once under a bound and recomputation chosen for the plan it
+    finds, not weighed against the layouts (which searches again at lower shares of the activations): for
+    tests whose subject is something else. tests/test_recompute.py tests the weighing."""
+    from pardsl import compiler
+
+    monkeypatch.setattr(compiler, "RECOMPUTATION_STEPS", 0)
+
+
+@pytest.fixture
 def round_figures(monkeypatch):
     """Compile without a calibration file under tests/figures.py's ROUND_GLOO, not today's defaults."""
     from pardsl.planning import cost

@@ -358,6 +358,7 @@ def test_the_grouped_query_fold_needs_the_ranks_to_divide_the_key_value_heads():
     assert attention.kwargs["enable_gqa"] is True and attention.args[1].meta["val"].shape[1] == 4
 
 
+@pytest.mark.usefixtures("search_once")
 @pytest.mark.parametrize("model, inputs, what", [
     ('examples.hf_models:HFCausalLM(family="Falcon", kv_heads=8)', "input input_ids : int64[2, 16] in [0, 128)\n",
      "lifted"),

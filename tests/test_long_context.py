@@ -43,6 +43,7 @@ def test_the_sequence_stays_split_around_attention():
     assert _activation_share(at_16k) <= 0.3
 
 
+@pytest.mark.usefixtures("search_once")
 def test_a_split_sequence_trains_equal_to_serial(pools):
     check(pools, compile_text(_llama(2, 64, "60 %", batch=2), "examples/long.par"))
 

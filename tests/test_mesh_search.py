@@ -17,13 +17,8 @@ from .test_distributed import check
 GPT = "model examples.language_models:GPT(n_layer=2)\ninput idx : int64[4, 16] in [0, 256)\n"
 
 
-@pytest.fixture(autouse=True)
-def _shapes_searched_once(monkeypatch):
-    """Each shape's layouts searched once, recomputation chosen for the plan found: what these tests
-    compare is shapes, each compiled alike (tests/test_recompute.py weighs recomputation in the search)."""
-    from pardsl import compiler
-
-    monkeypatch.setattr(compiler, "RECOMPUTATION_STEPS", 0)
+# what these tests compare is shapes, each compiled alike: each shape's layouts searched once
+pytestmark = pytest.mark.usefixtures("search_once")
 
 
 def _compiled(mesh: str, rest: str = "memory <= 40 %\n", machine=None):

@@ -8,7 +8,6 @@ import re
 import pytest
 
 from pardsl.planning import search, solver
-from pardsl import compiler
 from pardsl.compiler import _lowered, compile_file, compile_text
 from pardsl.planning.descent import CompletedPlan
 from pardsl.planning.cost import DEFAULTS, LinkCost, Machine, estimate, memory_per_rank
@@ -200,8 +199,8 @@ def calls_counted(monkeypatch, name: str) -> list[int]:
     return calls
 
 
+@pytest.mark.usefixtures("search_once")
 def test_repeated_layers_are_one_set_of_choices(compile_par, monkeypatch):
-    monkeypatch.setattr(compiler, "RECOMPUTATION_STEPS", 0)  # the search once, recomputation not weighed
     solved = programs_solved(monkeypatch)
     legal, priced = calls_counted(monkeypatch, "_legal"), calls_counted(monkeypatch, "_priced")
     compile_par("mesh tp = 2\n" + LLAMA.format(layers=2) + "memory <= 60 %\n")
@@ -236,6 +235,7 @@ def _megatron_lm(text: str, model: str, tp: int) -> str:
 
 @pytest.mark.parametrize("model", ["llama", "gpt2", "bert"])
 @pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.usefixtures("search_once")
 def test_the_search_finds_megatrons_plan_or_one_estimated_cheaper(model, tp):
     """Rediscovery under gloo's defaults: nothing written but a bound that forces sharding (60 %); the
     search's plan meets it, and is estimated no slower and moves no more bytes than the fastest Megatron
@@ -557,6 +557,7 @@ layout {
 
 @pytest.mark.parametrize("scheme", ["layer_2d", "layer_2p5d", "layer_3d", "zero over two axes",
                                     "sequence parallel"])
+@pytest.mark.usefixtures("search_once")
 def test_the_search_counts_a_plans_memory_as_the_cost_model_does(compile_par, monkeypatch, scheme):
     """A move from the compiled plan (pair moves start from a plan, so the bound is not scaled for axes
     decided later): the memory row of its integer program, at the solution, is cost.memory_per_rank of the
