@@ -17,9 +17,9 @@ demo: install
 
 # Two workers, a test file each at a time: most of the suite is one process compiling, and a file's tests
 # share what they compile. On the 2-core development machine, from a clean clone with an empty inductor
-# cache, the suite's own time was 12 min 43 s to 13 min 37 s in the last three runs (the whole CI 12 min 55 s
-# to 13 min 49 s), after cuts from 14 min 40 s; one run took 15 min 3 s while the machine ran a quarter
-# slower. Cut before adding.
+# cache, the suite's own time was 12 min 14 s to 13 min 38 s in this stop's three runs (the whole CI 12 min
+# 24 s to 13 min 49 s; the slower two shared the machine with other work), after cuts from 14 min 40 s;
+# one run took 15 min 3 s while the machine ran a quarter slower. Cut before adding.
 test: install
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile
 
