@@ -14,6 +14,7 @@ import time
 import itertools
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from pardsl import __version__
 from pardsl.language.diagnostics import CompileError, Diagnostic
@@ -156,6 +157,16 @@ def _compile(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = 
 RECOMPUTATION_STEPS = 4
 
 
+class _SearchedPlan(NamedTuple):
+    """One plan of the search under a bound, as _searched_with_recomputation weighs it."""
+
+    rating: tuple[bool, float]  # over the bound, then what it holds where over, else its estimated step
+    typed: TypedGraph
+    program: LoweredProgram  # through the passes, with the layers chosen to recompute
+    lowered: LoweredProgram  # as lowering made it: activations as the search counted them
+    passed: LoweredProgram  # through the passes, before any layer is chosen to recompute
+
+
 def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, limit: int,
                                  seconds: dict[str, float]) -> tuple[TypedGraph, LoweredProgram]:
     """The layouts searched under the bound `limit` with what recomputation saves weighed in.
@@ -189,28 +200,28 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
             program = timed(seconds, "recompute", lambda: recomputed_within(passed, typed, limit, machine))
         plan = estimate(CompletedPlan(typed, program), machine)
         over = plan.memory["total"] > limit
-        return (over, plan.memory["total"] if over else plan.step_s), typed, program, lowered, passed
+        return _SearchedPlan((over, plan.memory["total"] if over else plan.step_s), typed, program, lowered, passed)
 
     best = planned(1.0)
     deadline = time.monotonic() + descent.SEARCH_BUDGET_S  # the steps together: one search's budget more
-    _, typed, _, lowered, passed = best
-    counted = memory_per_rank(lowered)["activations"]
+    counted = memory_per_rank(best.lowered)["activations"]
     if written:
-        least = memory_per_rank(passed)["activations"]
+        least = memory_per_rank(best.passed)["activations"]
         weights = [least / counted] if counted and least < counted else []
     else:
-        least = activations_recomputing_all(passed, typed, bound.par.memory_bound.span)
+        least = activations_recomputing_all(best.passed, best.typed, bound.par.memory_bound.span)
         weights = [1.0 - step / RECOMPUTATION_STEPS * (1.0 - least / counted)
                    for step in range(1, RECOMPUTATION_STEPS + 1)] if counted and least < counted else []
     for step, weight in enumerate(weights):
         if time.monotonic() > deadline:
-            best[2].notes.append(descent.out_of_time_note(bound, f"weighing recomputation at {step} of {len(weights)} shares"))
+            best.program.notes.append(descent.out_of_time_note(
+                bound, f"weighing recomputation at {step} of {len(weights)} shares"))
             break
         found = planned(weight, deadline)
-        if not found[0] < best[0]:
+        if not found.rating < best.rating:
             break
         best = found
-    return best[1], best[2]
+    return best.typed, best.program
 
 
 def mesh_shapes(ranks: int, axes: int) -> list[tuple[int, ...]]:
