@@ -279,7 +279,7 @@ def _waits_on_a_rank_that_ends(rank: int, port: int, results, stays_alive: bool 
 
 @pytest.mark.parametrize("stays_alive", [False, True])
 def test_a_wait_on_a_rank_that_has_ended_or_never_starts_fails_instead_of_hanging(stays_alive):
-    from pardsl.tools.pool import free_port
+    from pardsl.runtime.devices import free_port
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -348,23 +348,26 @@ def _made_again_after_a_new_process_group(rank: int, ports: list[int], results) 
 
 
 def test_a_new_process_group_gets_a_transport_of_its_own():
-    from pardsl.tools.pool import free_port
+    from pardsl.runtime.devices import free_port
 
+    got = _on_two_ranks(_made_again_after_a_new_process_group, [free_port(), free_port()], timeout=60)
+    assert got == {0: [(3.0, 1), (3.0, 1)], 1: [(3.0, 1), (3.0, 1)]}  # each group's first collective
+
+
+def _on_two_ranks(target, *args, timeout: float) -> dict:
+    """`target(rank, *args, results)` in two fresh processes: what each put in `results`, by rank."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    ports = [free_port(), free_port()]
-    processes = [context.Process(target=_made_again_after_a_new_process_group, args=(rank, ports, results))
-                 for rank in range(2)]
+    processes = [context.Process(target=target, args=(rank, *args, results)) for rank in range(2)]
     for process in processes:
         process.start()
     try:
-        got = dict(results.get(timeout=60) for _ in processes)
+        return dict(results.get(timeout=timeout) for _ in processes)
     finally:
         for process in processes:
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
-    assert got == {0: [(3.0, 1), (3.0, 1)], 1: [(3.0, 1), (3.0, 1)]}  # each group's first collective
 
 
 @dataclass(frozen=True)
@@ -429,7 +432,7 @@ def _attacked_rank(rank: int, port: int, ready, go, done, results) -> None:
     group.all_reduce_started(torch.ones(4))[0].wait()  # buffers made and their descriptors passed
     fds = len(os.listdir("/proc/self/fd"))
     if rank == 0:
-        ready.put(group._address[0].split("-")[1])
+        ready.put([address[1:].decode() for address in group._address])
     go.wait(60)
     sums = []
     for step in range(300):  # while the attackers send
@@ -455,7 +458,7 @@ def _attacker_commands() -> list[list[str]]:
 
 @pytest.mark.parametrize("as_user", ["same-user", "nobody"])
 def test_forged_datagrams_from_another_process_change_nothing_and_leak_nothing(as_user):
-    from pardsl.tools.pool import free_port
+    from pardsl.runtime.devices import free_port
 
     commands = _attacker_commands()
     if as_user == "nobody" and len(commands) < 2:
@@ -470,9 +473,9 @@ def test_forged_datagrams_from_another_process_change_nothing_and_leak_nothing(a
     for process in processes:
         process.start()
     try:
-        name = ready.get(timeout=60)
+        names = ready.get(timeout=60)
         go.set()
-        attackers = [subprocess.Popen([*attacker, "-c", source, name, "2"], cwd="/", stdout=subprocess.PIPE,
+        attackers = [subprocess.Popen([*attacker, "-c", source, *names], cwd="/", stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True) for _ in range(3)]
         sent = [subprocess.CompletedProcess(a.args, a.wait(timeout=60), *a.communicate()) for a in attackers]
         done.set()
@@ -492,7 +495,11 @@ def test_forged_datagrams_from_another_process_change_nothing_and_leak_nothing(a
         == sum(int(run.stdout) for run in sent) > 0
 
 
-def _forge(address: str, message: bytes, fds=()) -> None:
+def _addresses(tag: str, ranks: int) -> list[bytes]:
+    return [f"\0pardsl-{tag}-{rank}".encode() for rank in range(ranks)]
+
+
+def _forge(address: bytes, message: bytes, fds=()) -> None:
     sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
     sender.sendmsg([message], ancillary, 0, address)
@@ -513,7 +520,7 @@ def test_a_peers_datagrams_are_believed_only_in_range_and_in_order():
 
     me = os.getpid()
     fds_before = len(os.listdir("/proc/self/fd"))
-    group = SharedMemoryGroup(0, f"test{me}", [me, me], timeout_s=5)
+    group = SharedMemoryGroup(0, _addresses(f"test{me}", 2), [me, me], timeout_s=5)
     address = group._address[0]
     good = _memfd()
     reader, writer = os.pipe()
@@ -555,7 +562,7 @@ def test_a_send_to_a_full_queue_gives_up_at_the_deadline():
     from pardsl.runtime.shared_memory import SharedMemoryGroup
 
     me = os.getpid()
-    group = SharedMemoryGroup(0, f"full{me}", [me, me], timeout_s=1.5)
+    group = SharedMemoryGroup(0, _addresses(f"full{me}", 2), [me, me], timeout_s=1.5)
     stuck = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     stuck.bind(group._address[1])  # rank 1's socket, never read
     started = time.monotonic()
@@ -577,7 +584,7 @@ def test_a_dead_peer_is_noticed_within_seconds_while_datagrams_keep_arriving():
     ended = subprocess.Popen(["true"])
     ended.wait()
     me = os.getpid()
-    group = SharedMemoryGroup(0, f"dead{me}", [me, ended.pid], timeout_s=60)
+    group = SharedMemoryGroup(0, _addresses(f"dead{me}", 2), [me, ended.pid], timeout_s=60)
     flooding = threading.Event()
 
     def flood():
@@ -599,3 +606,65 @@ def test_a_dead_peer_is_noticed_within_seconds_while_datagrams_keep_arriving():
         group._socket.close()
     assert time.monotonic() - started < 5
     assert group.dropped["sender's rank and process disagree"] > 10
+
+
+# -- attacks: names taken before a rank binds its own ----------------------------------------------------
+
+_NAME_SQUATTER = r"""
+import socket, sys, time
+# Another user: whatever shared-memory socket name appears in /proc/net/unix, bind the names its siblings
+# would have (the same name with another rank's number) before the other ranks can.
+taken, seen, deadline = [], set(), time.monotonic() + float(sys.argv[1])
+while time.monotonic() < deadline:
+    with open("/proc/net/unix") as table:
+        names = {line.split()[-1][1:] for line in table if "@pardsl-" in line}
+    for name in names - seen:
+        seen.add(name)
+        stem = name.rsplit("-", 1)[0]
+        for candidate in [name] + [f"{stem}-{rank}" for rank in range(4)]:
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                s.bind("\0" + candidate)
+                taken.append(s)
+            except OSError:
+                pass
+print(len(seen))
+"""
+
+
+def _groups_formed_under_attack(rank: int, folder: str, tries: int, results) -> None:
+    import torch.distributed as dist
+
+    from pardsl.runtime.rendezvous import init_local_ranks
+    from pardsl.runtime.shared_memory import shared_memory_group
+
+    init_local_ranks("gloo", folder, rank, 2, 30)
+    formed = []
+    for _ in range(tries):
+        try:
+            group = shared_memory_group(dist.new_group([0, 1]))
+            work, summed = group.all_reduce_started(torch.ones(4))
+            work.wait()
+            formed.append(summed().tolist() == [2.0] * 4)
+        except Exception as error:  # the start-up the squatter stopped
+            formed.append(repr(error))
+            break
+    results.put((rank, formed))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("as_user", ["same-user", "nobody"])
+def test_a_name_bound_first_by_another_process_cannot_stop_start_up(as_user, tmp_path):
+    commands = _attacker_commands()
+    if as_user == "nobody" and len(commands) < 2:
+        pytest.skip("needs root and setpriv to run the attacker as another user")
+    squatter = subprocess.Popen([*commands[0 if as_user == "same-user" else 1], "-c", _NAME_SQUATTER, "30"],
+                                cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tries = 12
+    try:
+        got = _on_two_ranks(_groups_formed_under_attack, str(tmp_path), tries, timeout=120)
+    finally:
+        squatter.kill()
+        out, err = squatter.communicate()
+    assert got == {0: [True] * tries, 1: [True] * tries}, got
+    assert not err

@@ -4,6 +4,8 @@ transport where the group's ranks share a host, as one all-to-all of copies wher
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.distributed as dist
 
@@ -24,6 +26,24 @@ def device_mesh(mesh: Mesh, device_type: str):
     if key not in _MESH_CACHE:
         _MESH_CACHE[key] = init_device_mesh(device_type, mesh.axis_sizes, mesh_dim_names=mesh.axis_names)
     return _MESH_CACHE[key]
+
+
+def all_gather_json(value, group=None) -> list:
+    """Every rank's `value` (JSON data: dicts, lists, strings, numbers, booleans, None; tuples come back as
+    lists), in rank order. torch's all_gather_object unpickles what peers send, and a pickle is code: what
+    arrives here is parsed as JSON, never run, whoever managed to send it."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+    mine = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
+    size = dist.get_world_size(group)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
+    longest = max(int(length.item()) for length in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:mine.numel()] = mine
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(size)]
+    dist.all_gather(gathered, padded, group=group)
+    return [json.loads(data[:int(length.item())].cpu().numpy().tobytes()) for data, length in zip(gathered, lengths)]
 
 
 def collectives_by_all_to_all(backend: str) -> bool:

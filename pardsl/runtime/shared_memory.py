@@ -24,7 +24,9 @@ each other's bytes as something else. A wait gives up as gloo's would, after the
 timeout, and within a second where a peer's process has ended. Nothing goes through the file system, so
 nothing is left behind: the buffers go when the processes do.
 
-The socket names are abstract, so any process on the host can send to them. A datagram is believed only
+Each rank binds its socket to an abstract name of 128 random bits before the names are exchanged (as
+JSON, never a pickle), so no one can bind a rank's name before it does and stop the start-up. The socket
+names are abstract, so any process on the host can send to them. A datagram is believed only
 when the kernel's credentials on it (`SO_PASSCRED`) say it comes from a peer's own process (the pid the
 group exchanged for that rank, and this process's uid), it has exactly the message's size, and every field
 is in range: the sender's rank agrees with its pid, the collective number is the next one expected from that
@@ -42,6 +44,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import secrets
@@ -58,6 +61,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from pardsl.layouts.algebra import chunk_of_block
+from pardsl.runtime.collectives import all_gather_json
 
 # a datagram's kind: that a buffer has been read, or that one holds the sender's input to one of these
 _READ = 0
@@ -116,19 +120,33 @@ def shared_memory_group(group) -> SharedMemoryGroup | None:
 
 
 def _made(group) -> SharedMemoryGroup | None:
-    mine = (enabled() and _host_identity(), secrets.token_hex(8), os.getpid())
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    identities = {identity for identity, _, _ in everyone}
-    if len(identities) != 1 or None in identities or False in identities:
+    # Each rank binds its socket to a name of its own before anyone learns it: a name another user could
+    # work out beforehand (from another rank's, read in /proc/net/unix) could be bound first, and start-up
+    # would fail with EADDRINUSE.
+    own = bound_socket()
+    mine = [enabled() and _host_identity(), own.getsockname()[1:].hex(), os.getpid()]
+    everyone = all_gather_json(mine, group)
+    identities = {json.dumps(identity) for identity, _, _ in everyone}
+    if len(identities) != 1 or not everyone[0][0]:
+        own.close()
         return None
     try:  # a wait gives up when gloo's own would: after the group's timeout
         timeout_s = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     except (AttributeError, RuntimeError):
         timeout_s = 1800.0  # torch's default for gloo
-    made = SharedMemoryGroup(dist.get_rank(group), everyone[0][1], [pid for _, _, pid in everyone], timeout_s)
-    dist.barrier(group=group)  # every rank's socket is bound before any is sent to
+    addresses = [b"\0" + bytes.fromhex(name) for _, name, _ in everyone]
+    made = SharedMemoryGroup(dist.get_rank(group), addresses, [pid for _, _, pid in everyone], timeout_s, own)
+    dist.barrier(group=group)  # every rank's group is made before any is sent to
     return made
+
+
+def bound_socket(address: bytes | None = None) -> socket.socket:
+    """A datagram socket that is told its senders' credentials, bound to `address`, by default an abstract
+    name of 128 random bits."""
+    own = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    own.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # who sent each datagram, from the kernel
+    own.bind(address if address is not None else b"\0pardsl-" + secrets.token_hex(16).encode())
+    return own
 
 
 @dataclasses.dataclass
@@ -148,13 +166,14 @@ class _Buffer:
 class SharedMemoryGroup:
     """The transport of one process group on one rank: its socket, its buffers and the peers' it has mapped."""
 
-    def __init__(self, rank: int, name: str, pids: list[int], timeout_s: float = 1800.0):
+    def __init__(self, rank: int, addresses: list[bytes], pids: list[int], timeout_s: float = 1800.0,
+                 own: socket.socket | None = None):
+        """`addresses`: each rank's socket's; `own`: this rank's socket, bound to its address (bound here
+        where not given)."""
         self.rank, self.size, self.pids, self.timeout_s = rank, len(pids), pids, timeout_s
         self.peers = [r for r in range(self.size) if r != rank]
-        self._address = [f"\0pardsl-{name}-{r}" for r in range(self.size)]
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # who sent each datagram, from the kernel
-        self._socket.bind(self._address[rank])
+        self._address = list(addresses)
+        self._socket = own if own is not None else bound_socket(self._address[rank])
         self._uid = os.getuid()
         self._buffers: list[_Buffer] = []
         self._mapped: dict[tuple[int, int], torch.Tensor] = {}  # (peer, its buffer) → the memory

@@ -1,7 +1,7 @@
 """An attacker on the same host: forged, truncated, out-of-range and descriptor-laden datagrams sent to a
 shared-memory group's sockets. Plain Python, no torch, so that another user's system Python runs it.
 
-    python3 forge_datagrams.py NAME RANKS
+    python3 forge_datagrams.py NAME...    (each rank's socket's abstract name, rank order, without its NUL)
 """
 
 import os
@@ -20,7 +20,8 @@ def memfd_of_thousands(capacity: int = 4096) -> int:
     return fd
 
 
-def main(name: str, ranks: int) -> int:
+def main(names: list[str]) -> int:
+    ranks = len(names)
     sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     fd = memfd_of_thousands()
     sent = 0
@@ -30,7 +31,7 @@ def main(name: str, ranks: int) -> int:
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
         for _ in range(3):
             try:
-                sender.sendmsg([payload], ancillary, socket.MSG_DONTWAIT, f"\0pardsl-{name}-{target}")
+                sender.sendmsg([payload], ancillary, socket.MSG_DONTWAIT, "\0" + names[target])
                 sent += 1
                 return
             except BlockingIOError:  # a full queue: the rank is not reading just now
@@ -59,4 +60,4 @@ def main(name: str, ranks: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2])))
+    sys.exit(main(sys.argv[1:]))
