@@ -206,7 +206,7 @@ class Plan:
         return self.compiled.pipeline is not None
 
     def module(self, checkpoint: str | None = None, device: torch.device | str | None = None, loss_fn=None,
-               strict: bool = True):
+               strict: bool = True, verify: bool = True, allow_shared_folder: bool = False):
         """This rank's shards of the model, as a module that takes the serial model's arguments.
 
         With a checkpoint (a pardsl checkpoint folder, a `model.safetensors` file, or a Hugging Face folder
@@ -216,7 +216,9 @@ class Plan:
         and each parameter is made from what it did, one at a time, this rank keeping its shard.
         A pardsl checkpoint is checked whole before any of it is read, and must be of this plan's model;
         `strict=False` loads one saved from another model (a deliberate transfer), names matched as for a
-        Hugging Face checkpoint.
+        Hugging Face checkpoint. Each file of a pardsl checkpoint is checked against the sha256 its index
+        gives before it is read (`verify=False`: not); a checkpoint in a folder that other users could write
+        is refused unless `allow_shared_folder=True`.
 
         A pipelined plan gives a `PipelineModule`: this rank's stages, trained by `model.step(...)`. Its loss
         is the model's own (a scalar it returns, such as a Hugging Face model's `loss`), or
@@ -228,13 +230,15 @@ class Plan:
             generated = self._generated
             stages = {index: generated.STAGES[index](rt) for index in Pipeline.of_rank(generated, rt)}
             self._load(rt, [(stage, stage.PARAMETERS, stage.BUFFERS) for _, stage in sorted(stages.items())],
-                       checkpoint, strict)
+                       checkpoint, strict, verify=verify, allow_shared_folder=allow_shared_folder)
             return PipelineModule(self, Pipeline(generated, rt, stages, self._pipeline_loss(loss_fn)))
         spmd = self._generated.CompiledModule(rt)
-        self._load(rt, [(spmd, self._generated.PARAMETERS, self._generated.BUFFERS)], checkpoint, strict)
+        self._load(rt, [(spmd, self._generated.PARAMETERS, self._generated.BUFFERS)], checkpoint, strict,
+                   verify=verify, allow_shared_folder=allow_shared_folder)
         return ParallelModule(self, spmd)
 
-    def _load(self, rt, parts, checkpoint: str | None, strict: bool) -> None:
+    def _load(self, rt, parts, checkpoint: str | None, strict: bool, verify: bool = True,
+              allow_shared_folder: bool = False) -> None:
         """Fill each generated module of `parts` (module, its parameters' table, its buffers' table) with
         this rank's shards: from the checkpoint, else the factory's values."""
         if checkpoint is None:
@@ -247,7 +251,8 @@ class Plan:
             for module, _, buffers in parts:
                 for name, (attr, layout, _) in buffers.items():
                     getattr(module, attr).copy_(rt.shard(self.compiled.bound.buffer_values[name], layout))
-        load_model_state(parts, self, checkpoint, strict=strict)
+        load_model_state(parts, self, checkpoint, strict=strict, verify=verify,
+                         allow_shared_folder=allow_shared_folder)
 
     def _full_state(self):
         """Every parameter and buffer of the serial model by name, its values the factory's under the current

@@ -37,15 +37,16 @@ def _train_and_save(par: str, folder: str, scale: float = 1.0) -> str:
     return CheckpointSource(folder).document["save_id"]
 
 
-def _load(par: str, folder: str, strict: bool = True, optimizer: str = "AdamW"):
-    """On every rank: the model from `folder` under plan `par`, and its optimizer state; or the error."""
+def _load(par: str, folder: str, strict: bool = True, optimizer: str = "AdamW", **options):
+    """On every rank: the model from `folder` under plan `par`, and its optimizer state; or the error.
+    `options`: verify=, allow_shared_folder=, given to both loads."""
     import pardsl
 
     plan = pardsl.load(par)
     try:
-        model = plan.module(checkpoint=folder, strict=strict)
+        model = plan.module(checkpoint=folder, strict=strict, **options)
         opt = getattr(torch.optim, optimizer)(model.parameters(), lr=1e-2)
-        pardsl.load_optimizer_state(opt, model, folder, strict=strict)
+        pardsl.load_optimizer_state(opt, model, folder, strict=strict, **options)
     except (CheckpointError, KeyError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
     return {name: local.detach().clone() for name, local, _ in model.named_shards()}
@@ -261,3 +262,158 @@ def test_the_latest_complete_checkpoint_is_the_newest_published(saved, tmp_path)
     assert latest_checkpoint(str(runs)) == str(runs / "step-2")
     assert latest_checkpoint(str(tmp_path / "nothing-here")) is None
     assert copy.deepcopy(CheckpointSource(str(runs / "step-2")).document["metadata"]) == {"step": 1}
+
+
+def _save_with_save_id(par: str, folder: str, save_id: str) -> str:
+    """On every rank: `_train_and_save` with the save's id known beforehand (as another user watching the
+    folder could learn it), so that the names the save's temporary files had can be planted."""
+    import secrets
+
+    original = secrets.token_hex
+    secrets.token_hex = lambda nbytes=None: save_id
+    try:
+        return _train_and_save(par, folder)
+    finally:
+        secrets.token_hex = original
+
+
+def test_a_save_writes_through_no_symlink_planted_at_a_temporary_name(tmp_path, pools):
+    folder, outside = tmp_path / "ckpt", tmp_path / "outside"
+    folder.mkdir()
+    outside.mkdir()
+    save_id = "ab" * 8
+    planted = ["pardsl.index.json.tmp"] + [f"rank-{rank:05d}-of-00002.{save_id}.safetensors.tmp" for rank in (0, 1)]
+    for name in planted:
+        (outside / name).write_text("precious")
+        os.symlink(outside / name, folder / name)
+    pools(2).run_on_every_rank(functools.partial(_save_with_save_id, MLP_TP2, str(folder), save_id))
+    assert sorted(os.listdir(outside)) == sorted(planted)
+    assert all((outside / name).read_text() == "precious" for name in planted)
+    assert CheckpointSource(str(folder)).document["metadata"] == {"step": 1}
+
+
+def _save_or_refusal(par: str, folder: str, **options) -> str:
+    import pardsl
+
+    try:
+        pardsl.save(pardsl.load(par).module(), folder, **options)
+    except CheckpointError as error:
+        return str(error)
+    return "saved"
+
+
+def test_a_folder_others_can_write_is_refused_unless_allowed(saved, tmp_path, pools):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # anyone may replace its entries: no sticky bit
+    refused = pools(2).run_on_every_rank(functools.partial(_save_or_refusal, MLP_TP2, str(shared / "ckpt")))
+    assert refused[0] == refused[1] and refused[0].startswith(f"refusing to save to {shared / 'ckpt'}: {shared} is "
+                                                              "writable by others without the sticky bit")
+    assert "pass allow_shared_folder=True" in refused[0] and not os.path.exists(shared / "ckpt")
+    shutil.copytree(saved, shared / "copy")
+    with pytest.raises(CheckpointError, match=f"{shared} is writable by others without the sticky bit"):
+        CheckpointSource(str(shared / "copy"))
+    loaded = pools(2).run_on_every_rank(functools.partial(_load, MLP_TP2, str(shared / "copy")))
+    assert "pass allow_shared_folder=True" in loaded[0]
+    # the override, on save and on load
+    assert pools(2).run_on_every_rank(functools.partial(_save_or_refusal, MLP_TP2, str(shared / "ckpt"),
+                                                        allow_shared_folder=True)) == ["saved", "saved"]
+    loaded = pools(2).run_on_every_rank(functools.partial(_load, MLP_TP2, str(shared / "copy"),
+                                                          allow_shared_folder=True))
+    assert all(isinstance(rank, dict) for rank in loaded), loaded
+    # the sticky bit (as /tmp has it) keeps others from replacing what they do not own
+    os.chmod(shared, 0o1777)
+    assert CheckpointSource(str(shared / "copy")).document["metadata"] == {"step": 1}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user takes root")
+def test_a_folder_another_user_owns_is_refused(saved, tmp_path):
+    theirs = tmp_path / "theirs"
+    shutil.copytree(saved, theirs)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(CheckpointError, match=f"{theirs}: {theirs} is owned by uid 65534, not by you"):
+        CheckpointSource(str(theirs))
+    assert CheckpointSource(str(theirs), allow_shared_folder=True).document["metadata"] == {"step": 1}
+
+
+@pytest.mark.parametrize("step, saved_at", [(1, float("nan")), (1, 1e300), (1, float("inf")), (2, -1.0), (2, True)])
+def test_the_latest_checkpoint_is_the_last_saved_whatever_time_its_index_gives(step, saved_at, tmp_path, pools):
+    runs = tmp_path / "runs"
+    for saved in (1, 2):
+        pools(2).run_on_every_rank(functools.partial(_train_and_save, MLP_TP2, str(runs / f"step-{saved}")))
+    index = json.load(open(runs / f"step-{step}" / INDEX_FILE))
+    index["saved_at"] = saved_at  # a time no save has: the older save's, after the newer; the newer's, before
+    (runs / f"step-{step}" / INDEX_FILE).write_text(json.dumps(index))
+    assert latest_checkpoint(str(runs)) == str(runs / "step-2")
+    counters = [json.load(open(runs / f"step-{step}" / INDEX_FILE))["save_counter"] for step in (1, 2)]
+    assert counters[1] == counters[0] + 1
+
+
+def _overwrite_inside_a_weight(folder: str) -> str:
+    """4 KiB of a data file's tensor bytes replaced; its size, header and save id kept."""
+    name = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))[1]
+    file = os.path.join(folder, name)
+    with open(file, "r+b") as handle:
+        handle.seek(os.path.getsize(file) // 2)
+        handle.write(bytes(range(256)) * 16)
+    return name
+
+
+def test_changed_tensor_bytes_are_refused_unless_verification_is_off(saved, tmp_path, pools):
+    folder = str(tmp_path / "changed")
+    shutil.copytree(saved, folder)
+    name = _overwrite_inside_a_weight(folder)
+    refused = pools(2).run_on_every_rank(functools.partial(_load, MLP_TP2, folder))
+    assert any(f"file {name} does not hold the bytes saved: its sha256 is" in rank for rank in refused
+               if isinstance(rank, str)), refused
+    unverified = pools(2).run_on_every_rank(functools.partial(_load, MLP_TP2, folder, verify=False))
+    assert all(isinstance(rank, dict) for rank in unverified), unverified
+
+
+def test_a_checkpoint_without_content_hashes_loads_only_unverified(saved, tmp_path, pools):
+    folder = _damaged(saved, tmp_path, lambda index, folder: index.pop("sha256", None))
+    with pytest.raises(CheckpointError, match="gives no sha256 for file .* To load it unverified, pass verify=False"):
+        CheckpointSource(folder)
+    assert all(isinstance(rank, dict) for rank in
+               pools(2).run_on_every_rank(functools.partial(_load, MLP_TP2, folder, verify=False)))
+
+
+def _hf_folder(tmp_path, file: str):
+    """A Hugging Face folder whose index names `file` for tensor `w`; a safetensors file outside it."""
+    from safetensors.torch import save_file
+
+    hf, outside = tmp_path / "hf", tmp_path / "outside"
+    hf.mkdir()
+    outside.mkdir()
+    save_file({"w": torch.ones(2)}, str(outside / "x.safetensors"))
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {"w": file}}))
+    return hf, outside
+
+
+@pytest.mark.parametrize("file", ["../outside/x.safetensors", "ABSOLUTE", "link.safetensors"],
+                         ids=["dot-dot", "absolute", "symlink-out"])
+def test_a_hugging_face_index_naming_a_file_outside_its_folder_is_refused(tmp_path, file):
+    hf, outside = _hf_folder(tmp_path, str(tmp_path / "outside/x.safetensors") if file == "ABSOLUTE" else file)
+    os.symlink(outside / "x.safetensors", hf / "link.safetensors")
+    with pytest.raises(CheckpointError, match="its index names a file outside the folder"):
+        CheckpointSource(str(hf))
+
+
+def test_a_hugging_face_cache_snapshot_links_into_its_blobs(tmp_path):
+    """huggingface_hub's cache: snapshots/<revision>/ holds links to the files in ../../blobs/."""
+    from safetensors.torch import save_file
+
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    save_file({"w": torch.ones(2)}, str(repo / "blobs" / "0123"))
+    os.symlink("../../blobs/0123", repo / "snapshots" / "abc" / "model.safetensors")
+    assert torch.equal(CheckpointSource(str(repo / "snapshots" / "abc")).full("w"), torch.ones(2))
+
+
+@pytest.mark.parametrize("text", ["not json", "[]", '{"weight_map": {"w": 3}}'])
+def test_a_malformed_hugging_face_index_is_refused_with_a_message(tmp_path, text):
+    hf, _ = _hf_folder(tmp_path, "x.safetensors")
+    (hf / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(CheckpointError, match=f"{hf}: its index model.safetensors.index.json"):
+        CheckpointSource(str(hf))

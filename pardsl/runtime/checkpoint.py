@@ -15,23 +15,35 @@ the previous index and its files as they were. A loader checks the whole index b
 data: files inside the folder with the save's id and the sizes the index gives, pieces inside their
 tensor that cover each element exactly once, keys present at the shapes and dtypes given; and that the
 checkpoint is of the model that loads it. A checkpoint that fails a check is refused (CheckpointError),
-never loaded in part.
+never loaded in part. The index also gives each file's sha256, which a reader checks before its first
+read from the file, and a save counter, one more than any other save's beside it, which orders saves for
+`latest_checkpoint` whatever the clocks said.
+
+Checkpoints are saved and read only in folders no other user can change (UntrustedFolderError otherwise,
+unless `allow_shared_folder=True`): whoever can write a folder can put their files in place of the
+user's. A save's temporary files take random names, created where nothing is (O_EXCL, O_NOFOLLOW), so a
+link planted at a name a save would use is never written through.
 
 Loading reads, per rank, only the slices of the pieces that overlap what the rank holds under the plan
 it loads into (safetensors' `get_slice` reads those bytes alone), so a checkpoint saved under one mesh
 and layout loads under any other. A single `model.safetensors` file, or a Hugging Face folder with
-`model.safetensors.index.json`, is read the same way: each of its tensors is one whole piece.
+`model.safetensors.index.json`, is read the same way: each of its tensors is one whole piece (the files
+that index names held inside its folder, as pardsl's own index's are).
 """
 
 from __future__ import annotations
 
 import bisect
+import grp
+import hashlib
 import itertools
 import json
 import math
 import os
+import pwd
 import re
 import secrets
+import stat
 import time
 from dataclasses import dataclass
 
@@ -56,6 +68,11 @@ _DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF
 
 class CheckpointError(ValueError):
     """A checkpoint that is incomplete, damaged, or not of the model that loads it: refused as a whole."""
+
+
+class UntrustedFolderError(CheckpointError):
+    """A checkpoint folder, or a file in it, that another user could change (`allow_shared_folder=True` to
+    use it anyway)."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +137,10 @@ def _file_name(rank: int, world: int, save_id: str) -> str:
     return f"rank-{rank:05d}-of-{world:05d}.{save_id}.safetensors"
 
 
-_DATA_FILE = re.compile(r"rank-\d{5}-of-\d{5}(\.[0-9a-f]+)?\.safetensors(\.tmp)?")
+# a save's files, and the temporary files of saves that died part-way (an earlier pardsl's fixed `.tmp`)
+_STALE_FILE = re.compile(r"rank-\d{5}-of-\d{5}(\.[0-9a-f]+)?\.safetensors(\.([0-9a-f]+\.)?tmp)?"
+                         r"|pardsl\.index\.json(\.[0-9a-f]+)?\.tmp")
+_FUTURE_SLACK_S = 24 * 3600  # a `saved_at` later than now by more than clocks disagree is not a time a save had
 
 
 def _fsync(path: str) -> None:
@@ -130,6 +150,85 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _new_temporary(folder: str, name: str) -> tuple[int, str]:
+    """A new file beside `name` in `folder`, open for writing, and its path. Its name is random
+    and it is created only if nothing is there (O_EXCL), never through a symbolic link (O_NOFOLLOW): a
+    file another user placed at a name a save would use is never written through. Mode 0o666 less the
+    umask, as any file the user writes."""
+    temporary = os.path.join(folder, f"{name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    return fd, temporary
+
+
+def _sha256(handle) -> str:
+    """The sha256 of what `handle` (a binary file) holds, read from its start."""
+    handle.seek(0)
+    digest, buffer = hashlib.sha256(), bytearray(1 << 22)
+    view = memoryview(buffer)
+    while read := handle.readinto(buffer):
+        digest.update(view[:read])
+    return digest.hexdigest()
+
+
+def _untrusted_path(path: str) -> str | None:
+    """Why another user could change or replace what `path` (a file or folder) holds, else None: it or a
+    folder above it is owned by someone other than this user or root (an owner may rename what a folder
+    holds), or is writable by group or others; a folder with the sticky bit (as /tmp) excepted, where
+    others cannot rename what they do not own, and a group of this user's alone (a user private group,
+    under umask 002). The rule OpenSSH applies to ~/.ssh."""
+    me = os.geteuid()
+    path = os.path.realpath(path)
+    while True:
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:  # a folder a save has yet to make
+            info = None
+        if info is not None:
+            shielded = stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX
+            if info.st_uid not in (0, me):
+                return f"{path} is owned by uid {info.st_uid}, not by you (uid {me}) or root"
+            if info.st_mode & stat.S_IWOTH and not shielded:
+                return f"{path} is writable by others without the sticky bit"
+            if info.st_mode & stat.S_IWGRP and not shielded and not _group_of_mine_alone(info.st_gid):
+                return f"{path} is writable by its group (gid {info.st_gid}) without the sticky bit"
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
+def _group_of_mine_alone(gid: int) -> bool:
+    """Whether group `gid` is this user's private group: named as the user, with no other member."""
+    try:
+        user, group = pwd.getpwuid(os.geteuid()).pw_name, grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return group.gr_name == user and set(group.gr_mem) <= {user}
+
+
+def _check_trusted(path: str, allow_shared_folder: bool, refused: str) -> None:
+    """CheckpointError (message opening with `refused`) where another user could change `path`."""
+    why = None if allow_shared_folder else _untrusted_path(path)
+    if why:
+        raise UntrustedFolderError(f"{refused}: {why}, so another user could replace or redirect the "
+                                   "checkpoint's files. Keep checkpoints in folders only you can write (chown "
+                                   "them to yourself, chmod go-w), or pass allow_shared_folder=True if you trust "
+                                   "everyone who can write there")
+
+
+def _outside(folder: str, name, blobs: str | None = None) -> bool:
+    """Whether file `name` that an index names lies outside `folder`: not a plain name (a path, `..`, a
+    hidden name), or a symbolic link or anything else resolving elsewhere. `blobs`: a folder links may
+    lead into (a Hugging Face cache's, whose snapshot folders are links into it)."""
+    if not isinstance(name, str) or os.path.basename(name) != name or name.startswith("."):
+        return True
+    file = os.path.join(folder, name)
+    where = os.path.dirname(os.path.realpath(file))
+    if os.path.islink(file):
+        return blobs is None or where != blobs
+    return where != os.path.realpath(folder)
 
 
 def _key(name: str, offsets: tuple[int, ...]) -> str:
@@ -227,16 +326,19 @@ def _is_json(value) -> bool:
         return False
 
 
-def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metadata: dict | None = None) -> None:
+def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metadata: dict | None = None,
+         allow_shared_folder: bool = False) -> None:
     """Write this rank's shards of `model` (a ParallelModule, or a PipelineModule: its stages) and of
     `optimizer`'s state to folder `path`; `metadata` (JSON: the step, the data loader's position) is stored
     in the index with them, published by the same rename (`checkpoint_metadata` reads it back).
 
     Collective: every rank calls it. Returns once the checkpoint is published. Over an existing checkpoint,
-    the old one stays loadable until the new one is complete.
+    the old one stays loadable until the new one is complete. A folder that another user could write (or
+    one inside such a folder) is refused, unless `allow_shared_folder`.
     """
     if metadata is not None:
         json.dumps(metadata)  # fails here, on every rank alike, rather than after the files are written
+    _check_trusted(path, allow_shared_folder, f"refusing to save to {path}")
     rt = model.rt
     mesh = rt.mesh
     world = mesh.size
@@ -248,6 +350,7 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metad
     save_id = save_id[0]
     entries, optimizer_json = _entries(model, optimizer)
     os.makedirs(path, exist_ok=True)
+    _check_trusted(path, allow_shared_folder, f"refusing to save to {path}")  # as made, under this umask
 
     described = {}  # this rank's part of the index: every tensor it holds, and the pieces it writes
     mine = {}
@@ -264,18 +367,25 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metad
     written = None
     if mine:  # a rank whose copies another rank writes has no file
         file = os.path.join(path, file_name)
-        save_file({k: v.cpu() for k, v in mine.items()}, file + ".tmp",
+        fd, temporary = _new_temporary(path, file_name)
+        os.close(fd)
+        # safetensors writes to a path: the file made here, which no other user can replace in a folder they
+        # cannot write (checked above); from 0.8 on, a random file of its own that it renames over it
+        save_file({k: v.cpu() for k, v in mine.items()}, temporary,
                   metadata={"format": "pt", SAVE_ID_KEY: save_id})
-        _fsync(file + ".tmp")
-        os.replace(file + ".tmp", file)
+        with open(temporary, "rb") as handle:
+            digest = _sha256(handle)  # of the bytes on disk, as a loader will read them
+            os.fsync(handle.fileno())
+        os.replace(temporary, file)
         _fsync(path)
-        written = (os.path.basename(file), os.path.getsize(file))
+        written = (file_name, os.path.getsize(file), digest)
     parts = [(written, described, optimizer_json)]
     if dist.is_initialized():  # also the barrier: every rank's file is on disk before the index names it
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, (written, described, optimizer_json))
     if rank == 0:
         par = model.plan.compiled.par
+        written_files = [file for file, _, _ in parts if file is not None]
         index: dict[str, dict] = {}
         for _, theirs, _ in parts:
             for name, entry in theirs.items():
@@ -283,8 +393,10 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metad
         document = {
             "format": FORMAT,
             "save_id": save_id,
+            "save_counter": _next_save_counter(path),
             "saved_at": time.time(),
-            "files": dict(file for file, _, _ in parts if file is not None),
+            "files": {name: size for (name, size, _) in written_files},
+            "sha256": {name: digest for (name, _, digest) in written_files},
             "plan": {"path": par.source.path, "text": par.source.text, "model": par.model.text,
                      "mesh": dict(zip(mesh.axis_names, mesh.axis_sizes))},
             "tied": {name: list(names) for name, names in model.plan.compiled.bound.tied.items()
@@ -293,16 +405,19 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metad
             "optimizer": _merged_optimizer([optimizer_json for _, _, optimizer_json in parts]),
             "metadata": metadata,
         }
-        index_path = os.path.join(path, INDEX_FILE)
-        with open(index_path + ".tmp", "w", encoding="utf-8") as handle:
+        fd, temporary = _new_temporary(path, INDEX_FILE)
+        with open(fd, "w", encoding="utf-8") as handle:
             json.dump(document, handle, indent=1)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(index_path + ".tmp", index_path)  # the one step that publishes the save
+        os.replace(temporary, os.path.join(path, INDEX_FILE))  # the one step that publishes the save
         _fsync(path)
         for stale in os.listdir(path):  # earlier saves' files, and those of saves that died part-way
-            if _DATA_FILE.fullmatch(stale) and stale not in document["files"]:
-                os.remove(os.path.join(path, stale))
+            if _STALE_FILE.fullmatch(stale) and stale not in document["files"]:
+                try:
+                    os.remove(os.path.join(path, stale))
+                except OSError:  # another user's, in a sticky folder: the save is published, and unharmed by it
+                    pass
     if dist.is_initialized():
         dist.barrier()
 
@@ -311,14 +426,22 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metad
 # Reading
 
 
-def _checked_index(folder: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], list[Piece]]]]:
+def _refuse(folder: str, message: str, remedy: str = ""):
+    raise CheckpointError(f"{folder}: {message}; the checkpoint is refused, nothing was loaded"
+                          + (f". {remedy}" if remedy else ""))
+
+
+def _checked_index(folder: str, verify: bool = True, allow_shared_folder: bool = False) \
+        -> tuple[dict, dict[str, tuple[tuple[int, ...], list[Piece]]]]:
     """A pardsl checkpoint's index, and per tensor its shape and pieces, once every check holds; else
-    CheckpointError saying which does not. Reads the index and each file's header, no tensor data."""
+    CheckpointError saying which does not. Reads the index and each file's header, no tensor data; with
+    `verify`, the index must give each file's sha256 (which the reader checks before it reads the file)."""
     where = os.path.join(folder, INDEX_FILE)
 
-    def refuse(message: str):
-        raise CheckpointError(f"{folder}: {message}; the checkpoint is refused, nothing was loaded")
+    def refuse(message: str, remedy: str = ""):
+        _refuse(folder, message, remedy)
 
+    _check_trusted(where, allow_shared_folder, folder)
     try:
         with open(where, encoding="utf-8") as handle:
             document = json.load(handle)
@@ -336,15 +459,20 @@ def _checked_index(folder: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], 
         refuse("its index lists no files with their sizes")
     if not isinstance(tensors, dict):
         refuse("its index lists no tensors")
-    real_folder = os.path.realpath(folder)
+    hashes = document.get("sha256")
     headers = {}
     for name, size in files.items():
         file = os.path.join(folder, name)
-        if os.path.basename(name) != name or name.startswith(".") or os.path.islink(file) \
-                or os.path.dirname(os.path.realpath(file)) != real_folder:
+        if _outside(folder, name):
             refuse(f"its index names a file outside the folder: {name!r}")
         if not os.path.isfile(file):
             refuse(f"file {name} is missing (a save that did not finish, or a file removed)")
+        _check_trusted(file, allow_shared_folder, folder)
+        if verify and not (isinstance(hashes, dict) and isinstance(hashes.get(name), str)
+                           and re.fullmatch(r"[0-9a-f]{64}", hashes[name])):
+            refuse(f"its index gives no sha256 for file {name} (a checkpoint saved by a pardsl before content "
+                   "hashes), so its bytes cannot be checked", "To load it unverified, pass verify=False (and "
+                   "save it again to give it hashes)")
         if os.path.getsize(file) != size:
             refuse(f"file {name} has {os.path.getsize(file)} bytes; the index says {size} (a file cut short "
                    "or written over)")
@@ -419,29 +547,59 @@ def _coverage_error(shape: tuple[int, ...], pieces: list[Piece]) -> str | None:
     return None
 
 
+def _hugging_face_files(folder: str) -> list[str]:
+    """The files a Hugging Face folder's index names; CheckpointError where it cannot be read."""
+    try:
+        with open(os.path.join(folder, HF_INDEX_FILE), encoding="utf-8") as handle:
+            weight_map = json.load(handle).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+        _refuse(folder, f"its index {HF_INDEX_FILE} cannot be read ({type(error).__name__}: {error})")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        _refuse(folder, f"its index {HF_INDEX_FILE} has no weight_map of tensor names to file names")
+    return sorted(set(weight_map.values()))
+
+
+def _cache_blobs(folder: str) -> str | None:
+    """Where the files of `folder` may link to: the blobs of huggingface_hub's cache, where `folder` is one
+    of its snapshots (snapshots/<revision>/ holds links to ../../blobs/); else None."""
+    real = os.path.realpath(folder)
+    if os.path.basename(os.path.dirname(real)) != "snapshots":
+        return None
+    return os.path.join(os.path.dirname(os.path.dirname(real)), "blobs")
+
+
 class CheckpointSource:
     """Where each tensor's pieces lie: a pardsl checkpoint, a safetensors file, or a Hugging Face folder."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, verify: bool = True, allow_shared_folder: bool = False):
+        """`verify`: check each file of a pardsl checkpoint against the sha256 its index gives, before the
+        first read from it. `allow_shared_folder`: read a checkpoint that other users could have changed."""
         self.path = path
         self.document = None
         self._handles = {}
+        self._hashes = {}  # file: the sha256 it must have, checked when it is first opened
+        _check_trusted(path, allow_shared_folder, path)
         if os.path.isdir(path) and os.path.exists(os.path.join(path, INDEX_FILE)):
-            self.document, self.tensors = _checked_index(path)
+            self.document, self.tensors = _checked_index(path, verify, allow_shared_folder)
+            if verify:
+                self._hashes = dict(self.document["sha256"])
             return
         if os.path.isdir(path) and os.path.exists(os.path.join(path, HF_INDEX_FILE)):
-            with open(os.path.join(path, HF_INDEX_FILE), encoding="utf-8") as handle:
-                weight_map = json.load(handle)["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = _hugging_face_files(path)
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, HF_SINGLE_FILE)):
             files = [HF_SINGLE_FILE]
-        elif os.path.isfile(path):
+        elif os.path.isfile(path):  # the file named: no index to keep inside a folder
             self.path, files = os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]
         else:
             raise FileNotFoundError(f"{path}: neither a pardsl checkpoint ({INDEX_FILE}), a Hugging Face folder "
                                     f"({HF_INDEX_FILE} or {HF_SINGLE_FILE}) nor a safetensors file")
+        if os.path.isdir(path):  # held to the rules of pardsl's own index
+            for file in files:
+                if _outside(path, file, _cache_blobs(path)):
+                    _refuse(path, f"its index names a file outside the folder: {file!r}")
         self.tensors = {}
         for file in files:
+            _check_trusted(os.path.join(self.path, file), allow_shared_folder, path)
             handle = self._open(file)
             for key in handle.keys():
                 shape = tuple(handle.get_slice(key).get_shape())
@@ -449,7 +607,15 @@ class CheckpointSource:
 
     def _open(self, file: str):
         if file not in self._handles:
-            self._handles[file] = safe_open(os.path.join(self.path, file), framework="pt")
+            path = os.path.join(self.path, file)
+            if file in self._hashes:  # each rank hashes the files it reads from, not all of them
+                with open(path, "rb") as handle:
+                    digest = _sha256(handle)
+                if digest != self._hashes[file]:
+                    _refuse(self.path, f"file {file} does not hold the bytes saved: its sha256 is {digest}; the "
+                            f"index says {self._hashes[file]} (written over or damaged since the save)",
+                            "To load it unverified, pass verify=False")
+            self._handles[file] = safe_open(path, framework="pt")
         return self._handles[file]
 
     def find(self, names, by_suffix: bool = True) -> str | None:
@@ -505,15 +671,17 @@ class CheckpointSource:
 
 
 @torch.no_grad()
-def load_model_state(parts, plan, checkpoint: str, strict: bool = True) -> None:
+def load_model_state(parts, plan, checkpoint: str, strict: bool = True, verify: bool = True,
+                     allow_shared_folder: bool = False) -> None:
     """Fill the parameters (and the persistent buffers the checkpoint has) of what this rank holds, `parts`:
     (generated module, its parameters' table, its buffers' table), one module or a pipeline's stages, with
     this rank's slices of the checkpoint's tensors.
 
     A pardsl checkpoint must be of this plan's model (the same `model` line, and no tensor the model does
     not have), and its names match exactly; `strict=False` loads one saved from another model, matching
-    names also with leading module names dropped, as for a Hugging Face checkpoint."""
-    source = CheckpointSource(checkpoint)
+    names also with leading module names dropped, as for a Hugging Face checkpoint. `verify`,
+    `allow_shared_folder`: as for CheckpointSource."""
+    source = CheckpointSource(checkpoint, verify, allow_shared_folder)
     tied = plan.compiled.bound.tied
     if source.document is not None and strict:
         _check_same_model(source, plan, checkpoint)
@@ -555,42 +723,87 @@ def _check_same_model(source: CheckpointSource, plan, checkpoint: str) -> None:
                               + ". To load it anyway, pass strict=False")
 
 
-def checkpoint_metadata(checkpoint: str) -> dict | None:
-    """The `metadata` a pardsl checkpoint was saved with (after checking the whole checkpoint)."""
-    return CheckpointSource(checkpoint).document.get("metadata") if _is_pardsl(checkpoint) else None
+def checkpoint_metadata(checkpoint: str, verify: bool = True, allow_shared_folder: bool = False) -> dict | None:
+    """The `metadata` a pardsl checkpoint was saved with (after checking its index and files' headers)."""
+    if not _is_pardsl(checkpoint):
+        return None
+    return CheckpointSource(checkpoint, verify, allow_shared_folder).document.get("metadata")
 
 
 def _is_pardsl(path: str) -> bool:
     return os.path.isfile(os.path.join(path, INDEX_FILE))
 
 
-def latest_checkpoint(folder: str) -> str | None:
-    """The newest complete pardsl checkpoint among `folder`'s subfolders (and `folder` itself), by the time
-    its save was published; None where there is none. A save that did not finish, or a damaged checkpoint,
-    is passed over."""
+def _checkpoints_in(folder: str) -> list[str]:
+    """`folder` and those of its subfolders that hold a pardsl index (complete or not)."""
+    try:
+        entries = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [c for c in [folder] + [os.path.join(folder, entry) for entry in entries] if _is_pardsl(c)]
+
+
+def _save_counter(document: dict) -> int:
+    counter = document.get("save_counter")
+    return counter if _is_count(counter) else 0  # 0: saved by a pardsl before save counters
+
+
+def _next_save_counter(path: str) -> int:
+    """The counter of a save into `path`: one more than that of any save `latest_checkpoint` could weigh it
+    against (in `path` and its subfolders, and beside it in its parent's), complete or not."""
+    highest = 0
+    for candidate in _checkpoints_in(os.path.dirname(os.path.abspath(path))) + _checkpoints_in(path):
+        try:
+            with open(os.path.join(candidate, INDEX_FILE), encoding="utf-8") as handle:
+                document = json.load(handle)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(document, dict):
+            highest = max(highest, _save_counter(document))
+    return highest + 1
+
+
+def _time_saved(document: dict) -> float:
+    """The index's `saved_at` where it is a time a save could have had; else -inf (NaN, infinite,
+    negative, in the future, not a number)."""
+    saved_at = document.get("saved_at")
+    if isinstance(saved_at, (int, float)) and not isinstance(saved_at, bool) \
+            and 0 <= saved_at <= time.time() + _FUTURE_SLACK_S:  # NaN fails both comparisons
+        return float(saved_at)
+    return -math.inf
+
+
+def latest_checkpoint(folder: str, allow_shared_folder: bool = False) -> str | None:
+    """The newest complete pardsl checkpoint among `folder`'s subfolders (and `folder` itself): the one of
+    the highest save counter (each save's is one more than any beside it), of those saved alike the latest
+    `saved_at`; None where there is none. A save that did not finish, or a damaged checkpoint, is passed
+    over; one in a folder other users could change is refused (UntrustedFolderError), unless
+    `allow_shared_folder`. Files' contents are not hashed here: loading does that."""
     if not os.path.isdir(folder):
         return None
-    candidates = [folder] + [os.path.join(folder, entry) for entry in sorted(os.listdir(folder))]
-    newest, newest_at = None, None
-    for candidate in candidates:
-        if not _is_pardsl(candidate):
-            continue
+    _check_trusted(folder, allow_shared_folder, folder)
+    newest, newest_key = None, None
+    for candidate in _checkpoints_in(folder):
         try:
-            document, _ = _checked_index(candidate)
+            document, _ = _checked_index(candidate, verify=False, allow_shared_folder=allow_shared_folder)
+        except UntrustedFolderError:
+            raise
         except CheckpointError:
             continue
-        saved_at = document.get("saved_at")
-        if isinstance(saved_at, (int, float)) and (newest_at is None or saved_at > newest_at):
-            newest, newest_at = candidate, saved_at
+        key = (_save_counter(document), _time_saved(document))
+        if newest_key is None or key > newest_key:
+            newest, newest_key = candidate, key
     return newest
 
 
 @torch.no_grad()
-def load_optimizer_state(optimizer: torch.optim.Optimizer, model, checkpoint: str, strict: bool = True) -> None:
+def load_optimizer_state(optimizer: torch.optim.Optimizer, model, checkpoint: str, strict: bool = True,
+                         verify: bool = True, allow_shared_folder: bool = False) -> None:
     """Give `optimizer` (over `model.parameters()`, any plan) the state saved with `pardsl.save(...,
     optimizer=)`, resharded to this model's layouts, and the saved hyperparameters. The optimizer's class
-    must be the one saved (`strict=False`: any class, given the state it finds)."""
-    source = CheckpointSource(checkpoint)
+    must be the one saved (`strict=False`: any class, given the state it finds). `verify`,
+    `allow_shared_folder`: as for CheckpointSource."""
+    source = CheckpointSource(checkpoint, verify, allow_shared_folder)
     saved = source.document and source.document.get("optimizer")
     if not saved:
         raise ValueError(f"{checkpoint} holds no optimizer state (save it with pardsl.save(..., optimizer=opt))")
@@ -634,10 +847,12 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, model, checkpoint: st
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def export_checkpoint(checkpoint: str, output: str) -> list[str]:
+def export_checkpoint(checkpoint: str, output: str, verify: bool = True, allow_shared_folder: bool = False) \
+        -> list[str]:
     """Write a pardsl checkpoint's model tensors, whole, to one safetensors file (Hugging Face's format);
-    returns the names written. Optimizer state is left out."""
-    source = CheckpointSource(checkpoint)
+    returns the names written. Optimizer state is left out. `verify`, `allow_shared_folder`: as for
+    CheckpointSource."""
+    source = CheckpointSource(checkpoint, verify, allow_shared_folder)
     if source.document is None:
         raise ValueError(f"{checkpoint} is not a pardsl checkpoint (no {INDEX_FILE})")
     tensors = {name: source.full(name) for name in source.tensors if not name.startswith("optimizer.")}
@@ -645,5 +860,5 @@ def export_checkpoint(checkpoint: str, output: str) -> list[str]:
     return sorted(tensors)
 
 
-__all__ = ["CheckpointError", "save", "load_model_state", "load_optimizer_state", "export_checkpoint",
-           "checkpoint_metadata", "latest_checkpoint", "local_regions"]
+__all__ = ["CheckpointError", "UntrustedFolderError", "save", "load_model_state", "load_optimizer_state",
+           "export_checkpoint", "checkpoint_metadata", "latest_checkpoint", "local_regions"]
