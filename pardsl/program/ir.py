@@ -24,7 +24,9 @@ Kinds:
 
 from __future__ import annotations
 
+import keyword
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -352,3 +354,49 @@ def format_bytes(count: int) -> str:
         if count >= size:
             return f"{count / size:.1f} {unit}"
     return f"{count} B"
+
+
+# Text from outside the compiler (the .par file's name, the model's module paths, parameter and output names,
+# its arguments) becomes Python only through the three functions below. A name is any string (a config-driven
+# model keys its heads by name in an nn.ModuleDict): a line break in a comment or a quote in a string would end
+# it, and the rest of the name would run as a statement wherever the module is imported.
+
+# a coding declaration: on the module's first two lines it names the encoding Python reads the file in
+# (under utf-7, `+AAo-` is a line break), and where it is no codec the module does not import
+_CODING = re.compile(r"coding([:=])")
+
+
+def comment_text(value) -> str:
+    """`value` as the text of a `#` comment, on one line: every character that is not printable (each line
+    break str.splitlines knows, NUL and the other controls, a byte-order mark) as its escape (`\\n`,
+    `\\x00`, `\\u2028`), and a coding declaration's `:` or `=` as its escape. Printable text, non-ASCII
+    included, stays as it is."""
+    text = "".join(c if c.isprintable() else _escape(c) for c in str(value))
+    return _CODING.sub(lambda match: "coding" + _hex(match.group(1)), text)
+
+
+def python_literal(text: str) -> str:
+    """`text` as a Python string literal: repr's escapes (a backslash, the quote, every character that is not
+    printable), in double quotes as JSON writes them, so that a plain name reads `"fc1.weight"`."""
+    return '"' + "".join(_IN_LITERAL.get(c) or (c if c.isprintable() else _escape(c)) for c in text) + '"'
+
+
+def python_name(text: str) -> str:
+    """`text` as an identifier: ASCII letters, digits and underscores, any other character `_` (Python reads
+    identifiers NFKC-normalised, so `ﬁ` in code would be `fi`, and `²` is no identifier character), with
+    `p_` before one that would begin with a digit, be a keyword or be private (`__x`, renamed in a class)."""
+    name = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in text)
+    if not name or name[0].isdigit() or keyword.iskeyword(name) or name.startswith("__"):
+        name = "p_" + name
+    return name
+
+
+_IN_LITERAL = {"\\": "\\\\", '"': '\\"'}
+
+
+def _escape(character: str) -> str:
+    return repr(character)[1:-1]  # `\n`, `\x1c`, `\u2028`: the escape Python itself writes
+
+
+def _hex(character: str) -> str:
+    return f"\\x{ord(character):02x}"

@@ -57,6 +57,8 @@ from pardsl.program.ir import (
     Var,
     format_bytes,
     named_layout,
+    python_literal,
+    python_name,
 )
 from pardsl.runtime.parallel_ops import PROJECTIONS
 
@@ -97,8 +99,8 @@ _PLACEHOLDER = re.compile(r"@@(sync|bucket|gather|group)(\d+)@@")  # a bucket or
 
 
 def _attr_name(name: str, taken: set[str]) -> str:
-    base = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-    if base[0].isdigit() or hasattr(torch.nn.Module, base) or base in ("rt", "forward"):
+    base = python_name(name)
+    if hasattr(torch.nn.Module, base) or base in ("rt", "forward"):
         base = "p_" + base
     attr, k = base, 1
     while attr in taken:
@@ -565,8 +567,8 @@ class _Lowerer:
     def _step_call(self, step: ConversionStep, source: str, axis: str, target: str, reason: str,
                    rs_backward: bool, needs_grad: bool) -> tuple[Instruction, tuple[Collective, ...]]:
         method, kwargs = step_call(step, rs_backward)
-        expr = Instruction("convert", f"rt.{method}", (Var(source), Text(f'"{axis}"')),
-                           tuple((k, Text(f'"{v}"' if isinstance(v, str) else repr(v))) for k, v in kwargs.items()))
+        expr = Instruction("convert", f"rt.{method}", (Var(source), Text(python_literal(axis))),
+                           tuple((k, Text(python_literal(v) if isinstance(v, str) else repr(v))) for k, v in kwargs.items()))
         collectives = step_collectives(step)
         fwd = [kind for phase, kind, _ in collectives if phase == "forward"]
         bwd = [(kind, nbytes) for phase, kind, nbytes in collectives if phase == "backward"]
@@ -613,7 +615,7 @@ class _Lowerer:
             moved = format_bytes(sum(c.bytes for c in collectives))
             with self._moving(name):
                 self.emit(wrapper, Instruction("grad_sync", "rt.grad_all_reduce",
-                                               (Var(var), *(Text(f'"{a}"') for a in axes))),
+                                               (Var(var), *(Text(python_literal(a)) for a in axes))),
                           f"B read by {consumers} sharded consumer(s): all-reduce its gradient once "
                           f"({moved}, backward)", collectives, (layout,))
         return self.grad_wrapper[key]
@@ -665,7 +667,7 @@ class _Lowerer:
         elif vocab_axes:
             # Each rank holds a slice of the vocabulary: look up the ids it holds, zeros for the rest (P).
             expr = Instruction("masked_lookup", "rt.masked_embedding", (Var(operand_vars[0]), Var(operand_vars[1]),
-                                                                        *(Text(f'"{a}"') for a in vocab_axes)))
+                                                                        *(Text(python_literal(a)) for a in vocab_axes)))
         elif rule.drawn_as:
             # random: every rank draws serial's whole tensor and keeps its part of it, so the values are serial's
             splits = tuple((self.mesh.axis_names[a], p.dim, p.blocks) + ((True,) if p.mirrored else ())
@@ -774,7 +776,7 @@ class _Lowerer:
                       f"dim `{dim_name}`: {input_name}'s dim {index}{split}")
             if factor % needed.get(var, 1):  # the input's own split does not guarantee it
                 self.statements.append(Statement("", Instruction("check", "rt.require_divisible",
-                                                                 (Var(var), Text(str(needed[var])), Text(f'"{dim_name}"'))),
+                                                                 (Var(var), Text(str(needed[var])), Text(python_literal(dim_name)))),
                                                  f"a tensor splits `{dim_name}` {needed[var]} ways"))
         for node_name, expr in self.bound.scalars.items():
             self.emit(node_name, Instruction("expression", "", (Text(expr),)), "a size, global")
