@@ -2,13 +2,19 @@
 
 The output is deterministic: the same program gives the same bytes (no timestamps, no paths other than
 the one the user gave, dict orders fixed by the graph).
+
+Names and other text from outside (the .par file's path, module and parameter names, output paths, the
+model's arguments) reach the module only escaped (pardsl/program/ir.py): the templates pass every value
+they place in a comment through the `comment` filter (ir.comment_text), in a string through `literal`
+(ir.python_literal; the dicts and tuples made here are repr's, which escapes alike), in a docstring through
+`docstring`; a comment after code is escaped where its line is made (_commented); code names only
+identifiers made of names (ir.python_name), never a name itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import re
 import types
 
@@ -18,7 +24,8 @@ from pardsl import __version__
 from pardsl.language import shipped
 from pardsl.planning.cost import slot_bytes
 from pardsl.program.ir import (
-    Arg, Instruction, Items, LoweredProgram, Statement, Text, Var, format_bytes, named_layout,
+    Arg, Instruction, Items, LoweredProgram, Statement, Text, Var, comment_text, format_bytes, named_layout,
+    python_literal, python_name,
 )
 
 _COMMENT_COLUMN = 72
@@ -29,7 +36,21 @@ def _template(name: str = "module.py.j2") -> jinja2.Template:
     text = shipped.read_text("pardsl.templates", name)
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined, autoescape=False)
+    # `literal`, not Jinja's tojson: that writes a character beyond the BMP (𝔘) as a surrogate pair, which
+    # Python reads as two characters, not the name's one
+    env.filters.update(comment=comment_text, literal=python_literal, docstring=_docstring_text)
     return env.from_string(text)
+
+
+def _docstring_text(text: str) -> str:
+    """`text` inside a triple-quoted docstring: as a comment shows it (a class's docstring cannot hold a lone
+    surrogate: Python encodes it as UTF-8), in a literal's escapes, so that no quote of its own ends it."""
+    return python_literal(comment_text(text))[1:-1]
+
+
+def _commented(code: str, comment: str, column: int) -> str:
+    """A line of code and its comment after it, at `column` where the code leaves room."""
+    return f"{code.ljust(column)}  # {comment_text(comment)}"
 
 
 def _shape(shape) -> str:
@@ -82,7 +103,7 @@ def render_expression(instruction: Instruction) -> str:
 
 
 def _lines(statements) -> list[str]:
-    return [f"{code.ljust(_COMMENT_COLUMN)}  # {comment}" if comment is not None else code
+    return [_commented(code, comment, _COMMENT_COLUMN) if comment is not None else code
             for code, comment in _codes(statements)]
 
 
@@ -103,12 +124,16 @@ def _codes(statements) -> list[list]:
 
 def _region(statement) -> list[list]:
     """A recomputed region (pardsl/passes/recompute.py): a local function of its statements, and the line
-    that runs it under rt.recompute."""
-    function, _, *arguments = (_arg(a) for a in statement.instruction.args)
+    that runs it under rt.recompute. The function is named after the region's module path: an identifier
+    made of it here, whatever characters the path holds."""
+    instruction = statement.instruction
+    function = python_name(_arg(instruction.args[0]))
+    instruction = dataclasses.replace(instruction, args=(Text(function), *instruction.args[1:]))
+    _, _, *arguments = (_arg(a) for a in instruction.args)
     lines = [[f"def {function}({', '.join(arguments)}):", statement.comment]]
     lines += [["    " + code, comment] for code, comment in _codes(statement.body)]
     lines.append([f"    return {statement.target}", None])
-    lines.append([f"{statement.target} = {render_expression(statement.instruction)}", None])
+    lines.append([f"{statement.target} = {render_expression(instruction)}", None])
     return lines
 
 
@@ -129,12 +154,12 @@ def _resharded(program: LoweredProgram) -> list[str]:
 
 def _gathers(program: LoweredProgram) -> list[dict]:
     return [{"axis": g.axis, "comment": f"{g.members[0].unit or 'outside the layers'}, {format_bytes(sum(m.nbytes for m in g.members))}",
-             "members_text": ", ".join(f"({json.dumps(m.attr)}, {m.dim}, {m.blocks})" for m in g.members)}
+             "members_text": ", ".join(f"({python_literal(m.attr)}, {m.dim}, {m.blocks})" for m in g.members)}
             for g in program.gathers]
 
 
 def _buckets(program: LoweredProgram) -> list[dict]:
-    return [{"kind": b.kind, "axes": repr(tuple(b.axes)), "members_text": ", ".join(f"({json.dumps(m[0])}, {m[1]}, {m[2]})" for m in b.members),
+    return [{"kind": b.kind, "axes": repr(tuple(b.axes)), "members_text": ", ".join(f"({python_literal(m[0])}, {m[1]}, {m[2]})" for m in b.members),
              "comment": f"{format_bytes(b.nbytes)}; {len(b.members)} gradient{'s' if len(b.members) != 1 else ''}"}
             for b in program.buckets]
 
@@ -254,8 +279,7 @@ def _piece_call(run: list[Statement], later: set[str], sizes: set[str]) -> tuple
     body = [[canonical(s), _shared_comment(s)] for s in run if s.instruction.kind != "release"]
     signature = ", ".join(["rt"] + [names[n] for n in inputs] + [names[n] for n in weights] + list(dim_names.values()))
     lines = [f"def _piece({signature}):"] + \
-        [f"    {code.ljust(_COMMENT_COLUMN - 4)}  # {comment}" if comment else f"    {code}"
-         for code, comment in body] + \
+        ["    " + (_commented(code, comment, _COMMENT_COLUMN - 4) if comment else code) for code, comment in body] + \
         [f"    return ({''.join(names[n] + ', ' for n in results)})"]
     ops = sum(s.instruction.kind == "compute" for s in run)
     conversions = [s.comment for s in run if s.instruction.kind in ("convert", "grad_sync")]
