@@ -17,8 +17,10 @@ import contextlib
 import io
 import json
 import os
+import sys
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -193,3 +195,40 @@ def test_a_search_past_its_budget_compiles_the_best_plan_found_and_says_so(compi
     assert note.message == ("the layout search stopped at its time budget of 0 s, after 1 of 2 orders of the mesh "
                             "axes: the best plan found so far is compiled")
     assert (note.span.line, note.span.column) == (1, 1)  # the mesh the search lays the layouts over
+
+
+def test_the_time_limit_waits_out_torchs_own_code_and_stops_the_compile_soon_after():
+    """The alarm that ends a check at its time limit went off in torch.export's code, called from C++ that
+    cannot take an exception, and the process ended (SIGABRT, "terminate called after throwing an
+    instance of 'python_error'"). Here the alarm's handler is called in a module's forward pre-hook, torch's
+    code below it, as a pending alarm would be: it raises nothing there, and OutOfTime comes in the test's
+    own code soon after; report() raises it too, once the limit has passed."""
+    import signal
+
+    import torch
+
+    from pardsl.language.progress import OutOfTime, report, time_limit
+
+    returned = []
+
+    def alarm_here(module, args):
+        signal.getsignal(signal.SIGALRM)(signal.SIGALRM, sys._getframe())
+        returned.append(True)
+
+    layer = torch.nn.Identity()
+    layer.register_forward_pre_hook(alarm_here)
+    with pytest.raises(OutOfTime) as stopped:
+        with time_limit(0.01):
+            signal.setitimer(signal.ITIMER_REAL, 0)  # the alarm goes off in the hook below, and only there
+            time.sleep(0.02)
+            layer(torch.ones(1))
+            assert returned == [True]
+            while True:
+                time.sleep(0.001)
+    assert stopped.traceback[-3].name == "test_the_time_limit_waits_out_torchs_own_code_and_stops_the_compile_soon_after"
+
+    with pytest.raises(OutOfTime, match="searching the layouts"):
+        with time_limit(0.01):
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            time.sleep(0.02)
+            report("searching the layouts")

@@ -5,9 +5,13 @@ library prints nothing."""
 
 from __future__ import annotations
 
+import _weakrefset
 import contextlib
+import os
 import signal
+import sys
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -26,8 +30,16 @@ def reported_to(listener: Callable[[str], None]):
 
 
 def report(message: str) -> None:
+    """Tell the listeners; past a time limit (`time_limit`), raise OutOfTime here, a place it may be raised."""
     for listener in list(_listeners):
         listener(message)
+    if past_time_limit():
+        raise OutOfTime(message)
+
+
+def past_time_limit() -> bool:
+    """Whether a time limit in force (`time_limit`) has passed."""
+    return bool(_deadlines) and time.monotonic() >= min(_deadlines)
 
 
 # what each compile stage is doing, in words, for a terminal's status line
@@ -51,16 +63,43 @@ class OutOfTime(BaseException):
     handler of the user's model's own errors takes it for one of theirs."""
 
 
+# the deadlines (time.monotonic's) of the time limits in force, for report() to raise at
+_deadlines: list[float] = []
+# The alarm raises OutOfTime in whatever Python code it interrupts, but not in torch's: there it may be a
+# callback from C++ that cannot pass an exception on (a destructor), and an interrupted `check` in a
+# long-lived process ended it: "terminate called after throwing an instance of 'python_error'",
+# SIGABRT, under torch.export's proxy_call. Nor in a finalizer or a weakref callback, which swallows it
+# ("Exception ignored in"), the limit with it. Where it may not, it tries again this much later, and
+# report() raises it at the next stage or, while torch.export traces, at the next module call.
+_RETRY_S = 0.01
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_FINALIZERS = {weakref.__file__, _weakrefset.__file__}
+
+
+def _interruptible(frame) -> bool:
+    """Whether OutOfTime may be raised in `frame`: no frame in its calls is torch's, and it is no
+    finalizer."""
+    if frame is not None and (frame.f_code.co_name == "__del__" or frame.f_code.co_filename in _FINALIZERS):
+        return False
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_TORCH):
+            return False
+        frame = frame.f_back
+    return True
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float | None):
     """Within the block (in the main thread), OutOfTime once `seconds` have passed, naming the last stage
-    reported; no limit where `seconds` is None. An alarm already set (a test runner's timeout) still goes
+    reported: raised by the alarm where it may be (`_interruptible`), else a moment later or at the next
+    report(); no limit where `seconds` is None. An alarm already set (a test runner's timeout) still goes
     off when it would have, and is set again after the block."""
     if seconds is None:
         yield
         return
     last = ["parsing"]
     ours = time.monotonic() + seconds
+    finished = [False]
     previous = signal.signal(signal.SIGALRM, lambda signum, frame: expired(signum, frame))
     outer_delay, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
     outer = time.monotonic() + outer_delay if outer_delay > 0 else None
@@ -68,18 +107,36 @@ def time_limit(seconds: float | None):
         signal.setitimer(signal.ITIMER_REAL, outer_delay)
 
     def expired(signum, frame):
+        if finished[0]:  # an alarm that went off as the block ended
+            return
         if time.monotonic() >= ours - 1e-3:
-            raise OutOfTime(last[0])
+            if _interruptible(frame):
+                raise OutOfTime(last[0])
+            signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
+            return
         signal.setitimer(signal.ITIMER_REAL, max(ours - time.monotonic(), 1e-3))
         if callable(previous):  # the outer alarm's own time
             previous(signum, frame)
 
+    previous_hook = sys.unraisablehook
+
+    def unraisable(info):
+        if isinstance(info.exc_value, OutOfTime):  # swallowed all the same (a finalizer of the user's): again
+            signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
+        else:
+            previous_hook(info)
+
+    sys.unraisablehook = unraisable
+    _deadlines.append(ours - 1e-3)
     try:
         with reported_to(lambda message: last.__setitem__(0, message)):
             yield
     finally:
+        finished[0] = True
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        sys.unraisablehook = previous_hook
+        _deadlines.remove(ours - 1e-3)
         if outer is not None:
             signal.setitimer(signal.ITIMER_REAL, max(outer - time.monotonic(), 1e-3))
 
@@ -94,7 +151,7 @@ def modules_reported(stage: str, model: torch.nn.Module, every_s: float = 0.5):
 
     def counted(module, args):
         calls[0] += 1
-        if time.monotonic() - reported_at[0] > every_s:
+        if time.monotonic() - reported_at[0] > every_s or past_time_limit():  # report() raises OutOfTime
             reported_at[0] = time.monotonic()
             report(f"{stage}: {calls[0]} module calls traced (the model has {total} modules)")
 
