@@ -9,16 +9,24 @@ every error is located (line and column) with a known code, there is no tracebac
 and each file takes under 30 s (`check --time-limit`: a model too deep to trace in time is E090, saying
 how far its trace got; a search that runs out of its budget compiles the best plan found, N006).
 
+The same again in one long-lived process (an editor's or a notebook's), with examples stopped midway by
+a short time limit among them: no check may crash that process, break a later check or hang
+(fuzz_in_process, in a child process under faulthandler).
+
 `make test` runs a modest, derandomized number; `make fuzz` runs PARDSL_FUZZ_EXAMPLES (10,000) of each,
-20,000 in all, with a fresh seed and prints the figures.
+20,000 in all, and as many in one process, with a fresh seed and prints the figures.
 """
 
 import contextlib
+import glob
 import io
 import json
 import os
+import random
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -28,9 +36,12 @@ from pardsl import cli
 from pardsl.language.diagnostics import ERROR_CODES
 
 EXAMPLES = int(os.environ.get("PARDSL_FUZZ_EXAMPLES", "60"))
+# of each kind, checked one after another in one process (fuzz_in_process)
+IN_PROCESS_EXAMPLES = int(os.environ.get("PARDSL_FUZZ_EXAMPLES", "100"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEDS = ["examples/mlp.par", "examples/mlp_dp.par", "examples/mlp_inferred.par", "examples/mlp_zero3.par",
          "examples/tp_schemes/mlp_2d.par", "examples/tp_schemes/mlp_3d.par", "examples/mlp_pp2.par"]
-TEXTS = [open(path, encoding="utf-8").read() for path in SEEDS]
+TEXTS = [Path(path).read_text(encoding="utf-8") for path in SEEDS]
 ALPHABET = st.sampled_from(list("abcxyzSBP0123456789[](){}:=,@.*#-_ \n\t\"\\") +
                            ["\f", "\v", "\u2028", "\x85", "\ufeff", "é", "\x00", "𝔘"])
 NUMBERS = ["0", "-1", "1", "3", "7", "1000", "99999999999999999999", "2.5"]
@@ -123,21 +134,36 @@ def assembled(draw):
 
 
 def check(tmp_path, data: bytes) -> None:
-    path = tmp_path / "fuzz.par"
-    path.write_bytes(data)
+    problem = checked(str(tmp_path / "fuzz.par"), data)
+    assert problem is None, problem
+
+
+def checked(path: str, data: bytes, limit: float = TIME_LIMIT_S) -> str | None:
+    """`data` written to `path` and checked in this process under `limit`: None, or what is wrong with the
+    outcome."""
+    with open(path, "wb") as file:
+        file.write(data)
     out, err = io.StringIO(), io.StringIO()
     started = time.perf_counter()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(["check", str(path), "--json", "--time-limit", str(TIME_LIMIT_S)])
+        code = cli.main(["check", path, "--json", "--time-limit", str(limit)])
     seconds = time.perf_counter() - started
-    assert code in (0, 1), (code, data)
-    assert "Traceback" not in err.getvalue() and "internal compiler error" not in err.getvalue(), \
-        (data, err.getvalue()[-3000:])
-    report = json.loads(out.getvalue())
-    assert report["ok"] == (code == 0)
+    if code not in (0, 1):
+        return f"exit code {code} for {data!r}: {err.getvalue()[-3000:]}"
+    if "Traceback" in err.getvalue() or "internal compiler error" in err.getvalue():
+        return f"a traceback for {data!r}: {err.getvalue()[-3000:]}"
+    try:
+        report = json.loads(out.getvalue())
+    except ValueError:
+        return f"not one JSON object on stdout for {data!r}: {out.getvalue()[-3000:]!r}"
+    if report["ok"] != (code == 0):
+        return f"ok is {report['ok']} with exit code {code} for {data!r}"
     for error in report["errors"]:
-        assert error["code"] in ERROR_CODES and error["line"] and error["column"], (data, error)
-    assert seconds < 30, (seconds, data)
+        if error["code"] not in ERROR_CODES or not error["line"] or not error["column"]:
+            return f"an unlocated or unknown error {error} for {data!r}"
+    if seconds >= max(limit, TIME_LIMIT_S) + 5:
+        return f"a hang: {seconds:.1f} s under a limit of {limit} s for {data!r}"
+    return None
 
 
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize="PARDSL_FUZZ_EXAMPLES" not in os.environ,
@@ -160,7 +186,7 @@ def test_a_model_too_deep_to_trace_in_time_says_how_far_it_got(tmp_path):
     """A 1,000-layer LLaMA: `check --time-limit 12` ends in E090 at the model line within seconds of the
     limit (more where the suite's other worker is busy beside it), with the trace's progress, not after
     minutes."""
-    text = open("examples/llama_tp2.par", encoding="utf-8").read().replace("n_layer=2", "n_layer=1000")
+    text = Path("examples/llama_tp2.par").read_text(encoding="utf-8").replace("n_layer=2", "n_layer=1000")
     path = tmp_path / "deep.par"
     path.write_text(text)
     out = io.StringIO()
@@ -232,3 +258,87 @@ def test_the_time_limit_waits_out_torchs_own_code_and_stops_the_compile_soon_aft
             signal.setitimer(signal.ITIMER_REAL, 0)
             time.sleep(0.02)
             report("searching the layouts")
+
+
+# Files compiled whole in a second or two, checked under limits that stop them anywhere: in parsing, the
+# model's import and build, torch.export, the search, HiGHS
+INTERRUPTED = [path for path in sorted(glob.glob(os.path.join(REPO, "examples", "*.par")))
+               if not os.path.basename(path).startswith("hf_")]
+INTERRUPTED_LIMIT_S = (0.005, 0.5)
+
+
+@pytest.mark.timeout(300 + 3 * IN_PROCESS_EXAMPLES)
+def test_checks_in_one_long_lived_process_end_without_crash_traceback_or_hang(tmp_path):
+    """An editor or a notebook calls check again and again in one process: what one check leaves behind
+    (a time limit's alarm, torch's state, the solver's threads) must not crash, break or slow a later one.
+    Generated files and random bytes as above, and now and then an example under a limit that stops it
+    midway (a tenth as many). The checks run in a child process, so that a crash is this test's failure
+    with every thread's stack (faulthandler) and the input that caused it, not a dead pytest worker."""
+    seed = None if "PARDSL_FUZZ_EXAMPLES" not in os.environ else random.randrange(2 ** 32)
+    interrupted = max(1, IN_PROCESS_EXAMPLES // 10)
+    child = subprocess.run([sys.executable, "-m", "tests.test_fuzz", str(IN_PROCESS_EXAMPLES), str(IN_PROCESS_EXAMPLES),
+                            str(interrupted), "-" if seed is None else str(seed), str(tmp_path)],
+                           cwd=REPO, capture_output=True, text=True)
+    last = tmp_path / "last.par"
+    assert child.returncode == 0, (f"the process ended with {child.returncode} (seed {seed}) checking "
+                                   f"{last.read_bytes() if last.exists() else None!r}:\n{child.stderr[-20000:]}")
+    counts = json.loads(child.stdout.strip().splitlines()[-1])
+    print(f"in one process (seed {seed}): {counts}")
+    assert counts["inputs"] == 2 * IN_PROCESS_EXAMPLES + interrupted
+    assert counts["problems"] == 0, child.stderr[-20000:]
+
+
+def fuzz_in_process(generated: int, random_bytes: int, interrupted: int, seed: int | None, folder: str) -> dict:
+    """`generated` files, `random_bytes` byte strings and `interrupted` examples under a short limit through
+    `check`, all in this one process: the counts of inputs, problems and seconds. Each input is written to
+    `folder`/last.par before its check, so that a crash (which ends the process) leaves the input that
+    caused it behind; a check that takes far past its limit dumps every thread's stack and ends the
+    process."""
+    import faulthandler
+
+    from hypothesis import seed as hypothesis_seed
+
+    faulthandler.enable()
+    path = os.path.join(folder, "last.par")
+    counts = {"inputs": 0, "problems": 0, "slowest_s": 0.0, "most_past_limit_s": 0.0}
+
+    def one(data: bytes, limit: float = TIME_LIMIT_S) -> None:
+        faulthandler.dump_traceback_later(TIME_LIMIT_S + 35, exit=True)  # a hang, past checked()'s 30 s
+        started = time.perf_counter()
+        problem = checked(path, data, limit)
+        faulthandler.cancel_dump_traceback_later()
+        seconds = time.perf_counter() - started
+        counts["inputs"] += 1
+        counts["slowest_s"] = max(counts["slowest_s"], seconds)
+        counts["most_past_limit_s"] = max(counts["most_past_limit_s"], seconds - limit)
+        if problem is not None:
+            counts["problems"] += 1
+            print(f"PROBLEM {problem}", file=sys.stderr, flush=True)
+        if counts["inputs"] % 1000 == 0:
+            print(f"{counts['inputs']} inputs in {time.perf_counter() - begun:.0f} s", file=sys.stderr, flush=True)
+
+    def interrupt(example):
+        path, limit = example
+        with open(path, "rb") as file:
+            one(file.read(), round(limit, 3))
+
+    begun = time.perf_counter()
+    for source, count, test in (
+            (st.one_of(mutated_example(), assembled()), generated, lambda text: one(text.encode("utf-8", "surrogatepass"))),
+            (st.binary(max_size=300), random_bytes, lambda data: one(data)),
+            (st.tuples(st.sampled_from(INTERRUPTED), st.floats(*INTERRUPTED_LIMIT_S)), interrupted, interrupt)):
+        if not count:
+            continue
+        run = settings(max_examples=count, deadline=None, derandomize=seed is None, database=None,
+                       suppress_health_check=list(HealthCheck))(given(source)(test))
+        if seed is not None:
+            run = hypothesis_seed(seed)(run)
+        run()
+    counts["seconds"] = time.perf_counter() - begun
+    return counts
+
+
+if __name__ == "__main__":
+    generated, random_bytes, interrupted, seed, folder = sys.argv[1:6]
+    print(json.dumps(fuzz_in_process(int(generated), int(random_bytes), int(interrupted),
+                                     None if seed == "-" else int(seed), folder)))
