@@ -90,7 +90,7 @@ def _rank(rank: int, nproc: int, port: int, backend: str, repeats: int) -> None:
 def main() -> None:
     import torch.multiprocessing as mp
 
-    from pardsl.tools.pool import free_port
+    from pardsl.runtime.devices import free_port
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)

@@ -101,7 +101,7 @@ def run(tp: bool, schedule: str, m: int, steps: int) -> list[dict]:
             handle.write(PLAN.format(tp_axis=", tp = 2" if tp else "", schedule=schedule, m=m,
                                      layout=TP_LAYOUT if tp else ""))
         out = os.path.join(folder, "result")
-        from pardsl.tools.pool import free_port
+        from pardsl.runtime.devices import free_port
 
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0", os.path.abspath(__file__),

@@ -120,7 +120,7 @@ def main() -> None:
     from safetensors.torch import save_file
 
     from examples.hf_models import llama_causal_lm
-    from pardsl.tools.pool import free_port
+    from pardsl.runtime.devices import free_port
 
     kwargs = dict(layers=args.layers, hidden=args.hidden, heads=8, kv_heads=8, ffn=args.ffn, vocab=args.vocab)
     with tempfile.TemporaryDirectory() as folder:

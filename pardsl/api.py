@@ -28,6 +28,7 @@ from pardsl.model.loading import build_model, full_state, import_paths, load_fac
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, Machine, default_machine, machine_named
 from pardsl.planning.solver import LogMismatch, SolutionLog
 from pardsl.program.codegen import cannot_compile, load_module
+from pardsl.runtime.collectives import all_gather_json
 from pardsl.runtime.pieces import check_backend, collectives_in_graphs as in_graphs_by_default, compile_pieces
 from pardsl.runtime.checkpoint import load_model_state
 from pardsl.runtime.core import Runtime
@@ -99,8 +100,7 @@ def load(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine: str | Machine
 def _raise_on_every_rank(failure: str | None, error: Exception | None = None) -> None:
     """Collective: each rank's failure (None where it has none), gathered; where any rank has one, this
     rank raises `error`, its own, or else a RuntimeError naming the ranks that failed."""
-    failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
+    failures = all_gather_json(failure)
     if not any(failures):
         return
     if error is not None:

@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 
-from pardsl.tools.pool import free_port
+from pardsl.runtime.devices import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

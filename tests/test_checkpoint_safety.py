@@ -214,7 +214,7 @@ def _save_twice_and_die(rank: int, port: int, folder: str, results) -> None:
 
 
 def test_a_save_killed_between_ranks_leaves_the_previous_checkpoint_loadable(tmp_path, pools):
-    from pardsl.tools.pool import free_port
+    from pardsl.runtime.devices import free_port
 
     folder = str(tmp_path / "ckpt")
     context = multiprocessing.get_context("spawn")

@@ -19,7 +19,6 @@ import itertools
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import torch
@@ -34,7 +33,7 @@ from pardsl.runtime.collectives import (
     collectives_by_all_to_all,
     reduce_scatter_started,
 )
-from pardsl.runtime.devices import free_port
+from pardsl.runtime.rendezvous import init_local_ranks, private_folder
 from pardsl.runtime.shared_memory import shared_memory_group
 
 SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)  # bytes of one rank's tensor
@@ -109,13 +108,12 @@ def _matmuls_as_long_as(collective, matmul, device: torch.device) -> int:
     return int(count.item())
 
 
-def _rank(rank: int, nproc: int, port: int, backend: str, sizes, repeats: int, result_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, nproc: int, folder: str, backend: str, sizes, repeats: int, result_path: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=nproc, timeout=datetime.timedelta(seconds=120))
+    init_local_ranks(backend, folder, rank, nproc, 120)
     try:
         def back_to_back(function, calls: int):
             return lambda: [function() for _ in range(calls)], calls
@@ -184,9 +182,9 @@ def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, repeat
     """Measure on `nproc` local ranks; returns the machine and the raw points."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="pardsl-calibrate-") as folder:
+    with private_folder("pardsl-calibrate-") as folder:
         result_path = os.path.join(folder, "result.json")
-        mp.start_processes(_rank, args=(nproc, free_port(), backend, QUICK_SIZES if quick else SIZES,
+        mp.start_processes(_rank, args=(nproc, folder, backend, QUICK_SIZES if quick else SIZES,
                                         3 if quick else repeats, result_path),
                            nprocs=nproc, join=True, start_method="spawn")
         with open(result_path) as handle:

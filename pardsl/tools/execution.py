@@ -14,7 +14,7 @@ The tolerance follows the dtype: |compiled − serial| ≤ tol × max(1, max |se
 1e-4 for float32 and float64, 1e-2 for float16 and 5e-2 for bfloat16 (8 bits of mantissa: a sum computed
 in another order differs by several units in the last place).
 
-`launch` runs the ranks with torch's elastic launcher; `pardsl.pool.WorkerPool` runs the same
+`launch` runs the ranks as processes of this machine; `pardsl.pool.WorkerPool` runs the same
 `run_rank` on long-lived workers for the test suite.
 """
 
@@ -23,8 +23,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import datetime
-import inspect
 import json
 import logging
 import math
@@ -33,7 +31,6 @@ import pickle
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +45,7 @@ from pardsl.program.codegen import load_module
 from pardsl.runtime.pieces import collectives_in_graphs as in_graphs_by_default, compile_pieces
 from pardsl.runtime.core import Runtime
 from pardsl.runtime.devices import rank_device, resolve_device
+from pardsl.runtime.rendezvous import init_local_ranks, private_folder
 from pardsl.runtime.schedule import Pipeline, loss_output
 from pardsl.tools.memory import held_bytes, optimizer_state, peak_so_far
 
@@ -512,17 +510,17 @@ def combine(results: list[dict], job: RankJob) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# torch's elastic launcher
+# the ranks of a run, started as processes of this machine
 
 
-def _elastic_entry(job_path: str) -> dict:
-    with open(job_path, "rb") as file:
+def _rank_entry(job_path: str) -> dict:
+    with open(job_path, "rb") as file:  # written by `launch` into its private folder
         job = pickle.load(file)
     if job.stdout_to_stderr:
         sys.stdout = sys.stderr
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.mesh.size))
-    dist.init_process_group(job.backend, timeout=datetime.timedelta(seconds=job.timeout_s))
+    init_local_ranks(job.backend, os.path.dirname(job_path), int(os.environ["RANK"]), job.mesh.size, job.timeout_s)
     try:
         return run_rank(job)
     finally:
@@ -533,35 +531,39 @@ class RunFailed(RuntimeError):
     """A rank failed, exited or stopped making progress: the message says which and how."""
 
 
-def _watch(folder: str, ranks: int, stall_s: float, stop: threading.Event, verdict: list) -> None:
-    """End the ranks when none has made progress for `stall_s` seconds; name the one that fell behind
-    (the fewest events reached: the others wait for it in a collective it never entered)."""
+def _watch(folder: str, ranks: int, stall_s: float, stop: threading.Event, verdict: list, pids,
+           time_limit_s: float | None = None) -> None:
+    """End the ranks when none has made progress for `stall_s` seconds, naming the one that fell behind
+    (the fewest events reached: the others wait for it in a collective it never entered), or when the run
+    has taken `time_limit_s` seconds. `pids()`: the ranks' processes, once they are started."""
+    started = time.monotonic()
     while not stop.wait(0.5):
         records = {}
         for rank in range(ranks):
             with contextlib.suppress(OSError, ValueError):
                 with open(os.path.join(folder, f"rank-{rank}.json")) as handle:
                     records[rank] = json.load(handle)
-        if len(records) < ranks or time.time() - max(r["time"] for r in records.values()) < stall_s:
+        if time_limit_s is not None and time.monotonic() - started > time_limit_s:
+            verdict.append(f"the run did not finish within its time limit of {time_limit_s:g} s (--time-limit); "
+                           f"its ranks were ended")
+        elif len(records) == ranks and time.time() - max(r["time"] for r in records.values()) >= stall_s:
+            behind = min(records, key=lambda r: (records[r]["count"], records[r]["time"]))
+            record = records[behind]
+            verdict.append(f"rank {behind} stopped making progress: its last step was {record['what']!r}, "
+                           f"{time.time() - record['time']:.0f} s ago; the other ranks waited for it "
+                           f"(--stall-timeout {stall_s:g} s)")
+        else:
             continue
-        behind = min(records, key=lambda r: (records[r]["count"], records[r]["time"]))
-        record = records[behind]
-        verdict.append(f"rank {behind} stopped making progress: its last step was {record['what']!r}, "
-                       f"{time.time() - record['time']:.0f} s ago; the other ranks waited for it (--stall-timeout "
-                       f"{stall_s:g} s)")
-        for other in records.values():
+        for pid in pids():
             with contextlib.suppress(OSError):
-                os.kill(other["pid"], signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
         return
 
 
-def describe_failure(error: BaseException) -> str:
-    """One line per failed rank from the launcher's error: the exception a rank raised, its exit code, or
-    the signal that ended it — the first failure first."""
-    failures = getattr(error, "failures", None)
-    if not failures:
-        return str(error)
-    first = error.get_first_failure()[0] if hasattr(error, "get_first_failure") else min(failures)
+def describe_failure(failures: dict) -> str:
+    """One line per failed rank (torch's ProcessFailure records, by rank): the exception a rank raised, its
+    exit code, or the signal that ended it — the first failure first."""
+    first = min(failures, key=lambda rank: (failures[rank].timestamp, rank))
     lines = []
     for rank in [first] + sorted(r for r in failures if r != first):
         failure = failures[rank]
@@ -582,23 +584,20 @@ _HELD_INTERRUPT_RETRY_S = 0.05
 
 @contextlib.contextmanager
 def _ctrl_c_held_while_spawning():
-    """Ctrl-C while the launcher is spawning the ranks takes effect once they are all started and the
-    agent holds them (`LocalElasticAgent._start_workers` has returned). Taken at once, it leaves a rank
-    whose launcher closed the pipe before writing its start-up data (the rank prints multiprocessing's
-    EOFError traceback) or a started rank the agent does not yet know of (never ended). Once it holds
-    them, the agent's own clean-up ends them by SIGTERM. Where SIGINT is not Python's KeyboardInterrupt
-    (ignored in a background job, or the user's own handler), or outside the main thread, nothing
-    changes."""
+    """Ctrl-C while the ranks are being spawned takes effect once they are all started and held by their
+    process context (torch's `start_processes` has returned). Taken at once, it leaves a rank whose
+    launcher closed the pipe before writing its start-up data (the rank prints multiprocessing's EOFError
+    traceback) or a started rank nothing knows of (never ended). Once held, `launch` ends them by SIGTERM.
+    Where SIGINT is not Python's KeyboardInterrupt (ignored in a background job, or the user's own
+    handler), or outside the main thread, nothing changes."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
         return
     import torch.multiprocessing
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import start_processes
 
-    # unwrapped: torch's metrics decorator gives every agent method one wrapper's code, the monitor loop's too
-    spawning = (inspect.unwrap(LocalElasticAgent._start_workers).__code__,
-                torch.multiprocessing.start_processes.__code__)
+    spawning = (start_processes.__code__, torch.multiprocessing.start_processes.__code__)
     timers: list[threading.Timer] = []
 
     def send_again() -> None:
@@ -627,49 +626,60 @@ def _ctrl_c_held_while_spawning():
             raise KeyboardInterrupt
 
 
-def launch(job: RankJob, stall_s: float = 60.0) -> dict:
-    """Run `job` on mesh.size local processes with torch.distributed's elastic launcher. A rank that fails
-    or stops making progress for `stall_s` seconds ends the run with RunFailed, naming it."""
+def launch(job: RankJob, stall_s: float = 60.0, time_limit_s: float | None = None) -> dict:
+    """Run `job` on mesh.size processes of this machine, started by torch's process context (what its
+    launcher uses, with the same records of a rank's failure) and meeting in a FileStore of a private
+    folder: no port is opened for them to meet (pardsl/runtime/rendezvous.py). A rank that fails or stops
+    making progress for `stall_s` seconds, or a run longer than `time_limit_s`, ends the run with
+    RunFailed, naming what happened."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # a failing rank is reported once, by pardsl
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.mesh.size)))
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=job.mesh.size, run_id=f"pardsl-{os.getpid()}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn", signals_to_handle=",".join(number.name for number in _LAUNCHER_SIGNALS),
-    )
-    with tempfile.TemporaryDirectory(prefix="pardsl-progress-") as folder:
+    ranks = job.mesh.size
+    with private_folder("pardsl-run-") as folder:
         job = dataclasses.replace(job, progress_dir=folder)
-        # The ranks read the job from a file: a job larger than a pipe's buffer would keep the launcher
+        # The ranks read the job from a file: a job larger than a pipe's buffer would keep this process
         # writing it while a rank imports torch, and a Ctrl-C then would leave that rank a truncated pickle.
         job_path = os.path.join(folder, "job.pickle")
         with open(job_path, "wb") as file:
             pickle.dump(job, file)
+        context = None
         stop, verdict = threading.Event(), []
-        watchdog = threading.Thread(target=_watch, args=(folder, job.mesh.size, stall_s, stop, verdict), daemon=True)
+        watchdog = threading.Thread(target=_watch, daemon=True, args=(
+            folder, ranks, stall_s, stop, verdict, lambda: list(context.pids().values()) if context else [],
+            time_limit_s))
         watchdog.start()
-        # The launcher turns the signals it handles into its own exception, forwards that signal to the
-        # ranks and leaves its handlers installed. Ctrl-C must stay a KeyboardInterrupt for the caller, and
-        # the ranks must end by SIGTERM, quietly, even one still importing torch: SIGINT is left to Python.
+        # The process context turns the signals it handles into its own exception and leaves its handlers
+        # installed. Ctrl-C must stay a KeyboardInterrupt for the caller, and the ranks must end by SIGTERM,
+        # quietly, even one still importing torch: SIGINT is left to Python.
         handlers = {number: signal.getsignal(number) for number in _LAUNCHER_SIGNALS}
-        handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # the launcher sets it from the config
+        handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(number.name for number in _LAUNCHER_SIGNALS)
+        environment = {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+                       "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
         try:
             with _ctrl_c_held_while_spawning():
-                results = elastic_launch(config, _elastic_entry)(job_path)
-        except SignalException as error:  # the launcher has already ended the ranks
-            raise RunFailed(f"the launcher received {error.sigval.name} and ended the ranks") from None
-        except Exception as error:
-            raise RunFailed(verdict[0] if verdict else describe_failure(error)) from None
+                context = start_processes(
+                    "pardsl", _rank_entry, {rank: (job_path,) for rank in range(ranks)},
+                    {rank: {**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(ranks)},
+                    DefaultLogsSpecs(log_dir=os.path.join(folder, "logs")), start_method="spawn")
+            result = context.wait(period=0.1)
+        except SignalException as error:
+            raise RunFailed(f"pardsl received {error.sigval.name} and ended the ranks") from None
         finally:
+            stop.set()
+            watchdog.join()
+            if context is not None:
+                context.close(signal.SIGTERM, timeout=10)
             if handled is None:
                 os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
             else:
                 os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled
             for number, handler in handlers.items():
                 signal.signal(number, handler)
-            stop.set()
-            watchdog.join()
-    return combine([results[rank] for rank in sorted(results)], job)
+        if result.is_failed():
+            raise RunFailed(verdict[0] if verdict else describe_failure(result.failures))
+    return combine([result.return_values[rank] for rank in sorted(result.return_values)], job)

@@ -3,12 +3,12 @@
 `pardsl run` starts fresh processes with torch's elastic launcher for every run; that costs seconds. A
 `WorkerPool` starts its processes and their process group once and then runs `execution.run_rank` for
 each job it is given, on every rank, returning the combined report. Every job has a timeout: a hang
-fails the job and closes the pool instead of blocking.
+fails the job and closes the pool instead of blocking. The ranks meet in a private folder's FileStore
+(pardsl/runtime/rendezvous.py), not on a port another user could reach.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import queue
 import sys
@@ -18,15 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pardsl.runtime.devices import free_port
+from pardsl.runtime.rendezvous import init_local_ranks, private_folder
 from pardsl.tools.execution import RankJob, combine, run_rank
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float) -> None:
+def _worker(rank: int, world_size: int, folder: str, tasks, results, timeout_s: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    init_local_ranks("gloo", folder, rank, world_size, timeout_s)
     try:
         while True:
             job = tasks.get()
@@ -59,9 +58,10 @@ class WorkerPool:
         context = mp.get_context("spawn")
         self._tasks = [context.Queue() for _ in range(world_size)]
         self._results = context.Queue()
-        port = free_port()
+        self._folder = private_folder("pardsl-pool-")
+        folder = self._folder.__enter__()
         self._processes = [
-            context.Process(target=_worker, args=(rank, world_size, port, self._tasks[rank], self._results, timeout_s),
+            context.Process(target=_worker, args=(rank, world_size, folder, self._tasks[rank], self._results, timeout_s),
                             daemon=True, name=f"pardsl-rank{rank}")
             for rank in range(world_size)
         ]
@@ -111,3 +111,6 @@ class WorkerPool:
                 process.join(timeout=5)
             if process.is_alive():
                 process.kill()
+        if self._folder is not None:
+            self._folder.__exit__(None, None, None)
+            self._folder = None
