@@ -12,17 +12,41 @@ import json
 import math
 import os
 import sys
+import time
 
 from pardsl.language.diagnostics import CompileError
 
 EXIT_OK, EXIT_INPUT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
+class _UsageError(SystemExit):
+    def __init__(self, message: str):
+        super().__init__(EXIT_USAGE)
+        self.message = message
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own exit code is 2 as well; keep the message short
         self.print_usage(sys.stderr)
         print(f"pardsl: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+        raise _UsageError(message)
+
+
+def _json_failure(kind: str, message: str) -> str:
+    """The one JSON object of a command that failed other than by errors located in the .par file."""
+    return json.dumps({"ok": False, "errors": [{"code": kind.replace(" ", "-"), "severity": "error",
+                                                "message": message, "line": None, "column": None, "notes": []}]},
+                      indent=2)
+
+
+def _failed(args, kind: str, message: str, code: int) -> int:
+    """Say on stderr what went wrong (`pardsl: KIND: MESSAGE`); under --json, stdout's one object says it
+    too. `kind`: error (the command line or a file), run failed, dry run refused, internal compiler error,
+    internal error."""
+    print(f"pardsl: {kind}: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(_json_failure(kind, message))
+    return code
 
 
 def _positive_seconds(text: str) -> float:
@@ -108,6 +132,9 @@ def _arguments() -> argparse.ArgumentParser:
                      help="collective timeout per rank (a hang fails instead of blocking)")
     run.add_argument("--stall-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
                      help="end the run when no rank has made progress for this long, naming the one behind")
+    run.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
+                     help="give up after this long, compile and ranks together (a compile cut short is error E090; "
+                          "ranks still running are ended)")
     run.add_argument("--json", action="store_true")
     run.add_argument("-o", "--output", metavar="DIR", help="also write the module and plan.json here")
     run.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
@@ -207,26 +234,27 @@ def _summary(compiled) -> str:
     return "\n".join(lines)
 
 
-def _inputs_past_memory(compiled, nproc: int):
-    """A CompileError where the example inputs (made on every rank, and by the serial reference) would not
-    fit this machine's memory: said before anything is allocated."""
+def _inputs_past_memory(compiled, ranks: int, local: bool = False):
+    """A CompileError where the example inputs would not fit this machine's memory, said before anything is
+    allocated: whole on each of `ranks` ranks (each rank of a run, and its serial reference, makes them
+    all), or as one rank's shards (`local`: a dry run's one rank)."""
     from pardsl.language.diagnostics import Diagnostic
     from pardsl.model.loading import DTYPES
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for decl in compiled.par.inputs:
-        nbytes = math.prod(decl.shape) * DTYPES[decl.dtype].itemsize
-        if nbytes * nproc > memory // 2:
-            return CompileError([Diagnostic("E029", f"input `{decl.name}` takes {nbytes / 2**30:.1f} GiB on each of "
-                                            f"{nproc} ranks; this machine has {memory / 2**30:.1f} GiB", decl.span)],
-                                compiled.par.source)
+    for decl, slot in zip(compiled.par.inputs, compiled.program.inputs):
+        nbytes = math.prod(slot.local_shape if local else decl.shape) * DTYPES[decl.dtype].itemsize
+        if nbytes * ranks > memory // 2:
+            whose = "this rank's shard of " if local else ""
+            return CompileError([Diagnostic("E029", f"{whose}input `{decl.name}` takes {nbytes / 2**30:.1f} GiB on "
+                                            f"each of {ranks} rank{'s' if ranks != 1 else ''}; this machine has "
+                                            f"{memory / 2**30:.1f} GiB", decl.span)], compiled.par.source)
     return None
 
 
-def _cannot_write(folder: str, error: OSError) -> int:
+def _cannot_write(args, folder: str, error: OSError) -> int:
     reason = "it is not a folder" if os.path.exists(folder) and not os.path.isdir(folder) else error.strerror or str(error)
-    print(f"pardsl: error: cannot write the outputs to {folder!r}: {reason}", file=sys.stderr)
-    return EXIT_INPUT_ERROR
+    return _failed(args, "error", f"cannot write the outputs to {folder!r}: {reason}", EXIT_INPUT_ERROR)
 
 
 def _export(args) -> int:
@@ -235,14 +263,21 @@ def _export(args) -> int:
     try:
         names = export_checkpoint(args.checkpoint, args.output)
     except (OSError, ValueError) as error:
-        print(f"pardsl: error: {error}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
+        return _failed(args, "error", str(error), EXIT_INPUT_ERROR)
     print(f"wrote {len(names)} tensors to {args.output}")
     return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _arguments().parse_args(argv)
+    """The command's exit code. Under --json, stdout carries exactly one JSON object whatever happens:
+    the report, the errors located in the file, or what else failed (usage, a rank, an interrupt)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = _arguments().parse_args(argv)
+    except _UsageError as usage:
+        if "--json" in argv:
+            print(_json_failure("usage", usage.message))
+        raise
     try:
         if args.command == "export":
             return _export(args)
@@ -263,7 +298,14 @@ def main(argv: list[str] | None = None) -> int:
         return _main(args, quiet)
     except KeyboardInterrupt:
         print("pardsl: interrupted", file=sys.stderr)
+        if getattr(args, "json", False):
+            print(_json_failure("interrupted", "interrupted (Ctrl-C or SIGINT)"))
         return EXIT_INTERRUPTED
+    except Exception:  # not the user's mistake: say so, with what a bug report needs
+        import traceback
+
+        return _failed(args, "internal error", f"a bug in pardsl, please report it with the command line:\n"
+                       f"{traceback.format_exc()}", EXIT_INPUT_ERROR)
 
 
 def _calibrate(args) -> int:
@@ -274,15 +316,13 @@ def _calibrate(args) -> int:
 
     backend = resolve_backend(args.backend)
     if args.nproc < 2:
-        print("pardsl: error: --nproc must be at least 2 (collectives are measured between ranks)", file=sys.stderr)
-        return EXIT_USAGE
+        return _failed(args, "error", "--nproc must be at least 2 (collectives are measured between ranks)", EXIT_USAGE)
     machine, raw = calibrate(args.nproc, backend, quick=args.quick)
     path = args.output or calibration_path(backend)
     try:
         write(machine, raw, path)
     except OSError as error:
-        print(f"pardsl: error: cannot write {path}: {error.strerror}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
+        return _failed(args, "error", f"cannot write {path}: {error.strerror}", EXIT_INPUT_ERROR)
     print(f"{backend} on {args.nproc} ranks:")
     for kind, link in machine.collectives.items():
         print(f"  {kind.replace('_', '-'):<14} α {seconds_text(link.alpha_s):>9} per ring step, β {link.beta_s_per_byte * 1e9:.3g} ns/B")
@@ -304,8 +344,7 @@ def _explain(args, compiled, machine) -> int:
         try:
             write_atomically(args.html, html_page(compiled, result, bound))
         except OSError as error:
-            print(f"pardsl: error: cannot write {args.html}: {error.strerror}", file=sys.stderr)
-            return EXIT_INPUT_ERROR
+            return _failed(args, "error", f"cannot write {args.html}: {error.strerror}", EXIT_INPUT_ERROR)
     if args.json:
         print(json.dumps({"ok": True, **result.to_json(), "memory_bound": bound,
                           "notes": [n.to_json() for n in compiled.program.notes]}, indent=2))
@@ -321,16 +360,14 @@ def _dryrun(args, compiled, machine) -> int:
     from pardsl.tools.dryrun import DryRunRefused, dry_run
 
     if args.steps < 1:
-        print("pardsl: error: --steps must be at least 1", file=sys.stderr)
-        return EXIT_USAGE
+        return _failed(args, "error", "--steps must be at least 1", EXIT_USAGE)
+    too_big = _inputs_past_memory(compiled, 1, local=True) if args.device == "cpu" else None
+    if too_big is not None:
+        return _report_errors(too_big, args.json)
     try:
         result = dry_run(compiled, args.rank, args.device, args.steps, machine)
     except DryRunRefused as refused:
-        if args.json:
-            print(json.dumps({"ok": False, "errors": [str(refused)]}, indent=2))
-        else:
-            print(f"pardsl: dry run refused: {refused}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
+        return _failed(args, "dry run refused", str(refused), EXIT_INPUT_ERROR)
     if args.json:
         print(json.dumps({"ok": result.collectives_match and result.fits is not False, **result.to_json()}, indent=2))
         return EXIT_OK
@@ -384,8 +421,8 @@ def _main(args, quiet) -> int:
         try:
             machine = machine_named(args.machine, resolve_backend(getattr(args, "backend", "auto")))
         except CalibrationError as error:
-            print(f"pardsl: error: {error}", file=sys.stderr)
-            return EXIT_USAGE
+            return _failed(args, "error", str(error), EXIT_USAGE)
+    started = time.monotonic()
     try:
         with quiet, _status_on_terminal(args), time_limit(limit):
             bucket_mb = getattr(args, "bucket_mb", None)
@@ -394,16 +431,14 @@ def _main(args, quiet) -> int:
     except OutOfTime as stage:
         return _report_errors(_out_of_time(args.file, limit, str(stage)), args.json)
     except FileNotFoundError as error:
-        print(f"pardsl: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return _failed(args, "error", str(error), EXIT_USAGE)
     except CompileError as error:
         return _report_errors(error, args.json)
     except Exception:  # not the user's mistake: say so, with what a bug report needs
         import traceback
 
-        print(f"pardsl: internal compiler error while compiling {args.file} (a bug in pardsl, please report "
-              f"it with this .par file):\n{traceback.format_exc()}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
+        return _failed(args, "internal compiler error", f"while compiling {args.file} (a bug in pardsl, please "
+                       f"report it with this .par file):\n{traceback.format_exc()}", EXIT_INPUT_ERROR)
 
     if args.command == "check":
         if args.json:
@@ -423,7 +458,7 @@ def _main(args, quiet) -> int:
         try:
             module_path, plan_path = write_outputs(compiled, args.output, machine)
         except OSError as error:
-            return _cannot_write(args.output, error)
+            return _cannot_write(args, args.output, error)
         if args.json:
             print(json.dumps({"ok": True, "module": module_path, "plan": plan_path, **plan_json(compiled, machine)},
                              indent=2))
@@ -453,10 +488,9 @@ def _main(args, quiet) -> int:
         try:
             write_outputs(compiled, args.output)
         except OSError as error:
-            return _cannot_write(args.output, error)
+            return _cannot_write(args, args.output, error)
     if args.steps < 1:
-        print("pardsl: error: --steps must be at least 1", file=sys.stderr)
-        return EXIT_USAGE
+        return _failed(args, "error", "--steps must be at least 1", EXIT_USAGE)
     too_big = _inputs_past_memory(compiled, args.nproc)
     if too_big is not None:
         return _report_errors(too_big, args.json)
@@ -468,17 +502,16 @@ def _main(args, quiet) -> int:
         ("--compile-backend needs --compile" if args.compile_backend and not args.compile else None) or \
         (check_backend(args.compile_backend) if args.compile_backend else None)
     if usage:
-        print(f"pardsl: error: {usage}", file=sys.stderr)
-        return EXIT_USAGE
+        return _failed(args, "error", usage, EXIT_USAGE)
     job = job_for(compiled, seed=args.seed, steps=args.steps, backend=backend, device=device, timeout_s=args.timeout,
                   lr=args.lr, optimizer=args.optimizer, stdout_to_stderr=args.json, compile=args.compile,
                   collectives_in_graphs=None if args.collectives_in_graphs is None else
                   args.collectives_in_graphs == "yes", compile_backend=args.compile_backend or "inductor")
     try:
-        report = launch(job, stall_s=args.stall_timeout)
+        report = launch(job, stall_s=args.stall_timeout,
+                        time_limit_s=None if limit is None else max(limit - (time.monotonic() - started), 0.0))
     except RunFailed as error:  # a rank failed or stalled: which and why, without the launcher's traceback
-        print(f"pardsl: run failed: {str(error).strip()[:4000]}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
+        return _failed(args, "run failed", str(error).strip()[:4000], EXIT_INPUT_ERROR)
     report["compile_s"] = sum(compiled.seconds.values())
     if "memory" in report:  # what the plan's estimate says a rank holds, beside what each measured
         memory = estimate(compiled, machine, args.optimizer).memory

@@ -1,6 +1,7 @@
 """Inputs a hostile user gives: each is a located diagnostic or a clear one-line error, never a traceback.
 (Reproducers from the reliability issue.)"""
 
+import contextlib
 import json
 import os
 import signal
@@ -121,12 +122,13 @@ def _interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.parametrize("when", ["compiling", "ranks-starting", "ranks-running"])
+@pytest.mark.parametrize("when", ["compiling", "ranks-starting", "ranks-running", "ranks-running-json"])
 def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process(when):
     # steps enough that the run is still going when interrupted, however fast the machine (50 took under 8 s)
+    as_json = ["--json"] if when.endswith("-json") else []
     process = subprocess.Popen([sys.executable, "-m", "pardsl.cli", "run", "examples/hf_llama8_tp2.par", "--nproc", "2",
-                                "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=_interruptible, start_new_session=True)
+                                "--steps", "100000", *as_json], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, preexec_fn=_interruptible, start_new_session=True)
     try:
         if when == "compiling":
             time.sleep(2)
@@ -139,6 +141,8 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process(when):
         out, err = process.communicate(timeout=60)
         assert process.returncode == 130
         assert err.strip().splitlines()[-1] == "pardsl: interrupted" and "Traceback" not in err
+        if as_json:
+            assert [e["code"] for e in json.loads(out)["errors"]] == ["interrupted"]
         leftovers = subprocess.run(["pgrep", "-f", "hf_llama8_tp2.par"], capture_output=True, text=True).stdout.split()
         assert leftovers == []
     finally:  # a failure above must not leave the launcher and its ranks running (its own session: its group)
@@ -230,7 +234,8 @@ def test_run_says_when_the_inputs_do_not_fit_this_machine_before_allocating(tmp_
 
 def _run_faulty(tmp_path, kind: str, *extra: str):
     path = tmp_path / f"{kind}.par"
-    path.write_text(f'mesh tp = 2\nmodel tests.zoo:Faulty(kind="{kind}", rank=1)\ninput x : float32[2, 4]\n'
+    model = "tests.zoo:NoSuchModel()" if kind == "bad-model" else f'tests.zoo:Faulty(kind="{kind}", rank=1)'
+    path.write_text(f'mesh tp = 2\nmodel {model}\ninput x : float32[2, 4]\n'
                     "layout {\n  lin.weight : S(0)\n}\n")
     started = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", str(path), "--nproc", "2", *extra],
@@ -246,6 +251,40 @@ def test_a_rank_that_exits_or_raises_is_named_with_its_code_or_error(tmp_path, k
     result, _ = _run_faulty(tmp_path, kind)
     assert result.returncode == 1
     assert result.stderr.splitlines()[0] == first_line
+
+
+@pytest.mark.parametrize("kind, code", [("exit", "run-failed"), ("sleep", "run-failed"), ("bad-model", "E021")])
+def test_run_json_prints_one_object_when_a_rank_crashes_stalls_or_the_file_is_wrong(tmp_path, kind, code):
+    result, _ = _run_faulty(tmp_path, kind, "--json", "--stall-timeout", "5")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)  # the whole of stdout: one object
+    assert report["ok"] is False and [e["code"] for e in report["errors"]] == [code], report
+
+
+def test_json_usage_errors_are_one_object_too(capsys):
+    for argv in (["run", "examples/mlp.par", "--nproc", "2", "--steps", "0", "--json"],
+                 ["run", "examples/mlp.par", "--nproc", "2", "--json", "--timeout", "-1"],
+                 ["check", "no/such/file.par", "--json"]):
+        with contextlib.suppress(SystemExit):
+            assert cli.main(argv) == 2
+        out = capsys.readouterr().out
+        assert json.loads(out)["ok"] is False, argv
+
+
+def test_run_gives_up_at_its_time_limit_ending_the_ranks(tmp_path):
+    result, seconds = _run_faulty(tmp_path, "sleep", "--time-limit", "20", "--stall-timeout", "600", "--json")
+    assert result.returncode == 1
+    (error,) = json.loads(result.stdout)["errors"]
+    assert error["code"] == "run-failed" and "did not finish within its time limit of" in error["message"]
+    assert seconds < 60
+    assert subprocess.run(["pgrep", "-f", "Faulty"], capture_output=True).stdout == b""
+
+
+def test_dryrun_says_when_one_ranks_inputs_do_not_fit_this_machine_before_allocating(tmp_path, capsys):
+    path = tmp_path / "big.par"
+    path.write_text("mesh tp = 2\nmodel examples.models:MLP()\ninput x : float32[67108864, 256]\n")
+    assert cli.main(["dryrun", str(path)]) == 1
+    assert "error[E029]: this rank's shard of input `x` takes 64.0 GiB on each of 1 rank" in capsys.readouterr().err
 
 
 def test_a_rank_that_stops_making_progress_is_named_soon_after(tmp_path):

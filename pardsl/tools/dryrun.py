@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -93,6 +94,12 @@ def dry_run(compiled, rank: int = 0, device: str = "cpu", steps: int = 1, machin
             f"the plan needs {format_bytes(planned_memory['peak'])} per rank by its estimate, more than the "
             f"{format_bytes(device_memory)} of {machine.name or 'the machine'}'s devices: split more, recompute "
             f"(`recompute model.layers.*`) or offload (`offload optimizer`)")
+    host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device == "cpu" and planned_memory["peak"] > host_memory:
+        raise DryRunRefused(
+            f"the plan needs {format_bytes(planned_memory['peak'])} per rank by its estimate, more than this "
+            f"machine's {format_bytes(host_memory)} of memory: dry-run it where one rank's share fits (--device "
+            f"cuda on a GPU of the size planned for)")
     run = _run_pipelined if compiled.pipeline is not None else _run
     with _fake_process_group(rank, mesh.size):
         return run(compiled, rank, torch.device(device), steps, planned_memory["peak"], device_memory)
