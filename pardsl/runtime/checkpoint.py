@@ -53,6 +53,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pardsl.layouts.algebra import Layout, Mesh, chunk_of_block
+from pardsl.runtime.collectives import all_gather_json
 
 INDEX_FILE = "pardsl.index.json"
 HF_INDEX_FILE = "model.safetensors.index.json"
@@ -344,10 +345,9 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metad
     world = mesh.size
     rank = dist.get_rank() if dist.is_initialized() else 0
     coordinate = tuple(rt.coordinate[name] for name in mesh.axis_names)
-    save_id = [secrets.token_hex(8)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(save_id, src=0)
-    save_id = save_id[0]
+    save_id = secrets.token_hex(8)
+    if dist.is_initialized():  # rank 0's; exchanged as JSON, as below: what a peer sends is never unpickled
+        save_id = all_gather_json(save_id)[0]
     entries, optimizer_json = _entries(model, optimizer)
     os.makedirs(path, exist_ok=True)
     _check_trusted(path, allow_shared_folder, f"refusing to save to {path}")  # as made, under this umask
@@ -381,8 +381,7 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metad
         written = (file_name, os.path.getsize(file), digest)
     parts = [(written, described, optimizer_json)]
     if dist.is_initialized():  # also the barrier: every rank's file is on disk before the index names it
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (written, described, optimizer_json))
+        parts = all_gather_json((written, described, optimizer_json))
     if rank == 0:
         par = model.plan.compiled.par
         written_files = [file for file, _, _ in parts if file is not None]
