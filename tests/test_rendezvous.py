@@ -14,8 +14,13 @@ import pytest
 from tests.launch import REPO, _descendants
 
 
-def _listening_tcp_ports(pids: list[int]) -> set[int]:
-    """The TCP ports these processes listen on (IPv4 and IPv6), from their descriptors and /proc/net."""
+# 127.0.0.1 and ::1 as /proc/net/tcp and tcp6 write them
+_LOOPBACK = {"0100007F", "00000000000000000000000001000000"}
+
+
+def _listening_tcp_ports(pids: list[int], loopback: bool | None = None) -> set[int]:
+    """The TCP ports these processes listen on (IPv4 and IPv6), from their descriptors and /proc/net;
+    `loopback`: only those on a loopback address (True) or on another (False)."""
     inodes = set()
     for pid in pids:
         try:
@@ -30,8 +35,10 @@ def _listening_tcp_ports(pids: list[int]) -> set[int]:
         with open(table) as rows:
             for row in list(rows)[1:]:
                 fields = row.split()
-                if fields[3] == "0A" and int(fields[9]) in inodes:  # LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+                address, port = fields[1].rsplit(":", 1)
+                on_loopback = address in _LOOPBACK
+                if fields[3] == "0A" and int(fields[9]) in inodes and loopback in (None, on_loopback):  # LISTEN
+                    ports.add(int(port, 16))
     return ports
 
 
@@ -85,6 +92,7 @@ def test_no_port_of_a_run_answers_as_a_store():
         assert process.poll() is None, "the run ended before its ranks were seen meeting"
         assert seen, "no rank was seen listening: the check saw nothing"
         assert _answering_as_a_store(seen) == set()
+        assert _listening_tcp_ports([process.pid, *_descendants(process.pid)], loopback=False) == set()
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
@@ -100,6 +108,7 @@ def test_no_port_of_the_worker_pool_answers_as_a_store():
         ports = _listening_tcp_ports(ranks + [os.getpid()])
         assert ports, "the ranks listen for gloo's connections: the check sees them"
         assert _answering_as_a_store(ports) == set()
+        assert _listening_tcp_ports(ranks, loopback=False) == set()  # other machines reach none of them
     finally:
         pool.close()
 

@@ -41,6 +41,10 @@ def store_init_method(folder: str) -> str:
 
 
 def init_local_ranks(backend: str, folder: str, rank: int, world_size: int, timeout_s: float) -> None:
-    """This process's default process group, met through the FileStore in `folder`."""
+    """This process's default process group, met through the FileStore in `folder`. gloo's connections
+    between the ranks stay on the loopback interface (unless GLOO_SOCKET_IFNAME says otherwise): by default
+    gloo listens on the address the host name resolves to, which other machines can reach."""
+    if backend == "gloo" and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=store_init_method(folder), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
