@@ -251,7 +251,7 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
         others = sorted(size for axis, size in enumerate(sizes) if axis != pipeline_axis)
         return (sizes[pipeline_axis] if pipeline_axis is not None else None, others)
 
-    bound, priced, shapes, elapsed = None, {}, [], {}
+    bound, priced, shapes, elapsed, failures = None, {}, [], {}, []
     for sizes in mesh_shapes(par.mesh.ranks, len(names)):
         twin = next((other for other in priced if renamed(other) == renamed(sizes)), None)
         if symmetric and twin is not None:
@@ -267,6 +267,7 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
             compiled = _compile(shaped, bucket_mb, machine, bound)
         except CompileError as error:
             elapsed[sizes] = time.perf_counter() - clock
+            failures.append(error)
             shapes.append(MeshShape(sizes, why_not=f"error[{error.diagnostics[0].code}]: {error.diagnostics[0].message}"))
             continue
         plan = estimate(compiled, machine)
@@ -276,6 +277,14 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
                           plan.memory["total"], within)
         priced[sizes] = (compiled, shape)
         shapes.append(shape)
+    common = [d for d in failures[0].diagnostics if all(d in error.diagnostics for error in failures)] \
+        if failures and not priced else []
+    if common:
+        # the file's own mistakes, whatever the shape (an unknown name, a model that cannot be traced): told
+        # once, where they are, not as N copies under the mesh's line; those that differ by shape wait
+        first, *others = common
+        every = f"every shape of the mesh ({', '.join(names)} = {par.mesh.ranks}) failed the same way"
+        raise CompileError([replace(first, notes=(*first.notes, every)), *others], par.source)
     if not priced:
         raise CompileError([Diagnostic("E013", f"no shape of the mesh ({', '.join(names)} = {par.mesh.ranks}) "
                                                "has a plan", par.mesh.span,

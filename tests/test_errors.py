@@ -97,6 +97,42 @@ class BooleanMask(__import__("torch").nn.Module):
         return x[x > 0].sum()
 
 
+class Centred(__import__("torch").nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = __import__("torch").nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x - x.mean(-1, keepdim=True))
+
+
+class LoopedExperts(torch.nn.Module):
+    """DBRX's experts: a loop over each expert's tokens, found with nonzero(), skipping an expert with none."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = torch.nn.Parameter(torch.randn(4, 16, 16))
+
+    def forward(self, x, chosen):
+        out = torch.zeros_like(x)
+        for index in range(len(self.weights)):
+            tokens = torch.nonzero(chosen == index).squeeze(-1)
+            if tokens.shape[0] == 0:
+                continue
+            out = out.index_add(0, tokens, x[tokens] @ self.weights[index])
+        return out
+
+
+class MixtureOfExperts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(16, 4)
+        self.experts = LoopedExperts()
+
+    def forward(self, x):
+        return self.experts(x, self.router(x).argmax(-1))
+
+
 class Twice(__import__("torch").nn.Module):
     def __init__(self):
         super().__init__()
@@ -213,3 +249,52 @@ def test_an_op_outside_aten_is_named_by_its_namespace(compile_par):
     assert error.code == "E060" and "`pardsl_test.twice.default`" in error.message
 
 
+
+
+def test_a_module_not_found_says_where_it_looked_and_how_to_import_it(compile_par, tmp_path):
+    with pytest.raises(CompileError) as caught:
+        compile_par("mesh tp = 2\nmodel no_such_module:MLP()\n")
+    [error] = caught.value.diagnostics
+    assert (error.code, error.span.line, error.span.column) == ("E020", 2, 1)
+    looked, how = error.notes[1:]
+    assert f"looked in `{tmp_path}` (the .par file's folder)" in looked and "PYTHONPATH" in looked
+    assert "`no_such_module.py`" in how and "pip install -e ." in how and "PYTHONPATH" in how
+
+
+@pytest.mark.parametrize("model", ["tests.test_errors:Centred()",  # int64 reaches mean(): the trace fails
+                                   "examples.models:MLP(d_model=16)"])  # int64 reaches linear: a run fails
+def test_an_integer_input_to_a_float_model_is_told_the_dtype_that_works(compile_par, model):
+    with pytest.raises(CompileError) as caught:
+        compile_par(f"mesh tp = 2\nmodel {model}\ninput x : int64[4, 16] in [0, 10)\n")
+    [error] = caught.value.diagnostics
+    assert (error.code, error.span.line, error.span.column) == ("E038", 3, 11)
+    assert error.message.startswith("input `x` is int64") and error.message.endswith("float32")
+    assert error.notes[0] == "declare it `x : float32[4, 16]`"
+
+
+def test_an_indivisible_size_is_told_the_sizes_and_axis_sizes_that_divide(compile_par):
+    with pytest.raises(CompileError) as caught:
+        compile_par("mesh tp = 3\nmodel examples.models:MLP(d_model=16, d_ff=1000)\ninput x : float32[4, 16]\n"
+                    "layout {\n  fc1.weight : S(0)\n}\n")
+    [error] = caught.value.diagnostics
+    assert (error.code, error.span.line, error.span.column) == ("E054", 5, 16)
+    assert error.notes[1:] == ("1000 is not divisible by 3; 999 or 1002 would be", "tp = 2, 4, 5 or 8 would divide 1000")
+
+
+def test_an_error_every_shape_of_a_searched_mesh_makes_is_told_once_at_its_line(compile_par):
+    with pytest.raises(CompileError) as caught:
+        compile_par(layout("fc3.weight : S(0) @ tp", head=MLP.replace("mesh tp = 2", "mesh dp, tp = 4")))
+    [error] = caught.value.diagnostics
+    assert (error.code, error.span.line, error.span.column) == ("E040", 5, 3)
+    assert error.notes[-1] == "every shape of the mesh (dp, tp = 4) failed the same way"
+
+
+def test_experts_looping_over_nonzero_are_told_where_with_the_mixture_of_experts_hint(compile_par):
+    with pytest.raises(CompileError) as caught:
+        compile_par("mesh tp = 2\nmodel tests.test_errors:MixtureOfExperts()\ninput x : float32[8, 16]\n")
+    [error] = caught.value.diagnostics
+    assert (error.code, error.span.line, error.span.column) == ("E061", 2, 1)
+    assert "depends on the data" in error.message
+    assert error.notes[0] == "used in experts"
+    assert error.notes[1].startswith("at tests/test_errors.py:") and error.notes[1].endswith("if tokens.shape[0] == 0:")
+    assert any("pardsl.model.moe.use_static_capacity" in note for note in error.notes)

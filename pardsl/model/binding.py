@@ -25,7 +25,8 @@ from pardsl.language.progress import modules_reported, report
 from pardsl.language.syntax import LayoutEntry, LayoutSyntax, ParFile
 from pardsl.layouts.algebra import B, Layout, Mesh, Placement
 from pardsl.layouts.oprules import carries_gradient, concrete_size, op_name, rule_for
-from pardsl.model.export import called_at, constant_values, python_random_seeded, source_line, trace
+from pardsl.model.export import (called_at, constant_values, data_dependent_failure, python_random_seeded, source_line,
+                                 trace)
 from pardsl.model.grouped_query import fold_grouped_query_repeats
 from pardsl.model.in_place import functionalize_in_place
 from pardsl.model.loading import DTYPES, build_model, import_paths, par_import_paths, parameters_on_meta
@@ -308,9 +309,28 @@ def check_layout_fits(layout: Layout, entry: LayoutEntry, name: str, info: Tenso
         blocks = result.blocks_of(dim)
         by += f" × {blocks} blocks" if blocks > 1 else ""
         sink.error("E054", f"dim {dim} of `{name}` has size {info.shape[dim]}, not divisible by {by}",
-                   placement_spans[axes[-1]], f"shape {list(info.shape)}")
+                   placement_spans[axes[-1]], f"shape {list(info.shape)}",
+                   *_divisible_notes(info.shape[dim], [mesh.axis_sizes[a] for a in axes], blocks,
+                                     mesh.axis_names[axes[-1]] if len(axes) == 1 else None))
         ok = False
     return result if ok else None
+
+
+def _divisible_notes(size: int, axis_sizes: list[int], blocks: int, axis: str | None) -> list[str]:
+    """The sizes nearest `size` that the axes (and blocks) would divide, and, for a dim split by one axis,
+    the sizes of that axis that would divide `size`."""
+    by = math.prod(axis_sizes) * blocks
+    below, above = size - size % by, size - size % by + by
+    nearest = f"{below} or {above}" if below > 0 else f"{above}"
+    notes = [f"{size} is not divisible by {by}; {nearest} would be"]
+    if axis is not None:
+        # axis sizes near the one written, as many ranks or fewer than a few times it
+        fitting = [d for d in range(2, 2 * axis_sizes[0] + 3) if size % (d * blocks) == 0]
+        fitting = sorted(sorted(fitting, key=lambda d: abs(d - axis_sizes[0]))[:4])
+        if fitting:
+            listed = ", ".join(map(str, fitting[:-1])) + (" or " if len(fitting) > 1 else "") + str(fitting[-1])
+            notes.append(f"{axis} = {listed} would divide {size}" + (f" in {blocks} blocks" if blocks > 1 else ""))
+    return notes
 
 
 def _placement_spans(syntax: LayoutSyntax, mesh: Mesh) -> list[Span]:
@@ -533,6 +553,27 @@ def _in_compute_dtype(model: torch.nn.Module, par: ParFile) -> torch.nn.Module:
     return model.to(getattr(torch, par.precision.params)) if par.precision is not None else model
 
 
+def _integer_input_meant_floating(par: ParFile, model: torch.nn.Module, example: dict[str, torch.Tensor]):
+    """After a failed trace: the integer input that, given the dtype of the model's floating parameters
+    instead, makes the trace succeed (an int64 `x` reaching a float32 `mean` or `linear`), with that
+    dtype's name; None where there is none. Traced again to know: torch's own error names an op, not the
+    input, and the same refusal comes from a model's real bugs."""
+    floating = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
+    integer = [decl for decl in par.inputs if _is_integer(DTYPES[decl.dtype])]
+    if not floating or not integer:
+        return None
+    wanted = floating[0]
+    for decl in integer:
+        retyped = {**example, decl.name: torch.empty(decl.shape, dtype=_computed_as(wanted, par), device="meta")}
+        try:
+            with import_paths(*par_import_paths(par.source.path, par.model.module)):
+                trace(_in_compute_dtype(model.to("meta"), par), retyped, _dynamic_shapes(par))
+        except Exception:  # noqa: BLE001 - this input's dtype is not (alone) what the trace refused
+            continue
+        return decl, str(wanted).removeprefix("torch.")
+    return None
+
+
 def bind(par: ParFile) -> BoundPlan:
     """Build and trace the model, then bind every layout the file writes to a tensor of the graph."""
     sink = DiagnosticSink(par.source)
@@ -567,6 +608,21 @@ def bind(par: ParFile) -> BoundPlan:
             exported = trace(_in_compute_dtype(model.to("meta"), par), example, _dynamic_shapes(par))
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        stopped = data_dependent_failure(error, model)
+        if stopped is not None:
+            where, line = stopped
+            sink.error("E061", "the forward uses a size that depends on the data (a branch or a loop on it)",
+                       par.model.span, f"used in {where}", *called_at(line),
+                       "pardsl lays out tensors of static shape: select with masks (where, masked_fill) instead",
+                       *([MOE_HINT] if "expert" in where else []), f"torch: {type(error).__name__}: {message}")
+            sink.raise_if_any()
+        wrong = _integer_input_meant_floating(par, model, example)
+        if wrong is not None:
+            decl, wanted = wrong
+            sink.error("E038", f"input `{decl.name}` is {decl.dtype} but the model computes in {wanted}",
+                       decl.dtype_span, f"declare it `{decl.name} : {wanted}{list(decl.shape)}`",
+                       f"traced as {decl.dtype}, torch refused: {type(error).__name__}: {message}")
+            sink.raise_if_any()
         span = par.inputs[0].span if par.inputs else par.model.span
         shapes = ", ".join(f"{d.name}: {d.dtype}{list(d.shape)}" for d in par.inputs)
         sink.error("E035", f"`{par.model.text}` cannot be traced with inputs ({shapes})", span,
@@ -747,12 +803,37 @@ def _bound_layouts(written: list, index: "_NameIndex", tensors: dict[str, Tensor
     return pins, output_pins, searched
 
 
+# Ops whose operands must share one dtype when run (an integer input and a floating weight raise), though a
+# trace on meta lets them through
+_SAME_DTYPE_OPS = frozenset({
+    torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+    torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
+    torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default,
+    torch.ops.aten.convolution.default, torch.ops.aten.layer_norm.default, torch.ops.aten.group_norm.default,
+})
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and dtype != torch.bool
+
+
 def _check_input_values(par: ParFile, exported, inputs: dict[str, str], sink: DiagnosticSink) -> None:
-    """What the graph says of the inputs: ids an embedding reads directly must lie in its table, and a
-    floating input must have a dtype the model computes in."""
+    """What the graph says of the inputs: ids an embedding reads directly must lie in its table, a
+    floating input must have a dtype the model computes in, and an integer one must not meet a floating
+    weight in an op that takes one dtype."""
     decls = {decl.name: decl for decl in par.inputs}
     parameters = set(exported.graph_signature.inputs_to_parameters)
     for node in exported.graph.nodes:
+        if node.op == "placeholder" and node.name in inputs and _is_integer(DTYPES[decls[inputs[node.name]].dtype]):
+            decl = decls[inputs[node.name]]
+            # traced on meta, `linear(int64 x, float32 weight)` gives a float32 result; run, it raises
+            met = {operand.meta["val"].dtype for user in node.users if user.target in _SAME_DTYPE_OPS
+                   for operand in user.all_input_nodes
+                   if operand.name in parameters and operand.meta["val"].dtype.is_floating_point}
+            if met:
+                wanted = str(sorted(met, key=str)[0]).removeprefix("torch.")
+                sink.error("E038", f"input `{decl.name}` is {decl.dtype} but the model's parameters it meets are "
+                           f"{wanted}", decl.dtype_span, f"declare it `{decl.name} : {wanted}{list(decl.shape)}`")
         if node.op == "placeholder" and node.name in inputs and DTYPES[decls[inputs[node.name]].dtype].is_floating_point:
             decl = decls[inputs[node.name]]
             # an op that takes the input and a parameter of another floating dtype (a model that casts its

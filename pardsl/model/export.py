@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import linecache
 import logging
 import os
 import re
 import sys
+import traceback
 import warnings
 
 import torch
@@ -170,6 +172,27 @@ def source_line(node: torch.fx.Node) -> str | None:
         return None
     frame = frames[-1]
     return f"{_short_path(frame['file'])}:{frame['line']}: {frame['code'].strip()}"
+
+
+def data_dependent_failure(error: BaseException, model: torch.nn.Module) -> tuple[str, str | None] | None:
+    """Where a failed trace stopped on a size known only from the data (a branch on `len(nonzero(...))`,
+    a loop over `where(mask)`'s tokens): the model's innermost module whose forward was running, by path,
+    and `file:line: code` there; None for any other failure."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+    if not isinstance(error, kinds) and not isinstance(error.__cause__, kinds):
+        return None
+    paths = {id(module): path for path, module in model.named_modules()}
+    where = None
+    for frame, line in traceback.walk_tb(error.__traceback__):
+        module = frame.f_locals.get("self")
+        if id(module) in paths and frame.f_code.co_name == "forward":
+            code = linecache.getline(frame.f_code.co_filename, line).strip()
+            where = (paths[id(module)] or "the model's own forward()",
+                     f"{_short_path(frame.f_code.co_filename)}:{line}: {code}")
+    return where or ("the model's own forward()", None)
 
 
 def called_at(*lines: str | None) -> list[str]:

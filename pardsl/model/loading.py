@@ -80,7 +80,7 @@ def load_factory(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = N
             if sink is None:
                 raise
             sink.error("E020", f"cannot import model module `{decl.module}`", decl.span,
-                       f"{type(error).__name__}: {error}")
+                       f"{type(error).__name__}: {error}", *_import_notes(decl.module, error, paths))
             return None
     factory = getattr(module, decl.factory, None)
     if not callable(factory):
@@ -91,6 +91,24 @@ def load_factory(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = N
         sink.error("E021", f"module `{decl.module}` has no callable `{decl.factory}`", decl.factory_span, *notes)
         return None
     return factory
+
+
+def _import_notes(module: str, error: Exception, paths: tuple[str, ...]) -> list[str]:
+    """Where the module was looked for and how to make it importable, when it was not found (a module that
+    was found but raised, or imports a package that is missing, says so in the error itself)."""
+    missing = getattr(error, "name", None)
+    if not isinstance(error, ModuleNotFoundError) or not missing or \
+            not (module == missing or module.startswith(missing + ".")):
+        return []
+    searched = [f"`{p}`" + (" (skipped: any user may write to it)" if writable_by_anyone(p) else "") for p in paths]
+    first = module.split(".")[0]
+    where = f"`{first}/`" if "." in module else f"`{first}.py`"
+    beside = f"the folder that holds {where}" + (f" or in `{first}/` itself" if "." in module else "")
+    return [f"looked in {', '.join(searched)} (the .par file's folder"
+            + (", and the folder holding its package" if len(paths) > 1 else "")
+            + "), then in Python's own path: PYTHONPATH and the installed packages",
+            f"to import it, put the .par file in {beside}, install its project (`pip install -e .` there), "
+            f"or add the folder that holds {where} to PYTHONPATH"]
 
 
 def build_model(decl: ModelDecl, par_path: str, sink: DiagnosticSink | None = None) -> torch.nn.Module | None:
