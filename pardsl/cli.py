@@ -59,66 +59,134 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default: a text that says it in words keeps its words, a flag is
+    off unless given, and any other option shows argparse's value."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.required or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+    def _fill_text(self, text, width, indent):
+        # prose is wrapped to the terminal; an indented line (an example's command) is copied and pasted,
+        # so it stays whole
+        return "\n".join(line if line.startswith("  ") else super(_HelpFormatter, self)._fill_text(line, width, indent)
+                         for line in text.splitlines())
+
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _command(commands, name: str, help: str, *examples: str) -> argparse.ArgumentParser:
+    return commands.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                               epilog=_examples(*examples), formatter_class=_HelpFormatter)
+
+
+PAR_FILE_HELP = "the .par file: the mesh, the model, its inputs and the layouts"
+JSON_HELP = "print one JSON object on stdout, whatever happens (errors included)"
+TIME_LIMIT_HELP = "give up (error E090, saying how far it got) after this long (default: no limit)"
+BACKEND_HELP = "the collectives' library (auto: NCCL where CUDA is available, else gloo)"
+
+
 def _arguments() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pardsl", description="A declarative model-parallel compiler for PyTorch.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    from pardsl import __version__
 
-    check = commands.add_parser("check", help="parse, bind and type-check a .par file")
-    check.add_argument("file")
-    check.add_argument("--json", action="store_true", help="print diagnostics as one JSON object")
-    check.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
-                       help="give up (error E090, saying how far it got) after this long")
+    parser = _Parser(prog="pardsl", description="A declarative model-parallel compiler for PyTorch.",
+                     formatter_class=_HelpFormatter,
+                     epilog=_examples("pardsl check examples/mlp.par", "pardsl run examples/mlp.par --steps 3",
+                                      "pardsl explain examples/mlp.par") + "\n\n`pardsl COMMAND --help` says more "
+                     "about each command.")
+    parser.add_argument("--version", action="version", version=f"pardsl {__version__}",
+                        help="print pardsl's version and exit")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
 
-    compile_ = commands.add_parser("compile", help="write the SPMD module and plan.json")
-    compile_.add_argument("file")
-    compile_.add_argument("-o", "--output", required=True, metavar="DIR")
-    compile_.add_argument("--json", action="store_true")
+    check = _command(commands, "check", "parse, bind and type-check a .par file",
+                     "pardsl check examples/mlp.par", "pardsl check examples/mlp.par --json",
+                     "pardsl check examples/mlp_inferred.par --time-limit 60")
+    check.add_argument("file", help=PAR_FILE_HELP)
+    check.add_argument("--json", action="store_true", help=JSON_HELP)
+    check.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS", help=TIME_LIMIT_HELP)
+
+    compile_ = _command(commands, "compile", "write the SPMD module and plan.json",
+                        "pardsl compile examples/mlp.par -o out/mlp",
+                        "pardsl compile examples/mlp_dp.par -o out/mlp_dp --bucket-mb 0 --json")
+    compile_.add_argument("file", help=PAR_FILE_HELP)
+    compile_.add_argument("-o", "--output", required=True, metavar="DIR",
+                          help="the folder to write pardsl_module.py and plan.json into (required)")
+    compile_.add_argument("--json", action="store_true", help=JSON_HELP)
     compile_.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
-                          help="give up (error E090, saying how far it got) after this long")
+                          help=TIME_LIMIT_HELP)
     compile_.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
-                          help="size of the buckets parameter gradients are synchronised in (default 25)")
+                          help="size of the buckets parameter gradients are synchronised in (default: 25)")
     compile_.add_argument("--machine", "--calibration", dest="machine", metavar="NAME|FILE",
                           help=MACHINE_HELP)
 
-    export = commands.add_parser("export", help="write a checkpoint's model tensors, whole, to one safetensors file")
-    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
-    export.add_argument("-o", "--output", required=True, metavar="FILE")
+    export = _command(commands, "export", "write a checkpoint's model tensors, whole, to one safetensors file",
+                      "torchrun --nproc-per-node 2 examples/train.py --steps 60 --save-at 30 --checkpoint-dir ckpt",
+                      "pardsl export ckpt/step-30 -o model.safetensors")
+    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
+                        help="a checkpoint folder pardsl.save wrote (one step's, such as ckpt/step-30)")
+    export.add_argument("-o", "--output", required=True, metavar="FILE",
+                        help="the safetensors file to write (required)")
 
-    commands.add_parser("rules", help="print every op's rule, one line per op (pardsl/layouts/oprules.py)")
-    commands.add_parser("codes", help="print every error and note code with its meaning (Markdown)")
+    _command(commands, "rules", "print every op's rule, one line per op, after a key to the words used",
+             "pardsl rules", "pardsl rules | grep aten.linear")
+    _command(commands, "codes", "print every error and note code with its meaning (Markdown)",
+             "pardsl codes", "pardsl codes | grep E012")
 
-    explain = commands.add_parser("explain", help="per layer: layouts, collectives with bytes and estimated "
-                                  "time, memory per rank, runner-up plans")
-    explain.add_argument("file")
+    explain = _command(commands, "explain", "per layer: layouts, collectives with bytes and estimated time, "
+                       "memory per rank, runner-up plans",
+                       "pardsl explain examples/mlp.par",
+                       "pardsl explain examples/mlp.par --html plan.html",
+                       "pardsl explain examples/mlp.par --machine h100-nvlink-ib --optimizer sgd --json")
+    explain.add_argument("file", help=PAR_FILE_HELP)
     explain.add_argument("--machine", "--calibration", dest="machine", metavar="NAME|FILE",
                          help=MACHINE_HELP)
-    explain.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    explain.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                         help=BACKEND_HELP + "; picks the calibration and defaults the estimate uses")
     explain.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adamw",
-                         help="the optimizer whose state counts in memory (default adamw)")
-    explain.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page")
-    explain.add_argument("--json", action="store_true")
+                         help="the optimizer whose state counts in memory")
+    explain.add_argument("--html", metavar="FILE",
+                         help="also write a self-contained HTML page (default: none written)")
+    explain.add_argument("--json", action="store_true", help=JSON_HELP)
     explain.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
-                         help="give up (error E090, saying how far it got) after this long")
+                         help=TIME_LIMIT_HELP)
 
-    calibrate = commands.add_parser("calibrate", help="measure α, β per collective, compute throughput and "
-                                    "bandwidth on this machine, for the cost model")
-    calibrate.add_argument("--nproc", type=int, default=2, metavar="N")
-    calibrate.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    calibrate = _command(commands, "calibrate", "measure α, β per collective, compute throughput and "
+                         "bandwidth on this machine, for the cost model",
+                         "pardsl calibrate --quick", "pardsl calibrate --nproc 2 -o calibration.json")
+    calibrate.add_argument("--nproc", type=int, default=2, metavar="N",
+                           help="ranks to measure the collectives between, at least 2")
+    calibrate.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help=BACKEND_HELP)
     calibrate.add_argument("-o", "--output", metavar="FILE", help="where to write (default: the place compile "
                            "and explain read, ~/.cache/pardsl/calibration-BACKEND.json)")
     calibrate.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    run = commands.add_parser("run", help="run on N local ranks and check against the serial model")
-    run.add_argument("file")
-    run.add_argument("--nproc", type=int, required=True, metavar="N")
-    run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+
+    run = _command(commands, "run", "run on local ranks, one per rank of the file's mesh, and check against "
+                   "the serial model",
+                   "pardsl run examples/mlp.par --steps 3",
+                   "pardsl run examples/mlp_dp.par --optimizer adamw --json",
+                   "pardsl run examples/mlp.par --nproc 2 --backend gloo -o out/mlp")
+    run.add_argument("file", help=PAR_FILE_HELP)
+    # the mesh already says how many ranks there are; --nproc only confirms it (another count is E012)
+    run.add_argument("--nproc", type=int, default=None, metavar="N",
+                     help="how many ranks to run (default: the number of ranks in the file's mesh); another "
+                          "number than the mesh's is an error")
+    run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help=BACKEND_HELP)
     run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                      help="where each rank's tensors live (auto: CUDA under NCCL, else the CPU); gloo with "
                           "cuda runs several ranks on one GPU, which NCCL refuses")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="seed of the parameters, inputs and output gradients")
     run.add_argument("--steps", type=int, default=1, metavar="K",
                      help="training steps, each compared with serial from the same parameters")
-    run.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
-    run.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd")
+    run.add_argument("--lr", type=float, default=0.01, help="learning rate")
+    run.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd",
+                     help="the optimizer of each step")
     run.add_argument("--compile", action="store_true",
                      help="regional compilation: the forward's runs of ATen ops compiled by torch.compile, one "
                           "function per distinct run, shared by the repeated layers")
@@ -126,7 +194,7 @@ def _arguments() -> argparse.ArgumentParser:
                      help="with --compile: the conversions between the runs inside the compiled graphs, as "
                           "functional collectives (default: yes on NCCL, no on gloo)")
     run.add_argument("--compile-backend", default=None, metavar="NAME",
-                     help="with --compile: torch.compile's backend (default inductor; aot_eager runs the same "
+                     help="with --compile: torch.compile's backend (default: inductor; aot_eager runs the same "
                           "graphs' ATen ops as they are)")
     run.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                      help="collective timeout per rank (a hang fails instead of blocking)")
@@ -134,25 +202,27 @@ def _arguments() -> argparse.ArgumentParser:
                      help="end the run when no rank has made progress for this long, naming the one behind")
     run.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
                      help="give up after this long, compile and ranks together (a compile cut short is error E090; "
-                          "ranks still running are ended)")
-    run.add_argument("--json", action="store_true")
-    run.add_argument("-o", "--output", metavar="DIR", help="also write the module and plan.json here")
+                          "ranks still running are ended) (default: no limit)")
+    run.add_argument("--json", action="store_true", help=JSON_HELP)
+    run.add_argument("-o", "--output", metavar="DIR",
+                     help="also write the module and plan.json here (default: not written)")
     run.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
-                     help="size of the buckets parameter gradients are synchronised in (default 25)")
+                     help="size of the buckets parameter gradients are synchronised in (default: 25)")
     run.add_argument("--machine", metavar="NAME|FILE", help=MACHINE_HELP)
 
-    dryrun = commands.add_parser("dryrun", help="one rank's program at its real size in this process, collectives "
-                                 "answered by a fake process group: measured memory, time and collectives "
-                                 "beside the estimate")
-    dryrun.add_argument("file")
-    dryrun.add_argument("--rank", type=int, default=0, metavar="R", help="the rank whose program runs (default 0)")
-    dryrun.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    dryrun.add_argument("--steps", type=int, default=1, metavar="N", help="training steps (default 1)")
+    dryrun = _command(commands, "dryrun", "one rank's program at its real size in this process, collectives "
+                      "answered by a fake process group: measured memory, time and collectives beside the estimate",
+                      "pardsl dryrun examples/mlp.par",
+                      "pardsl dryrun examples/mlp_pp2.par --rank 1 --steps 2 --json")
+    dryrun.add_argument("file", help=PAR_FILE_HELP)
+    dryrun.add_argument("--rank", type=int, default=0, metavar="R", help="the rank whose program runs")
+    dryrun.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the rank's tensors live")
+    dryrun.add_argument("--steps", type=int, default=1, metavar="N", help="training steps")
     dryrun.add_argument("--machine", metavar="NAME|FILE", help=MACHINE_HELP + "; a plan its estimate says "
                         "exceeds the machine's device memory is refused before anything is allocated")
-    dryrun.add_argument("--json", action="store_true")
+    dryrun.add_argument("--json", action="store_true", help=JSON_HELP)
     dryrun.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
-                        help="give up compiling (error E090) after this long")
+                        help="give up compiling (error E090) after this long (default: no limit)")
     return parser
 
 
@@ -289,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
             print(code_reference(), end="")
             return EXIT_OK
         if args.command == "rules":
-            from pardsl.layouts.oprules import rules_table
+            from pardsl.layouts.oprules import rules_in_words
 
-            print("\n".join(rules_table()))
+            print("\n".join(rules_in_words()))
             return EXIT_OK
         # In JSON mode stdout carries one JSON object: whatever the user's model prints goes to stderr.
         quiet = contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext()
@@ -476,7 +546,7 @@ def _main(args, quiet) -> int:
     from pardsl.tools.execution import RunFailed, job_for, launch
 
     mesh = compiled.program.mesh
-    if args.nproc != mesh.size:
+    if args.nproc is not None and args.nproc != mesh.size:
         span = compiled.par.mesh.span
         from pardsl.language.diagnostics import Diagnostic, Span
 
@@ -491,12 +561,12 @@ def _main(args, quiet) -> int:
             return _cannot_write(args, args.output, error)
     if args.steps < 1:
         return _failed(args, "error", "--steps must be at least 1", EXIT_USAGE)
-    too_big = _inputs_past_memory(compiled, args.nproc)
+    too_big = _inputs_past_memory(compiled, mesh.size)
     if too_big is not None:
         return _report_errors(too_big, args.json)
     backend = resolve_backend(args.backend)
     device = resolve_device(args.device, backend)
-    usage = _device_mistake(backend, device, args.nproc) or \
+    usage = _device_mistake(backend, device, mesh.size) or \
         (cannot_compile(compiled.programs) if args.compile else None) or \
         ("--collectives-in-graphs needs --compile" if args.collectives_in_graphs and not args.compile else None) or \
         ("--compile-backend needs --compile" if args.compile_backend and not args.compile else None) or \

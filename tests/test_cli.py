@@ -1,5 +1,6 @@
 """The `pardsl` command end to end: compile writes files; run launches ranks with torch's launcher."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -238,3 +239,93 @@ def test_the_documented_explain_example_is_what_explain_prints(capsys):
     shown = shown.replace("; ranks share 2 cores", f"; ranks share {os.cpu_count() or 1} cores")
     assert cli.main(["explain", "examples/mlp.par"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == shown
+
+
+def _command_parsers():
+    parser = cli._arguments()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return parser, commands.choices
+
+
+def test_every_option_of_every_command_says_its_default_and_every_command_shows_examples(capsys):
+    parser, commands = _command_parsers()
+    for name, command in commands.items():
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            shown = formatter._expand_help(action) if action.help else ""
+            assert shown, f"{name} {action.dest} has no help"
+            if action.option_strings and not action.required:
+                assert "default" in shown, f"{name} {action.option_strings[0]}: {shown}"
+        assert "examples:\n  " in command.format_help() and "pardsl " in command.epilog, name
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", "--help"])
+    assert exit_.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    for words in ("--nproc N how many ranks to run (default: the number of ranks in the file's mesh)",
+                  "--seed SEED seed of the parameters, inputs and output gradients (default: 0)",
+                  "--optimizer {sgd,adam,adamw} the optimizer of each step (default: sgd)",
+                  "--backend {auto,gloo,nccl}", "(default: auto)", "--json print one JSON object",
+                  "(default: off)", "file the .par file", "examples: pardsl run examples/mlp.par --steps 3"):
+        assert words in shown, words
+
+
+def test_the_examples_in_each_commands_help_name_files_that_exist():
+    for command in _command_parsers()[1].values():
+        for line in command.epilog.splitlines()[1:]:
+            for word in line.split():
+                if word.endswith(".par") or word.endswith(".py"):
+                    assert os.path.exists(word), line
+
+
+def test_version_prints_the_package_version_and_exits_0(capsys):
+    import pardsl
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"pardsl {pardsl.__version__}\n"
+
+
+@pytest.mark.timeout(240)
+def test_run_without_nproc_runs_as_many_ranks_as_the_mesh_has():
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/mlp.par", "--json",
+                             "--backend", "gloo", "--timeout", "60"],
+                            capture_output=True, text=True, timeout=200, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["world_size"] == 2
+
+
+def test_run_with_an_nproc_other_than_the_meshs_is_a_located_error(capsys):
+    assert cli.main(["run", "examples/mlp.par", "--nproc", "3", "--json"]) == cli.EXIT_INPUT_ERROR
+    [error] = json.loads(capsys.readouterr().out)["errors"]
+    assert error["code"] == "E012" and error["line"] == 2  # the `mesh` line, after the comment
+    assert error["message"] == "the mesh (tp = 2) has 2 ranks but --nproc is 3"
+
+
+def test_calibrate_keeps_its_own_nproc_default():
+    args = cli._arguments().parse_args(["calibrate"])
+    assert args.nproc == 2
+
+
+def test_rules_start_with_a_key_and_speak_in_user_words(capsys):
+    from pardsl.layouts.oprules import RULES
+
+    assert cli.main(["rules"]) == 0
+    out = capsys.readouterr().out
+    key, table = out.split("\n\n", 1)
+    for words in ("S(d)", "split: each rank holds one slice", "B         broadcast", "P         partial",
+                  "split:", "partial:", "also:", "needs:", "note:", "einsum"):
+        assert words in key, words
+    lines = table.splitlines()
+    assert len(lines) == len(RULES) and [line.split()[0] for line in lines] == sorted(line.split()[0] for line in lines)
+    assert "dim_arg=" not in out and "linear=" not in out and "parallel_form" not in out and "project " not in out
+    [add] = [line for line in lines if line.startswith("aten.add.Tensor ")]
+    assert "partial: all P → P (partial sums add up across the split)" in add
+    [linear] = [line for line in lines if line.startswith("aten.linear.default ")]
+    assert "einsum `...k,nk,n->...n` over (input, weight, bias)" in linear
+    assert "one P, others B → P: any one of input, weight (bias P with it)" in linear
+    [softmax] = [line for line in lines if line.startswith("aten._softmax.default ")]
+    assert "the dim it normalises along stays whole" in softmax and "partial: no" in softmax

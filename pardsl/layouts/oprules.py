@@ -336,8 +336,183 @@ def describe(rule: Rule) -> str:
 
 
 def rules_table() -> list[str]:
-    """One line per op: `namespace.op.overload: family field=value …`, sorted by op (`pardsl rules`)."""
+    """One line per op: `namespace.op.overload: family field=value …`, sorted by op: the rule data as it
+    is written, which tests/golden/op_rules.txt holds line by line (`pardsl rules` prints rules_in_words)."""
     return sorted(f"{target_name(op)}: {describe(rule)}" for op, rule in RULES.items())
+
+
+RULES_KEY = """\
+How each op may run on one mesh axis: the layouts its inputs may have, and the layout its output then has.
+  S(d)      split: each rank holds one slice of the tensor along its dim d
+  B         broadcast: every rank holds the whole tensor
+  P         partial: every rank holds a tensor of the whole shape, and the true value is their sum
+  →         gives: the inputs' layouts on the left, the output's on the right
+Every op also takes all its inputs B and gives B; that is not repeated below. An input with another layout
+than one a line allows is converted first (a collective that `pardsl explain` shows).
+Columns, after the op's name:
+  split:    which dims may be split, and where the output is then split
+  partial:  whether partial sums pass through the op, with no all-reduce before it:
+              all P → P            the op adds, so partial sums add up across the split (sum(a) + sum(b) = sum(a + b))
+              one P, others B → P  the op is linear in that input (sum(a) · b = sum(a · b))
+              no                   a P input is all-reduced (summed into B) first
+  also:     other layouts the op runs under, computed its own way, with what the ranks exchange for it
+  needs:    an argument the op must have to run on split inputs at all
+  note:     anything else about the op
+einsum `ik,kj->ij`: each letter names a dim of an input or of the output. A letter in the output may be
+split alike in every input that has it, and the output is split there; a letter summed away (only in the
+inputs) may be split alike in every input that has it, and the output is P."""
+
+
+def _tensor_inputs(op) -> tuple[list[str], bool]:
+    """The names of an operator's tensor arguments, in the order the rules number their operands, up to
+    a list of tensors (einsum's, cat's, index's indices), whose members take the numbers after; and
+    whether there is one."""
+    names = []
+    for argument in getattr(getattr(op, "_schema", None), "arguments", ()):
+        kind = str(argument.type).removeprefix("Optional[")
+        if kind.startswith("List[") and "Tensor" in kind:
+            return names, True
+        if kind.startswith("Tensor"):
+            names.append(argument.name)
+    return names, False
+
+
+def _named(positions, names: list[str]) -> str:
+    return ", ".join(names[i] if i < len(names) else f"input {i + 1}" for i in positions)
+
+
+def _takes_a_number(op) -> bool:
+    """Whether a number may be among the op's arguments: x + 1 exports as add.Tensor(x, 1)."""
+    if op in (aten.add.Tensor, aten.sub.Tensor):
+        return True
+    return any(str(a.type) in ("float", "int", "Scalar", "number")
+               for a in getattr(getattr(op, "_schema", None), "arguments", ()))
+
+
+_SPLIT_WORDS = {
+    "elementwise": "any dim, split alike in every input that has it (a dim of size 1 that broadcasts: B) → S of it",
+    "source": "nothing to split in: made the same on every rank, so B only",
+    "gather": "the gathered dim stays whole; another dim split alike in self and index, where their sizes "
+              "match → S of it",
+    "index": "the indexed dims stay whole; the index tensors' dims may be split → S of where they land",
+    "project": "takes one result of an op with several: the layout that result has",
+    "cut": "the dim it cuts or joins along stays whole (unless it takes all of it); other dims split alike → S of them; "
+           "a dim cut into m equal parts may be split in m blocks, S(d, blocks=m), each part → S(d)",
+    "stack": "the inputs' dims split alike → S of them; the new dim stays whole",
+    "select": "the selected dim stays whole; other dims split alike → S of them",
+    "pad": "the padded dims stay whole; other dims → S of them",
+    "expand": "a dim the input has, split → S of it; the dims it is expanded along: the input B",
+    "check": "nothing computed (a check that torch.export leaves in the graph): any layout passes",
+    "attention": "batch and heads split alike in query, key, value (and mask) → S of them; the sequence and "
+                 "head dims whole",
+    "recurrent": "the batch only, alike in the input and the states → S of it; time, features and layers "
+                 "whole, the weights B",
+    "experts": "the tokens → S(0); the hidden dim and the experts whole (but see also)",
+    "conv": "batch → S(0); output channels in weight and bias → S of the output's channels (column parallel); input channels in "
+            "input and weight → P, the bias added once (row parallel); a spatial dim where each output row "
+            "reads only its own input rows → S of it; grouped channels whole",
+    "window": "the dims before the spatial ones (batch, channels) → S of them; a spatial dim where each rank's "
+              "windows read only its own rows → S of it",
+    "batch_norm": "channels, alike in input, weight, bias and running statistics → S(1); in eval also the "
+                  "batch and spatial dims",
+    "group_norm": "the batch only → S(0)",
+    "along": "the dim it runs along stays whole; other dims split alike in every input with that dim at "
+             "the same size → S of them",
+    "index_put": "the indexed dims of self stay whole; its trailing dims split alike with the values' → S of them",
+    "one_hot": "any dim → S of it; the new dim of classes stays whole",
+    "histogram": "any dim → P (the ranks' histograms add up)",
+    "normalize": "the dim it normalises along stays whole; other dims → S of them",
+    "reshape": "a split dim → S of the dim it becomes; dims the view merges or splits non-contiguously stay whole",
+    "permute": "any dim → S of where it moves",
+    "loss": "the rows with the targets' → S of them with reduction='none', P with 'sum'; the classes whole",
+}
+
+_ALSO_WORDS = {
+    "attention": "self-attention with the sequence split: query, key, value S(seq) → S(seq), plainly or "
+                 "zig-zag, each rank's keys and values sent around the ranks (ring attention)",
+    "cross_entropy": "logits split over the classes S(1), targets B → B, each row's max, sum of exps and "
+                     "target logit all-gathered (vocabulary parallel); with reduction='mean', rows split → P "
+                     "(a count of targets all-reduced) or → B (the sum and the count all-reduced together)",
+    "layer_norm": "the normalised dim split, weight and bias alike → S of it, each row's sum and sum of squares "
+                  "all-reduced",
+    "batch_norm": "in training, the batch or a spatial dim split → S of it, each channel's statistics "
+                  "all-reduced (as SyncBatchNorm)",
+    "experts": "the intermediate dim split in the expert weights → P (tensor parallel); the experts split with "
+               "the tokens → S(0), each token sent to its expert's rank and back by all-to-alls (expert parallel)",
+}
+
+
+def rule_in_words(op, rule: Rule) -> str:
+    """One op's rule as `pardsl rules` prints it, in the words RULES_KEY explains."""
+    names, listed = _tensor_inputs(op)
+    if rule.family in ("einsum", "matmul", "equation"):
+        spec = {"matmul": "as mm or bmm, with broadcast batch dims", "equation": "as its own subscripts"}
+        split = f"einsum `{rule.spec}`" if rule.family == "einsum" else f"einsum {spec[rule.family]}"
+        if names and rule.family == "einsum":
+            split += f" over ({', '.join(names)})"
+    elif rule.family == "source" and rule.shape_arg is not None:
+        split = "nothing to split in: may be made S of any dim, each rank filling its own slice"
+    elif rule.family == "reduce":
+        split = "dims kept → S of them; " + ("reduced dims stay whole" if rule.unsplittable_reduce else
+                                              "a reduced dim split → P (partial sums add up across the split)")
+    else:
+        split = _SPLIT_WORDS[rule.family]
+    if rule.whole_dims:
+        split += f"; except dims {', '.join(map(str, rule.whole_dims))}, which stay whole"
+    if rule.addends:
+        split += (f"; {_named(rule.addends, names)} (added to the result) follows the output: S where it has "
+                  "the split dim, B where it broadcasts, P where the output is P")
+    if rule.masked_lookup:
+        split += "; a split vocabulary is a masked lookup of each rank's rows → P"
+
+    if rule.family == "check":
+        partial = "any layout (nothing computed)"
+    elif rule.linear == "sum":
+        partial = "all P → P (partial sums add up across the split)"
+        if rule.family == "elementwise" and _takes_a_number(op):
+            partial += ", not with a nonzero number among its arguments (as in x + 1, which every rank would add)"
+        if rule.fill_arg is not None:
+            partial += ", with a zero fill only"
+    elif rule.linear == "product":
+        operands = [i for i in rule.linear_operands if i < len(names) or listed]
+        which = "any one input" if listed and not names else _named(operands, names) if len(operands) == 1 else \
+            "any one of " + _named(operands, names)
+        if rule.addends:
+            which += f" ({_named(rule.addends, names)} P with it)"
+        partial = f"one P, others B → P: {which} (one partial sum times whole values adds up)"
+    else:
+        partial = "no"
+
+    fields = [f"split: {split}", f"partial: {partial}"]
+    also = _ALSO_WORDS.get(rule.parallel_form)
+    if rule.parallel_form.endswith("_halo"):
+        also = ("a spatial dim split where the windows tile it → S of it, each rank's edge rows sent to its "
+                "neighbours (a halo)")
+    if rule.joins:
+        also = "m inputs of equal size, each S(d) along the joined dim → S(d, blocks=m)"
+    if also:
+        fields.append(f"also: {also}")
+    for position, name, value in rule.requires:
+        fields.append(f"needs: {name}={value!r}")
+    notes = []
+    if rule.mean:
+        notes.append("a mean over a split dim is the local sum over the global count")
+    if rule.drawn_as:
+        notes.append("random: each rank draws the whole tensor as serial does and keeps its part")
+    if rule.resized:
+        notes.append("the output has another size along the dim it runs along")
+    if not rule.differentiable:
+        notes.append("no gradient flows through")
+    if notes:
+        fields.append(f"note: {'; '.join(notes)}")
+    return " | ".join(fields)
+
+
+def rules_in_words() -> list[str]:
+    """`pardsl rules`: RULES_KEY's lines, a blank line, then one line per op, sorted by op as rules_table."""
+    lines = sorted((target_name(op), rule_in_words(op, rule)) for op, rule in RULES.items())
+    width = max(len(name) for name, _ in lines)
+    return [*RULES_KEY.splitlines(), "", *(f"{name:<{width}}  {words}" for name, words in lines)]
 
 
 @dataclass(frozen=True)
