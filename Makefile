@@ -2,13 +2,17 @@
 # make test: install, run the whole test suite.
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
-# The CPU build of torch, pinned: an unpinned torch pulls gigabytes of CUDA packages.
-TORCH  := torch==2.13.0
+# torch of the 2.13 series, as pyproject.toml asks, installed only where this Python has none of it: a torch
+# already there, CPU or CUDA build, is kept. From PyPI, Linux gets the CUDA build (gigabytes); for the CPU
+# build: make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH       := torch>=2.13,<2.14
+TORCH_INDEX ?=
 
 .PHONY: install demo test bench fuzz docs gpu-check clean
 
 install:
-	$(PIP) install --quiet $(TORCH)
+	@$(PYTHON) -c "import sys, torch; sys.exit(torch.__version__.split('.')[:2] != ['2', '13'])" 2>/dev/null \
+		|| $(PIP) install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install --quiet -e ".[test]"
 
 demo: install

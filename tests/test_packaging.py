@@ -1,6 +1,7 @@
-"""The grammar and the templates ship inside the package."""
+"""The grammar and the templates ship inside the package; torch is asked for as a range."""
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -47,3 +48,24 @@ def test_a_checkout_imported_without_an_install_in_place_finds_its_grammar_and_t
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "True"
+
+
+def test_torch_is_asked_for_as_a_range_that_keeps_an_installed_build():
+    """An exact pin resolves to whatever build the index serves (PyPI's is CUDA's) and replaces a torch
+    already installed; a range of one minor version keeps an installed CPU or CUDA build of it. The
+    Makefile installs torch from the same range."""
+    import torch
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as handle:
+        dependencies = [Requirement(d) for d in tomllib.load(handle)["project"]["dependencies"]]
+    [wanted] = [d for d in dependencies if d.name == "torch"]
+    assert wanted.specifier and all(s.operator not in ("==", "===") for s in wanted.specifier), wanted
+    assert all(wanted.specifier.contains(v) for v in ["2.13.0", "2.13.0+cpu", "2.13.1+cu128", torch.__version__])
+    assert not any(wanted.specifier.contains(v) for v in ["2.12.1", "2.14.0"])  # export's graphs change
+    with open(os.path.join(root, "Makefile"), encoding="utf-8") as handle:
+        installed = re.search(r"^TORCH\s*:=\s*(.+)$", handle.read(), re.M)[1]
+    assert Requirement(installed).specifier == wanted.specifier
