@@ -23,6 +23,11 @@ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each attempt a store of its own.)
 The corpus is generated (seeded, no downloads): sentences from a small grammar, tokenized as bytes, so
 the model's vocabulary of 256 covers it. Step k always trains on the same batch, so a resumed run and a
 run under another plan see the data a straight run would.
+
+A checkpoint keeps the learning-rate schedule it was trained on (--steps, --lr, --min-lr, --warmup: the
+cosine reaches --min-lr at --steps) and the next batch to read. A resume under another schedule would
+train on other learning rates than the run it continues, so it is refused unless --allow-schedule-change
+(then the new schedule holds from the resumed step on).
 """
 
 from __future__ import annotations
@@ -57,9 +62,9 @@ def corpus(sentences: int = 20000, seed: int = 1234) -> torch.Tensor:
     return torch.tensor(list(text.encode("ascii")), dtype=torch.int64)
 
 
-def batch_at(tokens: torch.Tensor, step: int, batch: int, seq: int) -> torch.Tensor:
-    """Step `step`'s batch: `batch` windows of `seq` tokens at seeded positions."""
-    generator = torch.Generator().manual_seed(step)
+def batch_at(tokens: torch.Tensor, index: int, batch: int, seq: int) -> torch.Tensor:
+    """The `index`-th batch: `batch` windows of `seq` tokens at positions seeded by `index`."""
+    generator = torch.Generator().manual_seed(index)
     starts = torch.randint(0, tokens.numel() - seq, (batch,), generator=generator)
     return torch.stack([tokens[s:s + seq] for s in starts.tolist()])
 
@@ -89,6 +94,8 @@ def arguments(argv=None):
     parser.add_argument("--resume", default=None,
                         help="a checkpoint folder to continue from; `auto`: the newest complete one in "
                              "--checkpoint-dir, if any (from the start otherwise)")
+    parser.add_argument("--allow-schedule-change", action="store_true",
+                        help="resume under other --steps, --lr, --min-lr or --warmup than the checkpoint's run")
     parser.add_argument("--kill-rank", type=int, default=None,
                         help="to try the restart path: in a run that did not resume, this rank kills itself "
                              "(SIGKILL) midway through step --kill-at, between forward and backward")
@@ -102,14 +109,42 @@ def arguments(argv=None):
     return args
 
 
-def save(model, optimizer, plan, steps_done: int, args, progress) -> None:
-    """A checkpoint of the model's and the optimizer's shards, and the step to resume at."""
+def schedule(args) -> dict:
+    """What sets each step's learning rate besides the step."""
+    return {"steps": args.steps, "lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup}
+
+
+def resume_point(args) -> tuple[int, int]:
+    """The step a resume starts at and the batch it reads first, from its checkpoint. Every rank checks
+    before the process group starts, so a refused resume ends at once, rank 0 saying why."""
+    import pardsl
+
+    metadata = pardsl.checkpoint_metadata(args.resume)
+    if metadata is None:
+        sys.exit(f"train.py: error: {args.resume} is not a checkpoint pardsl.save wrote")
+    saved = metadata.get("schedule") or {}  # empty: saved by a version of this script that did not keep it
+    now = schedule(args)
+    changed = [f"--{name.replace('_', '-')} {was} (this run: {now[name]})" for name, was in saved.items()
+               if now[name] != was]
+    if changed and not args.allow_schedule_change:
+        message = (f"train.py: error: {args.resume} was saved by a run with {', '.join(changed)}; resumed under "
+                   f"this schedule, its remaining steps would train at other learning rates than that run's. "
+                   f"Give that run's values, or --allow-schedule-change to train on the new schedule from step "
+                   f"{metadata['step']}.")
+        sys.exit(message if int(os.environ.get("RANK", "0")) == 0 else 2)  # torchrun sets RANK: one copy
+    return metadata["step"], metadata.get("data", {}).get("next_batch", metadata["step"])
+
+
+def save(model, optimizer, plan, steps_done: int, next_batch: int, args, progress) -> None:
+    """A checkpoint of the model's and the optimizer's shards, the step to resume at, the schedule it was
+    trained on and the batch to read next."""
     if plan is None:
         return
     import pardsl
 
     folder = os.path.join(args.checkpoint_dir, f"step-{steps_done}")
-    pardsl.save(model, folder, optimizer=optimizer, metadata={"step": steps_done})  # all or nothing
+    metadata = {"step": steps_done, "schedule": schedule(args), "data": {"next_batch": next_batch}}
+    pardsl.save(model, folder, optimizer=optimizer, metadata=metadata)  # all or nothing
     if dist.get_rank() == 0:
         progress.console.print(f"saved {folder}")
 
@@ -130,24 +165,22 @@ def main(argv=None) -> None:
 
         model, plan, rank = llama_causal_lm(layers=2), None, 0
         clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # noqa: E731
-        start = 0
+        start = position = 0
     else:
         import pardsl
 
+        if args.resume == "auto":  # a restarted run: the newest checkpoint every rank finished, if any
+            args.resume = pardsl.latest_checkpoint(args.checkpoint_dir)
+        start, position = resume_point(args) if args.resume else (0, 0)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         rank = dist.get_rank()
         plan = pardsl.load(args.plan)
-        if args.resume == "auto":  # a restarted run: the newest checkpoint every rank finished, if any
-            args.resume = pardsl.latest_checkpoint(args.checkpoint_dir)
         model = plan.module(checkpoint=args.resume)  # this rank's shards; from the checkpoint if given
         clip = lambda: pardsl.clip_grad_norm_(model, args.clip)  # noqa: E731
-        start = 0
-        if args.resume:
-            start = pardsl.checkpoint_metadata(args.resume)["step"]
-            if rank == 0:
-                print(f"resuming from {args.resume} at step {start}", flush=True)
+        if args.resume and rank == 0:
+            print(f"resuming from {args.resume} at step {start}", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     if args.resume:
         pardsl.load_optimizer_state(optimizer, model, args.resume)
@@ -159,12 +192,13 @@ def main(argv=None) -> None:
                         TimeRemainingColumn(), disable=rank != 0)
     log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None
     if args.resume and args.save_at == start:  # what was loaded, resharded to this plan
-        save(model, optimizer, plan, start, args, progress)
+        save(model, optimizer, plan, start, position, args, progress)
     with progress:
         task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0)
         for step in range(start, args.steps):
             began = time.perf_counter()
-            batch = batch_at(tokens, step, args.batch, args.seq)
+            batch = batch_at(tokens, position, args.batch, args.seq)
+            position += 1
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, args)
             inputs = dict(input_ids=batch, labels=batch)
@@ -191,7 +225,7 @@ def main(argv=None) -> None:
                 log.write(json.dumps({"step": step, "loss": loss, "grad_norm": float(norm)}) + "\n")
                 log.flush()
             if args.save_at == step + 1 or (args.save_every and (step + 1) % args.save_every == 0):
-                save(model, optimizer, plan, step + 1, args, progress)
+                save(model, optimizer, plan, step + 1, position, args, progress)
     if not args.serial:
         dist.barrier()  # no rank tears gloo down while another's last collective is in flight
         dist.destroy_process_group()

@@ -130,12 +130,15 @@ def _losses(path) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in map(json.loads, open(path))}
 
 
-def test_training_example_checkpoints_and_resumes_under_a_pipeline_bit_for_bit(tmp_path):
+def test_training_example_checkpoints_and_resumes_under_a_pipeline_bit_for_bit(tmp_path, monkeypatch):
     """examples/train.py: 4 steps serially; under tp 2 with a checkpoint after 2; resumed from it under
     the pipeline of examples/llama_train_pp2_tp2.par on 2 ranks (its two stages, the layouts left out: the
     4-rank run would only cost time, and the pipeline tests save under pp 2 x tp 2), which first saves what
     it loaded, each stage's rank its stage's tensors. Every step's loss equals serial's, and the resharded
-    checkpoint holds the same bits as the one it was loaded from, optimizer state included."""
+    checkpoint holds the same bits as the one it was loaded from, optimizer state included. The checkpoint
+    keeps the learning-rate schedule and the next batch: a resume under another --steps is refused."""
+    import pardsl
+    from examples.train import arguments, resume_point
     from examples.train import main as train
     from pardsl.runtime.checkpoint import CheckpointSource
 
@@ -147,6 +150,20 @@ def test_training_example_checkpoints_and_resumes_under_a_pipeline_bit_for_bit(t
     train(["--serial", *common, "--loss-log", str(tmp_path / "serial.jsonl")])
     torchrun(2, "examples/train.py", "--plan", "examples/llama_train_tp2.par", *common, "--save-at", "2",
              "--checkpoint-dir", str(tmp_path / "tp2"), "--loss-log", str(tmp_path / "tp2.jsonl"))
+
+    checkpoint = str(tmp_path / "tp2" / "step-2")
+    assert pardsl.checkpoint_metadata(checkpoint) == {
+        "step": 2, "schedule": {"steps": 4, "lr": 3e-3, "min_lr": 3e-4, "warmup": 5}, "data": {"next_batch": 2}}
+    # --steps also places the cosine's end: a resume under another is refused before any rank starts
+    monkeypatch.delenv("RANK", raising=False)
+    longer = ["--plan", "examples/llama_train_tp2.par", "--steps", "6", "--seq", "32", "--batch", "4",
+              "--resume", checkpoint]
+    with pytest.raises(SystemExit) as refused:
+        train(longer)
+    assert f"error: {checkpoint} was saved by a run with --steps 4 (this run: 6);" in str(refused.value.code)
+    assert "--allow-schedule-change" in str(refused.value.code)
+    assert resume_point(arguments([*longer, "--allow-schedule-change"])) == (2, 2)
+
     torchrun(2, "examples/train.py", "--plan", str(tmp_path / "pp2.par"), *common,
              "--resume", str(tmp_path / "tp2" / "step-2"), "--save-at", "2",
              "--checkpoint-dir", str(tmp_path / "pp2"), "--loss-log", str(tmp_path / "resumed.jsonl"))
@@ -158,6 +175,8 @@ def test_training_example_checkpoints_and_resumes_under_a_pipeline_bit_for_bit(t
         assert sorted(got) == steps
         for step in steps:
             assert got[step] == pytest.approx(serial[step], rel=1e-5), (name, step)
+    straight, resumed = _losses(tmp_path / "tp2.jsonl"), _losses(tmp_path / "resumed.jsonl")
+    assert [resumed[step] for step in (2, 3)] == pytest.approx([straight[step] for step in (2, 3)], rel=1e-5)
 
     saved, resharded = CheckpointSource(str(tmp_path / "tp2" / "step-2")), \
         CheckpointSource(str(tmp_path / "pp2" / "step-2"))
