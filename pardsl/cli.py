@@ -133,6 +133,11 @@ def _arguments() -> argparse.ArgumentParser:
                         help="a checkpoint folder pardsl.save wrote (one step's, such as ckpt/step-30)")
     export.add_argument("-o", "--output", required=True, metavar="FILE",
                         help="the safetensors file to write (required)")
+    export.add_argument("--no-verify", action="store_true",
+                        help="read the files without checking their sha256 against the index (default: checked)")
+    export.add_argument("--allow-shared-folder", action="store_true",
+                        help="read a checkpoint from a folder other users can write, trusting them (default: "
+                             "refused)")
 
     _command(commands, "rules", "print every op's rule, one line per op, after a key to the words used",
              "pardsl rules", "pardsl rules | grep aten.linear")
@@ -331,9 +336,13 @@ def _export(args) -> int:
     from pardsl.runtime.checkpoint import export_checkpoint
 
     try:
-        names = export_checkpoint(args.checkpoint, args.output)
+        names = export_checkpoint(args.checkpoint, args.output, verify=not args.no_verify,
+                                  allow_shared_folder=args.allow_shared_folder)
     except (OSError, ValueError) as error:
-        return _failed(args, "error", str(error), EXIT_INPUT_ERROR)
+        # the library's advice names its keywords; here they are this command's flags
+        message = str(error).replace("pass verify=False", "pass --no-verify") \
+            .replace("pass allow_shared_folder=True", "pass --allow-shared-folder")
+        return _failed(args, "error", message, EXIT_INPUT_ERROR)
     print(f"wrote {len(names)} tensors to {args.output}")
     return EXIT_OK
 

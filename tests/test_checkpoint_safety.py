@@ -417,3 +417,25 @@ def test_a_malformed_hugging_face_index_is_refused_with_a_message(tmp_path, text
     (hf / "model.safetensors.index.json").write_text(text)
     with pytest.raises(CheckpointError, match=f"{hf}: its index model.safetensors.index.json"):
         CheckpointSource(str(hf))
+
+
+def test_export_reads_a_shared_or_changed_checkpoint_only_when_told_to(saved, tmp_path, capsys):
+    from pardsl import cli
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # writable by everyone, no sticky bit
+    folder = shutil.copytree(saved, shared / "step-1")
+    out = str(tmp_path / "model.safetensors")
+    assert cli.main(["export", str(folder), "-o", out]) == 1
+    assert "pass --allow-shared-folder" in capsys.readouterr().err and not os.path.exists(out)
+    assert cli.main(["export", str(folder), "-o", out, "--allow-shared-folder"]) == 0
+
+    changed = shutil.copytree(saved, tmp_path / "changed")
+    data = next(name for name in os.listdir(changed) if name.endswith(".safetensors"))
+    with open(changed / data, "r+b") as handle:
+        handle.seek(os.path.getsize(changed / data) - 64)
+        handle.write(b"\xff" * 64)  # inside the last tensor's bytes, the size unchanged
+    assert cli.main(["export", str(changed), "-o", out]) == 1
+    assert "pass --no-verify" in capsys.readouterr().err
+    assert cli.main(["export", str(changed), "-o", out, "--no-verify"]) == 0
