@@ -89,6 +89,8 @@ def _command(commands, name: str, help: str, *examples: str) -> argparse.Argumen
 
 PAR_FILE_HELP = "the .par file: the mesh, the model, its inputs and the layouts"
 JSON_HELP = "print one JSON object on stdout, whatever happens (errors included)"
+QUIET_HELP = ("no status line (on a terminal, stderr's last line says what the command is doing and for how "
+              "long; default: shown there, never in a pipe or with --json)")
 TIME_LIMIT_HELP = "give up (error E090, saying how far it got) after this long (default: no limit)"
 BACKEND_HELP = "the collectives' library (auto: NCCL where CUDA is available, else gloo)"
 
@@ -110,6 +112,7 @@ def _arguments() -> argparse.ArgumentParser:
                      "pardsl check examples/mlp_inferred.par --time-limit 60")
     check.add_argument("file", help=PAR_FILE_HELP)
     check.add_argument("--json", action="store_true", help=JSON_HELP)
+    check.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     check.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS", help=TIME_LIMIT_HELP)
 
     compile_ = _command(commands, "compile", "write the SPMD module and plan.json",
@@ -119,6 +122,7 @@ def _arguments() -> argparse.ArgumentParser:
     compile_.add_argument("-o", "--output", required=True, metavar="DIR",
                           help="the folder to write pardsl_module.py and plan.json into (required)")
     compile_.add_argument("--json", action="store_true", help=JSON_HELP)
+    compile_.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     compile_.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
                           help=TIME_LIMIT_HELP)
     compile_.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
@@ -159,6 +163,7 @@ def _arguments() -> argparse.ArgumentParser:
     explain.add_argument("--html", metavar="FILE",
                          help="also write a self-contained HTML page (default: none written)")
     explain.add_argument("--json", action="store_true", help=JSON_HELP)
+    explain.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     explain.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
                          help=TIME_LIMIT_HELP)
 
@@ -209,6 +214,7 @@ def _arguments() -> argparse.ArgumentParser:
                      help="give up after this long, compile and ranks together (a compile cut short is error E090; "
                           "ranks still running are ended) (default: no limit)")
     run.add_argument("--json", action="store_true", help=JSON_HELP)
+    run.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     run.add_argument("-o", "--output", metavar="DIR",
                      help="also write the module and plan.json here (default: not written)")
     run.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
@@ -226,6 +232,7 @@ def _arguments() -> argparse.ArgumentParser:
     dryrun.add_argument("--machine", metavar="NAME|FILE", help=MACHINE_HELP + "; a plan its estimate says "
                         "exceeds the machine's device memory is refused before anything is allocated")
     dryrun.add_argument("--json", action="store_true", help=JSON_HELP)
+    dryrun.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     dryrun.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
                         help="give up compiling (error E090) after this long (default: no limit)")
     return parser
@@ -411,30 +418,36 @@ def _calibrate(args) -> int:
     return EXIT_OK
 
 
-def _explain(args, compiled, machine) -> int:
+def _explain(args, compiled, machine, started: float) -> int:
+    from pardsl.language.progress import tell
     from pardsl.planning.cost import estimate
     from pardsl.tools.explain import html_page, report
 
-    result = estimate(compiled, machine, args.optimizer)
-    bound = compiled.memory_bound
+    with _status_on_terminal(args, started):
+        tell("pricing the plan on the machine")
+        result = estimate(compiled, machine, args.optimizer)
+        bound = compiled.memory_bound
+        tell("writing the report")
+        page = html_page(compiled, result, bound) if args.html else None
+        text = None if args.json else report(compiled, result, bound)
     if args.html:
         from pardsl.language.files import write_atomically
 
         try:
-            write_atomically(args.html, html_page(compiled, result, bound))
+            write_atomically(args.html, page)
         except OSError as error:
             return _failed(args, "error", f"cannot write {args.html}: {error.strerror}", EXIT_INPUT_ERROR)
     if args.json:
         print(json.dumps({"ok": True, **result.to_json(), "memory_bound": bound,
                           "notes": [n.to_json() for n in compiled.program.notes]}, indent=2))
     else:
-        print(report(compiled, result, bound))
+        print(text)
         if args.html:
             print(f"wrote {args.html}")
     return EXIT_OK
 
 
-def _dryrun(args, compiled, machine) -> int:
+def _dryrun(args, compiled, machine, started: float) -> int:
     from pardsl.program.ir import format_bytes
     from pardsl.tools.dryrun import DryRunRefused, dry_run
 
@@ -444,7 +457,8 @@ def _dryrun(args, compiled, machine) -> int:
     if too_big is not None:
         return _report_errors(too_big, args.json)
     try:
-        result = dry_run(compiled, args.rank, args.device, args.steps, machine)
+        with _status_on_terminal(args, started):
+            result = dry_run(compiled, args.rank, args.device, args.steps, machine)
     except DryRunRefused as refused:
         return _failed(args, "dry run refused", str(refused), EXIT_INPUT_ERROR)
     if args.json:
@@ -471,20 +485,43 @@ def _dryrun(args, compiled, machine) -> int:
 
 
 @contextlib.contextmanager
-def _status_on_terminal(args):
-    """On a terminal, one status line on stderr says what the compile is doing (a searched plan can take
-    minutes), gone when it ends; elsewhere (a pipe, a file, --json) nothing is written."""
-    if getattr(args, "json", False) or not sys.stderr.isatty():
+def _status_on_terminal(args, started: float):
+    """On a terminal, one status line on stderr says what the command is doing and for how long so far
+    (`started`: its time.monotonic() at the start), redrawn each second and gone when the block ends: a
+    searched plan, a dry run at real size or a run's ranks can take minutes. Elsewhere (a pipe, a file,
+    --json, --quiet) nothing is written."""
+    if getattr(args, "json", False) or getattr(args, "quiet", False) or not sys.stderr.isatty():
         yield
         return
+    import threading
+
     from rich.console import Console
 
     from pardsl.language.progress import reported_to
 
     name = os.path.basename(args.file)  # one line on a narrow terminal
-    with Console(stderr=True).status(f"{name}: parsing", spinner="dots") as status:
-        with reported_to(lambda message: status.update(f"{name}: {message}")):
-            yield
+    said, stop = ["parsing" if args.command != "run" else "compiling"], threading.Event()
+
+    def line() -> str:
+        return f"{name}: {said[0]} ({time.monotonic() - started:.0f} s)"
+
+    def hear(message: str) -> None:
+        said[0] = message
+        status.update(line())
+
+    def tick() -> None:  # the time so far moves on between stages
+        while not stop.wait(1.0):
+            status.update(line())
+
+    with Console(stderr=True).status(line(), spinner="dots") as status:
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            with reported_to(hear):
+                yield
+        finally:
+            stop.set()
+            ticker.join()
 
 
 def _main(args, quiet) -> int:
@@ -503,7 +540,7 @@ def _main(args, quiet) -> int:
             return _failed(args, "error", str(error), EXIT_USAGE)
     started = time.monotonic()
     try:
-        with quiet, _status_on_terminal(args), time_limit(limit):
+        with quiet, _status_on_terminal(args, started), time_limit(limit):
             bucket_mb = getattr(args, "bucket_mb", None)
             compiled = compile_file(args.file, machine=machine,
                                     **({"bucket_mb": bucket_mb} if bucket_mb is not None else {}))
@@ -528,10 +565,10 @@ def _main(args, quiet) -> int:
         return EXIT_OK
 
     if args.command == "explain":
-        return _explain(args, compiled, machine)
+        return _explain(args, compiled, machine, started)
 
     if args.command == "dryrun":
-        return _dryrun(args, compiled, machine)
+        return _dryrun(args, compiled, machine, started)
 
     if args.command == "compile":
         try:
@@ -587,8 +624,9 @@ def _main(args, quiet) -> int:
                   collectives_in_graphs=None if args.collectives_in_graphs is None else
                   args.collectives_in_graphs == "yes", compile_backend=args.compile_backend or "inductor")
     try:
-        report = launch(job, stall_s=args.stall_timeout,
-                        time_limit_s=None if limit is None else max(limit - (time.monotonic() - started), 0.0))
+        with _status_on_terminal(args, started):
+            report = launch(job, stall_s=args.stall_timeout,
+                            time_limit_s=None if limit is None else max(limit - (time.monotonic() - started), 0.0))
     except RunFailed as error:  # a rank failed or stalled: which and why, without the launcher's traceback
         return _failed(args, "run failed", str(error).strip()[:4000], EXIT_INPUT_ERROR)
     report["compile_s"] = sum(compiled.seconds.values())

@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -110,14 +111,22 @@ def test_a_compile_reports_its_stages_and_each_integer_program_to_a_listener(com
 def test_on_a_terminal_check_shows_what_the_compile_is_doing_on_stderr_and_clears_it(tmp_path):
     """A searched plan can take minutes: on a terminal a status line (rich) says what the compile is doing;
     piped, nothing is added (test_compile_json_of_a_searched_plan_is_json_alone)."""
-    import pty
-
     par = tmp_path / "searched.par"
     par.write_text("mesh tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
                    "memory <= 60 %\n")
+    result, shown = _on_a_terminal("check", str(par))
+    assert result.returncode == 0 and result.stdout.strip() == f"{par}: ok"
+    # the line is redrawn a dozen times a second, so a quick stage may never show; the last always does
+    assert re.search(rb"searched.par: writing the module \(\d+ s\)", shown)
+
+
+def _on_a_terminal(*argv: str):
+    """`pardsl ARGV` with stderr on a terminal (stdout piped): its result, and what the terminal was sent."""
+    import pty
+
     leader, follower = pty.openpty()
-    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "check", str(par)], stdout=subprocess.PIPE,
-                            stderr=follower, text=True, timeout=100, env={**os.environ, "TERM": "xterm", "COLUMNS": "200"})
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=follower, text=True, timeout=200, env={**os.environ, "TERM": "xterm", "COLUMNS": "200"})
     os.close(follower)
     shown = b""
     while True:
@@ -129,9 +138,21 @@ def test_on_a_terminal_check_shows_what_the_compile_is_doing_on_stderr_and_clear
             break
         shown += chunk
     os.close(leader)
-    assert result.returncode == 0 and result.stdout.strip() == f"{par}: ok"
-    # the line is redrawn a dozen times a second, so a quick stage may never show; the last always does
-    assert b"searched.par: writing the module" in shown
+    return result, shown
+
+
+@pytest.mark.timeout(300)
+def test_on_a_terminal_run_dryrun_and_explain_say_what_they_are_doing_and_for_how_long():
+    result, shown = _on_a_terminal("run", "examples/mlp.par", "--steps", "300")
+    assert result.returncode == 0, result.stderr
+    # the ranks take seconds: the line says how far the one furthest behind has got, and the time so far
+    assert re.search(rb"mlp.par: 2 of 2 ranks running; rank \d \(furthest behind\): step \d+: .* \(\d+ s\)", shown)
+    result, shown = _on_a_terminal("dryrun", "examples/mlp.par")
+    assert result.returncode == 0 and b"mlp.par: step 1 of 1: the optimizer's step" in shown
+    result, shown = _on_a_terminal("explain", "examples/mlp.par")
+    assert result.returncode == 0 and b"mlp.par: writing the report" in shown
+    result, shown = _on_a_terminal("explain", "examples/mlp.par", "--quiet")
+    assert result.returncode == 0 and b"mlp.par:" not in shown and result.stdout  # the report, on stdout
 
 
 @pytest.mark.timeout(240)

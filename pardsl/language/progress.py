@@ -29,10 +29,15 @@ def reported_to(listener: Callable[[str], None]):
         _listeners.remove(listener)
 
 
-def report(message: str) -> None:
-    """Tell the listeners; past a time limit (`time_limit`), raise OutOfTime here, a place it may be raised."""
+def tell(message: str) -> None:
+    """Tell the listeners, and nothing else: from any thread (a watchdog's), where no time limit is kept."""
     for listener in list(_listeners):
         listener(message)
+
+
+def report(message: str) -> None:
+    """Tell the listeners; past a time limit (`time_limit`), raise OutOfTime here, a place it may be raised."""
+    tell(message)
     if past_time_limit():
         raise OutOfTime(message)
 

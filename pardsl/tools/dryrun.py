@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pardsl.language.progress import tell
 from pardsl.layouts.algebra import COLLECTIVE_KINDS
 from pardsl.planning.cost import default_machine, estimate, pipeline_rank_memory, stage_buffer_slots
 from pardsl.program.codegen import load_module
@@ -101,6 +102,7 @@ def dry_run(compiled, rank: int = 0, device: str = "cpu", steps: int = 1, machin
             f"machine's {format_bytes(host_memory)} of memory: dry-run it where one rank's share fits (--device "
             f"cuda on a GPU of the size planned for)")
     run = _run_pipelined if compiled.pipeline is not None else _run
+    tell(f"rank {rank}: making its shards at their real size")
     with _fake_process_group(rank, mesh.size):
         return run(compiled, rank, torch.device(device), steps, planned_memory["peak"], device_memory)
 
@@ -185,14 +187,17 @@ def _steps(rt, device: torch.device, steps: int, set_up: int, optimizer, forward
     them all, the peak by the end of each phase and each phase's seconds (the last step's), and the
     collectives the first step issued, by axis."""
     peak_after, seconds, peak, issued = {}, {}, 0, None
-    for _ in range(steps):
+    for step in range(steps):
         rt.counter.reset()
         with peak_so_far(device, set_up + held_bytes(optimizer_state(optimizer))) as measure:
+            tell(f"step {step + 1} of {steps}: forward")
             outputs = _timed(seconds, "forward", device, forward)
             peak_after["forward"] = measure()
+            tell(f"step {step + 1} of {steps}: backward")
             _timed(seconds, "backward", device, functools.partial(backward, outputs))
             peak_after["backward"] = measure()
             del outputs
+            tell(f"step {step + 1} of {steps}: the optimizer's step")
             _timed(seconds, "optimizer", device, optimizer.step)
             optimizer.zero_grad(set_to_none=True)
             peak_after["optimizer"] = measure()

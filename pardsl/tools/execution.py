@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pardsl.language.progress import tell
 from pardsl.language.syntax import InputDecl, ModelDecl
 from pardsl.layouts.algebra import Layout, Mesh
 from pardsl.model.loading import build_model, full_state, import_paths, make_inputs, par_import_paths
@@ -543,6 +544,9 @@ def _watch(folder: str, ranks: int, stall_s: float, stop: threading.Event, verdi
             with contextlib.suppress(OSError, ValueError):
                 with open(os.path.join(folder, f"rank-{rank}.json")) as handle:
                     records[rank] = json.load(handle)
+        if records:  # for a terminal's status line: how far the rank furthest behind has got
+            behind = min(records, key=lambda r: (records[r]["count"], records[r]["time"]))
+            tell(f"{len(records)} of {ranks} ranks running; rank {behind} (furthest behind): {records[behind]['what']}")
         if time_limit_s is not None and time.monotonic() - started > time_limit_s:
             verdict.append(f"the run did not finish within its time limit of {time_limit_s:g} s (--time-limit); "
                            f"its ranks were ended")
@@ -661,6 +665,7 @@ def launch(job: RankJob, stall_s: float = 60.0, time_limit_s: float | None = Non
         environment = {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
                        "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
         try:
+            tell(f"starting {ranks} ranks")
             with _ctrl_c_held_while_spawning():
                 context = start_processes(
                     "pardsl", _rank_entry, {rank: (job_path,) for rank in range(ranks)},
