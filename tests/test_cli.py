@@ -156,7 +156,7 @@ def test_on_a_terminal_run_dryrun_and_explain_say_what_they_are_doing_and_for_ho
 
 
 @pytest.mark.timeout(240)
-def test_run_json_on_two_ranks_with_the_elastic_launcher(tmp_path):
+def test_run_json_on_two_ranks(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "pardsl.cli", "run", "examples/mlp.par", "--nproc", "2", "--steps", "2", "--json",

@@ -1,10 +1,10 @@
 """Long-lived gloo ranks for running many compiled programs quickly (the test suite, benchmarks).
 
-`pardsl run` starts fresh processes with torch's elastic launcher for every run; that costs seconds. A
-`WorkerPool` starts its processes and their process group once and then runs `execution.run_rank` for
-each job it is given, on every rank, returning the combined report. Every job has a timeout: a hang
-fails the job and closes the pool instead of blocking. The ranks meet in a private folder's FileStore
-(pardsl/runtime/rendezvous.py), not on a port another user could reach.
+`pardsl run` starts fresh processes for every run; that costs seconds. A `WorkerPool` starts its processes
+and their process group once and then runs `execution.run_rank` for each job it is given, on every rank,
+returning the combined report. Every job has a timeout: a hang fails the job and closes the pool instead
+of blocking. The ranks meet in a private folder's FileStore (pardsl/runtime/rendezvous.py), not on a port
+another user could reach.
 """
 
 from __future__ import annotations
