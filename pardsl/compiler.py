@@ -293,7 +293,45 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
     compiled, chosen = min(priced.values(), key=lambda pair: (not pair[1].within_bound,
                                                                pair[1].step_s if pair[1].within_bound else pair[1].memory))
     compiled.seconds["other mesh shapes"] = sum(t for sizes, t in elapsed.items() if sizes != chosen.sizes)
+    swapped = roles_swapped_note(compiled.program, par.mesh.span)
+    if swapped is not None and swapped not in compiled.program.notes:
+        compiled.program.notes.append(swapped)
     return replace(compiled, mesh_shapes=(chosen, *(s for s in shapes if s.sizes != chosen.sizes)))
+
+
+def axis_roles(program: LoweredProgram) -> tuple[set[str], set[str]]:
+    """The axes a plan uses as tensor parallelism (some parameter split on it and computed split, not
+    gathered whole before use) and as data parallelism (gradients synchronised on it, or parameters
+    gathered on it: FSDP's sharding is data parallelism's too)."""
+    gathered = {(member.attr, group.axis) for group in program.gathers for member in group.members}
+    data = {axis for bucket in program.buckets for axis in bucket.axes} | {group.axis for group in program.gathers}
+    tensor = {program.mesh.axis_names[axis] for slot in program.parameters
+              for axis, placement in enumerate(slot.layout.placements)
+              if placement.is_split and (slot.name, program.mesh.axis_names[axis]) not in gathered
+              and (slot.var, program.mesh.axis_names[axis]) not in gathered}
+    return tensor, data
+
+
+def roles_swapped_note(program: LoweredProgram, span) -> Diagnostic | None:
+    """Note N008: a searched mesh's shape whose plan splits the weights over the axis the file calls `dp`
+    and synchronises gradients over the one it calls `tp`.
+
+    The search prices every role on every axis: the names are labels to it. Relabelling the kept plan is
+    not done: keeping the file's axis order with the names exchanged is exact but reorders the mesh the
+    file wrote, and exchanging the sizes instead (dp = 4, tp = 2 for dp = 2, tp = 4) changes which ranks
+    form each group, the same plan only on a machine whose links are all alike. So the mapping is said.
+    Only dp and tp are read: their roles are clear from the plan; other names are the file's to mean."""
+    names = program.mesh.axis_names
+    if "dp" not in names or "tp" not in names:
+        return None
+    tensor, data = axis_roles(program)
+    if not ("dp" in tensor and "dp" not in data and "tp" in data and "tp" not in tensor):
+        return None
+    return Diagnostic(
+        "N008", f"the search kept {program.mesh}: the weights are split over dp (tensor parallelism) and "
+        "gradients synchronised over tp (data parallelism): the names are the file's, their roles swapped",
+        span, ("every shape is searched with either role on either axis; `pardsl explain` shows each "
+               "parameter's layout",), severity="note")
 
 
 def _shape_text(names: list[str], sizes: tuple[int, ...]) -> str:

@@ -68,6 +68,42 @@ def test_explain_lists_every_shape_with_its_estimate():
     assert text.splitlines()[2].startswith("mesh shape searched: dp = 2, tp = 2 kept, the fastest of 3 within the bound")
 
 
+def test_a_kept_shape_whose_plan_swaps_the_roles_of_dp_and_tp_says_so():
+    """The search prices either role on either axis: where the plan it keeps splits the weights over the
+    axis the file calls dp and synchronises gradients over tp, note N008 names the mapping (the plan is
+    kept as priced: exchanging the axes would reorder the file's mesh or change its groups of ranks)."""
+    from pardsl.compiler import axis_roles
+
+    searched = _searched()
+    tensor, data = axis_roles(searched.program)
+    swapped = [note for note in searched.program.notes if note.code == "N008"]
+    assert bool(swapped) == (tensor == {"dp"} and data == {"tp"})
+    if swapped:
+        [note] = swapped
+        assert note.severity == "note" and note.span == searched.par.mesh.span
+        assert note.message.startswith(f"the search kept {searched.program.mesh}: the weights are split over dp")
+        assert "gradients synchronised over tp" in note.message and "roles swapped" in note.message
+
+
+MLP_LAYOUTS = ("mesh dp = 2, tp = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[4, 16]\n"
+               "layout {{\n    x : S(0)@{batch}\n    fc1.weight : S(0)@{weights}\n    fc1.bias : S(0)@{weights}\n"
+               "    fc2.weight : S(1)@{weights}\n    output : S(0)@{batch}\n}}\n")
+
+
+@pytest.mark.parametrize("batch, weights, swapped", [("dp", "tp", False), ("tp", "dp", True)])
+def test_the_roles_of_dp_and_tp_are_read_from_the_plan(batch, weights, swapped):
+    """Weights split over tp and the batch over dp is what the names say: no note. The other way round is
+    tensor parallelism on dp and data parallelism on tp: the note, naming the mapping."""
+    from pardsl.compiler import axis_roles, roles_swapped_note
+
+    compiled = compile_text(MLP_LAYOUTS.format(batch=batch, weights=weights), "examples/mlp.par")
+    assert axis_roles(compiled.program) == ({weights}, {batch})
+    note = roles_swapped_note(compiled.program, None)
+    assert (note is not None) == swapped
+    if swapped:
+        assert note.code == "N008" and "kept dp = 2, tp = 2: the weights are split over dp" in note.message
+
+
 def test_a_mesh_no_shape_of_which_fits_the_written_layouts_is_located():
     with pytest.raises(CompileError) as caught:
         compile_text("mesh dp, tp = 4\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[3, 3, 16]\n"

@@ -82,6 +82,7 @@ NOTE_CODES: dict[str, str] = {
     "N005": "operators without a rule, computed whole on every rank",
     "N006": "the layout search stopped at its time budget: the best plan found is compiled",
     "N007": "layers recomputed in backward, chosen to hold to the `memory` bound",
+    "N008": "a searched mesh's plan splits weights over `dp` and synchronises gradients over `tp`",
 }
 
 
