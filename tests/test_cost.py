@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -10,8 +11,8 @@ from pardsl import cli
 from pardsl.tools.calibrate import fit
 from pardsl.compiler import compile_file
 from pardsl.model.binding import global_flops
-from pardsl.planning.cost import DEFAULTS, CalibrationError, LinkCost, Machine, estimate, load_machine
-from pardsl.tools.explain import html_page, layers, report, runner_ups
+from pardsl.planning.cost import DEFAULTS, PRESETS, CalibrationError, LinkCost, Machine, estimate, load_machine
+from pardsl.tools.explain import alternatives, html_page, layers, report, runner_ups, seconds_text
 from pardsl.layouts.algebra import COLLECTIVE_KINDS
 
 # Round figures, so that every expected number below is worked out by hand.
@@ -143,13 +144,93 @@ def test_explain_says_a_repeated_layer_once_and_the_runner_up_costs_more():
     result = estimate(compiled, MACHINE)
     text = report(compiled, result)
     assert "model.layers.1: as model.layers.0" in text
-    assert "9 parameter(s) of model.layers.0, gathered for use" in text
-    assert "reduce-scatter dp" in text and "gradients of 21 parameters, bucket 0" in text
+    assert "9 parameters of model.layers.0, gathered for use" in text
+    assert "gradient buckets (backward, overlapped with compute):\n  dp: 1 reduce-scatter, " in text
     alternatives = runner_ups(compiled, result)
     assert alternatives and all(alt.extra_bytes > 2 for alt in alternatives)
     assert [a.extra_s for a in alternatives] == sorted(a.extra_s for a in alternatives)
     assert "runner-up plans (one choice changed each):" in text
     assert f"{alternatives[0].node}" in text.split("runner-up plans")[1]
+
+
+def test_explain_credits_a_row_parallel_all_reduce_to_its_linear_not_to_the_next_norm():
+    compiled = compile_file("examples/hf_llama_tp2.par")
+    result = estimate(compiled, MACHINE)
+    text = report(compiled, result)
+    forward = {c.module for c in result.collectives if c.phase == "forward"}
+    assert forward == {f"model.model.layers.{i}.{m}" for i in (0, 1) for m in ("self_attn.o_proj", "mlp.down_proj")}
+    backward = {c.module for c in result.collectives if c.phase == "backward"}
+    assert backward == {f"model.model.layers.{i}.{m}" for i in (0, 1) for m in ("self_attn.q_proj", "mlp.gate_proj")}
+    layer0 = text.split("\nmodel.model.layers.0: compute", 1)[1].split("\nmodel.model.layers.1", 1)[0]
+    assert layer0.count("all-reduce     tp   forward") == 2 and layer0.count("all-reduce     tp   backward") == 2
+    assert "  self_attn.o_proj: " in layer0 and "  mlp.down_proj: " in layer0
+    assert "model.model.layers.1: as model.model.layers.0" in text  # the same all-reduces, layer for layer
+    norm = text.split("\nmodel.model.norm: compute", 1)[1].split("\nmodel: ", 1)[0]
+    assert "all-reduce" not in norm  # the last layer's down_proj needs it, not the norm that reads its sum
+
+
+EXAMPLES_EXPLAINED = ["examples/mlp.par", "examples/hf_llama_tp2.par", "examples/llama_zero3.par",
+                      "examples/gpt_dp2_tp2.par"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES_EXPLAINED)
+def test_explains_sentences_are_grammatical(path):
+    compiled = compile_file(path)
+    text = report(compiled, estimate(compiled, MACHINE))
+    assert "(s)" not in text and "of outside" not in text
+    assert not re.search(r"\b1 (parameter|bucket|token|op|choice|other choice|reduce-scatter|all-reduce)s\b", text)
+    for line in text.splitlines():
+        row = re.match(r"  (all-reduce|all-gather|reduce-scatter|all-to-all|send) ", line)
+        prose = line.split("µs  ", 1)[-1].split("ms  ", 1)[-1] if row else line.strip()
+        assert "  " not in prose and " ," not in prose and not prose.endswith(" "), line
+
+
+def test_explain_says_communication_in_full_with_the_overlapped_part_of_it():
+    compiled = compile_file("examples/llama_zero3.par")  # parameters gathered in forward, overlapped
+    result = estimate(compiled, MACHINE)
+    seconds = result.seconds
+    text = report(compiled, result)
+    forward = seconds["communication_forward"] + seconds["overlapped_forward"]
+    assert seconds["overlapped_forward"] > 0 and "communication 0 µs forward" not in text
+    exposed = seconds["communication_forward"] + seconds["communication_backward"] + seconds["overlapped_exposed"]
+    assert f"communication {seconds_text(forward)} forward + " in text
+    assert f", of which {seconds_text(seconds['overlapped'])} overlapped with compute; {seconds_text(exposed)} of it " \
+        "exposed" in text
+    assert math.isclose(seconds["step"], seconds["compute_forward"] + seconds["compute_backward"] + exposed)
+
+
+def test_explain_leaves_out_runner_ups_as_good_as_the_plan_and_says_how_many():
+    compiled = compile_file("examples/hf_llama_tp2.par")
+    result = estimate(compiled, MACHINE)
+    text = report(compiled, result)
+    shown = runner_ups(compiled, result)
+    near = [a for a in alternatives(compiled, result) if abs(a.extra_s) < 0.01 * result.step_s]
+    assert shown and all(abs(a.extra_s) >= 0.01 * result.step_s for a in shown) and near
+    assert f"  {len(near)} other choices within 1% of the step left out" in text
+    assert not any(f"  {a.node} in " in text for a in near)
+
+
+def test_explain_gives_tokens_per_second_and_mfu_per_device():
+    compiled = compile_file("examples/hf_llama_tp2.par")  # input_ids : int64[2, 16] on 2 ranks
+    result = estimate(compiled, MACHINE)
+    assert result.tokens == 32
+    assert result.model_flops == 3 * sum(compiled.bound.flops.values())  # every op here carries a gradient
+    tokens = 32 / result.step_s / 2
+    assert f"per device: {tokens:,.0f} tokens/s (32 tokens a step), MFU " in report(compiled, result)
+    assert math.isclose(result.mfu(result.step_s), result.model_flops / (result.step_s * 2 * MACHINE.flops_per_s))
+    mlp = compile_file("examples/mlp.par")  # a float input: no tokens
+    assert "per device: tokens/s n/a (no int64 token input), MFU " in report(mlp, estimate(mlp, MACHINE))
+
+
+def test_an_8b_models_gradient_buckets_are_one_line_for_each_axis():
+    compiled = compile_file("examples/scale/llama3_8b_fsdp8.par")
+    result = estimate(compiled, PRESETS["h100-nvlink-ib"])
+    assert sum(c.bucket for c in result.collectives) > 100
+    text = report(compiled, result)
+    buckets = text.split("gradient buckets (backward, overlapped with compute):\n", 1)[1].split("\n\n", 1)[0]
+    assert len(buckets.splitlines()) <= compiled.program.mesh.ndim
+    assert re.fullmatch(r"  dp: \d+ reduce-scatters, 1 all-reduce, [\d.]+ GiB, [\d.]+ ms, [\d.]+ ms of it exposed",
+                        buckets.splitlines()[0])
 
 
 def test_the_html_page_is_self_contained_with_the_mesh_and_the_layers():
@@ -169,6 +250,7 @@ def test_explain_json_and_html_from_the_command_line(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] and data["seconds"]["step"] > 0 and data["memory"]["total"] > 0
     assert data["machine"].startswith("defaults for gloo")
+    assert data["tokens_per_s_per_device"] > 0 and 0 < data["mfu"] < 1
     assert page.read_text().startswith("<!DOCTYPE html>")
 
 

@@ -282,6 +282,9 @@ class CollectiveCost:
     reason: str
     overlapped: bool  # a prefetched parameter gather or a gradient bucket: off the critical path
     bucket: bool = False  # a gradient bucket's: of parameters of every layer
+    # the module whose op needs it: for a partial sum reduced, the op that made it partial (a row-parallel
+    # linear), not the op that reads it whole, which may be in the next layer
+    module: str = ""
 
 
 @dataclass
@@ -291,14 +294,31 @@ class Estimate:
     collectives: list[CollectiveCost]
     memory: dict[str, int]  # bytes per rank
     seconds: dict[str, float] = field(default_factory=dict)  # compute, communication, exposed, step
+    tokens: int | None = None  # a step's tokens, all ranks together: the int64 input's elements; None without one
+    model_flops: float = 0.0  # a step's, all ranks together: the model's forward and backward, not recomputation
+    peak_flops_per_s: float = 0.0  # one device's, in the dtype the plan computes in
+    pipelined: bool = False  # `step` is one micro-batch through the model: a pipeline's step is priced apart
+    devices: int = 1  # the mesh's ranks
 
     @property
     def step_s(self) -> float:
         return self.seconds["step"]
 
+    def tokens_per_s_per_device(self, step_s: float) -> float | None:
+        return None if self.tokens is None or step_s <= 0 else self.tokens / step_s / self.devices
+
+    def mfu(self, step_s: float) -> float:
+        """Model FLOPs utilisation: the model's FLOPs per step over what the devices could do in the step."""
+        return self.model_flops / (step_s * self.devices * self.peak_flops_per_s) if step_s > 0 else 0.0
+
     def to_json(self) -> dict:
+        throughput = {}
+        if not self.pipelined:  # a pipeline's step is not `step` (pipeline_search.pipelined_step_seconds)
+            tokens = self.tokens_per_s_per_device(self.step_s)
+            throughput = {"tokens_per_s_per_device": None if tokens is None else round(tokens, 3),
+                          "mfu": round(self.mfu(self.step_s), 6)}
         return {"machine": self.machine.source, "backend": self.machine.backend,
-                "seconds": {k: round(v, 9) for k, v in self.seconds.items()}, "memory": self.memory}
+                "seconds": {k: round(v, 9) for k, v in self.seconds.items()}, "memory": self.memory, **throughput}
 
 
 def repeated_layer(path: str | None) -> str:
@@ -359,15 +379,25 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
            for o in op_costs(typed, machine, slow)]
 
     # (collective, its layer, whether it is off the critical path, whether a gradient bucket's)
-    placed = [(c, layer_of(bound.module_paths.get(c.node)), False, False)
-              for statement in program.statements for c in statement.collectives]
-    placed += [(group.collective, group.members[0].unit, True, False) for group in program.gathers]
-    placed += [(group.regather, group.members[0].unit, True, False) for group in program.gathers
-               if group.regather is not None]  # prefetched in backward as in forward
-    placed += [(c, "", True, True) for bucket in program.buckets for c in bucket.collectives]
-    costs = [CollectiveCost(c.kind, c.axis, c.phase, c.bytes, collective_seconds(machine, mesh, c), layer, c.reason,
-                            overlapped, bucket)
-             for c, layer, overlapped, bucket in placed]
+    placed = []
+    for statement in program.statements:
+        for c in statement.collectives:
+            # a recomputed region's: the statement of its body that runs it (none for those made again)
+            runs = next((inside for inside in statement.body if c in inside.collectives), statement)
+            module = bound.module_paths.get(needed_by(typed, runs, c), "")
+            placed.append((c, layer_of(module), False, False, module, c.reason))
+    for group in program.gathers:
+        unit = group.members[0].unit
+        where = f"of {unit}" if unit else "outside the layers"
+        placed.append((group.collective, unit, True, False, unit,
+                       f"{plural(len(group.members), 'parameter')} {where}, gathered for use"))
+        if group.regather is not None:  # prefetched in backward as in forward
+            placed.append((group.regather, unit, True, False, unit,
+                           f"{plural(len(group.members), 'parameter')} {where}, gathered again for backward"))
+    placed += [(c, "", True, True, "", c.reason) for bucket in program.buckets for c in bucket.collectives]
+    costs = [CollectiveCost(c.kind, c.axis, c.phase, c.bytes, collective_seconds(machine, mesh, c), layer, reason,
+                            overlapped, bucket, module)
+             for c, layer, overlapped, bucket, module, reason in placed]
 
     compute_forward = sum(o.forward_s for o in ops)
     compute_backward = sum(o.backward_s for o in ops)
@@ -377,14 +407,18 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
                 for phase in ("forward", "backward")}
     # Deferred communication hides behind the compute of its phase, as far as the machine overlaps the two
     # (on CPU ranks the collective competes with the compute for the cores); the rest is exposed.
-    exposed = sum(deferred[phase] - machine.overlap * min(deferred[phase], compute)
-                  for phase, compute in (("forward", compute_forward), ("backward", compute_backward)))
+    exposed = {phase: deferred[phase] - machine.overlap * min(deferred[phase], compute)
+               for phase, compute in (("forward", compute_forward), ("backward", compute_backward))}
     seconds = {
         "compute_forward": compute_forward, "compute_backward": compute_backward,
         "communication_forward": stalled["forward"], "communication_backward": stalled["backward"],
-        "overlapped": deferred["forward"] + deferred["backward"], "overlapped_exposed": exposed,
+        "overlapped": deferred["forward"] + deferred["backward"],
+        "overlapped_exposed": exposed["forward"] + exposed["backward"],
+        "overlapped_forward": deferred["forward"], "overlapped_backward": deferred["backward"],
+        "overlapped_exposed_forward": exposed["forward"], "overlapped_exposed_backward": exposed["backward"],
     }
-    seconds["step"] = compute_forward + compute_backward + stalled["forward"] + stalled["backward"] + exposed
+    seconds["step"] = compute_forward + compute_backward + stalled["forward"] + stalled["backward"] + \
+        seconds["overlapped_exposed"]
 
     memory = memory_per_rank(program, optimizer)
     pipeline = getattr(compiled, "pipeline", None)
@@ -393,7 +427,63 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
         memory = {**pipelined_memory_per_rank(compiled.stages, pipeline, optimizer),
                   "serial_total": serial_bytes(activity["parameters_total"], activity["parameters_trained_total"],
                                                activity["activations_total"] * pipeline.microbatches, optimizer)}
-    return Estimate(machine, ops, costs, memory, seconds)
+    half = program.precision is not None and _dtype(program.precision[0]).itemsize <= 2
+    return Estimate(machine, ops, costs, memory, seconds, step_tokens(program), model_flops(typed),
+                    machine.half_flops_per_s if half and machine.half_flops_per_s else machine.flops_per_s,
+                    pipeline is not None, mesh.size)
+
+
+def step_tokens(program) -> int | None:
+    """The tokens of a step: the elements of the integer input a language model reads (`input_ids`), the
+    first one of dtype int64 that is not a target's (`labels`, `targets`); None where there is none."""
+    ints = [slot for slot in program.inputs if slot.dtype.removeprefix("torch.") == "int64"]
+    tokens = [slot for slot in ints if not any(word in slot.name for word in ("label", "target"))] or ints
+    return math.prod(tokens[0].shape) if tokens else None
+
+
+def model_flops(typed) -> float:
+    """The model's FLOPs in a step, all ranks together: each op's forward at its global shapes, and twice it
+    in backward where a gradient flows (as op_costs prices them); recomputation is not the model's."""
+    return float(sum(flops * (3 if name in typed.requires_grad else 1) for name, flops in typed.bound.flops.items()))
+
+
+def plural(count: int, word: str, words: str = "") -> str:
+    """`count` and the word, in the plural unless there is one: "1 parameter", "3 parameters"."""
+    return f"{count} {word if count == 1 else words or word + 's'}"
+
+
+def needed_by(typed, statement, collective) -> str:
+    """The op whose computation needs a collective, for crediting it to a module. A partial sum reduced
+    is needed by the op that made it partial (a row-parallel linear: its matrix product gives each rank a
+    share of the sum), not by the op that reads it whole where the conversion happens, which is often the
+    next layer's norm: through ops that keep it partial (a residual add, a cast), the latest op that
+    makes a partial value of operands that are not (in forward, or made again in backward for a recomputed
+    region). A gradient reduced in backward is made partial by the ops the statement runs (column-parallel
+    linears reading a value whole)."""
+    node = collective.node
+    axis = typed.mesh.axis_index(collective.axis)
+
+    def partial(name: str) -> bool:
+        return name in typed.nodes and typed.layout_of(name).placements[axis].kind == "P"
+
+    if collective.kind not in ("all_reduce", "reduce_scatter") or not partial(node):
+        if collective.phase == "backward" and statement.instruction.kind != "recompute":
+            targets = [t for t in statement.targets if t in typed.nodes]
+            return targets[0] if targets and node not in targets else node
+        return node
+    order = {name: index for index, name in enumerate(typed.nodes)}
+    makers, seen, waiting = [], set(), [node]
+    while waiting:
+        name = waiting.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        inputs = [o for o in typed.nodes[name].operands if partial(o)]
+        if inputs:
+            waiting += inputs
+        else:
+            makers.append(name)
+    return max(makers, key=order.__getitem__, default=node)
 
 
 def collective_seconds(machine: Machine, mesh, collective) -> float:

@@ -1,20 +1,23 @@
 """`pardsl explain`: what a plan does and costs, layer by layer, from the cost model (pardsl/planning/cost.py).
 
 Per layer: the layouts chosen for its parameters, each collective with its bytes, estimated time and
-reason (gathered parameter groups under their layer), and its compute; a layer that repeats the one
-before it (same layouts, same collectives) is said once. Then the gradient buckets, memory per rank, the
-notes, and the runner-up plans: the cheapest alternatives that change one choice of inference, priced from its
-candidates. `--html` writes the same as one self-contained page with a picture of the mesh and of
-where communication happens.
+reason (each credited to the module whose op needs it: a partial sum's all-reduce to the linear that made
+it; gathered parameter groups under their layer), and its compute; a layer that repeats the one before it
+(same layouts, same collectives) is said once. At the top the step, with tokens per second and MFU per
+device. Then the gradient buckets (one line for each mesh axis), memory per rank, the notes, and the
+runner-up plans: the cheapest alternatives that change one choice of inference, priced from its candidates,
+leaving out those as good as the plan. `--html` writes the same as one self-contained page with a picture
+of the mesh and of where communication happens.
 """
 
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass
 
 from pardsl.layouts.oprules import Signature
-from pardsl.planning.cost import Estimate, layer_of
+from pardsl.planning.cost import Estimate, layer_of, plural
 from pardsl.planning.pipeline_search import pipelined_step_seconds
 from pardsl.program.ir import format_bytes, named_layout
 
@@ -84,12 +87,22 @@ def layers(compiled, estimate: Estimate) -> list[Layer]:
     return result
 
 
+NEAR_EQUAL = 0.01  # of the step: a runner-up closer than this to the plan is noise, not another plan
+
+
 def runner_ups(compiled, estimate: Estimate, count: int = 3) -> list[RunnerUp]:
-    """The alternatives closest in estimated cost to the plan, each changing one op's signature on one
-    axis (what inference chose among, `TypedGraph.candidates`); priced from the candidates' bytes."""
+    """The alternatives closest in estimated cost to the plan that differ from it by at least NEAR_EQUAL
+    of the step (see alternatives)."""
+    least = NEAR_EQUAL * estimate.step_s
+    return [alt for alt in alternatives(compiled, estimate) if abs(alt.extra_s) >= least][:count]
+
+
+def alternatives(compiled, estimate: Estimate) -> list[RunnerUp]:
+    """Every alternative that changes one op's signature on one axis (what inference chose among,
+    `TypedGraph.candidates`), priced from the candidates' bytes, the closest in estimated cost first."""
     typed, mesh, machine = compiled.typed, compiled.program.mesh, estimate.machine
     slow = machine.slowdown(mesh.size)
-    alternatives = []
+    found = []
     for node, per_axis in typed.candidates.items():
         for axis, candidates in enumerate(per_axis):
             if len(candidates) < 2 or mesh.axis_sizes[axis] == 1:
@@ -106,11 +119,11 @@ def runner_ups(compiled, estimate: Estimate, count: int = 3) -> list[RunnerUp]:
                 if chosen.forward + chosen.backward:
                     moved -= machine.collective_seconds("all_reduce", 0, mesh.axis_sizes[axis], mesh.axis_stride(axis))
                 compute = (other.compute - chosen.compute) / machine.bytes_per_s
-                alternatives.append(RunnerUp(node, compiled.bound.module_paths.get(node, ""), mesh.axis_names[axis],
-                                             chosen.signature, other.signature, extra, slow * (moved + compute)))
+                found.append(RunnerUp(node, compiled.bound.module_paths.get(node, ""), mesh.axis_names[axis],
+                                      chosen.signature, other.signature, extra, slow * (moved + compute)))
                 break
-    alternatives.sort(key=lambda r: (r.extra_s, r.node))
-    return alternatives[:count]
+    found.sort(key=lambda r: (r.extra_s, r.node))
+    return found
 
 
 def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str:
@@ -118,6 +131,7 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
     mesh = program.mesh
     seconds, memory, machine = estimate.seconds, estimate.memory, estimate.machine
     ar = machine.collectives["all_reduce"]
+    pipelined = pipelined_step_seconds(compiled, machine) if compiled.pipeline is not None else None
     lines = [f"{program.source_path}: mesh {mesh} ({mesh.size} ranks), model {program.model}",
              f"machine: {machine.backend}, {machine.source}; all-reduce α {seconds_text(ar.alpha_s)} per ring step, "
              f"β {ar.beta_s_per_byte * 1e9:.3g} ns/B; {machine.flops_per_s / 1e9:.3g} GFLOP/s, "
@@ -126,12 +140,9 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
              *_mesh_shapes(compiled, mesh),
              *_pipeline_options(compiled),
              "",
-             f"estimated step {seconds_text(seconds['step'])} per rank: compute {seconds_text(seconds['compute_forward'])}"
-             f" forward + {seconds_text(seconds['compute_backward'])} backward; communication "
-             f"{seconds_text(seconds['communication_forward'])} forward + {seconds_text(seconds['communication_backward'])}"
-             f" backward; {seconds_text(seconds['overlapped'])} overlapped with compute, of which "
-             f"{seconds_text(seconds['overlapped_exposed'])} exposed",
-             *_pipelined_step(compiled, machine),
+             _step_line(seconds),
+             *_pipelined_step(compiled, pipelined),
+             _throughput_line(estimate, pipelined or seconds["step"]),
              _memory_line(memory, memory_bound), ""]
     recomputed = _recomputed_layers(compiled)
     for layer in layers(compiled, estimate):
@@ -150,28 +161,94 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
         for cost in layer.collectives:
             when = f"{cost.phase}, overlapped" if cost.overlapped else cost.phase
             lines.append(f"  {cost.kind.replace('_', '-'):<14} {cost.axis:<4} {when:<19} {format_bytes(cost.bytes):>10} "
-                         f"{seconds_text(cost.seconds):>9}  {cost.reason}")
-    buckets = [c for c in estimate.collectives if c.bucket]
-    if buckets:
-        lines.append("gradient buckets (backward, overlapped with compute):")
-        for cost in buckets:
-            lines.append(f"  {cost.kind.replace('_', '-'):<14} {cost.axis:<4} {format_bytes(cost.bytes):>10} "
-                         f"{seconds_text(cost.seconds):>9}  {cost.reason}")
+                         f"{seconds_text(cost.seconds):>9}  {_why(cost, layer.name)}")
+    lines += _bucket_lines(estimate)
     notes = [f"{n.severity}[{n.code}] line {n.span.line}: {n.message}" if n.span else f"{n.code}: {n.message}"
              for n in program.notes]
     if notes:
         lines += ["", "notes:"] + [f"  {n}" for n in notes]
-    alternatives = runner_ups(compiled, estimate)
+    every = alternatives(compiled, estimate)
+    shown = runner_ups(compiled, estimate)
     lines += ["", "runner-up plans (one choice changed each):"]
-    if not alternatives:
+    if not every:
         lines.append("  none: no other choice of any op changes the communication")
-    for alt in alternatives:
+    for alt in shown:
         where = f" in {alt.where}" if alt.where else ""
         lines.append(f"  {alt.node}{where} on {alt.axis}: {_signature_text(alt.alternative)} instead of "
                      f"{_signature_text(alt.chosen)}: {'+' if alt.extra_s >= 0 else ''}{seconds_text(alt.extra_s)} "
                      f"({format_bytes(max(alt.extra_bytes, 0))} more communication)"
                      f" → step {seconds_text(seconds['step'] + alt.extra_s)}")
+    near = sum(abs(alt.extra_s) < NEAR_EQUAL * seconds["step"] for alt in every)
+    if near:
+        lines.append(f"  {plural(near, 'other choice' if shown else 'choice')} within {NEAR_EQUAL:.0%} of the step "
+                     "left out: as good as the plan's, by this estimate")
     return "\n".join(lines)
+
+
+def _step_line(seconds: dict) -> str:
+    """The step and where its time goes: communication is all of it, in each phase; the part overlapped with
+    compute is a share of that, and the part exposed is what the step waits for."""
+    compute = f"compute {seconds_text(seconds['compute_forward'])} forward + " \
+              f"{seconds_text(seconds['compute_backward'])} backward"
+    total = {phase: seconds[f"communication_{phase}"] + seconds[f"overlapped_{phase}"]
+             for phase in ("forward", "backward")}
+    exposed = seconds["communication_forward"] + seconds["communication_backward"] + seconds["overlapped_exposed"]
+    if not total["forward"] + total["backward"]:
+        communication = "no communication"
+    else:
+        communication = f"communication {seconds_text(total['forward'])} forward + " \
+                        f"{seconds_text(total['backward'])} backward"
+        if seconds["overlapped"]:
+            communication += f", of which {seconds_text(seconds['overlapped'])} overlapped with compute"
+        communication += f"; {seconds_text(exposed)} of it exposed (the step waits for it)"
+    return f"estimated step {seconds_text(seconds['step'])} per rank: {compute}; {communication}"
+
+
+def _throughput_line(estimate: Estimate, step: float) -> str:
+    """Tokens per second and model FLOPs utilisation per device, at the step the plan takes (a pipeline's
+    as its search prices it)."""
+    tokens = estimate.tokens_per_s_per_device(step)
+    rate = "tokens/s n/a (no int64 token input)" if tokens is None else \
+        f"{tokens:,.0f} tokens/s ({plural(estimate.tokens, 'token')} a step)"
+    return (f"per device: {rate}, MFU {estimate.mfu(step):.1%} (model FLOPs {estimate.model_flops:.3g} a step, "
+            f"peak {estimate.peak_flops_per_s / 1e9:.3g} GFLOP/s per device)")
+
+
+def _why(cost, layer: str) -> str:
+    """A collective's reason, after the module that needs it where that is inside its layer."""
+    reason = _grammatical(cost.reason)
+    if cost.module and cost.module != layer:
+        return f"{cost.module.removeprefix(layer + '.') if layer else cost.module}: {reason}"
+    return reason
+
+
+def _grammatical(text: str) -> str:
+    """Lowering's reasons count with "(s)" (they are also the generated code's comments): said here with
+    the number's own form."""
+    return re.sub(r"\b(\d+) (\w+)\(s\)", lambda m: plural(int(m.group(1)), m.group(2)), text)
+
+
+def _bucket_lines(estimate: Estimate) -> list[str]:
+    """The gradient buckets, one line for each mesh axis: a large model has hundreds of them. Their exposed
+    part is their share of backward's overlapped communication that compute does not hide."""
+    seconds = estimate.seconds
+    axes: dict[str, list] = {}
+    for cost in estimate.collectives:
+        if cost.bucket:
+            axes.setdefault(cost.axis, []).append(cost)
+    if not axes:
+        return []
+    lines = ["gradient buckets (backward, overlapped with compute):"]
+    for axis, costs in axes.items():
+        kinds: dict[str, int] = {}
+        for cost in costs:
+            kinds[cost.kind] = kinds.get(cost.kind, 0) + 1
+        moved = sum(c.seconds for c in costs)
+        exposed = seconds["overlapped_exposed_backward"] * moved / seconds["overlapped_backward"]
+        counted = ", ".join(plural(n, kind.replace("_", "-")) for kind, n in kinds.items())
+        lines.append(f"  {axis}: {counted}, {format_bytes(sum(c.bytes for c in costs))}, {seconds_text(moved)}, "
+                     f"{seconds_text(exposed)} of it exposed")
+    return lines
 
 
 def _mesh_shapes(compiled, mesh) -> list[str]:
@@ -197,12 +274,11 @@ def _mesh_shapes(compiled, mesh) -> list[str]:
     return lines
 
 
-def _pipelined_step(compiled, machine) -> list[str]:
+def _pipelined_step(compiled, step: float | None) -> list[str]:
     """A pipelined plan's step, which the line above gives for one micro-batch through the whole model."""
     plan = compiled.pipeline
     if plan is None:
         return []
-    step = pipelined_step_seconds(compiled, machine)
     return [f"pipelined: step {seconds_text(step)} per rank, {plan.microbatches} micro-batch"
             f"{'es' if plan.microbatches > 1 else ''} through {len(compiled.stages)} stages under {plan.schedule} "
             "(the pipeline search's model: the stages' times per micro-batch, the schedule's bubble, the sends)"]
@@ -241,7 +317,7 @@ def _recomputed_layers(compiled) -> dict[str, str]:
             kept = "only its inputs kept" if policy == "full" else \
                 "matrix products, attention and collective results kept"
             if once:
-                kept += f" but {once} made once: backward needs none of their results"
+                kept += f", except {plural(once, 'op')} run only once: backward needs none of their results"
             for inside in statement.body:
                 if layer := layer_of(paths.get(inside.node)):
                     found.setdefault(layer, f"({policy}): {kept}")
