@@ -21,9 +21,9 @@ demo: install
 
 # Two workers, a test file each at a time: most of the suite is one process compiling, and a file's tests
 # share what they compile. On the 2-core development machine, from a clean clone with an empty inductor
-# cache, the suite's own time was 12 min 14 s to 13 min 38 s in this stop's three runs (the whole CI 12 min
-# 24 s to 13 min 49 s; the slower two shared the machine with other work), after cuts from 14 min 40 s;
-# one run took 15 min 3 s while the machine ran a quarter slower. Cut before adding.
+# cache, the suite's own time was 12 min 28 s and 11 min 31 s in this stop's two runs (the whole CI 12 min
+# 36 s and 11 min 38 s), with the security, fuzz-in-one-process and docs-command tests added; earlier stops
+# measured 12 min 14 s to 15 min 3 s. Cut before adding.
 test: install
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile
 
