@@ -22,7 +22,7 @@ _EXPORTS = {
     "export_checkpoint": "runtime.checkpoint", "load_optimizer_state": "runtime.checkpoint",
     "save": "runtime.checkpoint", "latest_checkpoint": "runtime.checkpoint",
     "checkpoint_metadata": "runtime.checkpoint", "CheckpointError": "runtime.checkpoint",
-    "CompileError": "language.diagnostics",
+    "CompileError": "language.diagnostics", "dtensor_state_dict": "runtime.dtensor_state",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]
