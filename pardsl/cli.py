@@ -143,6 +143,22 @@ def _arguments() -> argparse.ArgumentParser:
                         help="read a checkpoint from a folder other users can write, trusting them (default: "
                              "refused)")
 
+    init = _command(commands, "init", "write a starting .par file for a Hugging Face model, its layouts from the "
+                    "model's tensor-parallel plan (a search request where it has none), checked to compile",
+                    'pardsl init "examples.hf_models:llama_causal_lm(layers=2)" -o "examples/my_llama.par"',
+                    'pardsl init "examples.hf_models:gpt2_lm_head(layers=1)" -o "examples/my_gpt2.par" '
+                    '--memory "50 %"')
+    init.add_argument("model", metavar="MODEL",
+                      help="the model as the .par `model` line takes it: module:factory(literal kwargs), the "
+                           "factory returning a transformers model (or a module holding one)")
+    init.add_argument("-o", "--output", required=True, metavar="FILE",
+                      help="the .par file to write; the model's module is imported as from its folder (required)")
+    init.add_argument("--mesh", default="tp = 2", metavar="AXES", help="the `mesh` line's axes")
+    init.add_argument("--seq", type=int, default=16, metavar="N", help="the example input's sequence length")
+    init.add_argument("--batch", type=int, default=2, metavar="N", help="the example input's batch size")
+    init.add_argument("--memory", default="40 %", metavar="BOUND",
+                      help="the memory bound written where the model has no plan (a search request)")
+
     _command(commands, "rules", "print every op's rule, one line per op, after a key to the words used",
              "pardsl rules", "pardsl rules | grep aten.linear")
     _command(commands, "codes", "print every error and note code with its meaning (Markdown)",
@@ -369,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "calibrate":
             return _calibrate(args)
+        if args.command == "init":
+            return _init(args)
         if args.command == "codes":
             from pardsl.language.diagnostics import code_reference
 
@@ -392,6 +410,30 @@ def main(argv: list[str] | None = None) -> int:
 
         return _failed(args, "internal error", f"a bug in pardsl, please report it with the command line:\n"
                        f"{traceback.format_exc()}", EXIT_INPUT_ERROR)
+
+
+def _init(args) -> int:
+    from pardsl.language.files import write_atomically
+    from pardsl.tools.init import InitError, generate
+
+    if args.seq < 1 or args.batch < 1:
+        return _failed(args, "error", "--seq and --batch must be at least 1", EXIT_USAGE)
+    try:
+        generated = generate(args.model, args.output, args.mesh, args.seq, args.batch, args.memory)
+    except InitError as error:
+        return _failed(args, "error", str(error), EXIT_INPUT_ERROR)
+    except CompileError as error:  # located in the text init made: nothing is written
+        print(f"pardsl: error: the file made for {args.output} does not compile, so it was not written; change "
+              "the model or the options, or write the file by hand from what follows", file=sys.stderr)
+        return _report_errors(error, False)
+    try:
+        write_atomically(args.output, generated.text)
+    except OSError as error:
+        return _failed(args, "error", f"cannot write {args.output}: {error.strerror}", EXIT_INPUT_ERROR)
+    kind = "layouts from the model's tensor-parallel plan" if generated.planned else \
+        "a search request: the model has no tensor-parallel plan"
+    print(f"wrote {args.output} ({kind}); next: pardsl explain {args.output}")
+    return EXIT_OK
 
 
 def _calibrate(args) -> int:
