@@ -439,3 +439,20 @@ def test_export_reads_a_shared_or_changed_checkpoint_only_when_told_to(saved, tm
     assert cli.main(["export", str(changed), "-o", out]) == 1
     assert "pass --no-verify" in capsys.readouterr().err
     assert cli.main(["export", str(changed), "-o", out, "--no-verify"]) == 0
+
+
+def test_a_group_is_private_only_where_no_other_user_has_it_as_their_primary_group(monkeypatch):
+    import grp
+    import pwd
+
+    from pardsl.runtime import checkpoint
+
+    me = pwd.getpwuid(os.geteuid())
+    private = grp.struct_group((me.pw_name, "x", 4242, []))
+    monkeypatch.setattr(grp, "getgrgid", lambda gid: private)
+    monkeypatch.setattr(pwd, "getpwall", lambda: [me])
+    assert checkpoint._group_of_mine_alone(4242)
+    # a member the group's list does not name: another user whose primary group it is
+    other = pwd.struct_passwd(("mallory", "x", 4243, 4242, "", "/home/mallory", "/bin/sh"))
+    monkeypatch.setattr(pwd, "getpwall", lambda: [me, other])
+    assert not checkpoint._group_of_mine_alone(4242)

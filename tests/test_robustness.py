@@ -280,6 +280,14 @@ def test_run_gives_up_at_its_time_limit_ending_the_ranks(tmp_path):
     assert subprocess.run(["pgrep", "-f", "Faulty"], capture_output=True).stdout == b""
 
 
+def test_a_time_limit_that_ends_before_the_ranks_have_started_still_ends_them(compile_par):
+    from pardsl.tools.execution import RunFailed, job_for, launch
+
+    job = job_for(compile_par(MLP), steps=100000)
+    with pytest.raises(RunFailed, match="did not finish within its time limit of 0.01 s"):
+        launch(job, time_limit_s=0.01)
+
+
 def test_dryrun_says_when_one_ranks_inputs_do_not_fit_this_machine_before_allocating(tmp_path, capsys):
     path = tmp_path / "big.par"
     path.write_text("mesh tp = 2\nmodel examples.models:MLP()\ninput x : float32[67108864, 256]\n")

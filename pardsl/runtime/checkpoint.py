@@ -201,12 +201,14 @@ def _untrusted_path(path: str) -> str | None:
 
 
 def _group_of_mine_alone(gid: int) -> bool:
-    """Whether group `gid` is this user's private group: named as the user, with no other member."""
+    """Whether group `gid` is this user's private group: named as the user, with no other member (listed
+    in the group, or another user whose primary group it is, whom the group's list does not name)."""
     try:
         user, group = pwd.getpwuid(os.geteuid()).pw_name, grp.getgrgid(gid)
     except KeyError:
         return False
-    return group.gr_name == user and set(group.gr_mem) <= {user}
+    others_primary = any(entry.pw_gid == gid and entry.pw_name != user for entry in pwd.getpwall())
+    return group.gr_name == user and set(group.gr_mem) <= {user} and not others_primary
 
 
 def _check_trusted(path: str, allow_shared_folder: bool, refused: str) -> None:

@@ -123,21 +123,26 @@ def _made(group) -> SharedMemoryGroup | None:
     # Each rank binds its socket to a name of its own before anyone learns it: a name another user could
     # work out beforehand (from another rank's, read in /proc/net/unix) could be bound first, and start-up
     # would fail with EADDRINUSE.
-    own = bound_socket()
-    mine = [enabled() and _host_identity(), own.getsockname()[1:].hex(), os.getpid()]
-    everyone = all_gather_json(mine, group)
-    identities = {json.dumps(identity) for identity, _, _ in everyone}
-    if len(identities) != 1 or not everyone[0][0]:
-        own.close()
-        return None
-    try:  # a wait gives up when gloo's own would: after the group's timeout
-        timeout_s = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        timeout_s = 1800.0  # torch's default for gloo
-    addresses = [b"\0" + bytes.fromhex(name) for _, name, _ in everyone]
-    made = SharedMemoryGroup(dist.get_rank(group), addresses, [pid for _, _, pid in everyone], timeout_s, own)
-    dist.barrier(group=group)  # every rank's group is made before any is sent to
-    return made
+    identity = enabled() and _host_identity()
+    own = bound_socket() if identity else None  # the socket, and its abstract name, are Linux's
+    try:
+        everyone = all_gather_json([identity, own.getsockname()[1:].hex() if own else "", os.getpid()], group)
+        if len({json.dumps(identity) for identity, _, _ in everyone}) != 1 or not everyone[0][0]:
+            if own is not None:
+                own.close()
+            return None
+        try:  # a wait gives up when gloo's own would: after the group's timeout
+            timeout_s = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            timeout_s = 1800.0  # torch's default for gloo
+        addresses = [b"\0" + bytes.fromhex(name) for _, name, _ in everyone]
+        made = SharedMemoryGroup(dist.get_rank(group), addresses, [pid for _, _, pid in everyone], timeout_s, own)
+        dist.barrier(group=group)  # every rank's group is made before any is sent to
+        return made
+    except BaseException:
+        if own is not None:
+            own.close()
+        raise
 
 
 def bound_socket(address: bytes | None = None) -> socket.socket:

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import math
+import multiprocessing
 import os
 import pickle
 import signal
@@ -558,7 +559,11 @@ def _watch(folder: str, ranks: int, stall_s: float, stop: threading.Event, verdi
                            f"(--stall-timeout {stall_s:g} s)")
         else:
             continue
-        for pid in pids():
+        running = pids()
+        if not running:  # still being started: end them once they are
+            verdict.clear()
+            continue
+        for pid in running:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         return
@@ -664,6 +669,7 @@ def launch(job: RankJob, stall_s: float = 60.0, time_limit_s: float | None = Non
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(number.name for number in _LAUNCHER_SIGNALS)
         environment = {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
                        "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
+        already_running = set(multiprocessing.active_children())
         try:
             tell(f"starting {ranks} ranks")
             with _ctrl_c_held_while_spawning():
@@ -679,6 +685,10 @@ def launch(job: RankJob, stall_s: float = 60.0, time_limit_s: float | None = Non
             watchdog.join()
             if context is not None:
                 context.close(signal.SIGTERM, timeout=10)
+            else:  # a signal while they were being started: the ranks started so far are this process's children
+                for process in set(multiprocessing.active_children()) - already_running:
+                    process.kill()
+                    process.join(timeout=10)
             if handled is None:
                 os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
             else:

@@ -60,13 +60,17 @@ class WorkerPool:
         self._results = context.Queue()
         self._folder = private_folder("pardsl-pool-")
         folder = self._folder.__enter__()
-        self._processes = [
-            context.Process(target=_worker, args=(rank, world_size, folder, self._tasks[rank], self._results, timeout_s),
-                            daemon=True, name=f"pardsl-rank{rank}")
-            for rank in range(world_size)
-        ]
-        for process in self._processes:
-            process.start()
+        self._processes = []
+        try:
+            for rank in range(world_size):
+                process = context.Process(
+                    target=_worker, args=(rank, world_size, folder, self._tasks[rank], self._results, timeout_s),
+                    daemon=True, name=f"pardsl-rank{rank}")
+                process.start()
+                self._processes.append(process)
+        except BaseException:  # the workers started wait on the store for ever: end them, remove the folder
+            self.close()
+            raise
         self.broken = False
 
     def run(self, job: RankJob) -> dict:
