@@ -429,7 +429,8 @@ def _name_table(exported: torch.export.ExportedProgram, inputs: dict[str, str],
 
 
 @functools.lru_cache(maxsize=256)
-def _pattern(target: str) -> re.Pattern:
+def name_pattern(target: str) -> re.Pattern:
+    """A layout target's names as a regex: `*` stands for one segment of a name (no `.`, brackets or calls)."""
     parts = re.split(r"(\*)", target)
     return re.compile("".join("[^.\\[\\]()]+" if p == "*" else re.escape(p) for p in parts))
 
@@ -447,7 +448,7 @@ class _NameIndex:
     def matching(self, target: str) -> list[_Named]:
         if "*" not in target:
             return list(self.by_name.get(target, ()))
-        pattern = _pattern(target)
+        pattern = name_pattern(target)
         return [n for n in self.table if pattern.fullmatch(n.name)]
 
     def sorted_names(self) -> list[str]:

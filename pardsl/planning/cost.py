@@ -380,11 +380,12 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
 
     # (collective, its layer, whether it is off the critical path, whether a gradient bucket's)
     placed = []
+    order = {name: index for index, name in enumerate(typed.nodes)}  # which op comes later, for needed_by
     for statement in program.statements:
         for c in statement.collectives:
             # a recomputed region's: the statement of its body that runs it (none for those made again)
             runs = next((inside for inside in statement.body if c in inside.collectives), statement)
-            module = bound.module_paths.get(needed_by(typed, runs, c), "")
+            module = bound.module_paths.get(needed_by(typed, runs, c, order), "")
             placed.append((c, layer_of(module), False, False, module, c.reason))
     for group in program.gathers:
         unit = group.members[0].unit
@@ -452,14 +453,14 @@ def plural(count: int, word: str, words: str = "") -> str:
     return f"{count} {word if count == 1 else words or word + 's'}"
 
 
-def needed_by(typed, statement, collective) -> str:
+def needed_by(typed, statement, collective, order: dict[str, int]) -> str:
     """The op whose computation needs a collective, for crediting it to a module. A partial sum reduced
     is needed by the op that made it partial (a row-parallel linear: its matrix product gives each rank a
     share of the sum), not by the op that reads it whole where the conversion happens, which is often the
     next layer's norm: through ops that keep it partial (a residual add, a cast), the latest op that
     makes a partial value of operands that are not (in forward, or made again in backward for a recomputed
     region). A gradient reduced in backward is made partial by the ops the statement runs (column-parallel
-    linears reading a value whole)."""
+    linears reading a value whole). `order`: each op's place in the graph."""
     node = collective.node
     axis = typed.mesh.axis_index(collective.axis)
 
@@ -471,7 +472,6 @@ def needed_by(typed, statement, collective) -> str:
             targets = [t for t in statement.targets if t in typed.nodes]
             return targets[0] if targets and node not in targets else node
         return node
-    order = {name: index for index, name in enumerate(typed.nodes)}
     makers, seen, waiting = [], set(), [node]
     while waiting:
         name = waiting.pop()

@@ -10,6 +10,7 @@ import torch
 
 from pardsl.compiler import compile_text
 from pardsl.language.syntax import parse
+from pardsl.model.binding import name_pattern
 from pardsl.model.loading import build_model
 
 # Plan styles whose weights are split on their output features (a linear's weight is [..., out, in]).
@@ -99,9 +100,8 @@ def _base_model(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:
 
 
 def _matches(pattern: str, name: str) -> bool:
-    """`*` stands for one name segment, as in the plan's keys and the .par's layout names."""
-    parts, names = pattern.split("."), name.split(".")
-    return len(parts) == len(names) and all(p == "*" or p == n for p, n in zip(parts, names))
+    """Whether a plan key (`*` for a layer's index) names `name`, as the same name in a layout does."""
+    return name_pattern(pattern).fullmatch(name) is not None
 
 
 def _layouts(module: torch.nn.Module, base_path: str, plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
