@@ -463,7 +463,8 @@ def _calibrate(args) -> int:
 def _explain(args, compiled, machine, started: float) -> int:
     from pardsl.language.progress import tell
     from pardsl.planning.cost import estimate
-    from pardsl.tools.explain import html_page, report
+    from pardsl.tools.explain import report
+    from pardsl.tools.explain_html import html_page
 
     with _status_on_terminal(args, started):
         tell("pricing the plan on the machine")

@@ -12,7 +12,8 @@ from pardsl.tools.calibrate import fit
 from pardsl.compiler import compile_file
 from pardsl.model.binding import global_flops
 from pardsl.planning.cost import DEFAULTS, PRESETS, CalibrationError, LinkCost, Machine, estimate, load_machine
-from pardsl.tools.explain import alternatives, html_page, layers, report, runner_ups, seconds_text
+from pardsl.tools.explain import alternatives, layers, report, runner_ups, seconds_text
+from pardsl.tools.explain_html import html_page
 from pardsl.layouts.algebra import COLLECTIVE_KINDS
 
 # Round figures, so that every expected number below is worked out by hand.
