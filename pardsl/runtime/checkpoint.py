@@ -329,8 +329,12 @@ def _is_json(value) -> bool:
         return False
 
 
+FORMATS = ("pardsl", "dcp")
+DEFAULT_FORMAT = "pardsl"
+
+
 def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metadata: dict | None = None,
-         allow_shared_folder: bool = False) -> None:
+         allow_shared_folder: bool = False, format: str = DEFAULT_FORMAT) -> None:  # noqa: A002 - the word users know
     """Write this rank's shards of `model` (a ParallelModule, or a PipelineModule: its stages) and of
     `optimizer`'s state to folder `path`; `metadata` (JSON: the step, the data loader's position) is stored
     in the index with them, published by the same rename (`checkpoint_metadata` reads it back).
@@ -338,7 +342,16 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metad
     Collective: every rank calls it. Returns once the checkpoint is published. Over an existing checkpoint,
     the old one stays loadable until the new one is complete. A folder that another user could write (or
     one inside such a folder) is refused, unless `allow_shared_folder`.
+
+    `format="dcp"` writes a torch.distributed.checkpoint folder in the layout torchtitan and FSDP2 runs
+    read (pardsl/runtime/dcp.py), published by renaming it into place.
     """
+    if format not in FORMATS:
+        raise ValueError(f"pardsl.save: format {format!r} is not one of {', '.join(map(repr, FORMATS))}")
+    if format == "dcp":
+        from pardsl.runtime import dcp
+
+        return dcp.save(model, path, optimizer, metadata, allow_shared_folder)
     if metadata is not None:
         json.dumps(metadata)  # fails here, on every rank alike, rather than after the files are written
     _check_trusted(path, allow_shared_folder, f"refusing to save to {path}")
@@ -681,7 +694,12 @@ def load_model_state(parts, plan, checkpoint: str, strict: bool = True, verify: 
     A pardsl checkpoint must be of this plan's model (the same `model` line, and no tensor the model does
     not have), and its names match exactly; `strict=False` loads one saved from another model, matching
     names also with leading module names dropped, as for a Hugging Face checkpoint. `verify`,
-    `allow_shared_folder`: as for CheckpointSource."""
+    `allow_shared_folder`: as for CheckpointSource. A DCP folder (its `.metadata`) is read by
+    pardsl.runtime.dcp."""
+    if _is_dcp(checkpoint):
+        from pardsl.runtime import dcp
+
+        return dcp.load_model_state(parts, plan, checkpoint, strict, verify, allow_shared_folder)
     source = CheckpointSource(checkpoint, verify, allow_shared_folder)
     tied = plan.compiled.bound.tied
     if source.document is not None and strict:
@@ -726,6 +744,10 @@ def _check_same_model(source: CheckpointSource, plan, checkpoint: str) -> None:
 
 def checkpoint_metadata(checkpoint: str, verify: bool = True, allow_shared_folder: bool = False) -> dict | None:
     """The `metadata` a pardsl checkpoint was saved with (after checking its index and files' headers)."""
+    if _is_dcp(checkpoint):
+        from pardsl.runtime import dcp
+
+        return dcp.metadata_of(checkpoint, allow_shared_folder)
     if not _is_pardsl(checkpoint):
         return None
     return CheckpointSource(checkpoint, verify, allow_shared_folder).document.get("metadata")
@@ -733,6 +755,11 @@ def checkpoint_metadata(checkpoint: str, verify: bool = True, allow_shared_folde
 
 def _is_pardsl(path: str) -> bool:
     return os.path.isfile(os.path.join(path, INDEX_FILE))
+
+
+def _is_dcp(path: str) -> bool:
+    """A torch.distributed.checkpoint folder, known by its `.metadata` (and no pardsl index)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata")) and not _is_pardsl(path)
 
 
 def _checkpoints_in(folder: str) -> list[str]:
@@ -803,7 +830,12 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, model, checkpoint: st
     """Give `optimizer` (over `model.parameters()`, any plan) the state saved with `pardsl.save(...,
     optimizer=)`, resharded to this model's layouts, and the saved hyperparameters. The optimizer's class
     must be the one saved (`strict=False`: any class, given the state it finds). `verify`,
-    `allow_shared_folder`: as for CheckpointSource."""
+    `allow_shared_folder`: as for CheckpointSource. From a DCP folder, the state in torch's layout
+    (pardsl.runtime.dcp)."""
+    if _is_dcp(checkpoint):
+        from pardsl.runtime import dcp
+
+        return dcp.load_optimizer_state(optimizer, model, checkpoint, strict, verify, allow_shared_folder)
     source = CheckpointSource(checkpoint, verify, allow_shared_folder)
     saved = source.document and source.document.get("optimizer")
     if not saved:
