@@ -164,9 +164,10 @@ def _arguments() -> argparse.ArgumentParser:
     _command(commands, "codes", "print every error and note code with its meaning (Markdown)",
              "pardsl codes", "pardsl codes | grep E012")
 
-    explain = _command(commands, "explain", "per layer: layouts, collectives with bytes and estimated time, "
-                       "memory per rank, runner-up plans",
+    explain = _command(commands, "explain", "a summary (step, tokens/s, MFU, memory against the bound), then per "
+                       "layer: layouts, collectives with bytes and estimated time; and plans you could write instead",
                        "pardsl explain examples/mlp.par",
+                       "pardsl explain examples/gpt_dp2_tp2.par --op-choices",
                        "pardsl explain examples/mlp.par --html plan.html",
                        "pardsl explain examples/mlp.par --machine h100-nvlink-ib --optimizer sgd --json")
     explain.add_argument("file", help=PAR_FILE_HELP)
@@ -176,6 +177,11 @@ def _arguments() -> argparse.ArgumentParser:
                          help=BACKEND_HELP + "; picks the calibration and defaults the estimate uses")
     explain.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adamw",
                          help="the optimizer whose state counts in memory")
+    explain.add_argument("--bucket-mb", type=_bucket_mb, default=None, metavar="MB",
+                         help="size of the buckets parameter gradients are synchronised in (default: 25)")
+    explain.add_argument("--op-choices", action="store_true",
+                         help="also list the other layouts single ops could take, closest in cost first "
+                              "(default: off)")
     explain.add_argument("--html", metavar="FILE",
                          help="also write a self-contained HTML page (default: none written)")
     explain.add_argument("--json", action="store_true", help=JSON_HELP)
@@ -463,6 +469,8 @@ def _calibrate(args) -> int:
 def _explain(args, compiled, machine, started: float) -> int:
     from pardsl.language.progress import tell
     from pardsl.planning.cost import estimate
+    from pardsl.planning.cost import DEFAULT_BUCKET_MB
+    from pardsl.tools.alternatives import plan_alternatives
     from pardsl.tools.explain import report
     from pardsl.tools.explain_html import html_page
 
@@ -470,9 +478,11 @@ def _explain(args, compiled, machine, started: float) -> int:
         tell("pricing the plan on the machine")
         result = estimate(compiled, machine, args.optimizer)
         bound = compiled.memory_bound
+        others = plan_alternatives(compiled, machine,
+                                   DEFAULT_BUCKET_MB if args.bucket_mb is None else args.bucket_mb)
         tell("writing the report")
         page = html_page(compiled, result, bound) if args.html else None
-        text = None if args.json else report(compiled, result, bound)
+        text = None if args.json else report(compiled, result, bound, others, args.op_choices)
     if args.html:
         from pardsl.language.files import write_atomically
 
@@ -482,6 +492,7 @@ def _explain(args, compiled, machine, started: float) -> int:
             return _failed(args, "error", f"cannot write {args.html}: {error.strerror}", EXIT_INPUT_ERROR)
     if args.json:
         print(json.dumps({"ok": True, **result.to_json(), "memory_bound": bound,
+                          "alternatives": [other.to_json() for other in others],
                           "notes": [n.to_json() for n in compiled.program.notes]}, indent=2))
     else:
         print(text)

@@ -477,6 +477,13 @@ def _check_memory_bound(bound: BoundPlan, program: LoweredProgram, memory: dict[
     return limit
 
 
+def compile_bound(par: ParFile, bound: BoundPlan, bucket_mb: float = DEFAULT_BUCKET_MB, machine=None) -> Compiled:
+    """`par` compiled on a model already traced and bound (`bound_on_mesh`): explain's alternatives of a
+    plan, each the plan's file with a line changed, on the plan's own trace."""
+    with _cyclic_collector_paused():
+        return _compile(par, bucket_mb, machine or default_machine(), bound)
+
+
 def compile_file(path: str, bucket_mb: float = DEFAULT_BUCKET_MB, machine=None) -> Compiled:
     return compile_par(parse_file(path), bucket_mb, machine)
 

@@ -9,10 +9,12 @@ import pytest
 
 from pardsl import cli
 from pardsl.tools.calibrate import fit
-from pardsl.compiler import compile_file
+from pardsl.compiler import compile_file, compile_text
+from pardsl.program.ir import format_bytes
 from pardsl.model.binding import global_flops
 from pardsl.planning.cost import DEFAULTS, PRESETS, CalibrationError, LinkCost, Machine, estimate, load_machine
 from pardsl.tools.explain import alternatives, layers, report, runner_ups, seconds_text
+from pardsl.tools.alternatives import plan_alternatives
 from pardsl.tools.explain_html import html_page
 from pardsl.layouts.algebra import COLLECTIVE_KINDS
 
@@ -135,7 +137,7 @@ def test_explain_lists_layers_with_their_layouts_collectives_and_times():
     text = report(compiled, result)
     assert "machine: gloo, test; all-reduce α 100 µs per ring step, β 1 ns/B" in text
     assert "fc1: compute" in text and "  layouts: weight S(0)@tp, bias S(0)@tp" in text
-    assert "  layouts: weight S(1)@tp, 1 more B" in text  # fc2: row parallel, its bias whole
+    assert "  layouts: weight S(1)@tp, 1 more parameter whole on every rank" in text  # fc2: its bias whole
     assert "all-reduce     tp   forward               16.0 KiB    216 µs  `output` is B" in text
     assert f"estimated step {result.seconds['step'] * 1e3:.2f} ms per rank" in text
 
@@ -150,8 +152,9 @@ def test_explain_says_a_repeated_layer_once_and_the_runner_up_costs_more():
     alternatives = runner_ups(compiled, result)
     assert alternatives and all(alt.extra_bytes > 2 for alt in alternatives)
     assert [a.extra_s for a in alternatives] == sorted(a.extra_s for a in alternatives)
-    assert "runner-up plans (one choice changed each):" in text
-    assert f"{alternatives[0].node}" in text.split("runner-up plans")[1]
+    assert "other choices of single ops" not in text  # asked for with --op-choices
+    chosen = report(compiled, result, op_choices=True)
+    assert f"{alternatives[0].node}" in chosen.split("other choices of single ops (one choice changed each):")[1]
 
 
 def test_explain_credits_a_row_parallel_all_reduce_to_its_linear_not_to_the_next_norm():
@@ -177,8 +180,8 @@ EXAMPLES_EXPLAINED = ["examples/mlp.par", "examples/hf_llama_tp2.par", "examples
 @pytest.mark.parametrize("path", EXAMPLES_EXPLAINED)
 def test_explains_sentences_are_grammatical(path):
     compiled = compile_file(path)
-    text = report(compiled, estimate(compiled, MACHINE))
-    assert "(s)" not in text and "of outside" not in text
+    text = report(compiled, estimate(compiled, MACHINE), None, plan_alternatives(compiled, MACHINE), op_choices=True)
+    assert "(s)" not in text and "of outside" not in text and "runner" not in text
     assert not re.search(r"\b1 (parameter|bucket|token|op|choice|other choice|reduce-scatter|all-reduce)s\b", text)
     for line in text.splitlines():
         row = re.match(r"  (all-reduce|all-gather|reduce-scatter|all-to-all|send) ", line)
@@ -203,7 +206,7 @@ def test_explain_says_communication_in_full_with_the_overlapped_part_of_it():
 def test_explain_leaves_out_runner_ups_as_good_as_the_plan_and_says_how_many():
     compiled = compile_file("examples/hf_llama_tp2.par")
     result = estimate(compiled, MACHINE)
-    text = report(compiled, result)
+    text = report(compiled, result, op_choices=True)
     shown = runner_ups(compiled, result)
     near = [a for a in alternatives(compiled, result) if abs(a.extra_s) < 0.01 * result.step_s]
     assert shown and all(abs(a.extra_s) >= 0.01 * result.step_s for a in shown) and near
@@ -283,3 +286,73 @@ def test_a_memory_bound_that_is_no_bound_is_located(compile_par, line, code, col
     with pytest.raises(CompileError) as caught:
         compile_par(MLP_BOUND.format(memory=line))
     assert [(d.code, d.span.line, d.span.column) for d in caught.value.diagnostics] == [(code, 3, column)]
+
+
+def test_an_8b_plan_is_summed_up_against_the_card_with_its_layers_folded():
+    compiled = compile_file("examples/scale/llama3_8b_fsdp8.par")
+    machine = PRESETS["h100-nvlink-ib"]
+    result = estimate(compiled, machine)
+    text = report(compiled, result)
+    memory = result.memory
+    stack = re.search(r"memory per rank ([\d.]+ GiB) held \((.*?)\); ([\d.]+ GiB) at backward's worst moment", text)
+    assert stack and stack[1] == format_bytes(memory["total"]) and stack[3] == format_bytes(memory["peak"])
+    # the stack adds up to what it is said to add up to
+    assert sum(v for k, v in memory.items() if k in ("parameters", "gradients", "optimizer_state", "activations",
+                                                       "gathered_parameters", "compute_copies")) == memory["total"]
+    assert stack[2].startswith("parameters 3.7 GiB + gradients 3.7 GiB + optimizer state 7.5 GiB + activations ")
+    assert f"the card holds {format_bytes(machine.device_memory_bytes)}: fits" in text
+    assert "model.layers.1 to 31: as model.layers.0" in text and "model.layers.2:" not in text
+    assert "per device: " in text and " tokens/s (131072 tokens a step), MFU " in text
+
+
+def test_plans_you_could_write_instead_are_the_files_they_say_compiled():
+    """Each alternative explain offers is the plan's file with the lines it shows changed: compiled from
+    that text on its own, it has the alternative's step and memory exactly."""
+    compiled = compile_file("examples/llama_zero3.par")
+    result = estimate(compiled, MACHINE)
+    priced = plan_alternatives(compiled, MACHINE)
+    titles = [a.title for a in priced]
+    assert titles == ["parameters whole on dp (no ZeRO-3): nothing gathered, more held",
+                      "selective recomputation of every layer: matrix products and attention kept"]
+    whole, recomputed = priced
+    assert whole.edit == ["model.layers.*.self_attn.q_proj.weight : B", "(and 11 more layout lines like it)"]
+    assert whole.memory > result.memory["total"] and whole.step_s <= result.step_s  # nothing gathered
+    # the file as it would be written: every weight B on dp, nothing else changed
+    text = open("examples/llama_zero3.par").read()
+    written = "\n".join(line.replace(": S(0)", ": B") if ".weight" in line else line for line in text.splitlines())
+    by_hand = compile_text(written, "examples/llama_zero3.par")
+    assert not by_hand.program.gathers
+    mine = estimate(by_hand, MACHINE)
+    assert math.isclose(mine.step_s, whole.step_s) and mine.memory["total"] == whole.memory
+    assert recomputed.edit == ["recompute model.layers.* : selective"]
+    again = estimate(compile_text(text + "recompute model.layers.* : selective\n", "examples/llama_zero3.par"), MACHINE)
+    assert math.isclose(again.step_s, recomputed.step_s) and again.memory["total"] == recomputed.memory
+    shown = report(compiled, result, None, priced)
+    assert "plans you could write instead (each compiled and priced like this one):\n  parameters whole on dp " \
+           f"(no ZeRO-3): nothing gathered, more held: step " in shown
+    assert "\n      model.layers.*.self_attn.q_proj.weight : B\n      (and 11 more layout lines like it)\n" in shown
+
+
+def test_zero3_over_the_data_axis_is_offered_beside_tensor_parallelism_and_the_swapped_mesh():
+    compiled = compile_file("examples/hf_llama_loss_dp2_tp2.par")
+    priced = {a.title.split(":")[0]: a for a in plan_alternatives(compiled, MACHINE)}
+    zero3 = priced["ZeRO-3 over dp"]
+    assert not zero3.why_not and zero3.memory < estimate(compiled, MACHINE).memory["total"]
+    assert re.fullmatch(r"model\.model\.layers\.\*\.\S+\.weight : S\(\d\)@dp, S\(\d\)@tp|"
+                        r"model\.model\.layers\.\*\.\S+\.weight : S\(\d\)@tp, S\(\d\)@dp|"
+                        r"model\.model\.layers\.\*\.\S+\.weight : S\(\d\)@dp", zero3.edit[0]), zero3.edit
+
+
+def test_a_searched_plan_offers_no_written_alternatives():
+    # no layout written: the search chose them, and a changed line would be searched again
+    compiled = compile_text("mesh tp = 2\nmodel examples.models:ResidualMLP(d_model=128, d_ff=512, n_classes=16)\n"
+                            "input x : float32[32, 128]\n")
+    assert plan_alternatives(compiled, MACHINE) == []
+
+
+def test_explain_json_has_the_alternatives(capsys):
+    assert cli.main(["explain", "examples/llama_zero3.par", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert [a["title"].split(":")[0] for a in document["alternatives"]] == \
+        ["parameters whole on dp (no ZeRO-3)", "selective recomputation of every layer"]
+    assert all(a["step_s"] > 0 and a["memory"] > 0 and a["edit"] for a in document["alternatives"])

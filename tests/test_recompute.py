@@ -533,6 +533,6 @@ def test_explain_says_which_layers_are_made_again(compile_par):
 
     compiled = compile_par(recomputed(LLAMA_TP2, "recompute layers.0 : selective", "recompute layers.1"))
     text = report(compiled, estimate(compiled, DEFAULTS["gloo"]))
-    assert "  made again in backward (selective): matrix products, attention and collective results kept, except " \
-        "2 ops run only once: backward needs none of their results" in text
+    assert "  made again in backward (selective): matrix products, attention and collective results kept; " \
+        "2 ops not made again, since backward needs none of their results" in text
     assert "  made again in backward (full): only its inputs kept" in text

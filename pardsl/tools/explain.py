@@ -125,7 +125,12 @@ def alternatives(compiled, estimate: Estimate) -> list[RunnerUp]:
     return found
 
 
-def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str:
+def report(compiled, estimate: Estimate, memory_bound: int | None = None, alternatives_priced: list | None = None,
+           op_choices: bool = False) -> str:
+    """The whole text: the plan and machine, a summary (step, throughput, memory against the bound and the
+    card), then per layer, the gradient buckets, the notes, and the plans a user could write instead
+    (`alternatives_priced`, from pardsl/tools/alternatives.py). `op_choices`: also the single-op choices
+    inference weighed, closest first."""
     program = compiled.program
     mesh = program.mesh
     seconds, memory, machine = estimate.seconds, estimate.memory, estimate.machine
@@ -133,8 +138,9 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
     pipelined = pipelined_step_seconds(compiled, machine) if compiled.pipeline is not None else None
     lines = [f"{program.source_path}: mesh {mesh} ({mesh.size} ranks), model {program.model}",
              f"machine: {machine.backend}, {machine.source}; all-reduce α {seconds_text(ar.alpha_s)} per ring step, "
-             f"β {ar.beta_s_per_byte * 1e9:.3g} ns/B; {machine.flops_per_s / 1e9:.3g} GFLOP/s, "
-             f"{machine.bytes_per_s / 1e9:.3g} GB/s" + (f"; ranks share {machine.cores} cores" if machine.cores else ""),
+             f"β {ar.beta_s_per_byte * 1e9:.3g} ns/B (α: each step's latency, β: time per byte); "
+             f"{machine.flops_per_s / 1e9:.3g} GFLOP/s, {machine.bytes_per_s / 1e9:.3g} GB/s"
+             + (f"; ranks share {machine.cores} cores" if machine.cores else ""),
              *_axis_links(mesh, machine),
              *_mesh_shapes(compiled, mesh),
              *_pipeline_options(compiled),
@@ -142,19 +148,22 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
              _step_line(seconds),
              *_pipelined_step(compiled, pipelined),
              _throughput_line(estimate, pipelined or seconds["step"]),
-             _memory_line(memory, memory_bound), ""]
+             _memory_line(memory, memory_bound, machine.device_memory_bytes), ""]
     recomputed = _recomputed_layers(compiled)
-    for layer in layers(compiled, estimate):
+    for layer, last in _folded(layers(compiled, estimate)):
         title = layer.name or "(outside the layers)"
         if layer.same_as:
-            lines.append(f"{title}: as {layer.same_as}")
+            through = f" to {last.name.rsplit('.', 1)[-1]}" if last is not layer else ""
+            lines.append(f"{title}{through}: as {layer.same_as}")
             continue
         moved = sum(c.seconds for c in layer.collectives)
         lines.append(f"{title}: compute {seconds_text(layer.compute_s)}, communication {seconds_text(moved)}")
         split = [f"{name} {layout}" for name, layout in layer.parameters if layout != "B"]
         replicated = sum(1 for _, layout in layer.parameters if layout == "B")
         if split or replicated:
-            lines.append("  layouts: " + ", ".join(split + ([f"{replicated} more B"] if replicated else [])))
+            whole = [f"{plural(replicated, 'more parameter')} whole on every rank"] if split and replicated else \
+                [f"{plural(replicated, 'parameter')} whole on every rank"] if replicated else []
+            lines.append("  layouts: " + ", ".join(split + whole))
         if layer.name in recomputed:
             lines.append(f"  made again in backward {recomputed[layer.name]}")
         for cost in layer.collectives:
@@ -166,9 +175,53 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
              for n in program.notes]
     if notes:
         lines += ["", "notes:"] + [f"  {n}" for n in notes]
+    lines += _alternative_lines(estimate, memory_bound, alternatives_priced or [])
+    if op_choices:
+        lines += _op_choice_lines(compiled, estimate)
+    return "\n".join(lines)
+
+
+def _folded(all_layers: list[Layer]) -> list[tuple[Layer, Layer]]:
+    """Each layer with the last of the run of layers after it that repeat the same one: `model.layers.1`
+    to `model.layers.31: as model.layers.0` on one line."""
+    folded: list[tuple[Layer, Layer]] = []
+    for layer in all_layers:
+        if folded and layer.same_as and folded[-1][0].same_as == layer.same_as:
+            folded[-1] = (folded[-1][0], layer)
+        else:
+            folded.append((layer, layer))
+    return folded
+
+
+def _alternative_lines(estimate: Estimate, bound: int | None, priced: list) -> list[str]:
+    """The plans a user could write instead, each against this one: its step and memory, and the lines of
+    the file that give it."""
+    if not priced:
+        return []
+    step, held = estimate.step_s, estimate.memory["total"]
+    lines = ["", "plans you could write instead (each compiled and priced like this one):"]
+    for alternative in priced:
+        if alternative.why_not:
+            lines.append(f"  {alternative.title}: does not compile, {alternative.why_not}")
+        else:
+            over = "" if alternative.within_bound else ", over the bound"
+            lines.append(f"  {alternative.title}: step {_signed(alternative.step_s - step, seconds_text)} "
+                         f"({seconds_text(alternative.step_s)}), memory "
+                         f"{_signed(alternative.memory - held, format_bytes)} ({format_bytes(alternative.memory)} per "
+                         f"rank{over})")
+        lines += [f"      {line}" for line in alternative.edit]
+    return lines
+
+
+def _signed(delta: float, text) -> str:
+    return ("+" if delta >= 0 else "−") + text(abs(delta))
+
+
+def _op_choice_lines(compiled, estimate: Estimate) -> list[str]:
+    """Single ops' other signatures, as inference priced them (`--op-choices`)."""
     every = alternatives(compiled, estimate)
     shown = runner_ups(compiled, estimate)
-    lines += ["", "runner-up plans (one choice changed each):"]
+    lines = ["", "other choices of single ops (one choice changed each):"]
     if not every:
         lines.append("  none: no other choice of any op changes the communication")
     for alt in shown:
@@ -176,12 +229,12 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None) -> str
         lines.append(f"  {alt.node}{where} on {alt.axis}: {_signature_text(alt.alternative)} instead of "
                      f"{_signature_text(alt.chosen)}: {'+' if alt.extra_s >= 0 else ''}{seconds_text(alt.extra_s)} "
                      f"({format_bytes(max(alt.extra_bytes, 0))} more communication)"
-                     f" → step {seconds_text(seconds['step'] + alt.extra_s)}")
-    near = sum(abs(alt.extra_s) < NEAR_EQUAL * seconds["step"] for alt in every)
+                     f" → step {seconds_text(estimate.seconds['step'] + alt.extra_s)}")
+    near = sum(abs(alt.extra_s) < NEAR_EQUAL * estimate.seconds["step"] for alt in every)
     if near:
         lines.append(f"  {plural(near, 'other choice' if shown else 'choice')} within {NEAR_EQUAL:.0%} of the step "
                      "left out: as good as the plan's, by this estimate")
-    return "\n".join(lines)
+    return lines
 
 
 def _step_line(seconds: dict) -> str:
@@ -213,9 +266,29 @@ def _throughput_line(estimate: Estimate, step: float) -> str:
             f"peak {estimate.peak_flops_per_s / 1e9:.3g} GFLOP/s per device)")
 
 
+# Lowering's reason for a conversion names the op that reads the converted value: `pow.Tensor_Scalar
+# pow_2 in model.layers.1.input_layernorm`. Said here as what the collective does for that module.
+_READER = re.compile(r"^(?P<op>[a-z_][\w]*)(?:\.[\w]+)? [\w]+(?: in (?P<module>\S+))?$")
+_DOES = {"all_reduce": "partial sums added up", "all_gather": "gathered whole", "reduce_scatter":
+         "partial sums added up and split", "all_to_all": "split another way"}
+
+
+def _reader_text(cost) -> str:
+    """`partial sums added up for post_attention_layernorm (pow)`, where the reason names the reading op."""
+    if cost.reason == "gradient of a broadcast value read by sharded computation":
+        return "the input's gradient added up: each rank's part of the split weights gives a share of it"
+    found = _READER.match(cost.reason)
+    if not found or cost.kind not in _DOES:
+        return _grammatical(cost.reason)
+    reader = f"{found['module'] or 'the model'} ({found['op']})"
+    if cost.phase == "backward":
+        return f"backward of the conversion for {reader}: gradients {_DOES[cost.kind].replace('partial sums ', '')}"
+    return f"{_DOES[cost.kind]} for {reader}"
+
+
 def _why(cost, layer: str) -> str:
     """A collective's reason, after the module that needs it where that is inside its layer."""
-    reason = _grammatical(cost.reason)
+    reason = _reader_text(cost)
     if cost.module and cost.module != layer:
         return f"{cost.module.removeprefix(layer + '.') if layer else cost.module}: {reason}"
     return reason
@@ -316,7 +389,8 @@ def _recomputed_layers(compiled) -> dict[str, str]:
             kept = "only its inputs kept" if policy == "full" else \
                 "matrix products, attention and collective results kept"
             if once:
-                kept += f", except {plural(once, 'op')} run only once: backward needs none of their results"
+                kept += f"; {plural(once, 'op')} not made again, since backward needs none of " \
+                        f"{'its' if once == 1 else 'their'} results"
             for inside in statement.body:
                 if layer := layer_of(paths.get(inside.node)):
                     found.setdefault(layer, f"({policy}): {kept}")
@@ -333,16 +407,27 @@ def _axis_links(mesh, machine) -> list[str]:
     return [f"nodes of {machine.ranks_per_node} ranks: {links}"]
 
 
-def _memory_line(memory: dict, bound: int | None) -> str:
-    parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in memory.items()
-                      if k not in ("total", "peak", "serial_total") and not k.startswith("host_")
-                      and (v or k != "compute_copies"))
-    against = "" if bound is None else \
-        f"; bound {format_bytes(bound)}: {'within' if memory['total'] <= bound else 'EXCEEDED'}"
+_MEMORY_PARTS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
+                 "activations": "activations", "gathered_parameters": "gathered parameters",
+                 "compute_copies": "low-precision copies", "stage_buffers": "pipeline buffers"}
+
+
+def _memory_line(memory: dict, bound: int | None, card: int = 0) -> str:
+    """Memory per rank as a stack that adds up to what a `memory <=` bound weighs, then the estimate of
+    backward's worst moment (gradients arriving as activations leave, its working memory), the bound and
+    the card."""
+    parts = " + ".join(f"{_MEMORY_PARTS.get(k, k.replace('_', ' '))} {format_bytes(v)}" for k, v in memory.items()
+                       if k in _MEMORY_PARTS and v)
+    checks = []
+    if bound is not None:
+        checks.append(f"bound {format_bytes(bound)}: {'within' if memory['total'] <= bound else 'EXCEEDED'}")
+    if card:
+        checks.append(f"the card holds {format_bytes(card)}: {'fits' if memory['peak'] <= card else 'DOES NOT FIT'}")
     host = ""
     if "host_total" in memory:  # offloaded: what host memory holds, apart from the device's
         held = ", ".join(f"{k.removeprefix('host_').replace('_', ' ')} {format_bytes(v)}" for k, v in memory.items()
                          if k.startswith("host_") and k != "host_total")
         host = f"\nhost memory per rank {format_bytes(memory['host_total'])} ({held})"
-    return (f"memory per rank {format_bytes(memory['total'])} all at once ({parts}), "
-            f"{format_bytes(memory['peak'])} at its peak; serial {format_bytes(memory['serial_total'])}{against}{host}")
+    return (f"memory per rank {format_bytes(memory['total'])} held ({parts}); {format_bytes(memory['peak'])} at "
+            f"backward's worst moment; serial {format_bytes(memory['serial_total'])}"
+            + "".join(f"; {c}" for c in checks) + host)
