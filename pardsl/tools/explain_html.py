@@ -221,7 +221,11 @@ def _spmd_timeline(compiled, estimate: Estimate) -> Timeline:
         notes.append("The second lane: collectives issued beside compute (prefetched parameter gathers, "
                      "gradient buckets), from the start of their phase in program order; what compute does not "
                      "hide of them is exposed at the end of the phase.")
-    notes.append(f"Estimated step {seconds_text(seconds['step'])} on {estimate.machine.source}.")
+    moved = seconds["communication_forward"] + seconds["communication_backward"] + seconds["overlapped"]
+    exposed = moved - seconds["overlapped"] + seconds["overlapped_exposed"]
+    notes.append(f"Estimated step {seconds_text(seconds['step'])}: compute {seconds_text(seconds['compute_forward'])} "
+                 f"forward + {seconds_text(seconds['compute_backward'])} backward, communication "
+                 f"{seconds_text(moved)} of which {seconds_text(exposed)} exposed; on {estimate.machine.source}.")
     return Timeline(lanes, blocks, notes)
 
 
@@ -391,8 +395,8 @@ def _pipeline_timeline(compiled, estimate: Estimate) -> Timeline:
         lanes.append(f"{who}: stage{'s' if ',' in own else ''} {own}")
     sends = max(sent + returned)
     notes = [f"{plan.schedule}, {m} micro-batches through {count} stages on {ranks} ranks along {plan.axis}: "
-             f"a lane per rank, F3 the forward of micro-batch 3 through the rank's stage, B3 its backward"
-             f"{' (F3 s2: through stage 2)' if count > ranks else ''}, each at "
+             f"a lane per rank, F0 micro-batch 0's forward through the rank's stage, B0 its backward"
+             f"{' (F0 s2: through stage 2)' if count > ranks else ''}, each at "
              f"the cost model's time for the stage at one micro-batch. Grey: the rank waits (the bubble)."]
     if orders is None:
         notes.append(f"{plan.schedule} splits backward into input and weight gradients, which this picture does not "
