@@ -7,6 +7,7 @@ incomplete or cut short."""
 import functools
 import os
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -81,3 +82,227 @@ def test_fsdp2_checkpoint_resumes_under_pardsl_plans_and_back(pools, tmp_path):
     assert os.path.isfile(os.path.join(pardsl_folder, ".metadata"))
     theirs = four.run_on_every_rank(functools.partial(fsdp2_llama.load_continue, pardsl_folder, BEFORE, AFTER))[0]
     assert _close(theirs, ours[BEFORE:]), (theirs, ours)
+
+
+def _wrong_shards(model, serial: dict) -> list[str]:
+    """The parameters whose shard on this rank is not its share of the serial value."""
+    return sorted(name for name, local, layout in model.named_shards()
+                  if not torch.equal(local, model.rt.shard(serial[name], layout)))
+
+
+def _save_then_load(save_par: str, load_par: str, folder: str, strict: bool = True) -> dict:
+    """On every rank: a plan of `save_par` (seed 0) saved as DCP to `folder`; read back by torch's own
+    planner into whole plain tensors, and by pardsl into a plan of `load_par` made under another seed, and
+    into `pardsl.dtensor_state_dict` of it by torch; what differs from the serial model's values."""
+    import torch.distributed.checkpoint as dcp
+
+    import pardsl
+
+    torch.manual_seed(0)
+    plan = pardsl.load(save_par)
+    pardsl.save(plan.module(), folder, format="dcp")
+    torch.manual_seed(0)
+    serial = dict(plan._full_state())
+    whole = {name: torch.empty_like(serial[name]) for name in plan.parameter_layouts}
+    dcp.load(whole, checkpoint_id=folder)  # torch's DefaultLoadPlanner, no pardsl code
+    result = {"torch_whole": sorted(name for name, value in whole.items() if not torch.equal(value, serial[name]))}
+    other = pardsl.load(load_par)
+    torch.manual_seed(1)
+    loaded = other.module(checkpoint=folder, strict=strict)
+    result["pardsl"] = _wrong_shards(loaded, serial)
+    if getattr(loaded, "pipeline", None) is None:
+        torch.manual_seed(1)
+        fresh = other.module()
+        dcp.load(pardsl.dtensor_state_dict(fresh), checkpoint_id=folder)
+        result["dtensor"] = _wrong_shards(fresh, serial)
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_blocked_split_saved_as_chunks_torch_and_other_plans_read(pools, tmp_path):
+    # fused q/k/v split in blocks over tp on a 2 × 2 mesh: one chunk per block, read back by torch's own
+    # planner and by pardsl under tp 4. dcp.load into pardsl.dtensor_state_dict of the tp 4 plan reads the
+    # blocked tensors wrong: torch 2.13's planner takes a _StridedShard's local chunk for a contiguous one
+    # (docs/checkpoints.md says to load such models with pardsl)
+    blocked = ["h.0.attn.c_attn.bias", "h.0.attn.c_attn.weight", "h.1.attn.c_attn.bias", "h.1.attn.c_attn.weight"]
+    for result in pools(4).run_on_every_rank(functools.partial(_save_then_load, GPT_DP2_TP2, GPT_TP4,
+                                                               str(tmp_path / "gpt"))):
+        assert result == {"torch_whole": [], "pardsl": [], "dtensor": blocked}
+
+
+@pytest.mark.timeout(180)
+def test_pipeline_with_tied_weights_saved_as_dcp(pools, tmp_path):
+    # GPT-2 on a 2-stage pipeline, its embedding and head tied across the stages; loaded under tp 2 with
+    # c_attn split in blocks (that plan's model line asks for eager attention: strict=False)
+    pipeline = os.path.join(REPO, "examples", "hf_gpt2_pp2.par")
+    tensor_parallel = os.path.join(REPO, "examples", "hf_gpt2_tp2.par")
+    for result in pools(2).run_on_every_rank(functools.partial(_save_then_load, pipeline, tensor_parallel,
+                                                               str(tmp_path / "gpt2"), False)):
+        assert result["torch_whole"] == [] and result["pardsl"] == []
+
+
+def _dtensor_saved_pardsl_loads(par: str, folder: str) -> list[str]:
+    """dcp.save of pardsl.dtensor_state_dict, as a user's DTensor tool writes it; pardsl loads it."""
+    import torch.distributed.checkpoint as dcp
+
+    import pardsl
+
+    torch.manual_seed(0)
+    plan = pardsl.load(par)
+    dcp.save(pardsl.dtensor_state_dict(plan.module()), checkpoint_id=folder)
+    torch.manual_seed(0)
+    serial = dict(plan._full_state())
+    torch.manual_seed(1)
+    return _wrong_shards(plan.module(checkpoint=folder), serial)
+
+
+@pytest.mark.timeout(120)
+def test_dtensor_state_dict_and_pardsl_read_each_others_dcp(pools, tmp_path):
+    par = os.path.join(REPO, "examples", "llama_train_dp2_tp2.par")
+    for wrong in pools(4).run_on_every_rank(functools.partial(_dtensor_saved_pardsl_loads, par, str(tmp_path / "d"))):
+        assert wrong == []
+    for result in pools(4).run_on_every_rank(functools.partial(_save_then_load, par, par, str(tmp_path / "p"))):
+        assert result == {"torch_whole": [], "pardsl": [], "dtensor": []}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Safety: nothing in a folder another user can write is read, and a damaged folder is refused by name
+
+
+def _torch_folder(folder) -> str:
+    """A DCP folder torch writes in one process (two tensors, a counter and a number)."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    state = {"w": torch.randn(64, 32), "b": torch.randn(32), "optimizer": {"state.w.step": torch.tensor(3.0),
+                                                                           "param_groups.w.lr": 0.5}}
+    with warnings.catch_warnings():  # that it saves in one process, as asked
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    return str(folder)
+
+
+class _Planted:
+    """Unpickled, it would leave a file: proof that a pickle ran."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_world_writable_folder_refused_before_metadata_is_read(tmp_path):
+    from pardsl.runtime.checkpoint import CheckpointError, UntrustedFolderError
+    from pardsl.runtime.dcp import DcpSource
+
+    folder = _torch_folder(tmp_path / "shared")
+    marker = tmp_path / "ran"
+    with open(os.path.join(folder, ".metadata"), "wb") as handle:
+        pickle.dump(_Planted(str(marker)), handle)
+    os.chmod(folder, 0o777)
+    with pytest.raises(UntrustedFolderError, match="writable by others"):
+        DcpSource(folder)
+    assert not marker.exists()
+    # trusted deliberately, the pickle still makes nothing but DCP's own classes
+    with pytest.raises(CheckpointError, match="cannot be read.*io.open|cannot be read.*builtins"):
+        DcpSource(folder, allow_shared_folder=True)
+    assert not marker.exists()
+
+
+def test_torch_folder_reads_and_its_checks_hold(tmp_path):
+    from pardsl.runtime.checkpoint import Region
+    from pardsl.runtime.dcp import DcpSource
+
+    source = DcpSource(_torch_folder(tmp_path / "ok"))
+    assert source.sidecar is None and sorted(source.tensors) == ["b", "optimizer.state.w.step", "w"]
+    target = torch.zeros(32, 32)  # rows 16 to 47 of w
+    values = source.read({"w": [(Region((16, 0), (32, 32), (0, 0)), target)]}, ["optimizer.param_groups.w.lr"])
+    torch.manual_seed(0)
+    assert torch.equal(target, torch.randn(64, 32)[16:48]) and values == {"optimizer.param_groups.w.lr": 0.5}
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate_metadata", "its .metadata cannot be read"),
+    ("garbage_metadata", "its .metadata cannot be read"),
+    ("missing_shard", "file __0_0.distcp is missing"),
+    ("short_shard", "file __0_0.distcp has .* bytes; its chunks end at byte"),
+    ("long_shard", "file __0_0.distcp has .* bytes; its chunks end at byte"),
+    ("chunk_dropped", "tensor `w`: its pieces hold"),
+    ("chunk_outside", "tensor `w`: a chunk is malformed or lies outside"),
+    ("path_outside", "names a file outside the folder"),
+])
+def test_damaged_folder_refused_naming_the_problem(tmp_path, damage, message):
+    from pardsl.runtime.checkpoint import CheckpointError
+    from pardsl.runtime.dcp import DcpSource
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    folder = _torch_folder(tmp_path / "damaged")
+    metadata_path, shard = os.path.join(folder, ".metadata"), os.path.join(folder, "__0_0.distcp")
+    with open(metadata_path, "rb") as handle:
+        raw = handle.read()
+    metadata = pickle.loads(raw)
+    if damage == "truncate_metadata":
+        raw = raw[:len(raw) // 2]
+    elif damage == "garbage_metadata":
+        raw = b"\x80\x05not a pickle at all"
+    elif damage == "missing_shard":
+        os.remove(shard)
+    elif damage == "short_shard":
+        os.truncate(shard, os.path.getsize(shard) - 10)
+    elif damage == "long_shard":
+        with open(shard, "ab") as handle:
+            handle.write(b"\0" * 10)
+    elif damage == "chunk_dropped":
+        metadata.state_dict_metadata["w"].chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([32, 32]))]
+    elif damage == "chunk_outside":
+        chunk = metadata.state_dict_metadata["w"].chunks[0]
+        chunk.sizes = torch.Size([65, 32])
+    elif damage == "path_outside":
+        for info in metadata.storage_data.values():
+            info.relative_path = "../elsewhere.distcp"
+    if damage in ("chunk_dropped", "chunk_outside", "path_outside"):
+        raw = pickle.dumps(metadata)
+    with open(metadata_path, "wb") as handle:
+        handle.write(raw)
+    with pytest.raises(CheckpointError, match=message):
+        DcpSource(folder)
+
+
+def _save_and_load_mlp(folder: str, step: str) -> str | None:
+    """`save`: pardsl.save of examples/mlp.par as DCP; `load`: the CheckpointError loading it raises."""
+    import pardsl
+
+    torch.manual_seed(0)
+    plan = pardsl.load(os.path.join(REPO, "examples", "mlp.par"))
+    if step == "save":
+        pardsl.save(plan.module(), folder, format="dcp", metadata={"step": 7})
+        return None
+    try:
+        plan.module(checkpoint=folder)
+    except pardsl.CheckpointError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_pardsl_dcp_save_hashes_its_files_and_refuses_a_shared_folder(pools, tmp_path):
+    import pardsl
+
+    folder = tmp_path / "mlp"
+    pool = pools(2)
+    pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(folder), "save"))
+    assert pardsl.checkpoint_metadata(str(folder)) == {"step": 7}
+    assert pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(folder), "load")) == [None, None]
+    shard = next(folder.glob("__1_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other bytes
+    shard.write_bytes(bytes(data))
+    # each rank hashes the files it reads from: rank 1 reads its half of fc1 and fc2 from its own file
+    errors = pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(folder), "load"))
+    assert errors[1] is not None and f"file {shard.name} does not hold the bytes saved" in errors[1]
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(Exception, match="refusing to save to .*writable by others"):
+        pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(shared / "mlp"), "save"))

@@ -219,9 +219,10 @@ class DcpSource:
             _check_trusted(os.path.join(path, file), allow_shared_folder, path)
         self.hashes = {}
         if self.sidecar is not None:
-            if self.sidecar.get("files") != self.files:
+            # a rank with nothing to write leaves an empty file that .metadata does not name
+            if any(self.sidecar["files"].get(file) != size for file, size in self.files.items()):
                 _refuse(path, f"its data files are not those {SIDECAR_FILE} lists (files of two saves mixed, or "
-                        "a file added or removed)")
+                        "a file added or written over)")
             if verify:
                 self.hashes = self.sidecar["sha256"]
         entries = self.metadata.state_dict_metadata

@@ -1,5 +1,5 @@
 """A model's state dict as torch DTensors, for tools that take them (torch.distributed.checkpoint, and
-others built on DTensor state dicts).
+others built on DTensor state dicts): DTensor at the edge of a pardsl model, which holds plain tensors.
 
 Each DTensor wraps the rank's own shard (no copy, no collective) on a DeviceMesh of the plan's mesh, with
 placements read from the tensor's layout: S(d) → Shard(d), B → Replicate(), P → Partial(). pardsl's
@@ -7,11 +7,15 @@ splits are even and chunk a dim split by several axes outermost axis first, whic
 left-to-right order, so Shard describes the same pieces `local_regions` gives. A dim split in blocks
 (`S(d, blocks=k)`, fused q/k/v) holds the rank's chunk of every block: DTensor's _StridedShard(d,
 split_factor=k) is that arrangement: its full_tensor() is right, but torch.distributed.checkpoint
-(torch 2.13) takes its local chunk for a contiguous one and refuses the save (overlapping chunks). A
-zig-zag split has no DTensor placement and is refused.
+(torch 2.13) takes its local chunk for a contiguous one: it refuses the save (overlapping chunks) and
+loads such a tensor into the wrong rows, without an error; a warning says so. pardsl's own DCP path
+(pardsl/runtime/dcp.py) writes and reads the same pieces as chunks of their own, one per block, which
+DCP places right. A zig-zag split has no DTensor placement and is refused.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -35,13 +39,22 @@ def dtensor_state_dict(model) -> dict[str, DTensor]:
     mesh = device_mesh(rt.mesh, rt.device.type)
     persistent = plan.compiled.bound.persistent_buffers
     state: dict[str, DTensor] = {}
+    blocked = []
     for _, module, parameters, buffers in model.parts():
         tables = [*parameters.items(), *((name, entry) for name, entry in buffers.items() if name in persistent)]
         for name, (attr, key, shape) in tables:
             layout = Layout.from_key(key)
             shape = torch.Size(shape)
-            state[name] = DTensor.from_local(getattr(module, attr).detach(), mesh, dtensor_placements(name, layout),
+            placements = dtensor_placements(name, layout)
+            if any(isinstance(p, _StridedShard) for p in placements):
+                blocked.append(name)
+            state[name] = DTensor.from_local(getattr(module, attr).detach(), mesh, placements,
                                              run_check=False, shape=shape, stride=_contiguous_stride(shape))
+    if blocked:
+        warnings.warn(f"dtensor_state_dict: {', '.join(blocked[:3])}{' and more' if len(blocked) > 3 else ''} "
+                      "split in blocks (_StridedShard): torch.distributed.checkpoint refuses to save such "
+                      "tensors and loads them into the wrong rows; save and load this model with "
+                      "pardsl.save(..., format=\"dcp\") and plan.module(checkpoint=...)", stacklevel=2)
     return state
 
 
