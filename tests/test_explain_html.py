@@ -174,7 +174,8 @@ def test_the_page_is_self_contained_with_its_outside_text_escaped(tmp_path):
         assert rect.find(f"{SVG}title").text  # each block says what it is and what it costs
     # the mesh and the layers below the pictures
     assert ">dp0<" in page and ">dp1<" in page
-    assert all(f">{html.escape(layer.name or '(outside)')}<" in page for layer in layers(compiled, estimate(compiled, MACHINE)))
+    drawn = layers(compiled, estimate(compiled, MACHINE))
+    assert all(f">{html.escape(layer.name or '(outside)')}<" in page for layer in drawn)
 
 
 def test_the_memory_picture_draws_each_part_the_estimate_counts():
@@ -189,6 +190,23 @@ def test_the_memory_picture_draws_each_part_the_estimate_counts():
     assert abs(float(bound.get("x1")) - (LABELS + MLP_DP_BOUND * scale)) <= 0.5
     [serial] = _rects(memory, "serial")
     assert math.isclose(float(serial.get("width")), result.memory["serial_total"] * scale, rel_tol=1e-3)
+
+
+def test_offloaded_memory_is_drawn_apart_as_host_memory():
+    with open("examples/hf_llama_tp2.par") as source:
+        compiled = compile_text(source.read() + "\nprecision params bf16, reduce fp32\noffload optimizer\n",
+                                "offloaded.par")
+    result = estimate(compiled, MACHINE)
+    memory = _picture(html_page(compiled, result), "memory")
+    assert "Host memory (offloaded), per rank, on the same scale" in [t.text for t in memory.iter(f"{SVG}text")]
+    rows = sorted({float(r.get("y")) for r in _rects(memory, "memory")})
+    assert len(rows) == 2  # the device's bar, then the host's
+    device, host = ([r for r in _rects(memory, "memory") if float(r.get("y")) == y] for y in rows)
+    assert {r.get("class").split()[1] for r in device} == {k for k in MEMORY_COLOURS if result.memory.get(k)}
+    assert {r.get("class").split()[1] for r in host} == {"parameters", "gradients", "optimizer_state"}
+    [serial] = _rects(memory, "serial")
+    scale = float(serial.get("width")) / result.memory["serial_total"]
+    assert math.isclose(sum(float(r.get("width")) for r in host), result.memory["host_total"] * scale, rel_tol=1e-3)
 
 
 # The page in a browser

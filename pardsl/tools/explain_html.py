@@ -63,10 +63,14 @@ MEMORY_COLOURS = {
     "parameters": "#76b7b2", "gradients": "#edc948", "optimizer_state": "#b07aa1", "activations": "#ff9da7",
     "gathered_parameters": "#9c755f", "compute_copies": "#8cd17d", "stage_buffers": "#499894", "other": "#bab0ac",
 }
+# what each part is called, as the text report calls it
+MEMORY_NAMES = {"optimizer_state": "optimizer state", "gathered_parameters": "gathered parameters",
+                "compute_copies": "low-precision copies", "stage_buffers": "pipeline buffers"}
 SERIAL = "#c9c9c9"
 BOUND = "#000000"
 DEVICE = "#7f1d1d"
 PEAK = "#333333"
+WORST = "backward's worst moment"  # the estimate's `peak`, as the text report calls it
 
 
 def _svg_open(name: str, height: int, title: str) -> str:
@@ -440,7 +444,8 @@ def timeline_svg(timeline: Timeline) -> str:
             width -= 1
         y = top + block.lane * LANE
         parts.append(f'<rect class="{block.kind}" x="{x:.2f}" y="{y}" width="{width:.2f}" height="{LANE - 6}" '
-                     f'fill="{TIMELINE_COLOURS[block.kind]}" shape-rendering="crispEdges"><title>{html.escape(block.title)}</title></rect>')
+                     f'fill="{TIMELINE_COLOURS[block.kind]}" shape-rendering="crispEdges">'
+                     f'<title>{html.escape(block.title)}</title></rect>')
         label = next((label for label in block.labels if width >= len(label) * 7 + 4), "")
         if label:
             parts.append(f'<text x="{x + width / 2:.1f}" y="{y + (LANE - 6) / 2 + 4:.1f}" text-anchor="middle" '
@@ -502,13 +507,15 @@ def memory_svg(compiled, estimate: Estimate, memory_bound: int | None) -> str:
     bars = memory_bars(compiled, estimate)
     serial = estimate.memory["serial_total"]
     device = estimate.machine.device_memory_bytes
-    most = max(max(max(m["total"], m["peak"], m.get("host_total", 0)) for _, m in bars), memory_bound or 0)
+    host_bars = [(name, _segments(m, host=True)) for name, m in bars]
+    host_bars = [(name, segments) for name, segments in host_bars if segments]  # offloaded plans' only
+    most = max([m["total"] for _, m in bars] + [m["peak"] for _, m in bars] + [memory_bound or 0] +
+               [sum(v for _, v in segments) for _, segments in host_bars])
     shows_device = bool(device) and device <= 4 * most
     most = max(most, device if shows_device else 0)
     serial_fits = serial <= 6 * most
-    span = max(most, serial if serial_fits else 0) * 1.1
+    span = max(most, serial if serial_fits else 0, 1) * 1.1
     scale = PLOT / span
-    host_bars = [(name, _segments(m, host=True)) for name, m in bars if m.get("host_total")]
     rows = [(name, _segments(m), m["peak"]) for name, m in bars]
     parts = [_text(10, 18, "Memory per rank", weight="bold", size=14)]
 
@@ -516,7 +523,8 @@ def memory_svg(compiled, estimate: Estimate, memory_bound: int | None) -> str:
     if memory_bound is not None:
         lines.append(("bound", memory_bound, BOUND, f"bound {format_bytes(memory_bound)}", ""))
     if shows_device:
-        lines.append(("device", device, DEVICE, f"device memory {format_bytes(device)}", ' stroke-dasharray="6,3"'))
+        lines.append(("device", device, DEVICE, f"device memory {format_bytes(device)} (dashed)",
+                      ' stroke-dasharray="6,3"'))
     crossing = [LABELS + value * scale for _, value, _, _, _ in lines]
     top = 34 + 14 * len(lines)  # room above the bars for the lines' names
     y = top
@@ -527,7 +535,7 @@ def memory_svg(compiled, estimate: Estimate, memory_bound: int | None) -> str:
         for key, value in segments:
             width = value * scale
             out.append(f'<rect class="memory {key}" x="{x:.2f}" y="{y}" width="{width:.2f}" height="{BAR}" '
-                       f'fill="{MEMORY_COLOURS[key]}" shape-rendering="crispEdges"><title>{html.escape(key.replace("_", " "))} '
+                       f'fill="{MEMORY_COLOURS[key]}" shape-rendering="crispEdges"><title>{MEMORY_NAMES.get(key, key)} '
                        f'{format_bytes(value)}</title></rect>')
             x += width
         if label_end:  # past the bar, its peak and any line the text would cross
@@ -543,7 +551,7 @@ def memory_svg(compiled, estimate: Estimate, memory_bound: int | None) -> str:
         x = LABELS + peak * scale
         parts += bar(name, segments, y, format_bytes(total), x)
         parts.append(f'<line class="peak" x1="{x:.1f}" y1="{y - 3}" x2="{x:.1f}" y2="{y + BAR + 3}" stroke="{PEAK}" '
-                     f'stroke-width="2" stroke-dasharray="2,2"><title>peak {format_bytes(peak)}</title></line>')
+                     f'stroke-width="2" stroke-dasharray="2,2"><title>{WORST} {format_bytes(peak)}</title></line>')
         y += BAR + 8
     width = (serial if serial_fits else span * 0.98) * scale
     parts.append(_text(LABELS - 8, y + BAR / 2 + 4, "serial (one device)", "end"))
@@ -575,14 +583,15 @@ def memory_svg(compiled, estimate: Estimate, memory_bound: int | None) -> str:
             y += BAR + 8
         y += 14
     used = {key for _, segments, _ in rows for key, _ in segments} | {k for _, s in host_bars for k, _ in s}
-    legend = [(key, MEMORY_COLOURS[key], key.replace("_", " ")) for key in MEMORY_COLOURS if key in used]
+    legend = [(key, MEMORY_COLOURS[key], MEMORY_NAMES.get(key, key)) for key in MEMORY_COLOURS if key in used]
     legend.append(("serial", SERIAL, "serial: what one device would hold"))
-    legend.append(("line", PEAK, "peak (dashed)"))
+    legend.append(("line", PEAK, f"{WORST} (dotted)"))
     legend += [("line", colour, name) for _, _, colour, name, _ in lines]
     swatches, y = _legend(legend, y + 4)
     notes = ["Each bar is what a rank holds all at once, by the cost model: its parameters' shards, their gradients "
-             "and optimizer state, activations kept for backward, parameters gathered for use and copies; the "
-             "dashed tick is the estimate of its peak, walking backward."]
+             "and optimizer state, activations kept for backward, parameters gathered for use and low-precision "
+             "copies; what a `memory <=` bound weighs. The dotted tick is the estimate of backward's worst moment, "
+             "as gradients arrive and activations leave."]
     if compiled.pipeline is not None:
         notes.append("A pipeline's rank holds its stages, with the activations of the micro-batches its schedule "
                      "keeps in flight and torch's stage buffers.")
