@@ -31,6 +31,23 @@ def test_the_code_reference_is_the_diagnostics_table():
         assert page.read() == code_reference(), "regenerate it: pardsl codes > docs/errors.md"
 
 
+def test_the_api_page_documents_every_public_name():
+    """docs/api.md renders each name `import pardsl` gives from the module that defines it (the names load
+    lazily, which mkdocstrings cannot follow through `pardsl`)."""
+    import pardsl
+
+    with open(os.path.join(REPO, "docs", "api.md"), encoding="utf-8") as page:
+        shown = set(re.findall(r"^::: pardsl\.([\w.]+)$", page.read(), re.M))
+    assert shown == {f"{module}.{name}" for name, module in pardsl._EXPORTS.items()}
+
+
+def test_getting_started_plans_a_cluster_in_five_commands_or_fewer():
+    with open(os.path.join(REPO, "docs", "getting-started.md"), encoding="utf-8") as page:
+        first = re.search(r"^```\n(.*?)^```", page.read(), re.S | re.M)[1]
+    lines = [line for line in first.splitlines() if line.strip()]
+    assert lines[0].startswith("git clone") and lines[-1].startswith("pardsl explain") and len(lines) <= 5
+
+
 def test_the_readme_starts_short():
     assert os.path.getsize(os.path.join(REPO, "README.md")) <= 10 * 1024
 
@@ -64,6 +81,7 @@ NOT_RUN = {
     "pardsl check big.par --time-limit 30": "big.par stands for the reader's own file",
     "pardsl explain plan.par --machine h100-nvlink-ib": "plan.par stands for the reader's own file",
     "pardsl dryrun plan.par --rank 37 --json": "plan.par stands for the reader's own file",
+    "pardsl explain examples/long.par": "the long-sequences page asks the reader to save the file it shows",
     "pardsl export ckpt/step-30 -o model.safetensors": "needs a checkpoint a training run made earlier",
     "pardsl dryrun examples/scale/llama3_8b_tp8.par --device cuda --machine h100-nvlink-ib": "needs a GPU",
     # Too long for the suite on the 2-core machine; their model lines are checked below.
