@@ -219,7 +219,15 @@ def test_torch_folder_reads_and_its_checks_hold(tmp_path):
     target = torch.zeros(32, 32)  # rows 16 to 47 of w
     values = source.read({"w": [(Region((16, 0), (32, 32), (0, 0)), target)]}, ["optimizer.param_groups.w.lr"])
     torch.manual_seed(0)
-    assert torch.equal(target, torch.randn(64, 32)[16:48]) and values == {"optimizer.param_groups.w.lr": 0.5}
+    w, b = torch.randn(64, 32), torch.randn(32)
+    assert torch.equal(target, w[16:48]) and values == {"optimizer.param_groups.w.lr": 0.5}
+    # exported whole, as Hugging Face's safetensors, without the optimizer's state
+    import pardsl
+    from safetensors.torch import load_file
+
+    assert pardsl.export_checkpoint(source.path, str(tmp_path / "model.safetensors")) == ["b", "w"]
+    exported = load_file(str(tmp_path / "model.safetensors"))
+    assert torch.equal(exported["w"], w) and torch.equal(exported["b"], b)
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -306,3 +314,17 @@ def test_pardsl_dcp_save_hashes_its_files_and_refuses_a_shared_folder(pools, tmp
     os.chmod(shared, 0o777)
     with pytest.raises(Exception, match="refusing to save to .*writable by others"):
         pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(shared / "mlp"), "save"))
+
+
+def test_hyperparameters_flattened_or_as_one_list():
+    from pardsl.runtime.checkpoint import CheckpointError
+    from pardsl.runtime.dcp import _saved_hyperparameters
+
+    flattened = {"optimizer.param_groups.w.lr": 0.5, "optimizer.param_groups.w.betas": (0.9, 0.95),
+                 "optimizer.param_groups.b.lr": 0.1}
+    assert _saved_hyperparameters(flattened, "optimizer.param_groups", ["w", "b"], "c") == \
+        {"lr": 0.5, "betas": (0.9, 0.95)}
+    listed = {"optim.param_groups": [{"lr": 0.1, "params": ["b"]}, {"lr": 0.5, "params": ["w"]}]}
+    assert _saved_hyperparameters(listed, "optim.param_groups", ["w"], "c") == {"lr": 0.5}
+    with pytest.raises(CheckpointError, match="no saved parameter group holds x"):
+        _saved_hyperparameters(listed, "optim.param_groups", ["x"], "c")

@@ -884,7 +884,13 @@ def export_checkpoint(checkpoint: str, output: str, verify: bool = True, allow_s
         -> list[str]:
     """Write a pardsl checkpoint's model tensors, whole, to one safetensors file (Hugging Face's format);
     returns the names written. Optimizer state is left out. `verify`, `allow_shared_folder`: as for
-    CheckpointSource."""
+    CheckpointSource. A DCP folder's model tensors are read whole by pardsl.runtime.dcp."""
+    if _is_dcp(checkpoint):
+        from pardsl.runtime import dcp
+
+        tensors = dcp.whole_model_tensors(checkpoint, verify, allow_shared_folder)
+        save_file(tensors, output, metadata={"format": "pt"})
+        return sorted(tensors)
     source = CheckpointSource(checkpoint, verify, allow_shared_folder)
     if source.document is None:
         raise ValueError(f"{checkpoint} is not a pardsl checkpoint (no {INDEX_FILE})")

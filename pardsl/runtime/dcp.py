@@ -64,10 +64,6 @@ _MODEL_PREFIXES = ("", "model.")  # the model's names at the top level (torchtit
 _OPTIMIZER_PREFIXES = ("optimizer.", "optim.")
 
 
-def is_dcp(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_FILE))
-
-
 # ---------------------------------------------------------------------------------------------------
 # Reading .metadata without running what a pickle may ask for
 
@@ -243,13 +239,9 @@ class DcpSource:
         return None
 
     def read(self, targets: dict[str, list[tuple[Region, torch.Tensor]]], values: list[str] = ()) -> dict:
-        """Fill each target's regions from the checkpoint, and read `values` (small non-tensor entries)."""
-        for key, pieces in targets.items():
-            saved = self.tensors[key]
-            for region, target in pieces:
-                if target.dtype != saved.properties.dtype:
-                    _refuse(self.path, f"tensor `{key}` is stored as {saved.properties.dtype}; the model holds it "
-                            f"as {target.dtype}")
+        """Fill each target's regions from the checkpoint, and read `values` (small non-tensor entries).
+        A tensor stored in another dtype is converted, as the own format's loader does (float32 masters
+        from a bf16 run)."""
         planner = _RegionLoadPlanner(self.metadata, targets, list(values))
         plan = planner.create_local_plan()
         needed = sorted({self.metadata.storage_data[item.storage_index].relative_path for item in plan.items})
@@ -568,6 +560,21 @@ def _check_replaceable(path: str) -> None:
                               "checkpoint; a DCP save replaces the folder as a whole. Save to a new folder")
 
 
+def whole_model_tensors(checkpoint: str, verify: bool = True, allow_shared_folder: bool = False) \
+        -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP folder but the optimizer's, whole, by its name there (for export_checkpoint)."""
+    source = DcpSource(checkpoint, verify, allow_shared_folder)
+    optimizer = source.optimizer_prefix() or _OPTIMIZER_PREFIXES[0]
+    tensors, targets = {}, {}
+    for key, saved in source.tensors.items():
+        if not key.startswith(optimizer):
+            tensors[key] = torch.empty(saved.size, dtype=saved.properties.dtype)
+            zeros = (0,) * len(saved.size)
+            targets[key] = [(Region(zeros, tuple(saved.size), zeros), tensors[key])]
+    source.read(targets)
+    return tensors
+
+
 def metadata_of(checkpoint: str, allow_shared_folder: bool = False) -> dict | None:
     """The `metadata` a pardsl DCP save stored (None for a folder torch wrote)."""
     _check_trusted(checkpoint, allow_shared_folder, checkpoint)
@@ -575,4 +582,5 @@ def metadata_of(checkpoint: str, allow_shared_folder: bool = False) -> dict | No
     return None if sidecar is None else sidecar.get("metadata")
 
 
-__all__ = ["DcpSource", "is_dcp", "load_model_state", "load_optimizer_state", "save", "metadata_of"]
+__all__ = ["DcpSource", "load_model_state", "load_optimizer_state", "save", "metadata_of",
+           "whole_model_tensors"]
