@@ -19,7 +19,7 @@ from typing import NamedTuple
 from pardsl import __version__
 from pardsl.language.diagnostics import CompileError, Diagnostic
 from pardsl.language.files import write_atomically
-from pardsl.language.progress import timed
+from pardsl.language.progress import timed, working_on
 from pardsl.language.syntax import ParFile, parse, parse_file
 from pardsl.model.binding import BoundPlan, bind, bound_on_mesh
 from pardsl.passes import pipeline as pp
@@ -252,7 +252,8 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
         return (sizes[pipeline_axis] if pipeline_axis is not None else None, others)
 
     bound, priced, shapes, elapsed, failures = None, {}, [], {}, []
-    for sizes in mesh_shapes(par.mesh.ranks, len(names)):
+    every_shape = mesh_shapes(par.mesh.ranks, len(names))
+    for index, sizes in enumerate(every_shape):
         twin = next((other for other in priced if renamed(other) == renamed(sizes)), None)
         if symmetric and twin is not None:
             shapes.append(replace(priced[twin][1], sizes=sizes, same_as=twin))
@@ -263,8 +264,9 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
             shaped = replace(shaped, pipelines=())  # one stage: no pipeline
         clock = time.perf_counter()
         try:
-            bound = bind(shaped) if bound is None else bound_on_mesh(bound, shaped)
-            compiled = _compile(shaped, bucket_mb, machine, bound)
+            with working_on(f"mesh shape {index + 1} of {len(every_shape)} ({_shape_text(names, sizes)})"):
+                bound = bind(shaped) if bound is None else bound_on_mesh(bound, shaped)
+                compiled = _compile(shaped, bucket_mb, machine, bound)
         except CompileError as error:
             elapsed[sizes] = time.perf_counter() - clock
             failures.append(error)

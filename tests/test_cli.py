@@ -107,6 +107,19 @@ def test_a_compile_reports_its_stages_and_each_integer_program_to_a_listener(com
     assert programs and all(" columns and " in m and limit in m for m in programs)
 
 
+def test_a_searched_mesh_says_which_shape_each_stage_is_working_on(compile_par):
+    from pardsl.language.progress import reported_to
+
+    heard = []
+    with reported_to(heard.append):
+        compile_par("mesh dp, tp = 4\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[8, 16]\n")
+    shapes = [m for m in dict.fromkeys(heard) if re.fullmatch(r"mesh shape \d of \d \([^)]*\)", m)]
+    # dp = 4, tp = 1 is dp = 1, tp = 4 with its axes renamed: not compiled again
+    assert shapes == ["mesh shape 1 of 3 (dp = 1, tp = 4)", "mesh shape 2 of 3 (dp = 2, tp = 2)"]
+    assert "mesh shape 2 of 3 (dp = 2, tp = 2): lowering to collectives" in heard or \
+        "mesh shape 2 of 3 (dp = 2, tp = 2): searching the layouts" in heard
+
+
 @pytest.mark.timeout(120)
 def test_on_a_terminal_check_shows_what_the_compile_is_doing_on_stderr_and_clears_it(tmp_path):
     """A searched plan can take minutes: on a terminal a status line (rich) says what the compile is doing;

@@ -29,8 +29,26 @@ def reported_to(listener: Callable[[str], None]):
         _listeners.remove(listener)
 
 
+# the larger pieces of work the stages told are part of ("mesh shape 2 of 4"), outermost first
+_within: list[str] = []
+
+
+@contextlib.contextmanager
+def working_on(piece: str):
+    """Within the block, every message told is said as part of `piece`: `mesh shape 2 of 4 (dp = 2, tp
+    = 4): searching the layouts`."""
+    _within.append(piece)
+    report(piece)
+    try:
+        yield
+    finally:
+        _within.pop()
+
+
 def tell(message: str) -> None:
     """Tell the listeners, and nothing else: from any thread (a watchdog's), where no time limit is kept."""
+    if _within and message != _within[-1]:
+        message = ": ".join([*_within, message])
     for listener in list(_listeners):
         listener(message)
 
