@@ -115,7 +115,7 @@ def test_a_pipeline_lays_out_its_micro_batches_by_its_schedule():
     ("GPipe", 2, 2, 0, "F0.0 F0.1 F0.2 B0.0 B0.1 B0.2"),
     ("1F1B", 3, 3, 0, "F0.0 F0.1 F0.2 B0.0 F0.3 B0.1 B0.2 B0.3"),
     ("1F1B", 3, 3, 2, "F2.0 B2.0 F2.1 B2.1 F2.2 B2.2 F2.3 B2.3"),
-    ("LoopedBFS", 2, 4, 1, "F1.0 F1.1 F3.0 F3.1 B3.0 B3.1 B1.0 B1.1"),
+    ("LoopedBFS", 2, 4, 1, "F1.0 F1.1 F3.0 F3.1 B3.1 B3.0 B1.1 B1.0"),
     # torch's Interleaved1F1B: rounds of 2 micro-batches through stage 0 then 2; warm-up (2-1)·2 + 2·(2-1-0)
     ("Interleaved1F1B", 2, 4, 0, "F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 B2.2 B2.3 B0.2 B0.3"),
 ])

@@ -262,9 +262,9 @@ def _rank_orders(schedule: str, ranks: int, stages: int, m: int) -> list[list[tu
                 if warmup + i < m:
                     order.append(("F", own[0], warmup + i))
             orders.append(order)
-        elif schedule == "LoopedBFS":  # each stage's every micro-batch, then backward in the reverse order
+        elif schedule == "LoopedBFS":  # each stage's every micro-batch, then backward all in the reverse order
             orders.append([("F", s, i) for s in own for i in range(m)] +
-                          [("B", s, i) for s in own[::-1] for i in range(m)])
+                          [("B", s, i) for s in own[::-1] for i in reversed(range(m))])
         elif schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
             orders.append(_interleaved(rank, ranks, own, m))
         else:
