@@ -350,8 +350,8 @@ def test_chromium_draws_the_timeline_and_the_memory_against_the_bound(tmp_path):
     compiled, result = _planned(MLP_DP)
     page = html_page(compiled, result, MLP_DP_BOUND)
     tops = _picture_tops(page)
-    pixels = _screenshot(page, tmp_path, PICTURES_LEFT + 1000, tops["memory"] + 400)
     timeline, memory = _picture(page, "timeline"), _picture(page, "memory")
+    pixels = _screenshot(page, tmp_path, PICTURES_LEFT + 1000, tops["memory"] + int(memory.get("height")) + 20)
     assert _text_overlaps(timeline) == [] and _text_overlaps(memory) == []
     _check_colours(pixels, timeline, tops["timeline"], TIMELINE_COLOURS)
     parts = {k: c for k, c in MEMORY_COLOURS.items() if result.memory.get(k)}
@@ -367,8 +367,8 @@ def test_chromium_draws_a_pipelines_micro_batches_and_its_bubble(tmp_path):
     compiled, result = _planned("examples/hf_llama_pp2.par")
     page = html_page(compiled, result, compiled.memory_bound)
     tops = _picture_tops(page)
-    pixels = _screenshot(page, tmp_path, PICTURES_LEFT + 1000, tops["memory"] + 400)
     timeline, memory = _picture(page, "timeline"), _picture(page, "memory")
+    pixels = _screenshot(page, tmp_path, PICTURES_LEFT + 1000, tops["memory"] + int(memory.get("height")) + 20)
     assert _text_overlaps(timeline) == [] and _text_overlaps(memory) == []
     _check_colours(pixels, timeline, tops["timeline"], {k: TIMELINE_COLOURS[k] for k in ("forward", "backward")})
     assert len(_rects(timeline, "forward")) == len(_rects(timeline, "backward")) == 8  # 4 micro-batches, 2 stages

@@ -648,9 +648,11 @@ def _layers_svg(all_layers: list[Layer]) -> str:
     return "".join(parts)
 
 
-def html_page(compiled, estimate: Estimate, memory_bound: int | None = None) -> str:
+def html_page(compiled, estimate: Estimate, memory_bound: int | None = None, alternatives_priced: list | None = None,
+              op_choices: bool = False) -> str:
     """One self-contained page: no script, no external resource. The pictures first, at the places the
-    module's constants give, then the mesh, the layers, the collectives and the text report."""
+    module's constants give, then the mesh, the layers, the collectives and the text report
+    (`alternatives_priced`, `op_choices`: as the report takes them)."""
     program = compiled.program
     all_layers = layers(compiled, estimate)
     legend = " ".join(f'<span style="background:{c};padding:0 6px;color:#fff">{k.replace("_", "-")}</span>'
@@ -677,7 +679,7 @@ def html_page(compiled, estimate: Estimate, memory_bound: int | None = None) -> 
 {_layers_svg(all_layers)}
 <h2>Collectives</h2><table><tr><th>layer</th><th>collective</th><th>axis</th><th>phase</th><th>bytes per rank</th>
 <th>estimated</th><th>why</th></tr>{''.join(rows)}</table>
-<h2>Report</h2><pre>{html.escape(report(compiled, estimate, memory_bound))}</pre>
+<h2>Report</h2><pre>{html.escape(report(compiled, estimate, memory_bound, alternatives_priced, op_choices))}</pre>
 </main>
 </body></html>
 """
