@@ -301,6 +301,35 @@ def test_a_wait_on_a_rank_that_has_ended_or_never_starts_fails_instead_of_hangin
         assert "rank 1 of a shared-memory group ended" in message and seconds < 10
 
 
+def _last_collective_with_a_rank_that_ends_first(rank: int, port: int, results) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from pardsl.runtime.shared_memory import shared_memory_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    group = shared_memory_group(None)
+    work, value = group.all_reduce_started(torch.full((4,), float(rank + 1)))
+    if rank == 1:
+        time.sleep(2)  # rank 0 reads, acknowledges and ends before this rank reads
+    try:
+        work.wait()
+        results.put((rank, value().tolist()))
+    except RuntimeError as error:
+        results.put((rank, str(error)))
+
+
+def test_the_last_collective_completes_where_the_other_rank_has_already_ended():
+    """A rank that finishes its last collective first ends, its socket with it: the other rank's
+    acknowledgement that it read the buffer has no one to go to, and needs none."""
+    from pardsl.runtime.devices import free_port
+
+    assert _on_two_ranks(_last_collective_with_a_rank_that_ends_first, free_port(), timeout=60) == \
+        {0: [3.0] * 4, 1: [3.0] * 4}
+
+
 @dataclass(frozen=True)
 class DifferentCollectives:
     """Run on every rank: rank 0 starts an all-reduce where rank 1 starts an all-gather of as many bytes."""

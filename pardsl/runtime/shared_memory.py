@@ -382,7 +382,10 @@ class SharedMemoryGroup:
         return view
 
     def _send(self, peer: int, kind: int, number: int, buffer: int, capacity: int = 0, nbytes: int = 0,
-              fd: int | None = None) -> None:
+              fd: int | None = None, gone_ok: bool = False) -> None:
+        """`gone_ok`: a peer whose socket is gone needs no such message (a read acknowledgement after the
+        group's last collective, which the peer finished first and then ended: its buffer stays mapped here
+        until read)."""
         message = _MESSAGE.pack(kind, self.rank, number, buffer, capacity, nbytes)
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))] if fd is not None else []
         deadline = time.monotonic() + self.timeout_s
@@ -395,6 +398,8 @@ class SharedMemoryGroup:
                 self._receive(block=False)
                 time.sleep(0.0001)
             except (ConnectionRefusedError, FileNotFoundError) as error:  # its socket is gone
+                if gone_ok:
+                    return
                 raise RuntimeError(f"rank {self.rank} of a shared-memory group cannot reach rank {peer} "
                                    f"(process {self.pids[peer]}): {error}") from None
             if time.monotonic() - checked > _POLL_S:
@@ -526,7 +531,7 @@ class SharedMemoryGroup:
             value = result(inputs)
             buffer.unread.discard(self.rank)
             for peer in self.peers:
-                self._send(peer, _READ, number, ready[peer][0])
+                self._send(peer, _READ, number, ready[peer][0], gone_ok=True)
             return value
 
 
