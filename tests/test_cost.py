@@ -241,7 +241,7 @@ def test_the_html_page_is_self_contained_with_the_mesh_and_the_layers():
     compiled = compile_file("examples/gpt_dp2_tp2.par")
     result = estimate(compiled, MACHINE)
     page = html_page(compiled, result)
-    assert page.startswith("<!DOCTYPE html>") and page.count("<svg") == 2
+    assert page.startswith("<!DOCTYPE html>") and page.count("<svg") == 4  # timeline, memory, mesh, layers
     assert "<script" not in page and "src=" not in page and "href=" not in page
     assert page.count("rank ") >= 4 and ">dp0, tp1<" in page
     drawn = [layer for layer in layers(compiled, result)]
