@@ -189,6 +189,13 @@ PRESETS = {
                               "InfiniBand per GPU between", overlap=0.9, ranks_per_node=8,
                               between_nodes=_links(8e-6, 2.1e10), device_memory_bytes=int(79.2 * GIB),
                               name="a100-nvlink-ib", half_flops_per_s=2.3e14),
+    # H800: the H100's compute and memory with NVLink cut to 400 GB/s bidirectional (about 160 GB/s of
+    # bus bandwidth, as DeepSeek-V3's report measures it) and a 400 Gb/s InfiniBand NIC per GPU (about 50 GB/s)
+    "h800-nvlink-ib": Machine("nccl", _links(2e-6, 1.6e11), 5e13, 2.8e12, 8e-6,
+                              "preset h800-nvlink-ib: 8 H800 SXM per node, NVLink 4 cut to 400 GB/s inside, "
+                              "400 Gb/s InfiniBand per GPU between", overlap=0.9, ranks_per_node=8,
+                              between_nodes=_links(6e-6, 4.2e10), device_memory_bytes=int(79.2 * GIB),
+                              name="h800-nvlink-ib", half_flops_per_s=7e14),
     "cpu-gloo": replace(DEFAULTS["gloo"], source="preset cpu-gloo: CPU ranks of one host over gloo (the "
                         "defaults for gloo)", name="cpu-gloo"),
 }
@@ -428,8 +435,16 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
         memory = {**pipelined_memory_per_rank(compiled.stages, pipeline, optimizer),
                   "serial_total": serial_bytes(activity["parameters_total"], activity["parameters_trained_total"],
                                                activity["activations_total"] * pipeline.microbatches, optimizer)}
-    half = program.precision is not None and _dtype(program.precision[0]).itemsize <= 2
-    return Estimate(machine, ops, costs, memory, seconds, step_tokens(program), model_flops(typed),
+    # the plan computes in half precision under a policy that says so, or where the model's own floating
+    # parameters are bf16 or fp16 (a model built in bfloat16): its MFU is against that peak
+    floating = [_dtype(p.dtype) for p in program.parameters if _dtype(p.dtype).is_floating_point]
+    half = _dtype(program.precision[0]).itemsize <= 2 if program.precision is not None else \
+        bool(floating) and all(dtype.itemsize <= 2 for dtype in floating)
+    # a pipelined plan is traced for one micro-batch: a step runs all of them
+    microbatches = pipeline.microbatches if pipeline is not None else 1
+    tokens = step_tokens(program)
+    return Estimate(machine, ops, costs, memory, seconds, None if tokens is None else tokens * microbatches,
+                    model_flops(typed) * microbatches,
                     machine.half_flops_per_s if half and machine.half_flops_per_s else machine.flops_per_s,
                     pipeline is not None, mesh.size)
 
