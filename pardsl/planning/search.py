@@ -96,6 +96,22 @@ class BoundUnmet(NoPlanFound):
     """No plan meets the memory bound, and the search was asked not to look for the plan nearest it."""
 
 
+def weight_open_axes(bound: BoundPlan, name: str) -> frozenset[int]:
+    """The mesh axes a searched file leaves open for a parameter or buffer it writes a layout for: those its
+    `S(0) @ tp` form does not name. Such a layout says how the tensor is split where it is written (the
+    Megatron layers on `tp`); how the data-parallel ranks hold it (replicated, or split as ZeRO-3 and FSDP
+    do) is the memory bound's question, which the search answers. Read as B there, a layer's weights were
+    held whole on `dp` under a bound only a split could meet, and the search reached it by splitting
+    activations over `dp` instead, with conversions and all-to-alls in every layer. A list or bare layout
+    writes every axis, as does any layout in a file the search does not complete, where axes not named are B."""
+    pin = bound.pins.get(name)
+    if pin is None or pin.entry.layout.form != "named" or not wants_search(bound) or \
+            (name not in bound.parameters and name not in bound.buffers):
+        return frozenset()
+    named = {bound.mesh.axis_index(axis) for axis, _ in pin.entry.layout.axis_names}
+    return frozenset(a for a in range(bound.mesh.ndim) if a not in named)
+
+
 def wants_search(bound: BoundPlan) -> bool:
     par = bound.par
     return par.memory_bound is not None or bool(bound.searched) or not par.layouts
@@ -410,7 +426,17 @@ class _GroupProgram:
 
     def pinned(self, name: str) -> Joint | None:
         pin = self.bound.pins.get(name)
-        return tuple(pin.layout.placements[a] for a in self.group) if pin is not None else None
+        if pin is None or name in self.open:
+            return None
+        return tuple(pin.layout.placements[a] for a in self.group)
+
+    def _written_on_group(self, name: str) -> dict[int, Placement]:
+        """Per position in the group, what the file writes for a tensor on that axis (weight_open_axes)."""
+        pin = self.bound.pins.get(name)
+        if pin is None:
+            return {}
+        open_axes = weight_open_axes(self.bound, name)
+        return {i: pin.layout.placements[a] for i, a in enumerate(self.group) if a not in open_axes}
 
     def layout(self, decided: dict[int, Placement], joint: Joint) -> Layout:
         placements = [decided.get(a, B) for a in range(self.mesh.ndim)]
@@ -446,7 +472,10 @@ class _GroupProgram:
         consumers can take it in."""
         bound, facts, decided, group, start = self.bound, self.facts, self.decided, self.group, self.start
         operands = facts.operands
-        self.free = {name for name in facts.placeholders if name not in bound.pins and
+        # a weight written on some axes only (`S(0) @ tp`) is the search's on the others (weight_open_axes)
+        self.open = {name for name in facts.placeholders if name in bound.pins and
+                     any(a in weight_open_axes(bound, name) for a in group)}
+        self.free = {name for name in facts.placeholders if (name not in bound.pins or name in self.open) and
                      (name not in bound.inputs or name in bound.searched)}
         self.batch_axes = {a for a in group if any(
             name in self.free or (self._pinned_on(name, a) or (B,))[0].is_split and self._pinned_on(name, a)[0].dim == 0
@@ -481,12 +510,15 @@ class _GroupProgram:
         # what a free tensor's consumers can take it as (a partial sum: from B, locally; a zig-zag split is
         # an activation's, for its sequence: the parameters' syncs and checkpoints cut plainly)
         for name in self.free:
-            wanted = [self.whole_joint] + [_operand(signature, slot) for consumer, slot in facts.consumers[name]
-                                           for signature in self.legal[consumer]]
+            written = self._written_on_group(name)  # the axes of the group the file writes it on stand
+            whole = tuple(written.get(i, B) for i in range(len(group)))
+            wanted = [whole] + [_operand(signature, slot) for consumer, slot in facts.consumers[name]
+                                for signature in self.legal[consumer]]
             if start is not None:  # a move may keep it as it is (its consumers may no longer take it so)
                 wanted.append(tuple(start.layout_of(name).placements[a] for a in group))
             self.domain[name] = [p for p in dict.fromkeys(wanted)
-                                 if P not in p and not any(q.mirrored for q in p) and self.fits(name, p)]
+                                 if P not in p and not any(q.mirrored for q in p) and self.fits(name, p)
+                                 and all(p[i] == w for i, w in written.items())]
 
     def _pinned_on(self, name: str, axis: int) -> Joint | None:
         pin = self.bound.pins.get(name)
@@ -578,7 +610,21 @@ class _GroupProgram:
         if par.offload is not None and dtype.is_floating_point:
             compute = dtype if par.precision is None else getattr(torch, par.precision.params)
             return compute.itemsize / dtype.itemsize
-        return 1 + (1 + self.states) * (name in self.facts.requires_grad)
+        trained = name in self.facts.requires_grad
+        if par.precision is not None and dtype.is_floating_point:
+            # traced in the compute dtype, held as the precision pass holds it: a float32 master with its
+            # gradient and optimizer state, and the compute-dtype copy the forward casts it to, which
+            # autograd keeps for backward unless a recomputed module makes it again (cost._compute_copies).
+            # Counted at the traced dtype, a policy's plan held twice what the bound was met with.
+            master = torch.float32.itemsize / dtype.itemsize
+            return master * (1 + (1 + self.states) * trained) + (not self._recomputed(name))
+        return 1 + (1 + self.states) * trained
+
+    def _recomputed(self, name: str) -> bool:
+        """Whether the file names a module holding this parameter to recompute (`recompute model.layers.*`)."""
+        path = self.bound.parameters.get(name, "").split(".")
+        return any(len(path) > len(pattern) and all(p == "*" or p == q for p, q in zip(pattern, path))
+                   for pattern in (decl.pattern.split(".") for decl in self.bound.par.recomputes_written))
 
     def _conversion_seconds(self, name: str, source: Joint, target: Joint) -> float:
         """Converting a value: on one axis, the catalogue's step; on several, the steps lowering plans

@@ -1,0 +1,74 @@
+"""Published recipes at reduced depth, on their real mesh sizes and hidden sizes (traced on the meta device):
+the collectives each layer has against the recipe's, memory within the bound, and the search's plan no
+slower than the recipe. The full-depth figures are benchmarks/recipes.py's (docs/recipes.md)."""
+
+import os
+import re
+
+from pardsl.compiler import compile_text
+from pardsl.planning.cost import PRESETS, estimate
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H100 = PRESETS["h100-nvlink-ib"]
+GIB = 1 << 30
+# Llama 3.1 70B's layer, two of them, with its vocabulary: a rank's step and memory per layer are the
+# full depth's (benchmarks/recipes.py prices the 80 layers)
+LLAMA_70B = ('model examples.recipes.models:llama_causal_lm(layers=2, hidden=8192, heads=64, kv_heads=8, '
+             'ffn=28672, vocab=128256, positions=8192)\n')
+MEGATRON = {"self_attn.q_proj": "S(0)", "self_attn.k_proj": "S(0)", "self_attn.v_proj": "S(0)",
+            "self_attn.o_proj": "S(1)", "mlp.gate_proj": "S(0)", "mlp.up_proj": "S(0)", "mlp.down_proj": "S(1)"}
+
+
+def recipe(name: str, layers: int, batch: int) -> str:
+    """A recipe of examples/recipes/ at `layers` layers and `batch` sequences (a rank's share as written)."""
+    with open(os.path.join(REPO, "examples", "recipes", name), encoding="utf-8") as handle:
+        text = handle.read()
+    text = re.sub(r"\blayers=\d+", f"layers={layers}", text, count=1)
+    return re.sub(r"(input\s+input_ids\s*:\s*int64\[)\d+", rf"\g<1>{batch}", text, count=1)
+
+
+def with_layouts(text: str, layouts: list[str], memory: str = "") -> str:
+    """The file with its layout block replaced, and a memory bound."""
+    head = text[:text.index("layout {")]
+    return head + (f"memory <= {memory}\n" if memory else "") + "layout {\n" + \
+        "".join(f"    {entry}\n" for entry in layouts) + "}\n"
+
+
+def compiled(text: str):
+    plan = compile_text(text, os.path.join(REPO, "examples", "recipes", "plan.par"), machine=H100)
+    return plan, estimate(plan, H100)
+
+
+def per_layer(result, layer: str = "model.layers.0") -> dict[str, int]:
+    """The collectives credited to one layer, by kind and axis (gradient buckets apart)."""
+    counts: dict[str, int] = {}
+    for c in result.collectives:
+        if c.layer == layer and not c.bucket:
+            counts[f"{c.kind}@{c.axis}"] = counts.get(f"{c.kind}@{c.axis}", 0) + 1
+    return counts
+
+
+def test_tensor_parallel_written_leaves_the_data_parallel_axis_to_the_search():
+    """torchtitan's Llama 3.1 70B recipe (FSDP 32 × TP 8) at two layers, and the same file with Megatron's
+    layers written on tp alone and the data-parallel axis left to the search, under a third of the memory
+    the recipe holds: the weights written `S(0) @ tp` are split over dp as well (ZeRO-3 / FSDP), each
+    layer's collectives are the recipe's kinds (none an all-to-all), and the plan is no slower than the
+    recipe. Read as B on dp, the written weights held a rank over the bound, and the search met it by
+    splitting activations over dp instead, with all-to-alls in every layer; and the search counted a
+    precision policy's parameters at the traced bf16, half the float32 masters the plan holds."""
+    text = recipe("llama31_70b_fsdp32_tp8.par", layers=2, batch=32)
+    _, written = compiled(text)
+    assert set(per_layer(written)) <= {"all_reduce@tp", "all_gather@dp"}
+    bound = written.memory["total"] / 3
+    tp = [f"model.layers.*.{w}.weight : {p} @ tp" for w, p in MEGATRON.items()] + ["lm_head.weight : S(0) @ tp"]
+    searched, result = compiled(with_layouts(text, ["input_ids : S(0) @ dp"] + tp, f"{bound / GIB:.3f} GiB"))
+    assert result.memory["total"] <= bound
+    assert not [note for note in searched.program.notes if note.code == "N003"]
+    layouts = {p.name: p.layout.render(searched.program.mesh) for p in searched.program.parameters}
+    for weight, written_tp in (("mlp.up_proj", "S(0)@tp"), ("mlp.down_proj", "S(1)@tp")):
+        assert "@dp" in layouts[f"model.layers.0.{weight}.weight"] and \
+            written_tp in layouts[f"model.layers.0.{weight}.weight"], layouts
+    kinds = per_layer(result)
+    assert set(kinds) <= {"all_gather@tp", "reduce_scatter@tp", "all_reduce@tp", "all_gather@dp"}, kinds
+    assert result.step_s <= written.step_s
+
