@@ -278,13 +278,14 @@ def test_damaged_folder_refused_naming_the_problem(tmp_path, damage, message):
 
 
 def _save_and_load_mlp(folder: str, step: str) -> str | None:
-    """`save`: pardsl.save of examples/mlp.par as DCP; `load`: the CheckpointError loading it raises."""
+    """`dcp`, `pardsl`: pardsl.save of examples/mlp.par in that format; `load`: the CheckpointError loading
+    it raises."""
     import pardsl
 
     torch.manual_seed(0)
     plan = pardsl.load(os.path.join(REPO, "examples", "mlp.par"))
-    if step == "save":
-        pardsl.save(plan.module(), folder, format="dcp", metadata={"step": 7})
+    if step in ("dcp", "pardsl"):
+        pardsl.save(plan.module(), folder, format=step, metadata={"step": 7})
         return None
     try:
         plan.module(checkpoint=folder)
@@ -299,7 +300,7 @@ def test_pardsl_dcp_save_hashes_its_files_and_refuses_a_shared_folder(pools, tmp
 
     folder = tmp_path / "mlp"
     pool = pools(2)
-    pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(folder), "save"))
+    pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(folder), "dcp"))
     assert pardsl.checkpoint_metadata(str(folder)) == {"step": 7}
     assert pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(folder), "load")) == [None, None]
     shard = next(folder.glob("__1_*.distcp"))
@@ -309,11 +310,15 @@ def test_pardsl_dcp_save_hashes_its_files_and_refuses_a_shared_folder(pools, tmp
     # each rank hashes the files it reads from: rank 1 reads its half of fc1 and fc2 from its own file
     errors = pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(folder), "load"))
     assert errors[1] is not None and f"file {shard.name} does not hold the bytes saved" in errors[1]
+    # latest_checkpoint weighs both formats' saves by their counters
+    for later, format in (("own", "pardsl"), ("dcp_again", "dcp")):
+        pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(tmp_path / later), format))
+        assert pardsl.latest_checkpoint(str(tmp_path)) == str(tmp_path / later)
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
     with pytest.raises(Exception, match="refusing to save to .*writable by others"):
-        pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(shared / "mlp"), "save"))
+        pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(shared / "mlp"), "dcp"))
 
 
 def test_hyperparameters_flattened_or_as_one_list():

@@ -762,13 +762,25 @@ def _is_dcp(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata")) and not _is_pardsl(path)
 
 
+DCP_SIDECAR_FILE = "pardsl.dcp.json"  # beside a DCP folder's .metadata, where pardsl.save wrote it
+# a DCP save's folder before it is renamed into place, and the one it replaces, while it is removed
+_DCP_STAGING = re.compile(r"\.[0-9a-f]{16}\.(tmp|old)$")
+
+
 def _checkpoints_in(folder: str) -> list[str]:
-    """`folder` and those of its subfolders that hold a pardsl index (complete or not)."""
+    """`folder` and those of its subfolders that hold a pardsl index, or a DCP folder pardsl saved (complete
+    or not)."""
     try:
         entries = sorted(os.listdir(folder))
     except OSError:
         return []
-    return [c for c in [folder] + [os.path.join(folder, entry) for entry in entries] if _is_pardsl(c)]
+    return [c for c in [folder] + [os.path.join(folder, entry) for entry in entries]
+            if _is_pardsl(c) or (os.path.isfile(os.path.join(c, DCP_SIDECAR_FILE)) and not _DCP_STAGING.search(c))]
+
+
+def _document(candidate: str) -> str:
+    """The JSON file that says when a checkpoint `_checkpoints_in` found was saved."""
+    return os.path.join(candidate, INDEX_FILE if _is_pardsl(candidate) else DCP_SIDECAR_FILE)
 
 
 def _save_counter(document: dict) -> int:
@@ -782,7 +794,7 @@ def _next_save_counter(path: str) -> int:
     highest = 0
     for candidate in _checkpoints_in(os.path.dirname(os.path.abspath(path))) + _checkpoints_in(path):
         try:
-            with open(os.path.join(candidate, INDEX_FILE), encoding="utf-8") as handle:
+            with open(_document(candidate), encoding="utf-8") as handle:
                 document = json.load(handle)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
@@ -802,18 +814,26 @@ def _time_saved(document: dict) -> float:
 
 
 def latest_checkpoint(folder: str, allow_shared_folder: bool = False) -> str | None:
-    """The newest complete pardsl checkpoint among `folder`'s subfolders (and `folder` itself): the one of
-    the highest save counter (each save's is one more than any beside it), of those saved alike the latest
-    `saved_at`; None where there is none. A save that did not finish, or a damaged checkpoint, is passed
-    over; one in a folder other users could change is refused (UntrustedFolderError), unless
-    `allow_shared_folder`. Files' contents are not hashed here: loading does that."""
+    """The newest complete pardsl checkpoint among `folder`'s subfolders (and `folder` itself), in either
+    format pardsl.save writes: the one of the highest save counter (each save's is one more than any beside
+    it), of those saved alike the latest `saved_at`; None where there is none. A save that did not finish,
+    or a damaged checkpoint, is passed over; one in a folder other users could change is refused
+    (UntrustedFolderError), unless `allow_shared_folder`. Files' contents are not hashed here: loading
+    does that."""
     if not os.path.isdir(folder):
         return None
     _check_trusted(folder, allow_shared_folder, folder)
     newest, newest_key = None, None
     for candidate in _checkpoints_in(folder):
         try:
-            document, _ = _checked_index(candidate, verify=False, allow_shared_folder=allow_shared_folder)
+            if _is_pardsl(candidate):
+                document, _ = _checked_index(candidate, verify=False, allow_shared_folder=allow_shared_folder)
+            else:
+                from pardsl.runtime import dcp
+
+                document = dcp.DcpSource(candidate, verify=False, allow_shared_folder=allow_shared_folder).sidecar
+                if document is None:
+                    continue
         except UntrustedFolderError:
             raise
         except CheckpointError:

@@ -52,13 +52,13 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items, cr
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from pardsl.layouts.algebra import Layout
-from pardsl.runtime.checkpoint import (CheckpointError, Region, _check_trusted, _coverage_error, _entries,
-                                       _fsync, _is_count, _new_temporary, _outside, _refuse, _sha256,
-                                       local_regions)
+from pardsl.runtime.checkpoint import (DCP_SIDECAR_FILE, CheckpointError, Region, _check_trusted, _coverage_error,
+                                       _entries, _fsync, _is_count, _new_temporary, _next_save_counter, _outside,
+                                       _refuse, _sha256, local_regions)
 from pardsl.runtime.collectives import all_gather_json
 
 METADATA_FILE = ".metadata"
-SIDECAR_FILE = "pardsl.dcp.json"
+SIDECAR_FILE = DCP_SIDECAR_FILE
 SIDECAR_FORMAT = "pardsl-dcp/1"
 _MODEL_PREFIXES = ("", "model.")  # the model's names at the top level (torchtitan) or under `model`
 _OPTIMIZER_PREFIXES = ("optimizer.", "optim.")
@@ -522,7 +522,8 @@ def save(model, path: str, optimizer=None, metadata: dict | None = None, allow_s
         files = {file: entry for part in parts for file, entry in part.items()}
         par = model.plan.compiled.par
         mesh = model.rt.mesh
-        document = {"format": SIDECAR_FORMAT, "save_id": save_id, "saved_at": time.time(),
+        document = {"format": SIDECAR_FORMAT, "save_id": save_id, "save_counter": _next_save_counter(path),
+                    "saved_at": time.time(),
                     "files": {file: size for file, (size, _) in files.items()},
                     "sha256": {file: digest for file, (_, digest) in files.items()},
                     "plan": {"path": par.source.path, "text": par.source.text, "model": par.model.text,
