@@ -333,3 +333,35 @@ def test_hyperparameters_flattened_or_as_one_list():
     assert _saved_hyperparameters(listed, "optim.param_groups", ["w"], "c") == {"lr": 0.5}
     with pytest.raises(CheckpointError, match="no saved parameter group holds x"):
         _saved_hyperparameters(listed, "optim.param_groups", ["x"], "c")
+
+
+def test_stored_values_never_unpickled_beyond_weights_only(tmp_path):
+    # a value a torch folder stores as bytes is a pickle too: DCP's own planner would run this one
+    import torch.distributed.checkpoint as dcp
+
+    from pardsl.runtime.checkpoint import CheckpointError
+    from pardsl.runtime.dcp import DcpSource
+
+    marker = tmp_path / "ran"
+    folder = str(tmp_path / "planted")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.ones(4), "optimizer": {"param_groups.w.lr": _Planted(str(marker))}},
+                 checkpoint_id=folder, no_dist=True)
+    with pytest.raises(CheckpointError, match="a chunk cannot be read"):
+        DcpSource(folder).read({}, ["optimizer.param_groups.w.lr"])
+    assert not marker.exists()
+
+
+def test_garbled_chunk_refused_without_a_traceback(tmp_path):
+    from pardsl.runtime.checkpoint import CheckpointError, Region
+    from pardsl.runtime.dcp import DcpSource
+
+    folder = _torch_folder(tmp_path / "garbled")
+    source = DcpSource(folder)
+    info = source.metadata.storage_data[next(i for i in source.metadata.storage_data if i.fqn == "w")]
+    with open(os.path.join(folder, info.relative_path), "r+b") as handle:  # the record's zip header
+        handle.seek(info.offset)
+        handle.write(b"\0" * 16)
+    with pytest.raises(CheckpointError, match="a chunk cannot be read"):
+        DcpSource(folder).read({"w": [(Region((0, 0), (64, 32), (0, 0)), torch.empty(64, 32))]})
