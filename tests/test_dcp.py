@@ -277,13 +277,12 @@ def test_damaged_folder_refused_naming_the_problem(tmp_path, damage, message):
         DcpSource(folder)
 
 
-def _save_and_load_mlp(folder: str, step: str) -> str | None:
-    """`dcp`, `pardsl`: pardsl.save of examples/mlp.par in that format; `load`: the CheckpointError loading
-    it raises."""
+def _save_and_load_mlp(folder: str, step: str, par: str = os.path.join(REPO, "examples", "mlp.par")) -> str | None:
+    """`dcp`, `pardsl`: pardsl.save of `par` in that format; `load`: the CheckpointError loading it raises."""
     import pardsl
 
     torch.manual_seed(0)
-    plan = pardsl.load(os.path.join(REPO, "examples", "mlp.par"))
+    plan = pardsl.load(par)
     if step in ("dcp", "pardsl"):
         pardsl.save(plan.module(), folder, format=step, metadata={"step": 7})
         return None
@@ -314,6 +313,13 @@ def test_pardsl_dcp_save_hashes_its_files_and_refuses_a_shared_folder(pools, tmp
     for later, format in (("own", "pardsl"), ("dcp_again", "dcp")):
         pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(tmp_path / later), format))
         assert pardsl.latest_checkpoint(str(tmp_path)) == str(tmp_path / later)
+    # another model's plan is refused, naming both models
+    error = pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(tmp_path / "dcp_again"), "load",
+                                                     os.path.join(REPO, "examples", "gpt_tp2.par")))[0]
+    assert "was saved from model `examples.models:MLP" in error and "To load it anyway" in error
+    # a DCP save replaces a DCP folder as a whole, never a folder holding anything else
+    with pytest.raises(Exception, match="refusing to save to .*: it holds .*no part of a DCP checkpoint"):
+        pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(tmp_path), "dcp"))
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
