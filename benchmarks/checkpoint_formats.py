@@ -71,8 +71,9 @@ def rank_main(plan_path: str, folder: str, repeats: int, out: str) -> None:
     for _ in range(repeats):
         for name in ("pardsl", "dcp"):
             path = os.path.join(folder, name)
-            times.setdefault(f"{name} save", []).append(timed(lambda: pardsl.save(model, path, format=name)))
-            times.setdefault(f"{name} load", []).append(timed(lambda: plan.module(checkpoint=path)))
+            times.setdefault(f"{name} save", []).append(
+                timed(lambda path=path, name=name: pardsl.save(model, path, format=name)))
+            times.setdefault(f"{name} load", []).append(timed(lambda path=path: plan.module(checkpoint=path)))
     sizes = {name: sum(os.path.getsize(os.path.join(folder, name, f)) for f in os.listdir(os.path.join(folder, name)))
              for name in ("pardsl", "dcp")}
     total = torch.tensor([parameters])

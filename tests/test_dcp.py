@@ -222,8 +222,9 @@ def test_torch_folder_reads_and_its_checks_hold(tmp_path):
     w, b = torch.randn(64, 32), torch.randn(32)
     assert torch.equal(target, w[16:48]) and values == {"optimizer.param_groups.w.lr": 0.5}
     # exported whole, as Hugging Face's safetensors, without the optimizer's state
-    import pardsl
     from safetensors.torch import load_file
+
+    import pardsl
 
     assert pardsl.export_checkpoint(source.path, str(tmp_path / "model.safetensors")) == ["b", "w"]
     exported = load_file(str(tmp_path / "model.safetensors"))
@@ -241,9 +242,10 @@ def test_torch_folder_reads_and_its_checks_hold(tmp_path):
     ("path_outside", "names a file outside the folder"),
 ])
 def test_damaged_folder_refused_naming_the_problem(tmp_path, damage, message):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
     from pardsl.runtime.checkpoint import CheckpointError
     from pardsl.runtime.dcp import DcpSource
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
     folder = _torch_folder(tmp_path / "damaged")
     metadata_path, shard = os.path.join(folder, ".metadata"), os.path.join(folder, "__0_0.distcp")

@@ -41,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
@@ -49,7 +49,6 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
                                                   TensorWriteData, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import _create_write_items, create_read_items_for_chunk_list
-from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from pardsl.layouts.algebra import Layout
 from pardsl.runtime.checkpoint import (DCP_SIDECAR_FILE, CheckpointError, Region, _check_trusted, _coverage_error,
@@ -554,8 +553,8 @@ def _check_replaceable(path: str) -> None:
         return
     if os.path.islink(path) or not os.path.isdir(path):
         raise CheckpointError(f"refusing to save to {path}: it is not a folder")
-    others = [entry for entry in os.listdir(path)
-              if entry not in (METADATA_FILE, SIDECAR_FILE) and not (entry.startswith("__") and entry.endswith(".distcp"))]
+    others = [entry for entry in os.listdir(path) if entry not in (METADATA_FILE, SIDECAR_FILE)
+              and not (entry.startswith("__") and entry.endswith(".distcp"))]
     if others:
         raise CheckpointError(f"refusing to save to {path}: it holds {others[0]!r}, which is no part of a DCP "
                               "checkpoint; a DCP save replaces the folder as a whole. Save to a new folder")
