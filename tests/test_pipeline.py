@@ -351,14 +351,13 @@ def test_the_zero_bubble_schedules_fill_the_bubble_with_weight_gradients():
     """Four segments of 3 units a micro-batch each (forward, input gradient and weight gradient 1 each),
     2 ranks, 4 micro-batches: 1F1B's bubble is a whole stage, the interleaved one's half of a rank's
     work, ZB-H1's a third of that, ZB-V's none; ZB-V puts stages 0 and 3 on rank 0."""
-    from pardsl.planning.pipeline_search import _priced, _Segments
+    from pardsl.planning.pipeline_search import _priced
     from pardsl.runtime.schedules import rank_of_stage, stages_of_rank
 
-    segments = _Segments(("b", "c", "d"), (3.0,) * 4, (0.0,) * 4, (1.0,) * 4, (10,) * 4, (1,) * 4, (0,) * 4)
-    times, weights, sends, held = [3.0] * 4, [1.0] * 4, [0.0] * 4, [1] * 4
+    times, weights, sends = [3.0] * 4, [1.0] * 4, [0.0] * 4
 
-    def step(schedule, per_rank, cut):
-        return _priced(segments, times, weights, sends, held, cut, 2, per_rank, schedule, 4)[0]
+    def step(schedule, per_rank, cut):  # the step alone: memory not priced
+        return _priced(times, weights, sends, None, cut, 2, per_rank, schedule, 4)[0]
 
     assert step("1F1B", 1, [0, 2, 4]) == 12 + 3 * 6
     assert step("Interleaved1F1B", 2, [0, 1, 2, 3, 4]) == 4 * 6 + 6 / 2

@@ -72,3 +72,23 @@ def test_tensor_parallel_written_leaves_the_data_parallel_axis_to_the_search():
     assert set(kinds) <= {"all_gather@tp", "reduce_scatter@tp", "all_reduce@tp", "all_gather@dp"}, kinds
     assert result.step_s <= written.step_s
 
+
+
+def test_a_searched_pipeline_prices_memory_as_the_plan_holds_it():
+    """torchtitan's Llama 3.1 405B recipe's pipeline (1F1B, every layer recomputed, bf16 compute from
+    float32 masters) at four layers of 70B's width over pp 4 × tp 8, its schedule, micro-batches and cuts
+    left to the search: the option kept is priced at the memory the compiled stages hold, by the count
+    `explain` and the bound's check use (recomputation and the precision policy's masters included).
+    The search priced its options on the program before the passes, every layer's activations kept and
+    parameters at the traced dtype: an option over the bound by several times what the plan then held."""
+    text = recipe("llama31_405b_fsdp8_tp8_pp8.par", layers=4, batch=32)
+    text = text.replace("hidden=16384, heads=128, kv_heads=8, ffn=53248", "hidden=8192, heads=64, kv_heads=8, ffn=28672")
+    text = text.replace("mesh      dp = 8, pp = 8, tp = 8", "mesh      pp = 4, tp = 8")
+    text = re.sub(r"pipeline\s+pp : .*", "pipeline  pp : schedule ?, microbatches ?, cut ?", text)
+    tp = [f"model.layers.*.{w}.weight : {p} @ tp" for w, p in MEGATRON.items()] + ["lm_head.weight : S(0) @ tp"]
+    plan, result = compiled(with_layouts(text, tp))
+    kept = plan.pipeline_options[0]
+    assert (kept.schedule, kept.microbatches) == (plan.pipeline.schedule, plan.pipeline.microbatches)
+    assert abs(kept.memory - result.memory["total"]) <= 0.02 * result.memory["total"], \
+        (kept.memory / GIB, result.memory["total"] / GIB)
+    assert not any(k.startswith("all_to_all") for k in per_layer(result))

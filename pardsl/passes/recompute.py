@@ -119,8 +119,11 @@ def _units(program: LoweredProgram, typed: TypedGraph, decls: tuple[RecomputeDec
     hint = (f"recompute one of {', '.join(known[:4])}{', ...' if len(known) > 4 else ''}, or all of them: "
             f"`{re.sub(r'[0-9]+$', '*', known[0])}`" if known else
             "name a submodule by its path in the model (layers.0, or layers.* for every layer)")
-    for decl in decls:
-        if not matched[id(decl)]:
+    # whether the model's forward calls the submodule, not this program: a pipeline stage (or a stage of
+    # the pipeline search's) may hold none of the layers a file recomputes, such as a first stage of the
+    # embedding alone
+    for decl, matcher in matchers:
+        if not matched[id(decl)] and not any(matcher.match(paths.get(name, "")) for name in typed.nodes):
             sink.error("E081", f"`{decl.pattern}` names no submodule the model's forward calls", decl.pattern_span,
                        hint)
     sink.raise_if_any()

@@ -41,14 +41,22 @@ from dataclasses import dataclass
 
 from pardsl.language.diagnostics import CompileError, Diagnostic
 from pardsl.language.syntax import PipelineDecl
-from pardsl.planning.cost import Machine, collective_seconds, op_costs, repeated_layer
+from pardsl.planning.cost import (
+    DEFAULT_BUCKET_MB,
+    Machine,
+    collective_seconds,
+    memory_per_rank,
+    op_costs,
+    repeated_layer,
+    slot_bytes,
+    stage_buffer_slots,
+)
 from pardsl.runtime.schedules import micro_batches_held, rank_of_stage
 
 # the schedules searched, with the stages a rank runs under each
 SEARCHED_SCHEDULES = (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2),
                       ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-STATE_COPIES = 4  # a trained parameter's bytes held: itself, its gradient, AdamW's two moments
 
 
 @dataclass(frozen=True)
@@ -66,30 +74,52 @@ class PipelineOption:
 
 
 @dataclass(frozen=True)
+class SegmentMemory:
+    """What each segment holds on its rank, as cost.memory_per_rank counts a stage's program: the plan
+    lowered cut at every layer boundary, the compile's passes applied (recomputation, precision), so
+    that a stage of segments i to j is priced as the stage compiled there is. Activations are one
+    micro-batch's at the traced size: `kept` what each segment keeps for backward, `region` the largest
+    recomputed region it makes again (backward makes one region's at a time: a stage adds its largest);
+    `received` and `returned` the bytes of torch's stage buffers a stage starting (ending) there keeps
+    per micro-batch (cost.stage_buffer_slots)."""
+
+    states: tuple[int, ...]  # parameters, gradients, optimizer state, compute-dtype copies
+    gathered: tuple[int, ...]  # parameters gathered whole while in use (its own gather groups)
+    kept: tuple[int, ...]
+    region: tuple[int, ...]
+    received: tuple[int, ...]
+    returned: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class _Segments:
     """The program between consecutive layer boundaries: its ops' time at the traced micro-batch size
     (the part that scales with rows, and the per-op overhead that does not), its parameters' and
-    activations' bytes per rank, and the bytes it sends on to the next segment."""
+    the bytes it sends on to the next segment, and each op's segment."""
 
     names: tuple[str, ...]  # the submodule each segment after the first starts with
     scaled_s: tuple[float, ...]
     fixed_s: tuple[float, ...]
     weight_s: tuple[float, ...]  # the weight-gradient part of scaled_s
-    parameter_bytes: tuple[int, ...]
-    activation_bytes: tuple[int, ...]
     sent_bytes: tuple[int, ...]
+    segment_of: dict
 
 
 def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit: int | None,
-                    traced_microbatches: int) -> tuple[PipelineDecl, tuple[PipelineOption, ...]]:
+                    traced_microbatches: int, optimizer: str = "adamw",
+                    price_memory: bool = True) -> tuple[PipelineDecl, tuple[PipelineOption, ...]]:
     """The pipeline the file leaves to the compiler (see the module's docstring): the statement with its
     `?` options decided, and every option priced, the chosen one first. `typed`: the plan traced at
     `traced_microbatches` micro-batches, `program` its lowered program (uncut), whose collectives along
-    the other axes count in their stage's time, and its gradient buckets once a step."""
+    the other axes count in their stage's time, and its gradient buckets once a step. Each option's memory
+    is the most a rank holds by cost.pipeline_rank_memory's count, on the plan's own stage programs
+    (segment_memory): the model `explain` and the compile's check against the bound use. `price_memory`
+    off: the step alone (pipelined_step_seconds)."""
     bound = typed.bound
     axis = bound.mesh.axis_index(decl.axis)
     ranks = bound.mesh.axis_sizes[axis]
     segments = _segments(typed, program, machine)
+    held_bytes = segment_memory(typed, segments, _staged(typed), optimizer) if price_memory else None
     synchronised = sum(collective_seconds(machine, typed.mesh, c) for bucket in program.buckets
                        for c in bucket.collectives)
     schedules = SEARCHED_SCHEDULES if "schedule" in decl.searched else ((decl.schedule, decl.stages_per_rank),)
@@ -115,12 +145,12 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
             weights = [weight * rows for weight in segments.weight_s]
             # a stage's activations to the next, one point-to-point send (its gradient back alike)
             sends = [machine.collective_seconds("send", int(b * rows), 2) if b else 0.0 for b in segments.sent_bytes]
-            activations = [int(b * rows) for b in segments.activation_bytes]
+            held = _Held(held_bytes, rows, schedule, m, ranks, stages) if held_bytes is not None else None
             cut = written if written is not None else \
-                _cut(segments, times, sends, activations, stages, ranks, schedule, m, limit)
+                _cut(times, sends, held, stages, ranks, limit)
             if cut is None or len(cut) - 1 != stages:
                 continue
-            step, memory = _priced(segments, times, weights, sends, activations, cut, ranks, per_rank, schedule, m)
+            step, memory = _priced(times, weights, sends, held, cut, ranks, per_rank, schedule, m)
             options.append(PipelineOption(schedule, per_rank, m, tuple(segments.names[i - 1] for i in cut[1:-1]),
                                           step + synchronised, memory, limit is None or memory <= limit))
     if not options:
@@ -167,27 +197,57 @@ def _segments(typed, program, machine: Machine) -> _Segments:
         if statement.node in segment_of:
             scaled[segment_of[statement.node]] += sum(collective_seconds(machine, mesh, c)
                                                       for c in statement.collectives)
-    parameters, activations, sent = [0] * count, [0] * count, [0] * count
+    sent = [0] * count
 
     def local_bytes(name: str, layout) -> int:
         info = typed.info(name)
         return math.prod(layout.local_shape(info.shape, mesh)) * info.dtype.itemsize
 
-    graph_nodes = {node.name: node for node in bound.graph.nodes}
-    for placeholder, layout in typed.placeholder_layouts.items():
-        if placeholder not in bound.parameters:
-            continue
-        readers = [segment_of[user.name] for user in graph_nodes[placeholder].users if user.name in segment_of]
-        copies = STATE_COPIES if bound.parameters[placeholder] not in bound.frozen else 1
-        for k in set(readers) or {0}:  # a tied parameter is held by every stage that reads it
-            parameters[k] += copies * local_bytes(placeholder, layout)
-    for name in bound.kept_for_backward & set(segment_of):
-        activations[segment_of[name]] += local_bytes(name, typed.nodes[name].op_layout)
     for k, end in enumerate(starts[1:]):  # what the segment's last op makes crosses to the next
         last = order[end - 1]
         sent[k] = local_bytes(last, typed.nodes[last].op_layout)
-    return _Segments(tuple(names), tuple(scaled), tuple(fixed), tuple(weight), tuple(parameters),
-                     tuple(activations), tuple(sent))
+    return _Segments(tuple(names), tuple(scaled), tuple(fixed), tuple(weight), tuple(sent), segment_of)
+
+
+def _staged(typed):
+    """The plan's programs cut at given op boundaries, as the compile makes a pipeline's stages: lowered
+    in stages, each through the passes after lowering (its recomputation, precision, offload)."""
+    from pardsl.compiler import PASSES_AFTER_LOWERING  # the compile's own list; it imports this module
+    from pardsl.passes.pipeline import split_program
+    from pardsl.program.lowering import lower_in_stages
+
+    def staged(stage_of: dict[str, int], count: int) -> list:
+        _, parts = lower_in_stages(typed, DEFAULT_BUCKET_MB,
+                                   lambda *whole: split_program(typed, stage_of, count, *whole))
+        for _, run in PASSES_AFTER_LOWERING:
+            parts = [run(part, typed) for part in parts]
+        return parts
+
+    return staged
+
+
+def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw") -> SegmentMemory:
+    """The segments' memory (SegmentMemory), from `staged(stage_of, count)`: the plan's programs cut so,
+    with the compile's passes, as the pipeline compiled from it has them."""
+    programs = staged(segments.segment_of, len(segments.scaled_s))
+    states, gathered, kept, region, received, returned = [], [], [], [], [], []
+    for k, program in enumerate(programs):
+        memory = memory_per_rank(program, optimizer)
+        states.append(memory["parameters"] + memory["gradients"] + memory["optimizer_state"] + memory["compute_copies"])
+        gathered.append(memory["gathered_parameters"])
+        regions: dict[str, int] = {}
+        held = 0
+        for _, size, _, made_again in program.held_for_backward():
+            if made_again:
+                regions[made_again] = regions.get(made_again, 0) + size
+            else:
+                held += size
+        kept.append(held)
+        region.append(max(regions.values(), default=0))
+        into, back = stage_buffer_slots(programs, k)
+        received.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in into))
+        returned.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in back))
+    return SegmentMemory(tuple(states), tuple(gathered), tuple(kept), tuple(region), tuple(received), tuple(returned))
 
 
 def _weight_gradient_share(typed, name: str) -> float:
@@ -230,16 +290,14 @@ def _written_cut(segments: _Segments, decl: PipelineDecl) -> list[int] | None:
     return points + [len(segments.scaled_s)]
 
 
-def _cut(segments: _Segments, times, sends, activations, stages: int, ranks: int, schedule: str, m: int,
-         limit: int | None) -> list[int] | None:
+def _cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int | None) -> list[int] | None:
     """Stage boundaries (segment indices, 0 and the end included) whose largest stage time is least, each
     stage's rank within the memory bound: a dynamic program over the segments (stage k runs on the
     rank its schedule places it on; with several stages a rank, the bound is checked after, over its stages)."""
     prefix = [0.0, *itertools.accumulate(times)]
 
     def fits(k: int, i: int, j: int) -> bool:
-        return limit is None or stages > ranks or \
-            _stage_bytes(segments, activations, schedule, m, ranks, k, i, j) <= limit
+        return limit is None or held is None or stages > ranks or held.stage(k, i, j) <= limit
 
     # best[k][j]: (largest stage time, total) over the first k stages ending at segment j, and its cuts
     best: list[dict[int, tuple[tuple[float, float], list[int]]]] = [{0: ((0.0, 0.0), [0])}]
@@ -261,15 +319,28 @@ def _stage_seconds(prefix: list[float], sends: list[float], i: int, j: int) -> f
     return prefix[j] - prefix[i] + (sends[j - 1] if j < len(prefix) - 1 else 0.0) + (sends[i - 1] if i > 0 else 0.0)
 
 
-def _stage_bytes(segments: _Segments, activations: list[int], schedule: str, m: int, ranks: int, k: int, i: int,
-                 j: int) -> int:
-    """What stage k (segments i to j) holds on its rank: its parameters, and the activations of the
-    micro-batches its schedule keeps in flight there."""
-    held = micro_batches_held(schedule, m, ranks, rank_of_stage(k, ranks, schedule))
-    return sum(segments.parameter_bytes[i:j]) + held * sum(activations[i:j])
+class _Held:
+    """What stages hold on their ranks under one option (cost.pipeline_rank_memory's count, on the
+    segments): a stage's parameters with their state and gathered groups, its activations for the
+    micro-batches its schedule keeps in flight on its rank, and a stage buffer per micro-batch for what
+    it receives and for the gradient of what it sends. `rows`: a micro-batch's rows against the traced one's."""
+
+    def __init__(self, memory: SegmentMemory, rows: float, schedule: str, m: int, ranks: int, stages: int):
+        self.memory, self.rows, self.schedule, self.m, self.ranks, self.stages = memory, rows, schedule, m, ranks, stages
+
+    def stage(self, k: int, i: int, j: int) -> int:
+        memory, rows = self.memory, self.rows
+        in_flight = micro_batches_held(self.schedule, self.m, self.ranks, rank_of_stage(k, self.ranks, self.schedule))
+        # inside a stage, what one segment sends the next (the part a gradient comes back for) is an
+        # activation the stage holds: a recomputed layer's input, kept for its region
+        activations = rows * (sum(memory.kept[i:j]) + sum(memory.returned[i:j - 1]) + max(memory.region[i:j]))
+        # the stage's gather groups: the largest two neighbours whole at once (memory_per_rank's count)
+        gathered = max([memory.gathered[a] + memory.gathered[a + 1] for a in range(i, j - 1)] or [memory.gathered[i]])
+        buffers = self.m * rows * ((memory.received[i] if k > 0 else 0) + (memory.returned[j - 1] if k < self.stages - 1 else 0))
+        return int(sum(memory.states[i:j]) + gathered + in_flight * activations + buffers)
 
 
-def _priced(segments: _Segments, times, weights, sends, activations, cut: list[int], ranks: int, per_rank: int,
+def _priced(times, weights, sends, held: _Held | None, cut: list[int], ranks: int, per_rank: int,
             schedule: str, m: int) -> tuple[float, int]:
     """The step's estimate and the most memory a rank holds, for stages cut at `cut` (the module's
     docstring gives the model)."""
@@ -279,7 +350,7 @@ def _priced(segments: _Segments, times, weights, sends, activations, cut: list[i
     memory, work, weight = [0] * ranks, [0.0] * ranks, [0.0] * ranks
     for k, (i, j) in enumerate(zip(cut, cut[1:])):
         rank = rank_of_stage(k, ranks, schedule)
-        memory[rank] += _stage_bytes(segments, activations, schedule, m, ranks, k, i, j)
+        memory[rank] += held.stage(k, i, j) if held is not None else 0
         work[rank] += stage_times[k]
         weight[rank] += stage_weights[k]
     slowest = max(range(ranks), key=lambda r: work[r])
@@ -303,5 +374,6 @@ def pipelined_step_seconds(compiled, machine: Machine) -> float:
     decl = dataclasses.replace(written, schedule=plan.schedule, microbatches=plan.microbatches,
                                stages_per_rank=plan.stages_per_rank, searched=frozenset(),
                                cuts=tuple((name, written.cut_span) for name in plan.cut_before))
-    _, (option,) = choose_pipeline(compiled.typed, compiled.program, decl, machine, None, plan.microbatches)
+    _, (option,) = choose_pipeline(compiled.typed, compiled.program, decl, machine, None, plan.microbatches,
+                                   price_memory=False)
     return option.step_s
