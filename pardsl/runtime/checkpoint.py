@@ -747,7 +747,7 @@ def checkpoint_metadata(checkpoint: str, verify: bool = True, allow_shared_folde
     if _is_dcp(checkpoint):
         from pardsl.runtime import dcp
 
-        return dcp.metadata_of(checkpoint, allow_shared_folder)
+        return dcp.metadata_of(checkpoint, verify, allow_shared_folder)
     if not _is_pardsl(checkpoint):
         return None
     return CheckpointSource(checkpoint, verify, allow_shared_folder).document.get("metadata")

@@ -208,6 +208,8 @@ class DcpSource:
         # before anything in it is opened: .metadata is a pickle
         _check_trusted(path, allow_shared_folder, path)
         _check_trusted(os.path.join(path, METADATA_FILE), allow_shared_folder, path)
+        if os.path.exists(os.path.join(path, SIDECAR_FILE)):
+            _check_trusted(os.path.join(path, SIDECAR_FILE), allow_shared_folder, path)
         self.sidecar = _read_sidecar(path)
         self.metadata, self.files = _checked_metadata(path)
         for file in self.files:
@@ -575,10 +577,10 @@ def whole_model_tensors(checkpoint: str, verify: bool = True, allow_shared_folde
     return tensors
 
 
-def metadata_of(checkpoint: str, allow_shared_folder: bool = False) -> dict | None:
-    """The `metadata` a pardsl DCP save stored (None for a folder torch wrote)."""
-    _check_trusted(checkpoint, allow_shared_folder, checkpoint)
-    sidecar = _read_sidecar(checkpoint)
+def metadata_of(checkpoint: str, verify: bool = True, allow_shared_folder: bool = False) -> dict | None:
+    """The `metadata` a pardsl DCP save stored (None for a folder torch wrote), once the folder's checks
+    hold."""
+    sidecar = DcpSource(checkpoint, verify, allow_shared_folder).sidecar
     return None if sidecar is None else sidecar.get("metadata")
 
 
