@@ -2,7 +2,12 @@
 to serial communicating as Megatron does, and is written only when it compiles; a model with no plan gets
 a search request."""
 
+import contextlib
+import io
+import multiprocessing
 import os
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -43,6 +48,25 @@ def test_llama_plan_is_megatron_and_runs_equal_to_serial(pools, init, capsys):
     planned = _nonzero(compiled.program.collective_counts())
     assert planned == _nonzero(hand_written.program.collective_counts())
     assert planned == {phase: {"all_reduce": 2 * n["all_reduce"]} for phase, n in PER_LAYER.items()}  # 2 layers
+    report = check(pools, compiled)  # equal to serial, and measured exactly as planned
+    assert _nonzero(report["collectives"]) == planned
+
+
+@pytest.mark.parametrize("model", [
+    # q_norm and k_norm are whole on each rank but read each rank's own heads: their gradients are summed
+    # in one bucket, as the plan's style says (replicated_with_grad_allreduce) and Megatron's finalize step
+    # does for its q and k layernorms
+    'examples.hf_models:HFCausalLM(family="Qwen3")',
+    # the experts' stacked projections split as Megatron splits a dense MLP's, so a layer's forward has its
+    # two all-reduces; backward, besides the two inputs' gradients, the routing weights' (each rank holds a
+    # partial sum of the experts' outputs they scale): Megatron all-reduces the router's weight gradient
+    # over the tensor-parallel ranks instead, one all-reduce either way
+    'examples.hf_models:HFMoE(family="Mixtral")',
+], ids=["Qwen3", "Mixtral"])
+def test_qwen3_and_mixtral_plans_are_megatron_and_run_equal_to_serial(pools, init, model):
+    compiled = compile_file(init(model))
+    planned = _nonzero(compiled.program.collective_counts())
+    assert planned == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2 + 1}}  # one layer
     report = check(pools, compiled)  # equal to serial, and measured exactly as planned
     assert _nonzero(report["collectives"]) == planned
 
@@ -92,3 +116,92 @@ def test_a_factory_that_cannot_be_built_says_so(init, tmp_path, capsys):
     assert init("examples.hf_models:no_such_factory()") is None
     assert init.code == 1 and not os.listdir(tmp_path)
     assert "cannot build the model `examples.hf_models:no_such_factory()`" in capsys.readouterr().err
+
+
+# Every architecture of transformers (the version pyproject.toml pins) whose config class carries a
+# tensor-parallel plan gets a file that compiles, but these, each for the reason given; init says so (the
+# text given), exit code 1, no traceback.
+COMPOSITE = "is made of sub-models' configs"  # init takes the language model's config class instead
+NOT_TOKENS = "has no vocab_size"  # an image or audio encoder: init writes a token-id input
+DEFAULTS = "cannot build the model"  # transformers' own defaults do not build the model, at any size
+UNSUPPORTED = {
+    "Llama4Config": (COMPOSITE, "a vision-language model: Llama4TextConfig is its language model's"),
+    "MuseGlimmerConfig": (COMPOSITE, "a vision-language model"),
+    "MuseSparkConfig": (COMPOSITE, "a vision, audio and language model"),
+    "Phi4MultimodalConfig": (COMPOSITE, "audio and vision configs beside the language model's"),
+    "Dots3NoteVisionConfig": (NOT_TOKENS, "a vision encoder"),
+    "Ernie4_5_VLMoeVisionConfig": (NOT_TOKENS, "a vision encoder"),
+    "Gemma4VisionConfig": (NOT_TOKENS, "a vision encoder"),
+    "Llama4VisionConfig": (NOT_TOKENS, "a vision encoder"),
+    "MuseGlimmerVisionConfig": (NOT_TOKENS, "a vision encoder"),
+    "MuseGlimmerAssistantConfig": (NOT_TOKENS, "an assistant head over another model's hidden states"),
+    "CohereCompassTextConfig": (DEFAULTS, "KeyError 'full_attention': its rotary embedding reads a layer kind "
+                                          "the default rope_parameters ({}) lack"),
+    "DeepseekOcr2TextConfig": (DEFAULTS, "TypeError: a per-layer list the defaults leave None"),
+    "Lfm2MoeConfig": (DEFAULTS, "TypeError: the defaults leave layer_types None, which its layers index"),
+    "Qwen3OmniMoeTalkerTextConfig": (DEFAULTS, "AttributeError: no shared_expert_intermediate_size"),
+    "Qwen4ExpTextConfig": (DEFAULTS, "TypeError: its sparse attention layers divide token_budget by "
+                                     "compress_ratio, both None by default"),
+    "T5Gemma2TextConfig": (DEFAULTS, "AttributeError: no dropout_rate"),
+    "T5Gemma2DecoderConfig": (DEFAULTS, "AttributeError: no dropout_rate"),
+    "T5GemmaModuleConfig": ("no model class of transformers takes", "an encoder or decoder module of "
+                                                                    "T5Gemma, built only inside it"),
+    "DeepseekOcr2VisionEncoderConfig": ("error[E034]", "its forward takes inputs_embeds, not token ids"),
+    "Qwen3OmniMoeTalkerCodePredictorConfig": ("error[E035]", "its forward takes inputs_embeds: given "
+                                                             "input_ids it raises"),
+    "VoxtralRealtimeTextConfig": ("error[E035]", "its forward needs the audio encoder's embeddings"),
+    "DiffusionGemmaTextConfig": ("error[E035]", "its forward returns a key-value cache (DynamicCache), which "
+                                                "its config has no use_cache to turn off"),
+    "Step3p7TextConfig": ("error[E035]", "its forward reads config.sliding_window, None by default"),
+    "Gemma3nTextConfig": ("error[E035]", "torch.export leaves a fake tensor among the program's constants"),
+    "Glm4vTextConfig": ("error[E035]", "the multimodal rotary sections (mrope) of the vision-language model "
+                                       "do not fit the text model's rotary dims alone"),
+    "Glm4vMoeTextConfig": ("error[E035]", "the same multimodal rotary sections as Glm4vTextConfig"),
+    "GlmImageTextConfig": ("error[E035]", "the same multimodal rotary sections as Glm4vTextConfig"),
+    "Qwen3OmniMoeTextConfig": ("error[E035]", "multimodal rotary sections again: a broadcast of 74 against 73"),
+    "Inkling2TextConfig": ("error[E060]", "experts whose gate pardsl::experts does not know, traced as the "
+                                          "library's grouped_mm_fallback"),
+    "MiniMaxM3VLTextConfig": ("error[E060]", "experts traced as grouped_mm_fallback, as Inkling2TextConfig"),
+    "MuseSparkTextConfig": ("error[E060]", "experts traced as grouped_mm_fallback, as Inkling2TextConfig"),
+    "NemotronHConfig": ("error[E060]", "experts traced as grouped_mm_fallback, as Inkling2TextConfig"),
+    "UnlimitedOcrTextConfig": ("error[E060]", "its sliding-window mask is made with vmap, whose ops pardsl "
+                                              "has no rule for"),
+    "Glm5NextTextConfig": ("error[E061]", "an index whose result's shape depends on the data"),
+    "HiggsAudioV2Config": ("error[E061]", "an index whose result's shape depends on the data"),
+    "LongcatFlashConfig": ("error[E061]", "its experts branch on a size that depends on the routing"),
+}
+
+
+def architectures_with_a_plan() -> list[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return sorted({CONFIG_MAPPING[kind].__name__ for kind in CONFIG_MAPPING.keys()
+                   if getattr(CONFIG_MAPPING[kind], "base_model_tp_plan", None)})
+
+
+def _init_config(config: str, folder: str) -> tuple[str, int, str]:
+    """`pardsl init CONFIG` in a worker process: (config, exit code, what it wrote on stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["init", config, "-o", os.path.join(folder, f"{config}.par")])
+    return config, code, err.getvalue()
+
+
+def test_every_architecture_with_a_plan_gets_a_file_that_compiles(tmp_path):
+    names = architectures_with_a_plan()
+    assert set(UNSUPPORTED) <= set(names), "an entry of UNSUPPORTED is no longer an architecture with a plan"
+    # compiling 140 models is a minute's work on one core: two processes, on a 2-core machine half of it
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(_init_config, names, [str(tmp_path)] * len(names)))
+    failed = {name: err.strip().splitlines()[-1:] for name, code, err in results
+              if code != 0 and name not in UNSUPPORTED}
+    assert not failed, f"no file for {len(failed)} architecture(s): {failed}"
+    for name, code, err in results:
+        written = (tmp_path / f"{name}.par").exists()
+        if name in UNSUPPORTED:
+            expected, reason = UNSUPPORTED[name]
+            assert code == 1 and not written, f"{name} is listed as unsupported ({reason}) but init wrote it"
+            assert expected in err and "Traceback" not in err, (name, err[-2000:])
+        else:
+            assert written and "Traceback" not in err, (name, err[-2000:])
+    assert len(names) - len(UNSUPPORTED) >= 100  # the sweep covers what transformers has, not a handful

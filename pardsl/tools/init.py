@@ -4,6 +4,10 @@ request. The file is compiled before it is written, so what `init` writes is kno
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import json
+import re
 from dataclasses import dataclass
 
 import torch
@@ -11,17 +15,121 @@ import torch
 from pardsl.compiler import compile_text
 from pardsl.language.syntax import parse
 from pardsl.model.binding import name_pattern
-from pardsl.model.loading import build_model
+from pardsl.model.loading import build_model, parameters_on_meta
 
 # Plan styles whose weights are split on their output features (a linear's weight is [..., out, in]).
 COLUMN = {"colwise", "colwise_rep", "colwise_gather_output", "local_colwise"}
-ROW = {"rowwise", "rowwise_rep", "local_rowwise"}
-# Whole on every rank, gradients summed: what an unsplit parameter is here already.
-REPLICATED = {"replicated_with_grad_allreduce"}
+ROW = {"rowwise", "rowwise_rep", "rowwise_split_input", "local_rowwise"}
+# Whole on every rank: a norm that reads this rank's heads, MLA's shared key projection, a scale. Their
+# gradients are summed over the ranks where they are partial: the compiler finds where.
+REPLICATED = {"replicated_with_grad_allreduce", "mla_kv_a_proj", "replicate"}
+# Styles that lay out a module's output, its own parameters whole: a norm run on the sequence split over
+# the ranks (Megatron's sequence parallelism), or a module whose partial sums are added up.
+OUTPUTS = {"sequence_parallel": "S(1)", "all_reduce": "B", "gather": "B"}
 
 
 class InitError(Exception):
     """Why no file can be made: the message says where and what to do."""
+
+
+# A config class named instead of a factory is built small, so that compiling it is quick: one layer of each
+# kind, fewer heads, experts and tokens than the class's defaults. A head's own sizes stay the defaults
+# (head_dim, the rotary and latent dims), which families check against each other (rotary sections that sum
+# to half a head). The names are the configs' own; the file's `model` line lists those set, to edit to the
+# real sizes.
+COUNTS = {
+    "vocab_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128,
+    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "num_local_experts": 4, "num_experts": 4,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "top_k_experts": 2, "n_shared_experts": 1, "n_group": 1,
+    "topk_group": 1, "first_k_dense_replace": 0, "vocab_size_per_layer_input": 256, "num_kv_shared_layers": 0,
+    # pardsl's attention takes no dropout (E060), and a starting plan has no key-value cache to return
+    "attention_dropout": 0.0, "use_cache": False,
+}
+# Token ids a config holds: past a small vocabulary they would index outside the embedding (padding_idx).
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def _small(cls: type) -> dict:
+    """The settings that make a config class's model small, from its constructor's defaults: a count where
+    the default is a count, or None where a count may be given (not a list: a size per layer)."""
+    parameters = inspect.signature(cls).parameters
+    defaults = {name: parameter.default for name, parameter in parameters.items()}
+    settings = {name: value for name, value in COUNTS.items() if name in parameters
+                and (type(parameters[name].default) is type(value) or parameters[name].default is None
+                     and re.search(rf"(?<![\w\[]){type(value).__name__}\b", str(parameters[name].annotation)))}
+    heads = defaults.get("num_attention_heads")
+    if isinstance(heads, int) and isinstance(defaults.get("hidden_size"), int):
+        head_dim = defaults.get("head_dim") or defaults["hidden_size"] // heads
+        settings["hidden_size"] = settings["num_attention_heads"] * head_dim
+        if "head_dim" in defaults:  # None: made from the hidden size, which changes here
+            settings["head_dim"] = head_dim
+        if "num_key_value_heads" in defaults:  # grouped where the family groups them (None: as many as queries)
+            grouped = isinstance(defaults["num_key_value_heads"], int) and defaults["num_key_value_heads"] != heads
+            settings["num_key_value_heads"] = 2 if grouped else settings["num_attention_heads"]
+    if "layer_types" in defaults:  # one layer of each kind (sliding and full attention, linear, ...)
+        try:
+            kinds = list(dict.fromkeys(getattr(cls(), "layer_types", None) or []))
+        except Exception:  # defaults the class itself refuses: its layers' kinds stay its own
+            kinds = []
+        if kinds:
+            settings.update(num_hidden_layers=len(kinds), layer_types=kinds)
+    settings.update({name: 0 for name in TOKEN_IDS
+                     if isinstance(defaults.get(name), int) and defaults[name] >= settings.get("vocab_size", 0)})
+    return settings
+
+
+def hf_model(config: str, **settings) -> torch.nn.Module:
+    """transformers' model for its config class named `config` ("LlamaConfig"), `settings` over the class's
+    defaults: the causal language model where the family has one, its base model otherwise."""
+    import transformers
+
+    made = getattr(transformers, config)(**settings)
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            return auto.from_config(made)
+        except ValueError:  # not this Auto class's (an encoder has no causal LM)
+            continue
+    # A part of a larger model (the text model of a vision-language one): no Auto class maps its config,
+    # its family's modeling module has the class
+    family = importlib.import_module(type(made).__module__.replace(".configuration_", ".modeling_"))
+    classes = [cls for cls in vars(family).values() if isinstance(cls, type)
+               and issubclass(cls, transformers.PreTrainedModel) and cls.config_class is type(made)
+               and cls.forward is not torch.nn.Module.forward]  # not the family's abstract base
+    classes.sort(key=lambda cls: (not cls.__name__.endswith("ForCausalLM"), not cls.__name__.endswith("Model")))
+    if not classes:
+        raise ValueError(f"no model class of transformers takes {config} (neither an Auto class nor "
+                         f"{family.__name__})")
+    return classes[0](made)
+
+
+def small_model_line(config: str) -> str:
+    """The `model` line's factory call that builds transformers' config class `config` small (`_small`)."""
+    import transformers
+
+    cls = getattr(transformers, config, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig)):
+        raise InitError(f"`{config}` is no config class of transformers {transformers.__version__}: give a config "
+                        "class's name (LlamaConfig) or a factory, module:factory(kwargs)")
+    if cls.sub_configs:  # a multimodal model: its language model has a config class of its own
+        parts = ", ".join(f"{name} ({sub.__name__})" for name, sub in cls.sub_configs.items())
+        raise InitError(f"`{config}` is made of sub-models' configs, {parts}: init takes one model whose input is "
+                        "token ids; give the language model's config class, or a factory that builds the whole "
+                        "model small, and declare its other inputs by hand")
+    if "vocab_size" not in inspect.signature(cls).parameters:
+        raise InitError(f"`{config}` has no vocab_size: its model does not take token ids (an image or audio "
+                        "encoder), and init writes a token-id input; write the .par by hand for it "
+                        "(see docs/language.md)")
+    listed = ", ".join(f"{name}={_literal(value)}" for name, value in _small(cls).items())
+    return f'pardsl.tools.init:hf_model(config="{config}", {listed})'
+
+
+def _literal(value) -> str:
+    """`value` as the `model` line writes it: strings in double quotes, lists in brackets."""
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(item) for item in value) + "]"
+    return repr(value)
 
 
 @dataclass
@@ -32,18 +140,23 @@ class Generated:
 
 def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: int = 2,
              memory: str = "40 %") -> Generated:
-    """The .par text for `model` (a `module:factory(kwargs)` as the `model` line takes it), to be written
-    at `path` (the model's module is imported as it will be from there). Raises InitError, or CompileError
+    """The .par text for `model` (a `module:factory(kwargs)` as the `model` line takes it, or the name of a
+    transformers config class, built small by `hf_model`), to be written at `path` (the model's module is imported as it will be from there). Raises InitError, or CompileError
     located in the generated text."""
+    asked = model
+    if ":" not in model and model.isidentifier():  # a config class's name: its model, built small
+        model = small_model_line(model)
     head = f"mesh   {mesh}\nmodel  {model}\n"
     declared = parse(head, path)
     axes = [axis.name for axis in declared.meshes[0].axes]
     try:
-        module = build_model(declared.models[0], path)
-    except Exception as error:  # the user's factory: any failure is theirs to read
-        raise InitError(f"cannot build the model `{model}`: {type(error).__name__}: {error}; check that the "
-                        "module imports from the output file's folder and that the factory's arguments are "
-                        "right") from error
+        with parameters_on_meta():  # names and shapes are all init reads: a model of any size costs nothing
+            module = build_model(declared.models[0], path)
+    except Exception as error:  # the user's factory, or transformers' own classes: any failure is theirs to read
+        advice = (f"transformers does not build `{asked}` from its defaults with init's small sizes; give a "
+                  "factory that builds it with your model's settings") if asked != model else \
+            "check that the module imports from the output file's folder and that the factory's arguments are right"
+        raise InitError(f"cannot build the model `{model}`: {type(error).__name__}: {error}; {advice}") from error
     if module is None or not isinstance(module, torch.nn.Module):
         raise InitError(f"`{model}` did not return a torch.nn.Module: give a factory that returns the model")
 
@@ -55,10 +168,10 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
                         "and needs one; write the .par by hand for this model (see docs/language.md)")
     plan = getattr(config, "base_model_tp_plan", None) or {}
 
-    lines = [f"# Written by `pardsl init {model}`: a starting point to edit, checked to compile."]
+    lines = [f"# Written by `pardsl init {asked}`: a starting point to edit, checked to compile."]
     if plan:
         lines.append(f"# Layouts from the model's tensor-parallel plan (config.base_model_tp_plan, {len(plan)} "
-                     "entries); what it leaves out is replicated.")
+                     "entries); the compiler lays out what it leaves out.")
     else:
         lines.append("# The model has no tensor-parallel plan (config.base_model_tp_plan): this is a search "
                      "request, the compiler chooses every layout within the memory bound.")
@@ -125,11 +238,16 @@ def _layouts(module: torch.nn.Module, base_path: str, plan: dict[str, str]) -> t
                 continue
             owner = modules[owners[0]]
             weights = dict(owner.named_parameters(recurse=False))
+            if style in OUTPUTS:
+                entries[f"{pattern}()"] = OUTPUTS[style]
+            if not weights and style in OUTPUTS:
+                continue
             if not weights:
                 comments.append(f"{pattern}: {style} (no parameters of its own: its parameters' entries lay it out)")
                 continue
         for leaf, tensor in weights.items():
-            layout = _layout(style, leaf, tensor, owner)
+            bias = leaf == "bias" or not leaf and pattern.endswith("bias")  # a bias stacked per expert: [E, out]
+            layout = _layout(style, bias, tensor, owner)
             if layout is None:
                 named = any(prefix + other == f"{pattern}.{leaf}" for other in plan)
                 comments.append(f"{pattern}: {style}" + (" (its weights' own entries lay them out)" if named else
@@ -139,22 +257,22 @@ def _layouts(module: torch.nn.Module, base_path: str, plan: dict[str, str]) -> t
     return entries, comments
 
 
-def _layout(style: str, leaf: str, tensor: torch.Tensor, owner: torch.nn.Module | None) -> str | None:
-    """The layout of one parameter under a plan style, or None where pardsl has no equivalent."""
-    if style in REPLICATED:
+def _layout(style: str, bias: bool, tensor: torch.Tensor, owner: torch.nn.Module | None) -> str | None:
+    """The layout of one parameter (a weight [..., out, in] or a bias [..., out]) under a plan style, or None
+    where pardsl has no equivalent."""
+    if style in REPLICATED or style in OUTPUTS:
         return "B"
-    bias = leaf == "bias"
     if isinstance(owner, torch.nn.Embedding):  # [vocabulary, features]: its "columns" are the features
-        return {"colwise": "S(1)", "rowwise": "S(0)", "embedding_rowwise": "S(0)"}.get(style)
+        return {"colwise": "S(1)", "rowwise": "S(0)", "embedding_colwise": "S(1)", "embedding_rowwise": "S(0)"}.get(style)
     if owner is not None and not isinstance(owner, torch.nn.Linear):
         return None  # a weight of another form (GPT-2's Conv1D is [in, out]): the compiler chooses
     last = tensor.dim() - 1
     if style in COLUMN:
-        return "S(0)" if bias else f"S({last - 1})"
+        return f"S({last})" if bias else f"S({last - 1})"
     if style in ROW:
         return "B" if bias else f"S({last})"
     if style == "packed_colwise":  # gate and up stacked on the output features: each rank its half of both
-        return "S(0, blocks=2)" if bias else f"S({last - 1}, blocks=2)"
+        return f"S({last}, blocks=2)" if bias else f"S({last - 1}, blocks=2)"
     if style == "packed_rowwise":
         return "B" if bias else f"S({last}, blocks=2)"
     return None
