@@ -6,7 +6,6 @@ import contextlib
 import io
 import multiprocessing
 import os
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
