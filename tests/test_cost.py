@@ -12,6 +12,7 @@ from pardsl.tools.calibrate import fit
 from pardsl.compiler import compile_file, compile_text
 from pardsl.program.ir import format_bytes
 from pardsl.model.binding import global_flops
+from pardsl.planning.pipeline_search import pipelined_step_seconds
 from pardsl.planning.cost import DEFAULTS, PRESETS, CalibrationError, LinkCost, Machine, estimate, load_machine
 from pardsl.tools.explain import alternatives, layers, report, runner_ups, seconds_text
 from pardsl.tools.alternatives import plan_alternatives
@@ -356,3 +357,12 @@ def test_explain_json_has_the_alternatives(capsys):
     assert [a["title"].split(":")[0] for a in document["alternatives"]] == \
         ["parameters whole on dp (no ZeRO-3)", "selective recomputation of every layer"]
     assert all(a["step_s"] > 0 and a["memory"] > 0 and a["edit"] for a in document["alternatives"])
+
+
+def test_a_pipeline_cut_before_a_module_that_is_no_repeated_layer_is_priced():
+    # an MLP's `cut before fc2`: no layer repeats, and the cut is the file's own
+    compiled = compile_file("examples/mlp_pp2.par")
+    result = estimate(compiled, MACHINE)
+    text = report(compiled, result)
+    step = pipelined_step_seconds(compiled, MACHINE)
+    assert step > 0 and f"pipelined: step {seconds_text(step)} per rank, 4 micro-batches through 2 stages under 1F1B" in text

@@ -118,7 +118,8 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
     bound = typed.bound
     axis = bound.mesh.axis_index(decl.axis)
     ranks = bound.mesh.axis_sizes[axis]
-    segments = _segments(typed, program, machine)
+    written_cuts = () if "cut" in decl.searched or decl.balanced else tuple(module for module, _ in decl.cuts)
+    segments = _segments(typed, program, machine, written_cuts)
     held_bytes = segment_memory(typed, segments, _staged(typed), optimizer) if price_memory else None
     synchronised = sum(collective_seconds(machine, typed.mesh, c) for bucket in program.buckets
                        for c in bucket.collectives)
@@ -167,12 +168,16 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
     return chosen, tuple(options)
 
 
-def _segments(typed, program, machine: Machine) -> _Segments:
+def _segments(typed, program, machine: Machine, written_cuts: tuple[str, ...] = ()) -> _Segments:
+    """Segments between repeated layers, and also before each module a file's own cut names (an MLP's
+    `cut before fc2`, where no layer repeats)."""
     bound, mesh = typed.bound, typed.mesh
     order = list(typed.nodes)
     starts, names, seen = [0], [], set()
     for index, name in enumerate(order):
-        unit = repeated_layer(bound.module_paths.get(name))
+        path = bound.module_paths.get(name) or ""
+        unit = repeated_layer(path) or next(
+            (cut for cut in written_cuts if path == cut or path.startswith(cut + ".")), "")
         if unit and unit not in seen:
             seen.add(unit)
             if index > 0:
