@@ -103,6 +103,19 @@ def test_a_model_without_a_plan_gets_a_search_request(init, capsys):
     compile_file(path)
 
 
+def test_a_config_class_without_a_plan_is_built_small_as_a_search_request(init, capsys):
+    path = init("GPT2Config")  # GPT-2's config names its sizes its own way (n_layer, n_head, n_embd)
+    assert "search request" in capsys.readouterr().out
+    text = Path(path).read_text()
+    assert 'hf_model(config="GPT2Config", vocab_size=256, n_layer=1, n_head=4, attn_pdrop=0.0' in text
+    assert "layout {}" in text
+
+
+def test_a_name_that_is_no_config_class_says_so(init, capsys):
+    assert init("NoSuchConfig") is None and init.code == 1
+    assert "`NoSuchConfig` is no config class of transformers" in capsys.readouterr().err
+
+
 def test_a_file_that_does_not_compile_is_not_written(init, tmp_path, capsys):
     # BERT's forward takes an attention mask init does not declare: the error points into the made text
     assert init("examples.hf_models:HFBert(layers=1)", name="bert.par") is None

@@ -42,8 +42,9 @@ COUNTS = {
     "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "num_local_experts": 4, "num_experts": 4,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "top_k_experts": 2, "n_shared_experts": 1, "n_group": 1,
     "topk_group": 1, "first_k_dense_replace": 0, "vocab_size_per_layer_input": 256, "num_kv_shared_layers": 0,
-    # pardsl's attention takes no dropout (E060), and a starting plan has no key-value cache to return
-    "attention_dropout": 0.0, "use_cache": False,
+    "n_layer": 1, "n_head": 4,  # GPT-2's names
+    # pardsl's fused attention takes no dropout (E060), and a starting plan has no key-value cache to return
+    "attention_dropout": 0.0, "attn_pdrop": 0.0, "attention_probs_dropout_prob": 0.0, "use_cache": False,
 }
 # Token ids a config holds: past a small vocabulary they would index outside the embedding (padding_idx).
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
@@ -57,15 +58,17 @@ def _small(cls: type) -> dict:
     settings = {name: value for name, value in COUNTS.items() if name in parameters
                 and (type(parameters[name].default) is type(value) or parameters[name].default is None
                      and re.search(rf"(?<![\w\[]){type(value).__name__}\b", str(parameters[name].annotation)))}
-    heads = defaults.get("num_attention_heads")
-    if isinstance(heads, int) and isinstance(defaults.get("hidden_size"), int):
-        head_dim = defaults.get("head_dim") or defaults["hidden_size"] // heads
-        settings["hidden_size"] = settings["num_attention_heads"] * head_dim
+    for hidden_name, heads_name in (("hidden_size", "num_attention_heads"), ("n_embd", "n_head")):
+        heads = defaults.get(heads_name)
+        if not (isinstance(heads, int) and isinstance(defaults.get(hidden_name), int)):
+            continue
+        head_dim = defaults.get("head_dim") or defaults[hidden_name] // heads
+        settings[hidden_name] = settings[heads_name] * head_dim
         if "head_dim" in defaults:  # None: made from the hidden size, which changes here
             settings["head_dim"] = head_dim
         if "num_key_value_heads" in defaults:  # grouped where the family groups them (None: as many as queries)
             grouped = isinstance(defaults["num_key_value_heads"], int) and defaults["num_key_value_heads"] != heads
-            settings["num_key_value_heads"] = 2 if grouped else settings["num_attention_heads"]
+            settings["num_key_value_heads"] = 2 if grouped else settings[heads_name]
     if "layer_types" in defaults:  # one layer of each kind (sliding and full attention, linear, ...)
         try:
             kinds = list(dict.fromkeys(getattr(cls(), "layer_types", None) or []))
