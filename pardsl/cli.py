@@ -145,12 +145,14 @@ def _arguments() -> argparse.ArgumentParser:
 
     init = _command(commands, "init", "write a starting .par file for a Hugging Face model, its layouts from the "
                     "model's tensor-parallel plan (a search request where it has none), checked to compile",
+                    'pardsl init Qwen3Config -o qwen3.par --mesh "dp = 2, tp = 2"',
                     'pardsl init "examples.hf_models:llama_causal_lm(layers=2)" -o "examples/my_llama.par"',
                     'pardsl init "examples.hf_models:gpt2_lm_head(layers=1)" -o "examples/my_gpt2.par" '
                     '--memory "50 %"')
     init.add_argument("model", metavar="MODEL",
-                      help="the model as the .par `model` line takes it: module:factory(literal kwargs), the "
-                           "factory returning a transformers model (or a module holding one)")
+                      help="a transformers config class's name (LlamaConfig: its model, built small), or the "
+                           "model as the .par `model` line takes it: module:factory(literal kwargs), the factory "
+                           "returning a transformers model (or a module holding one)")
     init.add_argument("-o", "--output", required=True, metavar="FILE",
                       help="the .par file to write; the model's module is imported as from its folder (required)")
     init.add_argument("--mesh", default="tp = 2", metavar="AXES", help="the `mesh` line's axes")
