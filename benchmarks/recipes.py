@@ -107,7 +107,7 @@ def price(text: str, machine_name: str) -> dict:
     step = pipelined_step_seconds(compiled, machine) if pipeline else result.step_s
     tokens = math.prod(bound.par.inputs[0].shape) * (pipeline.microbatches if pipeline else 1)
     parameters = sum(math.prod(bound.tensors[name].shape) for name in bound.parameters)
-    layers = {c.layer for c in result.collectives if c.layer}
+    layers = {c.layer for c in result.collectives if c.layer and re.search(r"\.\d+$", c.layer)}  # repeated layers
     first = min(layers, key=lambda layer: [int(n) if n.isdigit() else n for n in re.split(r"(\d+)", layer)]) \
         if layers else None
     per_layer: dict[str, int] = {}
@@ -147,8 +147,10 @@ def figure(row: dict, recipe: Recipe, text: str) -> float:
     return tokens_per_gpu * per_token / 1e12
 
 
-def _shape(text: str) -> tuple[int, int]:
-    return int(re.search(r"\blayers=(\d+)", text).group(1)), int(re.search(r"hidden=(\d+)", text).group(1))
+def _shape(text: str) -> tuple[int, int | None]:
+    """The model's depth and hidden size as the file writes them (a factory's default hidden: None)."""
+    hidden = re.search(r"hidden=(\d+)", text)
+    return int(re.search(r"\blayers=(\d+)", text).group(1)), int(hidden.group(1)) if hidden else None
 
 
 def child(path: str, machine: str, layers: int | None, searched_gib: float | None) -> None:

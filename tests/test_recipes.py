@@ -24,7 +24,7 @@ def recipe(name: str, layers: int, batch: int) -> str:
     with open(os.path.join(REPO, "examples", "recipes", name), encoding="utf-8") as handle:
         text = handle.read()
     text = re.sub(r"\blayers=\d+", f"layers={layers}", text, count=1)
-    return re.sub(r"(input\s+input_ids\s*:\s*int64\[)\d+", rf"\g<1>{batch}", text, count=1)
+    return re.sub(r"^(input\s+\w+\s*:\s*int64\[)\d+", rf"\g<1>{batch}", text, flags=re.M)
 
 
 def with_layouts(text: str, layouts: list[str], memory: str = "") -> str:
@@ -61,7 +61,8 @@ def test_tensor_parallel_written_leaves_the_data_parallel_axis_to_the_search():
     assert set(per_layer(written)) <= {"all_reduce@tp", "all_gather@dp"}
     bound = written.memory["total"] / 3
     tp = [f"model.layers.*.{w}.weight : {p} @ tp" for w, p in MEGATRON.items()] + ["lm_head.weight : S(0) @ tp"]
-    searched, result = compiled(with_layouts(text, ["input_ids : S(0) @ dp"] + tp, f"{bound / GIB:.3f} GiB"))
+    batch = ["input_ids : S(0) @ dp", "labels : S(0) @ dp"]
+    searched, result = compiled(with_layouts(text, batch + tp, f"{bound / GIB:.3f} GiB"))
     assert result.memory["total"] <= bound
     assert not [note for note in searched.program.notes if note.code == "N003"]
     layouts = {p.name: p.layout.render(searched.program.mesh) for p in searched.program.parameters}
