@@ -81,7 +81,6 @@ NOT_RUN = {
     "pardsl check big.par --time-limit 30": "big.par stands for the reader's own file",
     "pardsl explain plan.par --machine h100-nvlink-ib": "plan.par stands for the reader's own file",
     "pardsl dryrun plan.par --rank 37 --json": "plan.par stands for the reader's own file",
-    "pardsl explain examples/long.par": "the long-sequences page asks the reader to save the file it shows",
     "pardsl init \"examples.hf_models:llama_causal_lm(layers=2)\" -o examples/my_llama.par":
         "its file must lie in examples/ to import the model, where the suite writes nothing; tests/test_init.py runs init",
     "pardsl export ckpt/step-30 -o model.safetensors": "needs a checkpoint a training run made earlier",

@@ -420,7 +420,12 @@ def _memory_line(memory: dict, bound: int | None, card: int = 0) -> str:
                        if k in _MEMORY_PARTS and v)
     checks = []
     if bound is not None:
-        checks.append(f"bound {format_bytes(bound)}: {'within' if memory['total'] <= bound else 'EXCEEDED'}")
+        if memory["total"] > bound:
+            checks.append(f"bound {format_bytes(bound)}: EXCEEDED")
+        elif memory["peak"] > bound:  # the bound weighs what is held; backward's working memory comes on top
+            checks.append(f"bound {format_bytes(bound)}: what is held is within it, backward's worst moment is not")
+        else:
+            checks.append(f"bound {format_bytes(bound)}: within")
     if card:
         checks.append(f"the card holds {format_bytes(card)}: {'fits' if memory['peak'] <= card else 'DOES NOT FIT'}")
     host = ""
