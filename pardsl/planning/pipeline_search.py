@@ -27,9 +27,9 @@ W: an op's backward is shared evenly among its differentiable operands, and the 
 parameters are weight gradient (a linear layer's backward: half input gradient, half weight gradient).
 Collectives along the other axes (tensor parallelism's all-reduces) count in their stage's time, and the
 gradient buckets once a step, exposed. Op and collective times at another micro-batch size scale with
-the rows they compute, the per-op overhead does not; layouts along the other axes are the greedy
-completion's (the search of those axes runs after, on the pipeline chosen), and parameter gathers
-(ZeRO-3 within a stage) are not priced.
+the rows they compute, the per-op overhead does not; layouts along the other axes are the file's
+completion, searched where the file asks (as the compile searches them for the pipeline chosen), and
+parameter gathers (ZeRO-3 within a stage) are not priced.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ from pardsl.planning.cost import (
     slot_bytes,
     stage_buffer_slots,
 )
+from pardsl.planning.descent import searched_or_greedy
+from pardsl.planning.search import wants_search
 from pardsl.runtime.schedules import micro_batches_held, rank_of_stage
 
 # the schedules searched, with the stages a rank runs under each
@@ -118,6 +120,9 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
     bound = typed.bound
     axis = bound.mesh.axis_index(decl.axis)
     ranks = bound.mesh.axis_sizes[axis]
+    if price_memory and wants_search(bound) and \
+            any(size > 1 for other, size in enumerate(bound.mesh.axis_sizes) if other != axis):
+        typed, program = _searched_layouts(typed, decl, machine, limit, traced_microbatches)
     written_cuts = () if "cut" in decl.searched or decl.balanced else tuple(module for module, _ in decl.cuts)
     segments = _segments(typed, program, machine, written_cuts)
     held_bytes = segment_memory(typed, segments, _staged(typed), optimizer) if price_memory else None
@@ -212,6 +217,27 @@ def _segments(typed, program, machine: Machine, written_cuts: tuple[str, ...] = 
         last = order[end - 1]
         sent[k] = local_bytes(last, typed.nodes[last].op_layout)
     return _Segments(tuple(names), tuple(scaled), tuple(fixed), tuple(weight), tuple(sent), segment_of)
+
+
+def _searched_layouts(typed, decl: PipelineDecl, machine: Machine, limit: int | None, traced_microbatches: int):
+    """The plan whose pipeline is priced, where the file leaves layouts of the other axes to the search:
+    searched as the compile searches them for the pipeline chosen (compiler._compile_pipelined), one
+    micro-batch's step with the pipeline axis kept B and the whole model held to `ranks` times the bound,
+    its activations counted as many times as the first rank holds them (under the written schedule, 1F1B
+    where the schedule is the search's). Priced on the greedy completion instead, a file with no layouts
+    had its options timed without tensor parallelism, and the compile then searched layouts for a
+    pipeline chosen for others (GPT-3 175B's searched file: 192 micro-batches written, 16 chosen, 2.8
+    times the recipe's step)."""
+    from pardsl.program.lowering import lower  # a later stage's, as _staged's
+
+    mesh = typed.mesh
+    axis = mesh.axis_index(decl.axis)
+    ranks = mesh.axis_sizes[axis]
+    schedule = "1F1B" if "schedule" in decl.searched else decl.schedule
+    microbatches = traced_microbatches if "microbatches" in decl.searched else decl.microbatches
+    held = micro_batches_held(schedule, microbatches, ranks, 0)
+    return searched_or_greedy(typed.bound, machine, lambda plan, _: lower(plan, DEFAULT_BUCKET_MB), {},
+                              kept=(axis,), limit=None if limit is None else limit * ranks, activation_weight=held)
 
 
 def _staged(typed):
@@ -373,8 +399,7 @@ def _priced(times, weights, sends, held: _Held | None, cut: list[int], ranks: in
 
 def pipelined_step_seconds(compiled, machine: Machine) -> float:
     """A compiled pipelined plan's step as this model prices it (its stages' times per micro-batch and the
-    schedule's bubble), with the layouts the plan has on its other axes (the search priced its options
-    with their greedy completion)."""
+    schedule's bubble), with the layouts the plan has on its other axes."""
     plan, written = compiled.pipeline, compiled.par.pipeline
     decl = dataclasses.replace(written, schedule=plan.schedule, microbatches=plan.microbatches,
                                stages_per_rank=plan.stages_per_rank, searched=frozenset(),
