@@ -239,6 +239,8 @@ def test_torch_folder_reads_and_its_checks_hold(tmp_path):
     ("long_shard", "file __0_0.distcp has .* bytes; its chunks end at byte"),
     ("chunk_dropped", "tensor `w`: its pieces hold"),
     ("chunk_outside", "tensor `w`: a chunk is malformed or lies outside"),
+    ("offsets_an_int", "tensor `w`: a chunk.s offsets are 0, not 2 non-negative ints"),
+    ("sizes_none", "tensor `w`: a chunk's sizes are None, not 2 non-negative ints"),
     ("path_outside", "names a file outside the folder"),
 ])
 def test_damaged_folder_refused_naming_the_problem(tmp_path, damage, message):
@@ -268,10 +270,14 @@ def test_damaged_folder_refused_naming_the_problem(tmp_path, damage, message):
     elif damage == "chunk_outside":
         chunk = metadata.state_dict_metadata["w"].chunks[0]
         chunk.sizes = torch.Size([65, 32])
+    elif damage == "offsets_an_int":
+        metadata.state_dict_metadata["w"].chunks[0].offsets = 0
+    elif damage == "sizes_none":
+        metadata.state_dict_metadata["w"].chunks[0].sizes = None
     elif damage == "path_outside":
         for info in metadata.storage_data.values():
             info.relative_path = "../elsewhere.distcp"
-    if damage in ("chunk_dropped", "chunk_outside", "path_outside"):
+    if damage in ("chunk_dropped", "chunk_outside", "offsets_an_int", "sizes_none", "path_outside"):
         raw = pickle.dumps(metadata)
     with open(metadata_path, "wb") as handle:
         handle.write(raw)

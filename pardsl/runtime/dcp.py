@@ -99,6 +99,11 @@ def _read_metadata(folder: str) -> Metadata:
     return metadata
 
 
+def _is_shape(value, rank: int) -> bool:
+    """A chunk's offsets or sizes as DCP writes them: a torch.Size (or tuple) of `rank` counts."""
+    return isinstance(value, (torch.Size, tuple)) and len(value) == rank and all(map(_is_count, value))
+
+
 def _checked_metadata(folder: str) -> tuple[Metadata, dict[str, int]]:
     """`folder`'s metadata once every check holds, and the size of each data file; else CheckpointError
     saying what is wrong. Reads `.metadata` and the files' sizes, no tensor data."""
@@ -128,10 +133,18 @@ def _checked_metadata(folder: str) -> tuple[Metadata, dict[str, int]]:
                 or not isinstance(entry.properties.dtype, torch.dtype) or not isinstance(entry.chunks, list):
             _refuse(folder, f"tensor `{name}`: its entry is malformed")
         shape = tuple(entry.size)
+        if not all(map(_is_count, shape)):
+            _refuse(folder, f"tensor `{name}`: its shape {list(shape)} has a negative size")
         for chunk in entry.chunks:
-            if not isinstance(chunk, ChunkStorageMetadata) or len(chunk.offsets) != len(shape) \
-                    or len(chunk.sizes) != len(shape) or not all(map(_is_count, [*chunk.offsets, *chunk.sizes])) \
-                    or any(o + n > s for o, n, s in zip(chunk.offsets, chunk.sizes, shape)):
+            if not isinstance(chunk, ChunkStorageMetadata):
+                _refuse(folder, f"tensor `{name}`: a chunk is a {type(chunk).__name__}, not DCP's chunk entry")
+            # typed before they are used: an int or None here would fail inside len() or zip()
+            for field in ("offsets", "sizes"):
+                value = getattr(chunk, field)
+                if not _is_shape(value, len(shape)):
+                    _refuse(folder, f"tensor `{name}`: a chunk's {field} are {value!r}, not {len(shape)} "
+                            "non-negative ints (the tensor's rank)")
+            if any(o + n > s for o, n, s in zip(chunk.offsets, chunk.sizes, shape)):
                 _refuse(folder, f"tensor `{name}`: a chunk is malformed or lies outside the tensor's shape "
                         f"{list(shape)}")
             info = metadata.storage_data.get(MetadataIndex(name, chunk.offsets))
