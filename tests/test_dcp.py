@@ -7,6 +7,7 @@ incomplete or cut short."""
 import functools
 import os
 import pickle
+import re
 import warnings
 
 import pytest
@@ -282,6 +283,49 @@ def test_damaged_folder_refused_naming_the_problem(tmp_path, damage, message):
     with open(metadata_path, "wb") as handle:
         handle.write(raw)
     with pytest.raises(CheckpointError, match=message):
+        DcpSource(folder)
+
+
+def _plant_sidecar(folder: str, **fields) -> dict:
+    """A pardsl.dcp.json beside a folder torch wrote, right for its files, with `fields` set over it."""
+    import hashlib
+    import json
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".distcp"))
+    document = {"format": "pardsl-dcp/1", "save_id": "0123456789abcdef", "save_counter": 1, "saved_at": 1.0e9,
+                "files": {f: os.path.getsize(os.path.join(folder, f)) for f in files},
+                "sha256": {f: hashlib.sha256(open(os.path.join(folder, f), "rb").read()).hexdigest() for f in files},
+                "plan": {"path": "mlp.par", "text": "", "model": "examples.models:MLP()", "mesh": {"dp": 2}},
+                "optimizer_class": "AdamW", "metadata": None, **fields}
+    with open(os.path.join(folder, "pardsl.dcp.json"), "w") as handle:
+        json.dump(document, handle)
+    return document
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({}, None),
+    ({"plan": "examples.models:MLP()"}, "`plan` is not an object"),
+    ({"plan": {"path": None, "text": "", "model": 3, "mesh": {}}}, "`plan` is not an object"),
+    ({"optimizer_class": ["AdamW"]}, "`optimizer_class` is ['AdamW'], not a string"),
+    ({"save_id": 7}, "`save_id` is 7, not a string"),
+    ({"save_counter": "9"}, "`save_counter` is '9', not a count"),
+    ({"saved_at": "yesterday"}, "`saved_at` is 'yesterday', not a time"),
+    ({"files": {"__0_0.distcp": "12"}}, "`files` is not an object of file names and sizes"),
+    ({"sha256": {"__0_0.distcp": 12}}, "`sha256` does not give one hash"),
+    ({"format": "pardsl-dcp/0"}, "its format is 'pardsl-dcp/0'"),
+])
+def test_sidecar_of_the_wrong_shape_refused(tmp_path, fields, message):
+    # each field is used as the type save writes (plan["model"], optimizer_class in messages and checks):
+    # one of another type is refused when the folder is opened, not an AttributeError later
+    from pardsl.runtime.checkpoint import CheckpointError
+    from pardsl.runtime.dcp import DcpSource
+
+    folder = _torch_folder(tmp_path / "sidecar")
+    _plant_sidecar(folder, **fields)
+    if message is None:
+        assert DcpSource(folder).sidecar["optimizer_class"] == "AdamW"
+        return
+    with pytest.raises(CheckpointError, match=f"pardsl.dcp.json is malformed: {re.escape(message)}"):
         DcpSource(folder)
 
 

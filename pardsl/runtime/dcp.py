@@ -286,11 +286,44 @@ def _read_sidecar(folder: str) -> dict | None:
             document = json.load(handle)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         _refuse(folder, f"its {SIDECAR_FILE} cannot be read ({error})")
-    if not isinstance(document, dict) or document.get("format") != SIDECAR_FORMAT \
-            or not isinstance(document.get("files"), dict) or not isinstance(document.get("sha256"), dict) \
-            or set(document["sha256"]) != set(document["files"]):
-        _refuse(folder, f"its {SIDECAR_FILE} is malformed")
+    problem = _sidecar_problem(document)
+    if problem:
+        _refuse(folder, f"its {SIDECAR_FILE} is malformed: {problem}",
+                f"Remove {SIDECAR_FILE} to load the folder as one torch wrote (no hashes, no record of the model)")
     return document
+
+
+def _is_text_map(value, of) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and of(v) for k, v in value.items())
+
+
+def _sidecar_problem(document) -> str | None:
+    """What is wrong with a sidecar's fields, each of which a loader uses as the type save writes; None where
+    nothing is. `save_counter` and `saved_at` may be absent (saves before counters), not of another type."""
+    if not isinstance(document, dict):
+        return f"it holds a {type(document).__name__}, not an object"
+    if document.get("format") != SIDECAR_FORMAT:
+        return f"its format is {document.get('format')!r}, not {SIDECAR_FORMAT!r}"
+    if not _is_text_map(document.get("files"), _is_count):
+        return "`files` is not an object of file names and sizes"
+    if not _is_text_map(document.get("sha256"), lambda v: isinstance(v, str)) \
+            or set(document["sha256"]) != set(document["files"]):
+        return "`sha256` does not give one hash (a string) for each file of `files`"
+    plan = document.get("plan")
+    if not isinstance(plan, dict) or not isinstance(plan.get("model"), str) \
+            or not isinstance(plan.get("text"), str) or not isinstance(plan.get("path"), (str, type(None))) \
+            or not _is_text_map(plan.get("mesh"), _is_count):
+        return "`plan` is not an object with the model (a string), the plan's text and path, and the mesh"
+    for field, kinds in (("save_id", (str,)), ("optimizer_class", (str, type(None))),
+                         ("metadata_sha256", (str,))):
+        if field in document and not isinstance(document[field], kinds):
+            return f"`{field}` is {repr(document[field])[:60]}, not a string"
+    if "save_counter" in document and not _is_count(document["save_counter"]):
+        return f"`save_counter` is {document['save_counter']!r}, not a count"
+    saved_at = document.get("saved_at")
+    if saved_at is not None and (not isinstance(saved_at, (int, float)) or isinstance(saved_at, bool)):
+        return f"`saved_at` is {repr(saved_at)[:60]}, not a time (seconds since the epoch)"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------
