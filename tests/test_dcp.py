@@ -379,6 +379,66 @@ def test_pardsl_dcp_save_hashes_its_files_and_refuses_a_shared_folder(pools, tmp
         pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(shared / "mlp"), "dcp"))
 
 
+MLP = os.path.join(REPO, "examples", "mlp.par")  # tp 2: fc1 split by rows, fc2 by columns
+
+
+def _mlp_torch_folder(folder: str, extra: dict) -> str:
+    """A DCP folder torch writes of mlp.par's model and an AdamW state, with `extra` entries set over it."""
+    import torch.distributed.checkpoint as dcp
+
+    import pardsl
+
+    torch.manual_seed(0)
+    model = dict(pardsl.load(MLP)._full_state())
+    optimizer = {}
+    for name, value in model.items():
+        optimizer.update({f"state.{name}.exp_avg": torch.zeros_like(value), f"state.{name}.step": torch.tensor(3.0),
+                          f"state.{name}.exp_avg_sq": torch.zeros_like(value), f"param_groups.{name}.lr": 0.5})
+    state = {**model, "optimizer": optimizer}
+    for key, value in extra.items():
+        if key.startswith("optimizer."):
+            optimizer[key[len("optimizer."):]] = value
+        else:
+            state[key] = value
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=folder, no_dist=True)
+    return folder
+
+
+def _load_mlp_optimizer(folder: str, strict: bool) -> str | None:
+    """The CheckpointError loading `folder`'s optimizer state into mlp.par's AdamW raises; None if it loads."""
+    import pardsl
+
+    plan = pardsl.load(MLP)
+    model = plan.module()
+    optimizer = torch.optim.AdamW(model.parameters())
+    try:
+        pardsl.load_optimizer_state(optimizer, model, folder, strict=strict)
+    except pardsl.CheckpointError as error:
+        return str(error)
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_optimizer_state_of_another_shape_or_model_refused(pools, tmp_path):
+    pool = pools(2)
+    ok = _mlp_torch_folder(str(tmp_path / "ok"), {})
+    assert pool.run_on_every_rank(functools.partial(_load_mlp_optimizer, ok, True)) == [None, None]
+    # a moment of another shape than its parameter's is neither read whole onto every rank nor loaded
+    wrong = _mlp_torch_folder(str(tmp_path / "shape"), {"optimizer.state.fc1.weight.exp_avg": torch.zeros(2, 3)})
+    for strict in (True, False):
+        for error in pool.run_on_every_rank(functools.partial(_load_mlp_optimizer, wrong, strict)):
+            assert "optimizer state `exp_avg` of parameter fc1.weight has shape [2, 3]; the parameter's is " \
+                "[1024, 256]" in error, error
+    # strict: the folder must be of this model, as for the own format; strict=False loads it regardless
+    foreign = _mlp_torch_folder(str(tmp_path / "foreign"), {"fc3.weight": torch.zeros(4, 4)})
+    for error in pool.run_on_every_rank(functools.partial(_load_mlp_optimizer, foreign, True)):
+        assert "holds tensor(s) this model does not have: fc3.weight" in error, error
+    assert pool.run_on_every_rank(functools.partial(_load_mlp_optimizer, foreign, False)) == [None, None]
+
+
 def test_hyperparameters_flattened_or_as_one_list():
     from pardsl.runtime.checkpoint import CheckpointError
     from pardsl.runtime.dcp import _saved_hyperparameters

@@ -351,9 +351,7 @@ def load_model_state(parts, plan, checkpoint: str, strict: bool = True, verify: 
     tensor this model does not have."""
     source = DcpSource(checkpoint, verify, allow_shared_folder)
     tied = plan.compiled.bound.tied
-    known = set(plan.parameter_layouts) | set(plan.buffer_layouts)
-    for names in tied.values():
-        known.update(names)
+    known = _model_names(plan)
     prefix = source.model_prefix(known)
     if strict:
         _check_same_model(source, plan, known, prefix)
@@ -372,6 +370,14 @@ def load_model_state(parts, plan, checkpoint: str, strict: bool = True, verify: 
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
                               + "; the checkpoint is refused, nothing was loaded")
     source.read(targets)
+
+
+def _model_names(plan) -> set[str]:
+    """The names of the model's parameters and buffers, each tied name included."""
+    known = set(plan.parameter_layouts) | set(plan.buffer_layouts)
+    for names in plan.compiled.bound.tied.values():
+        known.update(names)
+    return known
 
 
 def _check_same_model(source: DcpSource, plan, known: set[str], prefix: str) -> None:
@@ -402,6 +408,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, model, checkpoint: st
     if strict and source.sidecar is not None and source.sidecar.get("optimizer_class") != type(optimizer).__name__:
         raise CheckpointError(f"{checkpoint} holds the state of a {source.sidecar.get('optimizer_class')} optimizer; "
                               f"this one is a {type(optimizer).__name__}. To load it anyway, pass strict=False")
+    if strict:  # the state of another model's parameters is no state for these, as for the own format
+        known = _model_names(model.plan)
+        _check_same_model(source, model.plan, known, source.model_prefix(known))
     rt = model.rt
     shards = {id(p): (name, p, Layout.from_key(layout)) for name, p, layout in model.named_shards()}
     groups_key = prefix + "param_groups"
@@ -415,13 +424,18 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, model, checkpoint: st
             names.append(name)
             state_prefix = f"{prefix}state.{name}."
             for key in [k for k in source.tensors if k.startswith(state_prefix)]:
-                saved = source.tensors[key]
-                if len(saved.size) and tuple(saved.size) == _global_shape(parameter, layout, rt):
+                saved, shape = source.tensors[key], _global_shape(parameter, layout, rt)
+                if not len(saved.size):  # a count such as Adam's step: whole on every rank
+                    value = torch.empty(saved.size, dtype=saved.properties.dtype)
+                    targets[key] = [(Region((), (), ()), value)]
+                elif tuple(saved.size) == shape:
                     value = torch.empty_like(parameter)
                     targets[key] = _target(source, key, value, layout, rt)
-                else:  # a count such as Adam's step: whole on every rank
-                    value = torch.empty(saved.size, dtype=saved.properties.dtype)
-                    targets[key] = [(Region((0,) * len(saved.size), tuple(saved.size), (0,) * len(saved.size)), value)]
+                else:  # not this parameter's: read whole it would be a tensor no step can use, on every rank
+                    _refuse(checkpoint, f"optimizer state `{key[len(state_prefix):]}` of parameter {name} has "
+                            f"shape {list(saved.size)}; the parameter's is {list(shape)} (the state of another "
+                            "model's parameter, or of an optimizer that keeps other state)",
+                            "Load the state saved with this model, or start the optimizer without it")
                 slots.append((len(names) - 1, name, key[len(state_prefix):], value))
     values = source.read(targets, value_keys)
     state: dict[int, dict] = {}
