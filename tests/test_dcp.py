@@ -291,10 +291,13 @@ def _plant_sidecar(folder: str, **fields) -> dict:
     import hashlib
     import json
 
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".distcp"))
+    data = {}
+    for file in sorted(f for f in os.listdir(folder) if f.endswith(".distcp")):
+        with open(os.path.join(folder, file), "rb") as handle:
+            data[file] = handle.read()
     document = {"format": "pardsl-dcp/1", "save_id": "0123456789abcdef", "save_counter": 1, "saved_at": 1.0e9,
-                "files": {f: os.path.getsize(os.path.join(folder, f)) for f in files},
-                "sha256": {f: hashlib.sha256(open(os.path.join(folder, f), "rb").read()).hexdigest() for f in files},
+                "files": {file: len(content) for file, content in data.items()},
+                "sha256": {file: hashlib.sha256(content).hexdigest() for file, content in data.items()},
                 "plan": {"path": "mlp.par", "text": "", "model": "examples.models:MLP()", "mesh": {"dp": 2}},
                 "optimizer_class": "AdamW", "metadata": None, **fields}
     with open(os.path.join(folder, "pardsl.dcp.json"), "w") as handle:
@@ -377,6 +380,41 @@ def test_pardsl_dcp_save_hashes_its_files_and_refuses_a_shared_folder(pools, tmp
     os.chmod(shared, 0o777)
     with pytest.raises(Exception, match="refusing to save to .*writable by others"):
         pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(shared / "mlp"), "dcp"))
+
+
+def _load_wrapped_llama(folder: str, strict: bool):
+    """hf_llama_tp2.par's model (LlamaForCausalLM under `model`) loaded from `folder`: the parameters whose
+    shard differs from the folder's tensor under the name without the wrapper's `model.`; or the
+    CheckpointError."""
+    import pardsl
+    from pardsl.runtime.dcp import whole_model_tensors
+
+    torch.manual_seed(1)
+    try:
+        model = pardsl.load(os.path.join(REPO, "examples", "hf_llama_tp2.par")).module(checkpoint=folder,
+                                                                                       strict=strict)
+    except pardsl.CheckpointError as error:
+        return str(error)
+    return _wrong_shards(model, {"model." + name: value for name, value in whole_model_tensors(folder).items()})
+
+
+@pytest.mark.timeout(120)
+def test_strict_false_matches_names_without_a_wrappers_module_as_the_own_format_does(pools, tmp_path):
+    # a folder of the plain Hugging Face model (`model.layers...`, `lm_head.weight`), as a torch run of
+    # LlamaForCausalLM saves it, loaded into a plan whose model wraps it (`model.model.layers...`)
+    import torch.distributed.checkpoint as dcp
+
+    import examples.hf_models
+
+    folder = str(tmp_path / "plain")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(examples.hf_models.HFLlama(layers=2).model.state_dict(), checkpoint_id=folder, no_dist=True)
+    pool = pools(2)
+    assert pool.run_on_every_rank(functools.partial(_load_wrapped_llama, folder, False)) == [[], []]
+    for error in pool.run_on_every_rank(functools.partial(_load_wrapped_llama, folder, True)):
+        assert "holds tensor(s) this model does not have: lm_head.weight" in error, error
 
 
 MLP = os.path.join(REPO, "examples", "mlp.par")  # tp 2: fc1 split by rows, fc2 by columns

@@ -582,6 +582,23 @@ def _cache_blobs(folder: str) -> str | None:
     return os.path.join(os.path.dirname(os.path.dirname(real)), "blobs")
 
 
+def _find_name(names, saved, by_suffix: bool = True) -> str | None:
+    """The name in `saved` (a checkpoint's tensor names) of a tensor the model knows by `names` (tied names
+    included): exact first, then (`by_suffix`) with leading module names dropped (a wrapper's `model.`
+    prefix over a Hugging Face checkpoint). Both formats' loaders match names by this one rule."""
+    for name in names:
+        if name in saved:
+            return name
+    if not by_suffix:
+        return None
+    for name in names:
+        parts = name.split(".")
+        for start in range(1, len(parts)):
+            if ".".join(parts[start:]) in saved:
+                return ".".join(parts[start:])
+    return None
+
+
 class CheckpointSource:
     """Where each tensor's pieces lie: a pardsl checkpoint, a safetensors file, or a Hugging Face folder."""
 
@@ -633,20 +650,8 @@ class CheckpointSource:
         return self._handles[file]
 
     def find(self, names, by_suffix: bool = True) -> str | None:
-        """The checkpoint's name for a tensor known by `names` (tied names included): exact first, then
-        (`by_suffix`) with leading module names dropped (a wrapper's `model.` prefix over a Hugging Face
-        checkpoint)."""
-        for name in names:
-            if name in self.tensors:
-                return name
-        if not by_suffix:
-            return None
-        for name in names:
-            parts = name.split(".")
-            for start in range(1, len(parts)):
-                if ".".join(parts[start:]) in self.tensors:
-                    return ".".join(parts[start:])
-        return None
+        """The checkpoint's name for a tensor known by `names` (tied names included): `_find_name`."""
+        return _find_name(names, self.tensors, by_suffix)
 
     def read_into(self, name: str, target: torch.Tensor, layout: Layout, mesh: Mesh, coordinate) -> None:
         """Fill `target`, this rank's local tensor of `name` under `layout`, from the overlapping slices."""

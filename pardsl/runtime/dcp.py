@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items, cr
 
 from pardsl.layouts.algebra import Layout
 from pardsl.runtime.checkpoint import (DCP_SIDECAR_FILE, CheckpointError, Region, _check_trusted, _coverage_error,
-                                       _entries, _fsync, _is_count, _new_temporary, _next_save_counter, _outside,
-                                       _refuse, _sha256, local_regions)
+                                       _entries, _find_name, _fsync, _is_count, _new_temporary, _next_save_counter,
+                                       _outside, _refuse, _sha256, local_regions)
 from pardsl.runtime.collectives import all_gather_json
 
 METADATA_FILE = ".metadata"
@@ -348,17 +348,20 @@ def load_model_state(parts, plan, checkpoint: str, strict: bool = True, verify: 
                      allow_shared_folder: bool = False) -> None:
     """As checkpoint.load_model_state, from a DCP folder: each rank reads the chunks that overlap what it
     holds. `strict`: a folder pardsl wrote must be of this plan's model, and no folder may hold a model
-    tensor this model does not have."""
+    tensor this model does not have. `strict=False` also matches names with leading module names dropped,
+    as the own format does (a folder of a plain Hugging Face model, loaded into a model that wraps it)."""
     source = DcpSource(checkpoint, verify, allow_shared_folder)
     tied = plan.compiled.bound.tied
     known = _model_names(plan)
     prefix = source.model_prefix(known)
     if strict:
         _check_same_model(source, plan, known, prefix)
+    optimizer = source.optimizer_prefix() or _OPTIMIZER_PREFIXES[0]
+    saved = {key for key in source.tensors if not key.startswith(optimizer)}  # no moment taken for a weight
     targets, missing = {}, []
     for module, parameters, buffers in parts:
         for name, (attr, layout, _) in [*parameters.items(), *buffers.items()]:
-            key = next((prefix + n for n in tied.get(name, (name,)) if prefix + n in source.tensors), None)
+            key = _find_name([prefix + n for n in tied.get(name, (name,))], saved, by_suffix=not strict)
             if key is None:
                 if name in parameters:
                     missing.append(name)
