@@ -199,8 +199,10 @@ def test_explain_says_communication_in_full_with_the_overlapped_part_of_it():
     assert seconds["overlapped_forward"] > 0 and "communication 0 µs forward" not in text
     exposed = seconds["communication_forward"] + seconds["communication_backward"] + seconds["overlapped_exposed"]
     assert f"communication {seconds_text(forward)} forward + " in text
-    assert f", of which {seconds_text(seconds['overlapped'])} overlapped with compute; {seconds_text(exposed)} of it " \
-        "exposed" in text
+    backward = seconds["communication_backward"] + seconds["overlapped_backward"]
+    hidden = forward + backward - exposed
+    assert f"{seconds_text(backward)} backward, {seconds_text(exposed)} of it exposed (the step waits for it), " \
+        f"{seconds_text(hidden)} hidden behind compute" in text
     assert math.isclose(seconds["step"], seconds["compute_forward"] + seconds["compute_backward"] + exposed)
 
 
@@ -295,7 +297,8 @@ def test_an_8b_plan_is_summed_up_against_the_card_with_its_layers_folded():
     result = estimate(compiled, machine)
     text = report(compiled, result)
     memory = result.memory
-    stack = re.search(r"memory per rank ([\d.]+ GiB) held \((.*?)\); ([\d.]+ GiB) at backward's worst moment", text)
+    stack = re.search(r"memory per rank ([\d.]+ GiB) counted all at once as a bound weighs it \((.*?)\); "
+                      r"([\d.]+ GiB) at backward's worst moment", text)
     assert stack and stack[1] == format_bytes(memory["total"]) and stack[3] == format_bytes(memory["peak"])
     # the stack adds up to what it is said to add up to
     assert sum(v for k, v in memory.items() if k in ("parameters", "gradients", "optimizer_state", "activations",
@@ -303,7 +306,9 @@ def test_an_8b_plan_is_summed_up_against_the_card_with_its_layers_folded():
     assert stack[2].startswith("parameters 3.7 GiB + gradients 3.7 GiB + optimizer state 7.5 GiB + activations ")
     assert f"the card holds {format_bytes(machine.device_memory_bytes)}: fits" in text
     assert "model.layers.1 to 31: as model.layers.0" in text and "model.layers.2:" not in text
-    assert "per device: " in text and " tokens/s (131072 tokens a step), MFU " in text
+    assert "per device: " in text and " tokens/s (131,072 tokens a step), MFU " in text
+    assert "(model FLOPs 7.59e+15 a step, of the 700 TFLOP/s the machine's figures give a device)" in text
+    assert "; 50 TFLOP/s in float32, 700 TFLOP/s in 16-bit, memory 2,800 GB/s" in text
 
 
 def test_plans_you_could_write_instead_are_the_files_they_say_compiled():
@@ -365,4 +370,22 @@ def test_a_pipeline_cut_before_a_module_that_is_no_repeated_layer_is_priced():
     result = estimate(compiled, MACHINE)
     text = report(compiled, result)
     step = pipelined_step_seconds(compiled, MACHINE)
-    assert step > 0 and f"pipelined: step {seconds_text(step)} per rank, 4 micro-batches through 2 stages under 1F1B" in text
+    assert step > 0 and f"estimated step {seconds_text(step)} per rank, pipelined: 4 micro-batches through 2 stages " \
+        "under 1F1B" in text
+    assert f"\none micro-batch through the whole model, without the pipeline: {seconds_text(result.step_s)} per rank" in text
+
+
+def test_an_alternative_keeps_a_layout_block_whose_first_entry_shares_its_opening_line():
+    text = ("mesh   dp = 2\nmodel  examples.models:MLP(d_model=64, d_ff=256)\ninput  x : float32[16, 64]\n"
+            "layout { fc1.weight : B\n    x : S(0)\n}\n")
+    compiled = compile_text(text, "examples/oneline.par")
+    [zero3] = [a for a in plan_alternatives(compiled, MACHINE) if a.title.startswith("ZeRO-3 over dp")]
+    assert not zero3.why_not and zero3.memory < estimate(compiled, MACHINE).memory["total"]
+
+
+def test_a_recomputed_collective_says_what_it_does_for_which_module():
+    compiled = compile_file("examples/scale/llama3_8b_tp8.par")
+    text = report(compiled, estimate(compiled, PRESETS["h100-nvlink-ib"]))
+    assert "self_attn.o_proj: made again in backward: partial sums added up for " \
+        "model.layers.0.post_attention_layernorm (pow)" in text
+    assert "Tensor_Scalar" not in text

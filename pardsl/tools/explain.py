@@ -12,6 +12,7 @@ self-contained page with pictures.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -139,14 +140,16 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None, altern
     lines = [f"{program.source_path}: mesh {mesh} ({mesh.size} ranks), model {program.model}",
              f"machine: {machine.backend}, {machine.source}; all-reduce α {seconds_text(ar.alpha_s)} per ring step, "
              f"β {ar.beta_s_per_byte * 1e9:.3g} ns/B (α: each step's latency, β: time per byte); "
-             f"{machine.flops_per_s / 1e9:.3g} GFLOP/s, {machine.bytes_per_s / 1e9:.3g} GB/s"
+             f"{_rate_text(machine.flops_per_s)} in float32"
+             + (f", {_rate_text(machine.half_flops_per_s)} in 16-bit" if machine.half_flops_per_s else "")
+             + f", memory {machine.bytes_per_s / 1e9:,.0f} GB/s"
              + (f"; ranks share {machine.cores} cores" if machine.cores else ""),
              *_axis_links(mesh, machine),
              *_mesh_shapes(compiled, mesh),
              *_pipeline_options(compiled),
              "",
-             _step_line(seconds),
              *_pipelined_step(compiled, pipelined),
+             _step_line(seconds, pipelined is not None),
              _throughput_line(estimate, pipelined or seconds["step"]),
              _memory_line(memory, memory_bound, machine.device_memory_bytes), ""]
     recomputed = _recomputed_layers(compiled)
@@ -237,9 +240,11 @@ def _op_choice_lines(compiled, estimate: Estimate) -> list[str]:
     return lines
 
 
-def _step_line(seconds: dict) -> str:
-    """The step and where its time goes: communication is all of it, in each phase; the part overlapped with
-    compute is a share of that, and the part exposed is what the step waits for."""
+def _step_line(seconds: dict, pipelined: bool = False) -> str:
+    """The step and where its time goes: all the communication in each phase, then the part of it the step
+    waits for (what runs beside compute and compute does not hide, and what runs alone); the rest is
+    hidden behind compute. A pipelined plan's line is the whole model once, without the pipeline's
+    bubble and sends: the pipelined step comes before it."""
     compute = f"compute {seconds_text(seconds['compute_forward'])} forward + " \
               f"{seconds_text(seconds['compute_backward'])} backward"
     total = {phase: seconds[f"communication_{phase}"] + seconds[f"overlapped_{phase}"]
@@ -249,21 +254,36 @@ def _step_line(seconds: dict) -> str:
         communication = "no communication"
     else:
         communication = f"communication {seconds_text(total['forward'])} forward + " \
-                        f"{seconds_text(total['backward'])} backward"
-        if seconds["overlapped"]:
-            communication += f", of which {seconds_text(seconds['overlapped'])} overlapped with compute"
-        communication += f"; {seconds_text(exposed)} of it exposed (the step waits for it)"
+                        f"{seconds_text(total['backward'])} backward, {seconds_text(exposed)} of it exposed " \
+                        "(the step waits for it)"
+        hidden = total["forward"] + total["backward"] - exposed
+        if hidden > 0:
+            communication += f", {seconds_text(hidden)} hidden behind compute"
+    if pipelined:
+        return f"one micro-batch through the whole model, without the pipeline: {seconds_text(seconds['step'])} " \
+               f"per rank: {compute}; {communication}"
     return f"estimated step {seconds_text(seconds['step'])} per rank: {compute}; {communication}"
+
+
+def _rate_text(flops_per_s: float) -> str:
+    return f"{flops_per_s / 1e12:.3g} TFLOP/s" if flops_per_s >= 1e12 else f"{flops_per_s / 1e9:.3g} GFLOP/s"
 
 
 def _throughput_line(estimate: Estimate, step: float) -> str:
     """Tokens per second and model FLOPs utilisation per device, at the step the plan takes (a pipeline's
-    as its search prices it)."""
+    as its search prices it). The utilisation is of the compute rate the machine's figures give, which for
+    a preset is what a large matmul sustains, not the datasheet's peak."""
     tokens = estimate.tokens_per_s_per_device(step)
     rate = "tokens/s n/a (no int64 token input)" if tokens is None else \
-        f"{tokens:,.0f} tokens/s ({plural(estimate.tokens, 'token')} a step)"
+        f"{_count_text(tokens)} tokens/s ({_count_text(estimate.tokens)} token{'s' if estimate.tokens != 1 else ''} " \
+        "a step)"
     return (f"per device: {rate}, MFU {estimate.mfu(step):.1%} (model FLOPs {estimate.model_flops:.3g} a step, "
-            f"peak {estimate.peak_flops_per_s / 1e9:.3g} GFLOP/s per device)")
+            f"of the {_rate_text(estimate.peak_flops_per_s)} the machine's figures give a device)")
+
+
+def _count_text(count: float) -> str:
+    """`7,306`; below 10, with the digits that say it (`0.42`), never `0` or `1 tokens`."""
+    return f"{count:,.0f}" if count >= 10 else f"{count:.2g}"
 
 
 # Lowering's reason for a conversion names the op that reads the converted value: `pow.Tensor_Scalar
@@ -275,6 +295,9 @@ _DOES = {"all_reduce": "partial sums added up", "all_gather": "gathered whole", 
 
 def _reader_text(cost) -> str:
     """`partial sums added up for post_attention_layernorm (pow)`, where the reason names the reading op."""
+    again = "made again in backward: "
+    if cost.reason.startswith(again):  # a recomputed region's collective, issued again for backward
+        return again + _reader_text(dataclasses.replace(cost, reason=cost.reason.removeprefix(again), phase="forward"))
     if cost.reason == "gradient of a broadcast value read by sharded computation":
         return "the input's gradient added up: each rank's part of the split weights gives a share of it"
     found = _READER.match(cost.reason)
@@ -347,11 +370,11 @@ def _mesh_shapes(compiled, mesh) -> list[str]:
 
 
 def _pipelined_step(compiled, step: float | None) -> list[str]:
-    """A pipelined plan's step, which the line above gives for one micro-batch through the whole model."""
+    """A pipelined plan's step; the line after it gives one micro-batch through the whole model."""
     plan = compiled.pipeline
     if plan is None:
         return []
-    return [f"pipelined: step {seconds_text(step)} per rank, {plan.microbatches} micro-batch"
+    return [f"estimated step {seconds_text(step)} per rank, pipelined: {plan.microbatches} micro-batch"
             f"{'es' if plan.microbatches > 1 else ''} through {len(compiled.stages)} stages under {plan.schedule} "
             "(the pipeline search's model: the stages' times per micro-batch, the schedule's bubble, the sends)"]
 
@@ -423,7 +446,7 @@ def _memory_line(memory: dict, bound: int | None, card: int = 0) -> str:
         if memory["total"] > bound:
             checks.append(f"bound {format_bytes(bound)}: EXCEEDED")
         elif memory["peak"] > bound:  # the bound weighs what is held; backward's working memory comes on top
-            checks.append(f"bound {format_bytes(bound)}: what is held is within it, backward's worst moment is not")
+            checks.append(f"bound {format_bytes(bound)}: the count is within it, backward's worst moment is not")
         else:
             checks.append(f"bound {format_bytes(bound)}: within")
     if card:
@@ -433,6 +456,6 @@ def _memory_line(memory: dict, bound: int | None, card: int = 0) -> str:
         held = ", ".join(f"{k.removeprefix('host_').replace('_', ' ')} {format_bytes(v)}" for k, v in memory.items()
                          if k.startswith("host_") and k != "host_total")
         host = f"\nhost memory per rank {format_bytes(memory['host_total'])} ({held})"
-    return (f"memory per rank {format_bytes(memory['total'])} held ({parts}); {format_bytes(memory['peak'])} at "
-            f"backward's worst moment; serial {format_bytes(memory['serial_total'])}"
+    return (f"memory per rank {format_bytes(memory['total'])} counted all at once as a bound weighs it ({parts}); "
+            f"{format_bytes(memory['peak'])} at backward's worst moment; serial {format_bytes(memory['serial_total'])}"
             + "".join(f"; {c}" for c in checks) + host)
