@@ -155,8 +155,23 @@ def _line_range(span) -> range:
 
 
 def _with_lines_removed(text: str, spans) -> str:
-    gone = {index for span in spans for index in _line_range(span)}
-    return "".join(line for index, line in enumerate(text.splitlines(keepends=True)) if index not in gone)
+    """`text` without the declarations at `spans`. A declaration that shares its line with other text (the
+    first layout entry written on the `layout {` line) leaves that text; a line it covers alone goes."""
+    lines = text.splitlines(keepends=True)
+    cut: dict[int, list[tuple[int, int]]] = {}  # line → column ranges (0-based, end exclusive) to cut
+    for span in spans:
+        for index in _line_range(span):
+            start = span.column - 1 if index == span.line - 1 else 0
+            end = span.end_column - 1 if index == span.end_line - 1 else len(lines[index])
+            cut.setdefault(index, []).append((start, end))
+    kept = []
+    for index, line in enumerate(lines):
+        for start, end in sorted(cut.get(index, ()), reverse=True):
+            line = line[:start] + line[end:]
+        if index in cut and not line.strip():
+            continue
+        kept.append(line if line.endswith("\n") or index == len(lines) - 1 else line + "\n")
+    return "".join(kept)
 
 
 def _with_layout_lines(text: str, lines: list[str]) -> str:
