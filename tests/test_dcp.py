@@ -5,6 +5,8 @@ safety of reading such a folder: refused, naming the problem, where it is writab
 incomplete or cut short."""
 
 import functools
+import hashlib
+import json
 import os
 import pickle
 import re
@@ -19,6 +21,7 @@ from tests.scripts import fsdp2_llama
 PP2 = os.path.join(REPO, "examples", "hf_llama_pp2.par")  # HFLlama(layers=2), [8, 16] batches
 GPT_DP2_TP2 = os.path.join(REPO, "examples", "gpt_dp2_tp2.par")  # fused q/k/v: S(0, blocks=3) @ tp
 GPT_TP4 = os.path.join(REPO, "examples", "gpt_tp4.par")
+MLP = os.path.join(REPO, "examples", "mlp.par")  # tp 2: fc1 split by rows, fc2 by columns
 
 # examples/hf_llama_loss_dp2_tp2.par at the torch run's batch (its file takes half of it)
 with open(os.path.join(REPO, "examples", "hf_llama_loss_dp2_tp2.par")) as _file:
@@ -288,9 +291,6 @@ def test_damaged_folder_refused_naming_the_problem(tmp_path, damage, message):
 
 def _plant_sidecar(folder: str, **fields) -> dict:
     """A pardsl.dcp.json beside a folder torch wrote, right for its files, with `fields` set over it."""
-    import hashlib
-    import json
-
     data = {}
     for file in sorted(f for f in os.listdir(folder) if f.endswith(".distcp")):
         with open(os.path.join(folder, file), "rb") as handle:
@@ -332,6 +332,60 @@ def test_sidecar_of_the_wrong_shape_refused(tmp_path, fields, message):
         DcpSource(folder)
 
 
+def test_metadata_changed_since_the_save_refused_before_it_is_unpickled(tmp_path):
+    from pardsl.runtime.checkpoint import CheckpointError
+    from pardsl.runtime.dcp import DcpSource
+
+    folder = _torch_folder(tmp_path / "metadata")
+    where = os.path.join(folder, ".metadata")
+    with open(where, "rb") as handle:
+        raw = handle.read()
+    _plant_sidecar(folder, metadata_sha256=hashlib.sha256(raw).hexdigest())
+    assert sorted(DcpSource(folder).tensors) == ["b", "optimizer.state.w.step", "w"]
+    other = pickle.dumps(pickle.loads(raw), protocol=2)  # the same metadata in other bytes
+    assert other != raw
+    with open(where, "wb") as handle:
+        handle.write(other)
+    with pytest.raises(CheckpointError, match="its .metadata does not hold the bytes saved: its sha256 is"):
+        DcpSource(folder)
+    assert sorted(DcpSource(folder, verify=False).tensors) == ["b", "optimizer.state.w.step", "w"]
+
+
+def _save_with_rank_0_failing(folder: str) -> str:
+    """A DCP save of mlp.par's model in which rank 0 fails once the data files are written (its disk full
+    as it writes the sidecar): what each rank's pardsl.save raised."""
+    import pardsl
+    from pardsl.runtime import dcp
+
+    torch.manual_seed(0)
+    model = pardsl.load(MLP).module()
+    original = dcp._new_temporary
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    if torch.distributed.get_rank() == 0:
+        dcp._new_temporary = disk_full
+    try:
+        pardsl.save(model, folder, format="dcp")
+    except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(error).__name__}: {error}"
+    finally:
+        dcp._new_temporary = original
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+def test_a_save_rank_0_fails_to_finish_fails_on_every_rank(pools, tmp_path):
+    # rank 0 alone writes the sidecar and renames the folder into place: had the others gone on to the
+    # barrier, they would wait there until the process group's timeout
+    folder = str(tmp_path / "mlp")
+    for error in pools(2).run_on_every_rank(functools.partial(_save_with_rank_0_failing, folder)):
+        assert error.startswith(f"CheckpointError: saving to {folder} failed on rank 0") \
+            and "No space left on device" in error, error
+    assert not os.path.exists(folder)
+
+
 def _save_and_load_mlp(folder: str, step: str, par: str = os.path.join(REPO, "examples", "mlp.par")) -> str | None:
     """`dcp`, `pardsl`: pardsl.save of `par` in that format; `load`: the CheckpointError loading it raises."""
     import pardsl
@@ -356,6 +410,8 @@ def test_pardsl_dcp_save_hashes_its_files_and_refuses_a_shared_folder(pools, tmp
     pool = pools(2)
     pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(folder), "dcp"))
     assert pardsl.checkpoint_metadata(str(folder)) == {"step": 7}
+    with open(folder / "pardsl.dcp.json") as handle, open(folder / ".metadata", "rb") as metadata:
+        assert json.load(handle)["metadata_sha256"] == hashlib.sha256(metadata.read()).hexdigest()
     assert pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(folder), "load")) == [None, None]
     shard = next(folder.glob("__1_*.distcp"))
     data = bytearray(shard.read_bytes())
@@ -415,9 +471,6 @@ def test_strict_false_matches_names_without_a_wrappers_module_as_the_own_format_
     assert pool.run_on_every_rank(functools.partial(_load_wrapped_llama, folder, False)) == [[], []]
     for error in pool.run_on_every_rank(functools.partial(_load_wrapped_llama, folder, True)):
         assert "holds tensor(s) this model does not have: lm_head.weight" in error, error
-
-
-MLP = os.path.join(REPO, "examples", "mlp.par")  # tp 2: fc1 split by rows, fc2 by columns
 
 
 def _mlp_torch_folder(folder: str, extra: dict) -> str:

@@ -24,8 +24,9 @@ classes DCP's metadata holds; before any data is read, every chunk must lie insi
 must cover each tensor exactly once, and every file named must be a plain name in the folder, there, and
 exactly as long as the chunks it holds; each chunk is read with `torch.load(weights_only=True)`. pardsl
 adds `pardsl.dcp.json` beside `.metadata`: the sha256 of every data file (checked before the first read
-from it), the plan, the optimizer's class and the user's metadata. A save goes to a new folder beside
-`path`, renamed into place once complete.
+from it) and of `.metadata` (checked before it is unpickled), the plan, the optimizer's class and the
+user's metadata. A save goes to a new folder beside `path`, renamed into place once complete; where rank
+0 fails to finish it, every rank raises.
 """
 
 from __future__ import annotations
@@ -224,6 +225,14 @@ class DcpSource:
         if os.path.exists(os.path.join(path, SIDECAR_FILE)):
             _check_trusted(os.path.join(path, SIDECAR_FILE), allow_shared_folder, path)
         self.sidecar = _read_sidecar(path)
+        if verify and self.sidecar is not None and "metadata_sha256" in self.sidecar:
+            # before it is unpickled; a save before metadata hashes has none to check
+            with open(os.path.join(path, METADATA_FILE), "rb") as handle:
+                digest = _sha256(handle)
+            if digest != self.sidecar["metadata_sha256"]:
+                _refuse(path, f"its {METADATA_FILE} does not hold the bytes saved: its sha256 is {digest}; "
+                        f"{SIDECAR_FILE} says {self.sidecar['metadata_sha256']} (written over or damaged since "
+                        "the save)", "To load it unverified, pass verify=False")
         self.metadata, self.files = _checked_metadata(path)
         for file in self.files:
             _check_trusted(os.path.join(path, file), allow_shared_folder, path)
@@ -582,34 +591,58 @@ def save(model, path: str, optimizer=None, metadata: dict | None = None, allow_s
             with open(os.path.join(staging, file), "rb") as handle:
                 mine[file] = (os.path.getsize(handle.name), _sha256(handle))
     parts = all_gather_json(mine) if dist.is_initialized() else [mine]
+    failure = cause = None
     if rank == 0:
-        files = {file: entry for part in parts for file, entry in part.items()}
-        par = model.plan.compiled.par
-        mesh = model.rt.mesh
-        document = {"format": SIDECAR_FORMAT, "save_id": save_id, "save_counter": _next_save_counter(path),
-                    "saved_at": time.time(),
-                    "files": {file: size for file, (size, _) in files.items()},
-                    "sha256": {file: digest for file, (_, digest) in files.items()},
-                    "plan": {"path": par.source.path, "text": par.source.text, "model": par.model.text,
-                             "mesh": dict(zip(mesh.axis_names, mesh.axis_sizes))},
-                    "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
-                    "metadata": metadata}
-        fd, temporary = _new_temporary(staging, SIDECAR_FILE)
-        with open(fd, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, os.path.join(staging, SIDECAR_FILE))
-        _fsync(staging)
-        old = f"{path}.{save_id}.old"
-        if os.path.exists(path):
-            os.rename(path, old)
-        os.rename(staging, path)  # publishes the save
-        _fsync(os.path.dirname(path))
-        if os.path.exists(old):
-            shutil.rmtree(old)
+        try:
+            _publish(model, optimizer, metadata, path, staging, save_id, parts)
+        except Exception as error:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
+            failure, cause = f"{type(error).__name__}: {error}", error
+    # rank 0's outcome, to every rank: the others would otherwise return as if saved, or wait for ever
+    # at a barrier rank 0 never reaches
     if dist.is_initialized():
-        dist.barrier()
+        failure = all_gather_json(failure)[0]
+    if failure:
+        raise CheckpointError(f"saving to {path} failed on rank 0 after the data files were written ({failure}); "
+                              f"{path} is as it was before the save, and the files written are left in {staging}. "
+                              "Fix the cause and save again") from cause
+
+
+def _publish(model, optimizer, metadata, path: str, staging: str, save_id: str, parts: list[dict]) -> None:
+    """Rank 0, once every rank's files are in `staging`: write the sidecar there (the data files' and
+    .metadata's hashes, the plan) and rename `staging` to `path`."""
+    files = {file: entry for part in parts for file, entry in part.items()}
+    par = model.plan.compiled.par
+    mesh = model.rt.mesh
+    with open(os.path.join(staging, METADATA_FILE), "rb") as handle:
+        metadata_sha256 = _sha256(handle)
+    document = {"format": SIDECAR_FORMAT, "save_id": save_id, "save_counter": _next_save_counter(path),
+                "saved_at": time.time(),
+                "files": {file: size for file, (size, _) in files.items()},
+                "sha256": {file: digest for file, (_, digest) in files.items()},
+                "metadata_sha256": metadata_sha256,
+                "plan": {"path": par.source.path, "text": par.source.text, "model": par.model.text,
+                         "mesh": dict(zip(mesh.axis_names, mesh.axis_sizes))},
+                "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+                "metadata": metadata}
+    fd, temporary = _new_temporary(staging, SIDECAR_FILE)
+    with open(fd, "w", encoding="utf-8") as handle:
+        json.dump(document, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, os.path.join(staging, SIDECAR_FILE))
+    _fsync(staging)
+    old = f"{path}.{save_id}.old"
+    if os.path.exists(path):
+        os.rename(path, old)
+    try:
+        os.rename(staging, path)  # publishes the save
+    except OSError:
+        if os.path.exists(old):  # the previous checkpoint back in place, as the caller is told
+            os.rename(old, path)
+        raise
+    _fsync(os.path.dirname(path))
+    # published: a replaced folder left behind is passed over by latest_checkpoint, no reason to fail the save
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _check_replaceable(path: str) -> None:
