@@ -424,6 +424,11 @@ def test_pardsl_dcp_save_hashes_its_files_and_refuses_a_shared_folder(pools, tmp
     for later, format in (("own", "pardsl"), ("dcp_again", "dcp")):
         pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(tmp_path / later), format))
         assert pardsl.latest_checkpoint(str(tmp_path)) == str(tmp_path / later)
+    # ... by their counters, not their times: these saves are later by both; one of a higher counter and
+    # an older saved_at (a clock set back since) is the latest
+    planted = _torch_folder(tmp_path / "counted")
+    _plant_sidecar(planted, save_counter=100, saved_at=1.0e9)
+    assert pardsl.latest_checkpoint(str(tmp_path)) == planted
     # another model's plan is refused, naming both models
     error = pool.run_on_every_rank(functools.partial(_save_and_load_mlp, str(tmp_path / "dcp_again"), "load",
                                                      os.path.join(REPO, "examples", "gpt_tp2.par")))[0]
