@@ -216,4 +216,11 @@ def test_every_architecture_with_a_plan_gets_a_file_that_compiles(tmp_path):
             assert expected in err and "Traceback" not in err, (name, err[-2000:])
         else:
             assert written and "Traceback" not in err, (name, err[-2000:])
+    # the plan was read, not only a file written: its entries gave layouts (Llama 4's causal LM is its own
+    # base model, with the plan's keys under `model`)
+    planless = [name for name, code, _ in results if code == 0 and
+                "tensor-parallel plan" in (text := (tmp_path / f"{name}.par").read_text()) and
+                not any(" : S(" in line and not line.strip().startswith(("input_ids", "output"))
+                        for line in text.splitlines())]
+    assert not planless, f"a tensor-parallel plan that gave no split layout: {planless}"
     assert len(names) - len(UNSUPPORTED) >= 100  # the sweep covers what transformers has, not a handful

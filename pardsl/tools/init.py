@@ -76,6 +76,12 @@ def _small(cls: type) -> dict:
             kinds = []
         if kinds:
             settings.update(num_hidden_layers=len(kinds), layer_types=kinds)
+    if isinstance(defaults.get("expert_layer_period"), int):  # Jamba: experts every k-th layer, from an offset
+        # two layers, the second with the experts (and attention, where that too comes every k-th): each kind
+        # the plan names is in the model
+        settings.update(num_hidden_layers=2, expert_layer_period=2, expert_layer_offset=1)
+        if isinstance(defaults.get("attn_layer_period"), int):
+            settings.update(attn_layer_period=2, attn_layer_offset=1)
     settings.update({name: 0 for name in TOKEN_IDS
                      if isinstance(defaults.get(name), int) and defaults[name] >= settings.get("vocab_size", 0)})
     return settings
@@ -170,6 +176,7 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
         raise InitError(f"`{model}` has no config with an integer vocab_size: init writes a token-id input "
                         "and needs one; write the .par by hand for this model (see docs/language.md)")
     plan = getattr(config, "base_model_tp_plan", None) or {}
+    base_path = _plan_root(module, base_path, plan)
 
     lines = [f"# Written by `pardsl init {asked}`: a starting point to edit, checked to compile."]
     if plan:
@@ -213,6 +220,22 @@ def _base_model(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:
                     return inner, base
     raise InitError("the model holds no transformers PreTrainedModel: init reads the tensor-parallel plan from "
                     "one; give a factory that builds a Hugging Face model, or write the .par by hand")
+
+
+def _plan_root(module: torch.nn.Module, base_path: str, plan: dict[str, str]) -> str:
+    """The module path the plan's keys are relative to: the base model's, unless its keys match more under
+    a submodule of it (Llama 4's causal LM is its own base model; its plan's `layers.*` are under `model`)."""
+    names = [name for name, _ in module.named_modules()] + [name for name, _ in module.named_parameters()]
+    depth = base_path.count(".") + 1 if base_path else 0
+    candidates = [base_path] + [name for name, _ in module.named_modules()
+                                if name.startswith(f"{base_path}." if base_path else "") and name
+                                and name.count(".") + 1 - depth <= 2]
+
+    def matched(root: str) -> int:
+        prefix = f"{root}." if root else ""
+        return sum(any(_matches(prefix + key, name) for name in names) for key in plan)
+
+    return max(candidates, key=matched)  # the first of the best: the base model's own path on a tie
 
 
 def _matches(pattern: str, name: str) -> bool:
