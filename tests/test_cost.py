@@ -306,6 +306,10 @@ def test_an_8b_plan_is_summed_up_against_the_card_with_its_layers_folded():
     assert stack[2].startswith("parameters 3.7 GiB + gradients 3.7 GiB + optimizer state 7.5 GiB + activations ")
     assert f"the card holds {format_bytes(machine.device_memory_bytes)}: fits" in text
     assert "model.layers.1 to 31: as model.layers.0" in text and "model.layers.2:" not in text
+    # the embedding's and the head's gathers under their own modules, not "outside the layers"
+    for module in ("model.embed_tokens", "lm_head"):
+        own = text.split(f"\n{module}: compute", 1)[1].split("\n", 3)
+        assert f"1 parameter of {module}, gathered for use" in "\n".join(own[:3]), own
     assert "per device: " in text and " tokens/s (131,072 tokens a step), MFU " in text
     assert "(model FLOPs 7.59e+15 a step, of the 700 TFLOP/s the machine's figures give a device)" in text
     assert "; 50 TFLOP/s in float32, 700 TFLOP/s in 16-bit, memory 2,800 GB/s" in text

@@ -394,13 +394,18 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
             runs = next((inside for inside in statement.body if c in inside.collectives), statement)
             module = bound.module_paths.get(needed_by(typed, runs, c, order), "")
             placed.append((c, layer_of(module), False, False, module, c.reason))
+    parameter_names = {slot.var: slot.name for slot in program.parameters}
     for group in program.gathers:
         unit = group.members[0].unit
+        if not unit:  # outside the layers: the module that owns them, where one does (an embedding, a head)
+            owners = {parameter_names.get(m.attr, "").rpartition(".")[0] for m in group.members}
+            unit = owners.pop() if len(owners) == 1 and "" not in owners else ""
         where = f"of {unit}" if unit else "outside the layers"
-        placed.append((group.collective, unit, True, False, unit,
+        layer = layer_of(unit) if unit else ""
+        placed.append((group.collective, layer, True, False, unit,
                        f"{plural(len(group.members), 'parameter')} {where}, gathered for use"))
         if group.regather is not None:  # prefetched in backward as in forward
-            placed.append((group.regather, unit, True, False, unit,
+            placed.append((group.regather, layer, True, False, unit,
                            f"{plural(len(group.members), 'parameter')} {where}, gathered again for backward"))
     placed += [(c, "", True, True, "", c.reason) for bucket in program.buckets for c in bucket.collectives]
     costs = [CollectiveCost(c.kind, c.axis, c.phase, c.bytes, collective_seconds(machine, mesh, c), layer, reason,
