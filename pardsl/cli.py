@@ -263,8 +263,8 @@ def _arguments() -> argparse.ArgumentParser:
 
 
 MACHINE_HELP = ("the machine the plan is searched and estimated for: a preset (h100-nvlink-ib, a100-nvlink-ib, "
-                "cpu-gloo) or a file `pardsl calibrate` wrote (default: this machine's calibration for its "
-                "backend, else the backend's defaults)")
+                "h800-nvlink-ib, cpu-gloo) or a file `pardsl calibrate` wrote (default: this machine's calibration "
+                "for its backend, else the backend's defaults)")
 
 
 def _bucket_mb(text: str) -> float:
