@@ -33,105 +33,54 @@ that index names held inside its folder, as pardsl's own index's are).
 
 from __future__ import annotations
 
-import bisect
-import grp
-import hashlib
-import itertools
 import json
 import math
 import os
-import pwd
 import re
 import secrets
-import stat
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pardsl.layouts.algebra import Layout, Mesh, chunk_of_block
+from pardsl.layouts.algebra import Layout, Mesh
 from pardsl.runtime.collectives import all_gather_json
+from pardsl.runtime import dcp
+from pardsl.runtime.checkpoint_files import (  # the formats' shared parts, also pardsl.runtime.checkpoint's to import
+    _check_trusted,
+    _checkpoints_in,
+    _coverage_error,
+    _entries,
+    _find_name,
+    _fsync,
+    _group_of_mine_alone,
+    _is_count,
+    _is_pardsl,
+    _new_temporary,
+    _next_save_counter,
+    _outside,
+    _refuse,
+    _save_counter,
+    _sha256,
+    CheckpointError,
+    INDEX_FILE,
+    local_regions,
+    owns,
+    Piece,
+    Region,
+    UntrustedFolderError,
+)
 
-INDEX_FILE = "pardsl.index.json"
 HF_INDEX_FILE = "model.safetensors.index.json"
 HF_SINGLE_FILE = "model.safetensors"
 FORMAT = "pardsl-checkpoint/2"
 SAVE_ID_KEY = "pardsl.save_id"  # in each file's safetensors metadata
-_MAX_GRID_CELLS = 1 << 24  # the coverage check's grid; a real layout's pieces make far fewer cells
 # torch's dtype names (the index's) and safetensors' (a file's header)
 _DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
            "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "complex64": "C64",
            "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is incomplete, damaged, or not of the model that loads it: refused as a whole."""
-
-
-class UntrustedFolderError(CheckpointError):
-    """A checkpoint folder, or a file in it, that another user could change (`allow_shared_folder=True` to
-    use it anyway)."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    file: str  # path relative to the checkpoint folder (or absolute, for a single file)
-    key: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Region:
-    """A box of the global tensor that a rank holds, and where it sits in the rank's local tensor."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    local_offsets: tuple[int, ...]
-
-    def local_index(self, offsets=None, sizes=None) -> tuple[slice, ...]:
-        offsets = self.offsets if offsets is None else offsets
-        sizes = self.sizes if sizes is None else sizes
-        return tuple(slice(lo + o - go, lo + o - go + s)
-                     for lo, o, go, s in zip(self.local_offsets, offsets, self.offsets, sizes))
-
-
-def local_regions(layout: Layout, shape: tuple[int, ...], mesh: Mesh, coordinate: tuple[int, ...]) -> list[Region]:
-    """The boxes of a tensor of global `shape` that the rank at `coordinate` holds under `layout`.
-
-    Per dim, one segment where the dim is whole or split (torch.chunk order over the splitting axes,
-    outermost first); `blocks` segments where it is split in blocks (the rank's chunk of every block).
-    """
-    per_dim = []
-    for dim, size in enumerate(shape):
-        axes = layout.axes_splitting(dim)
-        blocks = layout.blocks_of(dim)
-        if not axes:
-            per_dim.append([(0, size, 0)])
-        elif blocks > 1:
-            (axis,) = axes
-            block, n = size // blocks, mesh.axis_sizes[axis]
-            chunk, mirrored = block // n, dim in layout.mirrored_dims()
-            per_dim.append([(j * block + chunk_of_block(j, coordinate[axis], n, mirrored) * chunk, chunk, j * chunk)
-                            for j in range(blocks)])
-        else:
-            index, ways = 0, 1
-            for axis in axes:
-                index, ways = index * mesh.axis_sizes[axis] + coordinate[axis], ways * mesh.axis_sizes[axis]
-            local = size // ways
-            per_dim.append([(index * local, local, 0)])
-    return [Region(tuple(s[0] for s in combo), tuple(s[1] for s in combo), tuple(s[2] for s in combo))
-            for combo in itertools.product(*per_dim)]
-
-
-def owns(layout: Layout, coordinate: tuple[int, ...], pipeline_axis: int | None = None) -> bool:
-    """Whether this rank writes its copy: it is the first of the ranks that hold the same values. Along a
-    pipeline axis the ranks hold different stages, so no copy there is another's."""
-    return all(p.is_split or coordinate[axis] == 0 or axis == pipeline_axis
-               for axis, p in enumerate(layout.placements))
 
 
 def _file_name(rank: int, world: int, save_id: str) -> str:
@@ -144,96 +93,6 @@ _STALE_FILE = re.compile(r"rank-\d{5}-of-\d{5}(\.[0-9a-f]+)?\.safetensors(\.([0-
 _FUTURE_SLACK_S = 24 * 3600  # a `saved_at` later than now by more than clocks disagree is not a time a save had
 
 
-def _fsync(path: str) -> None:
-    """Data (or a folder's entries) on disk before anything that depends on it is published."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _new_temporary(folder: str, name: str) -> tuple[int, str]:
-    """A new file beside `name` in `folder`, open for writing, and its path. Its name is random
-    and it is created only if nothing is there (O_EXCL), never through a symbolic link (O_NOFOLLOW): a
-    file another user placed at a name a save would use is never written through. Mode 0o666 less the
-    umask, as any file the user writes."""
-    temporary = os.path.join(folder, f"{name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-    return fd, temporary
-
-
-def _sha256(handle) -> str:
-    """The sha256 of what `handle` (a binary file) holds, read from its start."""
-    handle.seek(0)
-    digest, buffer = hashlib.sha256(), bytearray(1 << 22)
-    view = memoryview(buffer)
-    while read := handle.readinto(buffer):
-        digest.update(view[:read])
-    return digest.hexdigest()
-
-
-def _untrusted_path(path: str) -> str | None:
-    """Why another user could change or replace what `path` (a file or folder) holds, else None: it or a
-    folder above it is owned by someone other than this user or root (an owner may rename what a folder
-    holds), or is writable by group or others; a folder with the sticky bit (as /tmp) excepted, where
-    others cannot rename what they do not own, and a group of this user's alone (a user private group,
-    under umask 002). The rule OpenSSH applies to ~/.ssh."""
-    me = os.geteuid()
-    path = os.path.realpath(path)
-    while True:
-        try:
-            info = os.stat(path)
-        except FileNotFoundError:  # a folder a save has yet to make
-            info = None
-        if info is not None:
-            shielded = stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX
-            if info.st_uid not in (0, me):
-                return f"{path} is owned by uid {info.st_uid}, not by you (uid {me}) or root"
-            if info.st_mode & stat.S_IWOTH and not shielded:
-                return f"{path} is writable by others without the sticky bit"
-            if info.st_mode & stat.S_IWGRP and not shielded and not _group_of_mine_alone(info.st_gid):
-                return f"{path} is writable by its group (gid {info.st_gid}) without the sticky bit"
-        parent = os.path.dirname(path)
-        if parent == path:
-            return None
-        path = parent
-
-
-def _group_of_mine_alone(gid: int) -> bool:
-    """Whether group `gid` is this user's private group: named as the user, with no other member (listed
-    in the group, or another user whose primary group it is, whom the group's list does not name)."""
-    try:
-        user, group = pwd.getpwuid(os.geteuid()).pw_name, grp.getgrgid(gid)
-    except KeyError:
-        return False
-    others_primary = any(entry.pw_gid == gid and entry.pw_name != user for entry in pwd.getpwall())
-    return group.gr_name == user and set(group.gr_mem) <= {user} and not others_primary
-
-
-def _check_trusted(path: str, allow_shared_folder: bool, refused: str) -> None:
-    """CheckpointError (message opening with `refused`) where another user could change `path`."""
-    why = None if allow_shared_folder else _untrusted_path(path)
-    if why:
-        raise UntrustedFolderError(f"{refused}: {why}, so another user could replace or redirect the "
-                                   "checkpoint's files. Keep checkpoints in folders only you can write (chown "
-                                   "them to yourself, chmod go-w), or pass allow_shared_folder=True if you trust "
-                                   "everyone who can write there")
-
-
-def _outside(folder: str, name, blobs: str | None = None) -> bool:
-    """Whether file `name` that an index names lies outside `folder`: not a plain name (a path, `..`, a
-    hidden name), or a symbolic link or anything else resolving elsewhere. `blobs`: a folder links may
-    lead into (a Hugging Face cache's, whose snapshot folders are links into it)."""
-    if not isinstance(name, str) or os.path.basename(name) != name or name.startswith("."):
-        return True
-    file = os.path.join(folder, name)
-    where = os.path.dirname(os.path.realpath(file))
-    if os.path.islink(file):
-        return blobs is None or where != blobs
-    return where != os.path.realpath(folder)
-
-
 def _key(name: str, offsets: tuple[int, ...]) -> str:
     return f"{name}@{','.join(map(str, offsets))}"
 
@@ -244,65 +103,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # Saving
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """A tensor this rank holds, to save: its local value, layout and global shape, and whether this rank's
-    copy is the one written."""
-
-    local: torch.Tensor
-    layout: Layout
-    shape: tuple[int, ...]
-    written: bool
-
-
-def _entries(model, optimizer) -> tuple[dict[str, _Entry], dict | None]:
-    """Every tensor this rank holds (parameters, persistent buffers, optimizer state), by name; and the
-    optimizer's JSON part. A copy is written by the first of the ranks that hold the same values (`owns`);
-    in a pipeline, where the ranks along the pipeline axis hold different stages, by the ranks of the first
-    stage that holds it (a tied weight two stages hold is written once)."""
-    plan, rt = model.plan, model.rt
-    mesh = rt.mesh
-    coordinate = tuple(rt.coordinate[name] for name in mesh.axis_names)
-    pipeline = getattr(model, "pipeline", None)
-    along = mesh.axis_names.index(pipeline.axis) if pipeline is not None else None
-    first_stage = {name: min(held) for name, held in pipeline.shared} if pipeline is not None else {}
-    persistent = plan.compiled.bound.persistent_buffers
-    entries: dict[str, _Entry] = {}
-    of_parameter: dict[int, tuple[str, _Entry]] = {}
-    for stage, module, parameters, buffers in model.parts():
-        tables = [*parameters.items(), *((name, entry) for name, entry in buffers.items() if name in persistent)]
-        for name, (attr, layout, shape) in tables:
-            local = getattr(module, attr)
-            layout = Layout.from_key(layout)
-            written = first_stage.get(name, stage) == stage and owns(layout, coordinate, along)
-            entry = _Entry(local.detach(), layout, tuple(shape), written)
-            of_parameter[id(local)] = (name, entry)
-            entries.setdefault(name, entry)  # a tied weight two of this rank's stages hold: the first's
-    if optimizer is None:
-        return entries, None
-    groups, values = [], {}
-    count_written = owns(Layout.broadcast(mesh), coordinate, along)
-    for group in optimizer.param_groups:
-        names = [of_parameter[id(p)][0] for p in group["params"]]
-        hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
-        groups.append({"params": names, **{k: v for k, v in hyper.items() if _is_json(v)}})
-        for parameter in group["params"]:
-            name, held = of_parameter[id(parameter)]
-            for key, value in optimizer.state.get(parameter, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == parameter.shape and value.dim() > 0:
-                    state = _Entry(value.detach(), held.layout, held.shape, held.written)
-                elif isinstance(value, torch.Tensor):  # a count such as Adam's step: the same on every rank
-                    state = _Entry(value.detach(), Layout.broadcast(mesh), tuple(value.shape),
-                                   held.written and count_written)
-                else:
-                    if _is_json(value):
-                        values.setdefault(name, {})[key] = value
-                    continue
-                if state.written or f"optimizer.{name}.{key}" not in entries:
-                    entries[f"optimizer.{name}.{key}"] = state
-    return entries, {"class": type(optimizer).__name__, "param_groups": groups, "values": values}
 
 
 def _merged_optimizer(parts: list[dict | None]) -> dict | None:
@@ -319,14 +119,6 @@ def _merged_optimizer(parts: list[dict | None]) -> dict | None:
         for name, entry in part["values"].items():
             values.setdefault(name, entry)
     return {"class": present[0]["class"], "param_groups": groups, "values": values}
-
-
-def _is_json(value) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 FORMATS = ("pardsl", "dcp")
@@ -349,8 +141,6 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metad
     if format not in FORMATS:
         raise ValueError(f"pardsl.save: format {format!r} is not one of {', '.join(map(repr, FORMATS))}")
     if format == "dcp":
-        from pardsl.runtime import dcp
-
         return dcp.save(model, path, optimizer, metadata, allow_shared_folder)
     if metadata is not None:
         json.dumps(metadata)  # fails here, on every rank alike, rather than after the files are written
@@ -438,11 +228,6 @@ def save(model, path: str, optimizer: torch.optim.Optimizer | None = None, metad
 
 # ---------------------------------------------------------------------------------------------------
 # Reading
-
-
-def _refuse(folder: str, message: str, remedy: str = ""):
-    raise CheckpointError(f"{folder}: {message}; the checkpoint is refused, nothing was loaded"
-                          + (f". {remedy}" if remedy else ""))
 
 
 def _checked_index(folder: str, verify: bool = True, allow_shared_folder: bool = False) \
@@ -534,33 +319,6 @@ def _checked_index(folder: str, verify: bool = True, allow_shared_folder: bool =
     return document, checked
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _coverage_error(shape: tuple[int, ...], pieces: list[Piece]) -> str | None:
-    """None where the pieces cover every element of `shape` exactly once, else what is wrong: on the grid
-    their boundaries cut the tensor into, each cell must be inside exactly one piece."""
-    if math.prod(shape) == 0:
-        return None
-    pieces = [p for p in pieces if math.prod(p.sizes) > 0]
-    if sum(math.prod(p.sizes) for p in pieces) != math.prod(shape):
-        return (f"its pieces hold {sum(math.prod(p.sizes) for p in pieces)} elements; the tensor has "
-                f"{math.prod(shape)} (a piece dropped, cut short or written twice)")
-    cuts = [sorted({0, size, *(p.offsets[d] for p in pieces), *(p.offsets[d] + p.sizes[d] for p in pieces)})
-            for d, size in enumerate(shape)]
-    if math.prod(len(c) - 1 for c in cuts) > _MAX_GRID_CELLS:
-        return "its pieces are cut too finely to check"
-    count = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.int32)
-    for piece in pieces:
-        box = tuple(slice(bisect.bisect_left(c, o), bisect.bisect_left(c, o + n))
-                    for c, o, n in zip(cuts, piece.offsets, piece.sizes))
-        count[box] += 1
-    if bool((count != 1).any()):
-        return "its pieces overlap and leave elements uncovered"
-    return None
-
-
 def _hugging_face_files(folder: str) -> list[str]:
     """The files a Hugging Face folder's index names; CheckpointError where it cannot be read."""
     try:
@@ -580,23 +338,6 @@ def _cache_blobs(folder: str) -> str | None:
     if os.path.basename(os.path.dirname(real)) != "snapshots":
         return None
     return os.path.join(os.path.dirname(os.path.dirname(real)), "blobs")
-
-
-def _find_name(names, saved, by_suffix: bool = True) -> str | None:
-    """The name in `saved` (a checkpoint's tensor names) of a tensor the model knows by `names` (tied names
-    included): exact first, then (`by_suffix`) with leading module names dropped (a wrapper's `model.`
-    prefix over a Hugging Face checkpoint). Both formats' loaders match names by this one rule."""
-    for name in names:
-        if name in saved:
-            return name
-    if not by_suffix:
-        return None
-    for name in names:
-        parts = name.split(".")
-        for start in range(1, len(parts)):
-            if ".".join(parts[start:]) in saved:
-                return ".".join(parts[start:])
-    return None
 
 
 class CheckpointSource:
@@ -702,8 +443,6 @@ def load_model_state(parts, plan, checkpoint: str, strict: bool = True, verify: 
     `allow_shared_folder`: as for CheckpointSource. A DCP folder (its `.metadata`) is read by
     pardsl.runtime.dcp."""
     if _is_dcp(checkpoint):
-        from pardsl.runtime import dcp
-
         return dcp.load_model_state(parts, plan, checkpoint, strict, verify, allow_shared_folder)
     source = CheckpointSource(checkpoint, verify, allow_shared_folder)
     tied = plan.compiled.bound.tied
@@ -750,62 +489,15 @@ def _check_same_model(source: CheckpointSource, plan, checkpoint: str) -> None:
 def checkpoint_metadata(checkpoint: str, verify: bool = True, allow_shared_folder: bool = False) -> dict | None:
     """The `metadata` a pardsl checkpoint was saved with (after checking its index and files' headers)."""
     if _is_dcp(checkpoint):
-        from pardsl.runtime import dcp
-
         return dcp.metadata_of(checkpoint, verify, allow_shared_folder)
     if not _is_pardsl(checkpoint):
         return None
     return CheckpointSource(checkpoint, verify, allow_shared_folder).document.get("metadata")
 
 
-def _is_pardsl(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, INDEX_FILE))
-
-
 def _is_dcp(path: str) -> bool:
     """A torch.distributed.checkpoint folder, known by its `.metadata` (and no pardsl index)."""
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata")) and not _is_pardsl(path)
-
-
-DCP_SIDECAR_FILE = "pardsl.dcp.json"  # beside a DCP folder's .metadata, where pardsl.save wrote it
-# a DCP save's folder before it is renamed into place, and the one it replaces, while it is removed
-_DCP_STAGING = re.compile(r"\.[0-9a-f]{16}\.(tmp|old)$")
-
-
-def _checkpoints_in(folder: str) -> list[str]:
-    """`folder` and those of its subfolders that hold a pardsl index, or a DCP folder pardsl saved (complete
-    or not)."""
-    try:
-        entries = sorted(os.listdir(folder))
-    except OSError:
-        return []
-    return [c for c in [folder] + [os.path.join(folder, entry) for entry in entries]
-            if _is_pardsl(c) or (os.path.isfile(os.path.join(c, DCP_SIDECAR_FILE)) and not _DCP_STAGING.search(c))]
-
-
-def _document(candidate: str) -> str:
-    """The JSON file that says when a checkpoint `_checkpoints_in` found was saved."""
-    return os.path.join(candidate, INDEX_FILE if _is_pardsl(candidate) else DCP_SIDECAR_FILE)
-
-
-def _save_counter(document: dict) -> int:
-    counter = document.get("save_counter")
-    return counter if _is_count(counter) else 0  # 0: saved by a pardsl before save counters
-
-
-def _next_save_counter(path: str) -> int:
-    """The counter of a save into `path`: one more than that of any save `latest_checkpoint` could weigh it
-    against (in `path` and its subfolders, and beside it in its parent's), complete or not."""
-    highest = 0
-    for candidate in _checkpoints_in(os.path.dirname(os.path.abspath(path))) + _checkpoints_in(path):
-        try:
-            with open(_document(candidate), encoding="utf-8") as handle:
-                document = json.load(handle)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            continue
-        if isinstance(document, dict):
-            highest = max(highest, _save_counter(document))
-    return highest + 1
 
 
 def _time_saved(document: dict) -> float:
@@ -834,8 +526,6 @@ def latest_checkpoint(folder: str, allow_shared_folder: bool = False) -> str | N
             if _is_pardsl(candidate):
                 document, _ = _checked_index(candidate, verify=False, allow_shared_folder=allow_shared_folder)
             else:
-                from pardsl.runtime import dcp
-
                 document = dcp.DcpSource(candidate, verify=False, allow_shared_folder=allow_shared_folder).sidecar
                 if document is None:
                     continue
@@ -858,8 +548,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, model, checkpoint: st
     `allow_shared_folder`: as for CheckpointSource. From a DCP folder, the state in torch's layout
     (pardsl.runtime.dcp)."""
     if _is_dcp(checkpoint):
-        from pardsl.runtime import dcp
-
         return dcp.load_optimizer_state(optimizer, model, checkpoint, strict, verify, allow_shared_folder)
     source = CheckpointSource(checkpoint, verify, allow_shared_folder)
     saved = source.document and source.document.get("optimizer")
@@ -911,8 +599,6 @@ def export_checkpoint(checkpoint: str, output: str, verify: bool = True, allow_s
     returns the names written. Optimizer state is left out. `verify`, `allow_shared_folder`: as for
     CheckpointSource. A DCP folder's model tensors are read whole by pardsl.runtime.dcp."""
     if _is_dcp(checkpoint):
-        from pardsl.runtime import dcp
-
         tensors = dcp.whole_model_tensors(checkpoint, verify, allow_shared_folder)
         save_file(tensors, output, metadata={"format": "pt"})
         return sorted(tensors)

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.planner_helpers import _create_write_items, create_read_items_for_chunk_list
 
 from pardsl.layouts.algebra import Layout
-from pardsl.runtime.checkpoint import (DCP_SIDECAR_FILE, CheckpointError, Region, _check_trusted, _coverage_error,
+from pardsl.runtime.checkpoint_files import (DCP_SIDECAR_FILE, CheckpointError, Region, _check_trusted, _coverage_error,
                                        _entries, _find_name, _fsync, _is_count, _new_temporary, _next_save_counter,
                                        _outside, _refuse, _sha256, local_regions)
 from pardsl.runtime.collectives import all_gather_json
