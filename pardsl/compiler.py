@@ -46,7 +46,7 @@ from pardsl.planning.cost import (
 from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning import descent
 from pardsl.planning.descent import CompletedPlan, searched_or_greedy
-from pardsl.planning.pipeline_search import choose_pipeline, pipelined_step_seconds
+from pardsl.planning.pipeline_search import StageLowering, choose_pipeline, pipelined_step_seconds
 from pardsl.planning.search import memory_limit, wants_search
 from pardsl.program.codegen import render, render_pipeline
 from pardsl.program.ir import LoweredProgram, format_bytes, named_layout
@@ -449,7 +449,8 @@ def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compi
     machine = machine or default_machine()
     program = timed(seconds, "lower", lambda: lower(typed, bucket_mb))
     chosen, options = timed(seconds, "pipeline search", lambda: choose_pipeline(
-        typed, program, decl, machine, memory_limit(bound, microbatches=decl.microbatches), decl.microbatches))
+        typed, program, decl, machine, memory_limit(bound, microbatches=decl.microbatches), decl.microbatches,
+        lowering=stage_lowering(bucket_mb)))
     concrete = replace(par, pipelines=(chosen,))
     same_trace = chosen.microbatches == decl.microbatches
     compiled = _compile_pipelined(concrete, bucket_mb, machine,
@@ -457,6 +458,21 @@ def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compi
     for stage, spent in seconds.items():
         compiled.seconds[f"pipeline search: {stage}" if stage in compiled.seconds else stage] = spent
     return replace(compiled, pipeline_options=options)
+
+
+def stage_lowering(bucket_mb: float = DEFAULT_BUCKET_MB) -> StageLowering:
+    """The compile's lowering, for the pipeline search to price its options on the programs the compile
+    makes: the whole program, and the stage programs of a cut through the passes after lowering."""
+
+    def staged(typed):
+        def parts_of(stage_of: dict[str, int], count: int) -> list:
+            _, parts = lower_in_stages(typed, bucket_mb, lambda *whole: pp.split_program(typed, stage_of, count, *whole))
+            for _, run in PASSES_AFTER_LOWERING:
+                parts = [run(part, typed) for part in parts]
+            return parts
+        return parts_of
+
+    return StageLowering(lambda typed: lower(typed, bucket_mb), staged)
 
 
 def _check_memory_bound(bound: BoundPlan, program: LoweredProgram, memory: dict[str, int] | None = None,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pardsl.compiler import compile_text
+from pardsl.compiler import compile_text, stage_lowering
 from pardsl.planning.cost import pipeline_rank_memory
 from pardsl.program.codegen import load_module
 from pardsl.language.diagnostics import CompileError
@@ -314,7 +314,8 @@ def test_a_searched_pipeline_prices_every_option_and_is_no_slower_than_balanced_
         balanced = compile_text(llama(f"pp : schedule 1F1B, microbatches {m}, cut balanced", layers=4), "plan.par")
         decl = replace(balanced.par.pipeline, cuts=tuple((name, balanced.par.pipeline.cut_span)
                                                          for name in balanced.pipeline.cut_before))
-        _, (priced,) = choose_pipeline(balanced.typed, balanced.program, decl, default_machine(), None, m)
+        _, (priced,) = choose_pipeline(balanced.typed, balanced.program, decl, default_machine(), None, m,
+                                       lowering=stage_lowering())
         assert kept.step_s <= priced.step_s * (1 + 1e-9), m
 
 

@@ -38,11 +38,11 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 from pardsl.language.diagnostics import CompileError, Diagnostic
 from pardsl.language.syntax import PipelineDecl
 from pardsl.planning.cost import (
-    DEFAULT_BUCKET_MB,
     Machine,
     collective_seconds,
     memory_per_rank,
@@ -107,25 +107,36 @@ class _Segments:
     segment_of: dict
 
 
+class StageLowering(NamedTuple):
+    """How the compile lowers a plan, handed to the pipeline search by the compiler (planning comes before
+    the program, so it does not reach for lowering itself): `whole(typed)` the uncut program; `staged(typed)`
+    a function of (stage_of, count) giving the stage programs through the passes after lowering, as the
+    pipeline compiled from them has them."""
+
+    whole: Callable
+    staged: Callable
+
+
 def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit: int | None,
-                    traced_microbatches: int, optimizer: str = "adamw",
-                    price_memory: bool = True) -> tuple[PipelineDecl, tuple[PipelineOption, ...]]:
+                    traced_microbatches: int, optimizer: str = "adamw", price_memory: bool = True,
+                    lowering: StageLowering | None = None) -> tuple[PipelineDecl, tuple[PipelineOption, ...]]:
     """The pipeline the file leaves to the compiler (see the module's docstring): the statement with its
     `?` options decided, and every option priced, the chosen one first. `typed`: the plan traced at
     `traced_microbatches` micro-batches, `program` its lowered program (uncut), whose collectives along
     the other axes count in their stage's time, and its gradient buckets once a step. Each option's memory
     is the most a rank holds by cost.pipeline_rank_memory's count, on the plan's own stage programs
     (segment_memory): the model `explain` and the compile's check against the bound use. `price_memory`
-    off: the step alone (pipelined_step_seconds)."""
+    off: the step alone (pipelined_step_seconds); on, it needs the compile's `lowering`."""
+    assert lowering is not None or not price_memory, "pricing memory needs the compile's lowering"
     bound = typed.bound
     axis = bound.mesh.axis_index(decl.axis)
     ranks = bound.mesh.axis_sizes[axis]
     if price_memory and wants_search(bound) and \
             any(size > 1 for other, size in enumerate(bound.mesh.axis_sizes) if other != axis):
-        typed, program = _searched_layouts(typed, decl, machine, limit, traced_microbatches)
+        typed, program = _searched_layouts(typed, decl, machine, limit, traced_microbatches, lowering)
     written_cuts = () if "cut" in decl.searched or decl.balanced else tuple(module for module, _ in decl.cuts)
     segments = _segments(typed, program, machine, written_cuts)
-    held_bytes = segment_memory(typed, segments, _staged(typed), optimizer) if price_memory else None
+    held_bytes = segment_memory(typed, segments, lowering.staged(typed), optimizer) if price_memory else None
     synchronised = sum(collective_seconds(machine, typed.mesh, c) for bucket in program.buckets
                        for c in bucket.collectives)
     schedules = SEARCHED_SCHEDULES if "schedule" in decl.searched else ((decl.schedule, decl.stages_per_rank),)
@@ -219,7 +230,8 @@ def _segments(typed, program, machine: Machine, written_cuts: tuple[str, ...] = 
     return _Segments(tuple(names), tuple(scaled), tuple(fixed), tuple(weight), tuple(sent), segment_of)
 
 
-def _searched_layouts(typed, decl: PipelineDecl, machine: Machine, limit: int | None, traced_microbatches: int):
+def _searched_layouts(typed, decl: PipelineDecl, machine: Machine, limit: int | None, traced_microbatches: int,
+                      lowering: "StageLowering"):
     """The plan whose pipeline is priced, where the file leaves layouts of the other axes to the search:
     searched as the compile searches them for the pipeline chosen (compiler._compile_pipelined), one
     micro-batch's step with the pipeline axis kept B and the whole model held to `ranks` times the bound,
@@ -228,33 +240,14 @@ def _searched_layouts(typed, decl: PipelineDecl, machine: Machine, limit: int | 
     had its options timed without tensor parallelism, and the compile then searched layouts for a
     pipeline chosen for others (GPT-3 175B's searched file: 192 micro-batches written, 16 chosen, 2.8
     times the recipe's step)."""
-    from pardsl.program.lowering import lower  # a later stage's, as _staged's
-
     mesh = typed.mesh
     axis = mesh.axis_index(decl.axis)
     ranks = mesh.axis_sizes[axis]
     schedule = "1F1B" if "schedule" in decl.searched else decl.schedule
     microbatches = traced_microbatches if "microbatches" in decl.searched else decl.microbatches
     held = micro_batches_held(schedule, microbatches, ranks, 0)
-    return searched_or_greedy(typed.bound, machine, lambda plan, _: lower(plan, DEFAULT_BUCKET_MB), {},
+    return searched_or_greedy(typed.bound, machine, lambda plan, _: lowering.whole(plan), {},
                               kept=(axis,), limit=None if limit is None else limit * ranks, activation_weight=held)
-
-
-def _staged(typed):
-    """The plan's programs cut at given op boundaries, as the compile makes a pipeline's stages: lowered
-    in stages, each through the passes after lowering (its recomputation, precision, offload)."""
-    from pardsl.compiler import PASSES_AFTER_LOWERING  # the compile's own list; it imports this module
-    from pardsl.passes.pipeline import split_program
-    from pardsl.program.lowering import lower_in_stages
-
-    def staged(stage_of: dict[str, int], count: int) -> list:
-        _, parts = lower_in_stages(typed, DEFAULT_BUCKET_MB,
-                                   lambda *whole: split_program(typed, stage_of, count, *whole))
-        for _, run in PASSES_AFTER_LOWERING:
-            parts = [run(part, typed) for part in parts]
-        return parts
-
-    return staged
 
 
 def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw") -> SegmentMemory:
