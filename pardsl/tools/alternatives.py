@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from pardsl.compiler import compile_bound
 from pardsl.language.diagnostics import CompileError
 from pardsl.language.progress import tell
 from pardsl.language.syntax import parse
@@ -52,8 +53,6 @@ def plan_alternatives(compiled, machine, bucket_mb: float = DEFAULT_BUCKET_MB) -
 
 
 def _priced(compiled, machine, bucket_mb: float, title: str, text: str, shown: list[str]) -> Alternative:
-    from pardsl.compiler import compile_bound  # the compiler's own stages, on the plan's trace
-
     try:
         variant = parse(text, compiled.par.source.path)
         other = compile_bound(variant, bound_on_mesh(compiled.bound, variant), bucket_mb, machine)
