@@ -481,7 +481,7 @@ def _explain(args, compiled, machine, started: float) -> int:
         result = estimate(compiled, machine, args.optimizer)
         bound = compiled.memory_bound
         others = plan_alternatives(compiled, machine,
-                                   DEFAULT_BUCKET_MB if args.bucket_mb is None else args.bucket_mb)
+                                   DEFAULT_BUCKET_MB if args.bucket_mb is None else args.bucket_mb, args.optimizer)
         tell("writing the report")
         page = html_page(compiled, result, bound, others, args.op_choices) if args.html else None
         text = None if args.json else report(compiled, result, bound, others, args.op_choices)

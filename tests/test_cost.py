@@ -393,3 +393,12 @@ def test_a_recomputed_collective_says_what_it_does_for_which_module():
     assert "self_attn.o_proj: made again in backward: partial sums added up for " \
         "model.layers.0.post_attention_layernorm (pow)" in text
     assert "Tensor_Scalar" not in text
+
+
+def test_alternatives_count_the_optimizer_the_plan_is_explained_with(capsys):
+    # SGD keeps no state: the plan and its alternatives alike, so the memory they differ by is the same
+    compiled = compile_file("examples/llama_zero3.par")
+    with_sgd = estimate(compiled, MACHINE, "sgd")
+    [whole, _] = plan_alternatives(compiled, MACHINE, optimizer="sgd")
+    [whole_adamw, _] = plan_alternatives(compiled, MACHINE)
+    assert whole.memory < whole_adamw.memory and whole.memory > with_sgd.memory["total"]

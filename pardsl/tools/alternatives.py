@@ -38,9 +38,11 @@ class Alternative:
                 "within_bound": self.within_bound, "why_not": self.why_not}
 
 
-def plan_alternatives(compiled, machine, bucket_mb: float = DEFAULT_BUCKET_MB) -> list[Alternative]:
-    """Each alternative of the plan that applies to it, compiled and priced; [] where the search chose the
-    plan's layouts, or it is pipelined (its options are the pipeline search's)."""
+def plan_alternatives(compiled, machine, bucket_mb: float = DEFAULT_BUCKET_MB,
+                      optimizer: str = "adamw") -> list[Alternative]:
+    """Each alternative of the plan that applies to it, compiled and priced with the plan's `optimizer`
+    state counted; [] where the search chose the plan's layouts, or it is pipelined (its options are the
+    pipeline search's)."""
     par = compiled.par
     if par.mesh.searched or par.pipeline is not None or wants_search(compiled.bound):
         return []
@@ -48,18 +50,19 @@ def plan_alternatives(compiled, machine, bucket_mb: float = DEFAULT_BUCKET_MB) -
     edits = [*_sharding_edits(compiled), *_recompute_edits(compiled), *_mesh_edits(compiled)]
     for index, (title, text, shown) in enumerate(edits):
         tell(f"pricing alternative {index + 1} of {len(edits)}: {title}")
-        found.append(_priced(compiled, machine, bucket_mb, title, text, shown))
+        found.append(_priced(compiled, machine, bucket_mb, optimizer, title, text, shown))
     return found
 
 
-def _priced(compiled, machine, bucket_mb: float, title: str, text: str, shown: list[str]) -> Alternative:
+def _priced(compiled, machine, bucket_mb: float, optimizer: str, title: str, text: str,
+            shown: list[str]) -> Alternative:
     try:
         variant = parse(text, compiled.par.source.path)
         other = compile_bound(variant, bound_on_mesh(compiled.bound, variant), bucket_mb, machine)
     except CompileError as error:
         first = error.diagnostics[0]
         return Alternative(title, shown, why_not=f"error[{first.code}]: {first.message}")
-    priced = estimate(other, machine)
+    priced = estimate(other, machine, optimizer)
     within = other.memory_bound is None or priced.memory["total"] <= other.memory_bound
     return Alternative(title, shown, priced.step_s, priced.memory["total"], within)
 
