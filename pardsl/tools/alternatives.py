@@ -82,10 +82,8 @@ def _sharded_on(layout: Layout, axis: int, shape: tuple[int, ...], mesh) -> Layo
     that divides evenly; None where none does."""
     taken = {p.dim for p in layout.placements if p.kind == "S"}
     for dim, size in enumerate(shape):
-        local = size
-        if dim in taken or local % mesh.axis_sizes[axis]:
-            continue
-        return layout.with_axis(axis, Placement("S", dim))
+        if dim not in taken and size % mesh.axis_sizes[axis] == 0:  # untaken: its whole size is local
+            return layout.with_axis(axis, Placement("S", dim))
     return None
 
 
