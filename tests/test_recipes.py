@@ -50,16 +50,17 @@ def per_layer(result, layer: str = "model.layers.0") -> dict[str, int]:
 
 def test_tensor_parallel_written_leaves_the_data_parallel_axis_to_the_search():
     """torchtitan's Llama 3.1 70B recipe (FSDP 32 × TP 8) at two layers, and the same file with Megatron's
-    layers written on tp alone and the data-parallel axis left to the search, under a third of the memory
+    layers written on tp alone and the data-parallel axis left to the search, under 4/7 of the memory
     the recipe holds: the weights written `S(0) @ tp` are split over dp as well (ZeRO-3 / FSDP), each
     layer's collectives are the recipe's kinds (none an all-to-all), and the plan is no slower than the
     recipe. Read as B on dp, the written weights held a rank over the bound, and the search met it by
     splitting activations over dp instead, with all-to-alls in every layer; and the search counted a
     precision policy's parameters at the traced bf16, half the float32 masters the plan holds."""
     text = recipe("llama31_70b_fsdp32_tp8.par", layers=2, batch=32)
+    text = "".join(line for line in text.splitlines(True) if "()" not in line)  # the activations left out
     _, written = compiled(text)
     assert set(per_layer(written)) <= {"all_reduce@tp", "all_gather@dp"}
-    bound = written.memory["total"] / 3
+    bound = written.memory["total"] / 1.75
     tp = [f"model.layers.*.{w}.weight : {p} @ tp" for w, p in MEGATRON.items()] + ["lm_head.weight : S(0) @ tp"]
     batch = ["input_ids : S(0) @ dp", "labels : S(0) @ dp"]
     searched, result = compiled(with_layouts(text, batch + tp, f"{bound / GIB:.3f} GiB"))
@@ -73,6 +74,36 @@ def test_tensor_parallel_written_leaves_the_data_parallel_axis_to_the_search():
     assert set(kinds) <= {"all_gather@tp", "reduce_scatter@tp", "all_reduce@tp", "all_gather@dp"}, kinds
     assert result.step_s <= written.step_s
 
+
+
+def test_sequence_parallel_recipe_keeps_activations_and_the_mask_split():
+    """The 70B recipe as torchtitan writes it, the blocks' outputs split by tokens on tp (sequence
+    parallelism), at two layers and the real local batch: each layer gathers and reduce-scatters its
+    activations on tp and all-reduces none, the weights written split on tp are used split there (read
+    as one op at a time, a weight's gather on tp moves fewer bytes than the activations' and turned tp
+    into a second data-parallel axis, every layer's weights held whole for backward), and the attention
+    mask, built whole from positions and expanded over the batch, is made split over dp as its readers
+    take it (whole, it held 32 GiB twice on every rank)."""
+    plan, result = compiled(recipe("llama31_70b_fsdp32_tp8.par", layers=2, batch=512))
+    kinds = per_layer(result)
+    # forward: two gathers whole for the column-parallel linears, two reduce-scatters of the row-parallel
+    # ones' partial sums; backward their adjoints, and the layer made again up to its last reduce-scatter,
+    # whose result backward does not need; the layer's FSDP group once
+    assert kinds == {"all_gather@tp": 2 + 2 + 2, "reduce_scatter@tp": 2 + 2 + 1, "all_gather@dp": 1}, kinds
+    layouts = {p.name: p.layout.render(plan.program.mesh) for p in plan.program.parameters}
+    parameters = {name for p in plan.program.parameters for name in (p.var, f"self.{p.var}")}
+    assert not [c for c in plan.program.collectives if c.axis == "tp" and c.value in parameters]
+    for weight, written_tp in MEGATRON.items():
+        assert f"{written_tp}@tp" in layouts[f"model.layers.0.{weight}.weight"]
+    held = plan.program.held_for_backward()
+    masks = [(name, size) for name, size, _, _ in held if plan.program.values[name]["dtype"] == "bool"]
+    assert masks and max(size for _, size in masks) <= 512 // 32 * 8192 * 8192, masks
+    # what a layer is made again from, held from forward into backward: split by tokens on tp
+    inputs = {name: plan.program.values[name]["layout"] for name, _, _, region in held if not region and
+              plan.program.values[name]["kind"] == "activation" and
+              plan.program.values[name]["shape"] == [512, 8192, 8192]}
+    assert len(inputs) >= 2 and set(inputs.values()) == {"S(0)@dp, S(1)@tp"}, inputs
+    assert result.memory["total"] < H100.device_memory_bytes
 
 
 def test_a_searched_pipeline_prices_memory_as_the_plan_holds_it():

@@ -4,6 +4,11 @@ Inference runs one mesh axis at a time (nd-SBP as the product of one-axis signat
 in graph order, greedily: each op takes the legal signature whose cost is least (OneFlow's min-copy-cost
 pass). The cost of a signature is compared in this order:
 
+0. parameters the file writes split on an axis that does not split the batch, gathered by the signature:
+   such a layout asks for the op to compute split (Megatron's tensor parallelism), so a signature that
+   uses it as written wins, however fewer bytes a gather of the weight would move than one of the
+   activations: the gathered weight would make the axis a data-parallel one the file did not ask for,
+   held whole for backward;
 1. forward bytes per rank: converting operands from the layouts they have to the ones the signature
    needs, and the result to the layout the user wrote for it. Layouts flow through ops and are converted
    only where an op cannot take them as they are (GSPMD's propagation), so `x : S(0)` with replicated
@@ -81,10 +86,13 @@ class Candidate:
     compute: int  # bytes of the result computed per rank
     index: int  # the signature's place in the rule's order
     chosen: bool = False  # the one inference took
+    # parameters the file writes split on this axis that the signature gathers, where the axis does not
+    # split the batch: weighed before any bytes (see `infer`)
+    unwritten: int = 0
 
     @property
     def key(self) -> tuple[int, ...]:
-        return (self.forward, self.backward, self.deferred, self.changes, self.compute, self.index)
+        return (self.unwritten, self.forward, self.backward, self.deferred, self.changes, self.compute, self.index)
 
 
 @dataclass
@@ -272,7 +280,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 if not (layout_with(node.name, signature.output).fits(bound.tensors[node.name].shape, mesh)
                         and required(op_out[node.name], signature.output).fits(bound.tensors[node.name].shape, mesh)):
                     continue
-                forward, backward, deferred, changes = 0, 0, 0, 0
+                forward, backward, deferred, changes, unwritten = 0, 0, 0, 0, 0
                 sharded_compute = signature.output != B
                 # FSDP's and DDP's case: the data is already split on this axis and stays as it is, so the
                 # op's work is split whether its parameters are whole or not
@@ -298,6 +306,8 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 for name, source, target, grad, written in conversions:
                     if source == target or (name, target) in bought:
                         continue
+                    if not batch_axis and name in bound.parameters and name in bound.pins and source.is_split:
+                        unwritten += 1
                     size = local_bytes(name, source)
                     forward_only = _one_axis_cost(source, target, size, n, False, written)
                     both = _one_axis_cost(source, target, size, n, grad, written)
@@ -322,7 +332,8 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 # Splitting the result of an op whose operands are all B only saves local work; any
                 # consumer can slice a B value for nothing, but a split made here may need a gather later
                 compute = local_bytes(node.name, B if replicated_operands else signature.output)
-                priced.append(Candidate(signature, forward, backward, deferred, changes, compute, index))
+                priced.append(Candidate(signature, forward, backward, deferred, changes, compute, index,
+                                        unwritten=unwritten))
             assert priced, f"no legal signature for {node.name}"  # all-B always fits
             cheapest = min(priced, key=lambda candidate: candidate.key)
             candidates[node.name].append([replace(c, chosen=True) if c is cheapest else c for c in priced])
@@ -345,11 +356,59 @@ def infer(bound: BoundPlan) -> TypedGraph:
                        candidates)
 
 
+def _computed_split_where_read_split(bound, graph_nodes, specs, operands, requires_grad, value, needs, op_out,
+                                     candidates, axis: int) -> None:
+    """A value made whole on every rank from whole operands (an attention mask built from positions and
+    expanded over the batch) whose every reader takes it split on `axis` is computed split there instead,
+    its operands sliced for nothing (they are whole): the same value, 1/n of the work and memory per rank.
+    The greedy choice sees one op at a time, so it keeps such a result whole (rule 5) and its readers slice
+    it, and a search weighs its layouts in the objective, where the slices cost nothing; walking the graph
+    backwards moves each slice up to where the value is made. Values with a gradient
+    stay as chosen (a slice's adjoint is a gather), and so do random ones (a rank would draw other
+    numbers than serial) and what the file writes or returns."""
+    mesh = bound.mesh
+    readers: dict[str, list[tuple[str, int]]] = {}
+    for node in graph_nodes:
+        for slot, o in enumerate(operands[node.name]):
+            readers.setdefault(o, []).append((node.name, slot))
+    returned = {name for _, name in bound.outputs if name}
+    for node in reversed(graph_nodes):
+        name = node.name
+        if value[name][axis] != B or op_out[name][axis] != B or name in bound.pins or name in requires_grad or \
+                name in returned or is_random(node) or not readers.get(name):
+            continue
+        wanted = {needs[reader][slot][axis] for reader, slot in readers[name]}
+        if len(wanted) != 1:
+            continue
+        target = wanted.pop()
+        if not target.is_split or target.blocks != 1 or target.mirrored:
+            continue
+        result = Layout(tuple(value[name][:axis]) + (target,) + (B,) * (mesh.ndim - axis - 1))
+        if not result.fits(bound.tensors[name].shape, mesh):
+            continue
+        for signature in signatures(specs[name]):
+            if signature.output != target or signature.name or signature.inner_collectives:
+                continue
+            takes = list(zip(operands[name], signature.operands))
+            if all(req == value[o][axis] or (value[o][axis] == B and req.is_split and o not in requires_grad and
+                                             Layout(tuple(value[o][:axis]) + (req,) + (B,) * (mesh.ndim - axis - 1))
+                                             .fits(bound.tensors[o].shape, mesh))
+                   for o, req in takes):
+                for slot, (_, req) in enumerate(takes):
+                    needs[name][slot][axis] = req
+                op_out[name][axis] = value[name][axis] = target
+                candidates[name][axis] = [replace(c, chosen=c.signature == signature) for c in candidates[name][axis]]
+                break
+
+
 def typed_graph(bound, specs, graph_nodes, placeholders, operands, requires_grad, value, needs, op_out,
                 candidates) -> TypedGraph:
     """The typed graph from the placements chosen per axis: per name its value's, per op what it needs of
     each operand and what it computes. Outputs left out keep their layout, a partial sum finished."""
     mesh = bound.mesh
+    for axis in range(mesh.ndim):
+        _computed_split_where_read_split(bound, graph_nodes, specs, operands, requires_grad, value, needs, op_out,
+                                         candidates, axis)
     _whole_means(bound, graph_nodes, operands, value, op_out, candidates)
     _parts_taken_as_they_are(graph_nodes, operands, value, needs, op_out)
     nodes = {
