@@ -171,11 +171,6 @@ UNSUPPORTED = {
     "Glm4vMoeTextConfig": ("error[E035]", "the same multimodal rotary sections as Glm4vTextConfig"),
     "GlmImageTextConfig": ("error[E035]", "the same multimodal rotary sections as Glm4vTextConfig"),
     "Qwen3OmniMoeTextConfig": ("error[E035]", "multimodal rotary sections again: a broadcast of 74 against 73"),
-    "Inkling2TextConfig": ("error[E060]", "experts whose gate pardsl::experts does not know, traced as the "
-                                          "library's grouped_mm_fallback"),
-    "MiniMaxM3VLTextConfig": ("error[E060]", "experts traced as grouped_mm_fallback, as Inkling2TextConfig"),
-    "MuseSparkTextConfig": ("error[E060]", "experts traced as grouped_mm_fallback, as Inkling2TextConfig"),
-    "NemotronHConfig": ("error[E060]", "experts traced as grouped_mm_fallback, as Inkling2TextConfig"),
     "UnlimitedOcrTextConfig": ("error[E060]", "its sliding-window mask is made with vmap, whose ops pardsl "
                                               "has no rule for"),
     "Glm5NextTextConfig": ("error[E061]", "an index whose result's shape depends on the data"),

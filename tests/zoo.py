@@ -469,9 +469,10 @@ class ReturnsPart(nn.Module):
         return self.encoder(x)[0]
 
 
-def _zoo_experts(gate=None):
+def _zoo_experts(gate=None, post_norm: bool = False):
     """An experts module written as transformers writes them (its experts interface), with an eager
-    forward; `gate`, where given, replaces the default act(gate) · up."""
+    forward; `gate`, where given, replaces the default act(gate) · up; `post_norm`: each expert's result
+    normalised before it is weighted."""
     from transformers.integrations.moe import use_experts_implementation
 
     class Experts(nn.Module):
@@ -481,18 +482,20 @@ def _zoo_experts(gate=None):
             self.gate_up_proj = nn.Parameter(torch.randn(self.num_experts, 2 * inner, hidden) / hidden ** 0.5)
             self.down_proj = nn.Parameter(torch.randn(self.num_experts, hidden, inner) / inner ** 0.5)
             self.act_fn = nn.SiLU()
+            if post_norm:
+                self.post_expert_norm = nn.RMSNorm(hidden, eps=1e-6)
 
         def forward(self, hidden_states, top_k_index, top_k_weights):
             out = torch.zeros_like(hidden_states)
             for token, experts in enumerate(top_k_index.tolist()):
                 for choice, e in enumerate(experts):
-                    h = self._apply_gate(self.gate_up_proj[e] @ hidden_states[token])
-                    out[token] += top_k_weights[token, choice] * (self.down_proj[e] @ h)
+                    h = self.down_proj[e] @ self._apply_gate(self.gate_up_proj[e] @ hidden_states[token])
+                    out[token] += top_k_weights[token, choice] * (self.post_expert_norm(h) if post_norm else h)
             return out
 
     if gate is not None:
         Experts._apply_gate = gate
-    return use_experts_implementation(Experts)
+    return use_experts_implementation(Experts, has_post_expert_norm=post_norm)
 
 
 class SkewedExperts(nn.Module):
@@ -502,7 +505,7 @@ class SkewedExperts(nn.Module):
     experts and the second half the last two (with the tokens split alike, no pair leaves its rank)."""
 
     def __init__(self, hidden: int = 16, inner: int = 8, experts: int = 4, gate=None, tokens: int = 24,
-                 prefer: str = "last"):
+                 prefer: str = "last", post_norm: bool = False):
         super().__init__()
         import transformers
 
@@ -516,7 +519,7 @@ class SkewedExperts(nn.Module):
         if prefer == "own":
             preference[: tokens // 2] = ranked.flip(0)
         self.register_buffer("preference", preference)
-        self.experts = _zoo_experts(gate)(config)
+        self.experts = _zoo_experts(gate, post_norm)(config)
 
     def forward(self, x):
         h = self.proj(x).reshape(-1, x.shape[-1])
@@ -526,13 +529,14 @@ class SkewedExperts(nn.Module):
 
 
 class UnknownGateExperts(SkewedExperts):
-    """Experts whose gate is none the op knows (up · gate, no activation)."""
+    """Experts whose gate is none the op knows (up · gate, no activation), `post_norm`: each expert's
+    result normalised (RMSNorm) before it is weighted, which the op does not do either."""
 
-    def __init__(self):
+    def __init__(self, post_norm: bool = False):
         def plain_product(self, gate_up):
             gate, up = gate_up.chunk(2, dim=-1)
             return gate * up
-        super().__init__(gate=plain_product)
+        super().__init__(gate=plain_product, post_norm=post_norm)
 
 
 class SequenceAttention(nn.Module):

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-import pardsl.runtime.experts  # noqa: F401  (registers pardsl::experts, which RULES names)
+import pardsl.runtime.experts  # noqa: F401  (registers pardsl::experts and pardsl::grouped_mm, which RULES names)
 from pardsl.layouts.algebra import B, P, Placement, S, collective_bytes, halo_rows, per_dim, transposed_halo_rows, zigzag
 
 Letters = tuple  # one letter (str) or None (a broadcast dim of size 1) per dim
@@ -278,6 +278,11 @@ RULES: dict[Any, Rule] = {
     # decides); computed by the runtime under every signature
     torch.ops.pardsl.experts.default: Rule("experts", parallel_form="experts", every_signature=True,
                                                  unhidden_gathers=True),
+    # one projection of such experts, where the op above does not know their gate: rows sorted by expert
+    # (s), whole, as are the experts (e) that `ends` (where each expert's rows end) counts; the
+    # projection's output (n) or input (k) features split, as a linear's do. The runtime calls the op
+    torch.ops.pardsl.grouped_mm.default: Rule("einsum", "sk,ekn,e->sn", linear="product", unsplittable="se",
+                                              parallel_form="grouped_mm", every_signature=True),
     # batch norm: per-channel statistics, so channels split freely. In training the statistics are over
     # the batch and spatial dims: a split batch computes the global ones (SyncBatchNorm's form: one
     # all-reduce of per-channel sums forward, one backward); in eval the running statistics are used.

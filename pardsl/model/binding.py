@@ -535,11 +535,13 @@ def _check_mesh(par: ParFile, sink: DiagnosticSink) -> Mesh | None:
     return Mesh(tuple(a.name for a in par.mesh.axes), tuple(a.size for a in par.mesh.axes))
 
 
-# where a mixture of experts routes tokens with data-dependent shapes, or through an opaque grouped matmul
-MOE_HINT = ("transformers' experts are traced as one op (pardsl::experts) where their gate is one the op knows "
-            f"(act(gate) · up with act one of {', '.join(ACTIVATIONS)}; GPT-OSS's clamped SwiGLU; an activation "
-            "alone: GATES in pardsl/runtime/experts.py); this module's is none of them, or it normalises after its "
-            "experts. For SiLU-gated experts, `pardsl.model.moe.use_static_capacity(config, groups)` is another form")
+# where a mixture of experts routes tokens with data-dependent shapes
+MOE_HINT = ("experts written with transformers' experts interface are traced with static shapes: as one op "
+            "(pardsl::experts) where their gate is one the op knows (act(gate) · up with act one of "
+            f"{', '.join(ACTIVATIONS)}; GPT-OSS's clamped SwiGLU; an activation alone: GATES in "
+            "pardsl/runtime/experts.py), as grouped matmuls (pardsl::grouped_mm) around their own gate otherwise; "
+            "these are not (or transformers has already split them over its own expert-parallel ranks). For "
+            "SiLU-gated experts, `pardsl.model.moe.use_static_capacity(config, groups)` is another form")
 
 
 def _computed_as(dtype: torch.dtype, par: ParFile) -> torch.dtype:

@@ -6,8 +6,11 @@ module that uses transformers' experts interface computes through `pardsl::exper
 (pardsl/runtime/experts.py), which holds the routing inside and has static shapes, so the plan may split
 its tokens, its experts (expert parallelism: a variable all-to-all each way) and their intermediate dim
 (tensor parallelism). Which gate the module applies between its projections is read by running the
-module's own gate on a probe and comparing it with the forms the op knows (`GATES`); a module whose gate
-is none of them is traced as the library writes it (E060 on its grouped matmul names it). A down
+module's own gate on a probe and comparing it with the forms the op knows (`GATES`). A module whose gate
+is none of them, or that normalises each expert's result (`has_post_expert_norm`), is traced another way,
+with static shapes too: the (token, choice) pairs sorted by expert go through each projection as one
+grouped matmul (`pardsl::grouped_mm`), and the module's own gate and norm are traced as written between
+and after them; the plan may split their intermediate dim, not their tokens or experts. A down
 projection's bias is added outside the op, Σ_k weight_k · bias[expert_k], by ordinary ops.
 
 **Static capacity** (a choice, for a fixed communication volume):
@@ -46,6 +49,7 @@ from pardsl.runtime.experts import ACTIVATIONS, GATES
 
 IMPLEMENTATION = "pardsl_capacity"
 ONE_OP = "pardsl_experts"
+GROUPED = "pardsl_grouped_mm"
 
 
 def one_op_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -60,6 +64,35 @@ def one_op_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
         chosen = F.embedding(top_k_index, self.down_proj_bias)  # [T, k, H]: each choice's expert's bias
         out = out + (top_k_weights.unsqueeze(-1).to(chosen.dtype) * chosen).sum(1).to(out.dtype)
     return out
+
+
+def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts interface with the module's own gate, and its norm after the experts where it
+    has one, traced as written: the (token, choice) pairs sorted by expert, each projection one
+    `pardsl::grouped_mm`."""
+    tokens, choices = top_k_index.shape
+    first = self.gate_up_proj if self.has_gate else self.up_proj
+    experts = top_k_index.reshape(-1)
+    order = torch.argsort(experts, stable=True)
+    ids = experts[order]
+    # where each expert's rows end, counted with static shapes (bincount's size follows the data)
+    counts = (experts.unsqueeze(1) == torch.arange(first.shape[0], device=experts.device)).sum(0)
+    ends = torch.cumsum(counts, 0)
+
+    def projected(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.ops.pardsl.grouped_mm(rows, weight if self.is_transposed else weight.transpose(1, 2), ends)
+        return out if bias is None else out + bias[ids]
+
+    biases = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias, self.down_proj_bias) \
+        if self.has_bias else (None, None)
+    h = projected(hidden_states[order // choices], first, biases[0])
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    out = projected(h, self.down_proj, biases[1])
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    return out[torch.argsort(order)].reshape(tokens, choices, -1).sum(1).to(hidden_states.dtype)
 
 
 def _gate_of(module) -> tuple[str, str, float, float | None] | None:
@@ -97,8 +130,8 @@ def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 @contextlib.contextmanager
 def experts_as_one_op(model: torch.nn.Module):
     """While tracing: every experts module whose gate the op knows computes through it (the module's doc),
-    unless its config already chose static capacity; a config that another, unknown, experts module
-    shares is left as it is."""
+    unless its config already chose static capacity; where one module that shares a config has a gate the
+    op does not know, every module of that config computes as grouped matmuls with its own gate."""
     modules = _experts_modules(model)
     if not modules:
         yield
@@ -106,18 +139,22 @@ def experts_as_one_op(model: torch.nn.Module):
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(ONE_OP, one_op_experts_forward)
+    ALL_EXPERTS_FUNCTIONS.register(GROUPED, grouped_experts_forward)
     gates = {id(m): _gate_of(m) for m in modules}
     configs = {}
     for module in modules:
         configs.setdefault(id(module.config), (module.config, []))[1].append(module)
     switched = []
     for config, members in configs.values():
-        if config._experts_implementation == IMPLEMENTATION or any(gates[id(m)] is None for m in members):
+        # transformers' own expert parallelism has already cut the experts: traced as it computes them
+        if config._experts_implementation == IMPLEMENTATION or \
+                any(getattr(m, "_is_expert_parallel", False) for m in members):
             continue
+        known = all(gates[id(m)] is not None for m in members)
         for module in members:
             module.pardsl_gate = gates[id(module)]
         switched.append((config, config._experts_implementation))
-        config._experts_implementation = ONE_OP
+        config._experts_implementation = ONE_OP if known else GROUPED
     try:
         yield
     finally:

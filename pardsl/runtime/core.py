@@ -52,7 +52,7 @@ from pardsl.runtime.parallel_ops import (
     SyncBatchNorm,
     targets_counted,
 )
-from pardsl.runtime.experts import experts_exchanged, experts_local
+from pardsl.runtime.experts import experts_exchanged, experts_local, grouped_mm
 from pardsl.runtime.parameter_sync import ParameterSync
 from pardsl.runtime.recompute import RegionRun, kept, made_once, recompute
 from pardsl.runtime.ring_attention import RingAttention
@@ -337,6 +337,11 @@ class Runtime:
             return experts_exchanged(self, hidden, index, weights, gate_up, gate_up_bias, down, gate, transposed,
                                      act, alpha, limit, expert_parallel)
         return experts_local(hidden, index, weights, gate_up, gate_up_bias, down, gate, transposed, act, alpha, limit)
+
+    def grouped_mm(self, rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """pardsl::grouped_mm (runtime/experts.py) on this rank's shards: the rows and the experts whole, the
+        projection's features this rank's (a partial sum where they are its input's)."""
+        return grouped_mm(rows, weight, ends)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, dropout_p: float = 0.0,
                   is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,

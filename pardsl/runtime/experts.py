@@ -39,6 +39,7 @@ ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # Nemotron-H's experts'
     "sigmoid": torch.sigmoid,
     "tanh": torch.tanh,
 }
@@ -241,3 +242,55 @@ def _flops(hidden_shape, index_shape, weights_shape, gate_up_shape, gate_up_bias
 
 
 register_flop_formula(torch.ops.pardsl.experts)(_flops)
+
+
+# --- experts whose gate the op does not know --------------------------------------------------------
+# Their (token, choice) pairs, sorted by expert, go through each projection as one grouped matmul, and the
+# module's own gate (and whatever it does after its experts) between and after them as the ops it is
+# written in. The rows stay whole (where each expert's rows end follows the routing); the experts'
+# intermediate dim may split, as a dense MLP's does.
+
+@torch.library.custom_op("pardsl::grouped_mm", mutates_args=())
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows [S, K], sorted by expert (expert e's up to row ends[e]), each times its expert's weight[e]
+    [K, N]: [S, N]."""
+    out = rows.new_zeros(rows.shape[0], weight.shape[2])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = rows[start:end] @ weight[e]
+        start = end
+    return out
+
+
+@grouped_mm.register_fake
+def _(rows, weight, ends):
+    return rows.new_empty(rows.shape[0], weight.shape[2])
+
+
+def _grouped_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_backward(ctx, grad):
+    rows, weight, ends = ctx.saved_tensors
+    grad_rows = grouped_mm(grad, weight.transpose(1, 2), ends) if ctx.needs_input_grad[0] else None
+    grad_weight = None
+    if ctx.needs_input_grad[1]:
+        grad_weight = torch.zeros_like(weight)
+        start = 0
+        for e, end in enumerate(ends.tolist()):
+            if end > start:
+                grad_weight[e] = rows[start:end].t() @ grad[start:end]
+            start = end
+    return grad_rows, grad_weight, None
+
+
+grouped_mm.register_autograd(_grouped_backward, setup_context=_grouped_setup)
+
+
+def _grouped_flops(rows_shape, weight_shape, ends_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * rows_shape[0] * weight_shape[1] * weight_shape[2]
+
+
+register_flop_formula(torch.ops.pardsl.grouped_mm)(_grouped_flops)
