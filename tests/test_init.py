@@ -164,15 +164,19 @@ UNSUPPORTED = {
     "VoxtralRealtimeTextConfig": ("error[E035]", "its forward needs the audio encoder's embeddings"),
     "DiffusionGemmaTextConfig": ("error[E035]", "its forward returns a key-value cache (DynamicCache), which "
                                                 "its config has no use_cache to turn off"),
-    "Step3p7TextConfig": ("error[E035]", "its forward reads config.sliding_window, None by default"),
     "Gemma3nTextConfig": ("error[E035]", "torch.export leaves a fake tensor among the program's constants"),
-    "Glm4vTextConfig": ("error[E035]", "the multimodal rotary sections (mrope) of the vision-language model "
-                                       "do not fit the text model's rotary dims alone"),
-    "Glm4vMoeTextConfig": ("error[E035]", "the same multimodal rotary sections as Glm4vTextConfig"),
-    "GlmImageTextConfig": ("error[E035]", "the same multimodal rotary sections as Glm4vTextConfig"),
-    "Qwen3OmniMoeTextConfig": ("error[E035]", "multimodal rotary sections again: a broadcast of 74 against 73"),
-    "UnlimitedOcrTextConfig": ("error[E060]", "its sliding-window mask is made with vmap, whose ops pardsl "
-                                              "has no rule for"),
+    # transformers' own defaults again, the failure coming when traced: the default-size model fails the same way
+    "Step3p7TextConfig": ("error[E035]", "its forward builds a sliding-window mask whatever its layers' kinds, and "
+                                         "sliding_window is None by default (as Mixtral's and a dozen others', "
+                                         "where None means no window: init cannot give one to all)"),
+    "Glm4vTextConfig": ("error[E035]", "its rotary sections (mrope_section, [8, 12, 12] by default: 32 "
+                                       "frequencies) need a rotary dim of 64; the default head_dim, 4096 // 32 = 128, "
+                                       "with no partial_rotary_factor gives 128"),
+    "Glm4vMoeTextConfig": ("error[E035]", "the same rotary sections against a default head_dim of 4096 // 96 = 42, "
+                                          "half of it rotary"),
+    "GlmImageTextConfig": ("error[E035]", "the same rotary sections and head_dim as Glm4vTextConfig"),
+    "Qwen3OmniMoeTextConfig": ("error[E035]", "its default head_dim, 2048 // 28 = 73, is odd: the rotary "
+                                              "embedding's 74 dims broadcast against 73"),
     "Glm5NextTextConfig": ("error[E061]", "an index whose result's shape depends on the data"),
     "HiggsAudioV2Config": ("error[E061]", "an index whose result's shape depends on the data"),
     "LongcatFlashConfig": ("error[E061]", "its experts branch on a size that depends on the routing"),

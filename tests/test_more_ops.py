@@ -75,6 +75,23 @@ class EinsumMixer(nn.Module):
         return self.proj(torch.einsum("bhqk,bkhd->bqhd", scores, v).reshape(b, s, d))
 
 
+class VmapWindow(nn.Module):
+    """Each position the mean of its last 3, by a [seq, seq] mask made with torch.vmap over a function of
+    one query and one key position (transformers makes a mask with a custom overlay so)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device)
+        def in_window(q, k):
+            return (k <= q) & (q - k < 3)
+        mask = torch.vmap(torch.vmap(in_window, in_dims=(None, 0)), in_dims=(0, None))(positions, positions)
+        weights = mask.to(x.dtype) / mask.sum(-1, keepdim=True)
+        return torch.einsum("qk,bkd->bqd", weights, self.fc(x))
+
+
 def _par(model: str, inputs: str, layouts: str = "", mesh: str = "dp = 2") -> str:
     return f"mesh {mesh}\nmodel tests.test_more_ops:{model}()\n{inputs}" + (f"layout {{\n{layouts}}}\n" if layouts else "")
 
@@ -98,6 +115,9 @@ CASES = {
     "einsum_heads": ("EinsumMixer", "input x : float32[4, 6, 16]\n",
                      "".join(f"    {n}.weight : S(0)\n    {n}.bias : S(0)\n" for n in "qkv") + "    proj.weight : S(1)\n",
                      {"forward": {"tp:all_reduce": 1}, "backward": {}}),
+    # the trace keeps vmap as functorch's calls, no ATen ops: decomposed into the batched ops it runs
+    "vmap_dp": ("VmapWindow", "input x : float32[4, 6, 16]\n", "    x : S(0)\n",
+                {"forward": {}, "backward": {"dp:all_reduce": 1}}),
 }
 
 

@@ -35,6 +35,8 @@ def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
             warnings.simplefilter("ignore")
             exported = torch.export.export(model, (), dict(example_inputs), strict=False,
                                            dynamic_shapes=dynamic_shapes)
+            if _has_vmap(exported.graph):
+                exported = exported.run_decompositions({})
     finally:
         logging.disable(previous)
     inline_grad_mode_regions(exported.graph_module)
@@ -91,6 +93,14 @@ def constant_values(model: torch.nn.Module, example_inputs: dict[str, torch.Tens
         else:
             values[name] = value.clone()  # a later trace may hand back the same tensor, refilled
     return values
+
+
+def _has_vmap(graph: torch.fx.Graph) -> bool:
+    """Whether the trace kept a `torch.vmap` (transformers builds a mask with a custom overlay so) as the
+    nesting and batching calls of functorch's pre-dispatch trace, which are no ATen ops: the program's
+    decomposition retraces them into the batched ATen ops they run."""
+    return any(node.op == "call_function" and getattr(node.target, "__module__", "") == "torch._functorch.predispatch"
+               for node in graph.nodes)
 
 
 def inline_grad_mode_regions(graph_module: torch.fx.GraphModule) -> None:
