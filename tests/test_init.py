@@ -164,7 +164,8 @@ UNSUPPORTED = {
     "VoxtralRealtimeTextConfig": ("error[E035]", "its forward needs the audio encoder's embeddings"),
     "DiffusionGemmaTextConfig": ("error[E035]", "its forward returns a key-value cache (DynamicCache), which "
                                                 "its config has no use_cache to turn off"),
-    "Gemma3nTextConfig": ("error[E035]", "torch.export leaves a fake tensor among the program's constants"),
+    "Gemma3nTextConfig": ("error[E035]", "torch.export leaves a fake tensor among the program's constants "
+                                         "(model.layers.0.lifted_tensor_0), exporting on real CPU tensors too"),
     # transformers' own defaults again, the failure coming when traced: the default-size model fails the same way
     "Step3p7TextConfig": ("error[E035]", "its forward builds a sliding-window mask whatever its layers' kinds, and "
                                          "sliding_window is None by default (as Mixtral's and a dozen others', "
@@ -177,9 +178,13 @@ UNSUPPORTED = {
     "GlmImageTextConfig": ("error[E035]", "the same rotary sections and head_dim as Glm4vTextConfig"),
     "Qwen3OmniMoeTextConfig": ("error[E035]", "its default head_dim, 2048 // 28 = 73, is odd: the rotary "
                                               "embedding's 74 dims broadcast against 73"),
-    "Glm5NextTextConfig": ("error[E061]", "an index whose result's shape depends on the data"),
-    "HiggsAudioV2Config": ("error[E061]", "an index whose result's shape depends on the data"),
-    "LongcatFlashConfig": ("error[E061]", "its experts branch on a size that depends on the routing"),
+    "Glm5NextTextConfig": ("error[E061]", "its sparse attention's indexer pools keys with an index whose "
+                                          "result's shape depends on the data"),
+    "HiggsAudioV2Config": ("error[E061]", "its layers pick the audio tokens by a boolean mask "
+                                          "(hidden_states[audio_token_mask])"),
+    "LongcatFlashConfig": ("error[E061]", "its experts, identity (zero) experts beside the routed ones, are "
+                                          "its own code, not transformers' experts interface: a loop over the "
+                                          "experts the routing hit"),
 }
 
 
