@@ -49,6 +49,7 @@ from pardsl.runtime.parallel_ops import (
     Rotary,
     SplitLayerNorm,
     HaloExchange,
+    LinearReduceScatter,
     SyncBatchNorm,
     targets_counted,
 )
@@ -210,7 +211,8 @@ class Runtime:
         return GradAllReduce.apply(x, self, axes)
 
     def column_parallel_linears(self, x: torch.Tensor, axes: tuple[str, ...], *linears, gather_dim: int | None = None,
-                                blocks: int = 1, mirrored: bool = False, op: str = "linear") -> tuple[torch.Tensor, ...]:
+                                blocks: int = 1, mirrored: bool = False, op: str = "linear",
+                                chunks: int = 1) -> tuple[torch.Tensor, ...]:
         """Megatron's f and the linears that read its value, as one step: `linears` are (weight, bias or
         None) pairs, the results are each linear of x. Backward computes x's gradient first, issues its
         all-reduce over `axes` and computes the weights' gradients while it moves (Megatron's overlap).
@@ -219,9 +221,28 @@ class Runtime:
         first; backward reduce-scatters its gradient instead, overlapped the same way.
 
         `op`: the ATen op each linear is, as the serial model computes it (`PROJECTIONS`): `linear` (weight
-        [out, in]), or `addmm`, `mm`, `matmul` (weight [in, out]: GPT-2's Conv1D, `x @ W`)."""
-        return ColumnParallelLinears.apply(x, self, axes, (gather_dim, (blocks, mirrored), PROJECTIONS[op]),
+        [out, in]), or `addmm`, `mm`, `matmul` (weight [in, out]: GPT-2's Conv1D, `x @ W`).
+
+        `chunks` > 1, with `gather_dim` (a collective matmul): x is gathered in that many pieces, cut along
+        a dim that is neither `gather_dim` nor the last, and the linears of each piece are computed while
+        the next piece's gather moves, so that the gather's time hides behind the products'. The result,
+        backward and what is counted are the unchunked step's."""
+        return ColumnParallelLinears.apply(x, self, axes, (gather_dim, (blocks, mirrored), PROJECTIONS[op], chunks),
                                             *(t for pair in linears for t in pair))
+
+    def linear_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, axis: str, dim: int, blocks: int = 1,
+                              mirrored: bool = False, op: str = "linear", chunks: int = 1) -> torch.Tensor:
+        """A row-parallel linear and the reduce-scatter of its partial sums, as one step:
+        `reduce_scatter(<op of x and weight>, axis, dim, blocks, mirrored)`, x's last dim split over `axis`
+        (so each rank's product is a partial sum); `op` as `column_parallel_linears`', with no bias.
+        Backward all-gathers the output's gradient, then x's and the weight's gradients from it.
+
+        `chunks` > 1 (a collective matmul): the product is made in that many pieces, cut along a dim that
+        is neither `dim` nor the last, each piece's reduce-scatter started as soon as it is made and the
+        next piece computed while it moves; backward gathers the gradient in pieces the same way, x's
+        gradient of each piece computed while the next arrives. The result and what is counted are the
+        unchunked step's."""
+        return LinearReduceScatter.apply(x, weight, self, axis, dim, (blocks, mirrored), PROJECTIONS[op], chunks)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -558,12 +579,66 @@ class Runtime:
 
         def issue(phase: str):
             self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", nbytes(x), n), axis)
-            if (shared := self._shared_for(axis, x)) is not None:
-                return shared.reduce_scatter_along(x, dim, blocks, mirrored)
-            moved = rank_major(x.movedim(dim, 0), n, blocks, mirrored).contiguous()
-            work, summed = self.reduce_scatter_started(moved, axis)
-            return work, lambda: summed().movedim(0, dim).contiguous()
+            return self._reduce_scatter_uncounted(x, axis, dim, blocks, mirrored)
         return self._started(phase, issue)
+
+    def _reduce_scatter_uncounted(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1, mirrored: bool = False):
+        """Reduce-scatter x asynchronously, not counted (the caller counts it, or the whole it is a piece of):
+        (work, a function giving the result once waited on)."""
+        if (shared := self._shared_for(axis, x)) is not None:
+            return shared.reduce_scatter_along(x, dim, blocks, mirrored)
+        n = self.size[axis]
+        moved = rank_major(x.movedim(dim, 0), n, blocks, mirrored).contiguous()
+        work, summed = self.reduce_scatter_started(moved, axis)
+        return work, lambda: summed().movedim(0, dim).contiguous()
+
+    def _all_gather_uncounted(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1, mirrored: bool = False):
+        """All-gather x asynchronously, not counted: (work, a function giving the result, a view whose `dim`
+        is not first, once waited on). Through `all_gather_started`, which every transport starts without
+        waiting (gloo's and NCCL's as async work; the shared-memory one posts x and reads the peers' at the
+        wait); the shared-memory transport's gather along a dim (`all_gather_along`, which `_all_gather`
+        uses) waits at once, so here x's dim is moved first on every transport."""
+        n = self.size[axis]
+        moved = x.movedim(dim, 0).contiguous()
+        out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+        work = self.all_gather_started(out, moved, axis)
+        return work, lambda: block_major(out, n, blocks, mirrored).movedim(0, dim)
+
+    def _all_gather_in_pieces(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int, mirrored: bool,
+                              along: int, chunks: int):
+        """x all-gathered along `dim` in `chunks` pieces cut along `along` (another dim): yields each piece
+        gathered, in order, the next piece's gather started before it is handed out, so that what the
+        caller computes from one piece runs while the next moves. Two gathers in flight at most: a
+        transport's buffers are bounded. Counted once, as the one all-gather of x."""
+        self.counter.record(phase, "all_gather", collective_bytes("all_gather", nbytes(x), self.size[axis]), axis)
+        pieces = x.tensor_split(min(chunks, x.shape[along]), along)
+        following = self._all_gather_uncounted(pieces[0], axis, dim, blocks, mirrored)
+        for index in range(len(pieces)):
+            work, gathered = following
+            if index + 1 < len(pieces):
+                following = self._all_gather_uncounted(pieces[index + 1], axis, dim, blocks, mirrored)
+            work.wait()
+            yield gathered()
+
+    def _reduce_scatter_in_pieces(self, pieces, axis: str, dim: int, phase: str, blocks: int, mirrored: bool,
+                                  along: int) -> torch.Tensor:
+        """The reduce-scatter along `dim` of the tensor whose pieces along `along` (another dim) `pieces`
+        yields, each made as it is asked for: each piece's reduce-scatter is started as soon as it is made
+        and waited on after the next is made, so that making one hides the other's transfer. Two in flight
+        at most. Counted once, as the one reduce-scatter of the whole tensor."""
+        scattered, in_flight, whole_bytes = [], None, 0
+        for piece in pieces:
+            started = self._reduce_scatter_uncounted(piece, axis, dim, blocks, mirrored)
+            whole_bytes += nbytes(piece)
+            if in_flight is not None:
+                in_flight[0].wait()
+                scattered.append(in_flight[1]())
+            in_flight = started
+        in_flight[0].wait()
+        scattered.append(in_flight[1]())
+        self.counter.record(phase, "reduce_scatter", collective_bytes("reduce_scatter", whole_bytes, self.size[axis]),
+                            axis)
+        return torch.cat(scattered, along)
 
     def reduce_scatter_started(self, moved: torch.Tensor, axis: str):
         """Start a reduce-scatter of `moved` (contiguous, rank r's chunk first along dim 0 at r) over
@@ -589,11 +664,10 @@ class Runtime:
             self.counter.record(phase, "all_gather", collective_bytes("all_gather", nbytes(x), n), axis)
             if (shared := self._shared_for(axis, x)) is not None:
                 return shared.all_gather_along(x, dim, blocks, mirrored)
-            moved = x.movedim(dim, 0).contiguous()
-            out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-            self.all_gather_started(out, moved, axis).wait()
+            work, gathered = self._all_gather_uncounted(x, axis, dim, blocks, mirrored)
+            work.wait()
             # contiguous as the serial value was: the exported graph may `view` it (a copy only where dim > 0)
-            return block_major(out, n, blocks, mirrored).movedim(0, dim).contiguous()
+            return gathered().contiguous()
         return self._issued(phase, issue)
 
     def _reduce_scatter(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1,

@@ -1,6 +1,7 @@
 """Parallel forms of ops, each an autograd function: the column-parallel step of the linears that read one
-input, fused RMSNorm and rotary embeddings, the vocabulary-parallel cross-entropy, batch norm over a split
-batch, layer norm over a split hidden dim, the halo exchange of a spatially split image."""
+input, a row-parallel linear with the reduce-scatter of its partial sums, fused RMSNorm and rotary
+embeddings, the vocabulary-parallel cross-entropy, batch norm over a split batch, layer norm over a split
+hidden dim, the halo exchange of a spatially split image."""
 
 from __future__ import annotations
 
@@ -44,14 +45,21 @@ PROJECTIONS = {
 class ColumnParallelLinears(torch.autograd.Function):
     """f (or SP's g), then linears of its value. Backward: the input's gradient (summed over the linears)
     first, its all-reduce (or reduce-scatter) issued asynchronously, the weights' and biases' gradients
-    computed meanwhile, then waited on."""
+    computed meanwhile, then waited on. With `chunks` > 1, SP's gather is made in pieces, each piece's
+    linears computed while the next moves (a collective matmul); backward reads the whole gathered x."""
 
     @staticmethod
     def forward(ctx, x, rt, axes, how, *weights_and_biases):
         weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
         ctx.rt, ctx.axes, ctx.how, ctx.has_bias = rt, axes, how, [b is not None for b in biases]
-        gather_dim, arrangement, projection = how
+        gather_dim, arrangement, projection, chunks = how
         if gather_dim is not None:
+            along = _pieces_dim(rt, x, axes[0], chunks, gather_dim, "forward")
+            if along is not None:
+                x, results = _linears_of_gathered_pieces(x, rt, axes[0], gather_dim, arrangement, projection,
+                                                         weights, biases, along, chunks)
+                ctx.save_for_backward(x, *weights)
+                return results
             x = rt._all_gather(x, axes[0], gather_dim, "forward", *arrangement)
         ctx.save_for_backward(x, *weights)
         # in a selective recomputed region, kept from the first run and given back in the second
@@ -63,7 +71,7 @@ class ColumnParallelLinears(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         rt = ctx.rt
-        gather_dim, arrangement, projection = ctx.how
+        gather_dim, arrangement, projection, _ = ctx.how
         grad_x, work, result = None, None, None
         products = [(grad.reshape(-1, grad.shape[-1]), weight.t() if projection.weight_in_out else weight)
                     for grad, weight in zip(grads, weights) if grad is not None]
@@ -98,6 +106,91 @@ class ColumnParallelLinears(torch.autograd.Function):
             if grad_x is not None:
                 grad_x = rt._all_reduce(grad_x, axis, "backward")
         return (grad_x, None, None, None, *parameter_grads)
+
+
+def _pieces_dim(rt, x: torch.Tensor, axis: str, chunks: int, whole_dim: int, phase: str) -> int | None:
+    """The dim a collective matmul cuts x into pieces along, or None where it runs unchunked: the first
+    dim of at least two elements that is neither `whole_dim` (the collective's) nor the last (the product
+    contracts or makes it). Unchunked also where there is nothing to overlap (one chunk, one rank), where
+    the collective is traced into a compiled graph (whose scheduler overlaps on its own terms), and in a
+    recomputed region's forward, whose collectives are kept and given back whole (runtime/recompute.py)."""
+    if chunks <= 1 or rt.size[axis] == 1 or rt._in_graph() or (phase == "forward" and rt.region is not None):
+        return None
+    whole_dim %= x.dim()
+    return next((d for d in range(x.dim() - 1) if d != whole_dim and x.shape[d] >= 2), None)
+
+
+def _linears_of_gathered_pieces(x, rt, axis, gather_dim, arrangement, projection, weights, biases, along, chunks):
+    """The column-parallel linears of x gathered along `gather_dim`, x gathered in pieces along `along` and
+    each piece's products made while the next piece moves: (the whole gathered x, which backward reads,
+    and each linear's result)."""
+    whole, pieces = _gathered_in_pieces(x, rt, axis, gather_dim, "forward", arrangement, along, chunks)
+    results = [[projection.compute(piece, w, b) for w, b in zip(weights, biases)] for piece in pieces]
+    return whole, tuple(torch.cat(parts, along) for parts in zip(*results))
+
+
+def _gathered_in_pieces(x, rt, axis, dim, phase, arrangement, along, chunks):
+    """x all-gathered along `dim` in pieces along `along` (Runtime._all_gather_in_pieces): (the whole
+    gathered tensor, made empty, and an iterator of its pieces, each written into it as its gather
+    arrives). Each piece lies where it is in the whole: backward reads the whole, and a piece along
+    dim 0 is a contiguous view of it, which the products read without a copy."""
+    shape = list(x.shape)
+    shape[dim] *= rt.size[axis]
+    whole = x.new_empty(shape)
+
+    def pieces():
+        start = 0
+        for gathered in rt._all_gather_in_pieces(x, axis, dim, phase, *arrangement, along, chunks):
+            yield whole.narrow(along, start, gathered.shape[along]).copy_(gathered)
+            start += gathered.shape[along]
+    return whole, pieces()
+
+
+class LinearReduceScatter(torch.autograd.Function):
+    """A row-parallel linear's partial sums reduce-scattered along `dim` (Runtime.linear_reduce_scatter):
+    `chunks` > 1 makes and scatters them in pieces, each piece's transfer behind the next piece's product.
+    Backward: the output's gradient all-gathered (in pieces, x's gradient of each made while the next
+    arrives), x's gradient by the projection's input product, the weight's from the whole gathered
+    gradient and x, as the unchunked composition's autograd computes them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, rt, axis, dim, arrangement, projection, chunks):
+        ctx.rt, ctx.axis, ctx.dim, ctx.arrangement, ctx.projection, ctx.chunks = \
+            rt, axis, dim, arrangement, projection, chunks
+        ctx.save_for_backward(x, weight)
+        along = _pieces_dim(rt, x, axis, chunks, dim, "forward")
+        if along is not None:
+            pieces = (projection.compute(piece, weight, None)
+                      for piece in x.tensor_split(min(chunks, x.shape[along]), along))
+            return rt._reduce_scatter_in_pieces(pieces, axis, dim, "forward", *arrangement, along)
+        # in a selective recomputed region, kept from the first run and given back in the second, product
+        # and all, as the column-parallel linears' products are
+        return kept_by_itself(rt, LinearReduceScatter, lambda: rt._reduce_scatter(
+            projection.compute(x, weight, None), axis, dim, "forward", *arrangement))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        rt, axis, dim, arrangement, projection = ctx.rt, ctx.axis, ctx.dim, ctx.arrangement, ctx.projection
+        factor = weight.t() if projection.weight_in_out else weight  # x's gradient is the gradient times it
+        grad_x = None
+        along = _pieces_dim(rt, grad, axis, ctx.chunks, dim, "backward")
+        if along is None:
+            whole = rt._all_gather(grad.contiguous(), axis, dim, "backward", *arrangement)
+            if ctx.needs_input_grad[0]:
+                grad_x = whole.matmul(factor)
+        else:
+            whole, pieces = _gathered_in_pieces(grad, rt, axis, dim, "backward", arrangement, along, ctx.chunks)
+            parts = []
+            for piece in pieces:  # every piece is gathered, whether x needs a gradient or not: the weight's reads all
+                if ctx.needs_input_grad[0]:
+                    parts.append(piece.matmul(factor))
+            grad_x = torch.cat(parts, along) if parts else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            rows, grad_rows = x.reshape(-1, x.shape[-1]), whole.reshape(-1, whole.shape[-1])
+            grad_weight = rows.t().matmul(grad_rows) if projection.weight_in_out else grad_rows.t().matmul(rows)
+        return grad_x, grad_weight, None, None, None, None, None, None
 
 
 class RMSNorm(torch.autograd.Function):
