@@ -185,6 +185,25 @@ class OffloadDecl:
         return max(self.targets, key=OFFLOAD_TARGETS.index)
 
 
+# The rewrites of the program a file may ask for or forbid, each a pass over the program IR that runs where
+# the cost model says it pays unless the file says `on` or `off`
+SUBSTITUTIONS = {
+    "collective_matmul": "a gather before a matrix product, or a reduce-scatter after one, cut into chunks "
+                         "that move while the product of the chunk before is computed",
+}
+SUBSTITUTION_CHOICES = ("on", "off")
+
+
+@dataclass(frozen=True)
+class SubstituteDecl:
+    """`substitute collective_matmul : off`: a rewrite (SUBSTITUTIONS) asked for everywhere it applies, or
+    forbidden; not written, the compiler applies it where its cost model says it pays."""
+
+    name: str
+    choice: str  # on, off
+    span: Span
+
+
 @dataclass(frozen=True)
 class ParFile:
     source: SourceFile
@@ -197,6 +216,11 @@ class ParFile:
     recomputes: tuple[RecomputeDecl, ...] = ()
     precisions: tuple[PrecisionDecl, ...] = ()
     offloads: tuple[OffloadDecl, ...] = ()
+    substitutes: tuple[SubstituteDecl, ...] = ()
+
+    def substitution(self, name: str) -> str:
+        """`on`, `off`, or `auto` (not written: where the cost model says it pays)."""
+        return next((decl.choice for decl in self.substitutes if decl.name == name), "auto")
 
     @property
     def offload(self) -> OffloadDecl | None:
@@ -473,6 +497,18 @@ class _ToSyntaxTree(Transformer):
                                       "host) or `offload parameters` (the device copies too, made for each use)")
         return OffloadDecl(tuple(str(target) for target in targets), _span(meta))
 
+    def substitute_decl(self, meta, children):
+        name, choice = children
+        if str(name) not in SUBSTITUTIONS:
+            raise _BadDeclaration("E085", f"`{name}` is no substitution", _token_span(name),
+                                  "substitutions: " + "; ".join(f"`{known}` ({what})"
+                                                                for known, what in SUBSTITUTIONS.items()))
+        if str(choice) not in SUBSTITUTION_CHOICES:
+            raise _BadDeclaration("E085", f"`{choice}` is no choice for a substitution", _token_span(choice),
+                                  f"write `substitute {name} : on` (wherever it applies) or `: off` (nowhere); "
+                                  "leave the line out for the compiler to apply it where it pays")
+        return SubstituteDecl(str(name), str(choice), _span(meta))
+
     def recompute_searched(self, meta, children):
         return RecomputeDecl("?", "searched", _span(meta), _span(meta))
 
@@ -614,7 +650,7 @@ def parse(text: str, path: str = "<string>") -> ParFile:
                        f"lists and tuples nest at most about {sys.getrecursionlimit() // 4} deep")
     sink.raise_if_any()
     declared = {kind: [] for kind in (MeshDecl, ModelDecl, InputDecl, MemoryBound, PipelineDecl, RecomputeDecl,
-                                      PrecisionDecl, OffloadDecl)}
+                                      PrecisionDecl, OffloadDecl, SubstituteDecl)}
     layouts = []
     for statement in transformed:  # a layout block is a list of entries; any other statement, one declaration
         if type(statement) in declared:
@@ -624,7 +660,7 @@ def parse(text: str, path: str = "<string>") -> ParFile:
     inputs = _size_named_dims(declared[InputDecl], sink)
     par = ParFile(source, tuple(declared[MeshDecl]), tuple(declared[ModelDecl]), tuple(inputs), tuple(layouts),
                   tuple(declared[MemoryBound]), tuple(declared[PipelineDecl]), tuple(declared[RecomputeDecl]),
-                  tuple(declared[PrecisionDecl]), tuple(declared[OffloadDecl]))
+                  tuple(declared[PrecisionDecl]), tuple(declared[OffloadDecl]), tuple(declared[SubstituteDecl]))
     _check_declarations(par, sink)
     sink.raise_if_any()
     return par
@@ -656,6 +692,16 @@ def _size_named_dims(inputs: list[InputDecl], sink: DiagnosticSink) -> list[Inpu
     return result
 
 
+def _each_once(sink: DiagnosticSink, decls, written) -> None:
+    """E003 for a declaration written (`written(decl)`, as the file says it) a second time."""
+    first: dict[str, object] = {}
+    for decl in decls:
+        if written(decl) in first:
+            sink.error("E003", f"`{written(decl)}` declared twice", decl.span,
+                       f"first declared on line {first[written(decl)].span.line}")
+        first.setdefault(written(decl), decl)
+
+
 def _check_declarations(par: ParFile, sink: DiagnosticSink) -> None:
     for kind, decls in (("mesh", par.meshes), ("model", par.models)):
         if not decls:
@@ -673,6 +719,7 @@ def _check_declarations(par: ParFile, sink: DiagnosticSink) -> None:
     for duplicate in par.precisions[1:]:
         sink.error("E003", "`precision` declared twice", duplicate.span,
                    f"first declared on line {par.precisions[0].span.line}")
+    _each_once(sink, par.substitutes, lambda decl: f"substitute {decl.name}")
     for duplicate in par.offloads[1:]:
         sink.error("E003", "`offload` declared twice", duplicate.span,
                    f"first declared on line {par.offloads[0].span.line}; name every target on one line")
@@ -684,12 +731,7 @@ def _check_declarations(par: ParFile, sink: DiagnosticSink) -> None:
         sink.error("E003", "`recompute ?` with submodules named to recompute", searched[0].span,
                    f"line {par.recomputes_written[0].span.line} names `{par.recomputes_written[0].pattern}`: "
                    "write which to recompute, or `recompute ?` for the search to choose")
-    patterns: dict[str, RecomputeDecl] = {}
-    for decl in par.recomputes:
-        if decl.pattern in patterns:
-            sink.error("E003", f"`recompute {decl.pattern}` declared twice", decl.span,
-                       f"first declared on line {patterns[decl.pattern].span.line}")
-        patterns.setdefault(decl.pattern, decl)
+    _each_once(sink, par.recomputes, lambda decl: f"recompute {decl.pattern}")
     for bound in par.memory_bounds:
         if not (0 < bound.amount < float("inf")) or (bound.unit == "%" and bound.amount > 100):
             sink.error("E064", f"a memory bound of {bound} cannot be met or is no bound", bound.span,
