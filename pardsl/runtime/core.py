@@ -49,6 +49,7 @@ from pardsl.runtime.parallel_ops import (
     Rotary,
     SplitLayerNorm,
     HaloExchange,
+    AllGatherLinear,
     LinearReduceScatter,
     SyncBatchNorm,
     targets_counted,
@@ -229,6 +230,15 @@ class Runtime:
         backward and what is counted are the unchunked step's."""
         return ColumnParallelLinears.apply(x, self, axes, (gather_dim, (blocks, mirrored), PROJECTIONS[op], chunks),
                                             *(t for pair in linears for t in pair))
+
+    def all_gather_linear(self, x: torch.Tensor, weight: torch.Tensor, axis: str, dim: int, blocks: int = 1,
+                          mirrored: bool = False, op: str = "linear", chunks: int = 1):
+        """Sequence parallelism's gather of x (split on `dim` over `axis`) and the first linear that reads
+        it, as one step: (x gathered, the linear's result); the gathered x's other readers take it as they
+        would the gather's. Backward reduce-scatters x's gradient, the weight's gradient computed while it
+        moves. `chunks` > 1 (a collective matmul): gathered in that many pieces, cut along a dim that is
+        neither `dim` nor the last, each piece's product computed while the next moves."""
+        return AllGatherLinear.apply(x, weight, self, axis, dim, (blocks, mirrored), PROJECTIONS[op], chunks)
 
     def linear_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, axis: str, dim: int, blocks: int = 1,
                               mirrored: bool = False, op: str = "linear", chunks: int = 1) -> torch.Tensor:

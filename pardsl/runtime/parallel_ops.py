@@ -113,18 +113,25 @@ def _pieces_dim(rt, x: torch.Tensor, axis: str, chunks: int, whole_dim: int, pha
     dim of at least two elements that is neither `whole_dim` (the collective's) nor the last (the product
     contracts or makes it). Unchunked also where there is nothing to overlap (one chunk, one rank), where
     the collective is traced into a compiled graph (whose scheduler overlaps on its own terms), and in a
-    recomputed region's forward, whose collectives are kept and given back whole (runtime/recompute.py)."""
-    if chunks <= 1 or rt.size[axis] == 1 or rt._in_graph() or (phase == "forward" and rt.region is not None):
+    selective recomputed region's forward, whose collectives are kept and given back whole
+    (runtime/recompute.py); a full region's second run issues them again, in pieces as the first did."""
+    if chunks <= 1 or rt.size[axis] == 1 or rt._in_graph() or \
+            (phase == "forward" and rt.region is not None and rt.region.mode != "again"):
         return None
     whole_dim %= x.dim()
     return next((d for d in range(x.dim() - 1) if d != whole_dim and x.shape[d] >= 2), None)
+
+
+def _forward_phase(rt) -> str:
+    """The phase a forward collective counts in: backward's, where a full recomputed region runs again."""
+    return "backward" if rt.region is not None and rt.region.mode == "again" else "forward"
 
 
 def _linears_of_gathered_pieces(x, rt, axis, gather_dim, arrangement, projection, weights, biases, along, chunks):
     """The column-parallel linears of x gathered along `gather_dim`, x gathered in pieces along `along` and
     each piece's products made while the next piece moves: (the whole gathered x, which backward reads,
     and each linear's result)."""
-    whole, pieces = _gathered_in_pieces(x, rt, axis, gather_dim, "forward", arrangement, along, chunks)
+    whole, pieces = _gathered_in_pieces(x, rt, axis, gather_dim, _forward_phase(rt), arrangement, along, chunks)
     results = [[projection.compute(piece, w, b) for w, b in zip(weights, biases)] for piece in pieces]
     return whole, tuple(torch.cat(parts, along) for parts in zip(*results))
 
@@ -162,7 +169,7 @@ class LinearReduceScatter(torch.autograd.Function):
         if along is not None:
             pieces = (projection.compute(piece, weight, None)
                       for piece in x.tensor_split(min(chunks, x.shape[along]), along))
-            return rt._reduce_scatter_in_pieces(pieces, axis, dim, "forward", *arrangement, along)
+            return rt._reduce_scatter_in_pieces(pieces, axis, dim, _forward_phase(rt), *arrangement, along)
         # in a selective recomputed region, kept from the first run and given back in the second, product
         # and all, as the column-parallel linears' products are
         return kept_by_itself(rt, LinearReduceScatter, lambda: rt._reduce_scatter(
@@ -190,6 +197,53 @@ class LinearReduceScatter(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             rows, grad_rows = x.reshape(-1, x.shape[-1]), whole.reshape(-1, whole.shape[-1])
             grad_weight = rows.t().matmul(grad_rows) if projection.weight_in_out else grad_rows.t().matmul(rows)
+        return grad_x, grad_weight, None, None, None, None, None, None
+
+
+class AllGatherLinear(torch.autograd.Function):
+    """A split value all-gathered along `dim` and the first linear that reads it, as one step
+    (Runtime.all_gather_linear): the gathered value and the linear's result. `chunks` > 1 gathers it in
+    pieces, each piece's product made while the next moves. Backward: the gathered value's gradient (from
+    its other readers, where it has any) plus the linear's input gradient, reduce-scattered back, started
+    before the weight's gradient is computed and waited on after, as the column-parallel linears do."""
+
+    @staticmethod
+    def forward(ctx, x, weight, rt, axis, dim, arrangement, projection, chunks):
+        ctx.rt, ctx.axis, ctx.dim, ctx.arrangement, ctx.projection = rt, axis, dim, arrangement, projection
+        along = _pieces_dim(rt, x, axis, chunks, dim, "forward")
+        if along is not None:
+            whole, results = _linears_of_gathered_pieces(x, rt, axis, dim, arrangement, projection, (weight,),
+                                                         (None,), along, chunks)
+            product = results[0]
+        else:
+            whole = rt._all_gather(x, axis, dim, "forward", *arrangement)
+            product = projection.compute(whole, weight, None)
+        ctx.save_for_backward(whole, weight)
+        return whole, product
+
+    @staticmethod
+    def backward(ctx, grad_whole, grad_product):
+        whole, weight = ctx.saved_tensors
+        rt, projection = ctx.rt, ctx.projection
+        grad_x = grad_weight = None
+        if grad_product is None:
+            total = grad_whole
+        else:
+            factor = weight.t() if projection.weight_in_out else weight
+            total = grad_product.matmul(factor)
+            if grad_whole is not None:
+                total = total + grad_whole
+        work = result = None
+        if ctx.needs_input_grad[0] and total is not None:
+            work, result = rt._reduce_scatter_started(total.contiguous(), ctx.axis, ctx.dim, "backward",
+                                                      *ctx.arrangement)
+        if ctx.needs_input_grad[1] and grad_product is not None:
+            rows, grad_rows = whole.reshape(-1, whole.shape[-1]), grad_product.reshape(-1, grad_product.shape[-1])
+            grad_weight = rows.t().matmul(grad_rows) if projection.weight_in_out else grad_rows.t().matmul(rows)
+        if work is not None:
+            work.wait()
+        if result is not None:
+            grad_x = result()
         return grad_x, grad_weight, None, None, None, None, None, None
 
 
