@@ -23,6 +23,7 @@ from pardsl.language.progress import timed, working_on
 from pardsl.language.syntax import ParFile, parse, parse_file
 from pardsl.model.binding import BoundPlan, bind, bound_on_mesh
 from pardsl.passes import pipeline as pp
+from pardsl.passes.collective_matmul import chunked_collective_matmuls
 from pardsl.passes.early_count import start_counts_early
 from pardsl.passes.fused_norms import fuse_rms_norms
 from pardsl.passes.fused_rotary import fuse_rotary_embeddings
@@ -143,11 +144,11 @@ def _compile(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = 
     elif wants_search(bound):
         typed, program = searched_or_greedy(bound, machine or default_machine(),
                                             lambda typed, limit: _lowered(typed, bucket_mb, limit), seconds)
-        program = _passes_after_lowering(program, typed)
+        program = _passes_after_lowering(program, typed, machine)
     else:
         typed = timed(seconds, "infer", lambda: infer(bound))
         program = timed(seconds, "lower", lambda: _lowered(typed, bucket_mb, None))
-        program = _passes_after_lowering(program, typed)
+        program = _passes_after_lowering(program, typed, machine)
     source = timed(seconds, "codegen", lambda: render(program))
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
 
@@ -195,7 +196,7 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
                                             spent, activation_weight=weight, deadline=deadline)
         for stage, elapsed in spent.items():
             seconds[stage] = seconds.get(stage, 0.0) + elapsed
-        passed = program = _passes_after_lowering(lowered, typed)
+        passed = program = _passes_after_lowering(lowered, typed, machine)
         if not written and memory_per_rank(program)["total"] > limit:
             program = timed(seconds, "recompute", lambda: recomputed_within(passed, typed, limit, machine))
         plan = estimate(CompletedPlan(typed, program), machine)
@@ -357,25 +358,31 @@ def _check_searched_mesh(par: ParFile) -> None:
 # typed graph to read): norms and rotary embeddings fused, a partial loss's count started early, parameters
 # held in float32 under a mixed-precision policy, and in host memory where offloaded (which turns the
 # precision's casts into fetches, so it comes after), then each value released after its last use, which
-# reads what the others made, and last the regions made again in backward, which read the releases.
+# reads what the others made, then the regions made again in backward, which read the releases, and last
+# the collective matmuls, which cut a collective and the product beside it into chunks where they stand (in
+# a region's statements too), reading and releasing what they did.
 # Before them, where a plan needs them: FSDP's reshard after forward (_lowered) and the cut into pipeline
 # stages (_compile_pipelined).
 PASSES_AFTER_LOWERING = (
-    ("fuse each local RMSNorm", lambda program, typed: fuse_rms_norms(program, typed.bound.kept)),
-    ("fuse each local rotary embedding", lambda program, typed: fuse_rotary_embeddings(program)),
-    ("count a partial loss's targets early", lambda program, typed: start_counts_early(program)),
+    ("fuse each local RMSNorm", lambda program, typed, machine: fuse_rms_norms(program, typed.bound.kept)),
+    ("fuse each local rotary embedding", lambda program, typed, machine: fuse_rotary_embeddings(program)),
+    ("count a partial loss's targets early", lambda program, typed, machine: start_counts_early(program)),
     ("hold parameters in float32, compute them in the precision's dtype",
-     lambda program, typed: apply_precision(program, typed.bound.par.precision, typed.bound.par.inputs)),
+     lambda program, typed, machine: apply_precision(program, typed.bound.par.precision, typed.bound.par.inputs)),
     ("keep parameters and optimizer in host memory, fetch their device copies",
-     lambda program, typed: offload_to_host(program, typed.bound.par.offload)),
-    ("release each value after its last use", lambda program, typed: release_dead_values(program)),
-    ("make the submodules the file recomputes again in backward", recompute_layers),
+     lambda program, typed, machine: offload_to_host(program, typed.bound.par.offload)),
+    ("release each value after its last use", lambda program, typed, machine: release_dead_values(program)),
+    ("make the submodules the file recomputes again in backward",
+     lambda program, typed, machine: recompute_layers(program, typed)),
+    ("cut a gather before a matrix product, or a reduce-scatter after one, into chunks that overlap it",
+     lambda program, typed, machine: chunked_collective_matmuls(program, typed, machine)),
 )
 
 
-def _passes_after_lowering(program: LoweredProgram, typed: TypedGraph) -> LoweredProgram:
+def _passes_after_lowering(program: LoweredProgram, typed: TypedGraph, machine) -> LoweredProgram:
+    """`machine`: the one the plan is compiled for, where a pass weighs a rewrite by the cost model."""
     for _, run in PASSES_AFTER_LOWERING:
-        program = run(program, typed)
+        program = run(program, typed, machine or default_machine())
     return program
 
 
@@ -423,7 +430,7 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
         plan = pp.PipelinePlan(decl.axis, decl.schedule, decl.microbatches, decl.stages_per_rank,
                                tuple(cut_before), pp.shared_parameters(stages), outputs)
-        return program, [_passes_after_lowering(stage, typed) for stage in stages], plan
+        return program, [_passes_after_lowering(stage, typed, machine) for stage in stages], plan
 
     program, stages, plan = timed(seconds, "lower", lower_pipelined)
     # over the bound, with nothing named to recompute: which stages' layers to recompute is the compiler's
@@ -450,7 +457,7 @@ def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compi
     program = timed(seconds, "lower", lambda: lower(typed, bucket_mb))
     chosen, options = timed(seconds, "pipeline search", lambda: choose_pipeline(
         typed, program, decl, machine, memory_limit(bound, microbatches=decl.microbatches), decl.microbatches,
-        lowering=stage_lowering(bucket_mb)))
+        lowering=stage_lowering(bucket_mb, machine)))
     concrete = replace(par, pipelines=(chosen,))
     same_trace = chosen.microbatches == decl.microbatches
     compiled = _compile_pipelined(concrete, bucket_mb, machine,
@@ -460,7 +467,7 @@ def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compi
     return replace(compiled, pipeline_options=options)
 
 
-def stage_lowering(bucket_mb: float = DEFAULT_BUCKET_MB) -> StageLowering:
+def stage_lowering(bucket_mb: float = DEFAULT_BUCKET_MB, machine=None) -> StageLowering:
     """The compile's lowering, for the pipeline search to price its options on the programs the compile
     makes: the whole program, and the stage programs of a cut through the passes after lowering."""
 
@@ -468,7 +475,7 @@ def stage_lowering(bucket_mb: float = DEFAULT_BUCKET_MB) -> StageLowering:
         def parts_of(stage_of: dict[str, int], count: int) -> list:
             _, parts = lower_in_stages(typed, bucket_mb, lambda *whole: pp.split_program(typed, stage_of, count, *whole))
             for _, run in PASSES_AFTER_LOWERING:
-                parts = [run(part, typed) for part in parts]
+                parts = [run(part, typed, machine or default_machine()) for part in parts]
             return parts
         return parts_of
 

@@ -480,7 +480,7 @@ def test_named_recomputation_is_counted_by_the_search(compile_par):
     assert counted_whole.collective_counts_by_axis()["forward"]["cp:all_gather"] > 0
     counts = compiled.program.collective_counts_by_axis()
     assert "cp:all_gather" not in counts["forward"] and "cp:reduce_scatter" not in counts["backward"]
-    recomputed = _passes_after_lowering(counted_whole, typed)  # its layers recomputed, as the file names them
+    recomputed = _passes_after_lowering(counted_whole, typed, None)  # its layers recomputed, as the file names them
     assert estimate(compiled, machine).step_s < estimate(CompletedPlan(typed, recomputed), machine).step_s
 
 

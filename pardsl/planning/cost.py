@@ -292,6 +292,7 @@ class CollectiveCost:
     # the module whose op needs it: for a partial sum reduced, the op that made it partial (a row-parallel
     # linear), not the op that reads it whole, which may be in the next layer
     module: str = ""
+    hidden_s: float = 0.0  # of `seconds`, what moves beside a product in a collective matmul's chunks
 
 
 @dataclass
@@ -408,13 +409,14 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
             placed.append((group.regather, layer, True, False, unit,
                            f"{plural(len(group.members), 'parameter')} {where}, gathered again for backward"))
     placed += [(c, "", True, True, "", c.reason) for bucket in program.buckets for c in bucket.collectives]
+    forward_s = {o.node: o.forward_s for o in ops}
     costs = [CollectiveCost(c.kind, c.axis, c.phase, c.bytes, collective_seconds(machine, mesh, c), layer, reason,
-                            overlapped, bucket, module)
+                            overlapped, bucket, module, max(0.0, collective_matmul_saving(machine, mesh, c, forward_s)))
              for c, layer, overlapped, bucket, module, reason in placed]
 
     compute_forward = sum(o.forward_s for o in ops)
     compute_backward = sum(o.backward_s for o in ops)
-    stalled = {phase: sum(c.seconds for c in costs if c.phase == phase and not c.overlapped)
+    stalled = {phase: sum(c.seconds - c.hidden_s for c in costs if c.phase == phase and not c.overlapped)
                for phase in ("forward", "backward")}
     deferred = {phase: sum(c.seconds for c in costs if c.phase == phase and c.overlapped)
                 for phase in ("forward", "backward")}
@@ -429,6 +431,9 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
         "overlapped_exposed": exposed["forward"] + exposed["backward"],
         "overlapped_forward": deferred["forward"], "overlapped_backward": deferred["backward"],
         "overlapped_exposed_forward": exposed["forward"], "overlapped_exposed_backward": exposed["backward"],
+        "chunked_hidden": sum(c.hidden_s for c in costs),
+        "chunked_hidden_forward": sum(c.hidden_s for c in costs if c.phase == "forward"),
+        "chunked_hidden_backward": sum(c.hidden_s for c in costs if c.phase == "backward"),
     }
     seconds["step"] = compute_forward + compute_backward + stalled["forward"] + stalled["backward"] + \
         seconds["overlapped_exposed"]
@@ -512,6 +517,36 @@ def collective_seconds(machine: Machine, mesh, collective) -> float:
     axis = mesh.axis_index(collective.axis)
     return machine.slowdown(mesh.size) * machine.collective_seconds(
         collective.kind, collective.bytes, mesh.axis_sizes[axis], mesh.axis_stride(axis))
+
+
+def chunked_saving_seconds(machine: Machine, moved_s: float, moved_chunk_s: float, compute_s: float,
+                           chunks: int) -> float:
+    """What a collective beside a matrix product saves cut into `chunks` (a collective matmul): each chunk's
+    transfer (`moved_chunk_s`, where the whole takes `moved_s`) moves while the product of another chunk is
+    computed, as far as the machine overlaps the two, at the price of a latency and an op's overhead per
+    further chunk. Plain, the step waits for the whole collective, then computes; chunked, for the first
+    chunk's transfer, the last one's product, and between them each chunk's transfer and product less what
+    of them overlaps. Negative where chunking costs more than it hides."""
+    if chunks <= 1:
+        return 0.0
+    computed_chunk = compute_s / chunks + machine.op_overhead_s
+    hidden = machine.overlap * min(moved_chunk_s, computed_chunk)
+    chunked = moved_chunk_s + computed_chunk + (chunks - 1) * (moved_chunk_s + computed_chunk - hidden)
+    return moved_s + compute_s - chunked
+
+
+def collective_matmul_saving(machine: Machine, mesh, collective, forward_s: dict[str, float],
+                             chunks: int | None = None) -> float:
+    """Seconds a collective matmul's collective (`collective.chunks` pieces, or `chunks`) saves on `machine`,
+    beside the ops it names (`collective.beside`): their forward (`forward_s` per op), or in backward the
+    input gradient's products, which cost what the forward's do."""
+    chunks = collective.chunks if chunks is None else chunks
+    beside = [forward_s[name] for name in collective.beside if name in forward_s]
+    if chunks <= 1 or not beside:
+        return 0.0
+    moved = collective_seconds(machine, mesh, collective)
+    moved_chunk = collective_seconds(machine, mesh, replace(collective, bytes=collective.bytes // chunks))
+    return chunked_saving_seconds(machine, moved, moved_chunk, sum(beside), chunks)
 
 
 OPTIMIZER_STATES = {"sgd": 0, "adam": 2, "adamw": 2}  # tensors of state per parameter

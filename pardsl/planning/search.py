@@ -65,13 +65,14 @@ from pardsl.layouts.algebra import (
     plan_conversion,
     step_collectives,
 )
-from pardsl.layouts.oprules import is_tensor_list, signatures
+from pardsl.layouts.oprules import is_tensor_list, op_name, signatures
 from pardsl.model.binding import BoundPlan
 from pardsl.planning.cost import (
     DEFAULT_BUCKET_MB,
     FIRST_BUCKET_MB,
     OPTIMIZER_STATES,
     Machine,
+    chunked_saving_seconds,
     layer_of,
     parameter_unit,
     repeated_layer,
@@ -417,6 +418,7 @@ class _GroupProgram:
         self.whole_joint: Joint = (B,) * len(group)
         self.names = facts.placeholders + facts.nodes
         self.unhidden = 1.0 - machine.overlap
+        self._ops: dict[str, str] | None = None  # op names, for the collective matmuls' saving
         self._local_sizes: dict[tuple[str, Joint], int] = {}  # the axes outside the group stay as they are
         self._fitted: dict[tuple, bool] = {}  # the same question comes back for every combination of a group
         self._offer_choices()
@@ -633,8 +635,9 @@ class _GroupProgram:
         value = self.decided.value
         gradient, parameter = name in self.facts.requires_grad, name in bound.parameters
         if len(group) == 1:
-            seconds = machine.steps_seconds(one_axis_collectives(
-                source[0], target[0], self.local_bytes(name, source), sizes[0], gradient), sizes[0], self.strides[0])
+            steps = one_axis_collectives(source[0], target[0], self.local_bytes(name, source), sizes[0], gradient)
+            seconds = machine.steps_seconds(steps, sizes[0], self.strides[0]) - \
+                self._chunked_saving(name, source[0], target[0], steps)
             if parameter and source[0].is_split and target[0] == B and group[0] in self.batch_axes:
                 # prefetched forward, reduce-scattered in buckets backward, and where compile reshards
                 # the group after forward, gathered again for backward
@@ -660,6 +663,38 @@ class _GroupProgram:
                 moved *= self.unhidden
             seconds += moved
         return seconds + EPSILON_S
+
+    def _chunked_saving(self, name: str, source: Placement, target: Placement, steps) -> float:
+        """What the compile's collective matmuls (pardsl/passes/collective_matmul.py) save of a one-axis
+        conversion: a linear's partial sums reduce-scattered, or a split activation gathered whole for the
+        linears that read it, cut into chunks beside the linear's product, as the compile prices them
+        (cost.chunked_saving_seconds); so the layouts that lead to them are weighed with them."""
+        bound, machine, n, stride = self.bound, self.machine, self.sizes[0], self.strides[0]
+        if n <= 1 or bound.par.substitution("collective_matmul") == "off" or name in bound.parameters:
+            return 0.0
+        linear = "aten.linear.default"
+        if source == P and target.is_split and self._op(name) == linear:
+            beside = [name]  # the reduce-scatter forward, and the gradient's all-gather backward
+        elif source.is_split and target == B and source.blocks == 1 and not source.mirrored:
+            beside = [reader for reader, slot in self.facts.consumers[name] if slot == 0 and self._op(reader) == linear]
+            steps = [step for step in steps if step[0] == "forward"]  # the gradient's reduce-scatter is not cut
+        else:
+            return 0.0
+        if not beside:
+            return 0.0
+        itemsize = bound.tensors[name].itemsize
+        compute_s = machine.compute_seconds(self.facts.flops.get(beside[0], 0) / n, 0, itemsize <= 2)
+        saved = 0.0
+        for _, kind, nbytes in steps:  # the forward's collective and its adjoint, each beside a product
+            moved = machine.collective_seconds(kind, nbytes, n, stride)
+            moved_chunk = machine.collective_seconds(kind, nbytes // n, n, stride)
+            saved += chunked_saving_seconds(machine, moved, moved_chunk, compute_s, n)
+        return max(0.0, saved) if bound.par.substitution("collective_matmul") == "auto" else saved
+
+    def _op(self, name: str) -> str:
+        if self._ops is None:
+            self._ops = {node.name: op_name(node) for node in self.facts.graph_nodes}
+        return self._ops.get(name, "")
 
     def _regathered(self, gathered_to: Layout) -> bool:
         """Whether backward gathers a parameter's prefetched group again (reshard.py, as compile applies

@@ -133,11 +133,18 @@ class Collective:
     reason: str
     node: str = ""  # the graph op it is there for ("" for buckets, gather groups and outputs)
     routed: bool = False  # its bytes follow the data (a mixture's routing): `bytes` is a balanced routing's
+    # a collective matmul's (pardsl/passes/collective_matmul.py): moved in `chunks` pieces, each while the
+    # product of another is computed by the ops `beside` (their forward, or where `beside_backward`, the
+    # input gradient's half of their backward)
+    chunks: int = 1
+    beside: tuple[str, ...] = ()
+    beside_backward: bool = False
 
     def to_json(self) -> dict:
+        chunked = {"chunks": self.chunks, "beside": list(self.beside)} if self.chunks > 1 else {}
         return {"kind": self.kind, "axis": self.axis, "phase": self.phase, "bytes": self.bytes,
                 "value": self.value, "reason": self.reason, "node": self.node,
-                **({"routed": True} if self.routed else {})}
+                **({"routed": True} if self.routed else {}), **chunked}
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,7 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None, altern
              "",
              *_pipelined_step(compiled, pipelined),
              _step_line(seconds, pipelined is not None),
+             *_substitution_lines(compiled, estimate),
              _throughput_line(estimate, pipelined or seconds["step"]),
              _memory_line(memory, memory_bound, machine.device_memory_bytes), ""]
     recomputed = _recomputed_layers(compiled)
@@ -170,9 +171,11 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None, altern
         if layer.name in recomputed:
             lines.append(f"  made again in backward {recomputed[layer.name]}")
         for cost in layer.collectives:
-            when = f"{cost.phase}, overlapped" if cost.overlapped else cost.phase
+            when = f"{cost.phase}, overlapped" if cost.overlapped else f"{cost.phase}, in chunks" if cost.hidden_s \
+                else cost.phase
+            chunked = f" ({seconds_text(cost.hidden_s)} of it beside the linear's product)" if cost.hidden_s else ""
             lines.append(f"  {cost.kind.replace('_', '-'):<14} {cost.axis:<4} {when:<19} {format_bytes(cost.bytes):>10} "
-                         f"{seconds_text(cost.seconds):>9}  {_why(cost, layer.name)}")
+                         f"{seconds_text(cost.seconds):>9}  {_why(cost, layer.name)}{chunked}")
     lines += _bucket_lines(estimate)
     notes = [f"{n.severity}[{n.code}] line {n.span.line}: {n.message}" if n.span else f"{n.code}: {n.message}"
              for n in program.notes]
@@ -247,8 +250,8 @@ def _step_line(seconds: dict, pipelined: bool = False) -> str:
     bubble and sends: the pipelined step comes before it."""
     compute = f"compute {seconds_text(seconds['compute_forward'])} forward + " \
               f"{seconds_text(seconds['compute_backward'])} backward"
-    total = {phase: seconds[f"communication_{phase}"] + seconds[f"overlapped_{phase}"]
-             for phase in ("forward", "backward")}
+    total = {phase: seconds[f"communication_{phase}"] + seconds[f"overlapped_{phase}"] +
+             seconds.get(f"chunked_hidden_{phase}", 0.0) for phase in ("forward", "backward")}
     exposed = seconds["communication_forward"] + seconds["communication_backward"] + seconds["overlapped_exposed"]
     if not total["forward"] + total["backward"]:
         communication = "no communication"
@@ -263,6 +266,21 @@ def _step_line(seconds: dict, pipelined: bool = False) -> str:
         return f"one micro-batch through the whole model, without the pipeline: {seconds_text(seconds['step'])} " \
                f"per rank: {compute}; {communication}"
     return f"estimated step {seconds_text(seconds['step'])} per rank: {compute}; {communication}"
+
+
+def _substitution_lines(compiled, estimate: Estimate) -> list[str]:
+    """The rewrites the compile chose (pardsl/passes/collective_matmul.py) and what they save, or why none
+    was made where the plan has the collectives one could cut."""
+    chunked = [c for c in estimate.collectives if c.hidden_s > 0]
+    choice = compiled.typed.bound.par.substitution("collective_matmul")
+    if chunked:
+        return [f"substitutions: collective matmul on {plural(len(chunked), 'collective')} (sequence parallelism's "
+                f"gathers and reduce-scatters cut into chunks, each moving while the linear beside it computes "
+                f"another), saving {seconds_text(estimate.seconds['chunked_hidden'])} a step"
+                + ("" if choice == "on" else "; `substitute collective_matmul : off` in the file turns it off")]
+    if choice == "off":
+        return ["substitutions: collective matmul off, as the file says"]
+    return []
 
 
 def _rate_text(flops_per_s: float) -> str:
