@@ -106,6 +106,17 @@ def test_sequence_parallel_recipe_keeps_activations_and_the_mask_split():
     assert result.memory["total"] < H100.device_memory_bytes
 
 
+def test_no_conversion_moves_over_the_pipeline_axis():
+    """torchtitan's 405B recipe (FSDP 8 × PP 8 × TP 8, sequence parallel) at 8 layers and its real batch:
+    each layer's collectives are Megatron-SP's on tp and its FSDP group's on dp. A row-parallel output
+    written split by tokens was reduce-scattered through the pipeline axis (split there first, reduced over
+    an eighth, gathered back over pp): fewer bytes, but the pp ranks hold other stages."""
+    plan, result = compiled(recipe("llama31_405b_fsdp8_tp8_pp8.par", layers=8, batch=256))
+    assert {c.axis for c in result.collectives} == {"dp", "tp"}
+    assert all(c.axis != "pp" for stage in plan.stages for c in stage.collectives)
+    assert per_layer(result, "model.layers.5") == {"all_gather@tp": 4, "reduce_scatter@tp": 4, "all_gather@dp": 1}
+
+
 def test_a_searched_pipeline_prices_memory_as_the_plan_holds_it():
     """torchtitan's Llama 3.1 405B recipe's pipeline (1F1B, every layer recomputed, bf16 compute from
     float32 masters) at four layers of 70B's width over pp 4 × tp 8, its schedule, micro-batches and cuts

@@ -313,27 +313,31 @@ def plan_conversion(
     itemsize: int,
     mesh: Mesh,
     with_backward: bool = True,
+    still: frozenset[int] = frozenset(),
 ) -> list[ConversionStep]:
     """The cheapest legal sequence of one-axis steps from source to target (Dijkstra over layouts).
 
     Cost is bytes per rank, forward plus backward when the value needs a gradient; ties go to fewer
     steps. Every layout reaches every other (gather innermost-first to all-B, then split outermost-first),
-    so a plan always exists.
+    so a plan always exists. `still`: axes no step may move on, where source and target agree on them (a
+    pipeline's axis, whose ranks hold other stages: a detour through it would be cheaper in bytes, split
+    there, reduced over a smaller share and gathered back, but those ranks run other layers).
     """
     if source == target:
         return []
-    return list(_planned_conversion(source, target, tuple(shape), itemsize, mesh, with_backward))
+    return list(_planned_conversion(source, target, tuple(shape), itemsize, mesh, with_backward,
+                                    frozenset(a for a in still if source.placements[a] == target.placements[a])))
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _planned_conversion(source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int, mesh: Mesh,
-                        with_backward: bool) -> tuple[ConversionStep, ...]:
+                        with_backward: bool, still: frozenset[int] = frozenset()) -> tuple[ConversionStep, ...]:
     """plan_conversion's search, once per question: a joint layout search prices every pair of a
     value's placements, and many values share a shape."""
     arrangements = {p.arrangement for p in (*source.placements, *target.placements) if p.is_split}
     candidates = (B, P) + tuple(S(d, k, mirrored) for d in range(len(shape))
                                 for k, mirrored in sorted(arrangements | {(1, False)}))
-    axes = tuple(range(mesh.ndim))
+    axes = tuple(a for a in range(mesh.ndim) if a not in still)
     if len(candidates) ** mesh.ndim > _WHOLE_SEARCH_LAYOUTS:
         # Every layout of many axes is too many to search: only the axes whose placements differ move, and
         # those splitting a dim that one of them splits (their nesting decides who holds which chunk).

@@ -418,6 +418,8 @@ class _GroupProgram:
         self.whole_joint: Joint = (B,) * len(group)
         self.names = facts.placeholders + facts.nodes
         self.unhidden = 1.0 - machine.overlap
+        pipeline = bound.par.pipeline  # its axis holds the stages: no conversion moves a value over it
+        self.still = frozenset({bound.mesh.axis_index(pipeline.axis)}) if pipeline is not None else frozenset()
         self._ops: dict[str, str] | None = None  # op names, for the collective matmuls' saving
         self._local_sizes: dict[tuple[str, Joint], int] = {}  # the axes outside the group stay as they are
         self._fitted: dict[tuple, bool] = {}  # the same question comes back for every combination of a group
@@ -648,7 +650,7 @@ class _GroupProgram:
             return seconds + EPSILON_S
         info = bound.tensors[name]
         steps = plan_conversion(self.layout(value[name], source), self.layout(value[name], target), info.shape,
-                                info.itemsize, mesh, gradient)
+                                info.itemsize, mesh, gradient, self.still)
         # lowering prefetches a parameter's gather where it is one all-gather (lowering.GatherGroup);
         # gathered over several axes, it is gathered where it is used, and reduce-scattered there
         prefetched = parameter and len(steps) == 1 and steps[0].kind == "all_gather" and steps[0].axis in self.batch_axes
@@ -858,7 +860,7 @@ class _GroupProgram:
         """Whether lowering gathers the parameter in a prefetched group."""
         info = self.bound.tensors[name]
         return one_group_gather(plan_conversion(source, target, info.shape, info.itemsize, self.mesh,
-                                                name in self.facts.requires_grad), self.mesh)
+                                                name in self.facts.requires_grad, self.still), self.mesh)
 
     def _gathered_in_group(self, name: str, column: int, nbytes: int, count: int) -> None:
         """A parameter's gather in one of lowering's groups (GatherGroup), where `column` is taken: held a

@@ -188,6 +188,9 @@ class _Lowerer:
         self.typed = typed
         self.bound = typed.bound
         self.mesh = typed.mesh
+        # a pipeline's axis holds its stages: no conversion moves a value over it
+        pipeline = typed.bound.par.pipeline
+        self.still = frozenset({self.mesh.axis_index(pipeline.axis)}) if pipeline is not None else frozenset()
         self.statements: list[Statement] = []
         self.notes: list[Diagnostic] = []
         self.var: dict[str, str] = {}  # graph name → variable holding its value layout
@@ -214,7 +217,7 @@ class _Lowerer:
         if key not in self.conversion_var:
             info = self.typed.info(name)
             steps = plan_conversion(self.typed.layout_of(name), layout, info.shape, info.itemsize, self.mesh,
-                                    with_backward=name in self.typed.requires_grad)
+                                    with_backward=name in self.typed.requires_grad, still=self.still)
             var = f"{self._base(name)}__{_tag(layout)}"
             self.conversion_var[key] = var
             self.conversion_steps[var] = steps
@@ -733,7 +736,7 @@ class _Lowerer:
         pin = self.bound.pins.get(name)
         info = self.typed.info(name)
         steps = plan_conversion(typed_node.op_layout, typed_node.value_layout, info.shape, info.itemsize,
-                                self.mesh, with_backward=name in self.typed.requires_grad)
+                                self.mesh, with_backward=name in self.typed.requires_grad, still=self.still)
         reason = f"`{pin.entry.target}` written as {pin.layout.render(self.mesh)}" if pin is not None else \
             f"part {self._fx[name].args[1]} of {typed_node.operands[0]}, converted once taken"
         self._emit_steps(steps, name, value_var, reason, set(), name in self.typed.requires_grad)
