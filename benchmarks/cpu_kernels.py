@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
-import socket
 import statistics
 import sys
 import tempfile
-import time
 from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.timing import on_two_ranks, training_step_ms
 
 # name -> (.par file, replacements in its text): the examples as they are, and the HF LLaMA at a size where
 # a norm's activation no longer fits in a core's cache.
@@ -117,15 +115,10 @@ def _worker(rank: int, port: int, path: str, steps: int, results) -> None:
 
         def step(way: str, kept: dict | None = None) -> float:
             with mock.patch.multiple(kernels, **patches[way]):
-                dist.barrier()
-                start = time.perf_counter()
-                out = model(**inputs)
-                out = out if isinstance(out, torch.Tensor) else out[0]
-                out.float().square().mean().backward()
-                if kept is not None:
-                    kept[way] = [out.detach().clone()] + [p.grad.clone() for p in model.parameters()]
-                model.zero_grad(set_to_none=True)
-                return (time.perf_counter() - start) * 1000
+                ms, made = training_step_ms(model, inputs)
+            if kept is not None:
+                kept[way] = made
+            return ms
 
         kept = {}
         for _ in range(3):  # warm-up: numba's and inductor's compiles, autograd's first graphs
@@ -149,22 +142,7 @@ def _worker(rank: int, port: int, path: str, steps: int, results) -> None:
 
 
 def measure(path: str, steps: int) -> tuple[dict, dict]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    ranks = mp.start_processes(_worker, args=(port, path, steps, results), nprocs=2, start_method="spawn",
-                               join=False)
-    while True:  # read before the join: rank 0 exits only once what it put is read
-        try:
-            measured = results.get(timeout=5)
-            break
-        except queue.Empty:
-            ranks.join(timeout=0)  # raises a rank's error, where one failed
-    while not ranks.join():
-        pass
-    return measured
+    return on_two_ranks(_worker, path, steps)
 
 
 def _ratio(times: dict, a: str, b: str) -> str:
@@ -186,7 +164,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for name in args.plans.split(";"):
             source, replacements = PLANS[name]
-            text = open(source).read()
+            with open(source, encoding="utf-8") as handle:
+                text = handle.read()
             for old, new in replacements:
                 assert old in text, (source, old)
                 text = text.replace(old, new)

@@ -1,5 +1,7 @@
 """What the benchmarks share: the median time of a step on every rank, the ranks started together."""
 
+import queue
+import socket
 import statistics
 import time
 
@@ -43,3 +45,36 @@ def interleaved_median_ms(steps_by_name: dict, steps: int, warmup: int = 3,
         for name, step in steps_by_name.items():
             times[name].append(median_step_ms(step, 1, warmup=0, device=device))
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def on_two_ranks(worker, *args):
+    """`worker(rank, port, *args, results)` on two spawned processes; what rank 0 puts in `results`."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = mp.get_context("spawn").Queue()
+    ranks = mp.start_processes(worker, args=(port, *args, results), nprocs=2, start_method="spawn", join=False)
+    while True:  # read before the join: rank 0 exits only once what it put is read
+        try:
+            measured = results.get(timeout=5)
+            break
+        except queue.Empty:
+            ranks.join(timeout=0)  # raises a rank's error, where one failed
+    while not ranks.join():
+        pass
+    return measured
+
+
+def training_step_ms(model, inputs: dict) -> tuple[float, list]:
+    """One step of `model` on `inputs` begun after a barrier: forward, a mean-square loss's backward, the
+    gradients zeroed. Its milliseconds, and the output and gradients it made (to compare ways)."""
+    dist.barrier()
+    start = time.perf_counter()
+    out = model(**inputs)
+    out = out if isinstance(out, torch.Tensor) else out[0]
+    out.float().square().mean().backward()
+    made = [out.detach()] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return (time.perf_counter() - start) * 1000, made
