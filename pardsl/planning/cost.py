@@ -394,6 +394,9 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
             # a recomputed region's: the statement of its body that runs it (none for those made again)
             runs = next((inside for inside in statement.body if c in inside.collectives), statement)
             module = bound.module_paths.get(needed_by(typed, runs, c, order), "")
+            if not module and statement.body:  # a region's parameters gathered again: the region's layer's
+                module = layer_of(next((bound.module_paths[inside.node] for inside in statement.body
+                                        if inside.node in bound.module_paths), ""))
             placed.append((c, layer_of(module), False, False, module, c.reason))
     parameter_names = {slot.var: slot.name for slot in program.parameters}
     for group in program.gathers:
