@@ -70,7 +70,7 @@ def _chunked(program: LoweredProgram, statements: list[Statement], pays) -> list
                     _same_in(c, inside) for c in statement.collectives))
         elif _gathers_for_linears(statement):
             gather = statement.collectives[0]
-            chunks = _axis_size(program, gather.axis)
+            chunks = _pieces(program, statement.instruction, "gather_dim", gather.axis)
             chunked = [dataclasses.replace(c, chunks=chunks, beside=tuple(statement.targets))
                        if c is gather else c for c in statement.collectives]
             if chunks > 1 and pays([chunked[0]], chunks):
@@ -84,7 +84,7 @@ def _chunked(program: LoweredProgram, statements: list[Statement], pays) -> list
                 continue
             linear = statements[reader]
             gather = statement.collectives[0]
-            chunks = _axis_size(program, gather.axis)
+            chunks = _pieces(program, statement.instruction, "dim", gather.axis)
             chunked = [dataclasses.replace(c, chunks=chunks, beside=(linear.node,)) if c is gather else c
                        for c in statement.collectives]
             if chunks > 1 and pays([chunked[0]], chunks):
@@ -100,7 +100,8 @@ def _chunked(program: LoweredProgram, statements: list[Statement], pays) -> list
             if reader is None or not _reduce_scatters(statements[reader], statement.target):
                 continue
             scatter = statements[reader]
-            chunks = _axis_size(program, scatter.collectives[0].axis) if scatter.collectives else 1
+            chunks = _pieces(program, scatter.instruction, "dim", scatter.collectives[0].axis,
+                             statement.instruction.args[0]) if scatter.collectives else 1
             chunked = [dataclasses.replace(c, chunks=chunks, beside=(statement.node,),
                                            beside_backward=c.phase == "backward") for c in scatter.collectives]
             if chunks > 1 and pays(chunked, chunks):
@@ -141,8 +142,19 @@ def _same_in(collective: Collective, chunked: set[Collective]) -> Collective:
     return collective
 
 
-def _axis_size(program: LoweredProgram, axis: str) -> int:
-    return program.mesh.axis_sizes[program.mesh.axis_index(axis)]
+def _pieces(program: LoweredProgram, instruction: Instruction, dim_keyword: str, axis: str, cut=None) -> int:
+    """How many pieces the runtime cuts a collective matmul into (parallel_ops._pieces_dim): as many as the
+    axis has ranks, along the first dim of the local value (`cut`, else the instruction's first argument)
+    that is neither the collective's nor the last, and has at least two elements; at most its size. 1 where
+    no dim can be cut (a micro-batch of one sequence gathered by tokens): then it stays as it is."""
+    n = program.mesh.axis_sizes[program.mesh.axis_index(axis)]
+    shape = program.values.get(var_name(cut if cut is not None else instruction.args[0]) or "", {}).get("local_shape")
+    dim = dict(instruction.kwargs).get(dim_keyword)
+    if not shape or not isinstance(dim, Text):
+        return 1
+    whole = int(dim.text) % len(shape)
+    sizes = [size for d, size in enumerate(shape[:-1]) if d != whole and size >= 2]
+    return min(n, sizes[0]) if sizes else 1
 
 
 def _gathers_for_linears(statement: Statement) -> bool:

@@ -684,13 +684,21 @@ class _GroupProgram:
             return 0.0
         if not beside:
             return 0.0
-        itemsize = bound.tensors[name].itemsize
-        compute_s = machine.compute_seconds(self.facts.flops.get(beside[0], 0) / n, 0, itemsize <= 2)
+        # as the runtime cuts it: along the first other dim of two or more elements but the last, at most
+        # its size (a micro-batch of one sequence split by tokens has none: not cut)
+        info = bound.tensors[name]
+        local = self.layout(self.decided.value[name], (source,)).local_shape(info.shape, self.mesh)
+        whole = (target if target.is_split else source).dim
+        sizes = [size for d, size in enumerate(local[:-1]) if d != whole and size >= 2]
+        if not sizes:
+            return 0.0
+        chunks = min(n, sizes[0])
+        compute_s = machine.compute_seconds(self.facts.flops.get(beside[0], 0) / n, 0, info.itemsize <= 2)
         saved = 0.0
         for _, kind, nbytes in steps:  # the forward's collective and its adjoint, each beside a product
             moved = machine.collective_seconds(kind, nbytes, n, stride)
-            moved_chunk = machine.collective_seconds(kind, nbytes // n, n, stride)
-            saved += chunked_saving_seconds(machine, moved, moved_chunk, compute_s, n)
+            moved_chunk = machine.collective_seconds(kind, nbytes // chunks, n, stride)
+            saved += chunked_saving_seconds(machine, moved, moved_chunk, compute_s, chunks)
         return max(0.0, saved) if bound.par.substitution("collective_matmul") == "auto" else saved
 
     def _op(self, name: str) -> str:
