@@ -4,10 +4,13 @@ collectives as without, are applied where the cost model says they pay or where 
 named in the file's language with errors that point at it."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
 from pardsl.language.diagnostics import CompileError
+from pardsl.passes.collective_matmul import _chunked
+from pardsl.program.ir import Collective, Instruction, Statement, Text, Var
 from pardsl.planning.cost import PRESETS, estimate
 
 from .test_distributed import _nonzero, check
@@ -94,3 +97,55 @@ def test_a_misspelt_substitution_is_an_error_at_its_place(compile_par, line, col
     lineno = SP_TP2[:SP_TP2.index("layout {")].count("\n") + 1
     where = f"model.par:{lineno}:{column}: error[E085]" if column else f"model.par:{lineno + 1}:1: error[E003]"
     assert f"{where}: {message}" in shown
+
+
+def _statement(target, kind, callee, args, kwargs=(), collectives=()):
+    return Statement(target, Instruction(kind, callee, args, kwargs), "", collectives, (), target)
+
+
+def _gather(target, source, axis):
+    return _statement(target, "convert", "rt.all_gather", (Var(source), Text(repr(axis))),
+                      (("dim", Text("1")), ("backward", Text('"reduce_scatter"'))),
+                      (Collective("all_gather", axis, "forward", 8, target, ""),
+                       Collective("reduce_scatter", axis, "backward", 8, target, "")))
+
+
+def _rendered(statements) -> list[str]:
+    return [f"{s.target} = {s.instruction.callee}({', '.join(getattr(a, 'name', getattr(a, 'text', '')) for a in s.instruction.args)})"
+            for s in statements]
+
+
+def _program(axes: dict, values: dict):
+    mesh = SimpleNamespace(axis_sizes=tuple(axes.values()), axis_index=list(axes).index)
+    return SimpleNamespace(mesh=mesh, values={name: {"local_shape": shape} for name, shape in values.items()})
+
+
+def test_a_gathered_value_read_again_later_is_not_released_early():
+    """The split value a gather reads, read again after the linear the gather is merged into (a post-norm
+    layer's residual): its release stays where it was, after its last reader."""
+    statements = [_gather("xg", "x", "tp"),
+                  _statement("q", "compute", "aten.linear.default", (Var("xg"), Var("wq"))),
+                  _statement("k", "compute", "aten.linear.default", (Var("xg"), Var("wk"))),
+                  _statement("", "release", "del", (Var("xg"),)),
+                  _statement("h", "compute", "aten.add.Tensor", (Var("x"), Var("k"))),
+                  _statement("", "release", "del", (Var("x"), Var("q"), Var("k")))]
+    chunked = _chunked(_program({"tp": 2}, {"x": [4, 8, 16]}), statements, lambda collectives, chunks: True)
+    assert _rendered(chunked) == ["xg, q = rt.all_gather_linear(x, wq, 'tp')", "k = aten.linear.default(xg, wk)",
+                                  " = del(xg)", "h = aten.add.Tensor(x, k)", " = del(x, q, k)"]
+
+
+def test_a_linear_both_after_a_gather_and_before_a_reduce_scatter_is_merged_once():
+    """A linear that reads a value gathered over one axis and whose partial sums are reduce-scattered over
+    another is merged with the gather; the reduce-scatter stays its own step, reading the linear's result."""
+    statements = [_gather("xg", "x", "sp"),
+                  _statement("", "release", "del", (Var("x"),)),
+                  _statement("p", "compute", "aten.linear.default", (Var("xg"), Var("w"))),
+                  _statement("", "release", "del", (Var("xg"),)),
+                  _statement("y", "convert", "rt.reduce_scatter", (Var("p"), Text("'tp'")), (("dim", Text("1")),),
+                             (Collective("reduce_scatter", "tp", "forward", 8, "p", ""),
+                              Collective("all_gather", "tp", "backward", 8, "p", ""))),
+                  _statement("", "release", "del", (Var("p"),))]
+    program = _program({"sp": 2, "tp": 2}, {"x": [4, 8, 16], "xg": [4, 16, 16]})
+    chunked = _chunked(program, statements, lambda collectives, chunks: True)
+    assert _rendered(chunked) == ["xg, p = rt.all_gather_linear(x, w, 'sp')", " = del(x)", " = del(xg)",
+                                  "y = rt.reduce_scatter(p, 'tp')", " = del(p)"]

@@ -88,8 +88,9 @@ def test_sequence_parallel_recipe_keeps_activations_and_the_mask_split():
     kinds = per_layer(result)
     # forward: two gathers whole for the column-parallel linears, two reduce-scatters of the row-parallel
     # ones' partial sums; backward their adjoints, and the layer made again up to its last reduce-scatter,
-    # whose result backward does not need; the layer's FSDP group once
-    assert kinds == {"all_gather@tp": 2 + 2 + 2, "reduce_scatter@tp": 2 + 2 + 1, "all_gather@dp": 1}, kinds
+    # whose result backward does not need; the layer's FSDP group gathered for forward and again for the
+    # layer made again in backward
+    assert kinds == {"all_gather@tp": 2 + 2 + 2, "reduce_scatter@tp": 2 + 2 + 1, "all_gather@dp": 2}, kinds
     layouts = {p.name: p.layout.render(plan.program.mesh) for p in plan.program.parameters}
     parameters = {name for p in plan.program.parameters for name in (p.var, f"self.{p.var}")}
     assert not [c for c in plan.program.collectives if c.axis == "tp" and c.value in parameters]

@@ -338,6 +338,7 @@ def _planned_conversion(source: Layout, target: Layout, shape: tuple[int, ...], 
     candidates = (B, P) + tuple(S(d, k, mirrored) for d in range(len(shape))
                                 for k, mirrored in sorted(arrangements | {(1, False)}))
     axes = tuple(a for a in range(mesh.ndim) if a not in still)
+    movable = len(axes)
     if len(candidates) ** mesh.ndim > _WHOLE_SEARCH_LAYOUTS:
         # Every layout of many axes is too many to search: only the axes whose placements differ move, and
         # those splitting a dim that one of them splits (their nesting decides who holds which chunk).
@@ -356,7 +357,7 @@ def _planned_conversion(source: Layout, target: Layout, shape: tuple[int, ...], 
             return tuple(path)
         if layout in settled:
             continue
-        if len(settled) == _SETTLED_BEFORE_DIRECT and len(axes) < mesh.ndim:
+        if len(settled) == _SETTLED_BEFORE_DIRECT and len(axes) < movable:
             direct = _through_broadcast(source, target, axes, shape, itemsize, mesh)
             if direct is not None:
                 return direct

@@ -93,11 +93,11 @@ def _chunked(program: LoweredProgram, statements: list[Statement], pays) -> list
                 dropped.add(index)
                 source = var_name(statement.instruction.args[0])
                 deferred[source] = (index, reader)
-        elif _plain_linear(statement) and reads[statement.target] == 1:
+        elif _plain_linear(statement) and reads[statement.target] == 1 and index not in replaced:
             reader = next((i for i in range(index + 1, len(statements))
                            if statement.target in statements[i].instruction.reads()
                            and statements[i].instruction.kind != "release"), None)
-            if reader is None or not _reduce_scatters(statements[reader], statement.target):
+            if reader is None or reader in dropped or not _reduce_scatters(statements[reader], statement.target):
                 continue
             scatter = statements[reader]
             chunks = _pieces(program, scatter.instruction, "dim", scatter.collectives[0].axis,
@@ -112,19 +112,21 @@ def _chunked(program: LoweredProgram, statements: list[Statement], pays) -> list
     if not replaced:
         return statements
     result = []
+    held_back: set[str] = set()  # releases moved from between a gather and its linear to after the linear
     for index, statement in enumerate(statements):
         if index in dropped:
             continue
         statement = replaced.get(index, statement)
         if statement.instruction.kind == "release":
-            gone = merged | {name for name, (start, end) in deferred.items() if start <= index < end}
-            kept = tuple(arg for arg in statement.instruction.args if var_name(arg) not in gone)
+            early = {name for name, (start, end) in deferred.items() if start <= index < end}
+            held_back |= early & set(statement.instruction.reads())
+            kept = tuple(arg for arg in statement.instruction.args if var_name(arg) not in merged | early)
             if not kept:
                 continue
             statement = dataclasses.replace(statement, instruction=dataclasses.replace(statement.instruction,
                                                                                        args=kept))
         result.append(statement)
-        late = [name for name, (_, end) in deferred.items() if end == index]
+        late = [name for name, (_, end) in deferred.items() if end == index and name in held_back]
         if late:
             result.append(Statement("", Instruction("release", "del", tuple(Var(name) for name in late)), ""))
     return result

@@ -413,9 +413,13 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
                            f"{plural(len(group.members), 'parameter')} {where}, gathered again for backward"))
     placed += [(c, "", True, True, "", c.reason) for bucket in program.buckets for c in bucket.collectives]
     forward_s = {o.node: o.forward_s for o in ops}
-    costs = [CollectiveCost(c.kind, c.axis, c.phase, c.bytes, collective_seconds(machine, mesh, c), layer, reason,
-                            overlapped, bucket, module, max(0.0, collective_matmul_saving(machine, mesh, c, forward_s)))
-             for c, layer, overlapped, bucket, module, reason in placed]
+    # a collective matmul the file asks for where it does not pay costs what it costs; chosen, it pays
+    asked = bound.par.substitution("collective_matmul") == "on"
+    costs = []
+    for c, layer, overlapped, bucket, module, reason in placed:
+        saved = collective_matmul_saving(machine, mesh, c, forward_s)
+        costs.append(CollectiveCost(c.kind, c.axis, c.phase, c.bytes, collective_seconds(machine, mesh, c), layer,
+                                    reason, overlapped, bucket, module, saved if asked else max(0.0, saved)))
 
     compute_forward = sum(o.forward_s for o in ops)
     compute_backward = sum(o.backward_s for o in ops)

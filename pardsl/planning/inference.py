@@ -4,7 +4,7 @@ Inference runs one mesh axis at a time (nd-SBP as the product of one-axis signat
 in graph order, greedily: each op takes the legal signature whose cost is least (OneFlow's min-copy-cost
 pass). The cost of a signature is compared in this order:
 
-0. parameters the file writes split on an axis that does not split the batch, gathered by the signature:
+0. parameters the file writes split on an axis no input is split on, gathered by the signature:
    such a layout asks for the op to compute split (Megatron's tensor parallelism), so a signature that
    uses it as written wins, however fewer bytes a gather of the weight would move than one of the
    activations: the gathered weight would make the axis a data-parallel one the file did not ask for,
@@ -86,8 +86,8 @@ class Candidate:
     compute: int  # bytes of the result computed per rank
     index: int  # the signature's place in the rule's order
     chosen: bool = False  # the one inference took
-    # parameters the file writes split on this axis that the signature gathers, where the axis does not
-    # split the batch: weighed before any bytes (see `infer`)
+    # parameters the file writes split on this axis that the signature gathers, where no input is split
+    # on the axis: weighed before any bytes (see `infer`)
     unwritten: int = 0
 
     @property
@@ -235,6 +235,9 @@ def infer(bound: BoundPlan) -> TypedGraph:
         # an axis that splits the batch (an input's dim 0): data parallelism's axis, where FSDP and DDP live
         batch_axis = any(pin.layout.placements[axis].is_split and pin.layout.placements[axis].dim == 0
                          for name, pin in bound.pins.items() if name in bound.inputs)
+        # an axis some input is split on (the batch, or the sequence: context parallelism) holds data: a
+        # weight written split on it is stored split and gathered for use (FSDP), not Megatron's
+        data_axis = any(pin.layout.placements[axis].is_split for name, pin in bound.pins.items() if name in bound.inputs)
         if n == 1:  # one rank on this axis: every layout is the same tensor and nothing moves; all B
             for name in placeholders:
                 pin = bound.pins.get(name)
@@ -306,7 +309,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 for name, source, target, grad, written in conversions:
                     if source == target or (name, target) in bought:
                         continue
-                    if not batch_axis and name in bound.parameters and name in bound.pins and source.is_split:
+                    if not data_axis and name in bound.parameters and name in bound.pins and source.is_split:
                         unwritten += 1
                     size = local_bytes(name, source)
                     forward_only = _one_axis_cost(source, target, size, n, False, written)
@@ -383,7 +386,7 @@ def _computed_split_where_read_split(bound, graph_nodes, specs, operands, requir
         target = wanted.pop()
         if not target.is_split or target.blocks != 1 or target.mirrored:
             continue
-        result = Layout(tuple(value[name][:axis]) + (target,) + (B,) * (mesh.ndim - axis - 1))
+        result = Layout(tuple(value[name][:axis]) + (target,) + tuple(value[name][axis + 1:]))
         if not result.fits(bound.tensors[name].shape, mesh):
             continue
         for signature in signatures(specs[name]):
@@ -391,7 +394,7 @@ def _computed_split_where_read_split(bound, graph_nodes, specs, operands, requir
                 continue
             takes = list(zip(operands[name], signature.operands))
             if all(req == value[o][axis] or (value[o][axis] == B and req.is_split and o not in requires_grad and
-                                             Layout(tuple(value[o][:axis]) + (req,) + (B,) * (mesh.ndim - axis - 1))
+                                             Layout(tuple(value[o][:axis]) + (req,) + tuple(value[o][axis + 1:]))
                                              .fits(bound.tensors[o].shape, mesh))
                    for o, req in takes):
                 for slot, (_, req) in enumerate(takes):

@@ -674,15 +674,17 @@ class _GroupProgram:
         bound, machine, n, stride = self.bound, self.machine, self.sizes[0], self.strides[0]
         if n <= 1 or bound.par.substitution("collective_matmul") == "off" or name in bound.parameters:
             return 0.0
-        linear = "aten.linear.default"
-        if source == P and target.is_split and self._op(name) == linear:
-            beside = [name]  # the reduce-scatter forward, and the gradient's all-gather backward
-        elif source.is_split and target == B and source.blocks == 1 and not source.mirrored:
-            beside = [reader for reader, slot in self.facts.consumers[name] if slot == 0 and self._op(reader) == linear]
+        def plain_linear(op: str) -> bool:  # the pass cuts beside a linear with no bias
+            return self._op(op) == "aten.linear.default" and len(self.facts.operands[op]) == 2
+
+        readers = self.facts.consumers[name]
+        if source == P and target.is_split and plain_linear(name):
+            beside = name  # the reduce-scatter forward, and the gradient's all-gather backward
+        elif source.is_split and target == B and source.blocks == 1 and not source.mirrored and readers and \
+                all(slot == 0 and plain_linear(reader) for reader, slot in readers):
+            beside = readers[0][0]  # the first of the linears the gathered value feeds
             steps = [step for step in steps if step[0] == "forward"]  # the gradient's reduce-scatter is not cut
         else:
-            return 0.0
-        if not beside:
             return 0.0
         # as the runtime cuts it: along the first other dim of two or more elements but the last, at most
         # its size (a micro-batch of one sequence split by tokens has none: not cut)
@@ -693,7 +695,11 @@ class _GroupProgram:
         if not sizes:
             return 0.0
         chunks = min(n, sizes[0])
-        compute_s = machine.compute_seconds(self.facts.flops.get(beside[0], 0) / n, 0, info.itemsize <= 2)
+        # the linear's share of its work on a rank: split over this axis and the ones decided before
+        others = math.prod(self.mesh.axis_sizes[a] for a, p in self.decided.op_out.get(beside, {}).items()
+                           if p.kind != "B" and a not in self.group)
+        compute_s = machine.compute_seconds(self.facts.flops.get(beside, 0) / (n * others), 0, info.itemsize <= 2) \
+            + machine.op_overhead_s
         saved = 0.0
         for _, kind, nbytes in steps:  # the forward's collective and its adjoint, each beside a product
             moved = machine.collective_seconds(kind, nbytes, n, stride)

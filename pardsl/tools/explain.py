@@ -173,7 +173,9 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None, altern
         for cost in layer.collectives:
             when = f"{cost.phase}, overlapped" if cost.overlapped else f"{cost.phase}, in chunks" if cost.hidden_s \
                 else cost.phase
-            chunked = f" ({seconds_text(cost.hidden_s)} of it beside the linear's product)" if cost.hidden_s else ""
+            chunked = "" if not cost.hidden_s else \
+                f" ({seconds_text(cost.hidden_s)} of it beside the linear's product)" if cost.hidden_s > 0 else \
+                f" (in chunks it costs {seconds_text(-cost.hidden_s)} more: asked for by the file)"
             lines.append(f"  {cost.kind.replace('_', '-'):<14} {cost.axis:<4} {when:<19} {format_bytes(cost.bytes):>10} "
                          f"{seconds_text(cost.seconds):>9}  {_why(cost, layer.name)}{chunked}")
     lines += _bucket_lines(estimate)
@@ -271,12 +273,14 @@ def _step_line(seconds: dict, pipelined: bool = False) -> str:
 def _substitution_lines(compiled, estimate: Estimate) -> list[str]:
     """The rewrites the compile chose (pardsl/passes/collective_matmul.py) and what they save, or why none
     was made where the plan has the collectives one could cut."""
-    chunked = [c for c in estimate.collectives if c.hidden_s > 0]
+    chunked = [c for c in estimate.collectives if c.hidden_s]
     choice = compiled.typed.bound.par.substitution("collective_matmul")
     if chunked:
+        saved = estimate.seconds["chunked_hidden"]
+        effect = f"saving {seconds_text(saved)} a step" if saved >= 0 else f"costing {seconds_text(-saved)} a step"
         return [f"substitutions: collective matmul on {plural(len(chunked), 'collective')} (sequence parallelism's "
                 f"gathers and reduce-scatters cut into chunks, each moving while the linear beside it computes "
-                f"another), saving {seconds_text(estimate.seconds['chunked_hidden'])} a step"
+                f"another), {effect}"
                 + ("" if choice == "on" else "; `substitute collective_matmul : off` in the file turns it off")]
     if choice == "off":
         return ["substitutions: collective matmul off, as the file says"]
