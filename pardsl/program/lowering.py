@@ -417,7 +417,10 @@ class _Lowerer:
             if pin is None:
                 self.exchanges += [(consumer, name, s) for s in steps
                                    if s.kind == "all_to_all" and self.mesh.axis_sizes[s.axis] > 1]
-        if pin is not None and steps and not gathered_for_use:  # gathering a stored parameter is ZeRO's meaning
+        # gathering a stored parameter is ZeRO's meaning; slicing a value that needs no gradient out of what a
+        # rank holds moves nothing either way (token ids split by tokens for an embedding): no note for either
+        sliced = all(s.kind == "split" for s in steps) and name not in self.typed.requires_grad
+        if pin is not None and steps and not gathered_for_use and not sliced:
             moved = sum(s.forward_bytes for s in steps)
             self.notes.append(Diagnostic(
                 "N001", f"`{pin.entry.target}` is {pin.layout.render(self.mesh)} as written; {reason} needs "
