@@ -30,7 +30,14 @@ from collections import Counter
 from pardsl.passes.chains import calls, var_name
 from pardsl.planning.cost import Machine, collective_matmul_saving, op_costs
 from pardsl.planning.inference import TypedGraph
-from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement, Text, Var
+from pardsl.program.ir import (
+    Collective,
+    Instruction,
+    LoweredProgram,
+    Statement,
+    Text,
+    Var,
+)
 
 
 def chunked_collective_matmuls(program: LoweredProgram, typed: TypedGraph, machine: Machine) -> LoweredProgram:
@@ -76,9 +83,7 @@ def _chunked(program: LoweredProgram, statements: list[Statement], pays) -> list
             if chunks > 1 and pays([chunked[0]], chunks):
                 replaced[index] = _chunked_gather(statement, chunked, chunks)
         elif _gathers_whole(statement):
-            reader = next((i for i in range(index + 1, len(statements))
-                           if statement.target in statements[i].instruction.reads()
-                           and statements[i].instruction.kind != "release"), None)
+            reader = _first_reader(statements, index)
             if reader is None or not _plain_linear(statements[reader]) or \
                     var_name(statements[reader].instruction.args[0]) != statement.target or reader in replaced:
                 continue
@@ -94,9 +99,7 @@ def _chunked(program: LoweredProgram, statements: list[Statement], pays) -> list
                 source = var_name(statement.instruction.args[0])
                 deferred[source] = (index, reader)
         elif _plain_linear(statement) and reads[statement.target] == 1 and index not in replaced:
-            reader = next((i for i in range(index + 1, len(statements))
-                           if statement.target in statements[i].instruction.reads()
-                           and statements[i].instruction.kind != "release"), None)
+            reader = _first_reader(statements, index)
             if reader is None or reader in dropped or not _reduce_scatters(statements[reader], statement.target):
                 continue
             scatter = statements[reader]
@@ -130,6 +133,13 @@ def _chunked(program: LoweredProgram, statements: list[Statement], pays) -> list
         if late:
             result.append(Statement("", Instruction("release", "del", tuple(Var(name) for name in late)), ""))
     return result
+
+
+def _first_reader(statements: list[Statement], index: int) -> int | None:
+    """The index of the first statement after `index` that reads what it makes (releases aside)."""
+    target = statements[index].target
+    return next((i for i in range(index + 1, len(statements))
+                 if statements[i].instruction.kind != "release" and target in statements[i].instruction.reads()), None)
 
 
 def _same_in(collective: Collective, chunked: set[Collective]) -> Collective:

@@ -31,6 +31,15 @@ class Projection:
     weight: int
     bias: int | None
 
+    def input_factor(self, weight: torch.Tensor) -> torch.Tensor:
+        """What the result's gradient is multiplied by for the input's: the weight as [out, in]."""
+        return weight.t() if self.weight_in_out else weight
+
+    def weight_grad(self, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The weight's gradient from the input and the result's gradient, rows flattened, as stored."""
+        rows, grad_rows = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        return rows.t().matmul(grad_rows) if self.weight_in_out else grad_rows.t().matmul(rows)
+
 
 # The ops a column-parallel step computes for its readers of one input: linear's weight is [out, in],
 # the others' [in, out] (GPT-2's Conv1D is an addmm; `x @ W` an mm or matmul)
@@ -73,7 +82,7 @@ class ColumnParallelLinears(torch.autograd.Function):
         rt = ctx.rt
         gather_dim, arrangement, projection, _ = ctx.how
         grad_x, work, result = None, None, None
-        products = [(grad.reshape(-1, grad.shape[-1]), weight.t() if projection.weight_in_out else weight)
+        products = [(grad.reshape(-1, grad.shape[-1]), projection.input_factor(weight))
                     for grad, weight in zip(grads, weights) if grad is not None]
         if ctx.needs_input_grad[0] and products:
             # summed by the products themselves (addmm's beta = 1), straight into memory the collective's
@@ -87,16 +96,14 @@ class ColumnParallelLinears(torch.autograd.Function):
                 work, result = rt._reduce_scatter_started(grad_x, ctx.axes[0], gather_dim, "backward", *arrangement)
             else:
                 work, result = rt._all_reduce_started(grad_x, ctx.axes[0], "backward")
-        rows = x.reshape(-1, x.shape[-1])
         parameter_grads = []
         for index, (grad, has_bias) in enumerate(zip(grads, ctx.has_bias)):
             grad_w = grad_b = None
             if grad is not None:
-                grad_rows = grad.reshape(-1, grad.shape[-1])
                 if ctx.needs_input_grad[4 + 2 * index]:
-                    grad_w = rows.t().matmul(grad_rows) if projection.weight_in_out else grad_rows.t().matmul(rows)
+                    grad_w = projection.weight_grad(x, grad)
                 if has_bias and ctx.needs_input_grad[5 + 2 * index]:
-                    grad_b = grad_rows.sum(0)
+                    grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
             parameter_grads += [grad_w, grad_b]
         if work is not None:
             work.wait()
@@ -179,7 +186,7 @@ class LinearReduceScatter(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         rt, axis, dim, arrangement, projection = ctx.rt, ctx.axis, ctx.dim, ctx.arrangement, ctx.projection
-        factor = weight.t() if projection.weight_in_out else weight  # x's gradient is the gradient times it
+        factor = projection.input_factor(weight)  # x's gradient is the gradient times it
         grad_x = None
         along = _pieces_dim(rt, grad, axis, ctx.chunks, dim, "backward")
         if along is None:
@@ -195,8 +202,7 @@ class LinearReduceScatter(torch.autograd.Function):
             grad_x = torch.cat(parts, along) if parts else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            rows, grad_rows = x.reshape(-1, x.shape[-1]), whole.reshape(-1, whole.shape[-1])
-            grad_weight = rows.t().matmul(grad_rows) if projection.weight_in_out else grad_rows.t().matmul(rows)
+            grad_weight = projection.weight_grad(x, whole)
         return grad_x, grad_weight, None, None, None, None, None, None
 
 
@@ -229,8 +235,7 @@ class AllGatherLinear(torch.autograd.Function):
         if grad_product is None:
             total = grad_whole
         else:
-            factor = weight.t() if projection.weight_in_out else weight
-            total = grad_product.matmul(factor)
+            total = grad_product.matmul(projection.input_factor(weight))
             if grad_whole is not None:
                 total = total + grad_whole
         work = result = None
@@ -238,8 +243,7 @@ class AllGatherLinear(torch.autograd.Function):
             work, result = rt._reduce_scatter_started(total.contiguous(), ctx.axis, ctx.dim, "backward",
                                                       *ctx.arrangement)
         if ctx.needs_input_grad[1] and grad_product is not None:
-            rows, grad_rows = whole.reshape(-1, whole.shape[-1]), grad_product.reshape(-1, grad_product.shape[-1])
-            grad_weight = rows.t().matmul(grad_rows) if projection.weight_in_out else grad_rows.t().matmul(rows)
+            grad_weight = projection.weight_grad(whole, grad_product)
         if work is not None:
             work.wait()
         if result is not None:
