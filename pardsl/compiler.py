@@ -46,7 +46,7 @@ from pardsl.planning.cost import (
 )
 from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning import descent
-from pardsl.planning.descent import CompletedPlan, searched_or_greedy
+from pardsl.planning.descent import CompletedPlan, layouts_of, searched_or_greedy
 from pardsl.planning.pipeline_search import StageLowering, choose_pipeline, pipelined_step_seconds
 from pardsl.planning.search import memory_limit, wants_search
 from pardsl.program.codegen import render, render_pipeline
@@ -142,15 +142,31 @@ def _compile(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = 
     if limit is not None:
         typed, program = _searched_with_recomputation(bound, machine or default_machine(), bucket_mb, limit, seconds)
     elif wants_search(bound):
-        typed, program = searched_or_greedy(bound, machine or default_machine(),
-                                            lambda typed, limit: _lowered(typed, bucket_mb, limit), seconds)
-        program = _passes_after_lowering(program, typed, machine)
+        typed, program = _searched(bound, machine or default_machine(), bucket_mb, seconds)
     else:
         typed = timed(seconds, "infer", lambda: infer(bound))
         program = timed(seconds, "lower", lambda: _lowered(typed, bucket_mb, None))
         program = _passes_after_lowering(program, typed, machine)
     source = timed(seconds, "codegen", lambda: render(program))
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
+
+
+def _searched(bound: BoundPlan, machine, bucket_mb: float, seconds: dict[str, float]) -> tuple[TypedGraph, LoweredProgram]:
+    """The layouts searched with no memory bound: the search's plan, or the best known recipe where that
+    is rated faster through the passes."""
+    def lowered(typed: TypedGraph, limit: int | None) -> LoweredProgram:
+        return _lowered(typed, bucket_mb, limit)
+
+    def compiled_as(typed: TypedGraph, program: LoweredProgram) -> _SearchedPlan:
+        program = _passes_after_lowering(program, typed, machine)
+        return _SearchedPlan((False, estimate(CompletedPlan(typed, program), machine).step_s), typed, program,
+                             program, program)
+
+    recipes_lowered = descent.recipe_plans(bound, machine, lowered, None, seconds=seconds)
+    typed, program = searched_or_greedy(bound, machine, lowered, seconds, recipes_lowered=recipes_lowered)
+    best = _weighed_against_recipes(bound, compiled_as(typed, program),
+                                    [(r.name, compiled_as(r.typed, r.program)) for r in recipes_lowered], machine, None)
+    return best.typed, best.program
 
 
 # How many times the layout search runs again under a bound, each time counting activations as more
@@ -186,22 +202,29 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
     budget (descent.SEARCH_BUDGET_S), and the steps share one more, passed down to their searches, so
     weighing about doubles the search's time at most (note N006 where the steps spend it)."""
     written = bound.par.recomputes_written
+    # the known recipes are written, completed and lowered once: each search below weighs them anew
+    recipes_lowered = descent.recipe_plans(bound, machine, lambda typed, limit: _lowered(typed, bucket_mb, limit),
+                                           limit, seconds=seconds)
 
-    def planned(weight: float, deadline: float = math.inf):
-        """The search's plan with activations counted `weight` times, through the passes, its layers
-        recomputed where the file names none and it holds more than the bound; rated by the cost model
-        (within the bound before over it; over it, the nearer first)."""
-        spent: dict[str, float] = {}
-        typed, lowered = searched_or_greedy(bound, machine, lambda typed, limit: _lowered(typed, bucket_mb, limit),
-                                            spent, activation_weight=weight, deadline=deadline)
-        for stage, elapsed in spent.items():
-            seconds[stage] = seconds.get(stage, 0.0) + elapsed
+    def compiled_as(typed: TypedGraph, lowered: LoweredProgram) -> _SearchedPlan:
+        """A plan through the passes, its layers recomputed where the file names none and it holds more
+        than the bound; rated by the cost model (within the bound before over it; over it, the nearer first)."""
         passed = program = _passes_after_lowering(lowered, typed, machine)
         if not written and memory_per_rank(program)["total"] > limit:
             program = timed(seconds, "recompute", lambda: recomputed_within(passed, typed, limit, machine))
         plan = estimate(CompletedPlan(typed, program), machine)
         over = plan.memory["total"] > limit
         return _SearchedPlan((over, plan.memory["total"] if over else plan.step_s), typed, program, lowered, passed)
+
+    def planned(weight: float, deadline: float = math.inf):
+        """The search's plan with activations counted `weight` times, as compiled."""
+        spent: dict[str, float] = {}
+        typed, lowered = searched_or_greedy(bound, machine, lambda typed, limit: _lowered(typed, bucket_mb, limit),
+                                            spent, activation_weight=weight, deadline=deadline,
+                                            recipes_lowered=recipes_lowered)
+        for stage, elapsed in spent.items():
+            seconds[stage] = seconds.get(stage, 0.0) + elapsed
+        return compiled_as(typed, lowered)
 
     best = planned(1.0)
     deadline = time.monotonic() + descent.SEARCH_BUDGET_S  # the steps together: one search's budget more
@@ -222,7 +245,37 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
         if not found.rating < best.rating:
             break
         best = found
+    # a recipe whose weights and optimizer state alone hold more than the bound is not put through the
+    # passes (seconds a recipe at 80 layers), unless no recipe's fit
+    states = {r.name: _states_bytes(r.program) for r in recipes_lowered}
+    fitting = [r for r in recipes_lowered if states[r.name] <= limit] or recipes_lowered
+    best = _weighed_against_recipes(bound, best, [(r.name, compiled_as(r.typed, r.program)) for r in fitting], machine,
+                                    limit)
     return best.typed, best.program
+
+
+def _states_bytes(program: LoweredProgram) -> int:
+    """What a rank holds whatever is recomputed: parameters, gradients, optimizer state."""
+    memory = memory_per_rank(program)
+    return memory["total"] - memory["activations"]
+
+
+def _weighed_against_recipes(bound: BoundPlan, best, recipes: list[tuple[str, "_SearchedPlan"]], machine,
+                             limit: int | None):
+    """The searched plan, or the best known recipe where that is rated better as compiled (through the
+    passes, within the bound before over it); note N009 says which recipe it was weighed against. Inside
+    the search the recipes compete under the search's own rating, which counts activations before the
+    passes: a recipe that fits only once its layers are recomputed can lose there and win here."""
+    if not recipes:
+        return best
+    name, theirs = min(recipes, key=lambda recipe: recipe[1].rating)
+    compiled_it = theirs.rating < best.rating or layouts_of(theirs.typed) == layouts_of(best.typed)
+    if theirs.rating < best.rating:
+        best = theirs
+    best.program.notes.append(descent.recipe_note(bound, name, estimate(CompletedPlan(theirs.typed, theirs.program), machine),
+                                                  estimate(CompletedPlan(best.typed, best.program), machine), compiled_it,
+                                                  limit))
+    return best
 
 
 def mesh_shapes(ranks: int, axes: int) -> list[tuple[int, ...]]:

@@ -181,6 +181,9 @@ def test_a_descents_move_whose_program_gives_no_plan_is_not_made(compile_par, mo
         return real(bound, machine, limit, optimizer, order, start, **kwargs)
 
     monkeypatch.setattr(descent, "search", moves_fail)
+    # the known recipes left out: here FSDP over both axes is nearer the bound (which no plan meets once
+    # through the passes) than the orders' plans, and would be compiled instead of them
+    monkeypatch.setattr(descent, "recipe_plans", lambda *args, **kwargs: [])
     compiled = compile_par("mesh dp = 2, tp = 2\n" + MLP + "memory <= 50 %\n")
     orders = [searched_step(compiled.bound, order) for order in itertools.permutations(range(2))]
     assert estimate(compiled, GLOO).step_s == min(orders)  # the best order's plan, not an error
@@ -748,6 +751,7 @@ def test_a_descent_asks_no_program_whose_answer_it_has_and_lowers_each_plan_once
     monkeypatch.setattr(descent, "search", searching)
     monkeypatch.setattr(compiler, "lower", lambda typed, *a: lowered.append(descent.layouts_of(typed)) or
                         real_lower(typed, *a))
+    monkeypatch.setattr(descent, "recipe_plans", lambda *args, **kwargs: [])  # lowered apart from the search's
     text = "mesh a = 2, b = 2\nmodel examples.models:MLP(d_model=16, d_ff=32)\ninput x : float32[8, 16]\nmemory <= 60 %\n"
     compiled = compile_par(text)
     orders = {order: typed for order, start, typed, _ in asked if start is None}

@@ -84,6 +84,7 @@ NOTE_CODES: dict[str, str] = {
     "N006": "the layout search stopped at its time budget: the best plan found is compiled",
     "N007": "layers recomputed in backward, chosen to hold to the `memory` bound",
     "N008": "a searched mesh's plan splits weights over `dp` and synchronises gradients over `tp`",
+    "N009": "the search's plan beside the best known recipe (Megatron, FSDP, data parallelism) for the model",
 }
 
 

@@ -21,7 +21,9 @@ from pardsl.language.diagnostics import Diagnostic
 from pardsl.language.progress import timed
 from pardsl.model.binding import BoundPlan
 from pardsl.planning.cost import Machine, estimate
+from pardsl.language.diagnostics import CompileError
 from pardsl.planning.inference import TypedGraph, infer
+from pardsl.planning.recipes import recipes
 from pardsl.planning.search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search
 
 
@@ -32,9 +34,35 @@ class CompletedPlan(NamedTuple):
     program: Any  # program.ir.LoweredProgram, a later stage's type
 
 
+class RecipePlan(NamedTuple):
+    """A known recipe written for the model (recipes.py), completed and lowered: a candidate of the search."""
+
+    name: str
+    typed: TypedGraph
+    program: Any
+
+
+def recipe_plans(bound: BoundPlan, machine: Machine, lowered: Callable[[TypedGraph, int | None], Any],
+                 limit: int | None, kept: tuple[int, ...] = (), seconds: dict[str, float] | None = None) -> list[RecipePlan]:
+    """Each recipe that fits the file completed by the greedy inference around its layouts and lowered; a
+    recipe the model's ops cannot take is left out. Its plan is typed against the file as written, so that
+    what lowering says of written layouts is said of the file's."""
+    found = []
+    clock = time.perf_counter()
+    for recipe in recipes(bound, machine, kept):
+        with contextlib.suppress(CompileError, NoPlanFound):
+            typed = infer(recipe.bound(bound))
+            typed.bound = bound
+            found.append(RecipePlan(recipe.name, typed, lowered(typed, limit)))
+    if seconds is not None:
+        seconds["recipes"] = seconds.get("recipes", 0.0) + time.perf_counter() - clock
+    return found
+
+
 def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[TypedGraph, int | None], Any],
                        seconds: dict[str, float], kept: tuple[int, ...] = (), limit: int | None = None,
-                       activation_weight: float = 1.0, deadline: float = math.inf) -> tuple[TypedGraph, Any]:
+                       activation_weight: float = 1.0, deadline: float = math.inf,
+                       recipes_lowered: list[RecipePlan] | None = None) -> tuple[TypedGraph, Any]:
     """The search decides one mesh axis at a time, so what it finds depends on the order the axes are
     decided in, and on some meshes the greedy completion of the same file is estimated faster still. It
     runs in every order of the axes that have more than one rank; of those plans and the greedy completion
@@ -46,7 +74,10 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
     met by the plan's memory with its activations counted `activation_weight` times. `lowered(typed,
     limit)`: the plan's lowered program, which the cost model rates (lowering is a later stage's: the
     compiler passes it in). `deadline` (time.monotonic's): where it comes before the search's own budget
-    is spent, no order or move is started after it. Returns the plan kept and its lowered program."""
+    is spent, no order or move is started after it. The known recipes written for the model compete too
+    (`recipes_lowered`, recipe_plans' where the caller has them already): the plan kept is never rated
+    behind one of them by the search's own rating (the compiler weighs them again as compiled: note N009). Returns the plan
+    kept and its lowered program."""
     limit = memory_limit(bound) if limit is None else limit
     seconds["search"] = seconds["lower"] = 0.0
     facts = timed(seconds, "search", lambda: graph_facts(bound))
@@ -121,6 +152,16 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
     from_greedy = not theirs[0] and theirs < best[0]
     if from_greedy:
         best = (theirs, greedy, greedy_program)
+    if recipes_lowered is None:
+        recipes_lowered = recipe_plans(bound, machine, lowered, limit, kept, seconds)
+    # a recipe, like the greedy completion, only within the bound: over it, the plan nearest the bound is the
+    # search's to find
+    rated_recipes = sorted(((rating, r) for r in recipes_lowered if not (rating := rated(r.typed, r.program))[0]),
+                           key=lambda pair: pair[0])
+    from_recipe = bool(rated_recipes) and rated_recipes[0][0] < best[0]
+    if from_recipe:
+        from_greedy = False
+        best = (rated_recipes[0][0], rated_recipes[0][1].typed, rated_recipes[0][1].program)
     if len(sized) > 1 and not stopped:
         best = descended(best, sized, searched, deadline,
                           lambda: stopped.append(out_of_time_note(bound, "the first moves of its descent")))
@@ -135,6 +176,22 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
         f"search's plan at {mine * 1e3:.3g} ms: compiled the greedy one{descent}", _search_span(bound),
         ("the search decides one mesh axis at a time; `pardsl explain` shows the plan",), severity="note"))
     return typed, program
+
+
+def recipe_note(bound: BoundPlan, recipe: str, theirs, mine, compiled_it: bool, limit: int | None) -> Diagnostic:
+    """Note N009: the best recipe's estimate (`theirs`, cost.estimate's) beside the compiled plan's (`mine`),
+    both through the compile's passes, and whether the recipe is what was compiled."""
+    def said(plan) -> str:
+        over = " (over the bound)" if limit is not None and plan.memory["total"] > limit else ""
+        return f"{plan.step_s * 1e3:.4g} ms a step in {plan.memory['total'] / (1 << 30):.3g} GiB per rank{over}"
+
+    if compiled_it:
+        verdict = f"is compiled ({said(mine)}): no plan the search found was rated better"
+    else:
+        verdict = (f"would take {said(theirs)}; the compiled plan, {mine.step_s / theirs.step_s:.2f} × its step, "
+                   f"takes {said(mine)}")
+    return Diagnostic("N009", f"the best known recipe for this model and mesh, {recipe}, {verdict}",
+                      _search_span(bound), ("`pardsl explain` prices the plan per layer",), severity="note")
 
 
 # The layout search's time for one file, beyond which it compiles the best plan found so far (note N006):

@@ -1,0 +1,282 @@
+"""The published recipes, written for the model at hand, as the search's candidates.
+
+At real size the integer programs decide one mesh axis at a time within a time budget, and what they find
+can lose to a plan any practitioner would write: Megatron's tensor parallelism inside a node, sequence
+parallelism between its blocks, FSDP (ZeRO-3) or plain data parallelism across nodes. Those plans are
+known, and cheap to write once the layers are recognised, so they compete with the search's plans
+(descent.searched_or_greedy) and the search never compiles a plan rated slower than one of them, nor one
+over the memory bound where one of them is within it.
+
+A recipe here is a set of layouts (pins) added to those the file writes, which the greedy completion
+(inference.infer) completes: the file's own layouts always stand, and a layout written on some mesh axes
+only (`S(0) @ tp`) takes the recipe's placement on the others.
+
+Megatron's layers are recognised from the graph alone, in each repeated block (`model.layers.3`): a
+linear whose output reaches past its block (into the residual stream the next block reads) is a block's
+last, row-parallel (its input features split, its output partial sums); a linear whose output reaches,
+through no other linear, only such last linears is column-parallel (its output features split). A linear
+before a column one (DeepSeek's low-rank query projection before its norm) stays whole. Outside the blocks, a linear reading
+what they computed (the LM head) is column-parallel: its logits split over the vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from pardsl.layouts.algebra import B, Layout, Placement, S
+from pardsl.language.syntax import LayoutEntry, LayoutSyntax
+from pardsl.model.binding import BoundPlan, Pin
+from pardsl.planning.cost import Machine, repeated_layer
+from pardsl.planning.search import weight_open_axes
+
+aten = torch.ops.aten
+# linear's weight is [out, in]; mm's and addmm's second operand is [in, out] (GPT-2's Conv1D)
+_WEIGHT_OPERAND = {aten.linear.default: (1, 0), aten.mm.default: (1, 1), aten.addmm.default: (2, 1)}
+_BIAS_OPERAND = {aten.linear.default: 2, aten.addmm.default: 0}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One known plan written for the model: its name as explain says it, and the layouts it adds."""
+
+    name: str
+    pins: dict[str, Pin]
+
+    def bound(self, bound: BoundPlan) -> BoundPlan:
+        """The file with the recipe's layouts added (the greedy completion's input)."""
+        return replace(bound, pins={**bound.pins, **self.pins})
+
+
+@dataclass(frozen=True)
+class _Linear:
+    node: str
+    weight: str  # the parameter's placeholder
+    out_dim: int  # the weight's dim of output features
+    bias: str | None
+    layer: str  # the repeated block it is in, else ""
+    blocks: int = 1  # a fused projection's parts (GPT-2's q, k and v), cut apart after it: S(d, blocks=k)
+
+
+def recipes(bound: BoundPlan, machine: Machine, kept: tuple[int, ...] = ()) -> list[Recipe]:
+    """The recipes that fit the file's mesh: FSDP over every axis that is not `kept` (a pipeline's), plain
+    data parallelism over them, and for each axis whose ranks share a node, Megatron's tensor parallelism
+    with sequence parallelism on it and FSDP or data parallelism over the others."""
+    mesh = bound.mesh
+    axes = [a for a in range(mesh.ndim) if mesh.axis_sizes[a] > 1 and a not in kept]
+    if not axes or not bound.trained_parameters:
+        return []
+    linears = _linears(bound)
+    columns, rows = _megatron_layers(bound, linears)
+    heads = _heads(bound, linears)
+    found = []
+    for sharded in (True, False):
+        pins = _data_parallel(bound, axes, None, {}, sharded)
+        if pins:
+            found.append(Recipe(f"{'FSDP' if sharded else 'data parallelism'} over {_names(mesh, axes)}", pins))
+    for tp in axes:
+        if machine.span(mesh.axis_sizes[tp], mesh.axis_stride(tp))[1] > 1:
+            continue  # Megatron's collectives in every layer stay inside a node
+        split = _tensor_parallel(bound, tp, columns, rows, heads)
+        if not split:
+            continue
+        others = [a for a in axes if a != tp]
+        for sharded in (True, False) if others else (False,):
+            pins = _data_parallel(bound, others, tp, split, sharded)
+            sequence = _sequence_parallel(bound, others, tp, rows)
+            pins.update(sequence)
+            name = f"Megatron TP on {mesh.axis_names[tp]}" + (" with sequence parallelism" if sequence else "")
+            if others:
+                name += f", {'FSDP' if sharded else 'data parallelism'} over {_names(mesh, others)}"
+            found.append(Recipe(name, pins))
+    return found
+
+
+def _names(mesh, axes) -> str:
+    return " × ".join(mesh.axis_names[a] for a in axes)
+
+
+def _linears(bound: BoundPlan) -> list[_Linear]:
+    found = []
+    for node in bound.graph.nodes:
+        operands = _WEIGHT_OPERAND.get(node.target) if node.op == "call_function" else None
+        if operands is None or len(node.args) <= operands[0]:
+            continue
+        weight = node.args[operands[0]]
+        if getattr(weight, "name", None) not in bound.parameters or len(bound.tensors[weight.name].shape) != 2:
+            continue
+        bias_at = _BIAS_OPERAND.get(node.target)
+        bias = node.args[bias_at] if bias_at is not None and len(node.args) > bias_at else None
+        bias = bias.name if getattr(bias, "name", None) in bound.parameters else None
+        found.append(_Linear(node.name, weight.name, operands[1], bias,
+                             repeated_layer(bound.module_paths.get(node.name)), _parts(node)))
+    return found
+
+
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _parts(node) -> int:
+    """Into how many equal parts the output features of a linear are cut by what reads it (a fused q/k/v
+    projection's split, through its reshapes), else 1."""
+    for user in node.users:
+        if user.op == "call_function" and user.target in _RESHAPES:
+            return _parts(user)
+        if user.op != "call_function" or user.target not in (aten.split.Tensor, aten.split_with_sizes.default):
+            continue
+        features = node.meta["val"].shape[-1] if "val" in node.meta else None
+        dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+        if features is None or dim not in (-1, len(node.meta["val"].shape) - 1):
+            continue
+        sizes = user.args[1]
+        if isinstance(sizes, int) and features % sizes == 0:
+            return features // sizes
+        if isinstance(sizes, (list, tuple)) and len(set(sizes)) == 1 and len(sizes) > 1:
+            return len(sizes)
+    return 1
+
+
+def _megatron_layers(bound: BoundPlan, linears: list[_Linear]) -> tuple[list[_Linear], list[_Linear]]:
+    """Column- and row-parallel linears of the repeated blocks (the module's docstring)."""
+    by_node = {linear.node: linear for linear in linears}
+    nodes = {node.name: node for node in bound.graph.nodes}
+    reaches: dict[str, set[str]] = {}  # the linears a linear's output reaches through no other one
+    leaves: set[str] = set()  # linears whose output reaches past their block: what the block adds to the stream
+    for linear in linears:
+        if not linear.layer:
+            continue
+        reached, frontier, seen = set(), [nodes[linear.node]], {linear.node}
+        while frontier:
+            for user in frontier.pop().users:
+                if user.name in seen:
+                    continue
+                seen.add(user.name)
+                if user.op == "output" or repeated_layer(bound.module_paths.get(user.name)) != linear.layer:
+                    leaves.add(linear.node)
+                elif user.name in by_node and by_node[user.name].weight != linear.weight:
+                    reached.add(user.name)
+                else:
+                    frontier.append(user)
+        reaches[linear.node] = reached
+    columns = {name for name, reached in reaches.items() if reached and reached <= leaves and name not in leaves}
+    rows = leaves & set().union(*(reaches[name] for name in columns))
+    return [by_node[n] for n in by_node if n in columns], [by_node[n] for n in by_node if n in rows]
+
+
+def _heads(bound: BoundPlan, linears: list[_Linear]) -> list[_Linear]:
+    """Linears outside the blocks that read what the blocks computed: the LM head, column-parallel."""
+    nodes = {node.name: node for node in bound.graph.nodes}
+    in_blocks = {node.name for node in bound.graph.nodes if repeated_layer(bound.module_paths.get(node.name))}
+    if not in_blocks:
+        return []
+    after = set(in_blocks)
+    for node in bound.graph.nodes:
+        if any(getattr(a, "name", None) in after for a in node.all_input_nodes):
+            after.add(node.name)
+    tied = {name for names in bound.tied.values() if len(names) > 1 for name in names}
+    return [linear for linear in linears if not linear.layer and linear.node in after and
+            bound.parameters[linear.weight] not in tied and nodes[linear.node].users]
+
+
+def _entry(bound: BoundPlan) -> LayoutEntry:
+    """Where a recipe's layout points, in a note: the file's search request (the bound, else its mesh)."""
+    par = bound.par
+    span = par.memory_bound.span if par.memory_bound is not None else par.mesh.span
+    return LayoutEntry("recipe", LayoutSyntax("list", (), (), span), span, span)
+
+
+def _placed(bound: BoundPlan, name: str, wanted: dict[int, Placement]) -> Pin | None:
+    """The pin of `name` with the recipe's placement on each axis of `wanted` the file leaves open (every
+    axis where it writes nothing): None where the file writes it whole, or the tensor does not divide."""
+    mesh = bound.mesh
+    written = bound.pins.get(name)
+    open_axes = weight_open_axes(bound, name) if written is not None else frozenset(range(mesh.ndim))
+    if not open_axes:
+        return None
+    placements = list(written.layout.placements) if written is not None else [B] * mesh.ndim
+    for axis, placement in wanted.items():
+        if axis in open_axes:
+            placements[axis] = placement
+    layout = Layout(tuple(placements))
+    if written is not None and layout == written.layout:
+        return None
+    shape = bound.tensors[name].shape
+    for dim in range(len(shape)):
+        if shape[dim] % layout.split_factor(dim, mesh):
+            return None
+    return Pin(layout, _entry(bound))
+
+
+def _tensor_parallel(bound: BoundPlan, tp: int, columns, rows, heads) -> dict[str, dict[int, Placement]]:
+    """Per parameter, its placement on `tp`: column-parallel weights split by output features (and their
+    biases), row-parallel ones by input features; empty where the layers do not divide."""
+    n = bound.mesh.axis_sizes[tp]
+    split: dict[str, dict[int, Placement]] = {}
+    for linear in (*columns, *heads):
+        if bound.tensors[linear.weight].shape[linear.out_dim] % (n * linear.blocks) == 0:
+            split[linear.weight] = {tp: S(linear.out_dim, linear.blocks)}
+            if linear.bias is not None:
+                split[linear.bias] = {tp: S(0, linear.blocks)}
+    for linear in rows:
+        in_dim = 1 - linear.out_dim
+        if bound.tensors[linear.weight].shape[in_dim] % n == 0:
+            split[linear.weight] = {tp: S(in_dim)}
+    if not any(linear.weight in split for linear in rows):
+        return {}
+    return split
+
+
+def _data_parallel(bound: BoundPlan, axes: list[int], tp: int | None, split: dict[str, dict[int, Placement]],
+                   sharded: bool) -> dict[str, Pin]:
+    """The batch split over `axes`, and each weight as `split` has it on `tp`; `sharded`: each weight of
+    two or more dims also split over `axes` (FSDP, ZeRO-3), on a dim `tp` leaves whole, else whole there
+    (data parallelism). A parameter of one dim (a norm's scale, a bias) is left to the completion."""
+    mesh = bound.mesh
+    pins: dict[str, Pin] = {}
+    for name in bound.inputs:
+        shape = bound.tensors[name].shape
+        if axes and shape and shape[0] % math.prod(mesh.axis_sizes[a] for a in axes) == 0:
+            pin = _placed(bound, name, {a: S(0) for a in axes})
+            if pin is not None:
+                pins[name] = pin
+    for name in bound.trained_parameters:
+        shape = bound.tensors[name].shape
+        written = bound.pins.get(name)
+        kept = [p for a, p in enumerate(written.layout.placements) if a not in weight_open_axes(bound, name)] \
+            if written is not None else []
+        wanted = {a: p for a, p in split.get(name, {}).items() if written is None or a in weight_open_axes(bound, name)}
+        if len(shape) >= 2:
+            taken = {p.dim for p in [*wanted.values(), *kept] if p.is_split}
+            free = [d for d in range(len(shape)) if d not in taken and
+                    shape[d] % math.prod(mesh.axis_sizes[a] for a in axes) == 0]
+            for axis in axes:
+                wanted[axis] = S(free[0]) if sharded and free else B
+        elif not wanted:
+            continue
+        pin = _placed(bound, name, wanted)
+        if pin is not None:
+            pins[name] = pin
+    return pins
+
+
+def _sequence_parallel(bound: BoundPlan, data: list[int], tp: int, rows: list[_Linear]) -> dict[str, Pin]:
+    """What each block adds to the residual stream (the row-parallel linears' outputs) and the embedding's
+    output, split by tokens on `tp` (dim 1 of [batch, tokens, features]) and by the batch on the data axes:
+    each block then gathers its normalised input and reduce-scatters its sums, where Megatron without it
+    all-reduces them and holds the stream whole on every rank."""
+    mesh = bound.mesh
+    outputs = [linear.node for linear in rows]
+    outputs += [node.name for node in bound.graph.nodes
+                if node.op == "call_function" and node.target is aten.embedding.default]
+    wanted = {tp: S(1), **{a: S(0) for a in data}}
+    pins = {}
+    for name in outputs:
+        shape = bound.tensors[name].shape if name in bound.tensors else ()
+        if len(shape) != 3 or name in bound.pins:
+            continue
+        layout = Layout(tuple(wanted.get(a, B) for a in range(mesh.ndim)))
+        if all(shape[d] % layout.split_factor(d, mesh) == 0 for d in range(3)):
+            pins[name] = Pin(layout, _entry(bound))
+    return pins
