@@ -427,6 +427,20 @@ def conversion_cost(steps: list[ConversionStep], with_backward: bool = True) -> 
 # or the tensor's own order (block-major).
 
 
+def collective_matmul_cut(shape: tuple[int, ...], whole_dim: int, ranks: int) -> tuple[int, int] | None:
+    """How a collective matmul cuts a rank's value of `shape` into pieces, each piece's transfer beside
+    another's product: (dim, pieces), along the first dim of two or more elements that is neither
+    `whole_dim` (the collective's) nor the last (the product contracts or makes it), into as many pieces as
+    the axis has `ranks`, at most that dim's size. None where no dim can be cut (a micro-batch of one
+    sequence split by tokens). The runtime, the pass that writes the cut and the search that prices it all
+    read it here, so that they cut alike."""
+    if not shape:
+        return None
+    whole_dim %= len(shape)
+    dim = next((d for d in range(len(shape) - 1) if d != whole_dim and shape[d] >= 2), None)
+    return None if dim is None else (dim, min(ranks, shape[dim]))
+
+
 def rank_major(moved: "torch.Tensor", n: int, blocks: int, mirrored: bool = False) -> "torch.Tensor":
     """A dim (moved first) split over n ranks in `blocks` blocks, reordered so each rank's chunks of every
     block are adjacent: block-major [blocks, n, chunk] → rank-major [n, blocks, chunk]. `mirrored`: the odd

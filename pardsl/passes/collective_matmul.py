@@ -27,6 +27,7 @@ import ast
 import dataclasses
 from collections import Counter
 
+from pardsl.layouts.algebra import collective_matmul_cut
 from pardsl.passes.chains import calls, var_name
 from pardsl.planning.cost import Machine, collective_matmul_saving, op_costs
 from pardsl.planning.inference import TypedGraph
@@ -155,18 +156,16 @@ def _same_in(collective: Collective, chunked: set[Collective]) -> Collective:
 
 
 def _pieces(program: LoweredProgram, instruction: Instruction, dim_keyword: str, axis: str, cut=None) -> int:
-    """How many pieces the runtime cuts a collective matmul into (parallel_ops._pieces_dim): as many as the
-    axis has ranks, along the first dim of the local value (`cut`, else the instruction's first argument)
-    that is neither the collective's nor the last, and has at least two elements; at most its size. 1 where
-    no dim can be cut (a micro-batch of one sequence gathered by tokens): then it stays as it is."""
+    """How many pieces the runtime cuts a collective matmul into (layouts.collective_matmul_cut) of the
+    local value `cut`, else of the instruction's first argument; 1 where no dim can be cut (a micro-batch
+    of one sequence gathered by tokens): then it stays as it is."""
     n = program.mesh.axis_sizes[program.mesh.axis_index(axis)]
     shape = program.values.get(var_name(cut if cut is not None else instruction.args[0]) or "", {}).get("local_shape")
     dim = dict(instruction.kwargs).get(dim_keyword)
     if not shape or not isinstance(dim, Text):
         return 1
-    whole = int(dim.text) % len(shape)
-    sizes = [size for d, size in enumerate(shape[:-1]) if d != whole and size >= 2]
-    return min(n, sizes[0]) if sizes else 1
+    cut = collective_matmul_cut(tuple(shape), int(dim.text), n)
+    return 1 if cut is None else cut[1]
 
 
 def _gathers_for_linears(statement: Statement) -> bool:

@@ -61,6 +61,7 @@ from pardsl.layouts.algebra import (
     P,
     Placement,
     collective_bytes,
+    collective_matmul_cut,
     one_group_gather,
     plan_conversion,
     step_collectives,
@@ -686,15 +687,13 @@ class _GroupProgram:
             steps = [step for step in steps if step[0] == "forward"]  # the gradient's reduce-scatter is not cut
         else:
             return 0.0
-        # as the runtime cuts it: along the first other dim of two or more elements but the last, at most
-        # its size (a micro-batch of one sequence split by tokens has none: not cut)
+        # as the runtime cuts it (a micro-batch of one sequence split by tokens is not cut)
         info = bound.tensors[name]
         local = self.layout(self.decided.value[name], (source,)).local_shape(info.shape, self.mesh)
-        whole = (target if target.is_split else source).dim
-        sizes = [size for d, size in enumerate(local[:-1]) if d != whole and size >= 2]
-        if not sizes:
+        cut = collective_matmul_cut(tuple(local), (target if target.is_split else source).dim, n)
+        if cut is None:
             return 0.0
-        chunks = min(n, sizes[0])
+        chunks = cut[1]
         # the linear's share of its work on a rank: split over this axis and the ones decided before
         others = math.prod(self.mesh.axis_sizes[a] for a, p in self.decided.op_out.get(beside, {}).items()
                            if p.kind != "B" and a not in self.group)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pardsl.layouts.algebra import collective_matmul_cut
 from pardsl.runtime import kernels
 from pardsl.runtime.recompute import kept_by_itself
 
@@ -116,17 +117,16 @@ class ColumnParallelLinears(torch.autograd.Function):
 
 
 def _pieces_dim(rt, x: torch.Tensor, axis: str, chunks: int, whole_dim: int, phase: str) -> int | None:
-    """The dim a collective matmul cuts x into pieces along, or None where it runs unchunked: the first
-    dim of at least two elements that is neither `whole_dim` (the collective's) nor the last (the product
-    contracts or makes it). Unchunked also where there is nothing to overlap (one chunk, one rank), where
+    """The dim a collective matmul cuts x into pieces along (layouts.collective_matmul_cut), or None where
+    it runs unchunked: where no dim can be cut. Unchunked also where there is nothing to overlap (one chunk, one rank), where
     the collective is traced into a compiled graph (whose scheduler overlaps on its own terms), and in a
     selective recomputed region's forward, whose collectives are kept and given back whole
     (runtime/recompute.py); a full region's second run issues them again, in pieces as the first did."""
     if chunks <= 1 or rt.size[axis] == 1 or rt._in_graph() or \
             (phase == "forward" and rt.region is not None and rt.region.mode != "again"):
         return None
-    whole_dim %= x.dim()
-    return next((d for d in range(x.dim() - 1) if d != whole_dim and x.shape[d] >= 2), None)
+    cut = collective_matmul_cut(tuple(x.shape), whole_dim, rt.size[axis])
+    return None if cut is None else cut[0]
 
 
 def _forward_phase(rt) -> str:
