@@ -206,12 +206,13 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
     recipes_lowered = descent.recipe_plans(bound, machine, lambda typed, limit: _lowered(typed, bucket_mb, limit),
                                            limit, seconds=seconds)
 
-    def compiled_as(typed: TypedGraph, lowered: LoweredProgram) -> _SearchedPlan:
+    def compiled_as(typed: TypedGraph, lowered: LoweredProgram, stage: str = "recompute") -> _SearchedPlan:
         """A plan through the passes, its layers recomputed where the file names none and it holds more
-        than the bound; rated by the cost model (within the bound before over it; over it, the nearer first)."""
+        than the bound; rated by the cost model (within the bound before over it; over it, the nearer first).
+        `stage`: what its recomputation's time is counted as."""
         passed = program = _passes_after_lowering(lowered, typed, machine)
         if not written and memory_per_rank(program)["total"] > limit:
-            program = timed(seconds, "recompute", lambda: recomputed_within(passed, typed, limit, machine))
+            program = timed(seconds, stage, lambda: recomputed_within(passed, typed, limit, machine))
         plan = estimate(CompletedPlan(typed, program), machine)
         over = plan.memory["total"] > limit
         return _SearchedPlan((over, plan.memory["total"] if over else plan.step_s), typed, program, lowered, passed)
@@ -249,8 +250,8 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
     # passes (seconds a recipe at 80 layers), unless no recipe's fit
     states = {r.name: _states_bytes(r.program) for r in recipes_lowered}
     fitting = [r for r in recipes_lowered if states[r.name] <= limit] or recipes_lowered
-    best = _weighed_against_recipes(bound, best, [(r.name, compiled_as(r.typed, r.program)) for r in fitting], machine,
-                                    limit)
+    best = _weighed_against_recipes(bound, best, [(r.name, compiled_as(r.typed, r.program, "recipes")) for r in fitting],
+                                    machine, limit)
     return best.typed, best.program
 
 
@@ -271,6 +272,8 @@ def _weighed_against_recipes(bound: BoundPlan, best, recipes: list[tuple[str, "_
     name, theirs = min(recipes, key=lambda recipe: recipe[1].rating)
     compiled_it = theirs.rating < best.rating or layouts_of(theirs.typed) == layouts_of(best.typed)
     if theirs.rating < best.rating:
+        # what the search said of its own run (its budget spent: N006) stands beside the recipe compiled
+        theirs.program.notes.extend(note for note in best.program.notes if note.code == "N006")
         best = theirs
     best.program.notes.append(descent.recipe_note(bound, name, estimate(CompletedPlan(theirs.typed, theirs.program), machine),
                                                   estimate(CompletedPlan(best.typed, best.program), machine), compiled_it,

@@ -101,6 +101,7 @@ def test_a_compile_reports_its_stages_and_each_integer_program_to_a_listener(com
     stages = [m for m in dict.fromkeys(heard)
               if not m.startswith(("searching the layouts:", "exporting the model (torch.export):"))]
     assert stages == ["building the model on the meta device", "exporting the model (torch.export)",
+                      "writing the known plans (Megatron, FSDP) for the model, to compare",
                       "searching the layouts", "completing the layouts greedily, to compare", "writing the module"]
     programs = [m for m in heard if m.startswith("searching the layouts: deciding tp")]
     limit = f"(up to {solver.TIME_LIMIT_S:.0f} s)"

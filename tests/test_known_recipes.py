@@ -107,10 +107,6 @@ def test_a_search_cut_short_compiles_the_recipe_it_could_not_beat(monkeypatch):
                                  "parallelism, FSDP over dp, is compiled")
     assert per_layer(result) == per_layer(written) == {"all_gather@tp": 6, "reduce_scatter@tp": 5, "all_gather@dp": 2}
     assert result.memory["total"] == written.memory["total"] and result.step_s <= written.step_s
-    monkeypatch.undo()
-    plan, result = compiled(searched)  # given its time, the search finds a plan rated better still
-    ratio = float(re.search(r"the compiled plan, ([\d.]+) × its step", n009(plan)).group(1))
-    assert ratio <= 1.0 and result.step_s <= written.step_s and result.memory["total"] <= written.memory["total"] * 1.001
 
 
 def test_the_note_is_in_explain_and_the_plan_never_behind_a_recipe(tmp_path):

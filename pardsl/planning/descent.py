@@ -47,16 +47,16 @@ def recipe_plans(bound: BoundPlan, machine: Machine, lowered: Callable[[TypedGra
     """Each recipe that fits the file completed by the greedy inference around its layouts and lowered; a
     recipe the model's ops cannot take is left out. Its plan is typed against the file as written, so that
     what lowering says of written layouts is said of the file's."""
-    found = []
-    clock = time.perf_counter()
-    for recipe in recipes(bound, machine, kept):
-        with contextlib.suppress(CompileError, NoPlanFound):
-            typed = infer(recipe.bound(bound))
-            typed.bound = bound
-            found.append(RecipePlan(recipe.name, typed, lowered(typed, limit)))
-    if seconds is not None:
-        seconds["recipes"] = seconds.get("recipes", 0.0) + time.perf_counter() - clock
-    return found
+    def written() -> list[RecipePlan]:
+        found = []
+        for recipe in recipes(bound, machine, kept):
+            with contextlib.suppress(CompileError, NoPlanFound):
+                typed = infer(recipe.bound(bound))
+                typed.bound = bound
+                found.append(RecipePlan(recipe.name, typed, lowered(typed, limit)))
+        return found
+
+    return timed({} if seconds is None else seconds, "recipes", written)
 
 
 def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[TypedGraph, int | None], Any],
