@@ -391,3 +391,47 @@ def test_clip_contrastive_loss_under_the_search_and_data_parallel(pools, compile
                            "input input_ids : int64[4, 8] in [0, 64)\ninput pixel_values : float32[4, 3, 32, 32]\n"
                            + plan)
     check(pools, compiled)
+
+
+@pytest.mark.parametrize("text, forward, backward", [
+    # 2 key/value heads over 4 ranks, eager attention (matmul): each layer's two all-reduces each way, and
+    # in backward one all-gather per projection of its repeated weight's gradient
+    (open("examples/hf_llama_tp4.par").read().replace("HFLlama(layers=2,", "HFLlama(layers=2, kv_heads=2,"),
+     {"all_reduce": 5}, {"all_reduce": 5, "all_gather": 4}),
+    # 1 key/value head over 2 ranks under SDPA, which then reads the 2 regrouped heads with enable_gqa
+    (open("examples/hf_llama_tp2.par").read().replace("HFLlama(layers=2,", "HFLlama(layers=2, kv_heads=1,"),
+     {"all_reduce": 4}, {"all_reduce": 4, "all_gather": 4}),
+])
+def test_key_value_heads_fewer_than_the_ranks_are_regrouped(pools, compile_par, text, forward, backward):
+    """Megatron's layers written on more ranks than the model has key/value heads: no rank can hold a head
+    of its own, and the traced graph split each head's features across ranks, with all-to-alls in every
+    layer each way. Regrouped, each rank computes the one key/value head its query heads read (the
+    projection's weight repeated by heads before the linear, held whole on tp): Megatron's all-reduces,
+    no all-to-all, equal to serial."""
+    compiled = compile_par(text)
+    assert _nonzero(compiled.program.collective_counts()) == {"forward": forward, "backward": backward}
+    assert not [note for note in compiled.program.notes if note.code in ("N001", "N002")]
+    layouts = {p.name: p.layout.render(compiled.program.mesh) for p in compiled.program.parameters}
+    assert layouts["model.model.layers.0.self_attn.k_proj.weight"] == "B"
+    assert layouts["model.model.layers.0.self_attn.q_proj.weight"] == "S(0)"
+    regrouped = compiled.bound.regrouped
+    assert regrouped and len(regrouped) % 2 == 0 and regrouped[0].ranks // regrouped[0].heads == 2  # k, v a layer
+    from pardsl.planning.cost import default_machine, estimate
+    from pardsl.tools.explain import report
+    assert f"substitutions: key/value heads regrouped in {len(regrouped)} projections" in \
+        report(compiled, estimate(compiled, default_machine()))
+    check(pools, compiled)
+    kept = compile_par(text.replace("layout {", "substitute regroup_heads : off\nlayout {"))
+    assert not kept.bound.regrouped and "all_to_all" in _nonzero(kept.program.collective_counts())["forward"]
+
+
+def test_regrouped_heads_pass_a_per_head_norm(compile_par):
+    """Qwen3 normalises each key head (RMSNorm over its features) between the projection and the repeat: an
+    op that treats every head alike, so 2 key/value heads over 4 ranks are regrouped there too (run equal
+    to serial with LLaMA's chain above), with Megatron's all-reduces and no all-to-all."""
+    compiled = compile_par("mesh tp = 4\nmodel examples.hf_models:HFCausalLM(family=\"Qwen3\", kv_heads=2)\n"
+                           "input input_ids : int64[2, 16] in [0, 128)\nlayout {\n" +
+                           "".join(f"  model.model.layers.*.{name}\n" for name in LLAMA_NAMES) + "  output : B\n}\n")
+    assert len(compiled.bound.regrouped) == 2
+    assert _nonzero(compiled.program.collective_counts()) == {"forward": {"all_reduce": 2},
+                                                             "backward": {"all_reduce": 3, "all_gather": 2}}

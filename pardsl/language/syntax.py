@@ -190,6 +190,8 @@ class OffloadDecl:
 SUBSTITUTIONS = {
     "collective_matmul": "a gather before a matrix product, or a reduce-scatter after one, cut into chunks "
                          "that move while the product of the chunk before is computed",
+    "regroup_heads": "key/value heads split over more ranks than there are heads repeated before their "
+                     "projection, so that each rank computes the head its query heads read",
 }
 SUBSTITUTION_CHOICES = ("on", "off")
 

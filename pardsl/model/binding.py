@@ -27,7 +27,7 @@ from pardsl.layouts.algebra import B, Layout, Mesh, Placement
 from pardsl.layouts.oprules import carries_gradient, concrete_size, op_name, rule_for
 from pardsl.model.export import (called_at, constant_values, data_dependent_failure, python_random_seeded, source_line,
                                  trace)
-from pardsl.model.grouped_query import fold_grouped_query_repeats
+from pardsl.model.grouped_query import fold_grouped_query_repeats, regroup_key_value_heads
 from pardsl.model.in_place import functionalize_in_place
 from pardsl.model.loading import DTYPES, build_model, import_paths, par_import_paths, parameters_on_meta
 from pardsl.model.saved_for_backward import what_autograd_keeps
@@ -95,6 +95,9 @@ class BoundPlan:
     # frozen layers), by every name: no gradient, no optimizer state, nothing to synchronise
     frozen: frozenset[str] = frozenset()
     names: tuple = ()  # what a layout's name may match (_Named), for binding the file on another mesh
+    # key/value projections whose weights are repeated by heads (grouped_query.Regrouped, with the heads
+    # and the ranks): a plan splits them over more ranks than there are heads
+    regrouped: tuple = ()
 
     @property
     def trained_parameters(self) -> list[str]:
@@ -639,6 +642,8 @@ def bind(par: ParFile) -> BoundPlan:
                    par.model.span, f"used in {where}", *called_at(source_line(node)),
                    "another tensor sharing its memory, taken before the write and read after it, or a graph input "
                    "would see the write: write the op out of place (`x = x + y`, `torch.cat` for parts)")
+    regrouped = regroup_key_value_heads(exported.graph_module, _features_split_over(par, mesh, exported)) \
+        if mesh is not None and par.substitution("regroup_heads") != "off" else []
     if mesh is not None:
         fold_grouped_query_repeats(exported.graph_module, mesh.size)
     clock = time.perf_counter()
@@ -737,11 +742,49 @@ def bind(par: ParFile) -> BoundPlan:
     outputs = [(path, node) for path, node in _flat_outputs(exported)]
     pins, output_pins, searched = _bound_layouts(written, _NameIndex(table), tensors, mesh, sink)
     sink.raise_if_any()
+    pins = _regrouped_pins(pins, regrouped)
     seconds["bind"] = time.perf_counter() - clock
     return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
                      module_paths, seconds, buffer_values, persistent,
                      {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars,
-                     frozenset(searched - set(pins)), frozen, tuple(table))
+                     frozenset(searched - set(pins)), frozen, tuple(table), tuple(regrouped))
+
+
+def _regrouped_pins(pins: dict[str, Pin], regrouped) -> dict[str, Pin]:
+    """A regrouped key/value projection (grouped_query.py) is split by heads where the file splits its
+    weight: the weight repeated by heads takes the written split, on the axes that split its output
+    features, and the weight itself is held whole on those axes, each rank taking the head its query heads
+    read. Its gradient comes back whole from the ranks that share a head."""
+    pins = dict(pins)
+    for projection in regrouped:
+        for stored, repeated in ((projection.weight, projection.repeated_weight),
+                                 (projection.bias, projection.repeated_bias)):
+            pin = pins.get(stored)
+            if pin is None:
+                continue
+            split = [p.is_split and p.dim == 0 for p in pin.layout.placements]
+            pins[stored] = Pin(Layout(tuple(B if s else p for s, p in zip(split, pin.layout.placements))), pin.entry)
+            pins[repeated] = Pin(Layout(tuple(p if s else B for s, p in zip(split, pin.layout.placements))), pin.entry)
+    return pins
+
+
+def _features_split_over(par: ParFile, mesh: Mesh, exported):
+    """Per parameter placeholder, over how many ranks the file splits its dim 0 (a linear's output
+    features), 1 where it writes no split: read before the names are bound (grouped_query's regrouping
+    needs it while the graph is still being shaped), the last entry naming a parameter standing as it
+    does when bound. A layout written wrong here is reported when the names are bound."""
+    names = exported.graph_signature.inputs_to_parameters
+    quiet = DiagnosticSink(par.source)
+
+    def split_over(placeholder: str) -> int:
+        ranks = 1
+        for entry in par.layouts:
+            if names.get(placeholder) and name_pattern(entry.target).fullmatch(names[placeholder]):
+                layout = layout_from_syntax(entry.layout, mesh, quiet)
+                ranks = layout.split_factor(0, mesh) if layout is not None else 1
+        return ranks
+
+    return split_over
 
 
 def bound_on_mesh(bound: BoundPlan, par: ParFile) -> BoundPlan:

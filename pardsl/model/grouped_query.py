@@ -14,7 +14,12 @@ heads may be the only ones a plan can split, and the graph stays as traced.
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
+from torch._guards import detect_fake_mode
+from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
 _RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
@@ -71,3 +76,219 @@ def fold_grouped_query_repeats(graph_module: torch.fx.GraphModule, ranks: int) -
         graph.lint()
         graph_module.recompile()
     return folded
+
+
+# Head regrouping: where a plan splits the key/value projections over more ranks than there are key/value
+# heads (tp 8 over Qwen's 4), no rank can hold a head of its own: the traced graph splits a head's
+# features across ranks, and every layer exchanges its keys and values by all-to-all to gather them. The
+# ranks that share a head can instead each compute it: the projection's weight is repeated by rows
+# (each key/value head `copies` times) before the linear, so that the projected heads are as many as the
+# ranks, each rank computes one, and the repeat for the query heads that follows is `copies` times
+# smaller. Between the projection and the repeat, the ops must treat every head alike (reshapes that cut
+# the features into heads, transposes, the rotary embedding's elementwise ops and slices along the head's
+# features, a per-head norm): a head repeated before them is the head they would have repeated after.
+
+_ELEMENTWISE = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.neg.default,
+                aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.to.dtype, aten._to_copy.default,
+                aten.contiguous.default, aten.clone.default, aten.alias.default}
+_ALONG_A_DIM = {aten.slice.Tensor: 1, aten.mean.dim: 1, aten.cat.default: 1}  # the dim argument's position
+
+
+def _projection_chain(source, heads: int):
+    """The linear that projects `source`'s key/value heads ([b, heads, s, d] after the chain) and the chain
+    of ops between them, each with the dim its result holds the heads in; None where an op does not
+    treat every head alike or something outside the chain reads inside it."""
+    chain: dict[torch.fx.Node, None] = {}
+    linear, frontier = None, [source]
+    while frontier:
+        node = frontier.pop()
+        if node in chain:
+            continue
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+            return None
+        if node.target is aten.linear.default:
+            if linear not in (None, node):
+                return None
+            linear = node
+            continue
+        chain[node] = None
+        for operand in node.all_input_nodes:
+            if operand.op == "call_function" and _reaches(operand):
+                frontier.append(operand)
+    if linear is None or not chain or any(user not in chain for user in linear.users):
+        return None
+    order = [n for n in linear.graph.nodes if n in chain]
+    head_dim = {linear: None}
+    for node in order:
+        value = node.meta.get("val")
+        if value is None:
+            return None
+        chained = [o for o in node.all_input_nodes if o in head_dim]
+        if not chained:
+            return None
+        inputs = {head_dim[o] for o in chained}
+        if len(inputs) != 1:
+            return None
+        dim = inputs.pop()
+        if node.target in _RESHAPES:
+            before = tuple(node.args[0].meta["val"].shape)
+            after = tuple(value.shape)
+            if dim is None:  # the features cut into heads: [..., heads * d] → [..., heads, d]
+                if len(after) != len(before) + 1 or after[:-2] != before[:-1] or after[-2] != heads:
+                    return None
+                dim = len(after) - 2
+            elif after != before:
+                return None
+        elif node.target is aten.transpose.int:
+            a, b = (d % value.dim() for d in node.args[1:3])
+            dim = b if dim == a else a if dim == b else dim
+        elif dim is None:
+            return None
+        elif node.target in _ELEMENTWISE or node.target in _ALONG_A_DIM:
+            if node.target in _ALONG_A_DIM:
+                along = node.args[_ALONG_A_DIM[node.target]] if len(node.args) > _ALONG_A_DIM[node.target] else 0
+                along = along if isinstance(along, (list, tuple)) else [along]
+                if any(d % value.dim() == dim for d in along):
+                    return None
+            for operand in _tensor_operands(node):
+                if operand in head_dim:
+                    continue
+                shape = tuple(operand.meta["val"].shape)
+                offset = value.dim() - len(shape)
+                if dim - offset >= 0 and shape[dim - offset] != 1:
+                    return None
+        else:
+            return None
+        if tuple(value.shape)[dim] != heads:
+            return None
+        head_dim[node] = dim
+        outside = [user for user in node.users if user not in chain and node is not source and
+                   not (user.target is aten._assert_tensor_metadata.default and "size" not in user.kwargs)]
+        if outside:
+            return None
+    if head_dim.get(source) != 1:
+        return None
+    return linear, order, head_dim
+
+
+def _tensor_operands(node) -> list:
+    operands = []
+    for argument in node.args:
+        for item in argument if isinstance(argument, (list, tuple)) else [argument]:
+            if isinstance(item, torch.fx.Node):
+                operands.append(item)
+    return operands
+
+
+def _reaches(node) -> bool:
+    """Whether `node` is computed from a linear: part of the chain, not one of its tables (the rotary
+    embedding's cosines), which are made from positions alone."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen or not isinstance(current, torch.fx.Node):
+            continue
+        seen.add(current)
+        if current.op == "call_function" and current.target is aten.linear.default:
+            return True
+        if current.op == "call_function":
+            stack.extend(current.all_input_nodes)
+    return False
+
+
+def _fake_value(node):
+    """The node's value recomputed from its operands' (fake) values: its shape after a rewrite upstream."""
+    def value(argument):
+        return argument.meta["val"] if isinstance(argument, torch.fx.Node) else argument
+
+    args = torch.fx.node.map_aggregate(node.args, value)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
+    mode = detect_fake_mode([leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)])
+    with mode if mode is not None else contextlib.nullcontext():
+        return node.target(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class Regrouped:
+    """A key/value projection regrouped: its weight (and bias) placeholders, and the nodes that repeat them
+    by heads, which the linear now reads."""
+
+    weight: str
+    repeated_weight: str
+    heads: int  # the key/value heads the model projects
+    ranks: int  # the ranks the plan splits them over: each head computed on ranks // heads of them
+    bias: str | None = None
+    repeated_bias: str | None = None
+
+
+def regroup_key_value_heads(graph_module: torch.fx.GraphModule, split_over) -> list[Regrouped]:
+    """Repeat the key/value projections' weights by heads where `split_over(weight)` (the ranks the plan
+    splits that parameter placeholder's output features over) exceeds the heads they project and is a
+    multiple of them (see above). Returns the projections it rewrote."""
+    graph = graph_module.graph
+    rewritten = []
+    for node in list(graph.nodes):
+        repeated = _repeated(node)
+        if repeated is None:
+            continue
+        source, rep = repeated
+        heads = source.meta["val"].shape[1]
+        found = _projection_chain(source, heads)
+        if found is None:
+            continue
+        linear, order, head_dim = found
+        weight = linear.args[1]
+        ranks = split_over(weight.name) if isinstance(weight, torch.fx.Node) else 1
+        if ranks <= heads or ranks % heads or (heads * rep) % ranks:
+            continue
+        copies = ranks // heads
+        features, inner = weight.meta["val"].shape
+        with graph.inserting_before(linear):
+            stack = linear.meta.get("nn_module_stack")
+            made = []
+            def repeated_by_heads(stored, *inner_sizes):
+                """`stored` as [heads, 1, d, ...] → [heads, copies, d, ...] → [heads * copies * d, ...]."""
+                named = stored.name.removeprefix("p_")
+                viewed = graph.create_node("call_function", aten.view.default,
+                                           (stored, [heads, 1, features // heads, *inner_sizes]), name=f"{named}_by_head")
+                expanded = graph.create_node("call_function", aten.expand.default,
+                                             (viewed, [heads, copies, features // heads, *inner_sizes]),
+                                             name=f"{named}_copied")
+                repeated = graph.create_node("call_function", aten.reshape.default,
+                                             (expanded, [features * copies, *inner_sizes]), name=f"{named}_regrouped")
+                made.extend([viewed, expanded, repeated])
+                return repeated
+
+            repeated_weight = repeated_by_heads(weight, inner)
+            bias = original_bias = linear.args[2] if len(linear.args) > 2 else None
+            if isinstance(bias, torch.fx.Node):
+                bias = repeated_by_heads(bias)
+        linear.args = (linear.args[0], repeated_weight, *([bias] if len(linear.args) > 2 else []), *linear.args[3:])
+        for new in made:
+            if stack is not None:
+                new.meta["nn_module_stack"] = stack
+            new.meta["val"] = _fake_value(new)
+        linear.meta["val"] = _fake_value(linear)
+        for chained in order:  # a reshape that names the head count: the heads are `copies` times more
+            if chained.target in _RESHAPES and head_dim.get(chained.args[0]) is None:
+                sizes = list(chained.args[1])
+                at = head_dim[chained]
+                if sizes[at] != -1:
+                    sizes[at] = heads * copies
+                    chained.args = (chained.args[0], sizes, *chained.args[2:])
+            chained.meta["val"] = _fake_value(chained)
+        # the repeat for the query heads: rep / copies of each projected head
+        reshaped = node
+        expand = reshaped.args[0]
+        unsqueezed = expand.args[0]
+        sizes = list(expand.args[1])
+        sizes[1], sizes[2] = heads * copies, rep // copies
+        expand.args = (unsqueezed, sizes, *expand.args[2:])
+        for repeat_node in (unsqueezed, expand, reshaped):
+            repeat_node.meta["val"] = _fake_value(repeat_node)
+        rewritten.append(Regrouped(weight.name, repeated_weight.name, heads, ranks,
+                                   *((original_bias.name, bias.name) if isinstance(bias, torch.fx.Node) else ())))
+    if rewritten:
+        graph.lint()
+        graph_module.recompile()
+    return rewritten

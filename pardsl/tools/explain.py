@@ -271,8 +271,22 @@ def _step_line(seconds: dict, pipelined: bool = False) -> str:
 
 
 def _substitution_lines(compiled, estimate: Estimate) -> list[str]:
-    """The rewrites the compile chose (pardsl/passes/collective_matmul.py) and what they save, or why none
-    was made where the plan has the collectives one could cut."""
+    """The rewrites the compile made: key/value heads regrouped (pardsl/model/grouped_query.py), and the
+    collective matmuls (pardsl/passes/collective_matmul.py) with what they save, or why none was made
+    where the plan has the collectives one could cut."""
+    lines = []
+    regrouped = compiled.typed.bound.regrouped
+    if regrouped:
+        heads, ranks = regrouped[0].heads, regrouped[0].ranks
+        lines.append(f"substitutions: key/value heads regrouped in {plural(len(regrouped), 'projection')} "
+                     f"({heads} head(s) over {ranks} ranks: each rank computes the head its query heads read, "
+                     f"its weight held whole and its gradient gathered in backward, where the heads' features "
+                     f"split across ranks were exchanged by all-to-all); `substitute regroup_heads : off` in the "
+                     f"file turns it off")
+    return lines + _collective_matmul_lines(compiled, estimate)
+
+
+def _collective_matmul_lines(compiled, estimate: Estimate) -> list[str]:
     chunked = [c for c in estimate.collectives if c.hidden_s]
     choice = compiled.typed.bound.par.substitution("collective_matmul")
     if chunked:
