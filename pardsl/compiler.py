@@ -151,7 +151,8 @@ def _compile(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = 
     return Compiled(par, bound, typed, program, source, seconds, _check_memory_bound(bound, program))
 
 
-def _searched(bound: BoundPlan, machine, bucket_mb: float, seconds: dict[str, float]) -> tuple[TypedGraph, LoweredProgram]:
+def _searched(bound: BoundPlan, machine, bucket_mb: float,
+              seconds: dict[str, float]) -> tuple[TypedGraph, LoweredProgram]:
     """The layouts searched with no memory bound: the search's plan, or the best known recipe where that
     is rated faster through the passes."""
     def lowered(typed: TypedGraph, limit: int | None) -> LoweredProgram:
@@ -210,6 +211,8 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
         """A plan through the passes, its layers recomputed where the file names none and it holds more
         than the bound; rated by the cost model (within the bound before over it; over it, the nearer first).
         `stage`: what its recomputation's time is counted as."""
+        # a recipe's program is weighed by every search here: the notes the passes add are this plan's
+        lowered = replace(lowered, notes=list(lowered.notes))
         passed = program = _passes_after_lowering(lowered, typed, machine)
         if not written and memory_per_rank(program)["total"] > limit:
             program = timed(seconds, stage, lambda: recomputed_within(passed, typed, limit, machine))
@@ -247,11 +250,12 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
             break
         best = found
     # a recipe whose weights and optimizer state alone hold more than the bound is not put through the
-    # passes (seconds a recipe at 80 layers), unless no recipe's fit
-    states = {r.name: _states_bytes(r.program) for r in recipes_lowered}
-    fitting = [r for r in recipes_lowered if states[r.name] <= limit] or recipes_lowered
-    best = _weighed_against_recipes(bound, best, [(r.name, compiled_as(r.typed, r.program, "recipes")) for r in fitting],
-                                    machine, limit)
+    # passes (seconds a recipe at 80 layers), unless no recipe's fit; under offload the passes move
+    # those states to the host, and every recipe is weighed
+    fitting = [r for r in recipes_lowered if bound.par.offload is not None or _states_bytes(r.program) <= limit] \
+        or recipes_lowered
+    weighed = [(r.name, compiled_as(r.typed, r.program, "recipes")) for r in fitting]
+    best = _weighed_against_recipes(bound, best, weighed, machine, limit)
     return best.typed, best.program
 
 
@@ -275,9 +279,9 @@ def _weighed_against_recipes(bound: BoundPlan, best, recipes: list[tuple[str, "_
         # what the search said of its own run (its budget spent: N006) stands beside the recipe compiled
         theirs.program.notes.extend(note for note in best.program.notes if note.code == "N006")
         best = theirs
-    best.program.notes.append(descent.recipe_note(bound, name, estimate(CompletedPlan(theirs.typed, theirs.program), machine),
-                                                  estimate(CompletedPlan(best.typed, best.program), machine), compiled_it,
-                                                  limit))
+    theirs_estimated = estimate(CompletedPlan(theirs.typed, theirs.program), machine)
+    mine_estimated = estimate(CompletedPlan(best.typed, best.program), machine)
+    best.program.notes.append(descent.recipe_note(bound, name, theirs_estimated, mine_estimated, compiled_it, limit))
     return best
 
 

@@ -1,6 +1,8 @@
 """Hugging Face `transformers` models, as the library writes them, under Megatron plans: they compile,
 communicate exactly as Megatron does, and train equal to serial (outputs and every gradient)."""
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -9,6 +11,8 @@ from pardsl.compiler import compile_file
 from pardsl.program.ir import Text
 
 from .test_distributed import check, check_example
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # layers = 2: 2 all-reduces forward and 2 backward per layer, plus the vocabulary-parallel embedding's
 # forward all-reduce and the column-parallel head input's backward all-reduce where the plan has them.
@@ -393,14 +397,27 @@ def test_clip_contrastive_loss_under_the_search_and_data_parallel(pools, compile
     check(pools, compiled)
 
 
+def _example(name: str, *replaced: tuple[str, str]) -> str:
+    with open(os.path.join(REPO, "examples", name), encoding="utf-8") as handle:
+        text = handle.read()
+    for old, new in replaced:
+        text = text.replace(old, new)
+    return text
+
+
+QWEN3_TP4_KV2 = ("mesh tp = 4\nmodel examples.hf_models:HFCausalLM(family=\"Qwen3\", kv_heads=2)\n"
+                 "input input_ids : int64[2, 16] in [0, 128)\nlayout {\n" +
+                 "".join(f"  model.model.layers.*.{name}\n" for name in LLAMA_NAMES) + "  output : B\n}\n")
+
+
 @pytest.mark.parametrize("text, forward, backward", [
     # 2 key/value heads over 4 ranks, eager attention (matmul): each layer's two all-reduces each way, and
     # in backward one all-gather per projection of its repeated weight's gradient
-    (open("examples/hf_llama_tp4.par").read().replace("HFLlama(layers=2,", "HFLlama(layers=2, kv_heads=2,"),
+    (("hf_llama_tp4.par", ("HFLlama(layers=2,", "HFLlama(layers=2, kv_heads=2,")),
      {"all_reduce": 5}, {"all_reduce": 5, "all_gather": 4}),
-    # 1 key/value head over 2 ranks under SDPA, which then reads the 2 regrouped heads with enable_gqa
-    (open("examples/hf_llama_tp2.par").read().replace("HFLlama(layers=2,", "HFLlama(layers=2, kv_heads=1,"),
-     {"all_reduce": 4}, {"all_reduce": 4, "all_gather": 4}),
+    # Qwen3 (SDPA) normalises each key head (RMSNorm over its features) between the projection and the
+    # repeat: an op that treats every head alike, so its 2 heads over 4 ranks are regrouped through it
+    (QWEN3_TP4_KV2, {"all_reduce": 2}, {"all_reduce": 3, "all_gather": 2}),
 ])
 def test_key_value_heads_fewer_than_the_ranks_are_regrouped(pools, compile_par, text, forward, backward):
     """Megatron's layers written on more ranks than the model has key/value heads: no rank can hold a head
@@ -408,6 +425,7 @@ def test_key_value_heads_fewer_than_the_ranks_are_regrouped(pools, compile_par, 
     layer each way. Regrouped, each rank computes the one key/value head its query heads read (the
     projection's weight repeated by heads before the linear, held whole on tp): Megatron's all-reduces,
     no all-to-all, equal to serial."""
+    text = text if isinstance(text, str) else _example(*text)
     compiled = compile_par(text)
     assert _nonzero(compiled.program.collective_counts()) == {"forward": forward, "backward": backward}
     assert not [note for note in compiled.program.notes if note.code in ("N001", "N002")]
@@ -425,13 +443,18 @@ def test_key_value_heads_fewer_than_the_ranks_are_regrouped(pools, compile_par, 
     assert not kept.bound.regrouped and "all_to_all" in _nonzero(kept.program.collective_counts())["forward"]
 
 
-def test_regrouped_heads_pass_a_per_head_norm(compile_par):
-    """Qwen3 normalises each key head (RMSNorm over its features) between the projection and the repeat: an
-    op that treats every head alike, so 2 key/value heads over 4 ranks are regrouped there too (run equal
-    to serial with LLaMA's chain above), with Megatron's all-reduces and no all-to-all."""
-    compiled = compile_par("mesh tp = 4\nmodel examples.hf_models:HFCausalLM(family=\"Qwen3\", kv_heads=2)\n"
-                           "input input_ids : int64[2, 16] in [0, 128)\nlayout {\n" +
-                           "".join(f"  model.model.layers.*.{name}\n" for name in LLAMA_NAMES) + "  output : B\n}\n")
-    assert len(compiled.bound.regrouped) == 2
-    assert _nonzero(compiled.program.collective_counts()) == {"forward": {"all_reduce": 2},
-                                                             "backward": {"all_reduce": 3, "all_gather": 2}}
+def test_heads_are_regrouped_on_tensor_parallel_axes_only(compile_par):
+    """A weight split over more data-parallel ranks than there are key/value heads (ZeRO-3 on dp 4 of 2
+    heads) is stored split and gathered whole for its op: nothing is computed in parts, and no head is
+    regrouped. One key/value head over 2 ranks of tensor parallelism under SDPA is, and SDPA then reads the
+    2 regrouped heads themselves (enable_gqa)."""
+    zero3 = compile_par(_example("llama_zero3.par", ("mesh   dp = 2", "mesh   dp = 4"), ("batch=4", "batch=8"),
+                                 ("llama_causal_lm(layers=2)", "llama_causal_lm(layers=2, kv_heads=2)")))
+    assert not zero3.bound.regrouped
+    assert not [note for note in zero3.program.notes if note.code in ("N001", "N002")]
+    sdpa = compile_par(_example("hf_llama_tp2.par", ("HFLlama(layers=2,", "HFLlama(layers=2, kv_heads=1,")))
+    assert len(sdpa.bound.regrouped) == 4
+    assert _nonzero(sdpa.program.collective_counts()) == {"forward": {"all_reduce": 4},
+                                                         "backward": {"all_reduce": 4, "all_gather": 4}}
+    attention = [s for s in sdpa.program.statements if s.instruction.callee == "aten.scaled_dot_product_attention.default"]
+    assert len(attention) == 2 and all(("enable_gqa", Text("True")) in s.instruction.kwargs for s in attention)

@@ -643,7 +643,7 @@ def bind(par: ParFile) -> BoundPlan:
                    "another tensor sharing its memory, taken before the write and read after it, or a graph input "
                    "would see the write: write the op out of place (`x = x + y`, `torch.cat` for parts)")
     regrouped = regroup_key_value_heads(exported.graph_module, _features_split_over(par, mesh, exported)) \
-        if mesh is not None and par.substitution("regroup_heads") != "off" else []
+        if mesh is not None and not par.mesh.searched and par.substitution("regroup_heads") != "off" else []
     if mesh is not None:
         fold_grouped_query_repeats(exported.graph_module, mesh.size)
     clock = time.perf_counter()
@@ -742,7 +742,7 @@ def bind(par: ParFile) -> BoundPlan:
     outputs = [(path, node) for path, node in _flat_outputs(exported)]
     pins, output_pins, searched = _bound_layouts(written, _NameIndex(table), tensors, mesh, sink)
     sink.raise_if_any()
-    pins = _regrouped_pins(pins, regrouped)
+    pins = _regrouped_pins(pins, regrouped, tensors, mesh, _data_axes(par, mesh)) if regrouped else pins
     seconds["bind"] = time.perf_counter() - clock
     return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
                      module_paths, seconds, buffer_values, persistent,
@@ -750,11 +750,14 @@ def bind(par: ParFile) -> BoundPlan:
                      frozenset(searched - set(pins)), frozen, tuple(table), tuple(regrouped))
 
 
-def _regrouped_pins(pins: dict[str, Pin], regrouped) -> dict[str, Pin]:
+def _regrouped_pins(pins: dict[str, Pin], regrouped, tensors: dict[str, TensorInfo], mesh: Mesh,
+                    data: frozenset[int]) -> dict[str, Pin]:
     """A regrouped key/value projection (grouped_query.py) is split by heads where the file splits its
     weight: the weight repeated by heads takes the written split, on the axes that split its output
-    features, and the weight itself is held whole on those axes, each rank taking the head its query heads
-    read. Its gradient comes back whole from the ranks that share a head."""
+    features and no input, and the weight itself is held whole on those axes, each rank taking the head
+    its query heads read. Its gradient comes back whole from the ranks that share a head. Where the
+    repeated weight does not divide so (the same trace bound on another mesh shape), the pins stay as
+    written: the graph computes the same either way."""
     pins = dict(pins)
     for projection in regrouped:
         for stored, repeated in ((projection.weight, projection.repeated_weight),
@@ -762,27 +765,47 @@ def _regrouped_pins(pins: dict[str, Pin], regrouped) -> dict[str, Pin]:
             pin = pins.get(stored)
             if pin is None:
                 continue
-            split = [p.is_split and p.dim == 0 for p in pin.layout.placements]
+            split = [p.is_split and p.dim == 0 and a not in data for a, p in enumerate(pin.layout.placements)]
+            heads = Layout(tuple(p if s else B for s, p in zip(split, pin.layout.placements)))
+            if not any(split) or not heads.fits(tensors[repeated].shape, mesh):
+                continue
             pins[stored] = Pin(Layout(tuple(B if s else p for s, p in zip(split, pin.layout.placements))), pin.entry)
-            pins[repeated] = Pin(Layout(tuple(p if s else B for s, p in zip(split, pin.layout.placements))), pin.entry)
+            pins[repeated] = Pin(heads, pin.entry)
     return pins
 
 
+def _data_axes(par: ParFile, mesh: Mesh) -> frozenset[int]:
+    """The mesh axes the file splits an input on (the batch's, a sequence's): a weight split there is
+    stored split and gathered for use (FSDP), not computed in parts, so it regroups no heads."""
+    quiet = DiagnosticSink(par.source)
+    inputs = {decl.name for decl in par.inputs}
+    axes = set()
+    for entry in par.layouts:
+        layout = layout_from_syntax(entry.layout, mesh, quiet) if entry.target in inputs else None
+        axes.update(a for a, p in enumerate(layout.placements) if p.is_split) if layout is not None else None
+    return frozenset(axes)
+
+
 def _features_split_over(par: ParFile, mesh: Mesh, exported):
-    """Per parameter placeholder, over how many ranks the file splits its dim 0 (a linear's output
-    features), 1 where it writes no split: read before the names are bound (grouped_query's regrouping
-    needs it while the graph is still being shaped), the last entry naming a parameter standing as it
-    does when bound. A layout written wrong here is reported when the names are bound."""
+    """Per parameter placeholder, over how many ranks the file computes its dim 0 (a linear's output
+    features) in parts: the axes that split it and no input, 1 where there are none. Read before the names
+    are bound (grouped_query's regrouping needs it while the graph is still being shaped): the first entry
+    naming the parameter with a layout stands, as when the names are bound, and a layout written wrong
+    here is reported then."""
     names = exported.graph_signature.inputs_to_parameters
     quiet = DiagnosticSink(par.source)
+    data = _data_axes(par, mesh)
 
     def split_over(placeholder: str) -> int:
-        ranks = 1
         for entry in par.layouts:
-            if names.get(placeholder) and name_pattern(entry.target).fullmatch(names[placeholder]):
+            if entry.layout.form != "searched" and names.get(placeholder) and \
+                    name_pattern(entry.target).fullmatch(names[placeholder]):
                 layout = layout_from_syntax(entry.layout, mesh, quiet)
-                ranks = layout.split_factor(0, mesh) if layout is not None else 1
-        return ranks
+                if layout is None:
+                    return 1
+                return math.prod(mesh.axis_sizes[a] for a, p in enumerate(layout.placements)
+                                 if p.is_split and p.dim == 0 and a not in data)
+        return 1
 
     return split_over
 
@@ -796,6 +819,8 @@ def bound_on_mesh(bound: BoundPlan, par: ParFile) -> BoundPlan:
     written = [(entry, layout_from_syntax(entry.layout, mesh, sink) if mesh else None) for entry in par.layouts]
     pins, output_pins, searched = _bound_layouts(written, _NameIndex(list(bound.names)), bound.tensors, mesh, sink)
     sink.raise_if_any()
+    if bound.regrouped:
+        pins = _regrouped_pins(pins, bound.regrouped, bound.tensors, mesh, _data_axes(par, mesh))
     return replace(bound, par=par, mesh=mesh, pins=pins, output_pins=output_pins,
                    searched=frozenset(searched - set(pins)), seconds={"bind": 0.0})
 

@@ -140,6 +140,8 @@ def _projection_chain(source, heads: int):
             elif after != before:
                 return None
         elif node.target is aten.transpose.int:
+            if dim is None:  # a transpose before the features are cut into heads: not the form known here
+                return None
             a, b = (d % value.dim() for d in node.args[1:3])
             dim = b if dim == a else a if dim == b else dim
         elif dim is None:
@@ -232,6 +234,9 @@ def regroup_key_value_heads(graph_module: torch.fx.GraphModule, split_over) -> l
         if repeated is None:
             continue
         source, rep = repeated
+        unsqueezed = node.args[0].args[0]
+        if set(source.users) != {unsqueezed}:  # another reader would be handed the regrouped heads
+            continue
         heads = source.meta["val"].shape[1]
         found = _projection_chain(source, heads)
         if found is None:
@@ -250,7 +255,8 @@ def regroup_key_value_heads(graph_module: torch.fx.GraphModule, split_over) -> l
                 """`stored` as [heads, 1, d, ...] → [heads, copies, d, ...] → [heads * copies * d, ...]."""
                 named = stored.name.removeprefix("p_")
                 viewed = graph.create_node("call_function", aten.view.default,
-                                           (stored, [heads, 1, features // heads, *inner_sizes]), name=f"{named}_by_head")
+                                           (stored, [heads, 1, features // heads, *inner_sizes]),
+                                           name=f"{named}_by_head")
                 expanded = graph.create_node("call_function", aten.expand.default,
                                              (viewed, [heads, copies, features // heads, *inner_sizes]),
                                              name=f"{named}_copied")
@@ -270,7 +276,7 @@ def regroup_key_value_heads(graph_module: torch.fx.GraphModule, split_over) -> l
             new.meta["val"] = _fake_value(new)
         linear.meta["val"] = _fake_value(linear)
         for chained in order:  # a reshape that names the head count: the heads are `copies` times more
-            if chained.target in _RESHAPES and head_dim.get(chained.args[0]) is None:
+            if chained.target in _RESHAPES:
                 sizes = list(chained.args[1])
                 at = head_dim[chained]
                 if sizes[at] != -1:
@@ -280,7 +286,6 @@ def regroup_key_value_heads(graph_module: torch.fx.GraphModule, split_over) -> l
         # the repeat for the query heads: rep / copies of each projected head
         reshaped = node
         expand = reshaped.args[0]
-        unsqueezed = expand.args[0]
         sizes = list(expand.args[1])
         sizes[1], sizes[2] = heads * copies, rep // copies
         expand.args = (unsqueezed, sizes, *expand.args[2:])

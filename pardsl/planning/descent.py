@@ -11,6 +11,7 @@ it. The whole is held to a time budget (SEARCH_BUDGET_S, note N006).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -21,7 +22,6 @@ from pardsl.language.diagnostics import Diagnostic
 from pardsl.language.progress import timed
 from pardsl.model.binding import BoundPlan
 from pardsl.planning.cost import Machine, estimate
-from pardsl.language.diagnostics import CompileError
 from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning.recipes import recipes
 from pardsl.planning.search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search
@@ -43,17 +43,26 @@ class RecipePlan(NamedTuple):
 
 
 def recipe_plans(bound: BoundPlan, machine: Machine, lowered: Callable[[TypedGraph, int | None], Any],
-                 limit: int | None, kept: tuple[int, ...] = (), seconds: dict[str, float] | None = None) -> list[RecipePlan]:
+                 limit: int | None, kept: tuple[int, ...] = (),
+                 seconds: dict[str, float] | None = None) -> list[RecipePlan]:
     """Each recipe that fits the file completed by the greedy inference around its layouts and lowered; a
     recipe the model's ops cannot take is left out. Its plan is typed against the file as written, so that
     what lowering says of written layouts is said of the file's."""
     def written() -> list[RecipePlan]:
+        # A recipe is a candidate the compile can do without: one the graph's recognition or the model's
+        # ops cannot take, whatever goes wrong, is left out rather than failing a compile that needs none.
+        try:
+            candidates = recipes(bound, machine, kept)
+        except Exception:  # noqa: BLE001 - see above
+            return []
         found = []
-        for recipe in recipes(bound, machine, kept):
-            with contextlib.suppress(CompileError, NoPlanFound):
+        for recipe in candidates:
+            try:
                 typed = infer(recipe.bound(bound))
                 typed.bound = bound
                 found.append(RecipePlan(recipe.name, typed, lowered(typed, limit)))
+            except Exception:  # noqa: BLE001 - see above
+                continue
         return found
 
     return timed({} if seconds is None else seconds, "recipes", written)
@@ -75,9 +84,9 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
     limit)`: the plan's lowered program, which the cost model rates (lowering is a later stage's: the
     compiler passes it in). `deadline` (time.monotonic's): where it comes before the search's own budget
     is spent, no order or move is started after it. The known recipes written for the model compete too
-    (`recipes_lowered`, recipe_plans' where the caller has them already): the plan kept is never rated
-    behind one of them by the search's own rating (the compiler weighs them again as compiled: note N009). Returns the plan
-    kept and its lowered program."""
+    (`recipes_lowered`, recipe_plans' where the caller has them already): those within the bound, as the
+    greedy completion, and the plan kept is never rated behind one of them by the search's own rating (the
+    compiler weighs them again as compiled: note N009). Returns the plan kept and its lowered program."""
     limit = memory_limit(bound) if limit is None else limit
     seconds["search"] = seconds["lower"] = 0.0
     facts = timed(seconds, "search", lambda: graph_facts(bound))
@@ -161,7 +170,10 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
     from_recipe = bool(rated_recipes) and rated_recipes[0][0] < best[0]
     if from_recipe:
         from_greedy = False
-        best = (rated_recipes[0][0], rated_recipes[0][1].typed, rated_recipes[0][1].program)
+        # the recipe's program is shared by every search that weighs it: the notes added below are this one's
+        chosen = rated_recipes[0][1]
+        program = dataclasses.replace(chosen.program, notes=list(chosen.program.notes))
+        best = (rated_recipes[0][0], chosen.typed, program)
     if len(sized) > 1 and not stopped:
         best = descended(best, sized, searched, deadline,
                           lambda: stopped.append(out_of_time_note(bound, "the first moves of its descent")))

@@ -4,8 +4,8 @@ At real size the integer programs decide one mesh axis at a time within a time b
 can lose to a plan any practitioner would write: Megatron's tensor parallelism inside a node, sequence
 parallelism between its blocks, FSDP (ZeRO-3) or plain data parallelism across nodes. Those plans are
 known, and cheap to write once the layers are recognised, so they compete with the search's plans
-(descent.searched_or_greedy) and the search never compiles a plan rated slower than one of them, nor one
-over the memory bound where one of them is within it.
+(descent.searched_or_greedy, and again as compiled: compiler._weighed_against_recipes), and the compile
+never keeps a plan rated slower than one of them, nor one over the memory bound where one is within it.
 
 A recipe here is a set of layouts (pins) added to those the file writes, which the greedy completion
 (inference.infer) completes: the file's own layouts always stand, and a layout written on some mesh axes
@@ -15,8 +15,9 @@ Megatron's layers are recognised from the graph alone, in each repeated block (`
 linear whose output reaches past its block (into the residual stream the next block reads) is a block's
 last, row-parallel (its input features split, its output partial sums); a linear whose output reaches,
 through no other linear, only such last linears is column-parallel (its output features split). A linear
-before a column one (DeepSeek's low-rank query projection before its norm) stays whole. Outside the blocks, a linear reading
-what they computed (the LM head) is column-parallel: its logits split over the vocabulary.
+before a column one (DeepSeek's low-rank query projection before its norm) stays whole. Outside the
+blocks, a linear reading what they computed (the LM head) is column-parallel: its logits split over the
+vocabulary.
 """
 
 from __future__ import annotations
@@ -121,12 +122,16 @@ _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 def _parts(node) -> int:
     """Into how many equal parts the output features of a linear are cut by what reads it (a fused q/k/v
     projection's split, through its reshapes), else 1."""
+    features = node.meta["val"].shape[-1] if "val" in node.meta else None
     for user in node.users:
-        if user.op == "call_function" and user.target in _RESHAPES:
-            return _parts(user)
+        if user.op == "call_function" and user.target in _RESHAPES and "val" in user.meta and \
+                user.meta["val"].shape[-1] == features:  # rows regrouped, the features as they were
+            parts = _parts(user)
+            if parts > 1:
+                return parts
+            continue
         if user.op != "call_function" or user.target not in (aten.split.Tensor, aten.split_with_sizes.default):
             continue
-        features = node.meta["val"].shape[-1] if "val" in node.meta else None
         dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
         if features is None or dim not in (-1, len(node.meta["val"].shape) - 1):
             continue
@@ -200,12 +205,8 @@ def _placed(bound: BoundPlan, name: str, wanted: dict[int, Placement]) -> Pin | 
         if axis in open_axes:
             placements[axis] = placement
     layout = Layout(tuple(placements))
-    if written is not None and layout == written.layout:
+    if written is not None and layout == written.layout or not layout.fits(bound.tensors[name].shape, mesh):
         return None
-    shape = bound.tensors[name].shape
-    for dim in range(len(shape)):
-        if shape[dim] % layout.split_factor(dim, mesh):
-            return None
     return Pin(layout, _entry(bound))
 
 
@@ -262,21 +263,36 @@ def _data_parallel(bound: BoundPlan, axes: list[int], tp: int | None, split: dic
 
 
 def _sequence_parallel(bound: BoundPlan, data: list[int], tp: int, rows: list[_Linear]) -> dict[str, Pin]:
-    """What each block adds to the residual stream (the row-parallel linears' outputs) and the embedding's
-    output, split by tokens on `tp` (dim 1 of [batch, tokens, features]) and by the batch on the data axes:
-    each block then gathers its normalised input and reduce-scatters its sums, where Megatron without it
-    all-reduces them and holds the stream whole on every rank."""
+    """What each block adds to the residual stream (the row-parallel linears' outputs, as [batch, tokens,
+    features]: GPT-2's Conv1D computes them on [batch · tokens, features] and views them back) and the
+    token embedding's output, split by tokens on `tp` (dim 1) and by the batch on the data axes: each block
+    then gathers its normalised input and reduce-scatters its sums, where Megatron without it all-reduces
+    them and holds the stream whole on every rank. Empty where no block's output can be split so."""
     mesh = bound.mesh
-    outputs = [linear.node for linear in rows]
-    outputs += [node.name for node in bound.graph.nodes
-                if node.op == "call_function" and node.target is aten.embedding.default]
-    wanted = {tp: S(1), **{a: S(0) for a in data}}
-    pins = {}
-    for name in outputs:
+    nodes = {node.name: node for node in bound.graph.nodes}
+    layout = Layout(tuple(S(1) if a == tp else S(0) if a in data else B for a in range(mesh.ndim)))
+
+    def as_tokens(name: str) -> str | None:
+        """The node holding `name`'s value as [batch, tokens, features], if one does."""
         shape = bound.tensors[name].shape if name in bound.tensors else ()
-        if len(shape) != 3 or name in bound.pins:
-            continue
-        layout = Layout(tuple(wanted.get(a, B) for a in range(mesh.ndim)))
-        if all(shape[d] % layout.split_factor(d, mesh) == 0 for d in range(3)):
-            pins[name] = Pin(layout, _entry(bound))
-    return pins
+        if len(shape) == 3:
+            return name
+        users = list(nodes[name].users)
+        if len(shape) == 2 and len(users) == 1 and users[0].target in _RESHAPES and users[0].name in bound.tensors \
+                and len(bound.tensors[users[0].name].shape) == 3:
+            return users[0].name
+        return None
+
+    def pinned(names) -> dict[str, Pin]:
+        found = {}
+        for name in filter(None, names):
+            if name not in bound.pins and layout.fits(bound.tensors[name].shape, mesh):
+                found[name] = Pin(layout, _entry(bound))
+        return found
+
+    blocks = pinned(as_tokens(linear.node) for linear in rows)
+    if not blocks:
+        return {}
+    embeddings = [node.name for node in bound.graph.nodes if node.op == "call_function" and
+                  node.target is aten.embedding.default and getattr(node.args[1], "name", None) in bound.inputs]
+    return {**blocks, **pinned(embeddings)}
