@@ -122,3 +122,18 @@ def test_the_note_is_in_explain_and_the_plan_never_behind_a_recipe(tmp_path):
     from pardsl.tools.explain import report
     from pardsl.planning.cost import default_machine
     assert "note[N009]" in report(plan, estimate(plan, default_machine()))
+
+
+def test_a_compiled_recipe_runs_equal_to_serial(pools, compile_par, monkeypatch):
+    """A Hugging Face LLaMA on dp 2 × tp 2 under 40 % of the serial model's memory, the search given no
+    time: the recipe compiled instead (Megatron's layers with sequence parallelism, FSDP over the other
+    axis) trains equal to serial on 4 ranks, with the collectives the plan counts."""
+    from tests.test_distributed import check
+
+    text, _ = without_layouts("examples/hf_llama_tp2.par")
+    text = text.replace("mesh   tp = 2", "mesh   dp = 2, tp = 2").replace("int64[2, 16]", "int64[4, 16]")
+    monkeypatch.setattr(descent, "SEARCH_BUDGET_S", 0.0)
+    compiled = compile_par(text + "memory <= 40 %\n")
+    assert re.match(r"the best known recipe for this model and mesh, Megatron TP on \w+ with sequence "
+                    r"parallelism, FSDP over \w+, is compiled", n009(compiled))
+    check(pools, compiled)
