@@ -130,6 +130,8 @@ def _projection_chain(source, heads: int):
         if len(inputs) != 1:
             return None
         dim = inputs.pop()
+        if not isinstance(value, torch.Tensor):
+            return None
         if node.target in _RESHAPES:
             before = tuple(node.args[0].meta["val"].shape)
             after = tuple(value.shape)
@@ -155,6 +157,8 @@ def _projection_chain(source, heads: int):
             for operand in _tensor_operands(node):
                 if operand in head_dim:
                     continue
+                if not isinstance(operand.meta.get("val"), torch.Tensor):
+                    return None
                 shape = tuple(operand.meta["val"].shape)
                 offset = value.dim() - len(shape)
                 if dim - offset >= 0 and shape[dim - offset] != 1:
@@ -238,7 +242,12 @@ def regroup_key_value_heads(graph_module: torch.fx.GraphModule, split_over) -> l
         if set(source.users) != {unsqueezed}:  # another reader would be handed the regrouped heads
             continue
         heads = source.meta["val"].shape[1]
-        found = _projection_chain(source, heads)
+        if not isinstance(heads, int):
+            continue
+        try:
+            found = _projection_chain(source, heads)
+        except (AttributeError, IndexError, KeyError, TypeError):  # a form the chain's reading does not know
+            found = None
         if found is None:
             continue
         linear, order, head_dim = found
