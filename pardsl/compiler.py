@@ -326,7 +326,9 @@ def _compile_searched_mesh(par: ParFile, bucket_mb: float, machine) -> Compiled:
         clock = time.perf_counter()
         try:
             with working_on(f"mesh shape {index + 1} of {len(every_shape)} ({_shape_text(names, sizes)})"):
-                bound = bind(shaped) if bound is None else bound_on_mesh(bound, shaped)
+                # one trace for every shape: its heads regrouped for none of them (the first shape's
+                # split would be every other shape's, computing heads over again where it differs)
+                bound = bind(shaped, regroup_heads=False) if bound is None else bound_on_mesh(bound, shaped)
                 compiled = _compile(shaped, bucket_mb, machine, bound)
         except CompileError as error:
             elapsed[sizes] = time.perf_counter() - clock

@@ -580,7 +580,7 @@ def _integer_input_meant_floating(par: ParFile, model: torch.nn.Module, example:
     return None
 
 
-def bind(par: ParFile) -> BoundPlan:
+def bind(par: ParFile, regroup_heads: bool = True) -> BoundPlan:
     """Build and trace the model, then bind every layout the file writes to a tensor of the graph."""
     sink = DiagnosticSink(par.source)
     clock = time.perf_counter()
@@ -643,7 +643,7 @@ def bind(par: ParFile) -> BoundPlan:
                    "another tensor sharing its memory, taken before the write and read after it, or a graph input "
                    "would see the write: write the op out of place (`x = x + y`, `torch.cat` for parts)")
     regrouped = regroup_key_value_heads(exported.graph_module, _features_split_over(par, mesh, exported)) \
-        if mesh is not None and not par.mesh.searched and par.substitution("regroup_heads") != "off" else []
+        if mesh is not None and regroup_heads and par.substitution("regroup_heads") != "off" else []
     if mesh is not None:
         fold_grouped_query_repeats(exported.graph_module, mesh.size)
     clock = time.perf_counter()
@@ -775,15 +775,21 @@ def _regrouped_pins(pins: dict[str, Pin], regrouped, tensors: dict[str, TensorIn
 
 
 def _data_axes(par: ParFile, mesh: Mesh) -> frozenset[int]:
-    """The mesh axes the file splits an input on (the batch's, a sequence's): a weight split there is
-    stored split and gathered for use (FSDP), not computed in parts, so it regroups no heads."""
+    """The mesh axes where a weight split is stored split and gathered for use (FSDP), not computed in
+    parts, so that it regroups no heads: those the file splits an input on (the batch's, a sequence's), and
+    those it splits nothing on by a tensor's dim 1 (a row-parallel weight, an activation's tokens), which a
+    Megatron axis always does and an axis of ZeRO-3's `S(0)` weights alone never."""
     quiet = DiagnosticSink(par.source)
     inputs = {decl.name for decl in par.inputs}
-    axes = set()
+    split_inputs, split_by_columns = set(), set()
     for entry in par.layouts:
-        layout = layout_from_syntax(entry.layout, mesh, quiet) if entry.target in inputs else None
-        axes.update(a for a, p in enumerate(layout.placements) if p.is_split) if layout is not None else None
-    return frozenset(axes)
+        layout = layout_from_syntax(entry.layout, mesh, quiet)
+        for axis, placement in enumerate(layout.placements if layout is not None else ()):
+            if placement.is_split and entry.target in inputs:
+                split_inputs.add(axis)
+            elif placement.is_split and placement.dim == 1:
+                split_by_columns.add(axis)
+    return frozenset(split_inputs | (set(range(mesh.ndim)) - split_by_columns))
 
 
 def _features_split_over(par: ParFile, mesh: Mesh, exported):

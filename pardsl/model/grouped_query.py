@@ -202,16 +202,63 @@ def _reaches(node) -> bool:
     return False
 
 
-def _fake_value(node):
-    """The node's value recomputed from its operands' (fake) values: its shape after a rewrite upstream."""
+def _evaluated(target, args, kwargs, values: dict):
+    """`target` run on fake values: a node's own (meta["val"]), or the one `values` gives it after a
+    rewrite upstream."""
     def value(argument):
-        return argument.meta["val"] if isinstance(argument, torch.fx.Node) else argument
+        if isinstance(argument, torch.fx.Node):
+            return values[argument] if argument in values else argument.meta["val"]
+        return argument
 
-    args = torch.fx.node.map_aggregate(node.args, value)
-    kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
+    args = torch.fx.node.map_aggregate(args, value)
+    kwargs = torch.fx.node.map_aggregate(kwargs, value)
     mode = detect_fake_mode([leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)])
     with mode if mode is not None else contextlib.nullcontext():
-        return node.target(*args, **kwargs)
+        return target(*args, **kwargs)
+
+
+def _by_heads(heads: int, copies: int, features: int, inner: tuple) -> list[tuple]:
+    """The ops that repeat a projection's weight (or bias) of `features` rows by heads, `copies` of each:
+    [heads, 1, d, ...] → [heads, copies, d, ...] → [heads · copies · d, ...]."""
+    d = features // heads
+    return [(aten.view.default, [heads, 1, d, *inner], "by_head"),
+            (aten.expand.default, [heads, copies, d, *inner], "copied"),
+            (aten.reshape.default, [features * copies, *inner], "regrouped")]
+
+
+def _regrouping(linear, order, head_dim, repeat, heads: int, copies: int, rep: int):
+    """What regrouping changes, computed before the graph is touched, so that an op refusing it leaves
+    the graph as traced: the tensors repeated by heads (the weight, the bias), each changed node's new
+    arguments, and every changed node's new value. None where any of it fails."""
+    unsqueezed, expand, reshaped = repeat
+    stored = [linear.args[1]] + ([linear.args[2]] if len(linear.args) > 2 and
+                                 isinstance(linear.args[2], torch.fx.Node) else [])
+    try:
+        repeated_values = []  # the weight's and the bias's, repeated by heads: what the linear reads
+        for tensor in stored:
+            value = tensor.meta["val"]
+            for op, sizes, _ in _by_heads(heads, copies, value.shape[0], tuple(value.shape[1:])):
+                value = _evaluated(op, (value, sizes), {}, {})
+            repeated_values.append(value)
+        values = {linear: _evaluated(linear.target, (linear.args[0], *repeated_values, *linear.args[len(stored) + 1:]),
+                                     linear.kwargs, {})}
+        arguments = {}
+        for chained in order:  # a reshape that names the head count: the heads are `copies` times more
+            args = chained.args
+            if chained.target in _RESHAPES and list(args[1])[head_dim[chained]] != -1:
+                sizes = list(args[1])
+                sizes[head_dim[chained]] = heads * copies
+                args = (args[0], sizes, *args[2:])
+                arguments[chained] = args
+            values[chained] = _evaluated(chained.target, args, chained.kwargs, values)
+        sizes = list(expand.args[1])  # the repeat for the query heads: rep / copies of each projected head
+        sizes[1], sizes[2] = heads * copies, rep // copies
+        arguments[expand] = (unsqueezed, sizes, *expand.args[2:])
+        for node in (unsqueezed, expand, reshaped):
+            values[node] = _evaluated(node.target, arguments.get(node, node.args), node.kwargs, values)
+    except Exception:  # noqa: BLE001 - an op that refuses the regrouped shapes: the graph stays as traced
+        return None
+    return stored, arguments, values
 
 
 @dataclass(frozen=True)
@@ -256,52 +303,34 @@ def regroup_key_value_heads(graph_module: torch.fx.GraphModule, split_over) -> l
         if ranks <= heads or ranks % heads or (heads * rep) % ranks:
             continue
         copies = ranks // heads
-        features, inner = weight.meta["val"].shape
+        expand = node.args[0]
+        found = _regrouping(linear, order, head_dim, (unsqueezed, expand, node), heads, copies, rep)
+        if found is None:
+            continue
+        stored, arguments, values = found
+        stack = linear.meta.get("nn_module_stack")
+        repeated = []
         with graph.inserting_before(linear):
-            stack = linear.meta.get("nn_module_stack")
-            made = []
-            def repeated_by_heads(stored, *inner_sizes):
-                """`stored` as [heads, 1, d, ...] → [heads, copies, d, ...] → [heads * copies * d, ...]."""
-                named = stored.name.removeprefix("p_")
-                viewed = graph.create_node("call_function", aten.view.default,
-                                           (stored, [heads, 1, features // heads, *inner_sizes]),
-                                           name=f"{named}_by_head")
-                expanded = graph.create_node("call_function", aten.expand.default,
-                                             (viewed, [heads, copies, features // heads, *inner_sizes]),
-                                             name=f"{named}_copied")
-                repeated = graph.create_node("call_function", aten.reshape.default,
-                                             (expanded, [features * copies, *inner_sizes]), name=f"{named}_regrouped")
-                made.extend([viewed, expanded, repeated])
-                return repeated
-
-            repeated_weight = repeated_by_heads(weight, inner)
-            bias = original_bias = linear.args[2] if len(linear.args) > 2 else None
-            if isinstance(bias, torch.fx.Node):
-                bias = repeated_by_heads(bias)
-        linear.args = (linear.args[0], repeated_weight, *([bias] if len(linear.args) > 2 else []), *linear.args[3:])
-        for new in made:
-            if stack is not None:
-                new.meta["nn_module_stack"] = stack
-            new.meta["val"] = _fake_value(new)
-        linear.meta["val"] = _fake_value(linear)
-        for chained in order:  # a reshape that names the head count: the heads are `copies` times more
-            if chained.target in _RESHAPES:
-                sizes = list(chained.args[1])
-                at = head_dim[chained]
-                if sizes[at] != -1:
-                    sizes[at] = heads * copies
-                    chained.args = (chained.args[0], sizes, *chained.args[2:])
-            chained.meta["val"] = _fake_value(chained)
-        # the repeat for the query heads: rep / copies of each projected head
-        reshaped = node
-        expand = reshaped.args[0]
-        sizes = list(expand.args[1])
-        sizes[1], sizes[2] = heads * copies, rep // copies
-        expand.args = (unsqueezed, sizes, *expand.args[2:])
-        for repeat_node in (unsqueezed, expand, reshaped):
-            repeat_node.meta["val"] = _fake_value(repeat_node)
+            for tensor in stored:
+                made = tensor
+                for op, sizes, suffix in _by_heads(heads, copies, tensor.meta["val"].shape[0],
+                                                   tuple(tensor.meta["val"].shape[1:])):
+                    made = graph.create_node("call_function", op, (made, sizes),
+                                             name=f"{tensor.name.removeprefix('p_')}_{suffix}")
+                    made.meta["val"] = _evaluated(op, (made.args[0], sizes), {}, {})
+                    if stack is not None:
+                        made.meta["nn_module_stack"] = stack
+                repeated.append(made)
+        linear.args = (linear.args[0], *repeated, *linear.args[len(stored) + 1:])
+        for changed, args in arguments.items():
+            changed.args = args
+        for changed, value in values.items():
+            changed.meta["val"] = value
+        weight, repeated_weight = stored[0], repeated[0]
+        bias, repeated_bias = (stored[1], repeated[1]) if len(stored) > 1 else (None, None)
         rewritten.append(Regrouped(weight.name, repeated_weight.name, heads, ranks,
-                                   *((original_bias.name, bias.name) if isinstance(bias, torch.fx.Node) else ())))
+                                   bias.name if bias is not None else None,
+                                   repeated_bias.name if repeated_bias is not None else None))
     if rewritten:
         graph.lint()
         graph_module.recompile()

@@ -293,6 +293,11 @@ def _sequence_parallel(bound: BoundPlan, data: list[int], tp: int, rows: list[_L
     blocks = pinned(as_tokens(linear.node) for linear in rows)
     if not blocks:
         return {}
+    def token_ids(node) -> bool:  # an input, or an input reshaped (GPT-2 views its ids first)
+        while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _RESHAPES:
+            node = node.args[0]
+        return getattr(node, "name", None) in bound.inputs
+
     embeddings = [node.name for node in bound.graph.nodes if node.op == "call_function" and
-                  node.target is aten.embedding.default and getattr(node.args[1], "name", None) in bound.inputs]
+                  node.target is aten.embedding.default and token_ids(node.args[1])]
     return {**blocks, **pinned(embeddings)}
