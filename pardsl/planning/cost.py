@@ -346,6 +346,14 @@ def layer_of(path: str | None) -> str:
     return repeated_layer(path) or path or ""
 
 
+def format_bytes(count: int) -> str:
+    """Bytes as a reader takes them in: `53.0 GiB`, `71.1 KiB`, `384 B`."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
+
+
 def _nbytes(shape, dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 

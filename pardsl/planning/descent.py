@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple
 from pardsl.language.diagnostics import Diagnostic
 from pardsl.language.progress import timed
 from pardsl.model.binding import BoundPlan
-from pardsl.planning.cost import Machine, estimate
+from pardsl.planning.cost import Machine, estimate, format_bytes
 from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning.recipes import recipes
 from pardsl.planning.search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search
@@ -201,7 +201,7 @@ def recipe_note(bound: BoundPlan, recipe: str, theirs, mine, compiled_it: bool, 
     both through the compile's passes, and whether the recipe is what was compiled."""
     def said(plan) -> str:
         over = " (over the bound)" if limit is not None and plan.memory["total"] > limit else ""
-        return f"{plan.step_s * 1e3:.4g} ms a step in {plan.memory['total'] / (1 << 30):.3g} GiB per rank{over}"
+        return f"{plan.step_s * 1e3:.4g} ms a step in {format_bytes(plan.memory['total'])} per rank{over}"
 
     if compiled_it:
         verdict = f"is compiled ({said(mine)}): no plan the search found was rated better"
