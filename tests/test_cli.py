@@ -135,24 +135,36 @@ def test_on_a_terminal_check_shows_what_the_compile_is_doing_on_stderr_and_clear
 
 
 def _on_a_terminal(*argv: str):
-    """`pardsl ARGV` with stderr on a terminal (stdout piped): its result, and what the terminal was sent."""
+    """`pardsl ARGV` with stderr on a terminal (stdout piped): its result, and what the terminal was sent.
+    The terminal is read while the command runs: a terminal holds a few KiB unread, and a command whose
+    status line is redrawn for longer than that would block writing it (a slow machine's run did)."""
     import pty
+    import threading
 
     leader, follower = pty.openpty()
-    result = subprocess.run([sys.executable, "-m", "pardsl.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=follower, text=True, timeout=200, env={**os.environ, "TERM": "xterm", "COLUMNS": "200"})
-    os.close(follower)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # the terminal's other end is closed: everything is read
-            break
-        if not chunk:
-            break
-        shown += chunk
-    os.close(leader)
-    return result, shown
+    chunks: list[bytes] = []
+
+    def read_all() -> None:
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal's other end is closed: everything is read
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=read_all, daemon=True)
+    reader.start()
+    try:
+        result = subprocess.run([sys.executable, "-m", "pardsl.cli", *argv], stdout=subprocess.PIPE,
+                                stderr=follower, text=True, timeout=200,
+                                env={**os.environ, "TERM": "xterm", "COLUMNS": "200"})
+    finally:
+        os.close(follower)
+        reader.join(timeout=30)
+        os.close(leader)
+    return result, b"".join(chunks)
 
 
 @pytest.mark.timeout(300)
