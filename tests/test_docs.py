@@ -89,6 +89,14 @@ NOT_RUN = {
     "pardsl dryrun examples/scale/llama32_1b_tp8.par --rank 0": "too long: 30 s and 7 GiB",
     "pardsl explain examples/scale/llama3_70b_dp32_pp4_tp8.par --machine h100-nvlink-ib": "too long: 20 s",
     "pardsl calibrate --nproc 2": "too long: 8 s of timing collectives, whose figures are this machine's",
+    # The published recipes at full depth (80 to 126 layers traced on the meta device): benchmarks/recipes.py
+    # explains each of them, and tests/test_recipes.py compiles them at a few layers
+    "pardsl explain examples/recipes/llama31_405b_fsdp8_tp8_pp8.par --machine h100-nvlink-ib": "too long: 50 s",
+    "pardsl explain examples/recipes/llama3_405b_dp128_pp16_tp8.par --machine h100-nvlink-ib": "too long: 47 s",
+    "pardsl explain examples/recipes/llama3_405b_dp8_pp16_cp16_tp8.par --machine h100-nvlink-ib": "too long: 48 s",
+    "pardsl explain examples/recipes/deepseek_v3_dp2_pp16_ep64.par --machine h800-nvlink-ib": "too long: 49 s",
+    "pardsl explain examples/recipes/llama31_70b_fsdp32_tp8.par --machine h100-nvlink-ib": "too long: 35 s",
+    "pardsl explain examples/recipes/gpt3_175b_dp8_pp16_tp8.par --machine a100-nvlink-ib": "too long: 22 s",
 }
 DOCUMENTED = documented_commands()
 

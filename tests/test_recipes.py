@@ -5,6 +5,8 @@ slower than the recipe. The full-depth figures are benchmarks/recipes.py's (docs
 import os
 import re
 
+import pytest
+
 from pardsl.compiler import compile_text
 from pardsl.planning.cost import PRESETS, estimate
 
@@ -138,3 +140,24 @@ def test_a_searched_pipeline_prices_memory_as_the_plan_holds_it():
     assert abs(kept.memory - result.memory["total"]) <= 0.02 * result.memory["total"], \
         (kept.memory / GIB, result.memory["total"] / GIB)
     assert not any(k.startswith("all_to_all") for k in per_layer(result))
+
+
+@pytest.mark.parametrize("name, layers, layer, expected", [
+    ("gpt3_175b_dp8_pp16_tp8.par", 16, "transformer.h.3", {"all_reduce@tp": 4}),
+    ("llama3_405b_dp128_pp16_tp8.par", 32, "model.layers.3",
+     {"all_gather@tp": 4, "reduce_scatter@tp": 4, "all_gather@dp": 1}),
+    ("llama3_405b_dp8_pp16_cp16_tp8.par", 32, "model.layers.3", {"all_reduce@tp": 4, "send@cp": 31, "all_gather@dp": 1}),
+    # its first three layers are dense, as DeepSeek-V3's
+    ("deepseek_v3_dp2_pp16_ep64.par", 32, "model.layers.5", {"all_reduce@dp": 1, "all_reduce@ep": 1, "all_to_all@ep": 5}),
+])
+def test_the_pipelined_recipes_compile_with_their_schedule_and_each_layers_collectives(name, layers, layer, expected):
+    """The pipelined recipes no test above compiles, at the fewest layers their stages take, on their real
+    mesh and widths: the schedule and micro-batches as written, and a layer's collectives those of the
+    full depth (docs/recipes.md). Their explains at full depth take most of a minute each: the documented
+    commands' test leaves them to benchmarks/recipes.py."""
+    with open(os.path.join(REPO, "examples", "recipes", name), encoding="utf-8") as handle:
+        text = handle.read()
+    written = re.search(r"schedule (\w+).*microbatches (\d+)", text)
+    plan, result = compiled(re.sub(r"\blayers=\d+", f"layers={layers}", text, count=1))
+    assert (plan.pipeline.schedule, plan.pipeline.microbatches) == (written[1], int(written[2]))
+    assert per_layer(result, layer) == expected
