@@ -203,10 +203,22 @@ def _init_config(config: str, folder: str) -> tuple[str, int, str]:
     return config, code, err.getvalue()
 
 
+def swept(names: list[str]) -> list[str]:
+    """The architectures the sweep takes: all of them under `make init-sweep` (PARDSL_INIT_SWEEP=all); in
+    the suite, where 140 models built, traced and compiled are three minutes of its two cores, every third
+    by name (the same ones each run), every one listed as unsupported, and the three that run below."""
+    if os.environ.get("PARDSL_INIT_SWEEP") == "all":
+        return names
+    return [name for i, name in enumerate(names)
+            if i % 3 == 0 or name in UNSUPPORTED or name in ("LlamaConfig", "Qwen3Config", "MixtralConfig")]
+
+
 def test_every_architecture_with_a_plan_gets_a_file_that_compiles(tmp_path):
     names = architectures_with_a_plan()
     assert set(UNSUPPORTED) <= set(names), "an entry of UNSUPPORTED is no longer an architecture with a plan"
-    # compiling 140 models is a minute's work on one core: two processes, on a 2-core machine half of it
+    assert len(names) - len(UNSUPPORTED) >= 100  # the sweep covers what transformers has, not a handful
+    names = swept(names)
+    # two processes: on a 2-core machine half the time
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         results = list(pool.map(_init_config, names, [str(tmp_path)] * len(names)))
     failed = {name: err.strip().splitlines()[-1:] for name, code, err in results
@@ -227,4 +239,3 @@ def test_every_architecture_with_a_plan_gets_a_file_that_compiles(tmp_path):
                 not any(" : S(" in line and not line.strip().startswith(("input_ids", "output"))
                         for line in text.splitlines())]
     assert not planless, f"a tensor-parallel plan that gave no split layout: {planless}"
-    assert len(names) - len(UNSUPPORTED) >= 100  # the sweep covers what transformers has, not a handful
