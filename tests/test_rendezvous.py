@@ -83,9 +83,14 @@ def _ports_while_ranks_meet(root: int, ranks: int, deadline_s: float = 120) -> s
     return seen
 
 
-def test_no_port_of_a_run_answers_as_a_store():
-    process = subprocess.Popen([sys.executable, "-m", "pardsl.cli", "run", "examples/mlp.par", "--nproc", "2",
-                                "--steps", "1000000"], cwd=REPO, stdout=subprocess.DEVNULL,
+def test_no_port_of_a_run_answers_as_a_store(tmp_path):
+    # a run whose ranks meet and then wait (rank 1 sleeps in its model, rank 0 in a collective): kept up
+    # while the ports are probed without taking the cores a training loop would
+    path = tmp_path / "waiting.par"
+    path.write_text('mesh tp = 2\nmodel tests.zoo:Faulty(kind="sleep", rank=1)\ninput x : float32[2, 4]\n'
+                    "layout {\n  lin.weight : S(0)\n}\n")
+    process = subprocess.Popen([sys.executable, "-m", "pardsl.cli", "run", str(path), "--nproc", "2",
+                                "--stall-timeout", "600"], cwd=REPO, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         seen = _ports_while_ranks_meet(process.pid, ranks=2)
