@@ -62,6 +62,7 @@ def test_a_module_without_pieces_is_compiled_as_it_is():
     assert compile_pieces(module) is module and not hasattr(module, "PIECES")
 
 
+@pytest.mark.slow
 def test_compiled_layers_run_equal_to_serial_with_the_plans_collectives_and_no_recompilation(tmp_path):
     """Two ranks of the tp 2 LLaMA, three steps: equal to serial (at the tolerance: inductor's kernels
     order sums their own way), the plan's collectives, and no graph compiled after the first step."""

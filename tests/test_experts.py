@@ -71,6 +71,7 @@ def test_expert_and_tensor_parallel_together(pools, compile_par, family, layouts
     assert _nonzero(report["collectives_by_axis"])["forward"]["ep:all_to_all"] == 3
 
 
+@pytest.mark.slow
 def test_deepseek_v3_is_planned_by_the_search_unedited(pools, compile_par):
     """No layout written, a memory bound: the search lays DeepSeek-V3's experts out (shared experts, grouped
     routing), and the plan equals serial. Its MoE layer alone here, to keep the suite quick; with its

@@ -635,6 +635,7 @@ layout {
 """
 
 
+@pytest.mark.slow
 def test_fsdp_with_tensor_parallelism_releases_its_groups_under_a_bound_and_runs_equal_to_serial(pools, compile_par):
     """Weights stored split over dp and used Megatron-split over tp: each layer's group is gathered over dp
     and stays split over tp. Under a bound the plan does not meet holding every group from forward to

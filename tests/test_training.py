@@ -130,6 +130,7 @@ def _losses(path) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in map(json.loads, open(path))}
 
 
+@pytest.mark.slow
 def test_training_example_checkpoints_and_resumes_under_a_pipeline_bit_for_bit(tmp_path, monkeypatch):
     """examples/train.py: 4 steps serially; under tp 2 with a checkpoint after 2; resumed from it under
     the pipeline of examples/llama_train_pp2_tp2.par on 2 ranks (its two stages, the layouts left out: the
@@ -543,6 +544,7 @@ def test_ranks_whose_modules_differ_are_told_so_before_the_first_step(pools):
         assert f"this is rank {rank}" in differing and "rank 0:" in differing and "rank 1:" in differing
 
 
+@pytest.mark.slow
 def test_a_run_whose_rank_is_killed_mid_step_resumes_from_the_last_complete_checkpoint(tmp_path):
     """Two torchrun agents on this host, as two machines, each with one rank, restarts allowed once.
     Rank 1 is killed (SIGKILL) between forward and backward of step 5; torchrun restarts both ranks,
