@@ -1,5 +1,5 @@
 # make demo: install, compile the Megatron MLP example, run it on 2 CPU ranks and check it against serial.
-# make test: install, run the test suite (its five longest integration runs: make test-slow).
+# make test: install, run the test suite (its seven longest integration runs: make test-slow).
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 # torch of the 2.13 series, as pyproject.toml asks, installed only where this Python has none of it: a torch
@@ -23,14 +23,16 @@ demo: install
 # share what they compile. On the 2-core development machine, from a clean clone with an empty inductor
 # cache, the suite's own time reached 21 to 22 min (and 23 min on CI's machine, where a terminal test also
 # hung): the documented full-depth recipe explains went to benchmarks/recipes.py and `pardsl init`'s sweep
-# to a third of the architectures (all of them: make init-sweep), and five integration runs of about a
-# minute each (tests marked slow) to make test-slow. Measure it before adding to it.
+# to a third of the architectures (all of them: make init-sweep), and seven integration runs of about a
+# minute each (tests marked slow) to make test-slow: 17 min 53 s with five of them out. Measure it before
+# adding to it.
 test: install
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
-# The tests marked slow: inductor's kernels against serial, a rank killed mid-step and resumed under two
-# torchrun agents, a checkpoint resumed under a pipeline, DeepSeek-V3's experts and FSDP with tensor
-# parallelism searched under a bound and run.
+# The tests marked slow: inductor's kernels against serial, training through the API with collectives in
+# the compiled graphs, a rank killed mid-step and resumed under two torchrun agents, a checkpoint resumed
+# under a pipeline, DeepSeek-V3's experts and FSDP with tensor parallelism searched under a bound and run,
+# and the mesh's shape searched with a pipeline over three axes.
 test-slow: install
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile -m slow
 

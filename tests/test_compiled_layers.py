@@ -225,6 +225,7 @@ def test_compile_options_without_compile_or_with_an_unknown_backend_are_usage_er
             pardsl.load("examples/mlp.par", compile=True, compile_backend="nope")
 
 
+@pytest.mark.slow
 def test_training_through_the_api_with_collectives_in_the_graphs_equals_serial_as_shapes_change(tmp_path):
     """`pardsl.load(..., compile=True, collectives_in_graphs=True)` under torchrun: the tp 2 LLaMA on its own
     loss with AdamW and clipping, a batch and sequence length that change at the second step (the new size

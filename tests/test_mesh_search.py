@@ -119,6 +119,7 @@ def test_an_axis_named_twice_in_a_searched_mesh_is_located():
     assert (caught.value.diagnostics[0].code, caught.value.diagnostics[0].span.column) == ("E010", 10)
 
 
+@pytest.mark.slow
 def test_three_axes_with_the_pipeline_searched_keep_a_shape_no_slower_than_any_fixed_one():
     """`mesh dp, tp, pp = 4` with `pipeline pp : schedule ?, microbatches ?, cut ?` (compiled only): the
     shape kept is estimated no slower than each shape written out and compiled alone, its pipeline
