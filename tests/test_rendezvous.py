@@ -151,3 +151,16 @@ def test_the_meeting_folder_is_this_users_alone_and_refused_otherwise(tmp_path, 
     with pytest.raises(PermissionError, match="is not a private folder"):
         with private_folder("pardsl-test-"):
             pass
+
+
+def test_ranks_meet_under_a_temporary_folder_whose_name_an_address_would_misread(tmp_path):
+    """The meeting folder lies under TMPDIR, whose name may hold what a file:// address reads as a query, a
+    fragment or an escape (`?`, `#`, `%`): the ranks meet there all the same (through such an address,
+    torch's parsing failed with an IndexError)."""
+    odd = tmp_path / "a?b#c%20d"
+    odd.mkdir()
+    result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/mlp.par", "--nproc", "2",
+                             "--steps", "1", "--timeout", "60"], cwd=REPO, capture_output=True, text=True,
+                            timeout=200, env={**os.environ, "TMPDIR": str(odd)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "on 2 ranks (gloo): equivalent to serial" in result.stdout

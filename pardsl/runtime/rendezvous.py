@@ -35,16 +35,17 @@ def private_folder(prefix: str) -> Iterator[str]:
         yield folder
 
 
-def store_init_method(folder: str) -> str:
-    """The init method of a FileStore in `folder` (a private_folder): the ranks' meeting point."""
-    return "file://" + os.path.join(folder, "store")
-
-
 def init_local_ranks(backend: str, folder: str, rank: int, world_size: int, timeout_s: float) -> None:
     """This process's default process group, met through the FileStore in `folder`. gloo's connections
     between the ranks stay on the loopback interface (unless GLOO_SOCKET_IFNAME says otherwise): by default
     gloo listens on the address the host name resolves to, which other machines can reach."""
     if backend == "gloo" and os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(backend, init_method=store_init_method(folder), rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # the store made here, not named by a file:// address: a folder under a TMPDIR with `?` or `#` in its
+    # name is a query or a fragment in an address, and torch's parsing of it failed with an IndexError.
+    # The prefix is the one torch gives a store it makes from an address.
+    store = dist.FileStore(os.path.join(folder, "store"), world_size)
+    store.set_timeout(timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
