@@ -754,10 +754,10 @@ def _regrouped_pins(pins: dict[str, Pin], regrouped, tensors: dict[str, TensorIn
                     data: frozenset[int]) -> dict[str, Pin]:
     """A regrouped key/value projection (grouped_query.py) is split by heads where the file splits its
     weight: the weight repeated by heads takes the written split, on the axes that split its output
-    features and are not `data` axes (_data_axes), and the weight itself is held whole on those axes, each rank taking the head
-    its query heads read. Its gradient comes back whole from the ranks that share a head. Where the
-    repeated weight does not divide so (the same trace bound on another mesh shape), the pins stay as
-    written: the graph computes the same either way."""
+    features and are not `data` axes (_data_axes), and the weight itself is held whole on those axes, each
+    rank taking the head its query heads read. Its gradient comes back whole from the ranks that share a
+    head. Where the repeated weight does not divide so (the same trace bound on another mesh shape), the
+    pins stay as written: the graph computes the same either way."""
     pins = dict(pins)
     for projection in regrouped:
         for stored, repeated in ((projection.weight, projection.repeated_weight),
@@ -794,10 +794,10 @@ def _data_axes(par: ParFile, mesh: Mesh) -> frozenset[int]:
 
 def _features_split_over(par: ParFile, mesh: Mesh, exported):
     """Per parameter placeholder, over how many ranks the file computes its dim 0 (a linear's output
-    features) in parts: the axes that split it and are not data axes (_data_axes), 1 where there are none. Read before the names
-    are bound (grouped_query's regrouping needs it while the graph is still being shaped): the first entry
-    naming the parameter with a layout stands, as when the names are bound, and a layout written wrong
-    here is reported then."""
+    features) in parts: the axes that split it and are not data axes (_data_axes), 1 where there are none.
+    Read before the names are bound (grouped_query's regrouping needs it while the graph is still being
+    shaped): the first entry naming the parameter with a layout stands, as when the names are bound, and a
+    layout written wrong here is reported then."""
     names = exported.graph_signature.inputs_to_parameters
     quiet = DiagnosticSink(par.source)
     data = _data_axes(par, mesh)

@@ -357,8 +357,6 @@ def named_layout(layout: Layout, mesh: Mesh) -> str:
     return ", ".join(parts) if parts else "B"
 
 
-
-
 # Text from outside the compiler (the .par file's name, the model's module paths, parameter and output names,
 # its arguments) becomes Python only through the three functions below. A name is any string (a config-driven
 # model keys its heads by name in an nn.ModuleDict): a line break in a comment or a quote in a string would end
