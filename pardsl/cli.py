@@ -160,6 +160,9 @@ def _arguments() -> argparse.ArgumentParser:
     init.add_argument("--batch", type=int, default=2, metavar="N", help="the example input's batch size")
     init.add_argument("--memory", default="40 %", metavar="BOUND",
                       help="the memory bound written where the model has no plan (a search request)")
+    init.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
+                      help="a config class's setting over init's small sizes and the class's defaults, VALUE a "
+                           "Python literal (--set partial_rotary_factor=0.5); repeatable")
 
     _command(commands, "rules", "print every op's rule, one line per op, after a key to the words used",
              "pardsl rules", "pardsl rules | grep aten.linear")
@@ -422,12 +425,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _init(args) -> int:
     from pardsl.language.files import write_atomically
-    from pardsl.tools.init import InitError, generate
+    from pardsl.tools.init import InitError, generate, settings_given
 
     if args.seq < 1 or args.batch < 1:
         return _failed(args, "error", "--seq and --batch must be at least 1", EXIT_USAGE)
     try:
-        generated = generate(args.model, args.output, args.mesh, args.seq, args.batch, args.memory)
+        generated = generate(args.model, args.output, args.mesh, args.seq, args.batch, args.memory,
+                             settings_given(args.settings))
     except InitError as error:
         return _failed(args, "error", str(error), EXIT_INPUT_ERROR)
     except CompileError as error:  # located in the text init made: nothing is written

@@ -111,6 +111,56 @@ def test_a_config_class_without_a_plan_is_built_small_as_a_search_request(init, 
     assert "layout {}" in text
 
 
+def test_settings_transformers_defaults_leave_out_are_given_with_set(init, capsys):
+    # GLM-4V's text model: rotary sections for 64 rotary dims against a 128-dim head by default
+    assert init("Glm4vTextConfig") is None and init.code == 1
+    assert "error[E035]" in (err := capsys.readouterr().err) and "Split sizes add up to 32" in err
+    path = init("Glm4vTextConfig", "--set", "partial_rotary_factor=0.5", "--set", 'hidden_act="silu"')
+    assert path is not None, capsys.readouterr().err
+    model_line = next(line for line in Path(path).read_text().splitlines() if line.startswith("model"))
+    assert model_line.endswith('partial_rotary_factor=0.5, hidden_act="silu")')  # over init's small sizes
+    compile_file(path)
+
+
+def test_a_config_its_defaults_do_not_build_says_to_give_the_settings(init, capsys):
+    assert init("Lfm2MoeConfig") is None and init.code == 1  # layer_types None by default, indexed per layer
+    assert "give your model's values for the settings it names with --set NAME=VALUE" in capsys.readouterr().err
+
+
+def test_a_set_that_is_no_setting_says_how_to_write_one(init, capsys):
+    assert init("LlamaConfig", "--set", "partial_rotary_factor") is None and init.code == 1
+    assert "--set 'partial_rotary_factor': give NAME=VALUE" in capsys.readouterr().err
+    assert init("examples.hf_models:llama_causal_lm(layers=1)", "--set", "hidden_size=64") is None
+    assert "give the settings as its arguments" in capsys.readouterr().err
+
+
+def test_a_multimodal_model_is_traced_on_text_with_its_language_models_plan(init):
+    # MuseGlimmer's own plan lays out its vision adapter; its language model's plan is in text_config
+    path = init("MuseGlimmerConfig")
+    text = " ".join(" ".join(line.split()) for line in Path(path).read_text().splitlines())
+    assert 'text_config={"vocab_size": 256,' in text and "vision_config={" in text  # each part small
+    assert "input input_ids : int64[2, 16] in [0, 256)" in text
+    assert "language_model.layers.*.self_attn.o_proj.weight : S(1)" in text
+    assert "vision_adapter.fc1.weight : S(0)" in text
+
+
+@pytest.mark.parametrize("config, settings, inputs", [
+    # a speech model's code predictor, fed by the talker's hidden states: its forward refuses token ids
+    ("Qwen3OmniMoeTalkerCodePredictorConfig", [], ["inputs_embeds : float32[2, 16, 512]"]),
+    # a decoder built alone: the encoder's states are an input
+    ("T5Gemma2DecoderConfig", ["--set", "dropout_rate=0.0"],
+     ["input_ids : int64[2, 16] in [0, 256)", "encoder_hidden_states : float32[2, 16, 1024]"]),
+    # a vision encoder: an image of the config's size
+    ("Llama4VisionConfig", ["--set", "hidden_size=192", "--set", "intermediate_size=768"],
+     ["pixel_values : float32[2, 3, 448, 448]"]),
+], ids=["embeddings", "decoder", "image"])
+def test_a_model_that_takes_no_token_ids_gets_the_inputs_it_takes(init, config, settings, inputs):
+    path = init(config, *settings)
+    declared = [" ".join(line.split()[1:]) for line in Path(path).read_text().splitlines()
+                if line.startswith("input")]
+    assert declared == inputs
+
+
 def test_a_name_that_is_no_config_class_says_so(init, capsys):
     assert init("NoSuchConfig") is None and init.code == 1
     assert "`NoSuchConfig` is no config class of transformers" in capsys.readouterr().err
@@ -131,57 +181,61 @@ def test_a_factory_that_cannot_be_built_says_so(init, tmp_path, capsys):
 
 
 # Every architecture of transformers (the version pyproject.toml pins) whose config class carries a
-# tensor-parallel plan gets a file that compiles, but these, each for the reason given; init says so (the
-# text given), exit code 1, no traceback.
-COMPOSITE = "is made of sub-models' configs"  # init takes the language model's config class instead
-NOT_TOKENS = "has no vocab_size"  # an image or audio encoder: init writes a token-id input
-DEFAULTS = "cannot build the model"  # transformers' own defaults do not build the model, at any size
+# tensor-parallel plan gets a file that compiles, with the settings below where transformers' own defaults
+# leave out or contradict what its model reads (each one fails the same way built at its default size,
+# without pardsl): the values are the real models' kind, given as a user gives them, with --set.
+SETTINGS = {
+    # its rotary embedding reads the parameters of each layer kind, and the default has none
+    "CohereCompassTextConfig": ['rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}'],
+    "DeepseekOcr2TextConfig": ["mlp_layer_types=['sparse']"],  # a kind per layer, None by default
+    "Lfm2MoeConfig": ["layer_types=['full_attention']", "num_dense_layers=0"],  # layer_types None by default
+    # its sparse attention's indexer sizes, None by default (the index head as wide as the rotary dims);
+    # built, it is still listed below
+    "Qwen4ExpTextConfig": ["indexer_n_heads=2", "indexer_kv_heads=1", "indexer_head_dim=256", "indexer_budget=8",
+                           "indexer_compress_ratio=2"],
+    "Qwen3OmniMoeTalkerTextConfig": ["shared_expert_intermediate_size=64"],  # read, but not a setting it has
+    "T5Gemma2TextConfig": ["dropout_rate=0.0"],  # likewise
+    "T5Gemma2DecoderConfig": ["dropout_rate=0.0"],  # and traced with the encoder's states as an input
+    "Step3p7TextConfig": ["sliding_window=8"],  # its mask is a sliding window's whatever its layers' kinds
+    # rotary sections ([8, 12, 12]: 32 frequencies) that need a rotary dim of 64: half the head, as the
+    # released models have it
+    "Glm4vTextConfig": ["partial_rotary_factor=0.5"],
+    "GlmImageTextConfig": ["partial_rotary_factor=0.5"],
+    "Glm4vMoeTextConfig": ["head_dim=128", "partial_rotary_factor=0.5"],
+    "Qwen3OmniMoeTextConfig": ["head_dim=64"],  # 2048 // 28 = 73 by default: odd, and the rotary pairs need even
+    # the pixel-shuffle MLP reads intermediate_size features, hidden_size * 4 after the shuffle: 768 and 5632
+    # by default (the released model: 1408 and 5632)
+    "Llama4VisionConfig": ["hidden_size=192", "intermediate_size=768"],
+    # the audio encoder's output is added onto the text embeddings: its width is the language model's
+    "MuseSparkConfig": ['audio_config={"out_hidden_size": 256}'],
+}
+
+# And these, each for the reason given: init says so (the text given), exit code 1, no traceback.
+TAKES_NONE = "takes none of the inputs init writes"
 UNSUPPORTED = {
-    "Llama4Config": (COMPOSITE, "a vision-language model: Llama4TextConfig is its language model's"),
-    "MuseGlimmerConfig": (COMPOSITE, "a vision-language model"),
-    "MuseSparkConfig": (COMPOSITE, "a vision, audio and language model"),
-    "Phi4MultimodalConfig": (COMPOSITE, "audio and vision configs beside the language model's"),
-    "Dots3NoteVisionConfig": (NOT_TOKENS, "a vision encoder"),
-    "Ernie4_5_VLMoeVisionConfig": (NOT_TOKENS, "a vision encoder"),
-    "Gemma4VisionConfig": (NOT_TOKENS, "a vision encoder"),
-    "Llama4VisionConfig": (NOT_TOKENS, "a vision encoder"),
-    "MuseGlimmerVisionConfig": (NOT_TOKENS, "a vision encoder"),
-    "MuseGlimmerAssistantConfig": (NOT_TOKENS, "an assistant head over another model's hidden states"),
-    "CohereCompassTextConfig": (DEFAULTS, "KeyError 'full_attention': its rotary embedding reads a layer kind "
-                                          "the default rope_parameters ({}) lack"),
-    "DeepseekOcr2TextConfig": (DEFAULTS, "TypeError: a per-layer list the defaults leave None"),
-    "Lfm2MoeConfig": (DEFAULTS, "TypeError: the defaults leave layer_types None, which its layers index"),
-    "Qwen3OmniMoeTalkerTextConfig": (DEFAULTS, "AttributeError: no shared_expert_intermediate_size"),
-    "Qwen4ExpTextConfig": (DEFAULTS, "TypeError: its sparse attention layers divide token_budget by "
-                                     "compress_ratio, both None by default"),
-    "T5Gemma2TextConfig": (DEFAULTS, "AttributeError: no dropout_rate"),
-    "T5Gemma2DecoderConfig": (DEFAULTS, "AttributeError: no dropout_rate"),
+    # vision encoders whose inputs beside the pixels set the shapes: position ids per patch, a patch grid
+    "Gemma4VisionConfig": (TAKES_NONE, "its forward takes pixel_position_ids beside the patches"),
+    "MuseGlimmerVisionConfig": (TAKES_NONE, "its forward takes a patch grid (grid_thw) whose values set shapes"),
+    "Ernie4_5_VLMoeVisionConfig": (TAKES_NONE, "its forward takes flattened patches and a patch grid"),
+    "Dots3NoteVisionConfig": ("cannot build the model", "per-layer settings for layers 25-41 that init's one "
+                                                        "layer contradicts; and a patch grid as an input"),
+    "DeepseekOcr2VisionEncoderConfig": ("error[E034]", "its forward takes num_patches beside the embeddings"),
+    "MuseGlimmerAssistantConfig": (TAKES_NONE, "an assistant head over another model's hidden states"),
     "T5GemmaModuleConfig": ("no model class of transformers takes", "an encoder or decoder module of "
                                                                     "T5Gemma, built only inside it"),
-    "DeepseekOcr2VisionEncoderConfig": ("error[E034]", "its forward takes inputs_embeds, not token ids"),
-    "Qwen3OmniMoeTalkerCodePredictorConfig": ("error[E035]", "its forward takes inputs_embeds: given "
-                                                             "input_ids it raises"),
-    "VoxtralRealtimeTextConfig": ("error[E035]", "its forward needs the audio encoder's embeddings"),
+    "VoxtralRealtimeTextConfig": ("error[E035]", "its layers need the time conditioning (t_cond) that only "
+                                                 "the whole speech model computes and passes"),
     "DiffusionGemmaTextConfig": ("error[E035]", "its forward returns a key-value cache (DynamicCache), which "
                                                 "its config has no use_cache to turn off"),
     "Gemma3nTextConfig": ("error[E035]", "torch.export leaves a fake tensor among the program's constants "
                                          "(model.layers.0.lifted_tensor_0), exporting on real CPU tensors too"),
-    # transformers' own defaults again, the failure coming when traced: the default-size model fails the same way
-    "Step3p7TextConfig": ("error[E035]", "its forward builds a sliding-window mask whatever its layers' kinds, and "
-                                         "sliding_window is None by default (as Mixtral's and a dozen others', "
-                                         "where None means no window: init cannot give one to all)"),
-    "Glm4vTextConfig": ("error[E035]", "its rotary sections (mrope_section, [8, 12, 12] by default: 32 "
-                                       "frequencies) need a rotary dim of 64; the default head_dim, 4096 // 32 = 128, "
-                                       "with no partial_rotary_factor gives 128"),
-    "Glm4vMoeTextConfig": ("error[E035]", "the same rotary sections against a default head_dim of 4096 // 96 = 42, "
-                                          "half of it rotary"),
-    "GlmImageTextConfig": ("error[E035]", "the same rotary sections and head_dim as Glm4vTextConfig"),
-    "Qwen3OmniMoeTextConfig": ("error[E035]", "its default head_dim, 2048 // 28 = 73, is odd: the rotary "
-                                              "embedding's 74 dims broadcast against 73"),
+    # shapes that depend on the data: no layout is static for them (E061 says where)
     "Glm5NextTextConfig": ("error[E061]", "its sparse attention's indexer pools keys with an index whose "
                                           "result's shape depends on the data"),
     "HiggsAudioV2Config": ("error[E061]", "its layers pick the audio tokens by a boolean mask "
                                           "(hidden_states[audio_token_mask])"),
+    "Qwen4ExpTextConfig": ("error[E061]", "its indexed attention (with the settings above) counts the "
+                                          "complete blocks of keys the data selects"),
     "LongcatFlashConfig": ("error[E061]", "its experts, identity (zero) experts beside the routed ones, are "
                                           "its own code, not transformers' experts interface: a loop over the "
                                           "experts the routing hit"),
@@ -196,10 +250,11 @@ def architectures_with_a_plan() -> list[str]:
 
 
 def _init_config(config: str, folder: str) -> tuple[str, int, str]:
-    """`pardsl init CONFIG` in a worker process: (config, exit code, what it wrote on stderr)."""
+    """`pardsl init CONFIG [--set ...]` in a worker process: (config, exit code, what it wrote on stderr)."""
     err = io.StringIO()
+    settings = [option for setting in SETTINGS.get(config, []) for option in ("--set", setting)]
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(["init", config, "-o", os.path.join(folder, f"{config}.par")])
+        code = main(["init", config, "-o", os.path.join(folder, f"{config}.par"), *settings])
     return config, code, err.getvalue()
 
 
@@ -210,12 +265,13 @@ def swept(names: list[str]) -> list[str]:
     if os.environ.get("PARDSL_INIT_SWEEP") == "all":
         return names
     return [name for i, name in enumerate(names)
-            if i % 3 == 0 or name in UNSUPPORTED or name in ("LlamaConfig", "Qwen3Config", "MixtralConfig")]
+            if i % 3 == 0 or name in UNSUPPORTED or name in SETTINGS
+            or name in ("LlamaConfig", "Qwen3Config", "MixtralConfig")]
 
 
 def test_every_architecture_with_a_plan_gets_a_file_that_compiles(tmp_path):
     names = architectures_with_a_plan()
-    assert set(UNSUPPORTED) <= set(names), "an entry of UNSUPPORTED is no longer an architecture with a plan"
+    assert set(UNSUPPORTED) | set(SETTINGS) <= set(names), "an entry is no longer an architecture with a plan"
     assert len(names) - len(UNSUPPORTED) >= 100  # the sweep covers what transformers has, not a handful
     names = swept(names)
     # two processes: on a 2-core machine half the time

@@ -61,6 +61,21 @@ layout {
     assert par.layouts[3].layout.placements[1].dim == -1
 
 
+def test_model_arguments_nest_lists_tuples_and_string_keyed_dicts():
+    # a config's nested settings (rope_parameters={...}); `None` written inside a bracket is a value
+    par = parse('mesh tp = 2\nmodel m:f(rope={"full": {"type": "default", "theta": 1e4}}, kinds=[None], '
+                'pair=(None,), none=[], empty={}, unit=(), mixed=[{"a": [1, (2,)]}],)\n')
+    assert par.model.kwargs == (("rope", {"full": {"type": "default", "theta": 1e4}}), ("kinds", [None]),
+                                ("pair", (None,)), ("none", []), ("empty", {}), ("unit", ()),
+                                ("mixed", [{"a": [1, (2,)]}]))
+
+
+def test_a_dict_key_must_be_a_string():
+    with pytest.raises(CompileError) as error:
+        parse("mesh tp = 2\nmodel m:f(settings={full: 1})\n")
+    assert error.value.diagnostics[0].span.line == 2
+
+
 def test_model_without_arguments_and_no_trailing_newline():
     par = parse("mesh tp = 1\nmodel m:f\nlayout {\n}")
     assert par.model.kwargs == () and par.layouts == ()

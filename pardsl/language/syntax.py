@@ -331,10 +331,26 @@ class _ToSyntaxTree(Transformer):
         return None
 
     def list(self, meta, children):
-        return [c for c in children if c is not None] if children != [None] else []
+        return list(children)
+
+    def empty_list(self, meta, children):
+        return []
 
     def tuple(self, meta, children):
-        return tuple(c for c in children if c is not None) if children != [None] else ()
+        return tuple(children)
+
+    def empty_tuple(self, meta, children):
+        return ()
+
+    def dict(self, meta, entries):
+        return dict(entries)
+
+    def empty_dict(self, meta, children):
+        return {}
+
+    def dict_entry(self, meta, children):
+        key, value = children
+        return (self.string(meta, [key]), value)
 
     def model_decl(self, meta, children):
         module, factory = children[0], children[1]

@@ -4,15 +4,17 @@ request. The file is compiled before it is written, so what `init` writes is kno
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import json
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
 
-from pardsl.compiler import compile_text
+from pardsl.compiler import CompileError, compile_text
 from pardsl.language.syntax import parse
 from pardsl.model.binding import name_pattern
 from pardsl.model.loading import build_model, parameters_on_meta
@@ -46,6 +48,8 @@ COUNTS = {
     # pardsl's fused attention takes no dropout (E060), and a starting plan has no key-value cache to return
     "attention_dropout": 0.0, "attn_pdrop": 0.0, "attention_probs_dropout_prob": 0.0, "use_cache": False,
 }
+# The codes of a model that refuses the inputs it is given: `forward` has no such argument, or fails traced
+REFUSED_INPUTS = {"E034", "E035"}
 # Token ids a config holds: past a small vocabulary they would index outside the embedding (padding_idx).
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
@@ -111,25 +115,61 @@ def hf_model(config: str, **settings) -> torch.nn.Module:
     return classes[0](made)
 
 
-def small_model_line(config: str) -> str:
-    """The `model` line's factory call that builds transformers' config class `config` small (`_small`)."""
+def settings_given(pairs: list[str]) -> dict:
+    """`--set NAME=VALUE` pairs as a dict: VALUE a Python literal (0.5, "yarn", [8, 12, 12], {"rope_type":
+    "default"}), any other text a string."""
+    settings = {}
+    for pair in pairs:
+        name, equals, text = pair.partition("=")
+        name = name.strip()
+        if not equals or not name.isidentifier():
+            raise InitError(f"--set {pair!r}: give NAME=VALUE, the name one of the config's settings "
+                            "(--set partial_rotary_factor=0.5)")
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError, RecursionError, MemoryError):
+            value = text.strip()
+        settings[name] = value
+    return settings
+
+
+def small_model_line(config: str, settings: dict | None = None) -> str:
+    """The `model` line's factory call that builds transformers' config class `config` small (`_small`),
+    `settings` over it (the real model's values for what the class's defaults leave out or get wrong)."""
     import transformers
 
     cls = getattr(transformers, config, None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig)):
         raise InitError(f"`{config}` is no config class of transformers {transformers.__version__}: give a config "
                         "class's name (LlamaConfig) or a factory, module:factory(kwargs)")
-    if cls.sub_configs:  # a multimodal model: its language model has a config class of its own
-        parts = ", ".join(f"{name} ({sub.__name__})" for name, sub in cls.sub_configs.items())
-        raise InitError(f"`{config}` is made of sub-models' configs, {parts}: init takes one model whose input is "
-                        "token ids; give the language model's config class, or a factory that builds the whole "
-                        "model small, and declare its other inputs by hand")
-    if "vocab_size" not in inspect.signature(cls).parameters:
-        raise InitError(f"`{config}` has no vocab_size: its model does not take token ids (an image or audio "
-                        "encoder), and init writes a token-id input; write the .par by hand for it "
-                        "(see docs/language.md)")
-    listed = ", ".join(f"{name}={_literal(value)}" for name, value in _small(cls).items())
+    # A multimodal model: each part (language, vision, audio) has a config class of its own, built small as
+    # its settings; the model is then traced on text alone, its other parts' weights laid out unused
+    parts = {name: _small_part(sub) for name, sub in cls.sub_configs.items()
+             if isinstance(sub, type) and issubclass(sub, transformers.PretrainedConfig)}
+    try:
+        defaults = cls()
+    except Exception:  # defaults the class itself refuses: nothing to check the names against
+        defaults = None
+    unknown = [name for name in settings or {} if defaults is not None and not hasattr(defaults, name)
+               and name not in inspect.signature(cls).parameters]
+    if unknown:  # a config keeps unknown keyword arguments as attributes: a misspelt name would pass unseen
+        print(f"pardsl: note: {', '.join(unknown)} not among `{config}`'s defaults: set as given",
+              file=sys.stderr)
+    listed = ", ".join(f"{name}={_literal(value)}"
+                       for name, value in {**_small(cls), **parts, **(settings or {})}.items())
     return f'pardsl.tools.init:hf_model(config="{config}", {listed})'
+
+
+def _small_part(cls: type) -> dict:
+    """A multimodal model's part built small where its class takes init's sizes; its own defaults where they
+    contradict its other settings (an audio encoder with a size per layer): the model is traced on text, so
+    the other parts' sizes cost nothing."""
+    settings = _small(cls)
+    try:
+        cls(**settings)
+    except Exception:
+        return {name: value for name, value in settings.items() if name in TOKEN_IDS}
+    return settings
 
 
 def _literal(value) -> str:
@@ -138,6 +178,10 @@ def _literal(value) -> str:
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(_literal(item) for item in value) + "]"
+    if isinstance(value, tuple):
+        return "(" + "".join(f"{_literal(item)}, " for item in value).rstrip(" ") + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(key))}: {_literal(item)}" for key, item in value.items()) + "}"
     return repr(value)
 
 
@@ -148,13 +192,16 @@ class Generated:
 
 
 def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: int = 2,
-             memory: str = "40 %") -> Generated:
+             memory: str = "40 %", settings: dict | None = None) -> Generated:
     """The .par text for `model` (a `module:factory(kwargs)` as the `model` line takes it, or the name of a
     transformers config class, built small by `hf_model`), to be written at `path` (the model's module is imported as it will be from there). Raises InitError, or CompileError
     located in the generated text."""
     asked = model
     if ":" not in model and model.isidentifier():  # a config class's name: its model, built small
-        model = small_model_line(model)
+        model = small_model_line(model, settings)
+    elif settings:
+        raise InitError(f"--set is for a config class's settings; `{model}` is a factory: give the settings as "
+                        "its arguments")
     head = f"mesh   {mesh}\nmodel  {model}\n"
     declared = parse(head, path)
     axes = [axis.name for axis in declared.meshes[0].axes]
@@ -162,8 +209,9 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
         with parameters_on_meta():  # names and shapes are all init reads: a model of any size costs nothing
             module = build_model(declared.models[0], path)
     except Exception as error:  # the user's factory, or transformers' own classes: any failure is theirs to read
-        advice = (f"transformers does not build `{asked}` from its defaults with init's small sizes; give a "
-                  "factory that builds it with your model's settings") if asked != model else \
+        advice = (f"transformers does not build `{asked}` from its defaults with init's small sizes; give your "
+                  "model's values for the settings it names with --set NAME=VALUE (or a factory that builds "
+                  "it)") if asked != model else \
             "check that the module imports from the output file's folder and that the factory's arguments are right"
         raise InitError(f"cannot build the model `{model}`: {type(error).__name__}: {error}; {advice}") from error
     if module is None or not isinstance(module, torch.nn.Module):
@@ -171,12 +219,16 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
 
     base_path, base = _base_model(module)
     config = getattr(base, "config", None)
-    vocab = getattr(config, "vocab_size", None)
-    if not isinstance(vocab, int):
-        raise InitError(f"`{model}` has no config with an integer vocab_size: init writes a token-id input "
-                        "and needs one; write the .par by hand for this model (see docs/language.md)")
-    plan = getattr(config, "base_model_tp_plan", None) or {}
-    base_path = _plan_root(module, base_path, plan)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    forms = _input_forms(module, config, text_config, batch, seq)
+    if not forms:
+        accepted = ", ".join(inspect.signature(module.forward).parameters)
+        raise InitError(f"`{model}` takes none of the inputs init writes (token ids with the config's integer "
+                        "vocab_size, embeddings [batch, tokens, hidden_size], an image [batch, num_channels, "
+                        f"image_size, image_size]): its forward takes ({accepted}); write the .par's inputs by "
+                        "hand for it (see docs/language.md)")
+    plans = _plans(module, base_path, config)
+    plan = {key: style for _, part_plan in plans for key, style in part_plan.items()}
 
     lines = [f"# Written by `pardsl init {asked}`: a starting point to edit, checked to compile."]
     if plan:
@@ -186,25 +238,62 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
         lines.append("# The model has no tensor-parallel plan (config.base_model_tp_plan): this is a search "
                      "request, the compiler chooses every layout within the memory bound.")
     lines.append(head.rstrip("\n"))
-    lines.append(f"input  input_ids : int64[{batch}, {seq}] in [0, {vocab})")
+    lines.append("{inputs}")
     if not plan:
         lines += [f"memory <= {memory}", "", "layout {}"]
-        return _checked("\n".join(lines) + "\n", path, planned=False)
+        return _checked("\n".join(lines) + "\n", path, forms, planned=False)
 
     axis = "tp" if "tp" in axes else axes[-1]
     on_axis = f" @ {axis}" if len(axes) > 1 else ""
-    entries, comments = _layouts(module, base_path, plan)
+    entries, comments = {}, []
+    for root, part_plan in plans:
+        part_entries, part_comments = _layouts(module, root, part_plan)
+        entries.update(part_entries)
+        comments += part_comments
     width = max((len(name) for name in entries), default=0)
     lines += ["", "layout {"]
     lines += [f"    # {comment}" for comment in comments]
     lines += [f"    {name:<{width}} : {layout}{on_axis}" for name, layout in entries.items()]
     lines += [f"    {'output':<{width}} : B{on_axis}", "}"]
-    return _checked("\n".join(lines) + "\n", path, planned=True)
+    return _checked("\n".join(lines) + "\n", path, forms, planned=True)
 
 
-def _checked(text: str, path: str, planned: bool) -> Generated:
-    compile_text(text, path)  # raises CompileError located in `text`
-    return Generated(text, planned)
+def _input_forms(module: torch.nn.Module, config, text_config, batch: int, seq: int) -> list[list[str]]:
+    """The input lines a model may take, in the order init tries them: token ids; embeddings where the
+    forward takes them (a model fed by another's hidden states: a speech model's talker); token ids with the
+    encoder's states for a decoder built alone; an image for a vision encoder."""
+    accepted = inspect.signature(module.forward).parameters
+    vocab = getattr(text_config, "vocab_size", None)
+    hidden = getattr(text_config, "hidden_size", None)
+    tokens = f"input  input_ids : int64[{batch}, {seq}] in [0, {vocab})"
+    forms = []
+    if isinstance(vocab, int) and "input_ids" in accepted:
+        forms.append([tokens])
+    if isinstance(hidden, int) and "inputs_embeds" in accepted:
+        forms.append([f"input  inputs_embeds : float32[{batch}, {seq}, {hidden}]"])
+    if isinstance(vocab, int) and isinstance(hidden, int) and "encoder_hidden_states" in accepted:
+        forms.append([tokens, f"input  encoder_hidden_states : float32[{batch}, {seq}, {hidden}]"])
+    size, channels = getattr(config, "image_size", None), getattr(config, "num_channels", None)
+    if isinstance(size, int) and isinstance(channels, int) and "pixel_values" in accepted:
+        forms.append([f"input  pixel_values : float32[{batch}, {channels}, {size}, {size}]"])
+    return forms
+
+
+def _checked(text: str, path: str, forms: list[list[str]], planned: bool) -> Generated:
+    """The text with the first input form the model is traced with; the first form's error where none is.
+    Only a form the forward refuses (no such argument, a failure while traced) moves on to the next: any
+    other error is the plan's, and is raised."""
+    first_error = None
+    for form in forms:
+        filled = text.replace("{inputs}", "\n".join(form), 1)
+        try:
+            compile_text(filled, path)  # raises CompileError located in `filled`
+            return Generated(filled, planned)
+        except CompileError as error:
+            first_error = first_error or error
+            if not all(diagnostic.code in REFUSED_INPUTS for diagnostic in error.diagnostics):
+                raise first_error from None
+    raise first_error
 
 
 def _base_model(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:
@@ -220,6 +309,24 @@ def _base_model(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:
                     return inner, base
     raise InitError("the model holds no transformers PreTrainedModel: init reads the tensor-parallel plan from "
                     "one; give a factory that builds a Hugging Face model, or write the .par by hand")
+
+
+def _plans(module: torch.nn.Module, base_path: str, config) -> list[tuple[str, dict[str, str]]]:
+    """Each tensor-parallel plan in the model with the module path its keys are relative to: the model's own,
+    then each part's (a multimodal model's language model carries its plan in its own config)."""
+    plans = [(_plan_root(module, base_path, own), own)] if (own := getattr(config, "base_model_tp_plan", None)) \
+        else []
+    import transformers
+
+    for name in getattr(config, "sub_configs", {}) or {}:
+        part = getattr(config, name, None)
+        part_plan = getattr(part, "base_model_tp_plan", None)
+        holders = [path for path, sub in module.named_modules()
+                   if isinstance(sub, transformers.PreTrainedModel) and sub.config is part]
+        if part_plan and holders:
+            holder = min(holders, key=lambda path: path.count("."))  # the part itself, not a model inside it
+            plans.append((_plan_root(module, holder, part_plan), part_plan))
+    return plans
 
 
 def _plan_root(module: torch.nn.Module, base_path: str, plan: dict[str, str]) -> str:
