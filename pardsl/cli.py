@@ -442,6 +442,8 @@ def _init(args) -> int:
         write_atomically(args.output, generated.text)
     except OSError as error:
         return _failed(args, "error", f"cannot write {args.output}: {error.strerror}", EXIT_INPUT_ERROR)
+    for note in generated.notes:
+        print(f"pardsl: note: {note}", file=sys.stderr)
     kind = "layouts from the model's tensor-parallel plan" if generated.planned else \
         "a search request: the model has no tensor-parallel plan"
     print(f"wrote {args.output} ({kind}); next: pardsl explain {args.output}")

@@ -73,7 +73,9 @@ def test_model_arguments_nest_lists_tuples_and_string_keyed_dicts():
 def test_a_dict_key_must_be_a_string():
     with pytest.raises(CompileError) as error:
         parse("mesh tp = 2\nmodel m:f(settings={full: 1})\n")
-    assert error.value.diagnostics[0].span.line == 2
+    diagnostic = error.value.diagnostics[0]
+    assert (diagnostic.code, diagnostic.span.line, diagnostic.span.column) == ("E001", 2, 21)
+    assert diagnostic.message == "unexpected 'full'" and "a string" in diagnostic.notes[0]
 
 
 def test_model_without_arguments_and_no_trailing_newline():

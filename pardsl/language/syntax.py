@@ -665,7 +665,7 @@ def parse(text: str, path: str = "<string>") -> ParFile:
                        "strings take JSON's escapes: write a backslash as \\\\")
         except RecursionError:
             sink.error("E009", "a literal is nested too deeply", _span(tree.meta),
-                       f"lists and tuples nest at most about {sys.getrecursionlimit() // 4} deep")
+                       f"lists, tuples and dicts nest at most about {sys.getrecursionlimit() // 4} deep")
     sink.raise_if_any()
     declared = {kind: [] for kind in (MeshDecl, ModelDecl, InputDecl, MemoryBound, PipelineDecl, RecomputeDecl,
                                       PrecisionDecl, OffloadDecl, SubstituteDecl)}

@@ -8,9 +8,10 @@ import ast
 import importlib
 import inspect
 import json
+import keyword
+import math
 import re
-import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -117,47 +118,84 @@ def hf_model(config: str, **settings) -> torch.nn.Module:
 
 def settings_given(pairs: list[str]) -> dict:
     """`--set NAME=VALUE` pairs as a dict: VALUE a Python literal (0.5, "yarn", [8, 12, 12], {"rope_type":
-    "default"}), any other text a string."""
+    "default"}), or a bare word taken as a string (--set hidden_act=silu)."""
     settings = {}
     for pair in pairs:
-        name, equals, text = pair.partition("=")
-        name = name.strip()
-        if not equals or not name.isidentifier():
+        name, equals, text = (part.strip() for part in pair.partition("="))
+        if not equals or not (name.isascii() and name.isidentifier()) or keyword.iskeyword(name) \
+                or name == "config" or not text:
             raise InitError(f"--set {pair!r}: give NAME=VALUE, the name one of the config's settings "
                             "(--set partial_rotary_factor=0.5)")
-        try:
-            value = ast.literal_eval(text.strip())
-        except (ValueError, SyntaxError, RecursionError, MemoryError):
-            value = text.strip()
+        if re.fullmatch(r"[A-Za-z_][\w.\-]*", text) and text not in ("True", "False", "None"):
+            value = text  # a bare word: a string, as a shell user writes it
+        else:
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError, RecursionError, MemoryError) as error:
+                raise InitError(f"--set {pair!r}: {text!r} is no Python literal ({type(error).__name__}); "
+                                "quote a string in the shell: --set 'NAME=\"text\"'") from None
+        if not _writable(value):
+            raise InitError(f"--set {pair!r}: the model line takes numbers, strings, True, False, None, and "
+                            "lists, tuples and dicts of them with string keys")
         settings[name] = value
     return settings
 
 
-def small_model_line(config: str, settings: dict | None = None) -> str:
+def _writable(value, depth: int = 0) -> bool:
+    """Whether the .par `model` line can write `value` as it is."""
+    if depth > 32:
+        return False
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_writable(item, depth + 1) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _writable(item, depth + 1) for key, item in value.items())
+    return False
+
+
+def small_model_line(config: str, settings: dict | None = None) -> tuple[str, list[str]]:
     """The `model` line's factory call that builds transformers' config class `config` small (`_small`),
-    `settings` over it (the real model's values for what the class's defaults leave out or get wrong)."""
+    `settings` over it (the real model's values for what the class's defaults leave out or get wrong); and
+    notes on settings the class does not know."""
     import transformers
 
+    settings = settings or {}
     cls = getattr(transformers, config, None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig)):
         raise InitError(f"`{config}` is no config class of transformers {transformers.__version__}: give a config "
                         "class's name (LlamaConfig) or a factory, module:factory(kwargs)")
     # A multimodal model: each part (language, vision, audio) has a config class of its own, built small as
     # its settings; the model is then traced on text alone, its other parts' weights laid out unused
-    parts = {name: _small_part(sub) for name, sub in cls.sub_configs.items()
+    parts = {name: _small_part(sub) for name, sub in (cls.sub_configs or {}).items()
              if isinstance(sub, type) and issubclass(sub, transformers.PretrainedConfig)}
+    for name, value in settings.items():  # a part's settings go over its small sizes, not in their place
+        if name in parts:
+            parts[name] = {**parts[name], **value} if isinstance(value, dict) else value
+    notes = [f"{name} is not a setting `{config}` reads: set as given (check its spelling)"
+             for name in settings if name not in parts and not _known(cls, name, settings[name])]
+    listed = ", ".join(f"{name}={_literal(value)}"
+                       for name, value in {**_small(cls), **settings, **parts}.items())
+    return f'pardsl.tools.init:hf_model(config="{config}", {listed})', notes
+
+
+def _known(cls: type, name: str, value) -> bool:
+    """Whether the config class reads setting `name`: a keyword of its constructor, an attribute of its
+    defaults, or a value it folds into another (rope_theta into rope_parameters). A config keeps any
+    keyword as an attribute, so a misspelt name would otherwise pass unseen."""
+    if name in inspect.signature(cls).parameters:
+        return True
     try:
         defaults = cls()
-    except Exception:  # defaults the class itself refuses: nothing to check the names against
-        defaults = None
-    unknown = [name for name in settings or {} if defaults is not None and not hasattr(defaults, name)
-               and name not in inspect.signature(cls).parameters]
-    if unknown:  # a config keeps unknown keyword arguments as attributes: a misspelt name would pass unseen
-        print(f"pardsl: note: {', '.join(unknown)} not among `{config}`'s defaults: set as given",
-              file=sys.stderr)
-    listed = ", ".join(f"{name}={_literal(value)}"
-                       for name, value in {**_small(cls), **parts, **(settings or {})}.items())
-    return f'pardsl.tools.init:hf_model(config="{config}", {listed})'
+        given = cls(**{name: value}).to_dict()
+    except Exception:  # defaults the class itself refuses: nothing to check the name against
+        return True
+    if hasattr(defaults, name):
+        return True
+    before = defaults.to_dict()
+    return any(given.get(key) != before.get(key) for key in given if key != name)
 
 
 def _small_part(cls: type) -> dict:
@@ -189,6 +227,7 @@ def _literal(value) -> str:
 class Generated:
     text: str
     planned: bool  # layouts from the model's plan; False: a search request
+    notes: list[str] = field(default_factory=list)  # what the user should know about the file written
 
 
 def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: int = 2,
@@ -197,8 +236,9 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
     transformers config class, built small by `hf_model`), to be written at `path` (the model's module is imported as it will be from there). Raises InitError, or CompileError
     located in the generated text."""
     asked = model
+    notes: list[str] = []
     if ":" not in model and model.isidentifier():  # a config class's name: its model, built small
-        model = small_model_line(model, settings)
+        model, notes = small_model_line(model, settings)
     elif settings:
         raise InitError(f"--set is for a config class's settings; `{model}` is a factory: give the settings as "
                         "its arguments")
@@ -219,7 +259,10 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
 
     base_path, base = _base_model(module)
     config = getattr(base, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:  # a multimodal model's language part, where it has one
+        text_config = config.get_text_config()
+    except Exception:  # no config, or several text parts (an encoder's and a decoder's): the model's own
+        text_config = config
     forms = _input_forms(module, config, text_config, batch, seq)
     if not forms:
         accepted = ", ".join(inspect.signature(module.forward).parameters)
@@ -238,10 +281,10 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
         lines.append("# The model has no tensor-parallel plan (config.base_model_tp_plan): this is a search "
                      "request, the compiler chooses every layout within the memory bound.")
     lines.append(head.rstrip("\n"))
-    lines.append("{inputs}")
+    before_inputs, lines = lines, []
     if not plan:
         lines += [f"memory <= {memory}", "", "layout {}"]
-        return _checked("\n".join(lines) + "\n", path, forms, planned=False)
+        return _checked(before_inputs, lines, path, forms, planned=False, notes=notes)
 
     axis = "tp" if "tp" in axes else axes[-1]
     on_axis = f" @ {axis}" if len(axes) > 1 else ""
@@ -255,7 +298,7 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
     lines += [f"    # {comment}" for comment in comments]
     lines += [f"    {name:<{width}} : {layout}{on_axis}" for name, layout in entries.items()]
     lines += [f"    {'output':<{width}} : B{on_axis}", "}"]
-    return _checked("\n".join(lines) + "\n", path, forms, planned=True)
+    return _checked(before_inputs, lines, path, forms, planned=True, notes=notes)
 
 
 def _input_forms(module: torch.nn.Module, config, text_config, batch: int, seq: int) -> list[list[str]]:
@@ -279,20 +322,30 @@ def _input_forms(module: torch.nn.Module, config, text_config, batch: int, seq: 
     return forms
 
 
-def _checked(text: str, path: str, forms: list[list[str]], planned: bool) -> Generated:
-    """The text with the first input form the model is traced with; the first form's error where none is.
-    Only a form the forward refuses (no such argument, a failure while traced) moves on to the next: any
-    other error is the plan's, and is raised."""
+def _checked(before: list[str], after: list[str], path: str, forms: list[list[str]], planned: bool,
+             notes: list[str]) -> Generated:
+    """The file's lines with the first input form the model is traced with between them. Only a form the
+    forward refuses (no such argument, a failure while traced) moves on to the next: any other error is the
+    plan's, and is raised. Where a later form is kept, the file and a note say what the first one met."""
     first_error = None
     for form in forms:
-        filled = text.replace("{inputs}", "\n".join(form), 1)
+        text = "\n".join([*before, *form, *after]) + "\n"
         try:
-            compile_text(filled, path)  # raises CompileError located in `filled`
-            return Generated(filled, planned)
+            compile_text(text, path)  # raises CompileError located in `text`
         except CompileError as error:
-            first_error = first_error or error
             if not all(diagnostic.code in REFUSED_INPUTS for diagnostic in error.diagnostics):
-                raise first_error from None
+                raise
+            first_error = first_error or error
+            continue
+        if first_error is not None:
+            refused = first_error.diagnostics[0]
+            detail = " ".join((refused.notes[-1] if refused.notes else refused.message).split())
+            detail = detail if len(detail) <= 160 else detail[:157] + "..."
+            why = f"{forms[0][0].split(':')[0].split()[-1]} refused ({refused.code}: {detail})"
+            note = f"{why}; the file declares the first input the model takes instead"
+            text = "\n".join([*before, f"# {note}", *form, *after]) + "\n"
+            notes = [*notes, note]
+        return Generated(text, planned, notes)
     raise first_error
 
 
