@@ -103,6 +103,22 @@ class WritesIntoAViewNothingReadsAgain(nn.Module):
         return self.linear(flat) + h * peek
 
 
+class ClampsItsWeightThroughData(nn.Module):
+    """Gemma 3n's AltUp: in training, the forward clamps a parameter's values through `.data` before using
+    it. Its values start past the clamp, so a clamp lost (made on a copy) changes the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.linear.weight.mul_(20.0)
+
+    def forward(self, x):
+        if self.training:
+            self.linear.weight.data.clamp_(-1.0, 1.0)
+        return self.linear(x)
+
+
 def _par(model: str, layouts: str = "") -> str:
     return (f"mesh dp = 2\nmodel tests.test_in_place:{model}()\ninput x : float32[4, 8]\n"
             f"layout {{\n    x : S(0)\n{layouts}}}\n")
@@ -154,6 +170,15 @@ def test_a_write_another_alias_would_see_is_located_at_the_models_line(compile_p
 def test_a_write_into_a_view_nothing_reads_again_becomes_functional(compile_par, pools):
     compiled = compile_par(_par("WritesIntoAViewNothingReadsAgain"))
     assert "aten.mul_" not in compiled.source and "aten.add_" not in compiled.source
+    assert run_on(pools, compiled, steps=2)["ok"]
+
+
+@pytest.mark.parametrize("weight", ["B", "S(0)"])  # whole on each rank; split, each rank clamping its half
+def test_a_parameter_clamped_through_data_is_clamped_in_place_on_each_rank(compile_par, pools, weight):
+    compiled = compile_par(_par("ClampsItsWeightThroughData", f"    linear.weight : {weight}\n"))
+    source = compiled.source
+    assert "detach = aten.detach.default(self.linear_weight)" in source  # `.data`, traced
+    assert "clamp_ = aten.clamp_.default(detach, -1.0, 1.0)" in source  # in place, on the rank's own value
     assert run_on(pools, compiled, steps=2)["ok"]
 
 

@@ -277,8 +277,6 @@ UNSUPPORTED = {
                                                  "the whole speech model computes and passes"),
     "DiffusionGemmaTextConfig": ("error[E035]", "its forward returns a key-value cache (DynamicCache), which "
                                                 "its config has no use_cache to turn off"),
-    "Gemma3nTextConfig": ("error[E035]", "torch.export leaves a fake tensor among the program's constants "
-                                         "(model.layers.0.lifted_tensor_0), exporting on real CPU tensors too"),
     # shapes that depend on the data: no layout is static for them (E061 says where)
     "Glm5NextTextConfig": ("error[E061]", "its sparse attention's indexer pools keys with an index whose "
                                           "result's shape depends on the data"),

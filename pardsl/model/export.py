@@ -31,7 +31,8 @@ def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
     previous = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), experts_as_one_op(model):
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), experts_as_one_op(model), \
+                _DataAsDetach():
             warnings.simplefilter("ignore")
             exported = torch.export.export(model, (), dict(example_inputs), strict=False,
                                            dynamic_shapes=dynamic_shapes)
@@ -42,6 +43,17 @@ def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
     inline_grad_mode_regions(exported.graph_module)
     make_fresh_tensors_from_nothing(exported.graph_module)
     return exported
+
+
+class _DataAsDetach(torch.overrides.TorchFunctionMode):
+    """`tensor.data` traced as `tensor.detach()`: the same memory without autograd, as `.data` is, but an op
+    the trace records. `.data` itself is no op: what a forward writes through it (a clamp of a parameter's
+    values in training) would become a constant holding the trace's fake value, and the export fail."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func.__name__ == "__get__" and getattr(func, "__self__", None) is torch.Tensor.data:
+            return args[0].detach()
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager

@@ -13,8 +13,9 @@ and each tensor the view was taken from gets its new value by the view's scatter
 of any of them read the new values; views taken after the write are taken from them.
 
 Two cases stay as they are:
-- a write into a graph input (a buffer such as batch norm's `num_batches_tracked`, or a user input):
-  each rank updates its own local value, which is what the serial model does to its tensor;
+- a write into a graph input (a buffer such as batch norm's `num_batches_tracked`, or a user input), or
+  through an alias of all of it (a parameter clamped through `.data`, traced as `detach`): each rank
+  updates its own local value, which is what the serial model does to its tensor;
 - a write into a view of a graph input, or one that another alias of the same memory, taken before the write and read after it, would see
   (its value is not rewritten), or a write through a view with no scatter (`expand`, `as_strided`, a
   part of `split`): reported (E062), since rewriting them would silently change the program.
@@ -59,6 +60,16 @@ def _is_alias(node: torch.fx.Node) -> bool:
     if node.target is operator.getitem:
         return isinstance(node.args[0], torch.fx.Node) and is_view(node.args[0])
     return is_view(node)
+
+
+def _whole(node: torch.fx.Node, owner: torch.fx.Node) -> bool:
+    """Whether `node` is `owner` itself, or an alias of all of it as it is (a parameter's `.data`, traced as
+    `detach`): a write through it is the owner's own update."""
+    while node is not owner:
+        if node.op != "call_function" or node.target not in (aten.detach.default, aten.alias.default):
+            return False
+        node = node.args[0]
+    return True
 
 
 def _memory_owner(node: torch.fx.Node) -> torch.fx.Node:
@@ -126,7 +137,7 @@ def functionalize_in_place(graph_module: torch.fx.GraphModule) -> list[torch.fx.
             continue  # an op with no functional twin (E060 names it)
         owner = _memory_owner(written)
         if owner.op == "placeholder":
-            if written is not owner:
+            if not _whole(written, owner):
                 refused.append(node)
             continue  # an input's own update, made on each rank's local value
         aliases = _aliases(owner)
