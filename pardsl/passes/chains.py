@@ -56,6 +56,6 @@ def _described(program: LoweredProgram, name: str):
         if name in (slot.var, f"self.{slot.var}"):
             return slot.shape, slot.dtype
     for statement in program.statements:
-        if statement.targets == [name] and statement.instruction.kind in ("param_grad_sync", "grad_sync"):
+        if statement.targets == (name,) and statement.instruction.kind in ("param_grad_sync", "grad_sync"):
             return _described(program, statement.instruction.reads()[0])
     return None

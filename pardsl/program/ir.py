@@ -24,6 +24,8 @@ Kinds:
 
 from __future__ import annotations
 
+import functools
+
 import keyword
 import math
 import re
@@ -158,9 +160,9 @@ class Statement:
     node: str = ""  # the graph op it is there for (a conversion: the op whose value it moves)
     body: tuple["Statement", ...] = ()  # a region's own statements (pardsl/passes/recompute.py)
 
-    @property
-    def targets(self) -> list[str]:
-        return [t.strip() for t in self.target.split(",") if t.strip()]
+    @functools.cached_property  # a statement does not change: passes make new ones
+    def targets(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.target.split(",") if t.strip())
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,8 @@ class LoweredProgram:
             if var in (slot.var, f"self.{slot.var}"):
                 return slot.layout
         for statement in self.statements:
-            if var in statement.targets and statement.layouts:
+            # the substring test first: passes ask this of every statement of a long program
+            if var in statement.target and statement.layouts and var in statement.targets:
                 return statement.layouts[statement.targets.index(var)]
         return None
 
