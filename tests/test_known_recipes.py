@@ -1,4 +1,4 @@
-"""The known recipes (Megatron's tensor parallelism with sequence parallelism, FSDP, data parallelism)
+"""The known recipes (Megatron's tensor parallelism with sequence parallelism, FSDP, HSDP, data parallelism)
 written for a model from its graph alone, and weighed against the search's plan: the compiled plan is
 never rated behind one of them, and note N009 says which one it was weighed against."""
 
@@ -80,9 +80,34 @@ def test_megatron_is_offered_only_on_an_axis_inside_a_node():
     text = recipe("llama31_70b_fsdp32_tp8.par", layers=2, batch=512)
     bound = bind(parse(text[:text.index("layout {")], os.path.join(REPO, "examples", "recipes", "plan.par")))
     names = [r.name for r in recipes(bound, H100)]
-    assert names == ["FSDP over dp × tp", "data parallelism over dp × tp",
+    assert names == ["FSDP over dp × tp", "HSDP: FSDP over tp, data parallelism over dp",
+                     "data parallelism over dp × tp",
                      "Megatron TP on tp with sequence parallelism, FSDP over dp",
                      "Megatron TP on tp with sequence parallelism, data parallelism over dp"]
+
+
+def test_hsdp_shards_the_weights_inside_a_node_and_replicates_them_across():
+    """dp = 2 across two nodes of 8 GPUs, fsdp = 8 inside each: HSDP is offered beside FSDP and data
+    parallelism, and compiled as written it gathers the weights and reduce-scatters their gradients on the
+    node's links only, with one all-reduce of each gradient shard across the nodes."""
+    text, _ = without_layouts("examples/hf_llama_tp2.par")
+    text = text.replace("mesh   tp = 2", "mesh   dp = 2, fsdp = 8").replace("int64[2, 16]", "int64[16, 16]")
+    path = os.path.join(REPO, "examples", "plan.par")
+    bound = bind(parse(text, path))
+    found = {r.name: r for r in recipes(bound, H100)}
+    assert list(found)[:3] == ["FSDP over dp × fsdp", "HSDP: FSDP over fsdp, data parallelism over dp",
+                               "data parallelism over dp × fsdp"]  # then Megatron's on fsdp, inside a node
+    hsdp = found["HSDP: FSDP over fsdp, data parallelism over dp"]
+    layouts = {name: pin.layout.render(bound.mesh) for name, pin in hsdp.pins.items()}
+    assert layouts["input_ids"] == "S(0)@dp, S(0)@fsdp"
+    weights = [name for name in layouts if name in bound.parameters]
+    assert weights and all(re.fullmatch(r"S\(\d\)@fsdp", layouts[name]) for name in weights)
+    written = "\n".join(f"    {bound.parameters.get(name, name)} : {layouts[name]}" for name in layouts)
+    plan = compile_text(f"{text}layout {{\n{written}\n}}\n", path, machine=H100)
+    kinds = {(c.kind, c.axis) for c in estimate(plan, H100).collectives}
+    assert ("all_gather", "fsdp") in kinds and ("reduce_scatter", "fsdp") in kinds
+    assert {axis for _, axis in kinds} == {"dp", "fsdp"} and {kind for kind, axis in kinds if axis == "dp"} == \
+        {"all_reduce"}
 
 
 def n009(plan) -> str:

@@ -2,7 +2,8 @@
 
 At real size the integer programs decide one mesh axis at a time within a time budget, and what they find
 can lose to a plan any practitioner would write: Megatron's tensor parallelism inside a node, sequence
-parallelism between its blocks, FSDP (ZeRO-3) or plain data parallelism across nodes. Those plans are
+parallelism between its blocks, FSDP (ZeRO-3), HSDP (FSDP inside a node, data parallelism across) or
+plain data parallelism across nodes. Those plans are
 known, and cheap to write once the layers are recognised, so they compete with the search's plans
 (descent.searched_or_greedy, and again as compiled: compiler._weighed_against_recipes), and the compile
 never keeps a plan rated slower than one of them, nor one over the memory bound where one is within it.
@@ -62,9 +63,9 @@ class _Linear:
 
 
 def recipes(bound: BoundPlan, machine: Machine, kept: tuple[int, ...] = ()) -> list[Recipe]:
-    """The recipes that fit the file's mesh: FSDP over every axis that is not `kept` (a pipeline's), plain
-    data parallelism over them, and for each axis whose ranks share a node, Megatron's tensor parallelism
-    with sequence parallelism on it and FSDP or data parallelism over the others."""
+    """The recipes that fit the file's mesh: FSDP over every axis that is not `kept` (a pipeline's), HSDP,
+    plain data parallelism over them, and for each axis whose ranks share a node, Megatron's tensor
+    parallelism with sequence parallelism on it and FSDP, HSDP or data parallelism over the others."""
     mesh = bound.mesh
     axes = [a for a in range(mesh.ndim) if mesh.axis_sizes[a] > 1 and a not in kept]
     if not axes or not bound.trained_parameters:
@@ -73,26 +74,48 @@ def recipes(bound: BoundPlan, machine: Machine, kept: tuple[int, ...] = ()) -> l
     columns, rows = _megatron_layers(bound, linears)
     heads = _heads(bound, linears)
     found = []
-    for sharded in (True, False):
+    for sharded in _shardings(mesh, machine, axes):
         pins = _data_parallel(bound, axes, None, {}, sharded)
         if pins:
-            found.append(Recipe(f"{'FSDP' if sharded else 'data parallelism'} over {_names(mesh, axes)}", pins))
+            found.append(Recipe(_data_name(mesh, axes, sharded), pins))
     for tp in axes:
-        if machine.span(mesh.axis_sizes[tp], mesh.axis_stride(tp))[1] > 1:
+        if not _inside_a_node(mesh, machine, tp):
             continue  # Megatron's collectives in every layer stay inside a node
         split = _tensor_parallel(bound, tp, columns, rows, heads)
         if not split:
             continue
         others = [a for a in axes if a != tp]
-        for sharded in (True, False) if others else (False,):
+        for sharded in _shardings(mesh, machine, others) if others else ([],):
             pins = _data_parallel(bound, others, tp, split, sharded)
             sequence = _sequence_parallel(bound, others, tp, rows)
             pins.update(sequence)
             name = f"Megatron TP on {mesh.axis_names[tp]}" + (" with sequence parallelism" if sequence else "")
             if others:
-                name += f", {'FSDP' if sharded else 'data parallelism'} over {_names(mesh, others)}"
+                name += f", {_data_name(mesh, others, sharded)}"
             found.append(Recipe(name, pins))
     return found
+
+
+def _inside_a_node(mesh, machine: Machine, axis: int) -> bool:
+    return machine.span(mesh.axis_sizes[axis], mesh.axis_stride(axis))[1] == 1
+
+
+def _shardings(mesh, machine: Machine, axes: list[int]) -> list[list[int]]:
+    """The data axes each data-parallel recipe shards the weights over: all of them (FSDP), none (data
+    parallelism), and where some axes stay inside a node and others cross nodes, those inside only (HSDP:
+    the weights' all-gathers and reduce-scatters on the node's links, one all-reduce of gradients across)."""
+    inside = [a for a in axes if _inside_a_node(mesh, machine, a)]
+    hybrid = [inside] if inside and len(inside) < len(axes) else []
+    return [list(axes), *hybrid, []]
+
+
+def _data_name(mesh, axes: list[int], sharded: list[int]) -> str:
+    if not sharded:
+        return f"data parallelism over {_names(mesh, axes)}"
+    if len(sharded) == len(axes):
+        return f"FSDP over {_names(mesh, axes)}"
+    replicated = [a for a in axes if a not in sharded]
+    return f"HSDP: FSDP over {_names(mesh, sharded)}, data parallelism over {_names(mesh, replicated)}"
 
 
 def _names(mesh, axes) -> str:
@@ -230,10 +253,10 @@ def _tensor_parallel(bound: BoundPlan, tp: int, columns, rows, heads) -> dict[st
 
 
 def _data_parallel(bound: BoundPlan, axes: list[int], tp: int | None, split: dict[str, dict[int, Placement]],
-                   sharded: bool) -> dict[str, Pin]:
-    """The batch split over `axes`, and each weight as `split` has it on `tp`; `sharded`: each weight of
-    two or more dims also split over `axes` (FSDP, ZeRO-3), on a dim `tp` leaves whole, else whole there
-    (data parallelism). A parameter of one dim (a norm's scale, a bias) is left to the completion."""
+                   sharded: list[int]) -> dict[str, Pin]:
+    """The batch split over `axes`, and each weight as `split` has it on `tp`; each weight of two or more
+    dims also split over the `sharded` axes (FSDP, ZeRO-3), on a dim `tp` leaves whole, and whole on the
+    others (data parallelism). A parameter of one dim (a norm's scale, a bias) is left to the completion."""
     mesh = bound.mesh
     pins: dict[str, Pin] = {}
     for name in bound.inputs:
@@ -251,9 +274,9 @@ def _data_parallel(bound: BoundPlan, axes: list[int], tp: int | None, split: dic
         if len(shape) >= 2:
             taken = {p.dim for p in [*wanted.values(), *kept] if p.is_split}
             free = [d for d in range(len(shape)) if d not in taken and
-                    shape[d] % math.prod(mesh.axis_sizes[a] for a in axes) == 0]
+                    shape[d] % math.prod(mesh.axis_sizes[a] for a in sharded) == 0]
             for axis in axes:
-                wanted[axis] = S(free[0]) if sharded and free else B
+                wanted[axis] = S(free[0]) if axis in sharded and free else B
         elif not wanted:
             continue
         pin = _placed(bound, name, wanted)

@@ -233,7 +233,8 @@ class Generated:
 def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: int = 2,
              memory: str = "40 %", settings: dict | None = None) -> Generated:
     """The .par text for `model` (a `module:factory(kwargs)` as the `model` line takes it, or the name of a
-    transformers config class, built small by `hf_model`), to be written at `path` (the model's module is imported as it will be from there). Raises InitError, or CompileError
+    transformers config class, built small by `hf_model`), to be written at `path` (the model's module is
+    imported as it will be from there). Raises InitError, or CompileError
     located in the generated text."""
     asked = model
     notes: list[str] = []
