@@ -48,7 +48,7 @@ from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning import descent
 from pardsl.planning.descent import CompletedPlan, layouts_of, searched_or_greedy
 from pardsl.planning.pipeline_search import StageLowering, choose_pipeline, pipelined_step_seconds
-from pardsl.planning.search import memory_limit, wants_search
+from pardsl.planning.search import memory_limit, splits_the_sequence, wants_search
 from pardsl.program.codegen import render, render_pipeline
 from pardsl.program.ir import LoweredProgram, format_bytes, named_layout
 from pardsl.program.lowering import lower, lower_in_stages
@@ -141,7 +141,7 @@ def _compile(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = 
     limit = memory_limit(bound)
     if limit is not None:
         typed, program = _searched_with_recomputation(bound, machine or default_machine(), bucket_mb, limit, seconds)
-    elif wants_search(bound):
+    elif wants_search(bound) or splits_the_sequence(bound):
         typed, program = _searched(bound, machine or default_machine(), bucket_mb, seconds)
     else:
         typed = timed(seconds, "infer", lambda: infer(bound))

@@ -43,6 +43,27 @@ def test_the_sequence_stays_split_around_attention():
     assert _activation_share(at_16k) <= 0.3
 
 
+def test_a_sequence_written_split_with_no_bound_stays_split_through_every_layer(pools):
+    """Token ids and the output written split along the sequence, the rest left to the compiler with no
+    bound: the greedy completion, deciding op by op, gathered the sequence at the first attention (0.86 of
+    serial's activations a rank); the file is completed by the search, which keeps it split through every
+    layer with ring attention. Equal to serial on 2 ranks."""
+    from pardsl.compiler import _lowered
+    from pardsl.planning.inference import infer
+
+    text = ('mesh cp = 2\nmodel examples.hf_models:HFLlama(layers=2, attention="sdpa")\n'
+            "input input_ids : int64[1, 512] in [0, 256)\nlayout {\n    input_ids : S(1)\n    output : S(1)\n}\n")
+    compiled = compile_text(text, "examples/long.par")
+    assert _activation_share(compiled) <= 0.6
+    attention = [line for line in compiled.source.splitlines() if "rt.attention(" in line]
+    assert len(attention) == 2 and all("ring=('cp',)" in line for line in attention)
+    assert compiled.program.collective_counts_by_axis() == {"forward": {"cp:send": 2},
+                                                            "backward": {"cp:all_reduce": 1, "cp:send": 4}}
+    greedy = _lowered(infer(compiled.bound), 25, None).memory()
+    assert greedy["activations_per_rank"] / greedy["activations_total"] > 0.8
+    check(pools, compiled)
+
+
 @pytest.mark.usefixtures("search_once")
 def test_a_split_sequence_trains_equal_to_serial(pools):
     check(pools, compile_text(_llama(2, 64, "60 %", batch=2), "examples/long.par"))

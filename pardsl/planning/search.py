@@ -119,6 +119,16 @@ def wants_search(bound: BoundPlan) -> bool:
     return par.memory_bound is not None or bool(bound.searched) or not par.layouts
 
 
+def splits_the_sequence(bound: BoundPlan) -> bool:
+    """Whether the file writes token ids split along the sequence (context parallelism) and leaves the rest
+    to the compiler. The greedy completion decides each op alone: the first op that needs the whole
+    sequence (attention) gathers it, and every later layer computes all of it on every rank. Keeping the
+    split through every layer (ring attention) is a decision about the whole model: the search's."""
+    return any(name in bound.inputs and not bound.tensors[name].dtype.is_floating_point and
+               any(p.is_split and p.dim >= 1 for p in pin.layout.placements)
+               for name, pin in bound.pins.items())
+
+
 def memory_limit(bound: BoundPlan, optimizer: str = "adamw", microbatches: int = 1) -> int | None:
     """The file's bound in bytes per rank (a percentage is of the serial model's bytes, as cost.py counts
     them; for a pipelined file, bound to one micro-batch, the serial model holds `microbatches` times its
