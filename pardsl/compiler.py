@@ -48,6 +48,7 @@ from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning import descent
 from pardsl.planning.descent import CompletedPlan, layouts_of, searched_or_greedy
 from pardsl.planning.pipeline_search import StageLowering, choose_pipeline, pipelined_step_seconds
+from pardsl.planning.recipes import recipes
 from pardsl.planning.search import memory_limit, splits_the_sequence, wants_search
 from pardsl.program.codegen import render, render_pipeline
 from pardsl.program.ir import LoweredProgram, format_bytes, named_layout
@@ -472,7 +473,9 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
     pipeline_axis = bound.mesh.axis_index(decl.axis)
     ranks = bound.mesh.axis_sizes[pipeline_axis]
     limit = memory_limit(bound, microbatches=decl.microbatches)
-    if wants_search(bound) and any(size > 1 for axis, size in enumerate(bound.mesh.axis_sizes) if axis != pipeline_axis):
+    searched = wants_search(bound) and any(size > 1 for axis, size in enumerate(bound.mesh.axis_sizes)
+                                           if axis != pipeline_axis)
+    if searched:
         # The other axes are searched (what the file marks `?`, or all of them where it writes no layout)
         # for one micro-batch's step through the whole model, the pipeline axis kept B. A rank holds about
         # 1/ranks of the parameters and, for the first rank, `held` micro-batches of its stage's
@@ -485,24 +488,91 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
                                       activation_weight=held)
         pp.check_unsplit(typed, decl)
 
-    def lower_pipelined():
-        stage_of, cut_before = pp.stage_of_nodes(typed, decl, machine)
-        program, stages = lower_in_stages(
-            typed, bucket_mb, lambda *whole: pp.split_program(typed, stage_of, len(cut_before) + 1, *whole))
-        outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
-        plan = pp.PipelinePlan(decl.axis, decl.schedule, decl.microbatches, decl.stages_per_rank,
-                               tuple(cut_before), pp.shared_parameters(stages), outputs)
-        return program, [_passes_after_lowering(stage, typed, machine) for stage in stages], plan
+    def pipelined(typed: TypedGraph) -> _PipelinedPlan:
+        """The plan cut into its stages, through the passes, its layers recomputed where it is over the
+        bound and the file names none to recompute; rated as the pipeline runs it (within the bound before
+        over it; over it, the nearer first)."""
+        def lower_pipelined():
+            stage_of, cut_before = pp.stage_of_nodes(typed, decl, machine)
+            program, stages = lower_in_stages(
+                typed, bucket_mb, lambda *whole: pp.split_program(typed, stage_of, len(cut_before) + 1, *whole))
+            outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
+            plan = pp.PipelinePlan(decl.axis, decl.schedule, decl.microbatches, decl.stages_per_rank,
+                                   tuple(cut_before), pp.shared_parameters(stages), outputs)
+            return program, [_passes_after_lowering(stage, typed, machine) for stage in stages], plan
 
-    program, stages, plan = timed(seconds, "lower", lower_pipelined)
-    # over the bound, with nothing named to recompute: which stages' layers to recompute is the compiler's
-    if limit is not None and not par.recomputes_written and pipelined_memory_per_rank(stages, plan)["total"] > limit:
-        stages, note = timed(seconds, "recompute", lambda: recomputed_stages_within(
-            stages, plan, typed, limit, machine or default_machine()))
-        program.notes.extend([note] if note else [])
+        program, stages, plan = timed(seconds, "lower", lower_pipelined)
+        if limit is not None and not par.recomputes_written and pipelined_memory_per_rank(stages, plan)["total"] > limit:
+            stages, note = timed(seconds, "recompute", lambda: recomputed_stages_within(
+                stages, plan, typed, limit, machine or default_machine()))
+            program.notes.extend([note] if note else [])
+        held_total = pipelined_memory_per_rank(stages, plan)["total"]
+        over = limit is not None and held_total > limit
+        rated = Compiled(par, bound, typed, program, "", seconds, None, plan, tuple(stages))
+        step = pipelined_step_seconds(rated, machine or default_machine()) if searched else 0.0
+        return _PipelinedPlan((over, held_total if over else step), typed, program, stages, plan, step, held_total)
+
+    chosen = pipelined(typed)
+    if searched:
+        chosen = _weighed_against_pipelined_recipes(bound, chosen, pipelined, pipeline_axis,
+                                                    machine or default_machine(), limit, seconds)
+    program, stages, plan = chosen.program, chosen.stages, chosen.plan
     source = timed(seconds, "codegen", lambda: render_pipeline(stages, plan))
     memory_bound = _check_memory_bound(bound, program, pipelined_memory_per_rank(stages, plan), limit)
-    return Compiled(par, bound, typed, program, source, seconds, memory_bound, plan, tuple(stages))
+    return Compiled(par, bound, chosen.typed, program, source, seconds, memory_bound, plan, tuple(stages))
+
+
+class _PipelinedPlan(NamedTuple):
+    """A pipelined plan as compiled, and its rating: over the bound, then what it holds where over, else its
+    pipelined step."""
+
+    rating: tuple[bool, float]
+    typed: TypedGraph
+    program: LoweredProgram  # the uncut one, which carries the plan's notes
+    stages: list[LoweredProgram]
+    plan: object  # pp.PipelinePlan
+    step_s: float
+    held: int  # bytes on the rank that holds the most
+
+
+def _weighed_against_pipelined_recipes(bound: BoundPlan, best: _PipelinedPlan, pipelined, pipeline_axis: int,
+                                       machine, limit: int | None, seconds: dict[str, float]) -> _PipelinedPlan:
+    """The searched plan, or the best known recipe on the axes beside the pipeline's where that is rated
+    better cut into stages as the pipeline runs them. The search rates a plan on the whole model before it
+    is cut, which is not the pipelined step: a recipe is weighed only as compiled. Note N009 says which
+    recipe it was weighed against."""
+    weighed = []
+    try:  # a candidate the compile can do without: one the graph's recognition cannot take is left out
+        candidates = timed(seconds, "recipes", lambda: recipes(bound, machine, (pipeline_axis,)))
+    except Exception:  # noqa: BLE001 - see above
+        candidates = []
+    for recipe in candidates:
+        try:  # likewise a recipe the model's ops cannot take
+            typed = timed(seconds, "recipes", lambda: infer(recipe.bound(bound)))
+            typed.bound = bound
+            weighed.append((recipe.name, pipelined(typed)))
+        except Exception:  # noqa: BLE001 - see above
+            continue
+    if not weighed:
+        return best
+    name, theirs = min(weighed, key=lambda candidate: candidate[1].rating)
+    compiled_it = theirs.rating < best.rating or layouts_of(theirs.typed) == layouts_of(best.typed)
+    if compiled_it:
+        theirs.program.notes.extend(note for note in best.program.notes if note.code == "N006")
+    kept = theirs if theirs.rating < best.rating else best
+
+    def said(plan: _PipelinedPlan):
+        return _Said(plan.step_s, {"total": plan.held})
+
+    kept.program.notes.append(descent.recipe_note(bound, name, said(theirs), said(kept), compiled_it, limit))
+    return kept
+
+
+class _Said(NamedTuple):
+    """What note N009 reads of a plan: its step and what it holds."""
+
+    step_s: float
+    memory: dict[str, int]
 
 
 def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compiled:

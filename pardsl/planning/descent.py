@@ -51,10 +51,10 @@ def recipe_plans(bound: BoundPlan, machine: Machine, lowered: Callable[[TypedGra
     def written() -> list[RecipePlan]:
         # A recipe is a candidate the compile can do without: one the graph's recognition or the model's
         # ops cannot take, whatever goes wrong, is left out rather than failing a compile that needs none.
-        # Nor is one offered beside a pipeline: there the search's rating of the whole model, before it is
-        # cut into stages, is not the pipelined step, and a recipe it rated better was slower once cut (the
-        # long-context Llama 3 405B row: 3.29 times the written plan's step, where the search's own plan
-        # took 0.51).
+        # Nor is one offered here beside a pipeline: there the search's rating of the whole model, before it
+        # is cut into stages, is not the pipelined step, and a recipe it rated better was slower once cut
+        # (the long-context Llama 3 405B row: 3.29 times the written plan's step, where the search's own
+        # plan took 0.51). The compiler weighs them there as compiled, cut into stages.
         if kept:
             return []
         try:

@@ -52,6 +52,8 @@ from pardsl.planning.cost import (
     stage_buffer_slots,
 )
 from pardsl.planning.descent import searched_or_greedy
+from pardsl.planning.inference import infer
+from pardsl.planning.recipes import recipes
 from pardsl.planning.search import wants_search
 from pardsl.runtime.schedules import micro_batches_held, rank_of_stage
 
@@ -130,10 +132,65 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
     assert lowering is not None or not price_memory, "pricing memory needs the compile's lowering"
     bound = typed.bound
     axis = bound.mesh.axis_index(decl.axis)
-    ranks = bound.mesh.axis_sizes[axis]
+    candidates = [(typed, program)]
     if price_memory and wants_search(bound) and \
             any(size > 1 for other, size in enumerate(bound.mesh.axis_sizes) if other != axis):
-        typed, program = _searched_layouts(typed, decl, machine, limit, traced_microbatches, lowering)
+        candidates = [_searched_layouts(typed, decl, machine, limit, traced_microbatches, lowering),
+                      *_recipe_layouts(bound, axis, machine, lowering)]
+    options: dict[tuple, PipelineOption] = {}
+    for index, (typed, program) in enumerate(candidates):
+        try:
+            priced = _options(typed, program, decl, machine, limit, traced_microbatches, optimizer, price_memory,
+                              lowering)
+        except CompileError:
+            if index == 0:  # the file's own: what it says is the user's to fix
+                raise
+            continue  # a recipe's layouts no pipeline of the file takes
+        for option in priced:  # each pipeline priced with the layouts that serve it best
+            key = (option.schedule, option.stages_per_rank, option.microbatches)
+            if key not in options or _rank(option) < _rank(options[key]):
+                options[key] = option
+    ranked = sorted(options.values(), key=_rank)
+    best = ranked[0]
+    chosen = dataclasses.replace(
+        decl, schedule=best.schedule, stages_per_rank=best.stages_per_rank, microbatches=best.microbatches,
+        cuts=tuple((name, decl.cut_span) for name in best.cut_before),
+        searched=frozenset())
+    return chosen, tuple(ranked)
+
+
+def _rank(option: PipelineOption) -> tuple:
+    """Within the bound before over it; within it the fastest, over it the one that holds least."""
+    return (not option.within_bound, option.step_s if option.within_bound else option.memory)
+
+
+def _recipe_layouts(bound, axis: int, machine: Machine, lowering: "StageLowering") -> list[tuple]:
+    """The known recipes on the axes beside the pipeline's (recipes.py), each completed and lowered whole:
+    the search decides the layouts for the whole model before it is cut into stages, and a pipeline priced
+    on its plan alone can be chosen for layouts the compile then leaves (torchtitan's 405B file with its
+    layouts and pipeline left to the compiler: Interleaved 1F1B over 8 micro-batches, 101.6 GiB a rank
+    against a bound of 22.9). A recipe the model's ops cannot take is left out."""
+    found = []
+    try:
+        candidates = recipes(bound, machine, (axis,))
+    except Exception:  # noqa: BLE001 - a candidate the pricing can do without
+        return []
+    for recipe in candidates:
+        try:
+            typed = infer(recipe.bound(bound))
+            typed.bound = bound
+            found.append((typed, lowering.whole(typed)))
+        except Exception:  # noqa: BLE001 - see above
+            continue
+    return found
+
+
+def _options(typed, program, decl: PipelineDecl, machine: Machine, limit: int | None, traced_microbatches: int,
+             optimizer: str, price_memory: bool, lowering: "StageLowering | None") -> list[PipelineOption]:
+    """Every pipeline the statement leaves open, priced on the plan `typed` (lowered: `program`)."""
+    bound = typed.bound
+    axis = bound.mesh.axis_index(decl.axis)
+    ranks = bound.mesh.axis_sizes[axis]
     written_cuts = () if "cut" in decl.searched or decl.balanced else tuple(module for module, _ in decl.cuts)
     segments = _segments(typed, program, machine, written_cuts)
     held_bytes = segment_memory(typed, segments, lowering.staged(typed), optimizer) if price_memory else None
@@ -175,13 +232,7 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
             "E075", f"no pipeline of {ranks} ranks fits the model: cut where its repeated layers start, it makes "
             f"at most {len(segments.scaled_s)} stages", decl.span,
             ("use fewer pipeline ranks, or a schedule with fewer stages per rank",))], bound.par.source)
-    options.sort(key=lambda o: (not o.within_bound, o.step_s if o.within_bound else o.memory))
-    best = options[0]
-    chosen = dataclasses.replace(
-        decl, schedule=best.schedule, stages_per_rank=best.stages_per_rank, microbatches=best.microbatches,
-        cuts=tuple((name, decl.cut_span) for name in best.cut_before),
-        searched=frozenset())
-    return chosen, tuple(options)
+    return options
 
 
 def _segments(typed, program, machine: Machine, written_cuts: tuple[str, ...] = ()) -> _Segments:
