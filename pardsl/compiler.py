@@ -48,7 +48,7 @@ from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning import descent
 from pardsl.planning.descent import CompletedPlan, layouts_of, searched_or_greedy
 from pardsl.planning.pipeline_search import StageLowering, choose_pipeline, pipelined_step_seconds
-from pardsl.planning.recipes import recipes
+from pardsl.planning.recipes import cannot_fit, recipes
 from pardsl.planning.search import memory_limit, splits_the_sequence, wants_search
 from pardsl.program.codegen import render, render_pipeline
 from pardsl.program.ir import LoweredProgram, format_bytes, named_layout
@@ -550,7 +550,8 @@ def _weighed_against_pipelined_recipes(bound: BoundPlan, best: _PipelinedPlan, p
         try:  # likewise a recipe the model's ops cannot take
             typed = timed(seconds, "recipes", lambda: infer(recipe.bound(bound)))
             typed.bound = bound
-            weighed.append((recipe.name, pipelined(typed)))
+            if not cannot_fit(typed, limit, bound.mesh.axis_sizes[pipeline_axis]):
+                weighed.append((recipe.name, pipelined(typed)))
         except Exception:  # noqa: BLE001 - see above
             continue
     if not weighed:

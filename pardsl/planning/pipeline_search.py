@@ -53,7 +53,7 @@ from pardsl.planning.cost import (
 )
 from pardsl.planning.descent import searched_or_greedy
 from pardsl.planning.inference import infer
-from pardsl.planning.recipes import recipes
+from pardsl.planning.recipes import cannot_fit, recipes
 from pardsl.planning.search import wants_search
 from pardsl.runtime.schedules import micro_batches_held, rank_of_stage
 
@@ -136,7 +136,7 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
     if price_memory and wants_search(bound) and \
             any(size > 1 for other, size in enumerate(bound.mesh.axis_sizes) if other != axis):
         candidates = [_searched_layouts(typed, decl, machine, limit, traced_microbatches, lowering),
-                      *_recipe_layouts(bound, axis, machine, lowering)]
+                      *_recipe_layouts(bound, axis, machine, lowering, limit)]
     options: dict[tuple, PipelineOption] = {}
     for index, (typed, program) in enumerate(candidates):
         try:
@@ -164,7 +164,7 @@ def _rank(option: PipelineOption) -> tuple:
     return (not option.within_bound, option.step_s if option.within_bound else option.memory)
 
 
-def _recipe_layouts(bound, axis: int, machine: Machine, lowering: "StageLowering") -> list[tuple]:
+def _recipe_layouts(bound, axis: int, machine: Machine, lowering: "StageLowering", limit: int | None) -> list[tuple]:
     """The known recipes on the axes beside the pipeline's (recipes.py), each completed and lowered whole:
     the search decides the layouts for the whole model before it is cut into stages, and a pipeline priced
     on its plan alone can be chosen for layouts the compile then leaves (torchtitan's 405B file with its
@@ -179,7 +179,8 @@ def _recipe_layouts(bound, axis: int, machine: Machine, lowering: "StageLowering
         try:
             typed = infer(recipe.bound(bound))
             typed.bound = bound
-            found.append((typed, lowering.whole(typed)))
+            if not cannot_fit(typed, limit, bound.mesh.axis_sizes[axis]):
+                found.append((typed, lowering.whole(typed)))
         except Exception:  # noqa: BLE001 - see above
             continue
     return found

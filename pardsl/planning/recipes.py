@@ -118,6 +118,20 @@ def _data_name(mesh, axes: list[int], sharded: list[int]) -> str:
     return f"HSDP: FSDP over {_names(mesh, sharded)}, data parallelism over {_names(mesh, replicated)}"
 
 
+def cannot_fit(typed, limit: int | None, pipeline_ranks: int = 1) -> bool:
+    """Whether a plan's parameters alone, with their gradients and Adam's two moments (in the parameters'
+    dtype, split as the plan has them, spread evenly over a pipeline's ranks), already hold more than
+    `limit` a rank: less than any rank of it holds, so it need not be priced to be left out (data
+    parallelism over a 405B model's ranks). Where states go to host memory (`offload`) nothing is said."""
+    bound = typed.bound
+    if limit is None or bound.par.offload is not None:
+        return False
+    mesh, trained = typed.mesh, set(bound.trained_parameters)
+    held = sum(math.prod(typed.layout_of(name).local_shape(bound.tensors[name].shape, mesh)) *
+               bound.tensors[name].itemsize * (4 if name in trained else 1) for name in bound.parameters)
+    return held / pipeline_ranks > limit
+
+
 def _names(mesh, axes) -> str:
     return " × ".join(mesh.axis_names[a] for a in axes)
 
