@@ -482,10 +482,11 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         # activations: so the whole model's memory, its activations counted `held` times, is held to
         # `ranks` times the bound. Lowered in stages, the plan is checked rank by rank (N003).
         held = pp.micro_batches_held(decl.schedule, decl.microbatches, ranks, 0)
-        typed, _ = searched_or_greedy(bound, machine or default_machine(),
-                                      lambda typed, limit: _lowered(typed, bucket_mb, limit), seconds,
-                                      kept=(pipeline_axis,), limit=None if limit is None else limit * ranks,
-                                      activation_weight=held)
+        typed, searched_program = searched_or_greedy(bound, machine or default_machine(),
+                                                     lambda typed, limit: _lowered(typed, bucket_mb, limit), seconds,
+                                                     kept=(pipeline_axis,),
+                                                     limit=None if limit is None else limit * ranks,
+                                                     activation_weight=held)
         pp.check_unsplit(typed, decl)
 
     def pipelined(typed: TypedGraph) -> _PipelinedPlan:
@@ -516,6 +517,10 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
     if searched:
         chosen = _weighed_against_pipelined_recipes(bound, chosen, pipelined, pipeline_axis,
                                                     machine or default_machine(), limit, seconds)
+        # what the search said of its own run, lowered again above in stages: its budget spent (N006), and
+        # where its plan is compiled, where the descent started (N004)
+        chosen.program.notes.extend(note for note in searched_program.notes
+                                    if note.code == "N006" or note.code == "N004" and chosen.typed is typed)
     program, stages, plan = chosen.program, chosen.stages, chosen.plan
     source = timed(seconds, "codegen", lambda: render_pipeline(stages, plan))
     memory_bound = _check_memory_bound(bound, program, pipelined_memory_per_rank(stages, plan), limit)
@@ -558,8 +563,6 @@ def _weighed_against_pipelined_recipes(bound: BoundPlan, best: _PipelinedPlan, p
         return best
     name, theirs = min(weighed, key=lambda candidate: candidate[1].rating)
     compiled_it = theirs.rating < best.rating or layouts_of(theirs.typed) == layouts_of(best.typed)
-    if compiled_it:
-        theirs.program.notes.extend(note for note in best.program.notes if note.code == "N006")
     kept = theirs if theirs.rating < best.rating else best
 
     def said(plan: _PipelinedPlan):

@@ -122,6 +122,7 @@ def test_no_conversion_moves_over_the_pipeline_axis():
     assert per_layer(result, "model.layers.5") == {"all_gather@tp": 4, "reduce_scatter@tp": 4, "all_gather@dp": 1}
 
 
+@pytest.mark.slow  # about a minute on 2 cores: make test-slow
 def test_a_pipelined_file_left_to_the_compiler_gets_the_recipe_within_its_bound():
     """torchtitan's 405B file at 8 layers with its layouts and its pipeline's schedule, micro-batches and
     cuts left to the compiler, under the memory the recipe holds: the pipeline is priced with the known

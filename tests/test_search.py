@@ -470,7 +470,8 @@ def estimated_step(typed) -> float:
     return estimate(CompletedPlan(typed, lower(typed)), GLOO).step_s
 
 
-@pytest.mark.parametrize("percent", [30, 40])
+# at 30 % the descent runs longest (about a minute on 2 cores): make test-slow runs it, 40 % is in make test
+@pytest.mark.parametrize("percent", [pytest.param(30, marks=pytest.mark.slow), 40])
 def test_pairs_of_axes_are_decided_again_jointly_until_no_move_improves(pools, compile_par, percent):
     """The search decides one mesh axis at a time, with the later ones still whole. On the 2-D layer
     under a memory bound alone, compile descends from the better plan of the two orders, each round making

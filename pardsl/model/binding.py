@@ -28,7 +28,7 @@ from pardsl.layouts.oprules import carries_gradient, concrete_size, op_name, rul
 from pardsl.model.export import (called_at, constant_values, data_dependent_failure, python_random_seeded, source_line,
                                  trace)
 from pardsl.model.grouped_query import fold_grouped_query_repeats, regroup_key_value_heads
-from pardsl.model.in_place import functionalize_in_place
+from pardsl.model.in_place import functionalize_in_place, written_through_data
 from pardsl.model.loading import DTYPES, build_model, import_paths, par_import_paths, parameters_on_meta
 from pardsl.model.saved_for_backward import what_autograd_keeps
 from pardsl.runtime.experts import ACTIVATIONS
@@ -638,6 +638,13 @@ def bind(par: ParFile, regroup_heads: bool = True) -> BoundPlan:
     seconds["export"] = time.perf_counter() - clock
     for node in functionalize_in_place(exported.graph_module):
         where = (list((node.meta.get("nn_module_stack") or {}).values())[-1:] or [("the model's own forward()",)])[0][0]
+        if written_through_data(node):
+            sink.error("E062", f"in-place `{op_name(node)}` writes into a parameter or input through `.data`",
+                       par.model.span, f"used in {where}", *called_at(source_line(node)),
+                       "a compiled plan may read a copy of it there (a precision policy's compute copy, a weight "
+                       "gathered ahead), which would take the write in its place: use the value out of place "
+                       "(`w.clamp(-c, c)` where it is read), or change the parameter in the training loop")
+            continue
         sink.error("E062", f"in-place `{op_name(node)}` writes into a view, or into a tensor a view of which is read",
                    par.model.span, f"used in {where}", *called_at(source_line(node)),
                    "another tensor sharing its memory, taken before the write and read after it, or a graph input "

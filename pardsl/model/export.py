@@ -47,8 +47,9 @@ def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
 
 class _DataAsDetach(torch.overrides.TorchFunctionMode):
     """`tensor.data` traced as `tensor.detach()`: the same memory without autograd, as `.data` is, but an op
-    the trace records. `.data` itself is no op: what a forward writes through it (a clamp of a parameter's
-    values in training) would become a constant holding the trace's fake value, and the export fail."""
+    the trace records. `.data` itself is no op: what a forward writes through it (Gemma 3n clamps a
+    parameter's values in training) became a constant holding the trace's fake value, and the export
+    failed with torch's own message; traced, the write is located and refused (E062)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func.__name__ == "__get__" and getattr(func, "__self__", None) is torch.Tensor.data:

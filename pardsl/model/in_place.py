@@ -13,12 +13,12 @@ and each tensor the view was taken from gets its new value by the view's scatter
 of any of them read the new values; views taken after the write are taken from them.
 
 Two cases stay as they are:
-- a write into a graph input (a buffer such as batch norm's `num_batches_tracked`, or a user input), or
-  through an alias of all of it (a parameter clamped through `.data`, traced as `detach`): each rank
-  updates its own local value, which is what the serial model does to its tensor;
-- a write into a view of a graph input, or one that another alias of the same memory, taken before the write and read after it, would see
-  (its value is not rewritten), or a write through a view with no scatter (`expand`, `as_strided`, a
-  part of `split`): reported (E062), since rewriting them would silently change the program.
+- a write into a graph input (a buffer such as batch norm's `num_batches_tracked`, or a user input):
+  each rank updates its own local value, which is what the serial model does to its tensor;
+- a write into a view of a graph input (a parameter clamped through `.data`, traced as `detach`), or
+  one that another alias of the same memory, taken before the write and read after it, would see (its
+  value is not rewritten), or a write through a view with no scatter (`expand`, `as_strided`, a part of
+  `split`): reported (E062), since rewriting them would silently change the program.
 """
 
 from __future__ import annotations
@@ -62,14 +62,16 @@ def _is_alias(node: torch.fx.Node) -> bool:
     return is_view(node)
 
 
-def _whole(node: torch.fx.Node, owner: torch.fx.Node) -> bool:
-    """Whether `node` is `owner` itself, or an alias of all of it as it is (a parameter's `.data`, traced as
-    `detach`): a write through it is the owner's own update."""
-    while node is not owner:
-        if node.op != "call_function" or node.target not in (aten.detach.default, aten.alias.default):
-            return False
-        node = node.args[0]
-    return True
+def written_through_data(node: torch.fx.Node) -> bool:
+    """Whether an in-place op writes into a graph input through an alias of all of it (`.data`, traced as
+    `detach`): the parameter's own update in the serial model, which a compile cannot promise to make on
+    the parameter (a precision policy's compute copy, or a weight gathered before the write, would take
+    it instead), so it is refused with its own advice."""
+    written = node.args[0] if node.args else None
+    while isinstance(written, torch.fx.Node) and written.op == "call_function" and \
+            written.target in (aten.detach.default, aten.alias.default):
+        written = written.args[0]
+    return isinstance(written, torch.fx.Node) and written.op == "placeholder" and written is not node.args[0]
 
 
 def _memory_owner(node: torch.fx.Node) -> torch.fx.Node:
@@ -137,7 +139,7 @@ def functionalize_in_place(graph_module: torch.fx.GraphModule) -> list[torch.fx.
             continue  # an op with no functional twin (E060 names it)
         owner = _memory_owner(written)
         if owner.op == "placeholder":
-            if not _whole(written, owner):
+            if written is not owner:
                 refused.append(node)
             continue  # an input's own update, made on each rank's local value
         aliases = _aliases(owner)
