@@ -36,6 +36,7 @@ def test_every_shape_of_the_ranks_is_priced():
     assert len(mesh_shapes(8, 3)) == 10 and all(a * b * c == 8 for a, b, c in mesh_shapes(8, 3))
 
 
+@pytest.mark.slow  # about 40 s on 2 cores: make test-slow
 def test_the_shape_kept_is_no_slower_than_any_fixed_shape_and_runs_equal_to_serial(pools):
     searched = _searched()
     machine = default_machine()

@@ -295,7 +295,8 @@ def test_where_latency_dominates_the_search_finds_megatrons_plan_itself(model):
     assert mine.memory["total"] <= searched.memory_bound and mine.step_s <= theirs.step_s * 1.001
 
 
-@pytest.mark.parametrize("model, tp", [("llama", 2), ("gpt2", 2), ("bert", 2), ("llama", 4)])
+@pytest.mark.parametrize("model, tp", [("llama", 2), ("gpt2", 2), ("bert", 2),
+                                       pytest.param("llama", 4, marks=pytest.mark.slow)])  # make test-slow
 def test_on_gloos_defaults_the_search_is_megatron_per_layer_and_moves_no_more_than_megatron_lm(pools, model, tp):
     """Rediscovery at hidden 512 under gloo's defaults (this VM's measured figures): a bound Megatron's
     plans meet (70 %), nothing written but the bound and the example's output (what the caller receives).
@@ -348,7 +349,7 @@ LLAMA_512 = ('model examples.hf_models:HFLlama(layers=2, hidden=512, vocab=1024,
              "input input_ids : int64[2, 64] in [0, 1024)\ninput labels : int64[2, 64] in [0, 1024)\n")
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])  # tp 4: make test-slow
 def test_trained_on_its_own_loss_the_searched_llama_moves_less_than_megatron_lm(pools, compile_par, tp):
     """Rediscovery where Megatron's plan is meant for: LLaMA at hidden 512 returning its own loss, nothing
     written but `memory <= 60 %`, against Megatron-LM's whole plan (the layouts of
@@ -600,6 +601,7 @@ def test_the_search_counts_a_plans_memory_as_the_cost_model_does(compile_par, mo
     assert round(counted) == memory_per_rank(lower(moved))["total"] <= limit
 
 
+@pytest.mark.slow  # about 40 s on 2 cores: make test-slow
 def test_a_move_counts_the_weights_gathered_on_an_axis_it_does_not_decide(compile_par, monkeypatch):
     """The MLP's weights stored split over a and gathered over it, a group per layer, resharded after
     forward: a move deciding b alone holds two groups whole, though none of its choices gathers them. The
