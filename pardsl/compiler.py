@@ -48,7 +48,7 @@ from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning import descent
 from pardsl.planning.descent import CompletedPlan, layouts_of, searched_or_greedy
 from pardsl.planning.pipeline_search import StageLowering, choose_pipeline, pipelined_step_seconds
-from pardsl.planning.recipes import cannot_fit, recipes
+from pardsl.planning.recipes import completed_recipes
 from pardsl.planning.search import memory_limit, splits_the_sequence, wants_search
 from pardsl.program.codegen import render, render_pipeline
 from pardsl.program.ir import LoweredProgram, format_bytes, named_layout
@@ -547,16 +547,10 @@ def _weighed_against_pipelined_recipes(bound: BoundPlan, best: _PipelinedPlan, p
     is cut, which is not the pipelined step: a recipe is weighed only as compiled. Note N009 says which
     recipe it was weighed against."""
     weighed = []
-    try:  # a candidate the compile can do without: one the graph's recognition cannot take is left out
-        candidates = timed(seconds, "recipes", lambda: recipes(bound, machine, (pipeline_axis,)))
-    except Exception:  # noqa: BLE001 - see above
-        candidates = []
-    for recipe in candidates:
-        try:  # likewise a recipe the model's ops cannot take
-            typed = timed(seconds, "recipes", lambda: infer(recipe.bound(bound)))
-            typed.bound = bound
-            if not cannot_fit(typed, limit, bound.mesh.axis_sizes[pipeline_axis]):
-                weighed.append((recipe.name, pipelined(typed)))
+    for name, typed in timed(seconds, "recipes", lambda: completed_recipes(
+            bound, machine, (pipeline_axis,), limit, bound.mesh.axis_sizes[pipeline_axis])):
+        try:  # a candidate the compile can do without: one the passes cannot take is left out
+            weighed.append((name, pipelined(typed)))
         except Exception:  # noqa: BLE001 - see above
             continue
     if not weighed:

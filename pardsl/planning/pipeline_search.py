@@ -52,8 +52,7 @@ from pardsl.planning.cost import (
     stage_buffer_slots,
 )
 from pardsl.planning.descent import searched_or_greedy
-from pardsl.planning.inference import infer
-from pardsl.planning.recipes import cannot_fit, recipes
+from pardsl.planning.recipes import completed_recipes
 from pardsl.planning.search import wants_search
 from pardsl.runtime.schedules import micro_batches_held, rank_of_stage
 
@@ -171,16 +170,9 @@ def _recipe_layouts(bound, axis: int, machine: Machine, lowering: "StageLowering
     layouts and pipeline left to the compiler: Interleaved 1F1B over 8 micro-batches, 101.6 GiB a rank
     against a bound of 22.9). A recipe the model's ops cannot take is left out."""
     found = []
-    try:
-        candidates = recipes(bound, machine, (axis,))
-    except Exception:  # noqa: BLE001 - a candidate the pricing can do without
-        return []
-    for recipe in candidates:
+    for _, typed in completed_recipes(bound, machine, (axis,), limit, bound.mesh.axis_sizes[axis]):
         try:
-            typed = infer(recipe.bound(bound))
-            typed.bound = bound
-            if not cannot_fit(typed, limit, bound.mesh.axis_sizes[axis]):
-                found.append((typed, lowering.whole(typed)))
+            found.append((typed, lowering.whole(typed)))
         except Exception:  # noqa: BLE001 - see above
             continue
     return found

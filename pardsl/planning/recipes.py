@@ -32,6 +32,7 @@ from pardsl.layouts.algebra import B, Layout, Placement, S
 from pardsl.language.syntax import LayoutEntry, LayoutSyntax
 from pardsl.model.binding import BoundPlan, Pin
 from pardsl.planning.cost import Machine, repeated_layer
+from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning.search import weight_open_axes
 
 aten = torch.ops.aten
@@ -116,6 +117,27 @@ def _data_name(mesh, axes: list[int], sharded: list[int]) -> str:
         return f"FSDP over {_names(mesh, axes)}"
     replicated = [a for a in axes if a not in sharded]
     return f"HSDP: FSDP over {_names(mesh, sharded)}, data parallelism over {_names(mesh, replicated)}"
+
+
+def completed_recipes(bound: BoundPlan, machine: Machine, kept: tuple[int, ...], limit: int | None,
+                      pipeline_ranks: int = 1) -> list[tuple[str, TypedGraph]]:
+    """Each recipe completed by the greedy inference around its layouts, typed against the file as written,
+    but those that cannot fit the bound (`cannot_fit`). A recipe is a candidate the compile can do without:
+    one the graph's recognition or the model's ops cannot take, whatever goes wrong, is left out."""
+    try:
+        candidates = recipes(bound, machine, kept)
+    except Exception:  # noqa: BLE001 - see above
+        return []
+    found = []
+    for recipe in candidates:
+        try:
+            typed = infer(recipe.bound(bound))
+        except Exception:  # noqa: BLE001 - see above
+            continue
+        typed.bound = bound
+        if not cannot_fit(typed, limit, pipeline_ranks):
+            found.append((recipe.name, typed))
+    return found
 
 
 def cannot_fit(typed, limit: int | None, pipeline_ranks: int = 1) -> bool:
