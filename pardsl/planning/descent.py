@@ -23,7 +23,7 @@ from pardsl.language.progress import timed
 from pardsl.model.binding import BoundPlan
 from pardsl.planning.cost import Machine, estimate, format_bytes
 from pardsl.planning.inference import TypedGraph, infer
-from pardsl.planning.recipes import recipes
+from pardsl.planning.recipes import completed_recipes
 from pardsl.planning.search import BoundUnmet, NoPlanFound, graph_facts, memory_limit, search
 
 
@@ -57,16 +57,10 @@ def recipe_plans(bound: BoundPlan, machine: Machine, lowered: Callable[[TypedGra
         # plan took 0.51). The compiler weighs them there as compiled, cut into stages.
         if kept:
             return []
-        try:
-            candidates = recipes(bound, machine, kept)
-        except Exception:  # noqa: BLE001 - see above
-            return []
         found = []
-        for recipe in candidates:
+        for name, typed in completed_recipes(bound, machine, kept, None):
             try:
-                typed = infer(recipe.bound(bound))
-                typed.bound = bound
-                found.append(RecipePlan(recipe.name, typed, lowered(typed, limit)))
+                found.append(RecipePlan(name, typed, lowered(typed, limit)))
             except Exception:  # noqa: BLE001 - see above
                 continue
         return found
