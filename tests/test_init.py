@@ -171,6 +171,22 @@ def test_a_multimodal_model_is_traced_on_text_with_its_language_models_plan(init
     assert "vision_adapter.fc1.weight : S(0)" in text
 
 
+def test_a_parts_plan_with_no_module_built_from_it_is_said_to_be_left_out():
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaConfig
+
+    from pardsl.tools.init import _plans
+
+    part = LlamaConfig()
+    config = SimpleNamespace(base_model_tp_plan=None, sub_configs={"text_config": LlamaConfig}, text_config=part)
+    plans, unplaced = _plans(torch.nn.Linear(2, 2), "", config)
+    assert plans == []
+    assert unplaced == [f"The plan of `text_config` (LlamaConfig, {len(part.base_model_tp_plan)} entries) is left out: "
+                        "no module of the model is built from that config to put its entries under."]
+
+
 def test_the_input_kept_after_a_refused_one_is_said_and_an_error_of_the_plan_is_not_passed_over(
         init, tmp_path, capsys, monkeypatch):
     path = init("Qwen3OmniMoeTalkerCodePredictorConfig")

@@ -70,6 +70,16 @@ def test_model_arguments_nest_lists_tuples_and_string_keyed_dicts():
                                 ("mixed", [{"a": [1, (2,)]}]))
 
 
+def test_a_keyword_argument_given_twice_is_refused_where_it_is_given_again():
+    # Python refuses `f(a=1, a=3)`; read into a dict, the second would silently win
+    with pytest.raises(CompileError) as error:
+        parse("mesh tp = 2\nmodel m:f(a=1, b=2, a=3)\n")
+    diagnostic = error.value.diagnostics[0]
+    assert (diagnostic.code, diagnostic.span.line, diagnostic.span.column) == ("E003", 2, 21)
+    assert diagnostic.message == "keyword argument `a` given twice"
+    assert diagnostic.notes == ("first given at column 11; keep one",)
+
+
 def test_a_dict_key_must_be_a_string():
     with pytest.raises(CompileError) as error:
         parse("mesh tp = 2\nmodel m:f(settings={full: 1})\n")

@@ -303,11 +303,18 @@ class _ToSyntaxTree(Transformer):
         return ".".join(str(n) for n in names)
 
     def call_args(self, meta, kwargs):
-        return tuple(k for k in kwargs if k is not None)
+        given: dict[str, Span] = {}
+        for name, _, span in (k for k in kwargs if k is not None):
+            if name in given:
+                # Python refuses a keyword given twice; read here, the last would win without a word
+                raise _BadDeclaration("E003", f"keyword argument `{name}` given twice", span,
+                                      f"first given at column {given[name].column}; keep one")
+            given[name] = span
+        return tuple((name, value) for name, value, _ in (k for k in kwargs if k is not None))
 
     def kwarg(self, meta, children):
         name, value = children
-        return (str(name), value)
+        return (str(name), value, _token_span(name))
 
     def number(self, meta, children):
         text = str(children[0])

@@ -271,7 +271,7 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
                         "vocab_size, embeddings [batch, tokens, hidden_size], an image [batch, num_channels, "
                         f"image_size, image_size]): its forward takes ({accepted}); write the .par's inputs by "
                         "hand for it (see docs/language.md)")
-    plans = _plans(module, base_path, config)
+    plans, unplaced = _plans(module, base_path, config)
     plan = {key: style for _, part_plan in plans for key, style in part_plan.items()}
 
     lines = [f"# Written by `pardsl init {asked}`: a starting point to edit, checked to compile."]
@@ -281,6 +281,7 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
     else:
         lines.append("# The model has no tensor-parallel plan (config.base_model_tp_plan): this is a search "
                      "request, the compiler chooses every layout within the memory bound.")
+    lines += [f"# {part}" for part in unplaced]
     lines.append(head.rstrip("\n"))
     before_inputs, lines = lines, []
     if not plan:
@@ -365,22 +366,29 @@ def _base_model(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:
                     "one; give a factory that builds a Hugging Face model, or write the .par by hand")
 
 
-def _plans(module: torch.nn.Module, base_path: str, config) -> list[tuple[str, dict[str, str]]]:
+def _plans(module: torch.nn.Module, base_path: str, config) -> tuple[list[tuple[str, dict[str, str]]], list[str]]:
     """Each tensor-parallel plan in the model with the module path its keys are relative to: the model's own,
-    then each part's (a multimodal model's language model carries its plan in its own config)."""
+    then each part's (a multimodal model's language model carries its plan in its own config); and a line
+    for each part's plan that no module of the model is built from, which the file says it leaves out."""
     plans = [(_plan_root(module, base_path, own), own)] if (own := getattr(config, "base_model_tp_plan", None)) \
         else []
+    unplaced = []
     import transformers
 
     for name in getattr(config, "sub_configs", {}) or {}:
         part = getattr(config, name, None)
         part_plan = getattr(part, "base_model_tp_plan", None)
+        if not part_plan:
+            continue
         holders = [path for path, sub in module.named_modules()
                    if isinstance(sub, transformers.PreTrainedModel) and sub.config is part]
-        if part_plan and holders:
-            holder = min(holders, key=lambda path: path.count("."))  # the part itself, not a model inside it
-            plans.append((_plan_root(module, holder, part_plan), part_plan))
-    return plans
+        if not holders:
+            unplaced.append(f"The plan of `{name}` ({type(part).__name__}, {len(part_plan)} entries) is left out: "
+                            "no module of the model is built from that config to put its entries under.")
+            continue
+        holder = min(holders, key=lambda path: path.count("."))  # the part itself, not a model inside it
+        plans.append((_plan_root(module, holder, part_plan), part_plan))
+    return plans, unplaced
 
 
 def _plan_root(module: torch.nn.Module, base_path: str, plan: dict[str, str]) -> str:
