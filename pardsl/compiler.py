@@ -460,8 +460,10 @@ def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredP
     return reshard_after_forward(program, typed, any_axis=limit is not None)
 
 
-def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = None) -> Compiled:
-    """The same stages for one micro-batch, with the pipeline pass between lowering and codegen."""
+def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = None,
+                       priced_on: str = "") -> Compiled:
+    """The same stages for one micro-batch, with the pipeline pass between lowering and codegen. `priced_on`:
+    the recipe whose layouts a searched pipeline was chosen on (PipelineOption.priced_on), if any."""
     if par.pipeline.searched:
         return _compile_searched_pipeline(par, bucket_mb, machine)
     decl = pp.check_pipeline(par)
@@ -516,7 +518,7 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
     chosen = pipelined(typed)
     if searched:
         chosen = _weighed_against_pipelined_recipes(bound, chosen, pipelined, pipeline_axis,
-                                                    machine or default_machine(), limit, seconds)
+                                                    machine or default_machine(), limit, seconds, priced_on)
         # what the search said of its own run, lowered again above in stages: its budget spent (N006), and
         # where its plan is compiled, where the descent started (N004)
         chosen.program.notes.extend(note for note in searched_program.notes
@@ -541,18 +543,45 @@ class _PipelinedPlan(NamedTuple):
 
 
 def _weighed_against_pipelined_recipes(bound: BoundPlan, best: _PipelinedPlan, pipelined, pipeline_axis: int,
-                                       machine, limit: int | None, seconds: dict[str, float]) -> _PipelinedPlan:
+                                       machine, limit: int | None, seconds: dict[str, float],
+                                       priced_on: str = "") -> _PipelinedPlan:
     """The searched plan, or the best known recipe on the axes beside the pipeline's where that is rated
     better cut into stages as the pipeline runs them. The search rates a plan on the whole model before it
     is cut, which is not the pipelined step: a recipe is weighed only as compiled. Note N009 says which
-    recipe it was weighed against."""
-    weighed = []
+    recipe it was weighed against; N010, where the pipeline was chosen on the layouts of a recipe
+    (`priced_on`) that could not be compiled cut into its stages."""
+    weighed, failed = [], {}
     for name, typed in timed(seconds, "recipes", lambda: completed_recipes(
             bound, machine, (pipeline_axis,), limit, bound.mesh.axis_sizes[pipeline_axis])):
         try:  # a candidate the compile can do without: one the passes cannot take is left out
             weighed.append((name, pipelined(typed)))
-        except Exception:  # noqa: BLE001 - see above
+        except Exception as error:  # noqa: BLE001 - see above
+            failed[name] = error
             continue
+    if priced_on and priced_on not in dict(weighed):
+        # the option kept was priced on layouts the plan compiled does not have: its figures are not this plan's
+        why = f"could not be cut into its stages ({_first_line(failed[priced_on])})" \
+            if priced_on in failed else "was not written for the model at the micro-batch size chosen"
+        unpriced = Diagnostic(
+            "N010", f"the pipeline was chosen on the layouts of the recipe {priced_on}, which {why}; the plan "
+            "compiled has other layouts, and its own estimate", bound.par.pipeline.span,
+            ("`pardsl explain` lists the pipelines priced, each with the layouts it was priced on; write the "
+             "schedule, micro-batches and cut to compile another",), severity="note")
+    else:
+        unpriced = None
+    best = _recipe_weighed_in(bound, best, weighed, limit)
+    best.program.notes.extend([unpriced] if unpriced else [])
+    return best
+
+
+def _first_line(error: Exception) -> str:
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _recipe_weighed_in(bound: BoundPlan, best: _PipelinedPlan, weighed: list[tuple[str, _PipelinedPlan]],
+                       limit: int | None) -> _PipelinedPlan:
+    """The better of the searched plan and the best of the recipes `weighed`, with note N009."""
     if not weighed:
         return best
     name, theirs = min(weighed, key=lambda candidate: candidate[1].rating)
@@ -591,8 +620,11 @@ def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compi
     concrete = replace(par, pipelines=(chosen,))
     same_trace = chosen.microbatches == decl.microbatches
     compiled = _compile_pipelined(concrete, bucket_mb, machine,
-                                  replace(bound, par=pp.micro_batched(concrete)) if same_trace else None)
+                                  replace(bound, par=pp.micro_batched(concrete)) if same_trace else None,
+                                  priced_on=options[0].priced_on)
     for stage, spent in seconds.items():
+        if same_trace and stage in bound.seconds:
+            continue  # the one trace: the compile's own seconds count it already
         compiled.seconds[f"pipeline search: {stage}" if stage in compiled.seconds else stage] = spent
     return replace(compiled, pipeline_options=options)
 

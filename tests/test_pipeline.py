@@ -68,6 +68,9 @@ def test_a_searched_pipeline_keeps_a_written_cut_that_is_no_layer_boundary():
     # the search prices the file's own cut, wherever it is: here before the final norm
     compiled = compile_text(llama("pp : schedule ?, microbatches 4, cut before model.model.norm"), "plan.par")
     assert compiled.pipeline.cut_before == ("model.model.norm",) and len(compiled.stages) == 2
+    # the micro-batch count is the one traced: one trace, its seconds counted once
+    assert "export" in compiled.seconds and "pipeline search: export" not in compiled.seconds
+    assert "pipeline search: infer" in compiled.seconds
 
 
 def test_stages_partition_the_parameters_and_each_reads_what_the_one_before_sends():
@@ -317,6 +320,31 @@ def test_a_searched_pipeline_prices_every_option_and_is_no_slower_than_balanced_
         _, (priced,) = choose_pipeline(balanced.typed, balanced.program, decl, default_machine(), None, m,
                                        lowering=stage_lowering())
         assert kept.step_s <= priced.step_s * (1 + 1e-9), m
+
+
+def test_a_searched_pipeline_says_the_layouts_each_option_was_priced_on_and_when_the_compile_lost_them(
+        monkeypatch):
+    """The pipeline's options are priced with the search's layouts and each known recipe's; the one kept
+    here was priced on FSDP's, and that recipe is what is compiled. Where the compile cannot take the recipe
+    an option was priced on, note N010 says the figures that chose the pipeline were not this plan's."""
+    from pardsl import compiler
+    from pardsl.tools.explain import _pipeline_options
+
+    text = llama("pp : schedule ?, microbatches ?, cut ?", mesh=", tp = 2", extra="memory <= 35 %\n")
+    compiled = compile_text(text, "plan.par")
+    kept = compiled.pipeline_options[0]
+    assert kept.priced_on == "FSDP over tp"
+    assert "(on the layouts of FSDP over tp)" in _pipeline_options(compiled)[0]
+    assert [n.message.split(" (")[0] for n in compiled.program.notes if n.code == "N009"] == \
+        ["the best known recipe for this model and mesh, FSDP over tp, is compiled"]
+    assert not any(n.code == "N010" for n in compiled.program.notes)
+
+    monkeypatch.setattr(compiler, "completed_recipes", lambda *args: [])  # the compile's weighing has none
+    [note] = [n for n in compile_text(text, "plan.par").program.notes if n.code == "N010"]
+    assert note.message == ("the pipeline was chosen on the layouts of the recipe FSDP over tp, which was not "
+                            "written for the model at the micro-batch size chosen; the plan compiled has other "
+                            "layouts, and its own estimate")
+    assert (note.span.line, note.severity) == (5, "note")
 
 
 def test_a_searched_pipeline_keeps_within_the_memory_bound():

@@ -74,6 +74,9 @@ class PipelineOption:
     step_s: float
     memory: int
     within_bound: bool
+    # the layouts on the other axes it was priced with: the file's own (completed or searched), or a known
+    # recipe's (its name), whichever served this pipeline best
+    priced_on: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,13 +134,13 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
     assert lowering is not None or not price_memory, "pricing memory needs the compile's lowering"
     bound = typed.bound
     axis = bound.mesh.axis_index(decl.axis)
-    candidates = [(typed, program)]
+    candidates = [("", typed, program)]
     if price_memory and wants_search(bound) and \
             any(size > 1 for other, size in enumerate(bound.mesh.axis_sizes) if other != axis):
-        candidates = [_searched_layouts(typed, decl, machine, limit, traced_microbatches, lowering),
+        candidates = [("", *_searched_layouts(typed, decl, machine, limit, traced_microbatches, lowering)),
                       *_recipe_layouts(bound, axis, machine, lowering, limit)]
     options: dict[tuple, PipelineOption] = {}
-    for index, (typed, program) in enumerate(candidates):
+    for index, (recipe, typed, program) in enumerate(candidates):
         try:
             priced = _options(typed, program, decl, machine, limit, traced_microbatches, optimizer, price_memory,
                               lowering)
@@ -145,7 +148,8 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
             if index == 0:  # the file's own: what it says is the user's to fix
                 raise
             continue  # a recipe's layouts no pipeline of the file takes
-        for option in priced:  # each pipeline priced with the layouts that serve it best
+        for option in (dataclasses.replace(option, priced_on=recipe) for option in priced):
+            # each pipeline priced with the layouts that serve it best
             key = (option.schedule, option.stages_per_rank, option.microbatches)
             if key not in options or _rank(option) < _rank(options[key]):
                 options[key] = option
@@ -164,15 +168,15 @@ def _rank(option: PipelineOption) -> tuple:
 
 
 def _recipe_layouts(bound, axis: int, machine: Machine, lowering: "StageLowering", limit: int | None) -> list[tuple]:
-    """The known recipes on the axes beside the pipeline's (recipes.py), each completed and lowered whole:
+    """The known recipes on the axes beside the pipeline's (recipes.py), each named, completed and lowered whole:
     the search decides the layouts for the whole model before it is cut into stages, and a pipeline priced
     on its plan alone can be chosen for layouts the compile then leaves (torchtitan's 405B file with its
     layouts and pipeline left to the compiler: Interleaved 1F1B over 8 micro-batches, 101.6 GiB a rank
     against a bound of 22.9). A recipe the model's ops cannot take is left out."""
     found = []
-    for _, typed in completed_recipes(bound, machine, (axis,), limit, bound.mesh.axis_sizes[axis]):
+    for name, typed in completed_recipes(bound, machine, (axis,), limit, bound.mesh.axis_sizes[axis]):
         try:
-            found.append((typed, lowering.whole(typed)))
+            found.append((name, typed, lowering.whole(typed)))
         except Exception:  # noqa: BLE001 - see above
             continue
     return found

@@ -425,9 +425,10 @@ def _pipeline_options(compiled) -> list[str]:
         cuts = ", ".join(option.cut_before) or "none"
         per_rank = f", {option.stages_per_rank} stages per rank" if option.stages_per_rank > 1 else ""
         over = "" if option.within_bound else ", over the bound"
+        layouts = f" (on the layouts of {option.priced_on})" if option.priced_on else ""
         return (f"{option.schedule}{per_rank}, {option.microbatches} micro-batch{'es' if option.microbatches > 1 else ''}, "
                 f"cut before {cuts}: step "
-                f"{seconds_text(option.step_s)}, memory {format_bytes(option.memory)} per rank{over}")
+                f"{seconds_text(option.step_s)}, memory {format_bytes(option.memory)} per rank{over}{layouts}")
 
     lines = [f"pipeline searched: {text(options[0])} kept, of {len(options)} priced (the pipeline search's "
              "model: stages' times per micro-batch, the bubble of the schedule):"]
