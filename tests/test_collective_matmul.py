@@ -87,6 +87,7 @@ def test_toy_sizes_on_cpu_are_not_chunked(compile_par):
 @pytest.mark.parametrize("line, column, message", [
     ("substitute collective_mm : on", 12, "`collective_mm` is no substitution"),
     ("substitute collective_matmul : sometimes", 32, "`sometimes` is no choice for a substitution"),
+    ("substitute split_reductions : on", 31, "`split_reductions` cannot be asked for everywhere"),
     ("substitute collective_matmul : on\nsubstitute collective_matmul : off", None,
      "`substitute collective_matmul` declared twice"),
 ])

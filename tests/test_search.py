@@ -788,3 +788,39 @@ def test_under_offload_the_search_counts_the_device_copies_alone(compile_par, mo
     device = memory_per_rank(offload_to_host(lower(moved), compiled.bound.par.offload))
     assert round(memory_counted(program, solution, limit)) == device["total"] <= limit < device["host_total"]
     assert not [n for n in compiled.program.notes if n.code == "N003"]
+
+
+SPLIT_REDUCTIONS = """mesh tp = 4
+model examples.hf_models:HFLlama(layers=2, hidden=512, heads=8, kv_heads=4, ffn=1024, vocab=1024)
+input input_ids : int64[4, 128] in [0, 1024)
+memory <= 30 %
+"""
+
+
+def test_the_search_splits_reductions_where_it_pays_and_a_file_can_forbid_it(pools):
+    """Nothing written but a bound: the search's plan reduce-scatters each block's partial sum where Megatron
+    all-reduces it, computes the norms and residual adds on each rank's share and gathers them for the next
+    projections (sequence parallelism's form, with the residual stream split by the batch's rows), found by
+    the integer program's conversions rather than written by a recipe; it runs equal to serial on 4 ranks.
+    `substitute split_reductions : off` forbids it: every partial sum of the search's is all-reduced, and
+    Megatron's recipe is weighed without sequence parallelism."""
+    from pardsl.planning.cost import default_machine
+    from pardsl.tools.explain import report
+
+    def explained(compiled) -> str:
+        return report(compiled, estimate(CompletedPlan(compiled.typed, compiled.program), default_machine()))
+
+    searched = compile_text(SPLIT_REDUCTIONS, "model.par")
+    forward = searched.program.collective_counts()["forward"]
+    assert (forward["all_reduce"], forward["reduce_scatter"]) == (0, 4)  # two a layer, none all-reduced
+    assert not any(n.message.startswith("the best known recipe for this model and mesh, Megatron TP on tp with "
+                                        "sequence parallelism, is compiled") for n in searched.program.notes)
+    assert "substitutions: 4 partial sums reduce-scattered where an all-reduce would make them whole, chosen by " \
+           "the compiler" in explained(searched)
+    check(pools, searched, steps=1)
+
+    forbidden = compile_text(SPLIT_REDUCTIONS + "substitute split_reductions : off\n", "model.par")
+    assert forbidden.program.collective_counts()["forward"]["reduce_scatter"] == 0
+    [note] = [n.message for n in forbidden.program.notes if n.code == "N009"]
+    assert note.startswith("the best known recipe for this model and mesh, Megatron TP on tp,")
+    assert "substitutions: reductions split off, as the file says" in explained(forbidden)

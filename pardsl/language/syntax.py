@@ -192,8 +192,13 @@ SUBSTITUTIONS = {
                          "that move while the product of the chunk before is computed",
     "regroup_heads": "key/value heads split over more ranks than there are heads repeated before their "
                      "projection, so that each rank computes the head its query heads read",
+    "split_reductions": "a partial sum reduce-scattered where an all-reduce would make it whole, the ops after "
+                        "it computed on each rank's share and gathered where they need the whole (sequence "
+                        "parallelism's form), where the search finds it pays",
 }
 SUBSTITUTION_CHOICES = ("on", "off")
+# the substitutions the search chooses for itself, value by value: a file may forbid them, not ask for them
+SEARCHED_SUBSTITUTIONS = ("split_reductions",)
 
 
 @dataclass(frozen=True)
@@ -532,6 +537,10 @@ class _ToSyntaxTree(Transformer):
             raise _BadDeclaration("E085", f"`{choice}` is no choice for a substitution", _token_span(choice),
                                   f"write `substitute {name} : on` (wherever it applies) or `: off` (nowhere); "
                                   "leave the line out for the compiler to apply it where it pays")
+        if str(name) in SEARCHED_SUBSTITUTIONS and str(choice) == "on":
+            raise _BadDeclaration("E085", f"`{name}` cannot be asked for everywhere", _token_span(choice),
+                                  "the layout search chooses it value by value, where it pays; write `: off` to "
+                                  "forbid it, or write the split layouts you want in the layout block")
         return SubstituteDecl(str(name), str(choice), _span(meta))
 
     def recompute_searched(self, meta, children):

@@ -88,7 +88,9 @@ def recipes(bound: BoundPlan, machine: Machine, kept: tuple[int, ...] = ()) -> l
         others = [a for a in axes if a != tp]
         for sharded in _shardings(mesh, machine, others) if others else ([],):
             pins = _data_parallel(bound, others, tp, split, sharded)
-            sequence = _sequence_parallel(bound, others, tp, rows)
+            # `substitute split_reductions : off`: Megatron's layers all-reduce their sums, as before SP
+            sequence = _sequence_parallel(bound, others, tp, rows) \
+                if bound.par.substitution("split_reductions") != "off" else {}
             pins.update(sequence)
             name = f"Megatron TP on {mesh.axis_names[tp]}" + (" with sequence parallelism" if sequence else "")
             if others:

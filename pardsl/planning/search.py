@@ -85,6 +85,9 @@ from pardsl.planning.solver import IntegerProgram, nearest_the_bound
 
 EPSILON_S = 1e-9  # a conversion, or a split of a free tensor, that saves nothing is not made
 HELD_S = 1e-15  # a copy held for backward is counted where something holds it, not beyond
+# what a conversion the file forbids costs: no plan takes it while another way exists (a written layout
+# that needs it is the file's own, and is not priced so)
+FORBIDDEN_S = 1e3
 
 Joint = tuple[Placement, ...]  # a value's placements on the axes decided together, in their order
 
@@ -434,6 +437,7 @@ class _GroupProgram:
         self._ops: dict[str, str] | None = None  # op names, for the collective matmuls' saving
         self._local_sizes: dict[tuple[str, Joint], int] = {}  # the axes outside the group stay as they are
         self._fitted: dict[tuple, bool] = {}  # the same question comes back for every combination of a group
+        self.unsplit_reductions = bound.par.substitution("split_reductions") == "off"
         self._offer_choices()
         self._write_program()
 
@@ -647,6 +651,9 @@ class _GroupProgram:
         bound, machine, mesh, group, sizes = self.bound, self.machine, self.mesh, self.group, self.sizes
         value = self.decided.value
         gradient, parameter = name in self.facts.requires_grad, name in bound.parameters
+        if self.unsplit_reductions and self.pinned(name) is None and \
+                any(s.kind == "P" and t.is_split for s, t in zip(source, target)):
+            return FORBIDDEN_S  # `substitute split_reductions : off`: a partial sum is made whole, not split
         if len(group) == 1:
             steps = one_axis_collectives(source[0], target[0], self.local_bytes(name, source), sizes[0], gradient)
             seconds = machine.steps_seconds(steps, sizes[0], self.strides[0]) - \

@@ -283,7 +283,26 @@ def _substitution_lines(compiled, estimate: Estimate) -> list[str]:
                      f"its weight held whole and its gradient gathered in backward, where the heads' features "
                      f"split across ranks were exchanged by all-to-all); `substitute regroup_heads : off` in the "
                      f"file turns it off")
-    return lines + _collective_matmul_lines(compiled, estimate)
+    return lines + _split_reduction_lines(compiled) + _collective_matmul_lines(compiled, estimate)
+
+
+def _split_reduction_lines(compiled) -> list[str]:
+    """The partial sums the compiler chose to reduce-scatter (searched, or a recipe's) where an all-reduce would have made them whole
+    (the file wrote no layout for them), with what that spares their results: a rank holds its 1/n share,
+    not the whole sum (a reduce-scatter's bytes per rank are that difference)."""
+    pins = compiled.typed.bound.pins
+    found = [c for c in compiled.program.collectives
+             if c.kind == "reduce_scatter" and c.phase == "forward" and c.value.split("__")[0] not in pins]
+    if compiled.typed.bound.par.substitution("split_reductions") == "off":
+        return ["substitutions: reductions split off, as the file says (every partial sum the search makes is "
+                "all-reduced)"]
+    if not found:
+        return []
+    return [f"substitutions: {plural(len(found), 'partial sum')} reduce-scattered where an all-reduce would make "
+            f"{'it' if len(found) == 1 else 'them'} whole, chosen by the compiler (sequence parallelism's form: the "
+            f"ops after each computed on the rank's share, gathered where they need the whole); their results "
+            f"alone take {format_bytes(sum(c.bytes for c in found))} less per rank than held whole; "
+            "`substitute split_reductions : off` in the file forbids it"]
 
 
 def _collective_matmul_lines(compiled, estimate: Estimate) -> list[str]:
