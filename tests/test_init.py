@@ -184,7 +184,7 @@ def test_a_parts_plan_with_no_module_built_from_it_is_said_to_be_left_out():
     plans, unplaced = _plans(torch.nn.Linear(2, 2), "", config)
     assert plans == []
     assert unplaced == [f"The plan of `text_config` (LlamaConfig, {len(part.base_model_tp_plan)} entries) is left out: "
-                        "no module of the model is built from that config to put its entries under."]
+                        "no Hugging Face model inside it carries that config to put its entries under."]
 
 
 def test_the_input_kept_after_a_refused_one_is_said_and_an_error_of_the_plan_is_not_passed_over(

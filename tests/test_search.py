@@ -802,8 +802,8 @@ def test_the_search_splits_reductions_where_it_pays_and_a_file_can_forbid_it(poo
     all-reduces it, computes the norms and residual adds on each rank's share and gathers them for the next
     projections (sequence parallelism's form, with the residual stream split by the batch's rows), found by
     the integer program's conversions rather than written by a recipe; it runs equal to serial on 4 ranks.
-    `substitute split_reductions : off` forbids it: every partial sum of the search's is all-reduced, and
-    Megatron's recipe is weighed without sequence parallelism."""
+    `substitute split_reductions : off` forbids it, however short memory is: every partial sum of the
+    search's is all-reduced, and Megatron's recipe is weighed without sequence parallelism."""
     from pardsl.planning.cost import default_machine
     from pardsl.tools.explain import report
 
@@ -819,8 +819,12 @@ def test_the_search_splits_reductions_where_it_pays_and_a_file_can_forbid_it(poo
            "the compiler" in explained(searched)
     check(pools, searched, steps=1)
 
-    forbidden = compile_text(SPLIT_REDUCTIONS + "substitute split_reductions : off\n", "model.par")
+    # forbidden even where memory is short: at 15 % no plan meets the bound, and the one nearest it (which
+    # reduce-scatters 10 sums where allowed) all-reduces them all
+    tight = SPLIT_REDUCTIONS.replace("30 %", "15 %") + "substitute split_reductions : off\n"
+    forbidden = compile_text(tight, "model.par")
     assert forbidden.program.collective_counts()["forward"]["reduce_scatter"] == 0
+    assert any(n.code == "N003" for n in forbidden.program.notes)
     [note] = [n.message for n in forbidden.program.notes if n.code == "N009"]
     assert note.startswith("the best known recipe for this model and mesh, Megatron TP on tp,")
     assert "substitutions: reductions split off, as the file says" in explained(forbidden)

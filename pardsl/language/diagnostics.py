@@ -70,7 +70,7 @@ ERROR_CODES: dict[str, str] = {
     "E081": "recomputation that names no submodule the forward calls",
     "E083": "unknown precision option or dtype",
     "E084": "unknown offload target",
-    "E085": "unknown substitution or choice",
+    "E085": "unknown substitution, or a choice it does not take",
     "E090": "compile did not finish within its time limit",
 }
 

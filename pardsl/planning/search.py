@@ -85,9 +85,6 @@ from pardsl.planning.solver import IntegerProgram, nearest_the_bound
 
 EPSILON_S = 1e-9  # a conversion, or a split of a free tensor, that saves nothing is not made
 HELD_S = 1e-15  # a copy held for backward is counted where something holds it, not beyond
-# what a conversion the file forbids costs: no plan takes it while another way exists (a written layout
-# that needs it is the file's own, and is not priced so)
-FORBIDDEN_S = 1e3
 
 Joint = tuple[Placement, ...]  # a value's placements on the axes decided together, in their order
 
@@ -651,9 +648,6 @@ class _GroupProgram:
         bound, machine, mesh, group, sizes = self.bound, self.machine, self.mesh, self.group, self.sizes
         value = self.decided.value
         gradient, parameter = name in self.facts.requires_grad, name in bound.parameters
-        if self.unsplit_reductions and self.pinned(name) is None and \
-                any(s.kind == "P" and t.is_split for s, t in zip(source, target)):
-            return FORBIDDEN_S  # `substitute split_reductions : off`: a partial sum is made whole, not split
         if len(group) == 1:
             steps = one_axis_collectives(source[0], target[0], self.local_bytes(name, source), sizes[0], gradient)
             seconds = machine.steps_seconds(steps, sizes[0], self.strides[0]) - \
@@ -876,7 +870,7 @@ class _GroupProgram:
                         program.row(row, 0.0, math.inf)
             for _, written in ends:
                 if written is not None:
-                    self._convert(key, name, self._edge(self.placements[name], {written: {}}), count)
+                    self._convert(key, name, self._edge(self.placements[name], {written: {}}), count, written=True)
                     continue
                 for placement, terms in self.placements[name].items():
                     for i, p in enumerate(placement):
@@ -899,10 +893,18 @@ class _GroupProgram:
         _add(self.gathered.setdefault(unit, {}), column, nbytes)
         self.copies[unit] = max(self.copies.get(unit, 1), count)
 
-    def _convert(self, key, name: str, pairs, count: int, need: dict[int, Placement] | None = None) -> None:
-        """`need`: what the reader takes on the other axes, where it is a parameter's reader."""
+    def _convert(self, key, name: str, pairs, count: int, need: dict[int, Placement] | None = None,
+                 written: bool = False) -> None:
+        """`need`: what the reader takes on the other axes, where it is a parameter's reader. `written`: the
+        target is a layout the file writes (an output's)."""
         program, own = self.program, self.decided.value[name]
         for (p, q), terms in pairs.items():
+            if self.unsplit_reductions and not written and self.pinned(name) is None and \
+                    any(s.kind == "P" and t.is_split for s, t in zip(p, q)):
+                # `substitute split_reductions : off`: a partial sum the search makes is never split, whatever
+                # the bound (a price would give way to it where memory is short); the file's own layouts stand
+                program.row(dict(terms), -math.inf, 0.0)
+                continue
             if p == q:
                 if need is not None and need != own and self._in_group(name, self.layout(own, p), self.layout(need, q)):
                     # gathered on an axis this program does not decide, at the bytes the pair leaves a rank

@@ -287,22 +287,29 @@ def _substitution_lines(compiled, estimate: Estimate) -> list[str]:
 
 
 def _split_reduction_lines(compiled) -> list[str]:
-    """The partial sums the compiler chose to reduce-scatter (searched, or a recipe's) where an all-reduce would have made them whole
-    (the file wrote no layout for them), with what that spares their results: a rank holds its 1/n share,
-    not the whole sum (a reduce-scatter's bytes per rank are that difference)."""
-    pins = compiled.typed.bound.pins
-    found = [c for c in compiled.program.collectives
-             if c.kind == "reduce_scatter" and c.phase == "forward" and c.value.split("__")[0] not in pins]
-    if compiled.typed.bound.par.substitution("split_reductions") == "off":
-        return ["substitutions: reductions split off, as the file says (every partial sum the search makes is "
-                "all-reduced)"]
+    """The partial sums the compiler chose to reduce-scatter (searched, or a recipe's) where an all-reduce
+    would have made them whole (the file wrote no layout for them), with what that spares their results: a
+    rank holds its 1/n share, not the whole sum (a reduce-scatter's bytes per rank are that difference)."""
+    program, pins, mesh = compiled.program, compiled.typed.bound.pins, compiled.program.mesh
+
+    def split_on_its_axis(collective) -> bool:  # not a step of a reduction over several axes that ends whole
+        layout = program.layout_of(collective.value)
+        return layout is not None and layout.placements[mesh.axis_index(collective.axis)].is_split
+
+    found = [c for c in program.collectives if c.kind == "reduce_scatter" and c.phase == "forward"
+             and c.value.split("__")[0] not in pins and split_on_its_axis(c)]
+    off = compiled.typed.bound.par.substitution("split_reductions") == "off"
+    if off and not found:
+        return ["substitutions: reductions split off, as the file says (no partial sum the compiler chose "
+                "is reduce-scattered)"]
     if not found:
         return []
+    how = "the file's `substitute split_reductions : off` did not reach them" if off else \
+        "`substitute split_reductions : off` in the file forbids it"
     return [f"substitutions: {plural(len(found), 'partial sum')} reduce-scattered where an all-reduce would make "
             f"{'it' if len(found) == 1 else 'them'} whole, chosen by the compiler (sequence parallelism's form: the "
             f"ops after each computed on the rank's share, gathered where they need the whole); their results "
-            f"alone take {format_bytes(sum(c.bytes for c in found))} less per rank than held whole; "
-            "`substitute split_reductions : off` in the file forbids it"]
+            f"alone take {format_bytes(sum(c.bytes for c in found))} less per rank than held whole; {how}"]
 
 
 def _collective_matmul_lines(compiled, estimate: Estimate) -> list[str]:

@@ -369,7 +369,7 @@ def _base_model(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:
 def _plans(module: torch.nn.Module, base_path: str, config) -> tuple[list[tuple[str, dict[str, str]]], list[str]]:
     """Each tensor-parallel plan in the model with the module path its keys are relative to: the model's own,
     then each part's (a multimodal model's language model carries its plan in its own config); and a line
-    for each part's plan that no module of the model is built from, which the file says it leaves out."""
+    for each part's plan that no Hugging Face model inside it carries, which the file says it leaves out."""
     plans = [(_plan_root(module, base_path, own), own)] if (own := getattr(config, "base_model_tp_plan", None)) \
         else []
     unplaced = []
@@ -384,7 +384,7 @@ def _plans(module: torch.nn.Module, base_path: str, config) -> tuple[list[tuple[
                    if isinstance(sub, transformers.PreTrainedModel) and sub.config is part]
         if not holders:
             unplaced.append(f"The plan of `{name}` ({type(part).__name__}, {len(part_plan)} entries) is left out: "
-                            "no module of the model is built from that config to put its entries under.")
+                            "no Hugging Face model inside it carries that config to put its entries under.")
             continue
         holder = min(holders, key=lambda path: path.count("."))  # the part itself, not a model inside it
         plans.append((_plan_root(module, holder, part_plan), part_plan))
