@@ -70,6 +70,23 @@ def test_qwen3_and_mixtral_plans_are_megatron_and_run_equal_to_serial(pools, ini
     assert _nonzero(report["collectives"]) == planned
 
 
+def test_fused_projections_are_split_in_blocks_and_run_equal_to_serial(pools, init):
+    """Phi-3 computes q, k and v in one projection and takes them apart by slices, gate and up in another
+    cut by `chunk`; its plan says colwise for both. Split plainly, each rank held parts of other ranks' q, k
+    or v, and every layer exchanged them by all-to-all (4 each way); in blocks, each rank holds its share of
+    every part, and the layer has Megatron's two all-reduces each way."""
+    path = init("Phi3Config")
+    text = " ".join(" ".join(line.split()) for line in Path(path).read_text().splitlines())
+    assert "model.layers.*.self_attn.qkv_proj.weight : S(0, blocks=3)" in text
+    assert "model.layers.*.mlp.gate_up_proj.weight : S(0, blocks=2)" in text
+    assert "# split in blocks where the model cuts a projection's output into equal parts" in text
+    compiled = compile_file(path)
+    planned = _nonzero(compiled.program.collective_counts())
+    assert planned == PER_LAYER  # one layer
+    report = check(pools, compiled)  # equal to serial, and measured exactly as planned
+    assert _nonzero(report["collectives"]) == planned
+
+
 @pytest.mark.parametrize("model, expected", [
     ('examples.hf_models:llama_causal_lm(layers=1)', "model.layers.*.mlp.down_proj.weight : S(1)"),
     # q_norm and k_norm: replicated_with_grad_allreduce, whole on each rank

@@ -942,7 +942,8 @@ def _letters_cut(node: torch.fx.Node, rule: Rule, shapes: list, out_shape: tuple
     if not _whole_slice(node):  # `x[:, None]` exports a slice of all of dim 0: it commutes with a split
         draft.unsplittable.add(in_letters[dim])
     draft.operand_letters, draft.output = [in_letters for _ in shapes], in_letters
-    parts = _equal_parts(node, dim, shapes[0][dim])
+    parts = _equal_parts(node, dim, shapes[0][dim]) if node.target is not aten.slice.Tensor else \
+        _block_sliced(node, dim, shapes[0][dim])
     draft.cut = (in_letters[dim], parts) if parts else None
     if rule.joins and len(shapes) > 1 and len({shape[dim] for shape in shapes}) == 1:
         # each rank's chunks of the m parts, side by side, are its chunk of each of m blocks
@@ -1454,6 +1455,29 @@ def _equal_parts(node: torch.fx.Node, dim: int, size: int) -> int | None:
         return None
     sizes = {concrete_size(p.shape[dim]) for p in parts}
     return len(parts) if len(sizes) == 1 and size == len(parts) * sizes.pop() else None
+
+
+def slice_block(node: torch.fx.Node, dim: int, size: int) -> tuple[int, int] | None:
+    """(k, i) where a slice takes exactly the i-th of k equal blocks of `dim` (a fused projection's q, k or
+    v part, `qkv[..., 0:h]`), with k at least 2; else None."""
+    start, end, step = (call_arg(node, 2, "start"), call_arg(node, 3, "end"), call_arg(node, 4, "step", 1))
+    if any(isinstance(v, (torch.SymInt, torch.fx.Node)) for v in (size, start, end, step)):
+        return None  # a named dim's, or a computed bound: no fixed block
+    try:
+        size, start = concrete_size(size), concrete_size(start if start is not None else 0)
+        end = min(concrete_size(end), size) if end is not None else size
+    except (TypeError, ValueError):
+        return None
+    length = end - start
+    if step != 1 or length <= 0 or start < 0 or size % length or start % length or size // length < 2:
+        return None
+    return size // length, start // length
+
+
+def _block_sliced(node: torch.fx.Node, dim: int, size: int) -> int | None:
+    """How many equal blocks a slice's one block is of (slice_block), as a cut's parts."""
+    block = slice_block(node, dim, size)
+    return block[0] if block else None
 
 
 def _placement_for(letters: Letters, letter: str, arrangement: tuple[int, bool] = (1, False)) -> Placement:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pardsl.layouts.algebra import B, Layout, Placement, S
+from pardsl.layouts.oprules import call_arg, slice_block
 from pardsl.language.syntax import LayoutEntry, LayoutSyntax
 from pardsl.model.binding import BoundPlan, Pin
 from pardsl.planning.cost import Machine, repeated_layer
@@ -177,13 +178,34 @@ def _linears(bound: BoundPlan) -> list[_Linear]:
     return found
 
 
+def fused_parameters(bound: BoundPlan) -> dict[str, tuple[int, int]]:
+    """Per state-dict path of a fused projection's weight or bias (GPT-2's q, k and v; Phi-3's q, k and v,
+    or gate and up): (the parts its output features are cut into, the dim they lie on). Split in that many
+    blocks there, each rank holds its share of every part and the cut takes none from another rank."""
+    found = {}
+    for linear in _linears(bound):
+        if linear.blocks > 1:
+            found[bound.parameters[linear.weight]] = (linear.blocks, linear.out_dim)
+            if linear.bias is not None:
+                found[bound.parameters[linear.bias]] = (linear.blocks, 0)
+    return found
+
+
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _parts(node) -> int:
     """Into how many equal parts the output features of a linear are cut by what reads it (a fused q/k/v
-    projection's split, through its reshapes), else 1."""
+    projection's split, chunk or slices, through its reshapes), else 1."""
     features = node.meta["val"].shape[-1] if "val" in node.meta else None
+    last = len(node.meta["val"].shape) - 1 if "val" in node.meta else None
+    # Phi-3's q, k and v taken by slices: each the i-th of k equal blocks, together every block once
+    blocks = [slice_block(user, last, features) for user in node.users
+              if user.op == "call_function" and user.target is aten.slice.Tensor and features is not None
+              and call_arg(user, 1, "dim", 0) in (-1, last)]
+    if blocks and None not in blocks and len({k for k, _ in blocks}) == 1 and \
+            sorted(i for _, i in blocks) == list(range(blocks[0][0])):
+        return blocks[0][0]
     for user in node.users:
         if user.op == "call_function" and user.target in _RESHAPES and "val" in user.meta and \
                 user.meta["val"].shape[-1] == features:  # rows regrouped, the features as they were
@@ -191,6 +213,10 @@ def _parts(node) -> int:
             if parts > 1:
                 return parts
             continue
+        if user.op == "call_function" and user.target is aten.chunk.default and features is not None and \
+                (user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)) in (-1, last) and \
+                user.args[1] > 1 and features % user.args[1] == 0:
+            return user.args[1]  # gate and up of one projection: `.chunk(2, -1)`
         if user.op != "call_function" or user.target not in (aten.split.Tensor, aten.split_with_sizes.default):
             continue
         dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)

@@ -36,7 +36,7 @@ from pardsl.layouts.algebra import (
     plan_conversion,
     step_collectives,
 )
-from pardsl.layouts.oprules import WHOLE, Signature, forms_taken, is_drawn_whole, op_name, rule_for
+from pardsl.layouts.oprules import WHOLE, Signature, forms_taken, is_drawn_whole, op_name, rule_for, slice_block
 from pardsl.model.export import called_at, source_line
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, parameter_unit, repeated_layer
 from pardsl.planning.inference import TypedGraph
@@ -654,6 +654,12 @@ class _Lowerer:
             part = local_code[dim]
             sizes = fx_node.args[rule.size_arg]
             args[rule.size_arg] = Text(_render([part] * len(sizes) if isinstance(sizes, (list, tuple)) else part))
+        if fx_node.target is torch.ops.aten.slice.Tensor and typed_node.spec.cut is not None:
+            # the i-th of k equal blocks: where S(d, blocks=k) holds a share of every block, the local i-th
+            dim = typed_node.spec.output.index(typed_node.spec.cut[0])
+            _, block = slice_block(fx_node, dim, self.typed.info(typed_node.operands[0]).shape[dim])
+            part = local_code[dim]
+            args[2:4] = [Text(_render(block * part)), Text(_render((block + 1) * part))]
         if rule.training_arg is not None and rule.training_arg < len(args) and fx_node.args[rule.training_arg] is True:
             # traced in training: the op follows the module's mode, so `.eval()` works as it does on serial's
             args[rule.training_arg] = Text("self.training")

@@ -295,12 +295,44 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
         part_entries, part_comments = _layouts(module, root, part_plan)
         entries.update(part_entries)
         comments += part_comments
-    width = max((len(name) for name in entries), default=0)
-    lines += ["", "layout {"]
-    lines += [f"    # {comment}" for comment in comments]
-    lines += [f"    {name:<{width}} : {layout}{on_axis}" for name, layout in entries.items()]
-    lines += [f"    {'output':<{width}} : B{on_axis}", "}"]
-    return _checked(before_inputs, lines, path, forms, planned=True, notes=notes)
+
+    def block_lines(entries: dict[str, str], comments: list[str]) -> list[str]:
+        width = max((len(name) for name in entries), default=0)
+        return [*lines, "", "layout {", *(f"    # {comment}" for comment in comments),
+                *(f"    {name:<{width}} : {layout}{on_axis}" for name, layout in entries.items()),
+                f"    {'output':<{width}} : B{on_axis}", "}"]
+
+    generated, compiled = _checked_compiled(before_inputs, block_lines(entries, comments), path, forms, True, notes)
+    blocked = _in_blocks(compiled.bound, entries)
+    if not blocked:
+        return generated
+    comments.append("split in blocks where the model cuts a projection's output into equal parts (fused q, k and "
+                    "v; gate and up), so that each rank holds its share of every part: "
+                    + ", ".join(name.rsplit(".", 1)[0].rsplit(".", 1)[-1] for name in dict.fromkeys(
+                        name for name in blocked if not name.endswith("bias"))))
+    entries = {name: _blocked_layout(layout, blocked[name]) if name in blocked else layout
+               for name, layout in entries.items()}
+    return _checked(before_inputs, block_lines(entries, comments), path, forms, planned=True, notes=notes)
+
+
+def _in_blocks(bound, entries: dict[str, str]) -> dict[str, int]:
+    """The entries written plainly split along the output features of a fused projection (a column-parallel
+    weight or bias whose output the model cuts into equal parts: q, k and v; gate and up), with the parts:
+    split plainly, each rank held parts of other ranks' q, k or v, and the cut exchanged them (all-to-all)."""
+    from pardsl.planning.recipes import fused_parameters
+
+    fused = fused_parameters(bound)
+    found = {}
+    for name, layout in entries.items():
+        split = re.fullmatch(r"S\((\d+)\)", layout)
+        matched = [fused[path] for path in fused if _matches(name, path)] if split else []
+        if matched and all(part == matched[0] for part in matched) and int(split.group(1)) == matched[0][1]:
+            found[name] = matched[0][0]
+    return found
+
+
+def _blocked_layout(layout: str, parts: int) -> str:
+    return layout[:-1] + f", blocks={parts})"
 
 
 def _input_forms(module: torch.nn.Module, config, text_config, batch: int, seq: int) -> list[list[str]]:
@@ -326,14 +358,21 @@ def _input_forms(module: torch.nn.Module, config, text_config, batch: int, seq: 
 
 def _checked(before: list[str], after: list[str], path: str, forms: list[list[str]], planned: bool,
              notes: list[str]) -> Generated:
-    """The file's lines with the first input form the model is traced with between them. Only a form the
-    forward refuses (no such argument, a failure while traced) moves on to the next: any other error is the
-    plan's, and is raised. Where a later form is kept, the file and a note say what the first one met."""
+    """The file's lines with the first input form the model is traced with between them (_checked_compiled)."""
+    return _checked_compiled(before, after, path, forms, planned, notes)[0]
+
+
+def _checked_compiled(before: list[str], after: list[str], path: str, forms: list[list[str]], planned: bool,
+                      notes: list[str]):
+    """The file's lines with the first input form the model is traced with between them, and its compile.
+    Only a form the forward refuses (no such argument, a failure while traced) moves on to the next: any
+    other error is the plan's, and is raised. Where a later form is kept, the file and a note say what the
+    first one met."""
     first_error = None
     for form in forms:
         text = "\n".join([*before, *form, *after]) + "\n"
         try:
-            compile_text(text, path)  # raises CompileError located in `text`
+            compiled = compile_text(text, path)  # raises CompileError located in `text`
         except CompileError as error:
             if not all(diagnostic.code in REFUSED_INPUTS for diagnostic in error.diagnostics):
                 raise
@@ -347,7 +386,7 @@ def _checked(before: list[str], after: list[str], path: str, forms: list[list[st
             note = f"{why}; the file declares the first input the model takes instead"
             text = "\n".join([*before, f"# {note}", *form, *after]) + "\n"
             notes = [*notes, note]
-        return Generated(text, planned, notes)
+        return Generated(text, planned, notes), compiled
     raise first_error
 
 
