@@ -483,7 +483,7 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         # 1/ranks of the parameters and, for the first rank, `held` micro-batches of its stage's
         # activations: so the whole model's memory, its activations counted `held` times, is held to
         # `ranks` times the bound. Lowered in stages, the plan is checked rank by rank (N003).
-        held = pp.micro_batches_held(decl.schedule, decl.microbatches, ranks, 0)
+        held = pp.micro_batches_held(decl.schedule, decl.microbatches, ranks, 0, decl.stages_per_rank)
         typed, searched_program = searched_or_greedy(bound, machine or default_machine(),
                                                      lambda typed, limit: _lowered(typed, bucket_mb, limit), seconds,
                                                      kept=(pipeline_axis,),

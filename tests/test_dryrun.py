@@ -70,8 +70,41 @@ def test_a_pipelined_rank_runs_its_stage_with_the_micro_batches_its_schedule_hol
         assert result.returncode == 0, result.stderr
         report = json.loads(result.stdout)
         assert report["collectives_match"], report
-        assert f"stage(s) {stage} of 2, {held} micro-batch(es) held" in report["notes"][0]
+        assert f"stage(s) {stage} of 2, micro-batches held at once: {held} in stage {stage} (" in report["notes"][0]
         assert 0.85 <= report["peak_bytes"] / report["estimated_bytes"] <= 1.15
+
+
+def test_an_interleaved_rank_holds_what_torchs_order_of_its_actions_leaves_in_flight(tmp_path):
+    """pp 2 × tp 2 under Interleaved 1F1B with two stages a rank and 4 micro-batches: torch's order of rank
+    0's actions has its first stage hold all 4 micro-batches at once and its third stage 2 (every stage was
+    counted at 4, an upper bound); the dry run holds as many, issues each stage's collectives once per
+    micro-batch, and its peak is near the estimate."""
+    from pardsl.runtime.schedules import stage_micro_batches_held
+
+    assert stage_micro_batches_held("Interleaved1F1B", 4, 2, 0, 2) == {0: 4, 2: 2}
+    text = open(os.path.join(REPO, "examples", "hf_llama_pp2_tp2.par")).read().replace(
+        "schedule 1F1B, microbatches 4, cut before model.model.layers.2",
+        "schedule Interleaved1F1B, stages per rank 2, microbatches 4, cut balanced")
+    path = tmp_path / "interleaved.par"
+    path.write_text(text)
+    result = dryrun(path, "--rank", "0", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["collectives_match"], report
+    assert "micro-batches held at once: 4 in stage 0, 2 in stage 2 (" in report["notes"][0]
+    assert 0.85 <= report["peak_bytes"] / report["estimated_bytes"] <= 1.15
+
+
+def test_the_schedules_in_flight_counts_follow_torchs_order_of_actions():
+    from pardsl.runtime.schedules import stage_micro_batches_held
+
+    assert stage_micro_batches_held("1F1B", 8, 4, 1, 1) == {1: 3}  # p - r
+    assert stage_micro_batches_held("GPipe", 8, 4, 1, 1) == {1: 8}  # every micro-batch
+    # DualPipeV's rank 0 runs the first stage and the last: the first holds 32 of the 40 micro-batches at
+    # most, the last one at a time (its backward follows its forward at once); both were counted at 40
+    assert stage_micro_batches_held("DualPipeV", 40, 16, 0, 2) == {0: 32, 31: 1}
+    # a split backward frees a micro-batch's activations at its weights' half, which zero bubble defers
+    assert stage_micro_batches_held("InterleavedZeroBubble", 8, 4, 3, 2) == {3: 8, 7: 4}
 
 
 def test_a_pipelined_ranks_gradient_bucket_is_synchronised_once_a_step():
@@ -80,7 +113,7 @@ def test_a_pipelined_ranks_gradient_bucket_is_synchronised_once_a_step():
     result = dryrun(os.path.join(REPO, "examples", "hf_llama_pp2_dp2.par"), "--rank", "0", "--json")
     report = json.loads(result.stdout)
     assert report["collectives_match"] and report["collectives"]["backward"] == {"dp:all_reduce": 1}
-    assert "2 micro-batch(es) held" in report["notes"][0]
+    assert "micro-batches held at once: 2 in stage 0 (" in report["notes"][0]
     # the estimate's last backward: one micro-batch's activations beside the bucket's buffer
     assert 0.85 <= report["peak_bytes"] / report["estimated_bytes"] <= 1.15
 

@@ -32,7 +32,7 @@ import torch
 from pardsl.layouts.algebra import COLLECTIVE_KINDS, collective_bytes
 from pardsl.layouts.oprules import compute_share
 from pardsl.runtime.devices import resolve_backend
-from pardsl.runtime.schedules import micro_batches_held, stages_of_rank
+from pardsl.runtime.schedules import stage_micro_batches_held, stages_of_rank
 
 CALIBRATION_VERSION = 1
 
@@ -798,7 +798,9 @@ def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> d
     micro-batch's activations beside the buffers of the gradient buckets it fills."""
     mesh = stages[0].mesh
     axis_size = mesh.axis_sizes[mesh.axis_index(plan.axis)]
-    in_flight = micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank)
+    in_flight = stage_micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank,
+                                         len(stages) // axis_size)
+    one_micro_batch = 0
     held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0,
             "compute_copies": 0, "stage_buffers": 0}
     host: dict[str, int] = {}  # offloaded stages' host memory, apart
@@ -807,7 +809,8 @@ def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> d
         program = stages[stage]
         memory = memory_per_rank(program, optimizer)
         for key in held.keys() - {"stage_buffers"}:
-            held[key] += memory[key] * (in_flight if key == "activations" else 1)
+            held[key] += memory[key] * (in_flight[stage] if key == "activations" else 1)
+        one_micro_batch += memory["activations"]
         for key in (k for k in memory if k.startswith("host_")):
             host[key] = host.get(key, 0) + memory[key]
         received, returned = stage_buffer_slots(stages, stage)
@@ -817,7 +820,6 @@ def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> d
                                      for p in program.parameters if p.requires_grad])
         buckets += sum(bucket.nbytes for bucket in program.buckets)
     held["total"] = sum(held.values())
-    one_micro_batch = held["activations"] // in_flight
     held["peak"] = held["total"] - held["activations"] + arriving + max(held["activations"], one_micro_batch + buckets)
     held.update(host)
     return held

@@ -54,7 +54,7 @@ from pardsl.planning.cost import (
 from pardsl.planning.descent import searched_or_greedy
 from pardsl.planning.recipes import completed_recipes
 from pardsl.planning.search import wants_search
-from pardsl.runtime.schedules import micro_batches_held, rank_of_stage
+from pardsl.runtime.schedules import micro_batches_held, rank_of_stage, stage_micro_batches_held
 
 # the schedules searched, with the stages a rank runs under each
 SEARCHED_SCHEDULES = (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2),
@@ -293,7 +293,8 @@ def _searched_layouts(typed, decl: PipelineDecl, machine: Machine, limit: int | 
     ranks = mesh.axis_sizes[axis]
     schedule = "1F1B" if "schedule" in decl.searched else decl.schedule
     microbatches = traced_microbatches if "microbatches" in decl.searched else decl.microbatches
-    held = micro_batches_held(schedule, microbatches, ranks, 0)
+    per_rank = 1 if "schedule" in decl.searched else decl.stages_per_rank
+    held = micro_batches_held(schedule, microbatches, ranks, 0, per_rank)
     return searched_or_greedy(typed.bound, machine, lambda plan, _: lowering.whole(plan), {},
                               kept=(axis,), limit=None if limit is None else limit * ranks, activation_weight=held)
 
@@ -402,7 +403,8 @@ class _Held:
 
     def stage(self, k: int, i: int, j: int) -> int:
         memory, rows = self.memory, self.rows
-        in_flight = micro_batches_held(self.schedule, self.m, self.ranks, rank_of_stage(k, self.ranks, self.schedule))
+        rank = rank_of_stage(k, self.ranks, self.schedule)
+        in_flight = stage_micro_batches_held(self.schedule, self.m, self.ranks, rank, self.stages // self.ranks)[k]
         # inside a stage, what one segment sends the next (the part a gradient comes back for) is an
         # activation the stage holds: a recomputed layer's input, kept for its region
         activations = rows * (sum(memory.kept[i:j]) + sum(memory.returned[i:j - 1]) + max(memory.region[i:j]))

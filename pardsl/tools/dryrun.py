@@ -34,7 +34,7 @@ from pardsl.planning.cost import default_machine, estimate, pipeline_rank_memory
 from pardsl.program.codegen import load_module
 from pardsl.program.ir import format_bytes, torch_dtype
 from pardsl.runtime.core import Runtime
-from pardsl.runtime.schedules import micro_batches_held, stages_of_rank
+from pardsl.runtime.schedules import stage_micro_batches_held, stages_of_rank
 from pardsl.tools.memory import held_bytes, optimizer_state, peak_so_far
 
 PHASES = ("forward", "backward", "optimizer")
@@ -146,7 +146,7 @@ def _run_pipelined(compiled, rank: int, device: torch.device, steps: int, estima
     axis = mesh.axis_index(plan.axis)
     coordinate, ranks = mesh.coordinates(rank)[axis], mesh.axis_sizes[axis]
     mine = stages_of_rank(coordinate, ranks, len(compiled.stages), plan.schedule)
-    held = micro_batches_held(plan.schedule, plan.microbatches, ranks, coordinate)
+    held = stage_micro_batches_held(plan.schedule, plan.microbatches, ranks, coordinate, len(compiled.stages) // ranks)
     modules = {stage: generated.STAGES[stage](rt) for stage in mine}
     for module in modules.values():  # gradients held over micro-batches, as the pipeline's stages hold them
         module.sync_gradients, module.held_gradients = True, {}
@@ -158,12 +158,15 @@ def _run_pipelined(compiled, rank: int, device: torch.device, steps: int, estima
     set_up = held_bytes([t for m in modules.values() for t in (*m.parameters(), *m.buffers())] +
                         [t for ts in inputs.values() for t in ts] + buffers)
 
-    def micro_batch() -> list[tuple[int, object]]:  # one micro-batch's forward through the rank's stages
-        return [(stage, modules[stage](*inputs[stage])) for stage in mine]
+    def forward(stage: int) -> tuple[int, object]:  # one micro-batch's forward through one stage
+        return stage, modules[stage](*inputs[stage])
+
+    def in_flight() -> list[tuple[int, object]]:  # each stage's forwards of the micro-batches it holds at once
+        return [forward(stage) for stage in mine for _ in range(held[stage])]
 
     peak, peak_after, seconds, issued = _steps(
-        rt, device, steps, set_up, optimizer, lambda: [micro_batch() for _ in range(held)],
-        functools.partial(_rest_of_step, micro_batch=micro_batch, modules=modules, count=plan.microbatches))
+        rt, device, steps, set_up, optimizer, in_flight,
+        functools.partial(_rest_of_step, forward=forward, modules=modules, count=plan.microbatches))
     planned: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
     for stage in mine:  # each micro-batch's collectives, and the gradient buckets' once a step
         program = compiled.stages[stage]
@@ -172,8 +175,9 @@ def _run_pipelined(compiled, rank: int, device: torch.device, steps: int, estima
             for key, count in counts.items():
                 per_step = once[(phase, key)]
                 planned[phase][key] = planned[phase].get(key, 0) + (count - per_step) * plan.microbatches + per_step
-    notes = [f"pipeline: stage(s) {', '.join(map(str, mine))} of {len(compiled.stages)}, {held} micro-batch(es) held "
-             f"at once ({plan.schedule}, {plan.microbatches} micro-batches, each run); the sends between stages are "
+    holds = ", ".join(f"{held[stage]} in stage {stage}" for stage in mine)
+    notes = [f"pipeline: stage(s) {', '.join(map(str, mine))} of {len(compiled.stages)}, micro-batches held at once: "
+             f"{holds} ({plan.schedule}, {plan.microbatches} micro-batches, each run); the sends between stages are "
              f"not run"]
     if device.type != "cuda":
         notes.append("CPU: memory is tensor storage counted by pardsl (views and in-place writes make none); "
@@ -206,21 +210,25 @@ def _steps(rt, device: torch.device, steps: int, set_up: int, optimizer, forward
     return peak, peak_after, seconds, issued
 
 
-def _rest_of_step(in_flight: list, micro_batch, modules: dict, count: int) -> None:
-    """After the forwards of the micro-batches a rank holds at once (`in_flight`), the rest of its step as
-    1F1B runs it: the oldest micro-batch's backward, then the next one's forward, until `count` have run
-    forward, then the backwards of those left (GPipe holds them all: its forwards, then its backwards).
-    Every micro-batch's gradients are added to those held; the stages synchronise them in the step's last
-    backward, as the pipeline's schedule has them."""
-    remaining = count - len(in_flight)
+def _rest_of_step(in_flight: list, forward, modules: dict, count: int) -> None:
+    """After the forwards of the micro-batches each stage of a rank holds at once (`in_flight`: (stage,
+    result) pairs), the rest of its step: the oldest forward's backward, then that stage's next forward,
+    until each stage has run `count` forward, then the backwards of those left (GPipe holds them all: its
+    forwards, then its backwards). No stage holds more than it did at the start, which is what the
+    schedule has it hold at most (schedules.stage_micro_batches_held). Every micro-batch's gradients are
+    added to those held; each stage synchronises them in its last backward, as the pipeline's schedule
+    has them."""
+    remaining = {stage: count for stage in modules}
+    for stage, _ in in_flight:
+        remaining[stage] -= 1
     while in_flight:
-        for stage, result in reversed(in_flight.pop(0)):
-            modules[stage].sync_gradients = not in_flight and not remaining
-            _backward(result if isinstance(result, (tuple, list)) else (result,))
-            del result  # its activations go with it, as the schedule drops a micro-batch after its backward
-        if remaining:
-            in_flight.append(micro_batch())
-            remaining -= 1
+        stage, result = in_flight.pop(0)
+        modules[stage].sync_gradients = not remaining[stage] and all(other != stage for other, _ in in_flight)
+        _backward(result if isinstance(result, (tuple, list)) else (result,))
+        del result  # its activations go with it, as the schedule drops a micro-batch after its backward
+        if remaining[stage]:
+            in_flight.append(forward(stage))
+            remaining[stage] -= 1
 
 
 def _stage_buffers(compiled, mine: list[int], device: torch.device) -> list[torch.Tensor]:
