@@ -105,6 +105,8 @@ def test_the_schedules_in_flight_counts_follow_torchs_order_of_actions():
     assert stage_micro_batches_held("DualPipeV", 40, 16, 0, 2) == {0: 32, 31: 1}
     # a split backward frees a micro-batch's activations at its weights' half, which zero bubble defers
     assert stage_micro_batches_held("InterleavedZeroBubble", 8, 4, 3, 2) == {3: 8, 7: 4}
+    # an order torch refuses to build (DualPipeV under 2p micro-batches) gives no count: every micro-batch
+    assert stage_micro_batches_held("DualPipeV", 4, 4, 0, 2) == {0: 4, 7: 4}
 
 
 def test_a_pipelined_ranks_gradient_bucket_is_synchronised_once_a_step():

@@ -1461,7 +1461,9 @@ def slice_block(node: torch.fx.Node, dim: int, size: int) -> tuple[int, int] | N
     """(k, i) where a slice takes exactly the i-th of k equal blocks of `dim` (a fused projection's q, k or
     v part, `qkv[..., 0:h]`), with k at least 2; else None."""
     start, end, step = (call_arg(node, 2, "start"), call_arg(node, 3, "end"), call_arg(node, 4, "step", 1))
-    if any(isinstance(v, (torch.SymInt, torch.fx.Node)) for v in (size, start, end, step)):
+    source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    traced = source.shape[dim] if source is not None and dim < source.dim() else size
+    if any(isinstance(v, (torch.SymInt, torch.fx.Node)) for v in (traced, start, end, step)):
         return None  # a named dim's, or a computed bound: no fixed block
     try:
         size, start = concrete_size(size), concrete_size(start if start is not None else 0)
@@ -1474,10 +1476,26 @@ def slice_block(node: torch.fx.Node, dim: int, size: int) -> tuple[int, int] | N
     return size // length, start // length
 
 
+# what a fused projection computes: a slice of its output that takes one of k equal blocks is its q, k or
+# v (Phi-3's qkv_proj), taken from a split in k blocks with nothing moved
+_PROJECTIONS = (aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default)
+
+
 def _block_sliced(node: torch.fx.Node, dim: int, size: int) -> int | None:
-    """How many equal blocks a slice's one block is of (slice_block), as a cut's parts."""
+    """How many equal blocks a slice's one block is of (slice_block), as a cut's parts: where the slice
+    reads a projection's output features and its sibling slices take every block once. Other slices (a
+    rotary table's first positions, a mask's corner) are no part of a fused weight: offering their
+    producers splits in blocks would only widen the search."""
+    source = node.args[0]
     block = slice_block(node, dim, size)
-    return block[0] if block else None
+    if block is None or not isinstance(source, torch.fx.Node) or source.target not in _PROJECTIONS or \
+            dim != len(source.meta["val"].shape) - 1:
+        return None
+    siblings = [slice_block(user, dim, size) for user in source.users
+                if user.target is aten.slice.Tensor and call_arg(user, 1, "dim", 0) % len(source.meta["val"].shape) == dim]
+    if None in siblings or sorted(siblings) != [(block[0], i) for i in range(block[0])]:
+        return None
+    return block[0]
 
 
 def _placement_for(letters: Letters, letter: str, arrangement: tuple[int, bool] = (1, False)) -> Placement:

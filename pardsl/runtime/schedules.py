@@ -56,20 +56,25 @@ def _held_by_stage(schedule: str, microbatches: int, axis_size: int, rank: int,
     stages = stages_of_rank(rank, axis_size, axis_size * stages_per_rank, schedule)
     if schedule == "GPipe":
         return tuple((stage, microbatches) for stage in stages)
+    every = tuple((stage, microbatches) for stage in stages)  # the bound, where the order cannot be read
+    held, most, made = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0), dict.fromkeys(stages, 0)
     try:
-        actions = _rank_actions(schedule, microbatches, axis_size, rank, stages_per_rank)
-    except Exception:  # noqa: BLE001 - torch's private schedule builder changed: every micro-batch, a bound
-        return tuple((stage, microbatches) for stage in stages)
-    held, most = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0)
-    for action in actions:
-        for step in (action.sub_actions or (action,)) if action is not None else ():
-            kind = step.computation_type.value
-            if kind == "F":
-                held[step.stage_index] += 1
-                most[step.stage_index] = max(most[step.stage_index], held[step.stage_index])
-            elif kind in ("B", "W"):  # a split backward keeps what its weights' half reads until that half
-                held[step.stage_index] -= 1
-    return tuple((stage, max(1, min(most[stage], microbatches))) for stage in stages)
+        for action in _rank_actions(schedule, microbatches, axis_size, rank, stages_per_rank):
+            for step in (action.sub_actions or (action,)) if action is not None else ():
+                kind = step.computation_type.value
+                if kind == "F":
+                    held[step.stage_index] += 1
+                    made[step.stage_index] += 1
+                    most[step.stage_index] = max(most[step.stage_index], held[step.stage_index])
+                elif kind in ("B", "W"):  # a split backward keeps what its weights' half reads until that half
+                    held[step.stage_index] -= 1
+    except Exception:  # noqa: BLE001 - torch's private planner changed (names, stages): the bound
+        return every
+    # an order that does not run each micro-batch forward and backward once per stage is one torch's
+    # schedule refuses to be built with (DualPipeV under 2p micro-batches): its counts mean nothing
+    if any(made[stage] != microbatches or held[stage] != 0 for stage in stages):
+        return every
+    return tuple((stage, most[stage]) for stage in stages)
 
 
 def stage_micro_batches_held(schedule: str, microbatches: int, axis_size: int, rank: int,

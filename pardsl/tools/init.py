@@ -312,7 +312,10 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
                         name for name in blocked if not name.endswith("bias"))))
     entries = {name: _blocked_layout(layout, blocked[name]) if name in blocked else layout
                for name, layout in entries.items()}
-    return _checked(before_inputs, block_lines(entries, comments), path, forms, planned=True, notes=notes)
+    try:
+        return _checked(before_inputs, block_lines(entries, comments), path, forms, planned=True, notes=notes)
+    except CompileError:  # the blocks do not divide over the mesh (say): the plain split compiled
+        return generated
 
 
 def _in_blocks(bound, entries: dict[str, str]) -> dict[str, int]:
