@@ -19,6 +19,7 @@ from pardsl.compiler import CompileError, compile_text
 from pardsl.language.syntax import parse
 from pardsl.model.binding import name_pattern
 from pardsl.model.loading import build_model, parameters_on_meta
+from pardsl.planning.recipes import fused_parameters
 
 # Plan styles whose weights are split on their output features (a linear's weight is [..., out, in]).
 COLUMN = {"colwise", "colwise_rep", "colwise_gather_output", "local_colwise"}
@@ -322,8 +323,6 @@ def _in_blocks(bound, entries: dict[str, str]) -> dict[str, int]:
     """The entries written plainly split along the output features of a fused projection (a column-parallel
     weight or bias whose output the model cuts into equal parts: q, k and v; gate and up), with the parts:
     split plainly, each rank held parts of other ranks' q, k or v, and the cut exchanged them (all-to-all)."""
-    from pardsl.planning.recipes import fused_parameters
-
     fused = fused_parameters(bound)
     found = {}
     for name, layout in entries.items():
