@@ -59,6 +59,7 @@ def test_shapes_that_are_each_others_axes_renamed_are_priced_once_on_a_flat_mach
     assert not any(shape.same_as for shape in _compiled("dp, tp = 4", rest="", machine=nodes).mesh_shapes)
 
 
+@pytest.mark.slow  # about 30 s on 2 cores: make test-slow; the shapes' pricing is tested above
 def test_explain_lists_every_shape_with_its_estimate():
     from pardsl.tools.explain import report
 

@@ -400,11 +400,14 @@ class _Held:
 
     def __init__(self, memory: SegmentMemory, rows: float, schedule: str, m: int, ranks: int, stages: int):
         self.memory, self.rows, self.schedule, self.m, self.ranks, self.stages = memory, rows, schedule, m, ranks, stages
+        # per stage, once: the cut's dynamic program asks for every stage at every pair of boundaries
+        self.in_flight = {}
+        for rank in range(ranks):
+            self.in_flight.update(stage_micro_batches_held(schedule, m, ranks, rank, stages // ranks))
 
     def stage(self, k: int, i: int, j: int) -> int:
         memory, rows = self.memory, self.rows
-        rank = rank_of_stage(k, self.ranks, self.schedule)
-        in_flight = stage_micro_batches_held(self.schedule, self.m, self.ranks, rank, self.stages // self.ranks)[k]
+        in_flight = self.in_flight[k]
         # inside a stage, what one segment sends the next (the part a gradient comes back for) is an
         # activation the stage holds: a recomputed layer's input, kept for its region
         activations = rows * (sum(memory.kept[i:j]) + sum(memory.returned[i:j - 1]) + max(memory.region[i:j]))

@@ -291,13 +291,17 @@ def _split_reduction_lines(compiled) -> list[str]:
     would have made them whole (the file wrote no layout for them), with what that spares their results: a
     rank holds its 1/n share, not the whole sum (a reduce-scatter's bytes per rank are that difference)."""
     program, pins, mesh = compiled.program, compiled.typed.bound.pins, compiled.program.mesh
+    scattered = [c for c in program.collectives if c.kind == "reduce_scatter" and c.phase == "forward"
+                 and c.value.split("__")[0] not in pins]
+    values = {c.value for c in scattered}
+    layouts = {target: layout for statement in program.statements if statement.layouts
+               for target, layout in zip(statement.targets, statement.layouts) if target in values}
 
     def split_on_its_axis(collective) -> bool:  # not a step of a reduction over several axes that ends whole
-        layout = program.layout_of(collective.value)
+        layout = layouts.get(collective.value)
         return layout is not None and layout.placements[mesh.axis_index(collective.axis)].is_split
 
-    found = [c for c in program.collectives if c.kind == "reduce_scatter" and c.phase == "forward"
-             and c.value.split("__")[0] not in pins and split_on_its_axis(c)]
+    found = [c for c in scattered if split_on_its_axis(c)]
     off = compiled.typed.bound.par.substitution("split_reductions") == "off"
     if off and not found:
         return ["substitutions: reductions split off, as the file says (no partial sum the compiler chose "
