@@ -1481,21 +1481,30 @@ def slice_block(node: torch.fx.Node, dim: int, size: int) -> tuple[int, int] | N
 _PROJECTIONS = (aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default)
 
 
+def sliced_in_blocks(source: torch.fx.Node, dim: int) -> int | None:
+    """k where the slices that read `source` along `dim` take each of its k equal blocks once (Phi-3's q,
+    k and v out of one projection), else None."""
+    rank = len(source.meta["val"].shape) if "val" in source.meta else None
+    if rank is None:
+        return None
+    size = source.meta["val"].shape[dim]
+    blocks = [slice_block(user, dim, size) for user in source.users
+              if user.target is aten.slice.Tensor and call_arg(user, 1, "dim", 0) % rank == dim % rank]
+    if not blocks or None in blocks or sorted(blocks) != [(blocks[0][0], i) for i in range(blocks[0][0])]:
+        return None
+    return blocks[0][0]
+
+
 def _block_sliced(node: torch.fx.Node, dim: int, size: int) -> int | None:
-    """How many equal blocks a slice's one block is of (slice_block), as a cut's parts: where the slice
-    reads a projection's output features and its sibling slices take every block once. Other slices (a
-    rotary table's first positions, a mask's corner) are no part of a fused weight: offering their
-    producers splits in blocks would only widen the search."""
+    """How many equal blocks a slice's one block is of, as a cut's parts: where the slice reads a
+    projection's output features and it and its sibling slices take every block once (sliced_in_blocks).
+    Other slices (a rotary table's first positions, a mask's corner) are no part of a fused weight:
+    offering their producers splits in blocks would only widen the search."""
     source = node.args[0]
-    block = slice_block(node, dim, size)
-    if block is None or not isinstance(source, torch.fx.Node) or source.target not in _PROJECTIONS or \
-            dim != len(source.meta["val"].shape) - 1:
+    if not isinstance(source, torch.fx.Node) or source.target not in _PROJECTIONS or \
+            dim != len(source.meta["val"].shape) - 1 or slice_block(node, dim, size) is None:
         return None
-    siblings = [slice_block(user, dim, size) for user in source.users
-                if user.target is aten.slice.Tensor and call_arg(user, 1, "dim", 0) % len(source.meta["val"].shape) == dim]
-    if None in siblings or sorted(siblings) != [(block[0], i) for i in range(block[0])]:
-        return None
-    return block[0]
+    return sliced_in_blocks(source, dim)
 
 
 def _placement_for(letters: Letters, letter: str, arrangement: tuple[int, bool] = (1, False)) -> Placement:

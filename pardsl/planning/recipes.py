@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pardsl.layouts.algebra import B, Layout, Placement, S
-from pardsl.layouts.oprules import call_arg, slice_block
+from pardsl.layouts.oprules import call_arg, sliced_in_blocks
 from pardsl.language.syntax import LayoutEntry, LayoutSyntax
 from pardsl.model.binding import BoundPlan, Pin
 from pardsl.planning.cost import Machine, repeated_layer
@@ -199,13 +199,8 @@ def _parts(node) -> int:
     projection's split, chunk or slices, through its reshapes), else 1."""
     features = node.meta["val"].shape[-1] if "val" in node.meta else None
     last = len(node.meta["val"].shape) - 1 if "val" in node.meta else None
-    # Phi-3's q, k and v taken by slices: each the i-th of k equal blocks, together every block once
-    blocks = [slice_block(user, last, features) for user in node.users
-              if user.op == "call_function" and user.target is aten.slice.Tensor and features is not None
-              and call_arg(user, 1, "dim", 0) in (-1, last)]
-    if blocks and None not in blocks and len({k for k, _ in blocks}) == 1 and \
-            sorted(i for _, i in blocks) == list(range(blocks[0][0])):
-        return blocks[0][0]
+    if features is not None and (sliced := sliced_in_blocks(node, last)):
+        return sliced  # Phi-3's q, k and v taken by slices
     for user in node.users:
         if user.op == "call_function" and user.target in _RESHAPES and "val" in user.meta and \
                 user.meta["val"].shape[-1] == features:  # rows regrouped, the features as they were
@@ -214,9 +209,9 @@ def _parts(node) -> int:
                 return parts
             continue
         if user.op == "call_function" and user.target is aten.chunk.default and features is not None and \
-                (user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)) in (-1, last) and \
-                user.args[1] > 1 and features % user.args[1] == 0:
-            return user.args[1]  # gate and up of one projection: `.chunk(2, -1)`
+                call_arg(user, 2, "dim", 0) in (-1, last) and call_arg(user, 1, "chunks") > 1 and \
+                features % call_arg(user, 1, "chunks") == 0:
+            return call_arg(user, 1, "chunks")  # gate and up of one projection: `.chunk(2, -1)`
         if user.op != "call_function" or user.target not in (aten.split.Tensor, aten.split_with_sizes.default):
             continue
         dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)

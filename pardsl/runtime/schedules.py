@@ -54,9 +54,9 @@ def _held_by_stage(schedule: str, microbatches: int, axis_size: int, rank: int,
         return ((rank, min(microbatches, axis_size - rank)),)
     stages_per_rank = SCHEDULES[schedule][1] or stages_per_rank  # the V-shaped ones: two, whatever is asked
     stages = stages_of_rank(rank, axis_size, axis_size * stages_per_rank, schedule)
+    every = tuple((stage, microbatches) for stage in stages)  # GPipe's; the bound where no order is read
     if schedule == "GPipe":
-        return tuple((stage, microbatches) for stage in stages)
-    every = tuple((stage, microbatches) for stage in stages)  # the bound, where the order cannot be read
+        return every
     held, most, made = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0), dict.fromkeys(stages, 0)
     try:
         for action in _rank_actions(schedule, microbatches, axis_size, rank, stages_per_rank):
