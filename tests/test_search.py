@@ -40,6 +40,7 @@ def programs_solved(monkeypatch) -> list[tuple]:
     machine the 2-D layer's pair program (5 s here idle) ran past solver.TIME_LIMIT_S to a 'time limit'."""
     monkeypatch.setattr(solver, "TIME_LIMIT_S", 300.0)
     monkeypatch.setattr(solver, "FIRST_PLAN_S", 60.0)
+    monkeypatch.setattr(solver, "STALL_S", 300.0)
     solved = []
     solve = solver.IntegerProgram.solve
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Callable
 
 from pardsl.language.diagnostics import Diagnostic, DiagnosticSink
 from pardsl.language.syntax import RecomputeDecl
@@ -70,13 +71,17 @@ def recompute_layers(program: LoweredProgram, typed: TypedGraph,
     outputs = {output.var for output in program.outputs}
     runs = _runs(program.statements, unit_of)
     names: dict[str, int] = {}
+    last_read: dict[str, int] = {}  # per name, the last statement that reads it: what a region's results are
+    for index, statement in enumerate(program.statements):
+        for name in statement.instruction.reads():
+            last_read[name] = index
     for start, end, (unit, decl) in runs:
         if decl is None:
             statements.extend(program.statements[start:end])
             continue
         stop = _region_end(program.statements, start, end, typed.bound.kept)
-        region, after = _region(program.statements[start:stop], program.statements[stop:], outputs, unit, decl,
-                                names) if stop > start else (None, [])
+        region, after = _region(program.statements[start:stop], lambda name: last_read.get(name, -1) >= stop,
+                                outputs, unit, decl, names) if stop > start else (None, [])
         if region is None:
             statements.extend(program.statements[start:end])
             continue
@@ -193,10 +198,11 @@ def _keeps(statement: Statement, kept, keepers: set[str]) -> tuple[bool, bool]:
     return True, True
 
 
-def _region(body: list[Statement], later: list[Statement], outputs: set[str], unit: str, decl: RecomputeDecl,
-            names: dict[str, int]) -> tuple[Statement | None, list[Statement]]:
+def _region(body: list[Statement], read_later: Callable[[str], bool], outputs: set[str], unit: str,
+            decl: RecomputeDecl, names: dict[str, int]) -> tuple[Statement | None, list[Statement]]:
     """The region statement for `body`, and the releases the program makes after it; None where the region
-    makes nothing the program reads after it (there is nothing to recompute)."""
+    makes nothing the program reads after it (there is nothing to recompute). `read_later(name)`: whether
+    a statement after the region reads it."""
     made: list[str] = []
     arguments: list[str] = []
     for statement in body:
@@ -205,8 +211,7 @@ def _region(body: list[Statement], later: list[Statement], outputs: set[str], un
                 arguments.append(name)
         if statement.instruction.kind != "release":
             made.extend(statement.targets)
-    read_later = {name for statement in later for name in statement.instruction.reads()}
-    results = [name for name in made if name in read_later or name in outputs]
+    results = [name for name in made if read_later(name) or name in outputs]
     if not results:
         return None, []
     inside, released_after = [], []

@@ -41,6 +41,7 @@ Outputs left out keep their inferred layout, except that a partial sum is finish
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, replace
 
 from pardsl.language.diagnostics import DiagnosticSink
@@ -101,7 +102,7 @@ class TypedGraph:
     nodes: dict[str, TypedNode]  # op nodes, graph order
     placeholder_layouts: dict[str, Layout]  # parameters, buffers, inputs
     output_layouts: list[Layout]  # per flat output
-    requires_grad: set[str]
+    requires_grad: frozenset[str]
     candidates: dict[str, list[list[Candidate]]]  # per op node, per mesh axis: what was chosen among
     # the mesh axes whose integer program, the others fixed as this plan has them, proved this plan its
     # optimum (search.search): deciding such an axis alone again from this plan finds it again
@@ -184,9 +185,23 @@ def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
     return specs
 
 
+# prepare's answers per traced graph: a compile asks for them once per search, recipe and greedy completion
+# (nine times for a searched 80-layer model, most of a second each), and all of those share one graph
+_PREPARED: "weakref.WeakKeyDictionary[object, dict[tuple, tuple]]" = weakref.WeakKeyDictionary()  # per torch.fx.Graph
+
+
 def prepare(bound: BoundPlan):
     """What inference and the search both start from: each op's dim spec (unsupported ops are E060), the
-    op nodes in graph order, the placeholders, each op's tensor operands, and what needs a gradient."""
+    op nodes in graph order, the placeholders, each op's tensor operands, and what needs a gradient.
+    Read-only: the answers are shared by every caller with the same graph."""
+    key = (frozenset(bound.trained_parameters), tuple(bound.outputs), tuple(bound.scalars.items()))
+    answers = _PREPARED.setdefault(bound.graph, {})
+    if key not in answers:
+        answers[key] = _prepared(bound)
+    return answers[key]
+
+
+def _prepared(bound: BoundPlan):
     sink = DiagnosticSink(bound.par.source)
     specs = _check_ops(bound, sink)
     sink.raise_if_any()
@@ -204,7 +219,7 @@ def prepare(bound: BoundPlan):
     for node in reversed(graph_nodes):
         if node.name in reaches_output:
             reaches_output.update(o for o in operands[node.name] if o in requires_grad)
-    return specs, graph_nodes, placeholders, operands, requires_grad & reaches_output
+    return specs, graph_nodes, placeholders, operands, frozenset(requires_grad & reaches_output)
 
 
 def infer(bound: BoundPlan) -> TypedGraph:
@@ -260,9 +275,25 @@ def infer(bound: BoundPlan) -> TypedGraph:
             else:
                 free.add(name)
         synced: set[str] = set()  # broadcast values whose backward all-reduce is already counted
-        bought: set[tuple[str, Placement]] = set()  # conversions already paid for on this axis
+        bought: dict[str, set[Placement]] = {}  # per value, the conversions already paid for on this axis
+        # Pricing an op reads only what `context` keys: the n repeated layers of a model price the same
+        # way, once (an 80-layer model's greedy completion took seconds a layer before)
+        priced_in: dict[tuple, list[Candidate]] = {}
 
-        for node in graph_nodes:
+        def context(node) -> tuple:
+            """Everything the op's candidates depend on, with no name in it."""
+            def held(o: str) -> tuple:
+                info = bound.tensors[o]
+                return (info.shape, info.itemsize, o in free, tuple(value[o]), o in requires_grad,
+                        o in bound.parameters, o in bound.pins, o in synced, frozenset(bought.get(o, ())))
+
+            pin, info = bound.pins.get(node.name), bound.tensors[node.name]
+            return (specs[node.name], rule_for(node).unhidden_gathers, info.shape, info.itemsize,
+                    tuple(op_out[node.name]), tuple(value[node.name]), tuple(map(tuple, needs[node.name])),
+                    None if pin is None else pin.layout.placements[axis], node.name in requires_grad,
+                    frozenset(bought.get(node.name, ())), tuple(held(o) for o in operands[node.name]))
+
+        def price(node) -> list[Candidate]:
             spec = specs[node.name]
             names = operands[node.name]
             pin = bound.pins.get(node.name)
@@ -307,7 +338,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     conversions.append((node.name, signature.output, pin.layout.placements[axis],
                                         node.name in requires_grad, True))
                 for name, source, target, grad, written in conversions:
-                    if source == target or (name, target) in bought:
+                    if source == target or target in bought.get(name, ()):
                         continue
                     if not data_axis and name in bound.parameters and name in bound.pins and source.is_split:
                         unwritten += 1
@@ -337,6 +368,15 @@ def infer(bound: BoundPlan) -> TypedGraph:
                 compute = local_bytes(node.name, B if replicated_operands else signature.output)
                 priced.append(Candidate(signature, forward, backward, deferred, changes, compute, index,
                                         unwritten=unwritten))
+            return priced
+
+        for node in graph_nodes:
+            key = context(node)
+            if key not in priced_in:
+                priced_in[key] = price(node)
+            priced = priced_in[key]
+            names = operands[node.name]
+            pin = bound.pins.get(node.name)
             assert priced, f"no legal signature for {node.name}"  # all-B always fits
             cheapest = min(priced, key=lambda candidate: candidate.key)
             candidates[node.name].append([replace(c, chosen=True) if c is cheapest else c for c in priced])
@@ -346,7 +386,7 @@ def infer(bound: BoundPlan) -> TypedGraph:
                     value[o].append(B if req == P or req.mirrored else req)
                     free.discard(o)
                 if value[o][axis] != req:
-                    bought.add((o, req))
+                    bought.setdefault(o, set()).add(req)
                 if req == B and best.output != B:
                     synced.add(o)
                 needs[node.name][slot].append(req)

@@ -283,7 +283,7 @@ class GraphFacts:
     graph_nodes: list
     placeholders: list[str]
     operands: dict[str, tuple[str, ...]]
-    requires_grad: set[str]
+    requires_grad: frozenset[str]
     flops: dict[str, int]
     cut_blocks: dict[str, dict[str, set[tuple[int, bool]]]]
     gather_unit: dict[str, str]

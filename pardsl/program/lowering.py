@@ -732,8 +732,9 @@ class _Lowerer:
     def _intermediate_name(self, final: str, layout: Layout) -> str:
         """A step on the way to `final`, named by its own layout unless a conversion already uses that name."""
         name = f"{final.rsplit('__', 1)[0].removeprefix('self.')}__{_tag(layout)}"
-        taken = set(self.conversion_var.values()) | self.emitted | set(self.var.values())
-        while name in taken:
+        # membership in the dicts' views, not sets built of them: asked once per conversion step, and a
+        # set of every name an 80-layer program has so far took a millisecond each time
+        while name in self.emitted or name in self.conversion_var.values() or name in self.var.values():
             name += "_"
         self.emitted.add(name)
         return name
