@@ -2,6 +2,7 @@
 repeated layers solved once, and searched plans that run equal to serial and cost no more than the
 hand-written ones by the cost model."""
 
+import math
 import itertools
 import re
 
@@ -167,6 +168,33 @@ def test_the_plan_nearest_the_bound_starts_from_the_least_excess_found(monkeypat
     for row, (terms, low, high) in enumerate(last.rows):  # a plan of the program the hint is given to
         if row != memory_row:
             assert low - 1e-9 <= sum(v * hint[c] for c, v in terms.items()) <= high + 1e-9
+
+
+def test_branch_and_bound_stops_without_a_plan_at_first_plan_s_and_once_its_plan_has_stood_stall_s():
+    """The solver's interrupt rule, as HiGHS calls it during one solve: no plan by FIRST_PLAN_S stops it
+    (the bound taken as unmet); a plan found goes on in the same tree until no plan better by STALL_GAIN
+    has come for STALL_S."""
+    from types import SimpleNamespace
+
+    def asked(rule, elapsed: float, found: float) -> bool:
+        event = SimpleNamespace(data_out=SimpleNamespace(running_time=elapsed, mip_primal_bound=found),
+                                stopped=False)
+        event.interrupt = lambda: setattr(event, "stopped", True)
+        rule(event)
+        return event.stopped
+
+    rule = solver._stopping_rule()
+    assert not asked(rule, solver.FIRST_PLAN_S - 0.1, math.inf)
+    assert asked(rule, solver.FIRST_PLAN_S + 0.1, math.inf)
+    rule = solver._stopping_rule()
+    assert not asked(rule, 1.0, 0.30)  # the first plan
+    assert not asked(rule, 1.0 + solver.STALL_S - 0.1, 0.30 * (1 - solver.STALL_GAIN / 2))  # within the gap: no news
+    assert asked(rule, 1.0 + solver.STALL_S + 0.1, 0.30 * (1 - solver.STALL_GAIN / 2))
+    rule = solver._stopping_rule()
+    assert not asked(rule, 1.0, 0.30)
+    assert not asked(rule, 1.5, 0.25)  # a better plan: the clock starts again
+    assert not asked(rule, 1.5 + solver.STALL_S - 0.1, 0.25)
+    assert asked(rule, 1.5 + solver.STALL_S + 0.1, 0.25)
 
 
 def test_a_descents_move_whose_program_gives_no_plan_is_not_made(compile_par, monkeypatch):
