@@ -190,6 +190,9 @@ def test_branch_and_bound_stops_without_a_plan_at_first_plan_s_and_once_its_plan
     assert not asked(rule, 1.0, 0.30)  # the first plan
     assert not asked(rule, 1.0 + solver.STALL_S - 0.1, 0.30 * (1 - solver.STALL_GAIN / 2))  # within the gap: no news
     assert asked(rule, 1.0 + solver.STALL_S + 0.1, 0.30 * (1 - solver.STALL_GAIN / 2))
+    rule = solver._stopping_rule(cutoff=0.30)  # HiGHS reports the cutoff as its bound until a plan beats it
+    assert not asked(rule, solver.STALL_S + 0.1, 0.30)
+    assert asked(rule, solver.FIRST_PLAN_S + 0.1, 0.30)
     rule = solver._stopping_rule()
     assert not asked(rule, 1.0, 0.30)
     assert not asked(rule, 1.5, 0.25)  # a better plan: the clock starts again

@@ -98,6 +98,9 @@ class BoundPlan:
     # key/value projections whose weights are repeated by heads (grouped_query.Regrouped, with the heads
     # and the ranks): a plan splits them over more ranks than there are heads
     regrouped: tuple = ()
+    # what the stages after binding derive from the graph alone, kept for the next asker (inference.prepare);
+    # a bound remade for another mesh or a recipe (dataclasses.replace) shares it with its graph
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def trained_parameters(self) -> list[str]:

@@ -41,7 +41,6 @@ Outputs left out keep their inferred layout, except that a partial sum is finish
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, replace
 
 from pardsl.language.diagnostics import DiagnosticSink
@@ -185,20 +184,18 @@ def _check_ops(bound: BoundPlan, sink: DiagnosticSink) -> dict[str, DimSpec]:
     return specs
 
 
-# prepare's answers per traced graph: a compile asks for them once per search, recipe and greedy completion
-# (nine times for a searched 80-layer model, most of a second each), and all of those share one graph
-_PREPARED: "weakref.WeakKeyDictionary[object, dict[tuple, tuple]]" = weakref.WeakKeyDictionary()  # per torch.fx.Graph
-
-
 def prepare(bound: BoundPlan):
     """What inference and the search both start from: each op's dim spec (unsupported ops are E060), the
     op nodes in graph order, the placeholders, each op's tensor operands, and what needs a gradient.
-    Read-only: the answers are shared by every caller with the same graph."""
-    key = (frozenset(bound.trained_parameters), tuple(bound.outputs), tuple(bound.scalars.items()))
-    answers = _PREPARED.setdefault(bound.graph, {})
-    if key not in answers:
-        answers[key] = _prepared(bound)
-    return answers[key]
+    Read-only: kept with the bound (BoundPlan.derived) and shared by every caller, as a compile asks for it
+    once per search, recipe and greedy completion (nine times for a searched 80-layer model, most of a
+    second each)."""
+    key = ("prepare", id(bound.graph), frozenset(bound.trained_parameters), tuple(bound.outputs),
+           tuple(bound.scalars.items()))
+    kept = bound.derived.get(key)
+    if kept is None or kept[0] is not bound.graph:  # an id is unique only while its graph lives
+        kept = bound.derived[key] = (bound.graph, _prepared(bound))
+    return kept[1]
 
 
 def _prepared(bound: BoundPlan):

@@ -112,11 +112,12 @@ class IntegerProgram:
             highs.setSolution(len(indices), np.array(indices, dtype=np.int32),
                               np.array([hint[i] for i in indices], dtype=float))
         highs.setOptionValue("time_limit", TIME_LIMIT_S)
-        highs.cbMipInterrupt.subscribe(_stopping_rule())
+        highs.cbMipInterrupt.subscribe(_stopping_rule(self.cutoff))
         highs.run()
         status = highs.getModelStatus()
         if status in (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kInterrupt) and \
-                highs.getInfo().primal_solution_status != 2:  # no plan within the bound found
+                (highs.getInfo().primal_solution_status != 2 or
+                 highs.getInfo().objective_function_value >= self.cutoff):  # no plan within the bounds found
             return "infeasible", []
         status = highspy.HighsModelStatus.kTimeLimit if status == highspy.HighsModelStatus.kInterrupt else status
         if status == highspy.HighsModelStatus.kInfeasible:
@@ -183,17 +184,18 @@ class IntegerProgram:
         return lp
 
 
-def _stopping_rule() -> Callable:
+def _stopping_rule(cutoff: float = math.inf) -> Callable:
     """HiGHS's interrupt callback for one solve: branch and bound stops at FIRST_PLAN_S where it has found
     no plan yet, and where it has, once STALL_S pass without a plan better by STALL_GAIN. Both in
     one tree: stopping at FIRST_PLAN_S and starting again from the plan, as this did before, threw away
-    the tree and its cuts."""
+    the tree and its cuts. Under a `cutoff` (IntegerProgram.cutoff), HiGHS reports the cutoff as its
+    primal bound until a plan beats it: no plan yet."""
     best, since = math.inf, 0.0
 
     def interrupt(event) -> None:
         nonlocal best, since
         elapsed, found = event.data_out.running_time, event.data_out.mip_primal_bound
-        if not math.isfinite(found):
+        if not math.isfinite(found) or found >= cutoff:
             if elapsed > FIRST_PLAN_S:
                 event.interrupt()
         elif not math.isfinite(best) or found < best - abs(best) * STALL_GAIN:
