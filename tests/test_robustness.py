@@ -255,7 +255,7 @@ def test_a_rank_that_exits_or_raises_is_named_with_its_code_or_error(tmp_path, k
 
 @pytest.mark.parametrize("kind, code", [("exit", "run-failed"), ("sleep", "run-failed"), ("bad-model", "E021")])
 def test_run_json_prints_one_object_when_a_rank_crashes_stalls_or_the_file_is_wrong(tmp_path, kind, code):
-    result, _ = _run_faulty(tmp_path, kind, "--json", "--stall-timeout", "5")
+    result, _ = _run_faulty(tmp_path, kind, "--json", "--stall-timeout", "15")
     assert result.returncode == 1
     report = json.loads(result.stdout)  # the whole of stdout: one object
     assert report["ok"] is False and [e["code"] for e in report["errors"]] == [code], report
@@ -296,11 +296,12 @@ def test_dryrun_says_when_one_ranks_inputs_do_not_fit_this_machine_before_alloca
 
 
 def test_a_rank_that_stops_making_progress_is_named_soon_after(tmp_path):
-    result, seconds = _run_faulty(tmp_path, "sleep", "--stall-timeout", "5")
+    # 15 s: at 5 s a busy machine's rank 0, building the serial model, was named instead
+    result, seconds = _run_faulty(tmp_path, "sleep", "--stall-timeout", "15")
     assert result.returncode == 1
     assert result.stderr.startswith("pardsl: run failed: rank 1 stopped making progress: its last step was "
                                     "'step 1: the serial model'"), result.stderr
-    assert seconds < 90  # start-up, compile, then 5 s without progress (the collective timeout is 300 s)
+    assert seconds < 100  # start-up, compile, then 15 s without progress (the collective timeout is 300 s)
     assert subprocess.run(["pgrep", "-f", "Faulty"], capture_output=True).stdout == b""
 
 
