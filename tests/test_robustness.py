@@ -296,7 +296,7 @@ def test_dryrun_says_when_one_ranks_inputs_do_not_fit_this_machine_before_alloca
 
 
 def test_a_rank_that_stops_making_progress_is_named_soon_after(tmp_path):
-    # 15 s: at 5 s a busy machine's rank 0, building the serial model, was named instead
+    # 15 s: on a busy machine, building the serial model could outlast a 5 s stall timeout
     result, seconds = _run_faulty(tmp_path, "sleep", "--stall-timeout", "15")
     assert result.returncode == 1
     assert result.stderr.startswith("pardsl: run failed: rank 1 stopped making progress: its last step was "
