@@ -59,7 +59,8 @@ MEGATRON_SP = [f"model.model.layers.*.self_attn.{p}_proj.weight : S(0)" for p in
 
 @pytest.mark.parametrize("mesh, layouts, recompute", [
     ("dp = 2", ["input_ids : S(0)"], "recompute model.model.layers.*"),
-    ("dp = 2", ZERO3, ""),
+    # ZeRO-3 without recomputation is left to make test-slow: its sibling below recomputes the same plan
+    pytest.param("dp = 2", ZERO3, "", marks=pytest.mark.slow),
     ("dp = 2", ZERO3, "recompute model.model.layers.*"),
     ("tp = 2", MEGATRON_SP, "recompute model.model.layers.* : selective"),
 ])
