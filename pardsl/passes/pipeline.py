@@ -10,9 +10,10 @@ stages instead of shards. What that changes, stage by stage of the compiler:
 - the lowered program is cut (`split_program`): each statement goes to the stage of the op it is there for,
   where the ops of the submodule named in a cut, and everything after, start a new stage. A value made in
   one stage and read in a later one crosses every boundary between, as a stage output and the next stage's
-  input (point-to-point, sent by torch.distributed.pipelining's stage). Values computed from parameters
-  alone (a transposed or gathered weight) are recomputed in each stage that reads them instead: parameters
-  never cross. A parameter read by several stages (tied embeddings) is held by each of them, and its
+  input (point-to-point, sent by torch.distributed.pipelining's stage). Values computed from parameters,
+  buffers and constants alone (a transposed or gathered weight, an attention mask or rotary table built
+  from positions) are recomputed in each stage that reads them instead: parameters never cross, nor a
+  causal mask that would take a receive buffer of [seq, seq] per micro-batch. A parameter read by several stages (tied embeddings) is held by each of them, and its
   gradient summed over their ranks once per step (Megatron's embedding all-reduce);
 - each stage's gradient buckets and gather groups are its own.
 
@@ -32,7 +33,7 @@ import torch
 from pardsl.language.diagnostics import CompileError, Diagnostic, DiagnosticSink
 from pardsl.language.syntax import ParFile, PipelineDecl
 from pardsl.layouts.algebra import B
-from pardsl.layouts.oprules import is_drawn_whole, op_name
+from pardsl.layouts.oprules import is_drawn_whole, is_random, op_name
 from pardsl.planning.cost import default_machine, op_costs, repeated_layer
 from pardsl.program.ir import OutputSlot, Statement, TensorSlot
 from pardsl.runtime.schedules import SCHEDULES, micro_batches_held, schedule_class, stages_of_rank
@@ -263,11 +264,16 @@ def split_program(typed, stage_of: dict[str, int], stages: int, statements: list
         for target in statement.targets:
             definer[target] = index
     reads = [[v for v in statement.instruction.reads() if not v.startswith("self.")] for statement in statements]
-    from_parameters: set[int] = set()  # statements computed from parameters and buffers alone
+    # statements computed from parameters, buffers and constants alone (a gathered weight; an attention
+    # mask or rotary table built from positions): made again in each stage that reads them, not sent,
+    # which would keep a receive buffer per micro-batch (a causal mask's is [seq, seq]); a random draw is
+    # made once
+    drawn = {node.name for node in typed.bound.graph.nodes if node.op == "call_function" and is_random(node)}
+    from_parameters: set[int] = set()
     for index, statement in enumerate(statements):
         everything = statement.instruction.reads()
-        if everything and all(v.startswith("self.") or (v in definer and definer[v] in from_parameters)
-                              for v in everything):
+        if statement.node not in drawn and all(v.startswith("self.") or (v in definer and definer[v] in from_parameters)
+                                               for v in everything):
             from_parameters.add(index)
     stage_of_statement: list[int] = []
     for index, statement in enumerate(statements):

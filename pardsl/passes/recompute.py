@@ -334,6 +334,7 @@ def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgr
 
     for name in region.instruction.reads():
         if name in values:
+            name = _storage(name, program, kept.owner)  # a view read holds its base: counted once, there
             if values[name].get("kind") != "placeholder":
                 values[name] = {**values[name], "held_here": True}
         elif (made := _made(program, name)) is not None and made.node in values and made.layouts:
@@ -381,6 +382,21 @@ def _small_products(region: Statement, typed: TypedGraph) -> frozenset[str]:
 
 def _made(program: LoweredProgram, name: str) -> Statement | None:
     return next((statement for statement in program.statements if name in statement.targets), None)
+
+
+def _storage(name: str, program: LoweredProgram, owner: dict[str, str]) -> str:
+    """The value whose storage `name` is: the owner of a view (an expanded mask is its unexpanded
+    tensor), where the program makes each view in the chain from the one before as it is (no conversion
+    between makes a copy); else `name` itself."""
+    root, current = owner.get(name, name), name
+    while current != root:
+        made = _made(program, current)
+        read = next((r for r in made.instruction.reads() if r == root or owner.get(r) == root), None) \
+            if made is not None else None
+        if read is None:
+            return name
+        current = read
+    return root
 
 
 def repeated_units(program: LoweredProgram, typed: TypedGraph) -> list[str]:

@@ -421,12 +421,15 @@ def _computed_split_where_read_split(bound, graph_nodes, specs, operands, requir
         if len(wanted) != 1:
             continue
         target = wanted.pop()
-        if not target.is_split or target.blocks != 1 or target.mirrored:
+        if not target.is_split:
             continue
         result = Layout(tuple(value[name][:axis]) + (target,) + tuple(value[name][axis + 1:]))
         if not result.fits(bound.tensors[name].shape, mesh):
             continue
-        for signature in signatures(specs[name]):
+        # a split in blocks (a zig-zag one under ring attention) is made in the same blocks from sliced operands
+        letter = specs[name].output[target.dim]
+        offered = {letter: {target.arrangement}} if target.arrangement != (1, False) and letter is not None else {}
+        for signature in signatures(specs[name], offered):
             if signature.output != target or signature.name or signature.inner_collectives:
                 continue
             takes = list(zip(operands[name], signature.operands))
@@ -437,7 +440,14 @@ def _computed_split_where_read_split(bound, graph_nodes, specs, operands, requir
                 for slot, (_, req) in enumerate(takes):
                     needs[name][slot][axis] = req
                 op_out[name][axis] = value[name][axis] = target
-                candidates[name][axis] = [replace(c, chosen=c.signature == signature) for c in candidates[name][axis]]
+                options = candidates[name][axis]
+                if not any(c.signature == signature for c in options):
+                    # a signature in blocks inference did not price (none was offered it): priced as the whole
+                    # one it replaces, the same bytes moved (none), 1/n of the work
+                    whole = next(c for c in options if c.chosen)
+                    options = options + [replace(whole, signature=signature, compute=whole.compute // mesh.axis_sizes[axis],
+                                                 index=len(options))]
+                candidates[name][axis] = [replace(c, chosen=c.signature == signature) for c in options]
                 break
 
 
