@@ -361,6 +361,20 @@ def test_a_searched_pipeline_keeps_within_the_memory_bound():
     assert all(not option.within_bound for option in serial.pipeline_options if option.step_s < kept.step_s)
 
 
+def test_a_searched_pipeline_counts_recomputed_layers_as_the_compiled_plan_does():
+    """Every layer recomputed, schedule, micro-batches and cuts searched: the option kept is priced at
+    the memory its compiled plan holds (one memory model for the search, the plan and explain), each
+    rank counting the layers' inputs per micro-batch in flight and one layer made again at a time (the
+    measured side: test_recompute.py)."""
+    from pardsl.planning.cost import pipelined_memory_per_rank
+
+    text = llama("pp : schedule ?, microbatches ?, cut ?", layers=4, extra="recompute model.model.layers.*\n")
+    compiled = compile_text(text.replace("[8, 16]", "[8, 256]"), "plan.par")
+    kept = compiled.pipeline_options[0]
+    held = pipelined_memory_per_rank(compiled.stages, compiled.pipeline)
+    assert 0.98 <= kept.memory / held["total"] <= 1.0
+
+
 def test_a_searched_pipeline_trains_equal_to_serial(trained):
     compiled = compile_text(SEARCHED, "plan.par")
     ranks = trained(SEARCHED, 2, "HFLlama", 4)

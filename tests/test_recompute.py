@@ -506,6 +506,30 @@ def test_recomputed_layers_in_pipeline_stages_run_equal_to_serial(pools, compile
     assert "forward_bytes" not in report["memory"]  # forwards and backwards interleave: no end of forward
 
 
+def test_a_pipeline_rank_makes_one_region_again_at_a_time_whatever_it_holds_in_flight(pools, compile_par):
+    """1F1B over two stages of two recomputed layers, four micro-batches: the first rank holds two
+    micro-batches in flight, the second one. Each keeps only its layers' inputs per micro-batch; a layer's
+    other activations are made again in its backward, one micro-batch at a time. So the first rank's
+    estimate counts its kept activations twice and its largest region once, and measured, it holds less
+    than one region more than the second rank (counted once per micro-batch in flight, a region more)."""
+    from pardsl.planning.cost import pipeline_rank_memory
+
+    text = open(os.path.join(REPO, "examples/hf_llama_pp2.par")).read().replace(
+        "layers=2)", 'layers=4, attention="sdpa")').replace("layers.1", "layers.2").replace(
+        "int64[8, 16]", "int64[8, 256]") + "recompute model.model.layers.*\n"
+    compiled = compile_par(text)
+    first = compiled.stages[0].memory()
+    again = first["activations_made_again_per_rank"]
+    kept = first["activations_per_rank"] - again
+    assert again > kept > 0
+    held = [pipeline_rank_memory(list(compiled.stages), compiled.pipeline, rank) for rank in range(2)]
+    assert held[0]["activations"] == 2 * kept + again
+    report = run_on(pools, compiled, steps=2)
+    assert report["ok"], report
+    peaks = report["memory"]["peak_bytes"]
+    assert 0 < peaks[0] - peaks[1] < again, (peaks, kept, again)
+
+
 def test_under_a_bound_a_pipeline_recomputes_layers_of_the_rank_that_holds_most(pools, compile_par):
     """1F1B over two stages of two layers, four micro-batches: the first rank holds the most micro-batches'
     activations, so under a bound that only it exceeds, its layers are recomputed and the second rank's

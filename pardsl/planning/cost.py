@@ -792,7 +792,8 @@ def pipelined_memory_per_rank(stages, plan, optimizer: str = "adamw") -> dict[st
 def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> dict[str, int]:
     """What the rank at `rank` along the pipeline axis holds: its stages' parameters, gradients, optimizer
     state and gathered parameters, each stage's activations for one micro-batch times the micro-batches
-    it holds at once under the schedule, and torch's stage buffers (stage_buffer_slots). `peak` is the
+    it holds at once under the schedule (a recomputed region's, made again in backward, once: the rank's
+    largest), and torch's stage buffers (stage_buffer_slots). `peak` is the
     larger of two moments, each with the gradient a micro-batch's backward makes before it is added to the
     one held (the largest of the rank's): every micro-batch in flight, or the step's last backward, one
     micro-batch's activations beside the buffers of the gradient buckets it fills."""
@@ -800,7 +801,7 @@ def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> d
     axis_size = mesh.axis_sizes[mesh.axis_index(plan.axis)]
     in_flight = stage_micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank,
                                          len(stages) // axis_size)
-    one_micro_batch = 0
+    one_micro_batch = made_again = 0
     held = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "gathered_parameters": 0,
             "compute_copies": 0, "stage_buffers": 0}
     host: dict[str, int] = {}  # offloaded stages' host memory, apart
@@ -808,9 +809,14 @@ def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> d
     for stage in stages_of_rank(rank, axis_size, len(stages), plan.schedule):
         program = stages[stage]
         memory = memory_per_rank(program, optimizer)
-        for key in held.keys() - {"stage_buffers"}:
-            held[key] += memory[key] * (in_flight[stage] if key == "activations" else 1)
-        one_micro_batch += memory["activations"]
+        # a rank runs one micro-batch's backward at a time: the recomputed region it makes again is one
+        # region's activations at once (its stages' largest), not one per micro-batch in flight
+        again = program.memory()["activations_made_again_per_rank"]
+        made_again = max(made_again, again)
+        for key in held.keys() - {"stage_buffers", "activations"}:
+            held[key] += memory[key]
+        held["activations"] += (memory["activations"] - again) * in_flight[stage]
+        one_micro_batch += memory["activations"] - again
         for key in (k for k in memory if k.startswith("host_")):
             host[key] = host.get(key, 0) + memory[key]
         received, returned = stage_buffer_slots(stages, stage)
@@ -819,6 +825,8 @@ def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> d
         arriving = max([arriving] + [_nbytes(p.local_shape, reduce_dtype or _dtype(p.dtype))
                                      for p in program.parameters if p.requires_grad])
         buckets += sum(bucket.nbytes for bucket in program.buckets)
+    held["activations"] += made_again
+    one_micro_batch += made_again
     held["total"] = sum(held.values())
     held["peak"] = held["total"] - held["activations"] + arriving + max(held["activations"], one_micro_batch + buckets)
     held.update(host)

@@ -85,7 +85,7 @@ class SegmentMemory:
     lowered cut at every layer boundary, the compile's passes applied (recomputation, precision), so
     that a stage of segments i to j is priced as the stage compiled there is. Activations are one
     micro-batch's at the traced size: `kept` what each segment keeps for backward, `region` the largest
-    recomputed region it makes again (backward makes one region's at a time: a stage adds its largest);
+    recomputed region it makes again (backward makes one region's at a time: a rank adds its stages' largest once);
     `received` and `returned` the bytes of torch's stage buffers a stage starting (ending) there keeps
     per micro-batch (cost.stage_buffer_slots)."""
 
@@ -406,15 +406,25 @@ class _Held:
             self.in_flight.update(stage_micro_batches_held(schedule, m, ranks, rank, stages // ranks))
 
     def stage(self, k: int, i: int, j: int) -> int:
+        """What stage k of segments i to j holds, alone on its rank."""
+        return self.held_across_micro_batches(k, i, j) + self.made_again(i, j)
+
+    def held_across_micro_batches(self, k: int, i: int, j: int) -> int:
+        """The stage's states, gathered groups and buffers, and what it keeps of each micro-batch in flight."""
         memory, rows = self.memory, self.rows
         in_flight = self.in_flight[k]
         # inside a stage, what one segment sends the next (the part a gradient comes back for) is an
         # activation the stage holds: a recomputed layer's input, kept for its region
-        activations = rows * (sum(memory.kept[i:j]) + sum(memory.returned[i:j - 1]) + max(memory.region[i:j]))
+        activations = rows * (sum(memory.kept[i:j]) + sum(memory.returned[i:j - 1]))
         # the stage's gather groups: the largest two neighbours whole at once (memory_per_rank's count)
         gathered = max([memory.gathered[a] + memory.gathered[a + 1] for a in range(i, j - 1)] or [memory.gathered[i]])
         buffers = self.m * rows * ((memory.received[i] if k > 0 else 0) + (memory.returned[j - 1] if k < self.stages - 1 else 0))
         return int(sum(memory.states[i:j]) + gathered + in_flight * activations + buffers)
+
+    def made_again(self, i: int, j: int) -> int:
+        """The largest recomputed region of segments i to j: a rank runs one micro-batch's backward at a
+        time, so it makes one region's activations again at once, whatever it holds in flight."""
+        return int(self.rows * max(self.memory.region[i:j]))
 
 
 def _priced(times, weights, sends, held: _Held | None, cut: list[int], ranks: int, per_rank: int,
@@ -424,10 +434,12 @@ def _priced(times, weights, sends, held: _Held | None, cut: list[int], ranks: in
     prefix = [0.0, *itertools.accumulate(times)]
     stage_times = [_stage_seconds(prefix, sends, i, j) for i, j in zip(cut, cut[1:])]
     stage_weights = [sum(weights[i:j]) for i, j in zip(cut, cut[1:])]
-    memory, work, weight = [0] * ranks, [0.0] * ranks, [0.0] * ranks
+    memory, made_again, work, weight = [0] * ranks, [0] * ranks, [0.0] * ranks, [0.0] * ranks
     for k, (i, j) in enumerate(zip(cut, cut[1:])):
         rank = rank_of_stage(k, ranks, schedule)
-        memory[rank] += held.stage(k, i, j) if held is not None else 0
+        if held is not None:
+            memory[rank] += held.held_across_micro_batches(k, i, j)
+            made_again[rank] = max(made_again[rank], held.made_again(i, j))
         work[rank] += stage_times[k]
         weight[rank] += stage_weights[k]
     slowest = max(range(ranks), key=lambda r: work[r])
@@ -440,7 +452,7 @@ def _priced(times, weights, sends, held: _Held | None, cut: list[int], ranks: in
         step = m * w + (ranks - 1) * max(0.0, w - 3 * w_weight) / per_rank
     else:
         step = m * w + (ranks - 1) * w / per_rank
-    return step, max(memory)
+    return step, max(held + again for held, again in zip(memory, made_again))
 
 
 def pipelined_step_seconds(compiled, machine: Machine) -> float:

@@ -305,6 +305,7 @@ class LoweredProgram:
             "parameters_trained_total": sum(nbytes(p.shape, p.dtype) for p in self.parameters if p.requires_grad),
             "activations_per_rank": sum(size for _, size, _, region in held if not region) +
             max(again.values(), default=0),
+            "activations_made_again_per_rank": max(again.values(), default=0),
             "parameter_copies_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
                                              if v["kind"] == "copy" and v["parameter"]),
             "activations_total": sum(nbytes(v["shape"], v["dtype"]) for v in self.values.values()
