@@ -225,3 +225,29 @@ def test_a_pipeline_completed_op_by_op_builds_each_ranks_mask_rows_zigzag_in_eve
                                                  "backward": {"cp:all_reduce": 1, "cp:send": 3}}
     report = run_on(pools, compiled, steps=2)
     assert report["ok"], report
+
+
+def test_ring_attention_moves_each_forward_message_while_its_step_computes():
+    """Forward, the keys and values travel on while the step's blocks are computed from them: on a GPU
+    machine each of the n - 1 forward sends hides behind a step's share of its attention's compute (the
+    machine's overlap of it); backward's messages carry the gradients the step adds to, and stall. CPU
+    ranks share their cores: nothing hides there."""
+    from pardsl.planning.cost import DEFAULTS, estimate, machine_named
+
+    compiled = compile_text(_llama(4, 16384, "30 %"), "examples/long.par")
+    gpu = machine_named("h100-nvlink-ib", "nccl")
+    result = estimate(compiled, gpu)
+    attention = {o.node: o.forward_s for o in result.ops if o.op == "scaled_dot_product_attention.default"}
+    sends = [c for c in result.collectives if c.kind == "send"]
+    forward = [c for c in sends if c.phase == "forward"]
+    assert len(forward) == 2 * 3 and len(attention) == 2  # n - 1 a layer
+    step_s = min(attention.values()) / 4
+    for c in forward:
+        assert c.beside_step_s == pytest.approx(gpu.overlap * min(c.seconds, step_s), rel=0.05) and c.beside_step_s > 0
+    assert all(c.beside_step_s == 0 for c in sends if c.phase == "backward")
+    # the step counts what stalls: the sends' seconds less what hid beside their steps
+    hidden = sum(c.beside_step_s for c in forward)
+    ops = sum(o.forward_s + o.backward_s for o in result.ops)
+    stalled = sum(c.seconds - c.hidden_s for c in result.collectives if not c.overlapped) - hidden
+    assert result.step_s == pytest.approx(ops + stalled + result.seconds["overlapped_exposed"], rel=1e-9)
+    assert all(c.beside_step_s == 0 for c in estimate(compiled, DEFAULTS["gloo"]).collectives)

@@ -563,6 +563,9 @@ class InnerCollective:
     # or send: one message of these values to a neighbour; or all_to_all
     routed: bool = False  # the values sent follow the data (a mixture's routing): these are a balanced one's
     around_the_ring: bool = False  # one send per step around the ring of the axis's ranks: n - 1 of them
+    # it travels while the form computes a step from what it carries (ring attention's forward): hidden
+    # behind that step's share of the op's compute, as far as the machine overlaps the two
+    beside_its_step: bool = False
     # and this many values per value of operand 0's local shape (other tensors, sized in proportion to it
     # where another axis splits them alike: ring attention's keys and values, by the queries' local shape)
     per_value: float = 0.0
@@ -1032,7 +1035,7 @@ def _letters_attention(node: torch.fx.Node, rule: Rule, shapes: list, out_shape:
         per_query = shapes[1][-3] * (shapes[1][-1] + shapes[2][-1]) / (shapes[0][-3] * shapes[0][-1])
         sends = (
             InnerCollective(0, per_value=per_query, what="keys and values to the next rank", kind="send",
-                            around_the_ring=True),
+                            around_the_ring=True, beside_its_step=True),
             InnerCollective(0, per_value=2 * per_query, what="keys, values and their gradients to the next rank",
                             kind="send", phase="backward", itemsize=4, around_the_ring=True),
             InnerCollective(0, per_value=per_query, what="the keys' and values' gradients home", kind="send",

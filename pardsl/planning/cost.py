@@ -293,6 +293,7 @@ class CollectiveCost:
     # linear), not the op that reads it whole, which may be in the next layer
     module: str = ""
     hidden_s: float = 0.0  # of `seconds`, what moves beside a product in a collective matmul's chunks
+    beside_step_s: float = 0.0  # of `seconds`, what moves while its op computes a step (ring attention's)
 
 
 @dataclass
@@ -397,6 +398,7 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
     # (collective, its layer, whether it is off the critical path, whether a gradient bucket's)
     placed = []
     order = {name: index for index, name in enumerate(typed.nodes)}  # which op comes later, for needed_by
+    made_by: dict[int, str] = {}  # a message that moves beside its op's steps: that op
     for statement in program.statements:
         for c in statement.collectives:
             # a recomputed region's: the statement of its body that runs it (none for those made again)
@@ -405,6 +407,8 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
             if not module and statement.body:  # a region's parameters gathered again: the region's layer's
                 module = layer_of(next((bound.module_paths[inside.node] for inside in statement.body
                                         if inside.node in bound.module_paths), ""))
+            if c.steps:
+                made_by[id(c)] = runs.node
             placed.append((c, layer_of(module), False, False, module, c.reason))
     parameter_names = {slot.var: slot.name for slot in program.parameters}
     for group in program.gathers:
@@ -425,13 +429,14 @@ def estimate(compiled, machine: Machine, optimizer: str = "adamw") -> Estimate:
     asked = bound.par.substitution("collective_matmul") == "on"
     costs = []
     for c, layer, overlapped, bucket, module, reason in placed:
-        saved = collective_matmul_saving(machine, mesh, c, forward_s)
-        costs.append(CollectiveCost(c.kind, c.axis, c.phase, c.bytes, collective_seconds(machine, mesh, c), layer,
-                                    reason, overlapped, bucket, module, saved if asked else max(0.0, saved)))
+        seconds, chunked, beside_step = collective_hiding(machine, mesh, c, forward_s, made_by.get(id(c), ""), asked)
+        costs.append(CollectiveCost(c.kind, c.axis, c.phase, c.bytes, seconds, layer, reason, overlapped, bucket,
+                                    module, chunked, beside_step))
 
     compute_forward = sum(o.forward_s for o in ops)
     compute_backward = sum(o.backward_s for o in ops)
-    stalled = {phase: sum(c.seconds - c.hidden_s for c in costs if c.phase == phase and not c.overlapped)
+    stalled = {phase: sum(c.seconds - c.hidden_s - c.beside_step_s for c in costs
+                          if c.phase == phase and not c.overlapped)
                for phase in ("forward", "backward")}
     deferred = {phase: sum(c.seconds for c in costs if c.phase == phase and c.overlapped)
                 for phase in ("forward", "backward")}
@@ -551,6 +556,25 @@ def chunked_saving_seconds(machine: Machine, moved_s: float, moved_chunk_s: floa
     hidden = overlap * min(moved_chunk_s, computed_chunk)
     chunked = moved_chunk_s + computed_chunk + (chunks - 1) * (moved_chunk_s + computed_chunk - hidden)
     return moved_s + compute_s - chunked
+
+
+def hidden_beside_step_seconds(machine: Machine, moved_s: float, op_forward_s: float, steps: int) -> float:
+    """Of a message that travels while its op computes one of its `steps` steps (ring attention's keys and
+    values, forward), what hides behind that step's share of the op's compute, as far as the machine
+    overlaps the two; nothing on ranks that share a host's cores (see chunked_saving_seconds)."""
+    overlap = 0.0 if machine.cores else machine.overlap
+    return overlap * min(moved_s, op_forward_s / steps) if steps else 0.0
+
+
+def collective_hiding(machine: Machine, mesh, collective, forward_s: dict[str, float], made_by: str,
+                      asked: bool) -> tuple[float, float, float]:
+    """A collective's seconds, and of them what hides: beside a product in a collective matmul's chunks
+    (what chunking saves; where the file asks for chunks, negative where they cost more), and beside its
+    op's step (`made_by`: the op whose step it moves beside)."""
+    seconds = collective_seconds(machine, mesh, collective)
+    saved = collective_matmul_saving(machine, mesh, collective, forward_s)
+    beside_step = hidden_beside_step_seconds(machine, seconds, forward_s.get(made_by, 0.0), collective.steps)
+    return seconds, saved if asked else max(0.0, saved), beside_step
 
 
 def collective_matmul_saving(machine: Machine, mesh, collective, forward_s: dict[str, float],

@@ -44,6 +44,7 @@ from pardsl.language.diagnostics import CompileError, Diagnostic
 from pardsl.language.syntax import PipelineDecl
 from pardsl.planning.cost import (
     Machine,
+    collective_hiding,
     collective_seconds,
     memory_per_rank,
     op_costs,
@@ -254,7 +255,8 @@ def _segments(typed, program, machine: Machine, written_cuts: tuple[str, ...] = 
     count = len(starts)
     scaled, fixed, weight = [0.0] * count, [0.0] * count, [0.0] * count
     overhead = machine.op_overhead_s * machine.slowdown(mesh.size)
-    for op in op_costs(typed, machine, machine.slowdown(mesh.size)):
+    ops = op_costs(typed, machine, machine.slowdown(mesh.size))
+    for op in ops:
         k = segment_of[op.node]
         both = op.forward_s + op.backward_s
         per_op = overhead * (both / op.forward_s) if op.forward_s else 0.0
@@ -262,10 +264,13 @@ def _segments(typed, program, machine: Machine, written_cuts: tuple[str, ...] = 
         scaled[k] += max(0.0, both - per_op)
         weight[k] += _weight_gradient_share(typed, op.node) * op.backward_s * max(0.0, both - per_op) / both \
             if both else 0.0
-    for statement in program.statements:  # the other axes' collectives, on the stage's critical path
+    # the other axes' collectives, on the stage's critical path less what hides as the estimate has it
+    forward_s, asked = {op.node: op.forward_s for op in ops}, bound.par.substitution("collective_matmul") == "on"
+    for statement in program.statements:
         if statement.node in segment_of:
-            scaled[segment_of[statement.node]] += sum(collective_seconds(machine, mesh, c)
-                                                      for c in statement.collectives)
+            for c in statement.collectives:
+                seconds, chunked, beside_step = collective_hiding(machine, mesh, c, forward_s, statement.node, asked)
+                scaled[segment_of[statement.node]] += seconds - chunked - beside_step
     sent = [0] * count
 
     def local_bytes(name: str, layout) -> int:

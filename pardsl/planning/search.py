@@ -74,6 +74,7 @@ from pardsl.planning.cost import (
     OPTIMIZER_STATES,
     Machine,
     chunked_saving_seconds,
+    hidden_beside_step_seconds,
     layer_of,
     parameter_unit,
     repeated_layer,
@@ -763,15 +764,19 @@ class _GroupProgram:
             moved = self.local_bytes(name, output) + sum(
                 self.local_bytes(o, _operand(signature, slot)) for slot, o in enumerate(operands))
             work = math.prod(one.compute_share for one in signature)
-            terms = [backward * machine.compute_seconds(self.facts.flops.get(name, 0) * work / share / split, moved)]
+            forward = machine.compute_seconds(self.facts.flops.get(name, 0) * work / share / split, moved)
+            terms = [backward * forward]
             for i, one in enumerate(signature):
                 for inner in one.inner_collectives:
                     if not inner.made(operands[0] in requires_grad):
                         continue
                     first = bound.tensors[operands[0]]
                     local = self.layout(value[operands[0]], _operand(signature, 0)).local_shape(first.shape, mesh)
-                    terms.append(inner.messages(sizes[i]) * machine.collective_seconds(
-                        inner.kind, inner.volume(local, one.operands[0], first.itemsize, sizes[i]), sizes[i], self.strides[i]))
+                    moved_s = machine.collective_seconds(inner.kind, inner.volume(
+                        local, one.operands[0], first.itemsize, sizes[i]), sizes[i], self.strides[i])
+                    if inner.beside_its_step:
+                        moved_s -= hidden_beside_step_seconds(machine, moved_s, forward, sizes[i])
+                    terms.append(inner.messages(sizes[i]) * moved_s)
             if written is not None and written != output:
                 terms.append(self._conversion_seconds(name, output, written))
             result.append(terms)

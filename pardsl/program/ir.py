@@ -142,6 +142,9 @@ class Collective:
     chunks: int = 1
     beside: tuple[str, ...] = ()
     beside_backward: bool = False
+    # one of `steps` messages, each moving while its op computes a step's share of its work (ring
+    # attention's keys and values, forward)
+    steps: int = 0
 
     def to_json(self) -> dict:
         chunked = {"chunks": self.chunks, "beside": list(self.beside)} if self.chunks > 1 else {}

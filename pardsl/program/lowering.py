@@ -725,7 +725,8 @@ class _Lowerer:
                 made.append(f"{f'{count} × ' if count > 1 else ''}{inner.kind.replace('_', '-')} {size} over "
                             f"{axis_name} ({inner.phase}): {inner.what}")
                 collectives += [Collective(inner.kind, axis_name, inner.phase, moved, self.var[operand],
-                                           f"{inner.what}, {signature.name} split — {reason}", routed=inner.routed)
+                                           f"{inner.what}, {signature.name} split — {reason}", routed=inner.routed,
+                                           steps=self.mesh.axis_sizes[axis] if inner.beside_its_step else 0)
                                 for _ in range(count)]
         return tuple(collectives), made
 

@@ -391,16 +391,26 @@ class Runtime:
     def ring_shift(self, x: torch.Tensor, axes: tuple[str, ...], phase: str) -> torch.Tensor:
         """Send x to the next rank along a dim split over `axes` (a ring, in the split's order), and receive
         the previous rank's: one `send`, counted over the innermost axis."""
-        def issue(phase: str) -> torch.Tensor:
+        return self.ring_shift_started(x, axes, phase)()
+
+    def ring_shift_started(self, x: torch.Tensor, axes: tuple[str, ...], phase: str):
+        """ring_shift, started: a function giving the previous rank's x once it has come. x is read while
+        it travels: the caller does not write it before calling the function."""
+        def issue(phase: str):
             previous, following = self._neighbour_ranks(axes)
             sent = x.contiguous()
             received = torch.empty_like(sent)
             self.counter.record(phase, "send", nbytes(sent), axes[-1])
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, following),
-                                                dist.P2POp(dist.irecv, received, previous)]):
-                work.wait()
-            return received
-        return self._issued(phase, issue)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, following),
+                                            dist.P2POp(dist.irecv, received, previous)])
+
+            def arrived() -> torch.Tensor:
+                for work in works:
+                    work.wait()
+                return received
+            return works, arrived
+        _, arrived = self._started(phase, issue)
+        return arrived
 
     def conv_halo(self, x: torch.Tensor, weight, bias=None, stride=1, padding=0, dilation=1, groups=1,
                   **halos: tuple[str, ...]) -> torch.Tensor:

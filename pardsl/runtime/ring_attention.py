@@ -21,7 +21,9 @@ On CPU each block is torch's fused flash attention kernel (forward with its log-
 backward given the whole output and log-sum-exps, which is exactly the block's share): no block's scores
 are held. Elsewhere the blocks are computed in their reference form (the scores materialised).
 Forward sends n - 1 messages (keys and values), backward n (keys, values and their gradients; then the
-gradients alone), counted as `send`s over the ring's innermost axis.
+gradients alone), counted as `send`s over the ring's innermost axis. Forward's message travels while the
+step's blocks are computed from the chunk it carries (NCCL runs it on its own stream; gloo on its own
+threads); backward's carries the gradients those blocks add to, so it leaves once they are computed.
 """
 
 from __future__ import annotations
@@ -174,6 +176,8 @@ def _attended(q, k, v, mask, causal: bool, scale: float, rt, axes, zigzag: bool,
     for step in range(ranks):
         source = (chunk - step) % ranks  # the keys held came from the rank `step` places before
         keys = pieces(source, ranks, zigzag)
+        # the chunk travels on while this step's blocks are computed from it, which only read it
+        coming = rt.ring_shift_started(held, axes, "forward") if step < ranks - 1 else None
         for i, j, diagonal in block_plan(own, keys, causal, hidden):
             kh, vh = _rows(held, j, count).split([k.shape[-1], v.shape[-1]], dim=-1)
             block, block_lse = _block(_rows(q, i, count), _expanded(kh, groups), _expanded(vh, groups), scale,
@@ -183,8 +187,8 @@ def _attended(q, k, v, mask, causal: bool, scale: float, rt, axes, zigzag: bool,
             rows_out.copy_(rows_out * torch.exp(rows_lse - _finite(merged)).unsqueeze(-1) +
                            block * torch.exp(block_lse - _finite(merged)).unsqueeze(-1))
             rows_lse.copy_(merged)
-        if step < ranks - 1:
-            held = rt.ring_shift(held, axes, "forward")
+        if coming is not None:
+            held = coming()
     return out.to(q.dtype), lse
 
 
