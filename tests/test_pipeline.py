@@ -375,6 +375,37 @@ def test_a_searched_pipeline_counts_recomputed_layers_as_the_compiled_plan_does(
     assert 0.98 <= kept.memory / held["total"] <= 1.0
 
 
+@pytest.mark.parametrize("schedule, cut, recompute", [
+    ("1F1B", "model.model.layers.4", True),
+    ("Interleaved1F1B, stages per rank 2", "model.model.layers.2, model.model.layers.4, model.model.layers.6", True),
+    ("1F1B", "model.model.layers.4", False),
+])
+def test_the_pipeline_search_counts_a_stage_of_several_layers_as_the_compiled_stage_holds(schedule, cut, recompute):
+    """The pipeline search prices a stage of several layers from each layer's program alone: a layer's
+    input is held where the stage keeps it (as a recomputed layer's argument, or an operand its ops
+    keep), not as what the layer before sends on; the mask and rotary tables each layer makes from the
+    positions once per stage; the stage's gather groups as a stage holds them. With every layer
+    recomputed that is the compiled stages' count exactly; without, the search's count is never under
+    it."""
+    from pardsl.compiler import stage_lowering
+    from pardsl.planning.cost import DEFAULTS, pipelined_memory_per_rank
+    from pardsl.planning.pipeline_search import choose_pipeline
+
+    text = ("mesh pp = 2, tp = 2\nmodel examples.hf_models:HFLlama(layers=8, attention=\"sdpa\")\n"
+            "input input_ids : int64[8, 128] in [0, 256)\ninput labels : int64[8, 128] in [0, 256)\n"
+            f"pipeline pp : schedule {schedule}, microbatches 4, cut before {cut}\n"
+            + ("recompute model.model.layers.*\n" if recompute else ""))
+    compiled = compile_text(text, "plan.par")
+    machine = DEFAULTS["gloo"]
+    _, (option,) = choose_pipeline(compiled.typed, compiled.program, compiled.par.pipeline, machine, None, 4,
+                                   lowering=stage_lowering(25, machine))
+    held = pipelined_memory_per_rank(compiled.stages, compiled.pipeline)["total"]
+    if recompute:
+        assert option.memory == held
+    else:
+        assert held <= option.memory <= 1.05 * held
+
+
 def test_a_searched_pipeline_trains_equal_to_serial(trained):
     compiled = compile_text(SEARCHED, "plan.par")
     ranks = trained(SEARCHED, 2, "HFLlama", 4)

@@ -696,6 +696,11 @@ def is_random(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
+def drawn_ops(graph: torch.fx.Graph) -> frozenset[str]:
+    """The graph's ops that draw random numbers."""
+    return frozenset(node.name for node in graph.nodes if node.op == "call_function" and is_random(node))
+
+
 def computes_whole(node: torch.fx.Node) -> bool:
     """An ATen operator without a rule that can be computed whole on every rank: tensor results (one, or
     several that getitem takes), from its operands alone. A random one (stochastic depth's `rand`) too:

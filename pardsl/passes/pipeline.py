@@ -33,9 +33,9 @@ import torch
 from pardsl.language.diagnostics import CompileError, Diagnostic, DiagnosticSink
 from pardsl.language.syntax import ParFile, PipelineDecl
 from pardsl.layouts.algebra import B
-from pardsl.layouts.oprules import is_drawn_whole, is_random, op_name
+from pardsl.layouts.oprules import drawn_ops, is_drawn_whole, op_name
 from pardsl.planning.cost import default_machine, op_costs, repeated_layer
-from pardsl.program.ir import OutputSlot, Statement, TensorSlot
+from pardsl.program.ir import OutputSlot, Statement, TensorSlot, made_from_constants
 from pardsl.runtime.schedules import SCHEDULES, micro_batches_held, schedule_class, stages_of_rank
 
 
@@ -268,13 +268,7 @@ def split_program(typed, stage_of: dict[str, int], stages: int, statements: list
     # mask or rotary table built from positions): made again in each stage that reads them, not sent,
     # which would keep a receive buffer per micro-batch (a causal mask's is [seq, seq]); a random draw is
     # made once
-    drawn = {node.name for node in typed.bound.graph.nodes if node.op == "call_function" and is_random(node)}
-    from_parameters: set[int] = set()
-    for index, statement in enumerate(statements):
-        everything = statement.instruction.reads()
-        if statement.node not in drawn and all(v.startswith("self.") or (v in definer and definer[v] in from_parameters)
-                                               for v in everything):
-            from_parameters.add(index)
+    from_parameters = made_from_constants(statements, drawn_ops(typed.bound.graph))
     stage_of_statement: list[int] = []
     for index, statement in enumerate(statements):
         if statement.node in stage_of:

@@ -596,6 +596,26 @@ DEFAULT_BUCKET_MB = 25.0  # DDP's default gradient bucket size
 FIRST_BUCKET_MB = 1.0  # DDP's first bucket: the first collective starts early in backward
 
 
+def gather_groups(program) -> list[tuple[int, bool]]:
+    """Each gather group's bytes whole, in order, and whether it is resharded after forward (a recomputed
+    layer gathers its group again for backward, pardsl/passes/recompute.py: nothing of it is kept either)."""
+    again = {target for statement in program.statements for inside in statement.body
+             if inside.instruction.kind == "param_gather" for target in inside.targets}
+    return [(sum(m.nbytes for m in g.members), bool(g.resharded or again & set(g.vars))) for g in program.gathers]
+
+
+def gathered_in_passing(groups: list[tuple[int, bool]]) -> tuple[int, set[int]]:
+    """Of gather groups (gather_groups'), the bytes whole at once of those resharded after forward, and
+    which they are: a group is whole only while in use with the next one prefetched (the last group,
+    whose backward comes first, likewise), so the largest two neighbours at once. The others are whole
+    from their forward to their backward."""
+    resharded = [i for i, (_, again) in enumerate(groups) if again]
+    passing = sorted(set(resharded + [len(groups) - 1])) if resharded else []
+    neighbours = max((groups[a][0] + groups[b][0] for a, b in zip(passing, passing[1:])),
+                     default=sum(groups[i][0] for i in passing))
+    return neighbours, set(passing)
+
+
 def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
     """Bytes one rank holds: parameters, gradients, optimizer state, activations kept for backward and the
     outputs (saved_for_backward.py), parameters gathered for use (resharded after forward: this group and
@@ -613,16 +633,10 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
     # resharded after forward (pardsl/passes/reshard.py), a group is whole only while in use with the next one
     # prefetched (the last group, whose backward comes first, likewise): the largest two neighbours at once;
     # autograd keeps every other gathered weight from its forward to its backward
-    sizes = [sum(m.nbytes for m in g.members) for g in program.gathers]
-    # a recomputed layer gathers its group again for backward (pardsl/passes/recompute.py): nothing of it kept
-    again = {target for statement in program.statements for inside in statement.body
-             if inside.instruction.kind == "param_gather" for target in inside.targets}
-    resharded = [i for i, g in enumerate(program.gathers) if g.resharded or again & set(g.vars)]
-    passing = sorted(set(resharded + [len(sizes) - 1])) if resharded else []
-    neighbours = max((sizes[a] + sizes[b] for a, b in zip(passing, passing[1:])),
-                     default=sum(sizes[i] for i in passing))
+    groups = gather_groups(program)
+    neighbours, passing = gathered_in_passing(groups)
     held_gathered = {}  # groups kept whole from forward to backward, by layer: freed as its backward ends
-    for i, size in enumerate(sizes):
+    for i, (size, _) in enumerate(groups):
         if i not in passing:
             unit = program.gathers[i].members[0].unit
             held_gathered[unit] = held_gathered.get(unit, 0) + size

@@ -46,12 +46,15 @@ from pardsl.planning.cost import (
     Machine,
     collective_hiding,
     collective_seconds,
+    gather_groups,
+    gathered_in_passing,
     memory_per_rank,
     op_costs,
     repeated_layer,
     slot_bytes,
     stage_buffer_slots,
 )
+from pardsl.layouts.oprules import drawn_ops
 from pardsl.planning.descent import searched_or_greedy
 from pardsl.planning.recipes import completed_recipes
 from pardsl.planning.search import wants_search
@@ -91,11 +94,17 @@ class SegmentMemory:
     per micro-batch (cost.stage_buffer_slots)."""
 
     states: tuple[int, ...]  # parameters, gradients, optimizer state, compute-dtype copies
-    gathered: tuple[int, ...]  # parameters gathered whole while in use (its own gather groups)
+    groups: tuple[tuple[tuple[int, bool], ...], ...]  # its gather groups (cost.gather_groups)
+    copies: tuple[int, ...]  # parameters converted where used outside a group, kept for backward
     kept: tuple[int, ...]
     region: tuple[int, ...]
     received: tuple[int, ...]
     returned: tuple[int, ...]
+    inputs_kept: tuple[int, ...]  # of what a segment receives, what it keeps for backward
+    # what it keeps of what it makes from constants alone (a mask, rotary tables), by name: every segment
+    # makes its own, a stage of several makes each once
+    constants: tuple[tuple[tuple[str, int], ...], ...]
+    sent_only: tuple[int, ...]  # of `kept`, what it holds only as what it sends on: not held in a stage it ends
 
 
 @dataclass(frozen=True)
@@ -308,24 +317,50 @@ def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw")
     """The segments' memory (SegmentMemory), from `staged(stage_of, count)`: the plan's programs cut so,
     with the compile's passes, as the pipeline compiled from it has them."""
     programs = staged(segments.segment_of, len(segments.scaled_s))
-    states, gathered, kept, region, received, returned = [], [], [], [], [], []
+    states, groups, copies, kept, region, received, returned, inputs_kept, constants, sent_only = \
+        [], [], [], [], [], [], [], [], [], []
+    # what keeps each value for backward: the segments of the ops that keep it as they read it
+    saved, drawn = typed.bound.kept, drawn_ops(typed.bound.graph)
+    keeping: dict[str, set[int]] = {}
+    for op, operand in saved.reads:
+        keeping.setdefault(saved.owner.get(operand, operand), set()).add(segments.segment_of.get(op, -1))
     for k, program in enumerate(programs):
         memory = memory_per_rank(program, optimizer)
         states.append(memory["parameters"] + memory["gradients"] + memory["optimizer_state"] + memory["compute_copies"])
-        gathered.append(memory["gathered_parameters"])
+        groups.append(tuple(gather_groups(program)))
+        copies.append(program.memory()["parameter_copies_per_rank"])
         regions: dict[str, int] = {}
         held = 0
-        for _, size, _, made_again in program.held_for_backward():
+        made_here = program.made_from_constants(drawn)
+        sent = {slot.var for slot in program.outputs}
+        constant: dict[str, int] = {}
+        only_sent = 0  # held only as what the segment sends on: in a stage it ends, not held
+        for name, size, _, made_again in program.held_for_backward():
             if made_again:
                 regions[made_again] = regions.get(made_again, 0) + size
+            elif name in made_here:
+                constant[name] = size
             else:
                 held += size
+                storage = saved.owner.get(name, name)
+                if name in sent and k not in keeping.get(storage, ()) and storage not in saved.by_itself and \
+                        not program.values.get(name, {}).get("held_here"):
+                    only_sent += size
         kept.append(held)
+        sent_only.append(only_sent)
+        constants.append(tuple(sorted(constant.items())))
         region.append(max(regions.values(), default=0))
         into, back = stage_buffer_slots(programs, k)
         received.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in into))
         returned.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in back))
-    return SegmentMemory(tuple(states), tuple(gathered), tuple(kept), tuple(region), tuple(received), tuple(returned))
+        # of what it receives, what the segment keeps: an argument of a recomputed region, or what one of
+        # its ops keeps; held where a stage that starts before it runs it too (a stage's input is a buffer)
+        regions_read = {name for statement in program.statements if statement.instruction.kind == "recompute"
+                        for name in statement.instruction.reads()}
+        inputs_kept.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in into
+                               if slot.var in regions_read or k in keeping.get(saved.owner.get(slot.var, slot.var), ())))
+    return SegmentMemory(tuple(states), tuple(groups), tuple(copies), tuple(kept), tuple(region), tuple(received),
+                         tuple(returned), tuple(inputs_kept), tuple(constants), tuple(sent_only))
 
 
 def _weight_gradient_share(typed, name: str) -> float:
@@ -418,11 +453,16 @@ class _Held:
         """The stage's states, gathered groups and buffers, and what it keeps of each micro-batch in flight."""
         memory, rows = self.memory, self.rows
         in_flight = self.in_flight[k]
-        # inside a stage, what one segment sends the next (the part a gradient comes back for) is an
-        # activation the stage holds: a recomputed layer's input, kept for its region
-        activations = rows * (sum(memory.kept[i:j]) + sum(memory.returned[i:j - 1]))
-        # the stage's gather groups: the largest two neighbours whole at once (memory_per_rank's count)
-        gathered = max([memory.gathered[a] + memory.gathered[a + 1] for a in range(i, j - 1)] or [memory.gathered[i]])
+        # inside a stage, what one segment sends the next is an activation the stage holds where the next
+        # keeps it: a recomputed layer's input, kept for its region, or an operand its ops keep
+        made_once = dict(item for segment in range(i, j) for item in memory.constants[segment])
+        activations = rows * (sum(memory.kept[i:j]) - sum(memory.sent_only[i:j - 1]) + sum(memory.inputs_kept[i + 1:j])
+                              + sum(made_once.values()))
+        # the stage's gather groups in order, counted as memory_per_rank counts a stage's
+        groups = [group for segment in range(i, j) for group in memory.groups[segment]]
+        neighbours, passing = gathered_in_passing(groups)
+        gathered = neighbours + sum(size for index, (size, _) in enumerate(groups) if index not in passing) + \
+            sum(memory.copies[i:j])
         buffers = self.m * rows * ((memory.received[i] if k > 0 else 0) + (memory.returned[j - 1] if k < self.stages - 1 else 0))
         return int(sum(memory.states[i:j]) + gathered + in_flight * activations + buffers)
 

@@ -168,6 +168,21 @@ class Statement:
         return tuple(t.strip() for t in self.target.split(",") if t.strip())
 
 
+def made_from_constants(statements: list[Statement], drawn: frozenset[str] | set[str] = frozenset()) -> set[int]:
+    """The statements (their indices) computed from parameters, buffers and constants alone: a gathered
+    weight, an attention mask or rotary table built from positions; any stage or segment that reads one
+    can make it again. `drawn`: the graph ops that draw random numbers, made once."""
+    definer: dict[str, int] = {}
+    found: set[int] = set()
+    for index, statement in enumerate(statements):
+        if statement.targets and statement.node not in drawn and \
+                all(v.startswith("self.") or definer.get(v, -1) in found for v in statement.instruction.reads()):
+            found.add(index)
+        for target in statement.targets:
+            definer[target] = index
+    return found
+
+
 @dataclass(frozen=True)
 class TensorSlot:
     """A parameter, buffer or input of the generated module."""
@@ -314,6 +329,12 @@ class LoweredProgram:
             "activations_total": sum(nbytes(v["shape"], v["dtype"]) for v in self.values.values()
                                      if v.get("kept_for_backward")),
         }
+
+    def made_from_constants(self, drawn: frozenset[str] = frozenset()) -> set[str]:
+        """The values the program computes from parameters, buffers and constants alone (see
+        made_from_constants)."""
+        statements = self.statements
+        return {target for index in made_from_constants(statements, drawn) for target in statements[index].targets}
 
     def held_for_backward(self) -> list[tuple[str, int, str, str]]:
         """The activations a rank holds from forward into backward: (name, local bytes, the repeated layer
