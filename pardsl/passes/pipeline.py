@@ -13,8 +13,9 @@ stages instead of shards. What that changes, stage by stage of the compiler:
   input (point-to-point, sent by torch.distributed.pipelining's stage). Values computed from parameters,
   buffers and constants alone (a transposed or gathered weight, an attention mask or rotary table built
   from positions) are recomputed in each stage that reads them instead: parameters never cross, nor a
-  causal mask that would take a receive buffer of [seq, seq] per micro-batch. A parameter read by several stages (tied embeddings) is held by each of them, and its
-  gradient summed over their ranks once per step (Megatron's embedding all-reduce);
+  causal mask that would take a receive buffer of [seq, seq] per micro-batch. A parameter read by
+  several stages (tied embeddings) is held by each of them, and its gradient summed over their ranks
+  once per step (Megatron's embedding all-reduce);
 - each stage's gradient buckets and gather groups are its own.
 
 `cut balanced` chooses the cuts among the starts of repeated layers so that the cost model's estimated

@@ -630,9 +630,8 @@ def memory_per_rank(program, optimizer: str = "adamw") -> dict[str, int]:
     activity = program.memory()
     gradients = sum(_nbytes(p.local_shape, _dtype(p.dtype)) for p in program.parameters if p.requires_grad)
     states = OPTIMIZER_STATES[optimizer]
-    # resharded after forward (pardsl/passes/reshard.py), a group is whole only while in use with the next one
-    # prefetched (the last group, whose backward comes first, likewise): the largest two neighbours at once;
-    # autograd keeps every other gathered weight from its forward to its backward
+    # groups resharded after forward (pardsl/passes/reshard.py) are whole two at a time; autograd keeps
+    # every other gathered weight from its forward to its backward
     groups = gather_groups(program)
     neighbours, passing = gathered_in_passing(groups)
     held_gathered = {}  # groups kept whole from forward to backward, by layer: freed as its backward ends

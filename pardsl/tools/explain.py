@@ -172,8 +172,8 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None, altern
             lines.append(f"  made again in backward {recomputed[layer.name]}")
         for cost in layer.collectives:
             when = f"{cost.phase}, overlapped" if cost.overlapped else f"{cost.phase}, in chunks" if cost.hidden_s \
-                else f"{cost.phase}, beside" if cost.beside_step_s else cost.phase
-            chunked = f" ({seconds_text(cost.beside_step_s)} of it while the step before computes)" \
+                else f"{cost.phase}, partly hidden" if cost.beside_step_s else cost.phase
+            chunked = f" ({seconds_text(cost.beside_step_s)} of it hidden behind the ring step's compute)" \
                 if cost.beside_step_s else "" if not cost.hidden_s else \
                 f" ({seconds_text(cost.hidden_s)} of it beside the linear's product)" if cost.hidden_s > 0 else \
                 f" (in chunks it costs {seconds_text(-cost.hidden_s)} more: asked for by the file)"
