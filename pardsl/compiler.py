@@ -21,6 +21,7 @@ from pardsl.language.diagnostics import CompileError, Diagnostic
 from pardsl.language.files import write_atomically
 from pardsl.language.progress import timed, working_on
 from pardsl.language.syntax import ParFile, parse, parse_file
+from pardsl.layouts.oprules import drawn_ops
 from pardsl.model.binding import BoundPlan, bind, bound_on_mesh
 from pardsl.passes import pipeline as pp
 from pardsl.passes.collective_matmul import chunked_collective_matmuls
@@ -37,6 +38,7 @@ from pardsl.passes.recompute import (
     recomputed_within,
 )
 from pardsl.passes.reshard import reshard_after_forward
+from pardsl.passes.shared_constants import share_constants_between_micro_batches
 from pardsl.planning.cost import (
     DEFAULT_BUCKET_MB,
     default_machine,
@@ -420,7 +422,8 @@ def _check_searched_mesh(par: ParFile) -> None:
 # The passes over every lowered program (or pipeline stage), in order, each program -> program (with the
 # typed graph to read): norms and rotary embeddings fused, a partial loss's count started early, parameters
 # held in float32 under a mixed-precision policy, and in host memory where offloaded (which turns the
-# precision's casts into fetches, so it comes after), then each value released after its last use, which
+# precision's casts into fetches, so it comes after), in a pipeline stage what it builds from constants
+# alone made once for all its micro-batches, then each value released after its last use, which
 # reads what the others made, then the regions made again in backward, which read the releases, and last
 # the collective matmuls, which cut a collective and the product beside it into chunks where they stand (in
 # a region's statements too), reading and releasing what they did.
@@ -434,6 +437,9 @@ PASSES_AFTER_LOWERING = (
      lambda program, typed, machine: apply_precision(program, typed.bound.par.precision, typed.bound.par.inputs)),
     ("keep parameters and optimizer in host memory, fetch their device copies",
      lambda program, typed, machine: offload_to_host(program, typed.bound.par.offload)),
+    ("make what a pipeline stage builds from buffers and constants once, for all its micro-batches",
+     lambda program, typed, machine: share_constants_between_micro_batches(program, drawn_ops(typed.bound.graph))
+     if typed.bound.par.pipeline is not None else program),
     ("release each value after its last use", lambda program, typed, machine: release_dead_values(program)),
     ("make the submodules the file recomputes again in backward",
      lambda program, typed, machine: recompute_layers(program, typed)),

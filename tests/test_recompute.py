@@ -508,9 +508,10 @@ def test_recomputed_layers_in_pipeline_stages_run_equal_to_serial(pools, compile
 
 def test_a_pipeline_rank_makes_one_region_again_at_a_time_whatever_it_holds_in_flight(pools, compile_par):
     """1F1B over two stages of two recomputed layers, four micro-batches: the first rank holds two
-    micro-batches in flight, the second one. Each keeps only its layers' inputs per micro-batch; a layer's
-    other activations are made again in its backward, one micro-batch at a time. So the first rank's
-    estimate counts its kept activations twice and its largest region once, and measured, it holds less
+    micro-batches in flight, the second one. Each keeps only its layers' inputs per micro-batch (and one
+    mask and rotary tables for all of them); a layer's other activations are made again in its backward,
+    one micro-batch at a time. So the first rank's estimate counts its kept activations twice and its
+    largest region once, and measured, it holds less
     than one region more than the second rank (counted once per micro-batch in flight, a region more)."""
     from pardsl.planning.cost import pipeline_rank_memory
 
@@ -519,11 +520,11 @@ def test_a_pipeline_rank_makes_one_region_again_at_a_time_whatever_it_holds_in_f
         "int64[8, 16]", "int64[8, 256]") + "recompute model.model.layers.*\n"
     compiled = compile_par(text)
     first = compiled.stages[0].memory()
-    again = first["activations_made_again_per_rank"]
-    kept = first["activations_per_rank"] - again
-    assert again > kept > 0
+    again, once = first["activations_made_again_per_rank"], first["activations_made_once_per_rank"]
+    kept = first["activations_per_rank"] - again - once  # once: the mask and rotary tables, shared
+    assert again > kept > 0 and once > 0
     held = [pipeline_rank_memory(list(compiled.stages), compiled.pipeline, rank) for rank in range(2)]
-    assert held[0]["activations"] == 2 * kept + again
+    assert held[0]["activations"] == 2 * kept + once + again
     report = run_on(pools, compiled, steps=2)
     assert report["ok"], report
     peaks = report["memory"]["peak_bytes"]

@@ -322,15 +322,19 @@ def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgr
     op outside it keeps, or an output (the others `recomputed`, by the region's name: backward holds one
     region's again at a time)."""
     kept, paths = typed.bound.kept, typed.bound.module_paths
+    made_once = {target for statement in program.statements if statement.instruction.kind == "constants"
+                 for target in statement.targets}
 
     def held_copy(name: str, made: Statement) -> None:
-        """A converted value that is no graph value: held here, at the layout the statement makes it."""
+        """A converted value that is no graph value: held here, at the layout the statement makes it (once
+        for every micro-batch, where the stage makes it from constants: pardsl/passes/shared_constants.py)."""
         whole = values[made.node]
         layout = made.layouts[made.targets.index(name)]
         values[name] = {"kind": "copy", "parameter": False, "shape": whole["shape"], "dtype": whole["dtype"],
                         "local_shape": list(layout.local_shape(tuple(whole["shape"]), program.mesh)),
                         "layout": str(layout), "held_here": True,
-                        **({"layer": whole["layer"]} if "layer" in whole else {})}
+                        **({"layer": whole["layer"]} if "layer" in whole else {}),
+                        **({"made_once": True} if name in made_once else {})}
 
     for name in region.instruction.reads():
         if name in values:
@@ -381,7 +385,14 @@ def _small_products(region: Statement, typed: TypedGraph) -> frozenset[str]:
 
 
 def _made(program: LoweredProgram, name: str) -> Statement | None:
-    return next((statement for statement in program.statements if name in statement.targets), None)
+    """The statement that makes `name`: in the program, or in what it makes from constants once
+    (pardsl/passes/shared_constants.py), where the statement that makes it is one of the region's."""
+    for statement in program.statements:
+        if name in statement.targets:
+            if statement.instruction.kind == "constants":
+                return next(inside for inside in statement.body if name in inside.targets)
+            return statement
+    return None
 
 
 def _storage(name: str, program: LoweredProgram, owner: dict[str, str]) -> str:

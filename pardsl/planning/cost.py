@@ -830,8 +830,8 @@ def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> d
     """What the rank at `rank` along the pipeline axis holds: its stages' parameters, gradients, optimizer
     state and gathered parameters, each stage's activations for one micro-batch times the micro-batches
     it holds at once under the schedule (a recomputed region's, made again in backward, once: the rank's
-    largest), and torch's stage buffers (stage_buffer_slots). `peak` is the
-    larger of two moments, each with the gradient a micro-batch's backward makes before it is added to the
+    largest; what a stage makes from constants alone, which its micro-batches share, once), and torch's
+    stage buffers (stage_buffer_slots). `peak` is the larger of two moments, each with the gradient a micro-batch's backward makes before it is added to the
     one held (the largest of the rank's): every micro-batch in flight, or the step's last backward, one
     micro-batch's activations beside the buffers of the gradient buckets it fills."""
     mesh = stages[0].mesh
@@ -850,9 +850,11 @@ def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> d
         # region's activations at once (its stages' largest), not one per micro-batch in flight
         again = program.memory()["activations_made_again_per_rank"]
         made_again = max(made_again, again)
+        # what the stage makes from constants alone, every micro-batch reads the same copy of
+        once = program.memory()["activations_made_once_per_rank"]
         for key in held.keys() - {"stage_buffers", "activations"}:
             held[key] += memory[key]
-        held["activations"] += (memory["activations"] - again) * in_flight[stage]
+        held["activations"] += (memory["activations"] - again - once) * in_flight[stage] + once
         one_micro_batch += memory["activations"] - again
         for key in (k for k in memory if k.startswith("host_")):
             host[key] = host.get(key, 0) + memory[key]

@@ -105,6 +105,8 @@ class SegmentMemory:
     # makes its own, a stage of several makes each once
     constants: tuple[tuple[tuple[str, int], ...], ...]
     sent_only: tuple[int, ...]  # of `kept`, what it holds only as what it sends on: not held in a stage it ends
+    # of those, what it makes once for every micro-batch (pardsl/passes/shared_constants.py): held once
+    shared: tuple[tuple[tuple[str, int], ...], ...]
 
 
 @dataclass(frozen=True)
@@ -317,8 +319,8 @@ def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw")
     """The segments' memory (SegmentMemory), from `staged(stage_of, count)`: the plan's programs cut so,
     with the compile's passes, as the pipeline compiled from it has them."""
     programs = staged(segments.segment_of, len(segments.scaled_s))
-    states, groups, copies, kept, region, received, returned, inputs_kept, constants, sent_only = \
-        [], [], [], [], [], [], [], [], [], []
+    states, groups, copies, kept, region, received, returned, inputs_kept, constants, sent_only, shared = \
+        [], [], [], [], [], [], [], [], [], [], []
     # what keeps each value for backward: the segments of the ops that keep it as they read it
     saved, drawn = typed.bound.kept, drawn_ops(typed.bound.graph)
     keeping: dict[str, set[int]] = {}
@@ -334,10 +336,13 @@ def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw")
         made_here = program.made_from_constants(drawn)
         sent = {slot.var for slot in program.outputs}
         constant: dict[str, int] = {}
+        made_once: dict[str, int] = {}
         only_sent = 0  # held only as what the segment sends on: in a stage it ends, not held
         for name, size, _, made_again in program.held_for_backward():
             if made_again:
                 regions[made_again] = regions.get(made_again, 0) + size
+            elif program.values.get(name, {}).get("made_once"):
+                made_once[name] = size
             elif name in made_here:
                 constant[name] = size
             else:
@@ -349,6 +354,7 @@ def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw")
         kept.append(held)
         sent_only.append(only_sent)
         constants.append(tuple(sorted(constant.items())))
+        shared.append(tuple(sorted(made_once.items())))
         region.append(max(regions.values(), default=0))
         into, back = stage_buffer_slots(programs, k)
         received.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in into))
@@ -360,7 +366,7 @@ def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw")
         inputs_kept.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in into
                                if slot.var in regions_read or k in keeping.get(saved.owner.get(slot.var, slot.var), ())))
     return SegmentMemory(tuple(states), tuple(groups), tuple(copies), tuple(kept), tuple(region), tuple(received),
-                         tuple(returned), tuple(inputs_kept), tuple(constants), tuple(sent_only))
+                         tuple(returned), tuple(inputs_kept), tuple(constants), tuple(sent_only), tuple(shared))
 
 
 def _weight_gradient_share(typed, name: str) -> float:
@@ -455,16 +461,18 @@ class _Held:
         in_flight = self.in_flight[k]
         # inside a stage, what one segment sends the next is an activation the stage holds where the next
         # keeps it: a recomputed layer's input, kept for its region, or an operand its ops keep
-        made_once = dict(item for segment in range(i, j) for item in memory.constants[segment])
+        made_per_micro_batch = dict(item for segment in range(i, j) for item in memory.constants[segment])
         activations = rows * (sum(memory.kept[i:j]) - sum(memory.sent_only[i:j - 1]) + sum(memory.inputs_kept[i + 1:j])
-                              + sum(made_once.values()))
+                              + sum(made_per_micro_batch.values()))
+        # what the stage makes from constants once, every micro-batch in flight reading the same copy
+        shared = rows * sum(dict(item for segment in range(i, j) for item in memory.shared[segment]).values())
         # the stage's gather groups in order, counted as memory_per_rank counts a stage's
         groups = [group for segment in range(i, j) for group in memory.groups[segment]]
         neighbours, passing = gathered_in_passing(groups)
         gathered = neighbours + sum(size for index, (size, _) in enumerate(groups) if index not in passing) + \
             sum(memory.copies[i:j])
         buffers = self.m * rows * ((memory.received[i] if k > 0 else 0) + (memory.returned[j - 1] if k < self.stages - 1 else 0))
-        return int(sum(memory.states[i:j]) + gathered + in_flight * activations + buffers)
+        return int(sum(memory.states[i:j]) + gathered + in_flight * activations + shared + buffers)
 
     def made_again(self, i: int, j: int) -> int:
         """The largest recomputed region of segments i to j: a rank runs one micro-batch's backward at a

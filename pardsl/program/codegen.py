@@ -118,6 +118,9 @@ def _codes(statements) -> list[list]:
         if statement.instruction.kind == "recompute":
             codes.extend(_region(statement))
             continue
+        if statement.instruction.kind == "constants":
+            codes.extend(_made_from_constants(statement))
+            continue
         codes.append([f"{statement.target} = {expr}" if statement.target else expr, statement.comment])
     return codes
 
@@ -134,6 +137,19 @@ def _region(statement) -> list[list]:
     lines += [["    " + code, comment] for code, comment in _codes(statement.body)]
     lines.append([f"    return {statement.target}", None])
     lines.append([f"{statement.target} = {render_expression(instruction)}", None])
+    return lines
+
+
+def _made_from_constants(statement) -> list[list]:
+    """What a stage makes from buffers and constants alone (pardsl/passes/shared_constants.py): a local
+    function of its statements, and the line that runs it under rt.made_from_constants, which keeps its
+    results for every micro-batch."""
+    function = _arg(statement.instruction.args[1])
+    lines = [[f"def {function}():", statement.comment]]
+    lines += [["    " + code, comment] for code, comment in _codes(statement.body)]
+    lines.append([f"    return ({''.join(name + ', ' for name in statement.targets)})", None])
+    lines.append([f"{statement.target}{',' if len(statement.targets) == 1 else ''} = "
+                  f"{render_expression(statement.instruction)}", None])
     return lines
 
 

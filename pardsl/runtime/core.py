@@ -152,6 +152,23 @@ class Runtime:
         stand-in of its shape when the region runs again (pardsl/runtime/recompute.py)."""
         return made_once(self, op, *args)
 
+    @staticmethod
+    def made_from_constants(module, make, *buffers: torch.Tensor) -> tuple:
+        """`make()`, what a pipeline stage builds from `buffers` and constants alone (a causal mask, rotary
+        tables; pardsl/passes/shared_constants.py): made on the first micro-batch and kept on `module` for
+        every later one, so one copy is what the attentions keep for backward; made again where a buffer
+        has changed since (a checkpoint loaded into it in place moves its version on). Made as ordinary
+        tensors without gradient whatever mode the forward runs in: made under inference mode, they could
+        not be kept for a training step's backward."""
+        key = tuple((id(buffer), buffer._version) for buffer in buffers)
+        cached = module.__dict__.get("_made_from_constants")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        with torch.inference_mode(False), torch.no_grad():
+            made = make()
+        module.__dict__["_made_from_constants"] = (key, made)
+        return made
+
     def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple], precision: tuple | None = None,
                        offload: str | None = None):
         """What one forward of a generated module gathers its stored-split parameters and buckets its
