@@ -110,6 +110,30 @@ def test_hsdp_shards_the_weights_inside_a_node_and_replicates_them_across():
         {"all_reduce"}
 
 
+def test_context_parallelism_keeps_the_weights_whole_on_the_axis_that_splits_the_tokens():
+    """The file splits its tokens zig-zag over cp and its batch over dp, as Llama 3's long context does.
+    Beside FSDP over every axis, the recipes shard the weights over the batch's axes only, whole on each
+    context-parallel rank (whose ring already crosses nodes); Megatron is not offered on cp, whose ranks
+    hold pieces of the sequence, nor sequence parallelism beside it."""
+    text = ("mesh dp = 2, cp = 2, tp = 2\nmodel examples.hf_models:HFLlama(layers=2, attention=\"sdpa\")\n"
+            "input input_ids : int64[2, 256] in [0, 256)\ninput labels : int64[2, 256] in [0, 256)\n"
+            "layout {\n    input_ids : S(0) @ dp, S(1, zigzag) @ cp\n    labels : S(0) @ dp, S(1, zigzag) @ cp\n}\n")
+    bound = bind(parse(text, os.path.join(REPO, "examples", "plan.par")))
+    found = {r.name: r for r in recipes(bound, H100)}
+    assert list(found) == [
+        "FSDP over dp × cp × tp", "FSDP over dp × tp, context parallelism over cp",
+        "data parallelism over dp × tp, context parallelism over cp",
+        "Megatron TP on dp, FSDP over cp × tp", "Megatron TP on dp, FSDP over tp, context parallelism over cp",
+        "Megatron TP on dp, data parallelism over tp, context parallelism over cp",
+        "Megatron TP on tp, FSDP over dp × cp", "Megatron TP on tp, FSDP over dp, context parallelism over cp",
+        "Megatron TP on tp, data parallelism over dp, context parallelism over cp"]
+    layouts = {bound.parameters.get(name, name): pin.layout.render(bound.mesh)
+               for name, pin in found["Megatron TP on tp, FSDP over dp, context parallelism over cp"].pins.items()}
+    assert layouts["model.model.layers.0.self_attn.q_proj.weight"] == "S(1)@dp, S(0)@tp"
+    assert layouts["model.model.layers.0.self_attn.o_proj.weight"] == "S(0)@dp, S(1)@tp"
+    assert "input_ids" not in layouts  # the file's own split stands
+
+
 def n009(plan) -> str:
     [note] = [n.message for n in plan.program.notes if n.code == "N009"]
     return note

@@ -66,8 +66,10 @@ class _Linear:
 
 def recipes(bound: BoundPlan, machine: Machine, kept: tuple[int, ...] = ()) -> list[Recipe]:
     """The recipes that fit the file's mesh: FSDP over every axis that is not `kept` (a pipeline's), HSDP,
-    plain data parallelism over them, and for each axis whose ranks share a node, Megatron's tensor
-    parallelism with sequence parallelism on it and FSDP, HSDP or data parallelism over the others."""
+    plain data parallelism over them, and for each axis whose ranks share a node and that the file does not
+    split its inputs' tokens over, Megatron's tensor parallelism with sequence parallelism on it and FSDP,
+    HSDP or data parallelism over the others; where the file splits the tokens over some axes (context
+    parallelism), FSDP over the others beside them too."""
     mesh = bound.mesh
     axes = [a for a in range(mesh.ndim) if mesh.axis_sizes[a] > 1 and a not in kept]
     if not axes or not bound.trained_parameters:
@@ -75,27 +77,29 @@ def recipes(bound: BoundPlan, machine: Machine, kept: tuple[int, ...] = ()) -> l
     linears = _linears(bound)
     columns, rows = _megatron_layers(bound, linears)
     heads = _heads(bound, linears)
+    context = _context_axes(bound, axes)
     found = []
-    for sharded in _shardings(mesh, machine, axes):
+    for sharded in _shardings(mesh, machine, axes, context):
         pins = _data_parallel(bound, axes, None, {}, sharded)
         if pins:
-            found.append(Recipe(_data_name(mesh, axes, sharded), pins))
+            found.append(Recipe(_data_name(mesh, axes, sharded, context), pins))
     for tp in axes:
-        if not _inside_a_node(mesh, machine, tp):
-            continue  # Megatron's collectives in every layer stay inside a node
+        if not _inside_a_node(mesh, machine, tp) or tp in context:
+            continue  # Megatron's collectives in every layer stay inside a node; a context axis splits tokens
         split = _tensor_parallel(bound, tp, columns, rows, heads)
         if not split:
             continue
         others = [a for a in axes if a != tp]
-        for sharded in _shardings(mesh, machine, others) if others else ([],):
+        for sharded in _shardings(mesh, machine, others, context) if others else ([],):
             pins = _data_parallel(bound, others, tp, split, sharded)
             # `substitute split_reductions : off`: Megatron's layers all-reduce their sums, as before SP
+            # (nor where the file splits the tokens over another axis: the stream keeps the file's split)
             sequence = _sequence_parallel(bound, others, tp, rows) \
-                if bound.par.substitution("split_reductions") != "off" else {}
+                if bound.par.substitution("split_reductions") != "off" and not context else {}
             pins.update(sequence)
             name = f"Megatron TP on {mesh.axis_names[tp]}" + (" with sequence parallelism" if sequence else "")
             if others:
-                name += f", {_data_name(mesh, others, sharded)}"
+                name += f", {_data_name(mesh, others, sharded, context)}"
             found.append(Recipe(name, pins))
     return found
 
@@ -104,16 +108,39 @@ def _inside_a_node(mesh, machine: Machine, axis: int) -> bool:
     return machine.span(mesh.axis_sizes[axis], mesh.axis_stride(axis))[1] == 1
 
 
-def _shardings(mesh, machine: Machine, axes: list[int]) -> list[list[int]]:
+def _shardings(mesh, machine: Machine, axes: list[int], context: list[int] = ()) -> list[list[int]]:
     """The data axes each data-parallel recipe shards the weights over: all of them (FSDP), none (data
-    parallelism), and where some axes stay inside a node and others cross nodes, those inside only (HSDP:
-    the weights' all-gathers and reduce-scatters on the node's links, one all-reduce of gradients across)."""
+    parallelism), where some axes stay inside a node and others cross nodes, those inside only (HSDP:
+    the weights' all-gathers and reduce-scatters on the node's links, one all-reduce of gradients across),
+    and where the file splits its inputs' sequence over some (`context`), the others only (Llama 3's long
+    context: FSDP over the batch's ranks, the weights whole on each context-parallel rank, whose ring
+    already crosses nodes; and in a pipeline, gathered for each micro-batch)."""
     inside = [a for a in axes if _inside_a_node(mesh, machine, a)]
     hybrid = [inside] if inside and len(inside) < len(axes) else []
-    return [list(axes), *hybrid, []]
+    batch = [a for a in axes if a not in context]
+    by_batch = [batch] if context and batch and batch not in (list(axes), *hybrid) else []
+    return [list(axes), *hybrid, *by_batch, []]
 
 
-def _data_name(mesh, axes: list[int], sharded: list[int]) -> str:
+def _context_axes(bound: BoundPlan, axes: list[int]) -> list[int]:
+    """Of `axes`, those the file splits an input on along a dim other than the batch's: context
+    parallelism, each rank a piece of every sequence."""
+    found = set()
+    for name in bound.inputs:
+        pin = bound.pins.get(name)
+        if pin is not None:
+            found |= {a for a, p in enumerate(pin.layout.placements) if a in axes and p.is_split and p.dim != 0}
+    return sorted(found)
+
+
+def _data_name(mesh, axes: list[int], sharded: list[int], context: list[int] = ()) -> str:
+    """The recipe's name over the data axes; an axis in `context` (the file splits the sequence on it) is
+    named as context parallelism where the weights are whole on it."""
+    whole = [a for a in axes if a in context and a not in sharded]
+    batch = [a for a in axes if a not in whole]
+    if whole:
+        return (f"{_data_name(mesh, batch, sharded)}, " if batch else "") + \
+            f"context parallelism over {_names(mesh, whole)}"
     if not sharded:
         return f"data parallelism over {_names(mesh, axes)}"
     if len(sharded) == len(axes):
