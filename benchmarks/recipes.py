@@ -69,13 +69,14 @@ DENSE_KINDS = {"all_reduce", "all_gather", "reduce_scatter", "send"}
 def searched_text(text: str, memory_gib: float) -> str:
     """The recipe with its layouts left to the search (the inputs' as written: the data's layout), its
     pipeline's schedule, micro-batches and cuts too, under a bound of the memory the recipe holds."""
+    inputs = set(re.findall(r"^input\s+(\w+)\s*:", text, re.MULTILINE))
     lines, inside = [], False
     for line in text.splitlines():
         stripped = line.strip()
         if stripped.startswith("layout"):
             inside = True
         if inside:
-            if stripped.startswith("input") or stripped.startswith("layout") or stripped == "}":
+            if stripped.split(" ")[0] in inputs or stripped.startswith("layout") or stripped == "}":
                 lines.append(line)
             inside = stripped != "}"
             continue
