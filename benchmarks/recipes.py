@@ -76,7 +76,8 @@ def searched_text(text: str, memory_gib: float) -> str:
         if stripped.startswith("layout"):
             inside = True
         if inside:
-            if stripped.split(" ")[0] in inputs or stripped.startswith("layout") or stripped == "}":
+            written = re.match(r"(\w+)\s*:", stripped)
+            if written and written.group(1) in inputs or stripped.startswith("layout") or stripped == "}":
                 lines.append(line)
             inside = stripped != "}"
             continue

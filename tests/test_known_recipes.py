@@ -132,6 +132,12 @@ def test_context_parallelism_keeps_the_weights_whole_on_the_axis_that_splits_the
     assert layouts["model.model.layers.0.self_attn.q_proj.weight"] == "S(1)@dp, S(0)@tp"
     assert layouts["model.model.layers.0.self_attn.o_proj.weight"] == "S(0)@dp, S(1)@tp"
     assert "input_ids" not in layouts  # the file's own split stands
+    # labels left unwritten are split by the batch over dp alone: cp's ranks hold pieces of the sequences
+    bound = bind(parse(text.replace("    labels : S(0) @ dp, S(1, zigzag) @ cp\n", ""),
+                       os.path.join(REPO, "examples", "plan.par")))
+    context = next(r for r in recipes(bound, H100)
+                   if r.name == "Megatron TP on tp, FSDP over dp, context parallelism over cp")
+    assert context.pins["labels"].layout.render(bound.mesh) == "S(0)@dp"
 
 
 def n009(plan) -> str:

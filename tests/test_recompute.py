@@ -520,7 +520,7 @@ def test_a_pipeline_rank_makes_one_region_again_at_a_time_whatever_it_holds_in_f
         "int64[8, 16]", "int64[8, 256]") + "recompute model.model.layers.*\n"
     compiled = compile_par(text)
     first = compiled.stages[0].memory()
-    again, once = first["activations_made_again_per_rank"], first["activations_made_once_per_rank"]
+    again, once = first["activations_made_again_per_rank"], first["activations_shared_by_micro_batches_per_rank"]
     kept = first["activations_per_rank"] - again - once  # once: the mask and rotary tables, shared
     assert again > kept > 0 and once > 0
     held = [pipeline_rank_memory(list(compiled.stages), compiled.pipeline, rank) for rank in range(2)]

@@ -32,11 +32,12 @@ def test_each_stage_makes_its_mask_once_and_the_rank_holds_it_once(pools, compil
     for rank, stage in enumerate(compiled.stages):
         (made,) = [s for s in stage.statements if s.instruction.kind == "constants"]
         assert made.instruction.reads() == ["self.model_model_rotary_emb_inv_freq"]  # its one buffer, no parameter
-        assert not made.collectives
+        assert stage.statements[0] is made  # before the layers: no recomputed region takes it in
+        assert not any(inside.instruction.kind == "constants" for s in stage.statements for inside in s.body)
         shapes = [stage.values[name]["shape"] for name in made.targets if name in stage.values]
         assert any(shape[-2:] == [512, 512] for shape in shapes)
         memory = stage.memory()
-        once, again = memory["activations_made_once_per_rank"], memory["activations_made_again_per_rank"]
+        once, again = memory["activations_shared_by_micro_batches_per_rank"], memory["activations_made_again_per_rank"]
         assert once >= 512 * 512  # the mask's booleans
         held = pipeline_rank_memory(list(compiled.stages), compiled.pipeline, rank)
         assert held["activations"] == 4 * (memory["activations_per_rank"] - again - once) + once + again
@@ -81,3 +82,8 @@ def test_what_is_made_from_constants_is_made_again_only_when_a_buffer_changes():
     (changed,) = Runtime.made_from_constants(module, make, module.inv_freq)
     assert len(made) == 2 and changed is not first
     assert torch.equal(changed, torch.arange(4.0)[:, None] * torch.tensor([2.0, 1.0]))
+    module.inv_freq = module.inv_freq.double()  # a buffer replaced (a module moved or cast): made again
+    (cast,) = Runtime.made_from_constants(module, make, module.inv_freq)
+    assert len(made) == 3 and cast.dtype == torch.float64
+    Runtime.made_from_constants(module, make, module.inv_freq)
+    assert len(made) == 3

@@ -144,7 +144,8 @@ def _with_their_readers(statements: list[Statement], units: dict[int, tuple]) ->
     for index, statement in enumerate(statements):
         if statement.instruction.kind == "release":
             continue
-        if index not in units and statement.target:
+        # what a stage makes once for every micro-batch (pardsl/passes/shared_constants.py) is made again by none
+        if index not in units and statement.target and statement.instruction.kind != "constants":
             reader = next((later for later in range(index + 1, len(statements))
                            if set(statement.targets) & set(statements[later].instruction.reads())), None)
             copy = statement.instruction.callee in ("rt.cast", "sync.fetch") and \
@@ -322,7 +323,7 @@ def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgr
     op outside it keeps, or an output (the others `recomputed`, by the region's name: backward holds one
     region's again at a time)."""
     kept, paths = typed.bound.kept, typed.bound.module_paths
-    made_once = {target for statement in program.statements if statement.instruction.kind == "constants"
+    shared = {target for statement in program.statements if statement.instruction.kind == "constants"
                  for target in statement.targets}
 
     def held_copy(name: str, made: Statement) -> None:
@@ -334,7 +335,7 @@ def _count_kept(region: Statement, unit: str, policy: str, program: LoweredProgr
                         "local_shape": list(layout.local_shape(tuple(whole["shape"]), program.mesh)),
                         "layout": str(layout), "held_here": True,
                         **({"layer": whole["layer"]} if "layer" in whole else {}),
-                        **({"made_once": True} if name in made_once else {})}
+                        **({"shared_by_micro_batches": True} if name in shared else {})}
 
     for name in region.instruction.reads():
         if name in values:

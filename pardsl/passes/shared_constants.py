@@ -13,8 +13,9 @@ keeps the mask, reads the same tensors, so a rank holds them once per stage.
 Taken are the statements that read nothing but buffers and what such statements make: no parameter (its
 value changes each step and carries a gradient), no input or size (a micro-batch's), no random draw, no
 collective (every rank must issue the same ones each time), nothing that reads the module's mode or the
-step's parameter sync. A program in which an in-place op writes one of those values, or that returns one,
-is left as it is: a shared value must not change under the micro-batches that read it.
+step's parameter sync, no buffer an op writes in place, no in-place op, and no value the program returns:
+a shared value must not change under the micro-batches that read it. The region goes first in the stage,
+before any layer, whose recomputed region would otherwise take it in.
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ def share_constants_between_micro_batches(program: LoweredProgram, drawn: frozen
     the rest reads. `drawn`: the graph ops that draw random numbers."""
     statements = program.statements
     parameters = {f"self.{slot.var}" for slot in program.parameters}
+    # a buffer an op writes in place (a counter, running statistics) changes under the values read from it
+    written = {statement.instruction.reads()[0] for statement in statements
+               if _in_place(statement.instruction) and statement.instruction.reads()}
+    outputs = {slot.var for slot in program.outputs}
     candidates = made_from_constants(statements, drawn)
     shared: set[int] = set()
     made: set[str] = set()
     for index, statement in enumerate(statements):
-        if index in candidates and _only_reads_buffers(statement, parameters, made):
+        if index in candidates and _only_reads_buffers(statement, parameters, made, written) and \
+                not (outputs | written) & set(statement.targets):
             shared.add(index)
             made.update(statement.targets)
     if not shared:
@@ -44,9 +50,7 @@ def share_constants_between_micro_batches(program: LoweredProgram, drawn: frozen
     rest = [s for i, s in enumerate(statements) if i not in shared]
     read_by_rest = {name for statement in rest for name in _reads(statement)}
     results = [name for index in sorted(shared) for name in statements[index].targets if name in read_by_rest]
-    outputs = {slot.var for slot in program.outputs}
-    written = {name for statement in rest if _in_place(statement.instruction) for name in statement.instruction.reads()}
-    if not results or outputs & set(results) or written & made:
+    if not results:
         return program
     body = tuple(statements[index] for index in sorted(shared))
     layouts = {name: layout for statement in body for name, layout in zip(statement.targets, statement.layouts)}
@@ -57,17 +61,20 @@ def share_constants_between_micro_batches(program: LoweredProgram, drawn: frozen
         f"made from {'buffers and ' if buffers else ''}constants alone: once for every micro-batch",
         layouts=tuple(layouts[name] for name in results) if all(name in layouts for name in results) else (),
         body=body)
-    first = min(shared)
-    values = {name: ({**value, "made_once": True} if name in made else value) for name, value in program.values.items()}
-    return dataclasses.replace(program, statements=statements[:first] + [region] + [
-        s for i, s in enumerate(statements) if i > first and i not in shared], values=values)
+    # first, before any layer: it reads nothing the program makes, and in a layer a recomputed region
+    # would take it in and make it again
+    values = {name: ({**value, "shared_by_micro_batches": True} if name in made else value)
+              for name, value in program.values.items()}
+    return dataclasses.replace(program, statements=[region] + rest, values=values)
 
 
-def _only_reads_buffers(statement: Statement, parameters: set[str], made: set[str]) -> bool:
+def _only_reads_buffers(statement: Statement, parameters: set[str], made: set[str], written: set[str]) -> bool:
     instruction = statement.instruction
-    if statement.body or statement.collectives or instruction.kind not in ("compute", "convert"):
+    if statement.body or statement.collectives or instruction.kind not in ("compute", "convert") or \
+            _in_place(instruction):
         return False
-    if any(name in parameters or not name.startswith("self.") and name not in made for name in instruction.reads()):
+    if any(name in parameters or name in written or not name.startswith("self.") and name not in made
+           for name in instruction.reads()):
         return False
     return not any("self." in text or "sync." in text for text in _texts(instruction))
 

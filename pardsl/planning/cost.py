@@ -831,9 +831,10 @@ def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> d
     state and gathered parameters, each stage's activations for one micro-batch times the micro-batches
     it holds at once under the schedule (a recomputed region's, made again in backward, once: the rank's
     largest; what a stage makes from constants alone, which its micro-batches share, once), and torch's
-    stage buffers (stage_buffer_slots). `peak` is the larger of two moments, each with the gradient a micro-batch's backward makes before it is added to the
-    one held (the largest of the rank's): every micro-batch in flight, or the step's last backward, one
-    micro-batch's activations beside the buffers of the gradient buckets it fills."""
+    stage buffers (stage_buffer_slots). `peak` is the larger of two moments, each with the gradient a
+    micro-batch's backward makes before it is added to the one held (the largest of the rank's): every
+    micro-batch in flight, or the step's last backward, one micro-batch's activations beside the buffers
+    of the gradient buckets it fills."""
     mesh = stages[0].mesh
     axis_size = mesh.axis_sizes[mesh.axis_index(plan.axis)]
     in_flight = stage_micro_batches_held(plan.schedule, plan.microbatches, axis_size, rank,
@@ -851,7 +852,7 @@ def pipeline_rank_memory(stages, plan, rank: int, optimizer: str = "adamw") -> d
         again = program.memory()["activations_made_again_per_rank"]
         made_again = max(made_again, again)
         # what the stage makes from constants alone, every micro-batch reads the same copy of
-        once = program.memory()["activations_made_once_per_rank"]
+        once = program.memory()["activations_shared_by_micro_batches_per_rank"]
         for key in held.keys() - {"stage_buffers", "activations"}:
             held[key] += memory[key]
         held["activations"] += (memory["activations"] - again - once) * in_flight[stage] + once

@@ -336,13 +336,13 @@ def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw")
         made_here = program.made_from_constants(drawn)
         sent = {slot.var for slot in program.outputs}
         constant: dict[str, int] = {}
-        made_once: dict[str, int] = {}
+        shared_here: dict[str, int] = {}
         only_sent = 0  # held only as what the segment sends on: in a stage it ends, not held
         for name, size, _, made_again in program.held_for_backward():
             if made_again:
                 regions[made_again] = regions.get(made_again, 0) + size
-            elif program.values.get(name, {}).get("made_once"):
-                made_once[name] = size
+            elif program.values.get(name, {}).get("shared_by_micro_batches"):
+                shared_here[name] = size
             elif name in made_here:
                 constant[name] = size
             else:
@@ -354,7 +354,7 @@ def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw")
         kept.append(held)
         sent_only.append(only_sent)
         constants.append(tuple(sorted(constant.items())))
-        shared.append(tuple(sorted(made_once.items())))
+        shared.append(tuple(sorted(shared_here.items())))
         region.append(max(regions.values(), default=0))
         into, back = stage_buffer_slots(programs, k)
         received.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in into))

@@ -80,7 +80,7 @@ def recipes(bound: BoundPlan, machine: Machine, kept: tuple[int, ...] = ()) -> l
     context = _context_axes(bound, axes)
     found = []
     for sharded in _shardings(mesh, machine, axes, context):
-        pins = _data_parallel(bound, axes, None, {}, sharded)
+        pins = _data_parallel(bound, axes, None, {}, sharded, context)
         if pins:
             found.append(Recipe(_data_name(mesh, axes, sharded, context), pins))
     for tp in axes:
@@ -91,7 +91,7 @@ def recipes(bound: BoundPlan, machine: Machine, kept: tuple[int, ...] = ()) -> l
             continue
         others = [a for a in axes if a != tp]
         for sharded in _shardings(mesh, machine, others, context) if others else ([],):
-            pins = _data_parallel(bound, others, tp, split, sharded)
+            pins = _data_parallel(bound, others, tp, split, sharded, context)
             # `substitute split_reductions : off`: Megatron's layers all-reduce their sums, as before SP
             # (nor where the file splits the tokens over another axis: the stream keeps the file's split)
             sequence = _sequence_parallel(bound, others, tp, rows) \
@@ -123,12 +123,12 @@ def _shardings(mesh, machine: Machine, axes: list[int], context: list[int] = ())
 
 
 def _context_axes(bound: BoundPlan, axes: list[int]) -> list[int]:
-    """Of `axes`, those the file splits an input on along a dim other than the batch's: context
-    parallelism, each rank a piece of every sequence."""
+    """Of `axes`, those the file splits an input of tokens (integers: ids, labels) on along a dim other
+    than the batch's: context parallelism, each rank a piece of every sequence."""
     found = set()
     for name in bound.inputs:
         pin = bound.pins.get(name)
-        if pin is not None:
+        if pin is not None and not bound.tensors[name].dtype.is_floating_point:  # token ids, labels
             found |= {a for a, p in enumerate(pin.layout.placements) if a in axes and p.is_split and p.dim != 0}
     return sorted(found)
 
@@ -339,16 +339,18 @@ def _tensor_parallel(bound: BoundPlan, tp: int, columns, rows, heads) -> dict[st
 
 
 def _data_parallel(bound: BoundPlan, axes: list[int], tp: int | None, split: dict[str, dict[int, Placement]],
-                   sharded: list[int]) -> dict[str, Pin]:
-    """The batch split over `axes`, and each weight as `split` has it on `tp`; each weight of two or more
-    dims also split over the `sharded` axes (FSDP, ZeRO-3), on a dim `tp` leaves whole, and whole on the
-    others (data parallelism). A parameter of one dim (a norm's scale, a bias) is left to the completion."""
+                   sharded: list[int], context: list[int] = ()) -> dict[str, Pin]:
+    """The batch split over `axes` (but the `context` axes, which the file splits the tokens over), and
+    each weight as `split` has it on `tp`; each weight of two or more dims also split over the `sharded`
+    axes (FSDP, ZeRO-3), on a dim `tp` leaves whole, and whole on the others (data parallelism). A
+    parameter of one dim (a norm's scale, a bias) is left to the completion."""
     mesh = bound.mesh
     pins: dict[str, Pin] = {}
+    batch = [a for a in axes if a not in context]
     for name in bound.inputs:
         shape = bound.tensors[name].shape
-        if axes and shape and shape[0] % math.prod(mesh.axis_sizes[a] for a in axes) == 0:
-            pin = _placed(bound, name, {a: S(0) for a in axes})
+        if batch and shape and shape[0] % math.prod(mesh.axis_sizes[a] for a in batch) == 0:
+            pin = _placed(bound, name, {a: S(0) for a in batch})
             if pin is not None:
                 pins[name] = pin
     for name in bound.trained_parameters:

@@ -326,8 +326,9 @@ class LoweredProgram:
             "activations_made_again_per_rank": max(again.values(), default=0),
             # what a pipeline stage makes from constants once and every micro-batch shares
             # (pardsl/passes/shared_constants.py): held once, however many micro-batches are in flight
-            "activations_made_once_per_rank": sum(size for name, size, _, region in held
-                                                  if not region and self.values.get(name, {}).get("made_once")),
+            "activations_shared_by_micro_batches_per_rank": sum(
+                size for name, size, _, region in held
+                if not region and self.values.get(name, {}).get("shared_by_micro_batches")),
             "parameter_copies_per_rank": sum(nbytes(v["local_shape"], v["dtype"]) for v in self.values.values()
                                              if v["kind"] == "copy" and v["parameter"]),
             "activations_total": sum(nbytes(v["shape"], v["dtype"]) for v in self.values.values()

@@ -160,13 +160,16 @@ class Runtime:
         has changed since (a checkpoint loaded into it in place moves its version on). Made as ordinary
         tensors without gradient whatever mode the forward runs in: made under inference mode, they could
         not be kept for a training step's backward."""
-        key = tuple((id(buffer), buffer._version) for buffer in buffers)
+        # the buffers themselves (compared by identity: an id can be taken again by a later tensor), and
+        # what a write or a move changes of each
+        key = [(buffer._version, buffer.device, buffer.dtype) for buffer in buffers]
         cached = module.__dict__.get("_made_from_constants")
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        if cached is not None and len(cached[0]) == len(buffers) and \
+                all(old is new for old, new in zip(cached[0], buffers)) and cached[1] == key:
+            return cached[2]
         with torch.inference_mode(False), torch.no_grad():
             made = make()
-        module.__dict__["_made_from_constants"] = (key, made)
+        module.__dict__["_made_from_constants"] = (tuple(buffers), key, made)
         return made
 
     def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple], precision: tuple | None = None,
