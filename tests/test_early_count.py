@@ -95,8 +95,9 @@ def test_a_pipelines_last_stage_starts_its_count_before_its_layers_and_equals_se
     # the last stage's module starts the count from the labels it receives before any of its layers
     last = compiled.stages[-1]
     started = [s.instruction.callee for s in last.statements].index("rt.count_targets_started")
+    parameters = {f"self.{p.var}" for p in last.parameters}
     reads_parameter = next(i for i, s in enumerate(last.statements)
-                           if any(name.startswith("self.") for name in s.instruction.reads()))
+                           if any(name in parameters for name in s.instruction.reads()))
     assert started < reads_parameter
     assert last.collective_counts()["forward"]["all_reduce"] == 1  # the count's, moved, not added
     report = run_on(pools, compiled)
