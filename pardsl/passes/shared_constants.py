@@ -81,17 +81,19 @@ def _only_reads_buffers(statement: Statement, parameters: set[str], made: set[st
 
 def _texts(instruction: Instruction) -> list[str]:
     found: list[str] = []
-
-    def collect(arg) -> None:
-        if isinstance(arg, Text):
-            found.append(arg.text)
-        elif isinstance(arg, Items):
-            for item in arg.items:
-                collect(item)
-
     for arg in instruction.args + tuple(value for _, value in instruction.kwargs):
-        collect(arg)
+        _collect_texts(arg, found)
     return found
+
+
+# a module function, not a recursive closure (a reference cycle per call): the pipeline search runs this
+# pass on every stage of every option it prices
+def _collect_texts(arg, found: list[str]) -> None:
+    if isinstance(arg, Text):
+        found.append(arg.text)
+    elif isinstance(arg, Items):
+        for item in arg.items:
+            _collect_texts(item, found)
 
 
 def _reads(statement: Statement) -> list[str]:
