@@ -32,7 +32,7 @@ def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
     logging.disable(logging.CRITICAL)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), experts_as_one_op(model), \
-                _DataAsDetach():
+                _DataAsDetach(), _key_value_caches_dropped(model):
             warnings.simplefilter("ignore")
             exported = torch.export.export(model, (), dict(example_inputs), strict=False,
                                            dynamic_shapes=dynamic_shapes)
@@ -43,6 +43,33 @@ def trace(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor],
     inline_grad_mode_regions(exported.graph_module)
     make_fresh_tensors_from_nothing(exported.graph_module)
     return exported
+
+
+def without_key_value_caches(output):
+    """A forward's result with the transformers key-value caches among its outputs left out. A cache serves
+    generation, one token after another; a training step has no use for it, and it is no tensor or container
+    torch.export can trace (DiffusionGemma's encoder returns one whatever its settings). The serial model's
+    result is compared with the plan's through this too."""
+    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    if cache is None:  # transformers not imported: the model is none of its
+        return output
+    if isinstance(output, dict) and any(isinstance(value, cache) for value in output.values()):
+        # made anew: a ModelOutput leaves out the fields given as None, where one set to None stays
+        return type(output)(**{name: value for name, value in output.items() if not isinstance(value, cache)})
+    if isinstance(output, tuple) and any(isinstance(value, cache) for value in output):
+        return type(output)(None if isinstance(value, cache) else value for value in output)
+    return output
+
+
+@contextlib.contextmanager
+def _key_value_caches_dropped(model: torch.nn.Module):
+    """While tracing: the model's result `without_key_value_caches`."""
+    hook = model.register_forward_hook(lambda module, args, kwargs, output: without_key_value_caches(output),
+                                       with_kwargs=True)
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 class _DataAsDetach(torch.overrides.TorchFunctionMode):

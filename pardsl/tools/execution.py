@@ -42,6 +42,7 @@ import torch.distributed as dist
 from pardsl.language.progress import tell
 from pardsl.language.syntax import InputDecl, ModelDecl
 from pardsl.layouts.algebra import Layout, Mesh
+from pardsl.model.export import without_key_value_caches
 from pardsl.model.loading import build_model, full_state, import_paths, make_inputs, par_import_paths
 from pardsl.program.codegen import load_module
 from pardsl.runtime.pieces import collectives_in_graphs as in_graphs_by_default, compile_pieces
@@ -271,7 +272,8 @@ def run_rank(job: RankJob) -> dict:
         serial_params = dict(reference.named_parameters(remove_duplicate=False))  # tied weights under every name
         serial_buffers = dict(reference.named_buffers(remove_duplicate=False))
         given = _as_given(full_inputs, job.precision)
-        serial_out = torch.utils._pytree.tree_leaves(reference(**dict(zip(input_names, given))))
+        serial_result = without_key_value_caches(reference(**dict(zip(input_names, given))))
+        serial_out = torch.utils._pytree.tree_leaves(serial_result)
         if output_grads is None:
             # unit-norm output gradients (a mean, not a sum, of outputs × random weights): the objective is
             # linear, and steps the size of a summed one's carry deep models to inf within a few steps
@@ -402,7 +404,8 @@ def _run_pipelined_rank(job: RankJob, module, rt, serial, progress) -> dict:
         reference = _under_precision(serial, job.precision)
         serial_params = dict(reference.named_parameters(remove_duplicate=False))
         given = _as_given(full_inputs, job.precision)
-        serial_out = torch.utils._pytree.tree_leaves(reference(**dict(zip(input_names, given))))
+        serial_result = without_key_value_caches(reference(**dict(zip(input_names, given))))
+        serial_out = torch.utils._pytree.tree_leaves(serial_result)
         if not own_loss and gradient is None:
             gradient = _unit_norm(torch.randn(serial_out[0].shape, generator=torch.Generator().manual_seed(
                 job.seed + 2))).to(device, serial_out[0].dtype)
