@@ -160,6 +160,13 @@ def _arguments() -> argparse.ArgumentParser:
     init.add_argument("--batch", type=int, default=2, metavar="N", help="the example input's batch size")
     init.add_argument("--memory", default="40 %", metavar="BOUND",
                       help="the memory bound written where the model has no plan (a search request)")
+    init.add_argument("--input", action="append", default=[], metavar="DECLARATION", dest="inputs",
+                      help="an input the file declares, as after the .par's `input` keyword (--input \"t_cond : "
+                           "float32[1, 512]\"); repeatable; given, these are the file's inputs in place of the "
+                           "token ids, embeddings or image init would try")
+    init.add_argument("--argument", action="append", default=[], metavar="NAME=VALUE", dest="arguments",
+                      help="an argument of the model's forward that is no tensor, fixed to VALUE (a Python "
+                           "literal: --argument num_patches=16); repeatable")
     init.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
                       help="a config class's setting over init's small sizes and the class's defaults, VALUE a "
                            "Python literal (--set partial_rotary_factor=0.5); repeatable")
@@ -431,7 +438,7 @@ def _init(args) -> int:
         return _failed(args, "error", "--seq and --batch must be at least 1", EXIT_USAGE)
     try:
         generated = generate(args.model, args.output, args.mesh, args.seq, args.batch, args.memory,
-                             settings_given(args.settings))
+                             settings_given(args.settings), args.inputs, settings_given(args.arguments, "--argument"))
     except InitError as error:
         return _failed(args, "error", str(error), EXIT_INPUT_ERROR)
     except CompileError as error:  # located in the text init made: nothing is written

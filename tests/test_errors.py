@@ -42,6 +42,10 @@ CASES = [
     ("input-name-mismatch", "mesh tp = 2\nmodel examples.models:MLP()\ninput y : float32[4, 256]\n", [("E034", 3, 1)]),
     ("input-missing", "mesh tp = 2\nmodel examples.models:MLP()\n", [("E034", 2, 1)]),
     ("too-many-inputs", MLP + "input z : float32[4]\n", [("E034", 4, 1)]),
+    # LLaMA's forward takes **kwargs and passes them to its layers: a name none of them reads is refused
+    ("input-unread-in-kwargs", "mesh tp = 2\nmodel examples.hf_models:llama_causal_lm(layers=1)\n"
+                               "input input_ids : int64[2, 8] in [0, 256)\ninput t_cnd : float32[1, 64]\n",
+     [("E034", 4, 1)]),
     ("dim-without-size", "mesh tp = 2\nmodel examples.models:MLP()\ninput x : float32[batch, 256]\n", [("E005", 3, 19)]),
     ("dim-two-sizes", "mesh tp = 2\nmodel examples.hf_models:llama_causal_lm()\n"
                       "input input_ids : int64[b=4, s=8] in [0, 256)\ninput labels : int64[b=2, s] in [0, 256)\n",

@@ -164,6 +164,8 @@ def test_a_set_the_model_line_cannot_write_says_how_to_write_one(init, capsys, s
 def test_set_is_for_a_config_class_and_names_a_setting_it_does_not_read(init, capsys):
     assert init("examples.hf_models:llama_causal_lm(layers=1)", "--set", "hidden_size=64") is None
     assert "give the settings as its arguments" in capsys.readouterr().err
+    assert init("examples.hf_models:llama_causal_lm(layers=1)", "--argument", "n=1") is None
+    assert "fix the forward's in the module it returns" in capsys.readouterr().err
     # a bare word is a string; a misspelt name is set (a config keeps any keyword) and said to be unread;
     # rope_theta is read, folded into rope_parameters
     path = init("LlamaConfig", "--set", "hidden_act=gelu", "--set", "rope_thta=5", "--set", "rope_theta=5e5")
@@ -227,6 +229,57 @@ def test_the_input_kept_after_a_refused_one_is_said_and_an_error_of_the_plan_is_
     assert "error[E061]" in err and "takes no ids" not in err
 
 
+def test_inputs_given_with_input_are_the_files_and_run_equal_to_serial(pools, init, capsys):
+    """Voxtral Realtime's text layers read a time conditioning its forward passes on through **kwargs: given
+    with --input beside the token ids, it is an input of the file, and the plan runs equal to serial."""
+    path = init("VoxtralRealtimeTextConfig", *[o for d in INPUTS["VoxtralRealtimeTextConfig"] for o in ("--input", d)])
+    assert path is not None, capsys.readouterr().err
+    lines = Path(path).read_text().splitlines()
+    assert [line for line in lines if line.startswith("input")] == [
+        "input  input_ids : int64[2, 16] in [0, 256)", "input  t_cond : float32[1, 512]"]
+    compiled = compile_file(path)
+    assert _nonzero(compiled.program.collective_counts()) == PER_LAYER  # one layer, Megatron's
+    check(pools, compiled)
+
+
+@pytest.mark.parametrize("declared", ["t_cond float32[1, 512]", "t_cond : float32[1, 512]\nmesh x = 2",
+                                      "x : float32[2, 16] in"])
+def test_an_input_that_is_no_declaration_says_how_to_write_one(init, capsys, declared):
+    assert init("LlamaConfig", "--input", declared) is None and init.code == 1
+    err = capsys.readouterr().err
+    assert "give one input as the .par declares it after `input`" in err and "Traceback" not in err
+
+
+def test_a_forward_argument_that_is_no_tensor_is_fixed_on_the_model_line_and_runs_equal_to_serial(pools, init, capsys):
+    """DeepSeek-OCR 2's vision encoder takes how many of its tokens are patches as an int: fixed with
+    --argument, it is written on the model line, and serial and the plan both take it."""
+    path = init("DeepseekOcr2VisionEncoderConfig", "--argument", "num_patches=8")
+    assert path is not None, capsys.readouterr().err
+    model_line = next(line for line in Path(path).read_text().splitlines() if line.startswith("model"))
+    assert model_line.endswith('forward_arguments={"num_patches": 8})')
+    check(pools, compile_file(path))
+
+
+@pytest.mark.parametrize("options, expected", [
+    (["--argument", "num_patches"], "--argument 'num_patches': give NAME=VALUE, the name one of the forward's"),
+    (["--argument", "forward_arguments=1"], "give NAME=VALUE"),
+])
+def test_an_argument_that_is_no_name_and_value_says_how_to_write_one(init, capsys, options, expected):
+    assert init("LlamaConfig", *options) is None and init.code == 1
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_a_returned_key_value_cache_is_left_out_and_the_rest_runs_equal_to_serial(pools, init, capsys):
+    """DiffusionGemma's encoder returns a key-value cache whatever its settings: the plan's outputs are the
+    rest, and equal serial's."""
+    path = init("DiffusionGemmaTextConfig", "--set", "num_hidden_layers=1", "--set", "layer_types=['full_attention']")
+    assert path is not None, capsys.readouterr().err
+    compiled = compile_file(path)
+    assert [name for name, _ in compiled.bound.outputs] == ["output.last_hidden_state"]
+    check(pools, compiled)
+
+
 def test_a_name_that_is_no_config_class_says_so(init, capsys):
     assert init("NoSuchConfig") is None and init.code == 1
     assert "`NoSuchConfig` is no config class of transformers" in capsys.readouterr().err
@@ -276,26 +329,36 @@ SETTINGS = {
     "MuseSparkConfig": ['audio_config={"out_hidden_size": 256}'],
 }
 
+# The inputs of a model that takes more than init tries, given with --input as a user gives them: the
+# time conditioning of Voxtral Realtime's text layers, which the whole speech model computes and passes on;
+# a vision encoder's patches with their positions (still listed below); a drafting head's noise embeddings,
+# the main model's states it drafts from, and the mask over both
+INPUTS = {
+    "VoxtralRealtimeTextConfig": ["input_ids : int64[2, 16] in [0, 256)", "t_cond : float32[1, 512]"],
+    "Gemma4VisionConfig": ["pixel_values : float32[2, 36, 768]", "pixel_position_ids : int64[2, 36, 2] in [0, 6)"],
+    "MuseGlimmerAssistantConfig": ["noise_embeds : float32[2, 16, 512]", "context_hidden_states : float32[2, 16, 2560]",
+                                   "attention_mask : int64[2, 32] in [1, 2)"],
+}
+
+# And the forward's arguments that are no tensors, given with --argument: how many of DeepSeek-OCR 2's
+# vision tokens are patches (the rest are its queries)
+ARGUMENTS = {"DeepseekOcr2VisionEncoderConfig": ["num_patches=8"]}
+
 # And these, each for the reason given: init says so (the text given), exit code 1, no traceback.
 TAKES_NONE = "takes none of the inputs init writes"
 UNSUPPORTED = {
     # vision encoders whose inputs beside the pixels set the shapes: position ids per patch, a patch grid
-    "Gemma4VisionConfig": (TAKES_NONE, "its forward takes pixel_position_ids beside the patches"),
+    "Gemma4VisionConfig": ("error[E061]", "given its patches and their position ids, it strips the padding "
+                                          "patches by a boolean mask (hidden_states[pooler_mask])"),
     "MuseGlimmerVisionConfig": (TAKES_NONE, "its forward takes a patch grid (grid_thw) whose values set shapes"),
     "Ernie4_5_VLMoeVisionConfig": (TAKES_NONE, "its forward takes flattened patches and a patch grid"),
     "Dots3NoteVisionConfig": ("cannot build the model", "per-layer settings for layers 25-41 that init's one "
                                                         "layer contradicts; and a patch grid as an input"),
-    "DeepseekOcr2VisionEncoderConfig": ("error[E034]", "its forward takes num_patches beside the embeddings"),
-    "MuseGlimmerAssistantConfig": (TAKES_NONE, "an assistant head over another model's hidden states"),
     "T5GemmaModuleConfig": ("no model class of transformers takes", "an encoder or decoder module of "
                                                                     "T5Gemma, built only inside it"),
-    "VoxtralRealtimeTextConfig": ("error[E035]", "its layers need the time conditioning (t_cond) that only "
-                                                 "the whole speech model computes and passes"),
+    # shapes that depend on the data: no layout is static for them (E061 says where)
     "Gemma3nTextConfig": ("error[E062]", "its AltUp clamps a parameter through `.data` in training, which a "
                                          "compiled plan cannot promise to make on the parameter itself"),
-    "DiffusionGemmaTextConfig": ("error[E035]", "its forward returns a key-value cache (DynamicCache), which "
-                                                "its config has no use_cache to turn off"),
-    # shapes that depend on the data: no layout is static for them (E061 says where)
     "Glm5NextTextConfig": ("error[E061]", "its sparse attention's indexer pools keys with an index whose "
                                           "result's shape depends on the data"),
     "HiggsAudioV2Config": ("error[E061]", "its layers pick the audio tokens by a boolean mask "
@@ -316,9 +379,11 @@ def architectures_with_a_plan() -> list[str]:
 
 
 def _init_config(config: str, folder: str) -> tuple[str, int, str]:
-    """`pardsl init CONFIG [--set ...]` in a worker process: (config, exit code, what it wrote on stderr)."""
+    """`pardsl init CONFIG [--set ...] [--input ...] [--argument ...]` in a worker process: (config, exit code, what it wrote on stderr)."""
     err = io.StringIO()
     settings = [option for setting in SETTINGS.get(config, []) for option in ("--set", setting)]
+    settings += [option for declared in INPUTS.get(config, []) for option in ("--input", declared)]
+    settings += [option for argument in ARGUMENTS.get(config, []) for option in ("--argument", argument)]
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         code = main(["init", config, "-o", os.path.join(folder, f"{config}.par"), *settings])
     return config, code, err.getvalue()
@@ -332,14 +397,15 @@ def swept(names: list[str]) -> list[str]:
     if os.environ.get("PARDSL_INIT_SWEEP") == "all":
         return names
     return [name for i, name in enumerate(names)
-            if i % 4 == 0 or name in UNSUPPORTED or name in SETTINGS
+            if i % 4 == 0 or name in UNSUPPORTED or name in SETTINGS or name in INPUTS or name in ARGUMENTS
             or name in ("LlamaConfig", "Qwen3Config", "MixtralConfig", "Llama4Config", "Phi4MultimodalConfig",
                         "Qwen3OmniMoeTalkerCodePredictorConfig")]
 
 
 def test_every_architecture_with_a_plan_gets_a_file_that_compiles(tmp_path):
     names = architectures_with_a_plan()
-    assert set(UNSUPPORTED) | set(SETTINGS) <= set(names), "an entry is no longer an architecture with a plan"
+    assert set(UNSUPPORTED) | set(SETTINGS) | set(INPUTS) | set(ARGUMENTS) <= set(names), \
+        "an entry is no longer an architecture with a plan"
     assert len(names) - len(UNSUPPORTED) >= 100  # the sweep covers what transformers has, not a handful
     names = swept(names)
     # two processes: on a 2-core machine half the time

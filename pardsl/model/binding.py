@@ -217,9 +217,12 @@ def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticS
     names = [n for n, p in arguments.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     declared = {decl.name for decl in par.inputs}
     required = [n for n in names if n not in declared and arguments[n].default is inspect.Parameter.empty]
+    # a forward that takes **kwargs passes them on (transformers' layers read their conditioning so): a name
+    # outside its own arguments is taken there, and refused after the trace if nothing read it
+    open_ended = any(p.kind == p.VAR_KEYWORD for p in arguments.values())
     misnamed = False
     for decl in par.inputs:
-        if decl.name not in names:
+        if decl.name not in names and not open_ended:
             misnamed = True
             close = difflib.get_close_matches(decl.name, required or names, 1)
             notes = [f"did you mean `{close[0]}`?"] if close else \
@@ -234,6 +237,24 @@ def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticS
                        span, f"forward({', '.join(names)})")
             ok = False
     return ok
+
+
+def _check_inputs_read(par: ParFile, model: torch.nn.Module, exported: torch.export.ExportedProgram,
+                       sink: DiagnosticSink) -> None:
+    """An input declared outside forward()'s own arguments went into its **kwargs: one nothing read there is
+    a name the model does not know (a misspelt argument), not an input."""
+    arguments = inspect.signature(model.forward).parameters
+    read = {name for placeholder, name in _user_input_names(exported).items()
+            if exported.graph.find_nodes(op="placeholder", target=placeholder)[0].users}
+    names = [n for n, p in arguments.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    unread = [decl for decl in par.inputs if decl.name not in arguments and decl.name not in read]
+    for decl in unread:
+        close = difflib.get_close_matches(decl.name, names, 1)
+        sink.error("E034", f"`forward` has no argument `{decl.name}`, and nothing reads it from **kwargs",
+                   decl.span, f"forward({', '.join(names)}, **kwargs)",
+                   *([f"did you mean `{close[0]}`?"] if close else []))
+    if unread:
+        sink.raise_if_any()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -639,6 +660,7 @@ def bind(par: ParFile, regroup_heads: bool = True) -> BoundPlan:
         sink.raise_if_any()
 
     seconds["export"] = time.perf_counter() - clock
+    _check_inputs_read(par, model, exported, sink)
     for node in functionalize_in_place(exported.graph_module):
         where = (list((node.meta.get("nn_module_stack") or {}).values())[-1:] or [("the model's own forward()",)])[0][0]
         if written_through_data(node):

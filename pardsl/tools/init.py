@@ -5,6 +5,7 @@ request. The file is compiled before it is written, so what `init` writes is kno
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import json
@@ -93,9 +94,17 @@ def _small(cls: type) -> dict:
     return settings
 
 
-def hf_model(config: str, **settings) -> torch.nn.Module:
+def hf_model(config: str, forward_arguments: dict | None = None, **settings) -> torch.nn.Module:
     """transformers' model for its config class named `config` ("LlamaConfig"), `settings` over the class's
-    defaults: the causal language model where the family has one, its base model otherwise."""
+    defaults: the causal language model where the family has one, its base model otherwise. Its forward
+    takes `forward_arguments` as given, arguments that are no tensors (a count of patches)."""
+    model = _hf_model(config, settings)
+    if forward_arguments:
+        model.forward = functools.partial(model.forward, **forward_arguments)
+    return model
+
+
+def _hf_model(config: str, settings: dict) -> torch.nn.Module:
     import transformers
 
     made = getattr(transformers, config)(**settings)
@@ -117,26 +126,27 @@ def hf_model(config: str, **settings) -> torch.nn.Module:
     return classes[0](made)
 
 
-def settings_given(pairs: list[str]) -> dict:
-    """`--set NAME=VALUE` pairs as a dict: VALUE a Python literal (0.5, "yarn", [8, 12, 12], {"rope_type":
-    "default"}), or a bare word taken as a string (--set hidden_act=silu)."""
+def settings_given(pairs: list[str], option: str = "--set") -> dict:
+    """`--set NAME=VALUE` (or --argument) pairs as a dict: VALUE a Python literal (0.5, "yarn", [8, 12, 12],
+    {"rope_type": "default"}), or a bare word taken as a string (--set hidden_act=silu)."""
     settings = {}
+    example = "--set partial_rotary_factor=0.5" if option == "--set" else f"{option} num_patches=16"
     for pair in pairs:
         name, equals, text = (part.strip() for part in pair.partition("="))
         if not equals or not (name.isascii() and name.isidentifier()) or keyword.iskeyword(name) \
-                or name == "config" or not text:
-            raise InitError(f"--set {pair!r}: give NAME=VALUE, the name one of the config's settings "
-                            "(--set partial_rotary_factor=0.5)")
+                or name in ("config", "forward_arguments") or not text:
+            raise InitError(f"{option} {pair!r}: give NAME=VALUE, the name one of the "
+                            f"{'config' if option == '--set' else 'forward'}'s arguments ({example})")
         if re.fullmatch(r"[A-Za-z_][\w.\-]*", text) and text not in ("True", "False", "None"):
             value = text  # a bare word: a string, as a shell user writes it
         else:
             try:
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError, RecursionError, MemoryError) as error:
-                raise InitError(f"--set {pair!r}: {text!r} is no Python literal ({type(error).__name__}); "
-                                "quote a string in the shell: --set 'NAME=\"text\"'") from None
+                raise InitError(f"{option} {pair!r}: {text!r} is no Python literal ({type(error).__name__}); "
+                                f"quote a string in the shell: {option} 'NAME=\"text\"'") from None
         if not _writable(value):
-            raise InitError(f"--set {pair!r}: the model line takes numbers, strings, True, False, None, and "
+            raise InitError(f"{option} {pair!r}: the model line takes numbers, strings, True, False, None, and "
                             "lists, tuples and dicts of them with string keys")
         settings[name] = value
     return settings
@@ -157,10 +167,11 @@ def _writable(value, depth: int = 0) -> bool:
     return False
 
 
-def small_model_line(config: str, settings: dict | None = None) -> tuple[str, list[str]]:
+def small_model_line(config: str, settings: dict | None = None,
+                     arguments: dict | None = None) -> tuple[str, list[str]]:
     """The `model` line's factory call that builds transformers' config class `config` small (`_small`),
-    `settings` over it (the real model's values for what the class's defaults leave out or get wrong); and
-    notes on settings the class does not know."""
+    `settings` over it (the real model's values for what the class's defaults leave out or get wrong), its
+    forward taking `arguments`; and notes on settings the class does not know."""
     import transformers
 
     settings = settings or {}
@@ -179,6 +190,8 @@ def small_model_line(config: str, settings: dict | None = None) -> tuple[str, li
              for name in settings if name not in parts and not _known(cls, name, settings[name])]
     listed = ", ".join(f"{name}={_literal(value)}"
                        for name, value in {**_small(cls), **settings, **parts}.items())
+    if arguments:
+        listed += f", forward_arguments={_literal(arguments)}"
     return f'pardsl.tools.init:hf_model(config="{config}", {listed})', notes
 
 
@@ -232,18 +245,21 @@ class Generated:
 
 
 def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: int = 2,
-             memory: str = "40 %", settings: dict | None = None) -> Generated:
+             memory: str = "40 %", settings: dict | None = None, inputs: list[str] | None = None,
+             arguments: dict | None = None) -> Generated:
     """The .par text for `model` (a `module:factory(kwargs)` as the `model` line takes it, or the name of a
     transformers config class, built small by `hf_model`), to be written at `path` (the model's module is
-    imported as it will be from there). Raises InitError, or CompileError
-    located in the generated text."""
+    imported as it will be from there). `inputs` (`NAME : DTYPE[SIZES]`, as after an `input` keyword) are
+    the inputs the file declares, in place of those init would try; `arguments`, the forward's arguments
+    that are no tensors, fixed (a config class's model only). Raises InitError, or CompileError located in
+    the generated text."""
     asked = model
     notes: list[str] = []
     if ":" not in model and model.isidentifier():  # a config class's name: its model, built small
-        model, notes = small_model_line(model, settings)
-    elif settings:
-        raise InitError(f"--set is for a config class's settings; `{model}` is a factory: give the settings as "
-                        "its arguments")
+        model, notes = small_model_line(model, settings, arguments)
+    elif settings or arguments:
+        raise InitError(f"--set and --argument are for a config class's model; `{model}` is a factory: give the "
+                        "settings as its arguments, and fix the forward's in the module it returns")
     head = f"mesh   {mesh}\nmodel  {model}\n"
     declared = parse(head, path)
     axes = [axis.name for axis in declared.meshes[0].axes]
@@ -265,13 +281,14 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
         text_config = config.get_text_config()
     except Exception:  # no config, or several text parts (an encoder's and a decoder's): the model's own
         text_config = config
-    forms = _input_forms(module, config, text_config, batch, seq)
+    forms = [[f"input  {text}" for text in _given_inputs(inputs, head, path)]] if inputs else \
+        _input_forms(module, config, text_config, batch, seq)
     if not forms:
         accepted = ", ".join(inspect.signature(module.forward).parameters)
         raise InitError(f"`{model}` takes none of the inputs init writes (token ids with the config's integer "
                         "vocab_size, embeddings [batch, tokens, hidden_size], an image [batch, num_channels, "
-                        f"image_size, image_size]): its forward takes ({accepted}); write the .par's inputs by "
-                        "hand for it (see docs/language.md)")
+                        f"image_size, image_size]): its forward takes ({accepted}); give the inputs it takes "
+                        "with --input, one each: --input \"NAME : float32[2, 16, 512]\" (see docs/language.md)")
     plans, unplaced = _plans(module, base_path, config)
     plan = {key: style for _, part_plan in plans for key, style in part_plan.items()}
 
@@ -335,6 +352,20 @@ def _in_blocks(bound, entries: dict[str, str]) -> dict[str, int]:
 
 def _blocked_layout(layout: str, parts: int) -> str:
     return layout[:-1] + f", blocks={parts})"
+
+
+def _given_inputs(inputs: list[str], head: str, path: str) -> list[str]:
+    """The --input texts, each checked to be one input declaration as the .par writes it after `input`
+    (parsed below the file's `mesh` and `model` lines, which a file must have)."""
+    for text in inputs:
+        try:
+            declared = parse(f"{head}input  {text}\n", path).inputs
+        except CompileError:
+            declared = []
+        if len(declared) != 1 or "\n" in text:
+            raise InitError(f"--input {text!r}: give one input as the .par declares it after `input`: "
+                            "NAME : DTYPE[SIZES], and `in [LO, HI)` for integers (--input \"t_cond : float32[1, 512]\")")
+    return [" ".join(text.split()) for text in inputs]
 
 
 def _input_forms(module: torch.nn.Module, config, text_config, batch: int, seq: int) -> list[list[str]]:
