@@ -556,3 +556,11 @@ def test_a_stage_sums_its_micro_batches_gradients_in_a_copy_it_owns(policy):
     sync.arrive(0, 0, third)
     assert stage.held_gradients[(0, 0)] is held and held.tolist() == [3.5] * 4
     assert first.tolist() == [1.0] * 4 and second.tolist() == [2.0] * 4
+
+
+def test_a_permuted_view_crossing_a_cut_is_sent_both_ways(pools):
+    """torch sends contiguous tensors only: the transposed value a stage returns, and the transposed
+    gradient of it the next stage sends back, go as contiguous copies."""
+    compiled = compile_text("mesh pp = 2\nmodel tests.zoo:SendsAPermutedView()\ninput x : float32[4, 8]\n"
+                            "pipeline pp : schedule 1F1B, microbatches 2, cut before second\n", "plan.par")
+    assert run_on(pools, compiled, steps=2)["ok"]

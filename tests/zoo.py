@@ -562,3 +562,25 @@ class SequenceAttention(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.causal and self.mask is None,
                                            enable_gqa=self.heads != self.kv_heads)
         return self.out(a.transpose(1, 2).reshape(b, s, -1))
+
+
+class ReadsTransposed(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+
+    def forward(self, h):
+        return self.linear(torch.relu(h.transpose(0, 1)))
+
+
+class SendsAPermutedView(nn.Module):
+    """A pipeline cut where the value crossing it is a transposed view, and the gradient sent back for it
+    is one too (the second stage reads it transposed back)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.first = nn.Linear(d, d)
+        self.second = ReadsTransposed(d)
+
+    def forward(self, x):
+        return self.second(self.first(x).transpose(0, 1))

@@ -44,6 +44,10 @@ def loss_output(outputs: list[tuple]) -> int | None:
     return scalars[0] if len(scalars) == 1 else None
 
 
+def _contiguous(x):
+    return x.contiguous() if isinstance(x, torch.Tensor) and not x.is_contiguous() else x
+
+
 @functools.cache
 def _counted_stage():
     """The stage class, made on a pipelined rank's first use: importing torch.distributed.pipelining
@@ -71,10 +75,18 @@ def _counted_stage():
                 self._counter.record(phase, "send", nbytes, self._axis)
             return ops
 
+        # torch sends contiguous tensors only, and a stage's output, or its input's gradient, may be a
+        # permuted view (Gemma 3n's AltUp streams): such a one is sent as a contiguous copy, kept where
+        # torch keeps what it sends (the output in the forward's cache, through which backward still runs)
+
         def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+            outputs, inputs = self.fwd_cache[fwd_chunk_id]
+            self.fwd_cache[fwd_chunk_id] = (tuple(_contiguous(x) for x in outputs), inputs)
             return self._count("forward", super().get_fwd_send_ops(fwd_chunk_id))
 
         def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+            if bwd_chunk_id in self.bwd_cache:
+                self.bwd_cache[bwd_chunk_id] = tuple(_contiguous(g) for g in self.bwd_cache[bwd_chunk_id])
             return self._count("backward", super().get_bwd_send_ops(bwd_chunk_id))
 
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
