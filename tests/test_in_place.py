@@ -119,6 +119,37 @@ class ClampsItsWeightThroughData(nn.Module):
         return self.linear(x)
 
 
+class ReadsItsWeightBeforeClamping(ClampsItsWeightThroughData):
+    """The weight is read before the write: that read sees the values before it, which made first it would not."""
+
+    def forward(self, x):
+        before = self.linear(x)
+        self.linear.weight.data.clamp_(-1.0, 1.0)
+        return before + self.linear(x)
+
+
+class ScalesItsWeightThroughData(ClampsItsWeightThroughData):
+    """A write that made again gives another value (a pipeline stage runs once per micro-batch)."""
+
+    def forward(self, x):
+        self.linear.weight.data.mul_(0.5)
+        return self.linear(x)
+
+
+class ClampsInTheFirstStage(nn.Module):
+    """A pipeline whose first stage clamps its weight through `.data`, as each micro-batch's forward does,
+    and keeps it for backward (a product with a value that has a gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = ClampsItsWeightThroughData()
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.second(torch.relu(h @ self.first.linear.weight))
+
+
 def _par(model: str, layouts: str = "") -> str:
     return (f"mesh dp = 2\nmodel tests.test_in_place:{model}()\ninput x : float32[4, 8]\n"
             f"layout {{\n    x : S(0)\n{layouts}}}\n")
@@ -173,17 +204,47 @@ def test_a_write_into_a_view_nothing_reads_again_becomes_functional(compile_par,
     assert run_on(pools, compiled, steps=2)["ok"]
 
 
-def test_a_parameter_written_through_data_is_located_and_refused(compile_par):
-    """`.data` is traced (as detach) so the write is found, and refused: a compiled plan may read a copy
-    of the parameter there (a precision policy's compute copy, a weight gathered ahead), which would take
-    the clamp in the parameter's place."""
+@pytest.mark.parametrize("layout", ["S(0)", "B"], ids=["sharded-and-gathered", "replicated"])
+def test_a_parameter_clamped_through_data_is_clamped_on_each_ranks_part_before_the_step(compile_par, pools, layout):
+    """`.data` is traced (as detach) so the write is found. Elementwise with constant operands, it is made on
+    each rank's part of the weight at the top of the forward, before anything reads it: an all-gather of the
+    sharded weight, here, gathers the clamped parts. The weights are 20 times their usual size, so serial's
+    outputs are the clamped weight's."""
+    compiled = compile_par(_par("ClampsItsWeightThroughData", f"    linear.weight : {layout}\n"))
+    source = compiled.source
+    write = "self.linear_weight.clamp_(-1.0, 1.0)"
+    assert source.count(write) == 1 and "detach" not in source
+    assert source.index(write) < source.index("sync = rt.parameter_sync(")
+    assert "raise RuntimeError(TRAINING_ONLY)" in source  # traced in training mode, where the clamp is made
+    assert run_on(pools, compiled, steps=2)["ok"]
+
+
+def test_a_pipeline_stage_clamps_its_weight_once_for_the_micro_batches_in_flight(compile_par, pools):
+    """1F1B's first stage keeps the first micro-batch's weight for its backward while the second's forward
+    runs: a write made again would move the weight's version on, and backward would refuse it. Made where it
+    changes a value only, the stages run equal to serial."""
+    compiled = compile_par("mesh pp = 2\nmodel tests.test_in_place:ClampsInTheFirstStage()\n"
+                           "input x : float32[4, 8]\n"
+                           "pipeline pp : schedule 1F1B, microbatches 2, cut before second\n")
+    write = "rt.write_parameter(self.first_linear_weight, lambda parameter: parameter.clamp_(-1.0, 1.0))"
+    assert compiled.source.count(write) == 1
+    assert run_on(pools, compiled, steps=2)["ok"]
+
+
+@pytest.mark.parametrize("model, source", [
+    ("ReadsItsWeightBeforeClamping", "self.linear.weight.data.clamp_(-1.0, 1.0)"),
+    ("ScalesItsWeightThroughData", "self.linear.weight.data.mul_(0.5)"),
+])
+def test_a_parameter_write_through_data_that_cannot_be_made_first_is_located_and_refused(compile_par, model, source):
+    """Read before the write, or made again to another value (a pipeline stage's forward runs once per
+    micro-batch), the write cannot be moved to the top of the forward: refused, at the model's line."""
     with pytest.raises(CompileError) as caught:
-        compile_par(_par("ClampsItsWeightThroughData", "    linear.weight : S(0)\n"))
+        compile_par(_par(model, "    linear.weight : S(0)\n"))
     [error] = caught.value.diagnostics
     assert (error.code, error.span.line, error.span.column) == ("E062", 2, 1)
-    assert error.message == "in-place `aten.clamp_.default` writes into a parameter or input through `.data`"
+    assert "writes into a parameter or input through `.data`" in error.message
     [line] = [note for note in error.notes if note.startswith("at ")]
-    assert line.startswith("at tests/test_in_place.py:") and line.endswith("self.linear.weight.data.clamp_(-1.0, 1.0)")
+    assert line.startswith("at tests/test_in_place.py:") and line.endswith(source)
 
 
 DEEPSEEK = ('examples.more_families:CausalLM(family="DeepseekV3", n_routed_experts=4, num_experts_per_tok=2, '

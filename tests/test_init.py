@@ -357,8 +357,6 @@ UNSUPPORTED = {
     "T5GemmaModuleConfig": ("no model class of transformers takes", "an encoder or decoder module of "
                                                                     "T5Gemma, built only inside it"),
     # shapes that depend on the data: no layout is static for them (E061 says where)
-    "Gemma3nTextConfig": ("error[E062]", "its AltUp clamps a parameter through `.data` in training, which a "
-                                         "compiled plan cannot promise to make on the parameter itself"),
     "Glm5NextTextConfig": ("error[E061]", "its sparse attention's indexer pools keys with an index whose "
                                           "result's shape depends on the data"),
     "HiggsAudioV2Config": ("error[E061]", "its layers pick the audio tokens by a boolean mask "

@@ -28,7 +28,8 @@ from pardsl.layouts.oprules import carries_gradient, concrete_size, op_name, rul
 from pardsl.model.export import (called_at, constant_values, data_dependent_failure, python_random_seeded, source_line,
                                  trace)
 from pardsl.model.grouped_query import fold_grouped_query_repeats, regroup_key_value_heads
-from pardsl.model.in_place import functionalize_in_place, written_through_data
+from pardsl.model.in_place import (PARAMETER_WRITES, functionalize_in_place, parameter_written_before_read,
+                                   written_through_data)
 from pardsl.model.loading import DTYPES, build_model, import_paths, par_import_paths, parameters_on_meta
 from pardsl.model.saved_for_backward import what_autograd_keeps
 from pardsl.runtime.experts import ACTIVATIONS
@@ -66,6 +67,19 @@ class Pin:
     entry: LayoutEntry
 
 
+@dataclass(frozen=True)
+class ParameterWrite:
+    """A write the forward makes into a parameter through `.data` (`w.data.clamp_(-c, c)`), taken out of the
+    graph: the compiled forward makes it on each rank's part of the parameter before anything reads it."""
+
+    parameter: str  # state-dict name
+    method: str  # the tensor's in-place method: clamp_
+    args: tuple  # its operands after the parameter: constants
+    kwargs: tuple  # (name, constant) pairs
+    where: str  # the module that makes it
+    line: str | None  # `file:line: code` in the model's source
+
+
 @dataclass
 class BoundPlan:
     par: ParFile
@@ -101,6 +115,7 @@ class BoundPlan:
     # what the stages after binding derive from the graph alone, kept for the next asker (inference.prepare);
     # a bound remade for another mesh or a recipe (dataclasses.replace) shares it with its graph
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+    parameter_writes: tuple[ParameterWrite, ...] = ()
 
     @property
     def trained_parameters(self) -> list[str]:
@@ -237,6 +252,16 @@ def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticS
                        span, f"forward({', '.join(names)})")
             ok = False
     return ok
+
+
+def _erase_with_unread_aliases(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Take a write made before the forward out of the graph, with the `.data` aliases only it read."""
+    written = node.args[0]
+    graph.erase_node(node)
+    while isinstance(written, torch.fx.Node) and written.op == "call_function" and not written.users:
+        operand = written.args[0]
+        graph.erase_node(written)
+        written = operand
 
 
 def _check_inputs_read(par: ParFile, model: torch.nn.Module, exported: torch.export.ExportedProgram,
@@ -661,13 +686,24 @@ def bind(par: ParFile, regroup_heads: bool = True) -> BoundPlan:
 
     seconds["export"] = time.perf_counter() - clock
     _check_inputs_read(par, model, exported, sink)
+    parameter_writes = []
     for node in functionalize_in_place(exported.graph_module):
         where = (list((node.meta.get("nn_module_stack") or {}).values())[-1:] or [("the model's own forward()",)])[0][0]
+        parameter = parameter_written_before_read(node, set(exported.graph_signature.inputs_to_parameters)) \
+            if written_through_data(node) else None
+        if parameter is not None:
+            parameter_writes.append(ParameterWrite(
+                exported.graph_signature.inputs_to_parameters[parameter.name], PARAMETER_WRITES[node.target],
+                tuple(node.args[1:]), tuple(node.kwargs.items()), where, source_line(node)))
+            _erase_with_unread_aliases(exported.graph_module.graph, node)
+            exported.graph_module.recompile()
+            continue
         if written_through_data(node):
             sink.error("E062", f"in-place `{op_name(node)}` writes into a parameter or input through `.data`",
                        par.model.span, f"used in {where}", *called_at(source_line(node)),
-                       "a compiled plan may read a copy of it there (a precision policy's compute copy, a weight "
-                       "gathered ahead), which would take the write in its place: use the value out of place "
+                       "pardsl makes such a write before the forward, on each rank's part of the parameter, only "
+                       "where it is elementwise with constant operands (clamp_, fill_, zero_, ...), the same made "
+                       "again, and nothing reads the parameter before it: use the value out of place "
                        "(`w.clamp(-c, c)` where it is read), or change the parameter in the training loop")
             continue
         sink.error("E062", f"in-place `{op_name(node)}` writes into a view, or into a tensor a view of which is read",
@@ -779,7 +815,8 @@ def bind(par: ParFile, regroup_heads: bool = True) -> BoundPlan:
     return BoundPlan(par, mesh, exported, tensors, parameters, buffers, inputs, outputs, pins, output_pins,
                      module_paths, seconds, buffer_values, persistent,
                      {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars,
-                     frozenset(searched - set(pins)), frozen, tuple(table), tuple(regrouped))
+                     frozenset(searched - set(pins)), frozen, tuple(table), tuple(regrouped),
+                     parameter_writes=tuple(parameter_writes))
 
 
 def _regrouped_pins(pins: dict[str, Pin], regrouped, tensors: dict[str, TensorInfo], mesh: Mesh,

@@ -74,6 +74,35 @@ def written_through_data(node: torch.fx.Node) -> bool:
     return isinstance(written, torch.fx.Node) and written.op == "placeholder" and written is not node.args[0]
 
 
+# Writes a forward may make into a parameter through `.data` that pardsl makes on each rank's part of the
+# parameter before the step reads it: elementwise with constant operands, so the part's result is the
+# whole's part whatever the layout; and the same when made again, as a pipeline stage makes it once per
+# micro-batch where serial makes it once a step. Gemma 3n clamps its AltUp coefficients so in training.
+PARAMETER_WRITES = {aten.clamp_.default: "clamp_", aten.clamp_min_.default: "clamp_min_",
+                    aten.clamp_max_.default: "clamp_max_", aten.fill_.Scalar: "fill_", aten.zero_.default: "zero_",
+                    aten.abs_.default: "abs_", aten.nan_to_num_.default: "nan_to_num_"}
+
+
+def parameter_written_before_read(node: torch.fx.Node, parameters: set[str]) -> torch.fx.Node | None:
+    """The parameter placeholder a write through `.data` (written_through_data) can be made on before the
+    forward: one of PARAMETER_WRITES, its other operands constants, its result unread, and nothing reading
+    the parameter before it (what serial reads after it is the written value, made first). None otherwise."""
+    if node.target not in PARAMETER_WRITES or node.users or \
+            any(isinstance(a, torch.fx.Node) for a in [*node.args[1:], *node.kwargs.values()]):
+        return None
+    aliases = []
+    written = node.args[0]
+    while isinstance(written, torch.fx.Node) and written.op == "call_function" and \
+            written.target in (aten.detach.default, aten.alias.default):
+        aliases.append(written)
+        written = written.args[0]
+    if not isinstance(written, torch.fx.Node) or written.name not in parameters:
+        return None
+    order = {n: index for index, n in enumerate(node.graph.nodes)}
+    readers = [user for owner in (written, *aliases) for user in owner.users if user not in aliases and user is not node]
+    return None if any(order[reader] < order[node] for reader in readers) else written
+
+
 def _memory_owner(node: torch.fx.Node) -> torch.fx.Node:
     """The tensor whose memory `node` shares: the first one up its chain of views that is no view."""
     while _is_alias(node) and isinstance(node.args[0], torch.fx.Node):

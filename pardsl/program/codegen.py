@@ -345,6 +345,7 @@ def render(program: LoweredProgram, pieces: bool = False, collectives: bool = Fa
         resharded=_resharded(program),
         buckets=_buckets(program),
         training_only=_training_only_message(program.training_only),
+        parameter_writes=_parameter_writes(program),
         precision=_precision(program),
         offload=program.offload,
         offload_comment=OFFLOAD_COMMENTS.get(program.offload),
@@ -366,13 +367,18 @@ def _precision(program: LoweredProgram) -> str | None:
     return "(" + ", ".join(f"torch.{dtype}" for dtype in program.precision) + ")"
 
 
-def _training_only_message(draws: list[str]) -> str | None:
-    if not draws:
+def _training_only_message(made: list[str]) -> str | None:
+    if not made:
         return None
-    shown = ", ".join(draws[:3]) + (f" and {len(draws) - 3} more" if len(draws) > 3 else "")
-    return (f"this module was traced in training mode, where the model draws random values outside dropout "
-            f"({shown}); it has no eval-mode forward: evaluate with the serial model, or compile the model "
-            f"with those draws turned off (a stochastic depth rate of 0)")
+    shown = ", ".join(made[:3]) + (f" and {len(made) - 3} more" if len(made) > 3 else "")
+    return (f"this module was traced in training mode, where the model draws random values outside dropout or "
+            f"writes its parameters ({shown}); it has no eval-mode forward: evaluate with the serial model, or "
+            f"compile the model with those turned off (a stochastic depth rate of 0, no coefficient clip)")
+
+
+def _parameter_writes(program: LoweredProgram) -> list[dict]:
+    return [{"parameter": parameter, "call": call, "comment": comment}
+            for parameter, call, comment in program.parameter_writes]
 
 
 def render_pipeline(stages: list[LoweredProgram], plan, pieces: bool = False, collectives: bool = False) -> str:
@@ -406,6 +412,7 @@ def render_pipeline(stages: list[LoweredProgram], plan, pieces: bool = False, co
             "lines": _lines(_pieces(program, known, collectives) if pieces else program.statements),
             "gathers": _gathers(program),
             "buckets": _buckets(program),
+            "parameter_writes": _parameter_writes(program),
         })
     pipeline = {"axis": plan.axis, "schedule": plan.schedule, "microbatches": plan.microbatches,
                 "stages_per_rank": plan.stages_per_rank, "cut_before": list(plan.cut_before)}
@@ -422,6 +429,7 @@ def render_pipeline(stages: list[LoweredProgram], plan, pieces: bool = False, co
         shared=[(name, list(held)) for name, held in plan.shared_parameters],
         stages=rendered,
         pieces=_piece_functions(known),
+        training_only=_training_only_message(stages[0].training_only),
         precision=_precision(stages[0]),
         offload=stages[0].offload,
         offload_comment=OFFLOAD_COMMENTS.get(stages[0].offload),

@@ -263,6 +263,9 @@ class LoweredProgram:
     # random draws the model makes in training mode outside dropout (stochastic depth's `rand`), as
     # "`op` in module": traced in training mode, the forward draws them in eval mode too, so it refuses that
     training_only: list[str] = field(default_factory=list)
+    # writes the model makes into its parameters through `.data`, made on this rank's parts before the
+    # forward reads them: (the parameter as the forward names it, the method's call, comment)
+    parameter_writes: list[tuple[str, str, str]] = field(default_factory=list)
     # the graph's ops whose forward runs again in backward, in recomputed regions (pardsl/passes/recompute.py)
     recomputed_ops: frozenset[str] = frozenset()
     # (compute dtype, reduce dtype) of a mixed-precision policy (pardsl/passes/precision.py), else None

@@ -831,8 +831,11 @@ class _Lowerer:
                 and self.bound.buffers[target.name].rsplit(".", 1)[-1] == "num_batches_tracked")
 
     def _training_only(self) -> list[str]:
+        """What the forward was traced doing in training mode that its eval mode may not do: random draws
+        outside dropout, and writes into parameters through `.data` (Gemma 3n's clamp, made only in training)."""
         return [f"`{op_name(self._fx[name])}` in {self.bound.module_paths.get(name) or 'the forward'}"
-                for name in self.typed.nodes if is_drawn_whole(self._fx[name])]
+                for name in self.typed.nodes if is_drawn_whole(self._fx[name])] + \
+            [f"`{write.method}` through `.data` in {write.where}" for write in self.bound.parameter_writes]
 
     def _note_computed_whole(self) -> None:
         """N005: operators pardsl has no rule for, computed whole on every rank (oprules.WHOLE)."""
@@ -995,9 +998,14 @@ class _Lowerer:
         if part:
             computed = {s.node for s in statements} | {t for s in statements for t in s.targets}
             values = {name: v for name, v in values.items() if v["kind"] == "placeholder" or name in computed}
+        held = {slot.name: slot.var for slot in parameters}
+        writes = [(f"self.{held[w.parameter]}", f"{w.method}("
+                   + ", ".join([_render(a) for a in w.args] + [f"{k}={_render(v)}" for k, v in w.kwargs]) + ")",
+                   f"{w.where}: {w.line or w.parameter + '.data.' + w.method}")
+                  for w in self.bound.parameter_writes if w.parameter in held]
         return LoweredProgram(self.mesh, self.bound.par.source.path, self.bound.par.model.text, parameters, buffers,
                               inputs, self._fill_placeholders(statements, in_bucket, in_group), outputs,
-                              values, self.notes, groups, buckets, self._training_only())
+                              values, self.notes, groups, buckets, self._training_only(), parameter_writes=writes)
 
 
 def lower_in_stages(typed: TypedGraph, bucket_mb: float, split) -> tuple[LoweredProgram, list[LoweredProgram]]:

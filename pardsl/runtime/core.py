@@ -172,6 +172,17 @@ class Runtime:
         module.__dict__["_made_from_constants"] = (tuple(buffers), key, made)
         return made
 
+    @staticmethod
+    @torch.no_grad()
+    def write_parameter(parameter: torch.nn.Parameter, write) -> None:
+        """`write(parameter)` (an in-place clamp the model makes through `.data`), made in a pipeline stage's
+        forward on every micro-batch: only where it changes a value. A write moves the parameter's version
+        on, and the micro-batches in flight before it keep the parameter for their backward, which would
+        then refuse it; a write that changes nothing (the same clamp again) leaves it."""
+        written = write(parameter.detach().clone())
+        if not torch.equal(written, parameter):
+            parameter.copy_(written)
+
     def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple], precision: tuple | None = None,
                        offload: str | None = None):
         """What one forward of a generated module gathers its stored-split parameters and buckets its
