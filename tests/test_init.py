@@ -270,6 +270,20 @@ def test_an_argument_that_is_no_name_and_value_says_how_to_write_one(init, capsy
     assert expected in err and "Traceback" not in err
 
 
+def test_a_part_only_a_whole_model_builds_gets_that_model_with_the_parts_plan_on_each(pools, init):
+    """T5Gemma's encoder and decoder modules are typed with the whole model's config, which carries no plan:
+    the module config builds the whole encoder-decoder, both parts from it, traced on the encoder's and the
+    decoder's token ids, its plan laid on each part, and the plan runs equal to serial."""
+    path = init("T5GemmaModuleConfig")
+    text = Path(path).read_text()
+    inputs = [line for line in text.splitlines() if line.startswith("input")]
+    assert inputs == ["input  input_ids : int64[2, 16] in [0, 256)", "input  decoder_input_ids : int64[2, 16] in [0, 256)"]
+    flat = " ".join(" ".join(line.split()) for line in text.splitlines())
+    assert "encoder.layers.*.self_attn.o_proj.weight : S(1)" in flat
+    assert "decoder.layers.*.self_attn.o_proj.weight : S(1)" in flat
+    check(pools, compile_file(path))
+
+
 def test_a_returned_key_value_cache_is_left_out_and_the_rest_runs_equal_to_serial(pools, init, capsys):
     """DiffusionGemma's encoder returns a key-value cache whatever its settings: the plan's outputs are the
     rest, and equal serial's."""
@@ -354,8 +368,6 @@ UNSUPPORTED = {
     "Ernie4_5_VLMoeVisionConfig": (TAKES_NONE, "its forward takes flattened patches and a patch grid"),
     "Dots3NoteVisionConfig": ("cannot build the model", "per-layer settings for layers 25-41 that init's one "
                                                         "layer contradicts; and a patch grid as an input"),
-    "T5GemmaModuleConfig": ("no model class of transformers takes", "an encoder or decoder module of "
-                                                                    "T5Gemma, built only inside it"),
     # shapes that depend on the data: no layout is static for them (E061 says where)
     "Glm5NextTextConfig": ("error[E061]", "its sparse attention's indexer pools keys with an index whose "
                                           "result's shape depends on the data"),

@@ -108,6 +108,27 @@ def _hf_model(config: str, settings: dict) -> torch.nn.Module:
     import transformers
 
     made = getattr(transformers, config)(**settings)
+    model = _model_of(made)
+    if model is not None:
+        return model
+    # A part that only a larger model builds (T5Gemma's encoder and decoder modules, whose classes are
+    # typed with the whole model's config): that model, each of its parts of this kind made from `made`
+    configuration = importlib.import_module(type(made).__module__)
+    for whole in vars(configuration).values():
+        slots = [slot for slot, part in (getattr(whole, "sub_configs", None) or {}).items() if part is type(made)] \
+            if isinstance(whole, type) and issubclass(whole, transformers.PretrainedConfig) else []
+        if slots and (model := _model_of(whole(**{slot: made.to_dict() for slot in slots}))) is not None:
+            return model
+    raise ValueError(f"no model class of transformers takes {config} (neither an Auto class nor "
+                     f"{type(made).__module__.replace('.configuration_', '.modeling_')}), nor a config that has "
+                     "it as a part")
+
+
+def _model_of(made) -> torch.nn.Module | None:
+    """The model transformers builds for config `made`: the causal language model where the family has one,
+    its base model otherwise; None where no class takes it."""
+    import transformers
+
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
         try:
             return auto.from_config(made)
@@ -120,10 +141,7 @@ def _hf_model(config: str, settings: dict) -> torch.nn.Module:
                and issubclass(cls, transformers.PreTrainedModel) and cls.config_class is type(made)
                and cls.forward is not torch.nn.Module.forward]  # not the family's abstract base
     classes.sort(key=lambda cls: (not cls.__name__.endswith("ForCausalLM"), not cls.__name__.endswith("Model")))
-    if not classes:
-        raise ValueError(f"no model class of transformers takes {config} (neither an Auto class nor "
-                         f"{family.__name__})")
-    return classes[0](made)
+    return classes[0](made) if classes else None
 
 
 def settings_given(pairs: list[str], option: str = "--set") -> dict:
@@ -369,9 +387,10 @@ def _given_inputs(inputs: list[str], head: str, path: str) -> list[str]:
 
 
 def _input_forms(module: torch.nn.Module, config, text_config, batch: int, seq: int) -> list[list[str]]:
-    """The input lines a model may take, in the order init tries them: token ids; embeddings where the
-    forward takes them (a model fed by another's hidden states: a speech model's talker); token ids with the
-    encoder's states for a decoder built alone; an image for a vision encoder."""
+    """The input lines a model may take, in the order init tries them: token ids; the encoder's and the
+    decoder's token ids for an encoder-decoder model; embeddings where the forward takes them (a model fed
+    by another's hidden states: a speech model's talker); token ids with the encoder's states for a decoder
+    built alone; an image for a vision encoder."""
     accepted = inspect.signature(module.forward).parameters
     vocab = getattr(text_config, "vocab_size", None)
     hidden = getattr(text_config, "hidden_size", None)
@@ -379,6 +398,8 @@ def _input_forms(module: torch.nn.Module, config, text_config, batch: int, seq: 
     forms = []
     if isinstance(vocab, int) and "input_ids" in accepted:
         forms.append([tokens])
+    if isinstance(vocab, int) and "input_ids" in accepted and "decoder_input_ids" in accepted:
+        forms.append([tokens, f"input  decoder_input_ids : int64[{batch}, {seq}] in [0, {vocab})"])
     if isinstance(hidden, int) and "inputs_embeds" in accepted:
         forms.append([f"input  inputs_embeds : float32[{batch}, {seq}, {hidden}]"])
     if isinstance(vocab, int) and isinstance(hidden, int) and "encoder_hidden_states" in accepted:
