@@ -564,3 +564,35 @@ def test_a_permuted_view_crossing_a_cut_is_sent_both_ways(pools):
     compiled = compile_text("mesh pp = 2\nmodel tests.zoo:SendsAPermutedView()\ninput x : float32[4, 8]\n"
                             "pipeline pp : schedule 1F1B, microbatches 2, cut before second\n", "plan.par")
     assert run_on(pools, compiled, steps=2)["ok"]
+
+
+def test_the_cut_of_several_stages_a_rank_holds_each_rank_within_the_bound():
+    """With two stages a rank (stage k on rank k % 2), a rank holds its stages together, which the cut's
+    dynamic program cannot see stage by stage: it checks each stage with the rank's stages before it on
+    the path. Here the time-optimal cuts tie, and the one that puts the first two (heavy) segments in one
+    stage holds 21 on rank 0, over the bound of 13; one as fast that parts them is kept."""
+    from pardsl.planning.pipeline_search import _cut, _rank_memory
+
+    class Held:  # what each segment holds, summed over a stage; nothing made again
+        def __init__(self, sizes):
+            self.sizes = sizes
+
+        def across(self, k, i, j):
+            return sum(self.sizes[i:j])
+
+        def made_again(self, i, j):
+            return 0
+
+        def stage(self, k, i, j):
+            return self.across(k, i, j)
+
+    held = Held([10, 10, 1, 1, 1, 1])
+    times, sends = [0.5, 0.5, 1.0, 1.0, 1.0, 1.0], [0.0] * 6
+    free = _cut(times, sends, held, 4, 2, None, "Interleaved1F1B")
+    assert _rank_memory(held, free, 2, "Interleaved1F1B") > 13  # the fastest cut the bound leaves out
+    cut = _cut(times, sends, held, 4, 2, 13, "Interleaved1F1B")
+    assert _rank_memory(held, cut, 2, "Interleaved1F1B") <= 13
+
+    def slowest(cut):
+        return max(sum(times[i:j]) for i, j in zip(cut, cut[1:]))
+    assert slowest(cut) == slowest(free) == 2.0  # as fast as the fastest

@@ -189,3 +189,23 @@ def test_the_pipelined_recipes_compile_with_their_schedule_and_each_layers_colle
     plan, result = compiled(re.sub(r"\blayers=\d+", f"layers={layers}", text, count=1))
     assert (plan.pipeline.schedule, plan.pipeline.microbatches) == (written[1], int(written[2]))
     assert per_layer(result, layer) == expected
+
+
+def test_the_pipeline_search_counts_the_long_context_stages_as_the_compiled_plan_holds_them():
+    """The long-context recipe (context parallelism over cp, Megatron over tp, every layer recomputed) at
+    six layers on two interleaved pipeline ranks. Layer 0 adds its attention's partial sums to the
+    embedding's output made partial on tp without a collective. The search prices each layer's segment
+    alone, so that copy crosses from the embedding's segment, and it had been counted as kept beside the
+    value it is made from; the compiled stage makes it inside layer 0's recomputed region. Both counts now
+    agree (the search had 1 GiB more here, 4 GiB at the recipe's full depth)."""
+    from pardsl.compiler import stage_lowering
+    from pardsl.planning.cost import pipelined_memory_per_rank
+    from pardsl.planning.pipeline_search import choose_pipeline
+
+    text = recipe("llama3_405b_dp8_pp16_cp16_tp8.par", layers=6, batch=32).replace("pp = 16", "pp = 2").replace(
+        "microbatches 16, cut balanced", "microbatches 4, cut before model.layers.1, model.layers.3, model.layers.5")
+    plan, _ = compiled(text)
+    assert "embedding__S0_B_S1zigzag_P = " in plan.source
+    _, (option,) = choose_pipeline(plan.typed, plan.program, plan.par.pipeline, H100, None, 4,
+                                   lowering=stage_lowering(25, H100))
+    assert option.memory == pipelined_memory_per_rank(plan.stages, plan.pipeline)["total"]

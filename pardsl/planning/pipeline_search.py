@@ -230,7 +230,7 @@ def _options(typed, program, decl: PipelineDecl, machine: Machine, limit: int | 
             sends = [machine.collective_seconds("send", int(b * rows), 2) if b else 0.0 for b in segments.sent_bytes]
             held = _Held(held_bytes, rows, schedule, m, ranks, stages) if held_bytes is not None else None
             cut = written if written is not None else \
-                _cut(times, sends, held, stages, ranks, limit)
+                _cut(times, sends, held, stages, ranks, limit, schedule)
             if cut is None or len(cut) - 1 != stages:
                 continue
             step, memory = _priced(times, weights, sends, held, cut, ranks, per_rank, schedule, m)
@@ -360,13 +360,26 @@ def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw")
         received.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in into))
         returned.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in back))
         # of what it receives, what the segment keeps: an argument of a recomputed region, or what one of
-        # its ops keeps; held where a stage that starts before it runs it too (a stage's input is a buffer)
+        # its ops keeps; held where a stage that starts before it runs it too (a stage's input is a buffer).
+        # Not a copy the segment before makes locally of another value it sends (the embedding's output as
+        # partial sums): in a stage that runs both, the region reading it makes it again from that value
         regions_read = {name for statement in program.statements if statement.instruction.kind == "recompute"
                         for name in statement.instruction.reads()}
+        remade = _local_copies(programs[k - 1], {slot.var for slot in into}) if k > 0 else set()
         inputs_kept.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in into
-                               if slot.var in regions_read or k in keeping.get(saved.owner.get(slot.var, slot.var), ())))
+                               if slot.var in regions_read and slot.var not in remade
+                               or k in keeping.get(saved.owner.get(slot.var, slot.var), ())))
     return SegmentMemory(tuple(states), tuple(groups), tuple(copies), tuple(kept), tuple(region), tuple(received),
                          tuple(returned), tuple(inputs_kept), tuple(constants), tuple(sent_only), tuple(shared))
+
+
+def _local_copies(program, sent: set[str]) -> set[str]:
+    """What `program` sends of `sent` that it makes by a conversion with no collective from another value
+    it sends."""
+    return {target for statement in program.statements
+            if statement.instruction.kind == "convert" and not statement.collectives
+            and any(read in sent for read in statement.instruction.reads())
+            for target in statement.targets if target in sent}
 
 
 def _weight_gradient_share(typed, name: str) -> float:
@@ -409,14 +422,36 @@ def _written_cut(segments: _Segments, decl: PipelineDecl) -> list[int] | None:
     return points + [len(segments.scaled_s)]
 
 
-def _cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int | None) -> list[int] | None:
+def _cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int | None,
+         schedule: str = "1F1B") -> list[int] | None:
     """Stage boundaries (segment indices, 0 and the end included) whose largest stage time is least, each
-    stage's rank within the memory bound: a dynamic program over the segments (stage k runs on the
-    rank its schedule places it on; with several stages a rank, the bound is checked after, over its stages)."""
-    prefix = [0.0, *itertools.accumulate(times)]
+    rank within the memory bound: a dynamic program over the segments, stage k on the rank its schedule
+    places it on. With several stages a rank, a stage is checked with the rank's stages before it on the
+    path that reaches it (the program keeps one path a boundary, so a cut it passes over may have fit).
+    Where no cut fits, the fastest, which the caller prices over the bound: the pipeline is still one to
+    weigh (on other layouts it may fit), not one the model cannot be cut into."""
+    cut = _fastest_cut(times, sends, held, stages, ranks, limit, schedule)
+    if cut is None and limit is not None:
+        return _fastest_cut(times, sends, held, stages, ranks, None, schedule)
+    return cut
 
-    def fits(k: int, i: int, j: int) -> bool:
-        return limit is None or held is None or stages > ranks or held.stage(k, i, j) <= limit
+
+def _fastest_cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int | None,
+                 schedule: str) -> list[int] | None:
+    """_cut's dynamic program: None where no cut keeps every rank within `limit`."""
+    prefix = [0.0, *itertools.accumulate(times)]
+    checked = limit is not None and held is not None
+    rank_of = [rank_of_stage(k, ranks, schedule) for k in range(stages)]
+
+    def fits(k: int, i: int, j: int, cuts: list[int]) -> bool:
+        if not checked:
+            return True
+        if stages <= ranks:
+            return held.stage(k, i, j) <= limit
+        before = [n for n in range(k) if rank_of[n] == rank_of[k]]
+        across = sum(held.across(n, cuts[n], cuts[n + 1]) for n in before) + held.across(k, i, j)
+        again = max([held.made_again(cuts[n], cuts[n + 1]) for n in before] + [held.made_again(i, j)])
+        return across + again <= limit
 
     # best[k][j]: (largest stage time, total) over the first k stages ending at segment j, and its cuts
     best: list[dict[int, tuple[tuple[float, float], list[int]]]] = [{0: ((0.0, 0.0), [0])}]
@@ -425,11 +460,22 @@ def _cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int
         for j in range(k + 1, len(times) - (stages - k - 1) + 1):
             options = [((max(score[0], _stage_seconds(prefix, sends, i, j)),
                          score[1] + _stage_seconds(prefix, sends, i, j)), cuts + [j])
-                       for i, (score, cuts) in best[k].items() if i < j and fits(k, i, j)]
+                       for i, (score, cuts) in best[k].items() if i < j and fits(k, i, j, cuts)]
             if options:
                 row[j] = min(options, key=lambda option: option[0])
         best.append(row)
     return best[stages][len(times)][1] if len(times) in best[stages] else None
+
+
+def _rank_memory(held: "_Held", cut: list[int], ranks: int, schedule: str) -> int:
+    """The most a rank holds with stages cut at `cut`: its stages' across micro-batches, and one region
+    made again at a time."""
+    memory, made_again = [0] * ranks, [0] * ranks
+    for k, (i, j) in enumerate(zip(cut, cut[1:])):
+        rank = rank_of_stage(k, ranks, schedule)
+        memory[rank] += held.across(k, i, j)
+        made_again[rank] = max(made_again[rank], held.made_again(i, j))
+    return max(m + again for m, again in zip(memory, made_again))
 
 
 def _stage_seconds(prefix: list[float], sends: list[float], i: int, j: int) -> float:
@@ -447,13 +493,21 @@ class _Held:
     def __init__(self, memory: SegmentMemory, rows: float, schedule: str, m: int, ranks: int, stages: int):
         self.memory, self.rows, self.schedule, self.m, self.ranks, self.stages = memory, rows, schedule, m, ranks, stages
         # per stage, once: the cut's dynamic program asks for every stage at every pair of boundaries
-        self.in_flight = {}
+        self.in_flight, self._across = {}, {}
         for rank in range(ranks):
             self.in_flight.update(stage_micro_batches_held(schedule, m, ranks, rank, stages // ranks))
 
     def stage(self, k: int, i: int, j: int) -> int:
         """What stage k of segments i to j holds, alone on its rank."""
-        return self.held_across_micro_batches(k, i, j) + self.made_again(i, j)
+        return self.across(k, i, j) + self.made_again(i, j)
+
+    def across(self, k: int, i: int, j: int) -> int:
+        """held_across_micro_batches, kept: the cut's dynamic program asks for each many times, and it
+        depends on k only through what k keeps in flight and whether it receives and sends."""
+        key = (self.in_flight[k], k > 0, k < self.stages - 1, i, j)
+        if key not in self._across:
+            self._across[key] = self.held_across_micro_batches(k, i, j)
+        return self._across[key]
 
     def held_across_micro_batches(self, k: int, i: int, j: int) -> int:
         """The stage's states, gathered groups and buffers, and what it keeps of each micro-batch in flight."""
@@ -487,12 +541,9 @@ def _priced(times, weights, sends, held: _Held | None, cut: list[int], ranks: in
     prefix = [0.0, *itertools.accumulate(times)]
     stage_times = [_stage_seconds(prefix, sends, i, j) for i, j in zip(cut, cut[1:])]
     stage_weights = [sum(weights[i:j]) for i, j in zip(cut, cut[1:])]
-    memory, made_again, work, weight = [0] * ranks, [0] * ranks, [0.0] * ranks, [0.0] * ranks
+    work, weight = [0.0] * ranks, [0.0] * ranks
     for k, (i, j) in enumerate(zip(cut, cut[1:])):
         rank = rank_of_stage(k, ranks, schedule)
-        if held is not None:
-            memory[rank] += held.held_across_micro_batches(k, i, j)
-            made_again[rank] = max(made_again[rank], held.made_again(i, j))
         work[rank] += stage_times[k]
         weight[rank] += stage_weights[k]
     slowest = max(range(ranks), key=lambda r: work[r])
@@ -505,7 +556,7 @@ def _priced(times, weights, sends, held: _Held | None, cut: list[int], ranks: in
         step = m * w + (ranks - 1) * max(0.0, w - 3 * w_weight) / per_rank
     else:
         step = m * w + (ranks - 1) * w / per_rank
-    return step, max(held + again for held, again in zip(memory, made_again))
+    return step, _rank_memory(held, cut, ranks, schedule) if held is not None else 0
 
 
 def pipelined_step_seconds(compiled, machine: Machine) -> float:
