@@ -289,15 +289,22 @@ class Plan:
             bound = self.signature.bind_partial(*args, **kwargs)
         except TypeError as error:
             raise TypeError(f"{self.compiled.par.model.text}: {error}") from None
-        missing = [name for name in self.input_names if name not in bound.arguments]
+        # what a forward taking **kwargs passes on (an input declared outside its own arguments) by name
+        arguments = {}
+        for name, value in bound.arguments.items():
+            if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(value)
+            else:
+                arguments[name] = value
+        missing = [name for name in self.input_names if name not in arguments]
         if missing:
             raise TypeError(f"missing input(s) {', '.join(missing)}: the .par file declares "
                             f"{', '.join(self.input_names)}")
-        undeclared = [name for name in bound.arguments if name not in self.input_layouts]
+        undeclared = [name for name in arguments if name not in self.input_layouts]
         if undeclared:
             raise TypeError(f"argument(s) {', '.join(undeclared)} are not declared as `input` in "
                             f"{self.compiled.par.source.path}; the model was traced with their defaults")
-        return dict(bound.arguments)
+        return arguments
 
     def shard_inputs(self, *args, local_batch: bool = False, device=None, **kwargs) -> dict[str, torch.Tensor]:
         """This rank's pieces of full inputs given by position or by forward() argument name, by name:

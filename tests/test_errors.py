@@ -46,6 +46,9 @@ CASES = [
     ("input-unread-in-kwargs", "mesh tp = 2\nmodel examples.hf_models:llama_causal_lm(layers=1)\n"
                                "input input_ids : int64[2, 8] in [0, 256)\ninput t_cnd : float32[1, 64]\n",
      [("E034", 4, 1)]),
+    # ... and one all but a named argument's is its misspelling, said before the trace
+    ("input-misspelt-beside-kwargs", "mesh tp = 2\nmodel examples.hf_models:llama_causal_lm(layers=1)\n"
+                                     "input input_id : int64[2, 8] in [0, 256)\n", [("E034", 3, 1)]),
     ("dim-without-size", "mesh tp = 2\nmodel examples.models:MLP()\ninput x : float32[batch, 256]\n", [("E005", 3, 19)]),
     ("dim-two-sizes", "mesh tp = 2\nmodel examples.hf_models:llama_causal_lm()\n"
                       "input input_ids : int64[b=4, s=8] in [0, 256)\ninput labels : int64[b=2, s] in [0, 256)\n",

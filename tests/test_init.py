@@ -240,6 +240,14 @@ def test_inputs_given_with_input_are_the_files_and_run_equal_to_serial(pools, in
     compiled = compile_file(path)
     assert _nonzero(compiled.program.collective_counts()) == PER_LAYER  # one layer, Megatron's
     check(pools, compiled)
+    # the Python API takes it by name as the serial model does, through the forward's **kwargs
+    import torch
+
+    import pardsl
+
+    ids, t_cond = torch.zeros(2, 16, dtype=torch.int64), torch.zeros(1, 512)
+    bound = pardsl.load(path)._bind_arguments((), {"input_ids": ids, "t_cond": t_cond})
+    assert list(bound) == ["input_ids", "t_cond"] and bound["t_cond"] is t_cond
 
 
 @pytest.mark.parametrize("declared", ["t_cond float32[1, 512]", "t_cond : float32[1, 512]\nmesh x = 2",
@@ -263,6 +271,8 @@ def test_a_forward_argument_that_is_no_tensor_is_fixed_on_the_model_line_and_run
 @pytest.mark.parametrize("options, expected", [
     (["--argument", "num_patches"], "--argument 'num_patches': give NAME=VALUE, the name one of the forward's"),
     (["--argument", "forward_arguments=1"], "give NAME=VALUE"),
+    (["--argument", "input_id=1"], "--argument input_id: is not an argument of the model's forward("),
+    (["--argument", "input_ids=1", "--input", "input_ids : int64[2, 16] in [0, 256)"], "is declared as an input"),
 ])
 def test_an_argument_that_is_no_name_and_value_says_how_to_write_one(init, capsys, options, expected):
     assert init("LlamaConfig", *options) is None and init.code == 1
@@ -275,9 +285,11 @@ def test_a_part_only_a_whole_model_builds_gets_that_model_with_the_parts_plan_on
     the module config builds the whole encoder-decoder, both parts from it, traced on the encoder's and the
     decoder's token ids, its plan laid on each part, and the plan runs equal to serial."""
     path = init("T5GemmaModuleConfig")
+    assert path is not None
     text = Path(path).read_text()
     inputs = [line for line in text.splitlines() if line.startswith("input")]
-    assert inputs == ["input  input_ids : int64[2, 16] in [0, 256)", "input  decoder_input_ids : int64[2, 16] in [0, 256)"]
+    assert inputs == ["input  input_ids : int64[2, 16] in [0, 256)",
+                      "input  decoder_input_ids : int64[2, 16] in [0, 256)"]
     flat = " ".join(" ".join(line.split()) for line in text.splitlines())
     assert "encoder.layers.*.self_attn.o_proj.weight : S(1)" in flat
     assert "decoder.layers.*.self_attn.o_proj.weight : S(1)" in flat
@@ -389,7 +401,8 @@ def architectures_with_a_plan() -> list[str]:
 
 
 def _init_config(config: str, folder: str) -> tuple[str, int, str]:
-    """`pardsl init CONFIG [--set ...] [--input ...] [--argument ...]` in a worker process: (config, exit code, what it wrote on stderr)."""
+    """`pardsl init CONFIG [--set ...] [--input ...] [--argument ...]` in a worker process: (config, exit
+    code, what it wrote on stderr)."""
     err = io.StringIO()
     settings = [option for setting in SETTINGS.get(config, []) for option in ("--set", setting)]
     settings += [option for declared in INPUTS.get(config, []) for option in ("--input", declared)]

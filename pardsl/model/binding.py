@@ -237,7 +237,8 @@ def _check_inputs(par: ParFile, model: torch.nn.Module | None, sink: DiagnosticS
     open_ended = any(p.kind == p.VAR_KEYWORD for p in arguments.values())
     misnamed = False
     for decl in par.inputs:
-        if decl.name not in names and not open_ended:
+        # a name all but one of the forward's own (`input_id`) is a misspelling, not what **kwargs takes
+        if decl.name not in names and (not open_ended or difflib.get_close_matches(decl.name, names, 1, 0.8)):
             misnamed = True
             close = difflib.get_close_matches(decl.name, required or names, 1)
             notes = [f"did you mean `{close[0]}`?"] if close else \
@@ -272,11 +273,12 @@ def _check_inputs_read(par: ParFile, model: torch.nn.Module, exported: torch.exp
     read = {name for placeholder, name in _user_input_names(exported).items()
             if exported.graph.find_nodes(op="placeholder", target=placeholder)[0].users}
     names = [n for n, p in arguments.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    rest = next((name for name, p in arguments.items() if p.kind == p.VAR_KEYWORD), "kwargs")
     unread = [decl for decl in par.inputs if decl.name not in arguments and decl.name not in read]
     for decl in unread:
         close = difflib.get_close_matches(decl.name, names, 1)
-        sink.error("E034", f"`forward` has no argument `{decl.name}`, and nothing reads it from **kwargs",
-                   decl.span, f"forward({', '.join(names)}, **kwargs)",
+        sink.error("E034", f"`forward` has no argument `{decl.name}`, and nothing reads it from **{rest}",
+                   decl.span, f"forward({', '.join(names)}, **{rest})",
                    *([f"did you mean `{close[0]}`?"] if close else []))
     if unread:
         sink.raise_if_any()
@@ -689,22 +691,25 @@ def bind(par: ParFile, regroup_heads: bool = True) -> BoundPlan:
     parameter_writes = []
     for node in functionalize_in_place(exported.graph_module):
         where = (list((node.meta.get("nn_module_stack") or {}).values())[-1:] or [("the model's own forward()",)])[0][0]
+        through_data = written_through_data(node)
         parameter = parameter_written_before_read(node, set(exported.graph_signature.inputs_to_parameters)) \
-            if written_through_data(node) else None
-        if parameter is not None:
+            if through_data else None
+        # one write a parameter: two in turn (a clamp, then abs_) need not give the same when made again
+        if parameter is not None and exported.graph_signature.inputs_to_parameters[parameter.name] not in \
+                {write.parameter for write in parameter_writes}:
             parameter_writes.append(ParameterWrite(
                 exported.graph_signature.inputs_to_parameters[parameter.name], PARAMETER_WRITES[node.target],
                 tuple(node.args[1:]), tuple(node.kwargs.items()), where, source_line(node)))
             _erase_with_unread_aliases(exported.graph_module.graph, node)
             exported.graph_module.recompile()
             continue
-        if written_through_data(node):
+        if through_data:
             sink.error("E062", f"in-place `{op_name(node)}` writes into a parameter or input through `.data`",
                        par.model.span, f"used in {where}", *called_at(source_line(node)),
-                       "pardsl makes such a write before the forward, on each rank's part of the parameter, only "
-                       "where it is elementwise with constant operands (clamp_, fill_, zero_, ...), the same made "
-                       "again, and nothing reads the parameter before it: use the value out of place "
-                       "(`w.clamp(-c, c)` where it is read), or change the parameter in the training loop")
+                       "into a parameter, pardsl makes such a write before the forward on each rank's part, where "
+                       "it is the parameter's one write, elementwise with constant operands (clamp_, fill_, zero_, "
+                       "...), and the parameter is read after it and not before: otherwise use the value out of "
+                       "place (`w.clamp(-c, c)` where it is read), or change the parameter in the training loop")
             continue
         sink.error("E062", f"in-place `{op_name(node)}` writes into a view, or into a tensor a view of which is read",
                    par.model.span, f"used in {where}", *called_at(source_line(node)),

@@ -57,7 +57,7 @@ def without_key_value_caches(output):
         # made anew: a ModelOutput leaves out the fields given as None, where one set to None stays
         return type(output)(**{name: value for name, value in output.items() if not isinstance(value, cache)})
     if isinstance(output, tuple) and any(isinstance(value, cache) for value in output):
-        return type(output)(None if isinstance(value, cache) else value for value in output)
+        return tuple(value for value in output if not isinstance(value, cache))  # a None is no output either
     return output
 
 

@@ -12,13 +12,16 @@ and each tensor the view was taken from gets its new value by the view's scatter
 `select_scatter`, the inverse permutation or reshape), up to the tensor that owns the memory. Later reads
 of any of them read the new values; views taken after the write are taken from them.
 
-Two cases stay as they are:
+Three cases stay as they are:
 - a write into a graph input (a buffer such as batch norm's `num_batches_tracked`, or a user input):
   each rank updates its own local value, which is what the serial model does to its tensor;
-- a write into a view of a graph input (a parameter clamped through `.data`, traced as `detach`), or
-  one that another alias of the same memory, taken before the write and read after it, would see (its
-  value is not rewritten), or a write through a view with no scatter (`expand`, `as_strided`, a part of
-  `split`): reported (E062), since rewriting them would silently change the program.
+- a write into a parameter through `.data` (traced as `detach`) that is elementwise with constant operands
+  (PARAMETER_WRITES) and comes before every read of it: returned with the refused ones, for binding to
+  take out of the graph and the compiled forward to make first (parameter_written_before_read);
+- a write into a view of any other graph input, or one that another alias of the same memory, taken
+  before the write and read after it, would see (its value is not rewritten), or a write through a view
+  with no scatter (`expand`, `as_strided`, a part of `split`): reported (E062), since rewriting them would
+  silently change the program.
 """
 
 from __future__ import annotations
@@ -64,9 +67,9 @@ def _is_alias(node: torch.fx.Node) -> bool:
 
 def written_through_data(node: torch.fx.Node) -> bool:
     """Whether an in-place op writes into a graph input through an alias of all of it (`.data`, traced as
-    `detach`): the parameter's own update in the serial model, which a compile cannot promise to make on
-    the parameter (a precision policy's compute copy, or a weight gathered before the write, would take
-    it instead), so it is refused with its own advice."""
+    `detach`): the parameter's own update in the serial model, which the compiled forward makes first
+    where parameter_written_before_read says it can (a gather or a compute copy made before it would miss
+    it), and which is refused with its own advice otherwise."""
     written = node.args[0] if node.args else None
     while isinstance(written, torch.fx.Node) and written.op == "call_function" and \
             written.target in (aten.detach.default, aten.alias.default):
@@ -85,8 +88,8 @@ PARAMETER_WRITES = {aten.clamp_.default: "clamp_", aten.clamp_min_.default: "cla
 
 def parameter_written_before_read(node: torch.fx.Node, parameters: set[str]) -> torch.fx.Node | None:
     """The parameter placeholder a write through `.data` (written_through_data) can be made on before the
-    forward: one of PARAMETER_WRITES, its other operands constants, its result unread, and nothing reading
-    the parameter before it (what serial reads after it is the written value, made first). None otherwise."""
+    forward: one of PARAMETER_WRITES, its other operands constants, its result unread, the parameter read
+    after it and not before (what serial reads after it is the written value, made first). None otherwise."""
     if node.target not in PARAMETER_WRITES or node.users or \
             any(isinstance(a, torch.fx.Node) for a in [*node.args[1:], *node.kwargs.values()]):
         return None
@@ -99,8 +102,12 @@ def parameter_written_before_read(node: torch.fx.Node, parameters: set[str]) -> 
     if not isinstance(written, torch.fx.Node) or written.name not in parameters:
         return None
     order = {n: index for index, n in enumerate(node.graph.nodes)}
-    readers = [user for owner in (written, *aliases) for user in owner.users if user not in aliases and user is not node]
-    return None if any(order[reader] < order[node] for reader in readers) else written
+    readers = [user for owner in (written, *aliases) for user in owner.users
+               if user not in aliases and user is not node]
+    # unread, no stage of a pipeline would hold the parameter to write it
+    if not readers or any(order[reader] < order[node] for reader in readers):
+        return None
+    return written
 
 
 def _memory_owner(node: torch.fx.Node) -> torch.fx.Node:

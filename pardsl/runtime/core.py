@@ -175,12 +175,13 @@ class Runtime:
     @staticmethod
     @torch.no_grad()
     def write_parameter(parameter: torch.nn.Parameter, write) -> None:
-        """`write(parameter)` (an in-place clamp the model makes through `.data`), made in a pipeline stage's
-        forward on every micro-batch: only where it changes a value. A write moves the parameter's version
-        on, and the micro-batches in flight before it keep the parameter for their backward, which would
-        then refuse it; a write that changes nothing (the same clamp again) leaves it."""
+        """`write(parameter)` (an in-place clamp the model makes through `.data`), made at the top of every
+        forward (a pipeline stage's once per micro-batch): only where it changes a value. A write moves the
+        parameter's version on, and forwards not yet run backward (the micro-batches in flight, or losses
+        summed before one backward) keep the parameter, whose backward would then refuse it; serial's write
+        through `.data` moves no version, and a write that changes nothing (the same clamp again) leaves it."""
         written = write(parameter.detach().clone())
-        if not torch.equal(written, parameter):
+        if not torch.allclose(written, parameter, rtol=0, atol=0, equal_nan=True):  # a NaN stays a NaN
             parameter.copy_(written)
 
     def parameter_sync(self, module, gathers: list[tuple], buckets: list[tuple], precision: tuple | None = None,

@@ -77,7 +77,8 @@ def _counted_stage():
 
         # torch sends contiguous tensors only, and a stage's output, or its input's gradient, may be a
         # permuted view (Gemma 3n's AltUp streams): such a one is sent as a contiguous copy, kept where
-        # torch keeps what it sends (the output in the forward's cache, through which backward still runs)
+        # torch keeps what it sends (the output in the forward's cache, through which backward still runs).
+        # The copy is a stage's output over again until its backward, which the memory estimate leaves out.
 
         def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
             outputs, inputs = self.fwd_cache[fwd_chunk_id]

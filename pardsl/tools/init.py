@@ -5,6 +5,7 @@ request. The file is compiled before it is written, so what `init` writes is kno
 from __future__ import annotations
 
 import ast
+import difflib
 import functools
 import importlib
 import inspect
@@ -117,7 +118,11 @@ def _hf_model(config: str, settings: dict) -> torch.nn.Module:
     for whole in vars(configuration).values():
         slots = [slot for slot, part in (getattr(whole, "sub_configs", None) or {}).items() if part is type(made)] \
             if isinstance(whole, type) and issubclass(whole, transformers.PretrainedConfig) else []
-        if slots and (model := _model_of(whole(**{slot: made.to_dict() for slot in slots}))) is not None:
+        try:
+            model = _model_of(whole(**{slot: made.to_dict() for slot in slots})) if slots else None
+        except Exception:  # a class that does not take the part so: another may
+            continue
+        if model is not None:
             return model
     raise ValueError(f"no model class of transformers takes {config} (neither an Auto class nor "
                      f"{type(made).__module__.replace('.configuration_', '.modeling_')}), nor a config that has "
@@ -206,11 +211,11 @@ def small_model_line(config: str, settings: dict | None = None,
             parts[name] = {**parts[name], **value} if isinstance(value, dict) else value
     notes = [f"{name} is not a setting `{config}` reads: set as given (check its spelling)"
              for name in settings if name not in parts and not _known(cls, name, settings[name])]
-    listed = ", ".join(f"{name}={_literal(value)}"
-                       for name, value in {**_small(cls), **settings, **parts}.items())
+    listed = [f'config="{config}"', *(f"{name}={_literal(value)}"
+                                       for name, value in {**_small(cls), **settings, **parts}.items())]
     if arguments:
-        listed += f", forward_arguments={_literal(arguments)}"
-    return f'pardsl.tools.init:hf_model(config="{config}", {listed})', notes
+        listed.append(f"forward_arguments={_literal(arguments)}")
+    return f"pardsl.tools.init:hf_model({', '.join(listed)})", notes
 
 
 def _known(cls: type, name: str, value) -> bool:
@@ -293,6 +298,7 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
     if module is None or not isinstance(module, torch.nn.Module):
         raise InitError(f"`{model}` did not return a torch.nn.Module: give a factory that returns the model")
 
+    _check_arguments(module, arguments or {}, inputs or [])
     base_path, base = _base_model(module)
     config = getattr(base, "config", None)
     try:  # a multimodal model's language part, where it has one
@@ -372,6 +378,22 @@ def _blocked_layout(layout: str, parts: int) -> str:
     return layout[:-1] + f", blocks={parts})"
 
 
+def _check_arguments(module: torch.nn.Module, arguments: dict, inputs: list[str]) -> None:
+    """Each --argument names one of the forward's own arguments, and no input: given to a forward that
+    takes **kwargs, a misspelt name would pass unread, and the model run with the argument's default."""
+    forward = module.forward.func if isinstance(module.forward, functools.partial) else module.forward
+    parameters = inspect.signature(forward).parameters
+    names = [name for name, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    declared = {text.split(":")[0].strip() for text in inputs}
+    for name in arguments:
+        if name not in names or name in declared:
+            close = difflib.get_close_matches(name, names, 1)
+            why = "is declared as an input too" if name in declared else \
+                f"is not an argument of the model's forward({', '.join(names)})"
+            raise InitError(f"--argument {name}: {why}" + (f"; did you mean {close[0]}?" if close and
+                                                              name not in declared else ""))
+
+
 def _given_inputs(inputs: list[str], head: str, path: str) -> list[str]:
     """The --input texts, each checked to be one input declaration as the .par writes it after `input`
     (parsed below the file's `mesh` and `model` lines, which a file must have)."""
@@ -381,8 +403,8 @@ def _given_inputs(inputs: list[str], head: str, path: str) -> list[str]:
         except CompileError:
             declared = []
         if len(declared) != 1 or "\n" in text:
-            raise InitError(f"--input {text!r}: give one input as the .par declares it after `input`: "
-                            "NAME : DTYPE[SIZES], and `in [LO, HI)` for integers (--input \"t_cond : float32[1, 512]\")")
+            raise InitError(f"--input {text!r}: give one input as the .par declares it after `input`: NAME : "
+                            "DTYPE[SIZES], and `in [LO, HI)` for integers (--input \"t_cond : float32[1, 512]\")")
     return [" ".join(text.split()) for text in inputs]
 
 
