@@ -689,19 +689,17 @@ def bind(par: ParFile, regroup_heads: bool = True) -> BoundPlan:
     seconds["export"] = time.perf_counter() - clock
     _check_inputs_read(par, model, exported, sink)
     parameter_writes = []
+    parameter_names = exported.graph_signature.inputs_to_parameters
     for node in functionalize_in_place(exported.graph_module):
         where = (list((node.meta.get("nn_module_stack") or {}).values())[-1:] or [("the model's own forward()",)])[0][0]
         through_data = written_through_data(node)
-        parameter = parameter_written_before_read(node, set(exported.graph_signature.inputs_to_parameters)) \
-            if through_data else None
+        parameter = parameter_written_before_read(node, set(parameter_names)) if through_data else None
         # one write a parameter: two in turn (a clamp, then abs_) need not give the same when made again
-        if parameter is not None and exported.graph_signature.inputs_to_parameters[parameter.name] not in \
-                {write.parameter for write in parameter_writes}:
+        if parameter is not None and parameter_names[parameter.name] not in {w.parameter for w in parameter_writes}:
             parameter_writes.append(ParameterWrite(
-                exported.graph_signature.inputs_to_parameters[parameter.name], PARAMETER_WRITES[node.target],
-                tuple(node.args[1:]), tuple(node.kwargs.items()), where, source_line(node)))
+                parameter_names[parameter.name], PARAMETER_WRITES[node.target], tuple(node.args[1:]),
+                tuple(node.kwargs.items()), where, source_line(node)))
             _erase_with_unread_aliases(exported.graph_module.graph, node)
-            exported.graph_module.recompile()
             continue
         if through_data:
             sink.error("E062", f"in-place `{op_name(node)}` writes into a parameter or input through `.data`",
@@ -715,6 +713,8 @@ def bind(par: ParFile, regroup_heads: bool = True) -> BoundPlan:
                    par.model.span, f"used in {where}", *called_at(source_line(node)),
                    "another tensor sharing its memory, taken before the write and read after it, or a graph input "
                    "would see the write: write the op out of place (`x = x + y`, `torch.cat` for parts)")
+    if parameter_writes:
+        exported.graph_module.recompile()
     regrouped = regroup_key_value_heads(exported.graph_module, _features_split_over(par, mesh, exported)) \
         if mesh is not None and regroup_heads and par.substitution("regroup_heads") != "off" else []
     if mesh is not None:

@@ -70,11 +70,18 @@ def written_through_data(node: torch.fx.Node) -> bool:
     `detach`): the parameter's own update in the serial model, which the compiled forward makes first
     where parameter_written_before_read says it can (a gather or a compute copy made before it would miss
     it), and which is refused with its own advice otherwise."""
-    written = node.args[0] if node.args else None
+    written, aliases = _through_aliases(node)
+    return isinstance(written, torch.fx.Node) and written.op == "placeholder" and bool(aliases)
+
+
+def _through_aliases(node: torch.fx.Node) -> tuple[object, list[torch.fx.Node]]:
+    """What an in-place op writes into past the aliases of all of it (`detach`, `alias`), and those aliases."""
+    written, aliases = node.args[0] if node.args else None, []
     while isinstance(written, torch.fx.Node) and written.op == "call_function" and \
             written.target in (aten.detach.default, aten.alias.default):
+        aliases.append(written)
         written = written.args[0]
-    return isinstance(written, torch.fx.Node) and written.op == "placeholder" and written is not node.args[0]
+    return written, aliases
 
 
 # Writes a forward may make into a parameter through `.data` that pardsl makes on each rank's part of the
@@ -93,12 +100,7 @@ def parameter_written_before_read(node: torch.fx.Node, parameters: set[str]) -> 
     if node.target not in PARAMETER_WRITES or node.users or \
             any(isinstance(a, torch.fx.Node) for a in [*node.args[1:], *node.kwargs.values()]):
         return None
-    aliases = []
-    written = node.args[0]
-    while isinstance(written, torch.fx.Node) and written.op == "call_function" and \
-            written.target in (aten.detach.default, aten.alias.default):
-        aliases.append(written)
-        written = written.args[0]
+    written, aliases = _through_aliases(node)
     if not isinstance(written, torch.fx.Node) or written.name not in parameters:
         return None
     order = {n: index for index, n in enumerate(node.graph.nodes)}

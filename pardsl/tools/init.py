@@ -298,14 +298,15 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
     if module is None or not isinstance(module, torch.nn.Module):
         raise InitError(f"`{model}` did not return a torch.nn.Module: give a factory that returns the model")
 
-    _check_arguments(module, arguments or {}, inputs or [])
+    given = _given_inputs(inputs or [], head, path)
+    _check_arguments(module, arguments or {}, {decl.name for decl in given})
     base_path, base = _base_model(module)
     config = getattr(base, "config", None)
     try:  # a multimodal model's language part, where it has one
         text_config = config.get_text_config()
     except Exception:  # no config, or several text parts (an encoder's and a decoder's): the model's own
         text_config = config
-    forms = [[f"input  {text}" for text in _given_inputs(inputs, head, path)]] if inputs else \
+    forms = [[f"input  {' '.join(text.split())}" for text in inputs]] if given else \
         _input_forms(module, config, text_config, batch, seq)
     if not forms:
         accepted = ", ".join(inspect.signature(module.forward).parameters)
@@ -378,25 +379,25 @@ def _blocked_layout(layout: str, parts: int) -> str:
     return layout[:-1] + f", blocks={parts})"
 
 
-def _check_arguments(module: torch.nn.Module, arguments: dict, inputs: list[str]) -> None:
+def _check_arguments(module: torch.nn.Module, arguments: dict, inputs: set[str]) -> None:
     """Each --argument names one of the forward's own arguments, and no input: given to a forward that
     takes **kwargs, a misspelt name would pass unread, and the model run with the argument's default."""
     forward = module.forward.func if isinstance(module.forward, functools.partial) else module.forward
     parameters = inspect.signature(forward).parameters
     names = [name for name, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    declared = {text.split(":")[0].strip() for text in inputs}
     for name in arguments:
-        if name not in names or name in declared:
+        if name in inputs:
+            raise InitError(f"--argument {name}: is declared as an input too")
+        if name not in names:
             close = difflib.get_close_matches(name, names, 1)
-            why = "is declared as an input too" if name in declared else \
-                f"is not an argument of the model's forward({', '.join(names)})"
-            raise InitError(f"--argument {name}: {why}" + (f"; did you mean {close[0]}?" if close and
-                                                              name not in declared else ""))
+            raise InitError(f"--argument {name}: is not an argument of the model's forward({', '.join(names)})"
+                            + (f"; did you mean {close[0]}?" if close else ""))
 
 
-def _given_inputs(inputs: list[str], head: str, path: str) -> list[str]:
-    """The --input texts, each checked to be one input declaration as the .par writes it after `input`
-    (parsed below the file's `mesh` and `model` lines, which a file must have)."""
+def _given_inputs(inputs: list[str], head: str, path: str) -> list:
+    """The --input texts' declarations, each text checked to be one input as the .par declares it after
+    `input` (parsed below the file's `mesh` and `model` lines, which a file must have)."""
+    given = []
     for text in inputs:
         try:
             declared = parse(f"{head}input  {text}\n", path).inputs
@@ -405,7 +406,8 @@ def _given_inputs(inputs: list[str], head: str, path: str) -> list[str]:
         if len(declared) != 1 or "\n" in text:
             raise InitError(f"--input {text!r}: give one input as the .par declares it after `input`: NAME : "
                             "DTYPE[SIZES], and `in [LO, HI)` for integers (--input \"t_cond : float32[1, 512]\")")
-    return [" ".join(text.split()) for text in inputs]
+        given += declared
+    return given
 
 
 def _input_forms(module: torch.nn.Module, config, text_config, batch: int, seq: int) -> list[list[str]]:
