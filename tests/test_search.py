@@ -170,34 +170,47 @@ def test_the_plan_nearest_the_bound_starts_from_the_least_excess_found(monkeypat
             assert low - 1e-9 <= sum(v * hint[c] for c, v in terms.items()) <= high + 1e-9
 
 
-def test_branch_and_bound_stops_without_a_plan_at_first_plan_s_and_once_its_plan_has_stood_stall_s():
+def test_branch_and_bound_stops_without_a_plan_at_first_plan_s_and_once_its_plan_has_stood_stall_s(monkeypatch):
     """The solver's interrupt rule, as HiGHS calls it during one solve: no plan by FIRST_PLAN_S stops it
     (the bound taken as unmet); a plan found goes on in the same tree until no plan better by STALL_GAIN
-    has come for STALL_S."""
+    has come for STALL_S; nothing goes past TIME_LIMIT_S. Each counted in the solving thread's CPU seconds:
+    the wall's, here ten times as many (a loaded machine), stop nothing."""
     from types import SimpleNamespace
 
+    cpu = [0.0]
+    monkeypatch.setattr(solver.time, "thread_time", lambda: cpu[0])
+
     def asked(rule, elapsed: float, found: float) -> bool:
-        event = SimpleNamespace(data_out=SimpleNamespace(running_time=elapsed, mip_primal_bound=found),
+        cpu[0] = elapsed
+        event = SimpleNamespace(data_out=SimpleNamespace(running_time=10 * elapsed, mip_primal_bound=found),
                                 stopped=False)
         event.interrupt = lambda: setattr(event, "stopped", True)
         rule(event)
         return event.stopped
 
-    rule = solver._stopping_rule()
+    def started(cutoff: float = math.inf):
+        cpu[0] = 0.0
+        return solver._stopping_rule(cutoff)
+
+    rule = started()
     assert not asked(rule, solver.FIRST_PLAN_S - 0.1, math.inf)
     assert asked(rule, solver.FIRST_PLAN_S + 0.1, math.inf)
-    rule = solver._stopping_rule()
+    rule = started()
     assert not asked(rule, 1.0, 0.30)  # the first plan
     assert not asked(rule, 1.0 + solver.STALL_S - 0.1, 0.30 * (1 - solver.STALL_GAIN / 2))  # within the gap: no news
     assert asked(rule, 1.0 + solver.STALL_S + 0.1, 0.30 * (1 - solver.STALL_GAIN / 2))
-    rule = solver._stopping_rule(cutoff=0.30)  # HiGHS reports the cutoff as its bound until a plan beats it
+    rule = started(cutoff=0.30)  # HiGHS reports the cutoff as its bound until a plan beats it
     assert not asked(rule, solver.STALL_S + 0.1, 0.30)
     assert asked(rule, solver.FIRST_PLAN_S + 0.1, 0.30)
-    rule = solver._stopping_rule()
+    rule = started()
     assert not asked(rule, 1.0, 0.30)
     assert not asked(rule, 1.5, 0.25)  # a better plan: the clock starts again
     assert not asked(rule, 1.5 + solver.STALL_S - 0.1, 0.25)
     assert asked(rule, 1.5 + solver.STALL_S + 0.1, 0.25)
+    rule = started()
+    for step in range(1, int(solver.TIME_LIMIT_S)):  # a better plan each second
+        assert not asked(rule, step, 1.0 / step)
+    assert asked(rule, solver.TIME_LIMIT_S + 0.1, 0.01)
 
 
 def test_a_descents_move_whose_program_gives_no_plan_is_not_made(compile_par, monkeypatch):

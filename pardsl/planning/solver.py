@@ -13,6 +13,7 @@ import hashlib
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,6 +40,11 @@ FIRST_PLAN_S = 5.0
 # the next 9.5 s bettered by 0.05 %. The cost model rates what the programs find again.
 STALL_S = 2.0
 STALL_GAIN = 0.01
+# The limits above are seconds of the solving thread's CPU, not of the wall: on a loaded machine (a test
+# suite's other worker, a compile beside a training run) wall-clock limits stopped branch and bound
+# earlier, at another plan, so the same file compiled to different modules on the same machine. HiGHS's
+# own wall-clock limit stays, this many times longer, for a solve whose thread hardly gets a core.
+WALL_LIMIT_FACTOR = 4.0
 
 # Answers of the programs solved last, by everything they depend on: on a mesh whose axes are alike (dp 2 ×
 # tp 2 with nothing written) both orders' first programs are the same one, and on T5 it runs to its limit
@@ -81,7 +87,7 @@ class IntegerProgram:
     def _key(self, skip_rows: frozenset[int], hint: dict[int, float] | None) -> str:
         """Everything an answer depends on: the program, its hint and the solver's limits."""
         rows = [r for i, r in enumerate(self.rows) if i not in skip_rows]
-        limits = (MIP_GAP, TIME_LIMIT_S, FIRST_PLAN_S, STALL_S, STALL_GAIN)
+        limits = (MIP_GAP, TIME_LIMIT_S, FIRST_PLAN_S, STALL_S, STALL_GAIN, WALL_LIMIT_FACTOR)
         text = repr((self.cost, self.integer, rows, sorted((hint or {}).items()), limits, self.cutoff))
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -111,7 +117,7 @@ class IntegerProgram:
             indices = sorted(hint)
             highs.setSolution(len(indices), np.array(indices, dtype=np.int32),
                               np.array([hint[i] for i in indices], dtype=float))
-        highs.setOptionValue("time_limit", TIME_LIMIT_S)
+        highs.setOptionValue("time_limit", TIME_LIMIT_S * WALL_LIMIT_FACTOR)
         highs.cbMipInterrupt.subscribe(_stopping_rule(self.cutoff))
         highs.run()
         status = highs.getModelStatus()
@@ -185,17 +191,21 @@ class IntegerProgram:
 
 
 def _stopping_rule(cutoff: float = math.inf) -> Callable:
-    """HiGHS's interrupt callback for one solve: branch and bound stops at FIRST_PLAN_S where it has found
-    no plan yet, and where it has, once STALL_S pass without a plan better by STALL_GAIN. Both in
+    """HiGHS's interrupt callback for one solve: branch and bound stops at TIME_LIMIT_S, at FIRST_PLAN_S
+    where it has found no plan yet, and where it has, once STALL_S pass without a plan better by STALL_GAIN,
+    each counted in CPU seconds of the thread that solves (the one HiGHS calls back on). Both in
     one tree: stopping at FIRST_PLAN_S and starting again from the plan, as this did before, threw away
     the tree and its cuts. Under a `cutoff` (IntegerProgram.cutoff), HiGHS reports the cutoff as its
     primal bound until a plan beats it: no plan yet."""
     best, since = math.inf, 0.0
+    started = time.thread_time()
 
     def interrupt(event) -> None:
         nonlocal best, since
-        elapsed, found = event.data_out.running_time, event.data_out.mip_primal_bound
-        if not math.isfinite(found) or found >= cutoff:
+        elapsed, found = time.thread_time() - started, event.data_out.mip_primal_bound
+        if elapsed > TIME_LIMIT_S:
+            event.interrupt()
+        elif not math.isfinite(found) or found >= cutoff:
             if elapsed > FIRST_PLAN_S:
                 event.interrupt()
         elif not math.isfinite(best) or found < best - abs(best) * STALL_GAIN:
