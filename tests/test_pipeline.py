@@ -4,6 +4,7 @@ gloo ranks, composed with tensor and data parallelism, equal to serial (losses, 
 gradient), with exact point-to-point counts and gradient synchronisation once per step."""
 
 import functools
+import itertools
 import json
 import os
 import subprocess
@@ -596,3 +597,9 @@ def test_the_cut_of_several_stages_a_rank_holds_each_rank_within_the_bound():
     def slowest(cut):
         return max(sum(times[i:j]) for i, j in zip(cut, cut[1:]))
     assert slowest(cut) == slowest(free) == 2.0  # as fast as the fastest
+    # under a bound no cut meets (a segment alone holds 10), the cut whose fullest rank holds least,
+    # which the search ranks over-bound options by, not the fastest (21 on rank 0)
+    every = [[0, *inner, 6] for inner in itertools.combinations(range(1, 6), 3)]
+    least = min(_rank_memory(held, each, 2, "Interleaved1F1B") for each in every)
+    nearest = _cut(times, sends, held, 4, 2, 5, "Interleaved1F1B")
+    assert _rank_memory(held, nearest, 2, "Interleaved1F1B") == least == 12

@@ -428,39 +428,52 @@ def _cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int
     rank within the memory bound: a dynamic program over the segments, stage k on the rank its schedule
     places it on. With several stages a rank, a stage is checked with the rank's stages before it on the
     path that reaches it (the program keeps one path a boundary, so a cut it passes over may have fit).
-    Where no cut fits, the fastest, which the caller prices over the bound: the pipeline is still one to
-    weigh (on other layouts it may fit), not one the model cannot be cut into."""
-    cut = _fastest_cut(times, sends, held, stages, ranks, limit, schedule)
-    if cut is None and limit is not None:
-        return _fastest_cut(times, sends, held, stages, ranks, None, schedule)
-    return cut
+    Where no cut fits, the one whose fullest rank holds least (then the fastest), which the caller prices
+    over the bound: the pipeline is still one to weigh (on other layouts it may fit), not one the model
+    cannot be cut into, and an option over the bound is ranked by what it holds (_rank)."""
+    if limit is None or held is None:
+        return _best_cut(times, sends, stages, ranks, schedule, held, fastest=True)
+    return _best_cut(times, sends, stages, ranks, schedule, held, fastest=True, limit=limit) or \
+        _best_cut(times, sends, stages, ranks, schedule, held, fastest=False)
 
 
-def _fastest_cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int | None,
-                 schedule: str) -> list[int] | None:
-    """_cut's dynamic program: None where no cut keeps every rank within `limit`."""
+def _best_cut(times, sends, stages: int, ranks: int, schedule: str, held: "_Held | None", fastest: bool,
+              limit: int | None = None) -> list[int] | None:
+    """_cut's dynamic program. `fastest`: the cut whose largest stage time is least (then the least total),
+    None where no cut keeps every rank within `limit`; else the cut whose fullest rank holds least, then
+    the fastest."""
     prefix = [0.0, *itertools.accumulate(times)]
-    checked = limit is not None and held is not None
     rank_of = [rank_of_stage(k, ranks, schedule) for k in range(stages)]
 
-    def fits(k: int, i: int, j: int, cuts: list[int]) -> bool:
-        if not checked:
-            return True
+    def holding(k: int, i: int, j: int, cuts: list[int]) -> int:
+        """What stage k's rank holds with the path's stages on it so far and stage k at segments i to j."""
+        if held is None:
+            return 0
         if stages <= ranks:
-            return held.stage(k, i, j) <= limit
+            return held.stage(k, i, j)
         before = [n for n in range(k) if rank_of[n] == rank_of[k]]
         across = sum(held.across(n, cuts[n], cuts[n + 1]) for n in before) + held.across(k, i, j)
         again = max([held.made_again(cuts[n], cuts[n + 1]) for n in before] + [held.made_again(i, j)])
-        return across + again <= limit
+        return across + again
 
-    # best[k][j]: (largest stage time, total) over the first k stages ending at segment j, and its cuts
-    best: list[dict[int, tuple[tuple[float, float], list[int]]]] = [{0: ((0.0, 0.0), [0])}]
+    # best[k][j]: the score of the first k stages ending at segment j, and its cuts. A score: (largest
+    # stage time, total time), led by the fullest rank so far where the cut is the least-memory one
+    best: list[dict[int, tuple[tuple, list[int]]]] = [{0: ((0.0, 0.0) if fastest else (0, 0.0, 0.0), [0])}]
     for k in range(stages):
         row = {}
         for j in range(k + 1, len(times) - (stages - k - 1) + 1):
-            options = [((max(score[0], _stage_seconds(prefix, sends, i, j)),
-                         score[1] + _stage_seconds(prefix, sends, i, j)), cuts + [j])
-                       for i, (score, cuts) in best[k].items() if i < j and fits(k, i, j, cuts)]
+            options = []
+            for i, (score, cuts) in best[k].items():
+                if i >= j:
+                    continue
+                seconds = _stage_seconds(prefix, sends, i, j)
+                if fastest:
+                    if limit is not None and holding(k, i, j, cuts) > limit:
+                        continue
+                    options.append(((max(score[0], seconds), score[1] + seconds), cuts + [j]))
+                else:
+                    options.append(((max(score[0], holding(k, i, j, cuts)), max(score[1], seconds),
+                                     score[2] + seconds), cuts + [j]))
             if options:
                 row[j] = min(options, key=lambda option: option[0])
         best.append(row)
