@@ -150,6 +150,30 @@ class ClampsInTheFirstStage(nn.Module):
         return self.second(torch.relu(h @ self.first.linear.weight))
 
 
+class ClampsATiedWeight(nn.Module):
+    """Two linears sharing one weight, clamped through the first and read by both."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+        with torch.no_grad():
+            self.first.weight.mul_(20.0)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        if self.training:
+            self.first.weight.data.clamp_(-1.0, 1.0)
+        return self.second(torch.relu(self.first(x)))
+
+
+class ClampsAFrozenWeight(ClampsItsWeightThroughData):
+    """The clamped weight is frozen: no gradient, no optimizer state, still clamped."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear.weight.requires_grad_(False)
+
+
 def _par(model: str, layouts: str = "") -> str:
     return (f"mesh dp = 2\nmodel tests.test_in_place:{model}()\ninput x : float32[4, 8]\n"
             f"layout {{\n    x : S(0)\n{layouts}}}\n")
@@ -216,6 +240,24 @@ def test_a_parameter_clamped_through_data_is_clamped_on_each_ranks_part_before_t
     assert source.count(write) == 1 and "detach" not in source
     assert source.index(write) < source.index("sync = rt.parameter_sync(")
     assert "raise RuntimeError(TRAINING_ONLY)" in source  # traced in training mode, where the clamp is made
+    assert run_on(pools, compiled, steps=2)["ok"]
+
+
+@pytest.mark.parametrize("model, statements, layout, write", [
+    ("ClampsATiedWeight", "", "first.weight : S(0)", "self.second_weight"),  # one name for the tied weight, the second's
+    ("ClampsAFrozenWeight", "", "linear.weight : S(1)", "self.linear_weight"),
+    ("ClampsItsWeightThroughData", "precision params bf16, reduce fp32\n", "linear.weight : S(0)", "self.linear_weight"),
+    ("ClampsItsWeightThroughData", "offload optimizer\n", "linear.weight : S(0)", "self.linear_weight"),
+], ids=["tied", "frozen", "bf16-compute-copy", "offloaded-master"])
+def test_a_parameter_clamped_through_data_when_tied_frozen_or_copied(compile_par, pools, model, statements, layout,
+                                                                     write):
+    """A weight two linears share is written once, through its one storage; a frozen one is still written; in
+    bf16 the float32 master is written (the compute copy is made from it after), and with the optimizer
+    offloaded the master in host memory (its device copy is made after)."""
+    text = _par(model, f"    {layout}\n").replace("layout {", statements + "layout {")
+    compiled = compile_par(text)
+    line = f"rt.write_parameter({write}, lambda parameter: parameter.clamp_(-1.0, 1.0))"
+    assert compiled.source.count("rt.write_parameter(") == 1 and line in compiled.source
     assert run_on(pools, compiled, steps=2)["ok"]
 
 

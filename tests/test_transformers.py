@@ -233,3 +233,25 @@ def test_vocabulary_parallel_cross_entropy_with_data_parallel_batch(pools, compi
     # tp: the loss's statistics per row, in one all-gather; dp: the summed loss's partial sums, once
     assert by_axis["forward"] == {"dp:all_reduce": 1, "tp:all_gather": 1}
     check(pools, compiled)
+
+
+class ReturnsACacheInATuple(__import__("torch").nn.Module):
+    """A forward returning (output, cache, hidden) as a tuple, as generation-minded forwards may."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = (__import__("torch").nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        from transformers import DynamicCache
+
+        hidden = self.first(x)
+        return self.second(hidden), DynamicCache(), hidden
+
+
+def test_a_key_value_cache_in_a_returned_tuple_is_left_out_and_the_rest_runs_equal_to_serial(compile_par, pools):
+    compiled = compile_par("mesh tp = 2\nmodel tests.test_transformers:ReturnsACacheInATuple()\n"
+                           "input x : float32[4, 8]\nlayout {\n  first.weight : S(0)\n  second.weight : S(1)\n}\n")
+    assert len(compiled.bound.outputs) == 2
+    assert compiled.program.collective_counts()["forward"]["all_reduce"] == 1
+    check(pools, compiled)
