@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 from collections import Counter
 
 from pardsl.layouts.algebra import collective_matmul_cut
@@ -46,10 +47,14 @@ def chunked_collective_matmuls(program: LoweredProgram, typed: TypedGraph, machi
     if choice == "off":
         return program
     mesh = program.mesh
-    forward_s = {o.node: o.forward_s for o in op_costs(typed, machine, machine.slowdown(mesh.size))}
+
+    @functools.cache
+    def forward_s() -> dict[str, float]:
+        # priced only where a gather meets a product: most stage programs a pipeline search lowers have none
+        return {o.node: o.forward_s for o in op_costs(typed, machine, machine.slowdown(mesh.size))}
 
     def pays(collectives: list[Collective], chunks: int) -> bool:
-        return choice == "on" or sum(collective_matmul_saving(machine, mesh, c, forward_s, chunks)
+        return choice == "on" or sum(collective_matmul_saving(machine, mesh, c, forward_s(), chunks)
                                      for c in collectives) > 0
 
     statements = _chunked(program, list(program.statements), pays)

@@ -432,7 +432,7 @@ def _cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int
     over the bound: the pipeline is still one to weigh (on other layouts it may fit), not one the model
     cannot be cut into, and an option over the bound is ranked by what it holds (_rank)."""
     if limit is None or held is None:
-        return _best_cut(times, sends, stages, ranks, schedule, held, fastest=True)
+        return _best_cut(times, sends, stages, ranks, schedule, None, fastest=True)
     return _best_cut(times, sends, stages, ranks, schedule, held, fastest=True, limit=limit) or \
         _best_cut(times, sends, stages, ranks, schedule, held, fastest=False)
 
@@ -441,43 +441,48 @@ def _best_cut(times, sends, stages: int, ranks: int, schedule: str, held: "_Held
               limit: int | None = None) -> list[int] | None:
     """_cut's dynamic program. `fastest`: the cut whose largest stage time is least (then the least total),
     None where no cut keeps every rank within `limit`; else the cut whose fullest rank holds least, then
-    the fastest."""
+    the fastest. `held` None: memory not weighed."""
     prefix = [0.0, *itertools.accumulate(times)]
     rank_of = [rank_of_stage(k, ranks, schedule) for k in range(stages)]
-
-    def holding(k: int, i: int, j: int, cuts: list[int]) -> int:
-        """What stage k's rank holds with the path's stages on it so far and stage k at segments i to j."""
-        if held is None:
-            return 0
-        if stages <= ranks:
-            return held.stage(k, i, j)
-        before = [n for n in range(k) if rank_of[n] == rank_of[k]]
-        across = sum(held.across(n, cuts[n], cuts[n + 1]) for n in before) + held.across(k, i, j)
-        again = max([held.made_again(cuts[n], cuts[n + 1]) for n in before] + [held.made_again(i, j)])
-        return across + again
-
-    # best[k][j]: the score of the first k stages ending at segment j, and its cuts. A score: (largest
-    # stage time, total time), led by the fullest rank so far where the cut is the least-memory one
-    best: list[dict[int, tuple[tuple, list[int]]]] = [{0: ((0.0, 0.0) if fastest else (0, 0.0, 0.0), [0])}]
+    together = held is not None and stages > ranks  # a rank's stages held together, checked on the path
+    # best[k][j], for the first k stages ending at segment j: (score, where stage k - 1 starts, and per rank
+    # what the path's stages hold across micro-batches and the largest region they make again). A score:
+    # (largest stage time, total time), led by the fullest rank so far where the cut is the least-memory
+    # one. The path is read back from the end, so no step copies it.
+    nothing = (0,) * ranks
+    best: list[dict[int, tuple]] = [{0: ((0.0, 0.0) if fastest else (0, 0.0, 0.0), 0, nothing, nothing)}]
     for k in range(stages):
-        row = {}
+        rank, row = rank_of[k], {}
         for j in range(k + 1, len(times) - (stages - k - 1) + 1):
-            options = []
-            for i, (score, cuts) in best[k].items():
+            chosen = None
+            for i, (score, _, memory, again) in best[k].items():
                 if i >= j:
                     continue
                 seconds = _stage_seconds(prefix, sends, i, j)
+                holds = 0
+                if together:
+                    memory = (*memory[:rank], memory[rank] + held.across(k, i, j), *memory[rank + 1:])
+                    again = (*again[:rank], max(again[rank], held.made_again(i, j)), *again[rank + 1:])
+                    holds = memory[rank] + again[rank]
+                elif held is not None:
+                    holds = held.stage(k, i, j)
                 if fastest:
-                    if limit is not None and holding(k, i, j, cuts) > limit:
+                    if limit is not None and holds > limit:
                         continue
-                    options.append(((max(score[0], seconds), score[1] + seconds), cuts + [j]))
+                    candidate = (max(score[0], seconds), score[1] + seconds)
                 else:
-                    options.append(((max(score[0], holding(k, i, j, cuts)), max(score[1], seconds),
-                                     score[2] + seconds), cuts + [j]))
-            if options:
-                row[j] = min(options, key=lambda option: option[0])
+                    candidate = (max(score[0], holds), max(score[1], seconds), score[2] + seconds)
+                if chosen is None or candidate < chosen[0]:
+                    chosen = (candidate, i, memory, again)
+            if chosen is not None:
+                row[j] = chosen
         best.append(row)
-    return best[stages][len(times)][1] if len(times) in best[stages] else None
+    if len(times) not in best[stages]:
+        return None
+    cut = [len(times)]
+    for k in range(stages, 0, -1):
+        cut.append(best[k][cut[-1]][1])
+    return cut[::-1]
 
 
 def _rank_memory(held: "_Held", cut: list[int], ranks: int, schedule: str) -> int:
@@ -506,7 +511,7 @@ class _Held:
     def __init__(self, memory: SegmentMemory, rows: float, schedule: str, m: int, ranks: int, stages: int):
         self.memory, self.rows, self.schedule, self.m, self.ranks, self.stages = memory, rows, schedule, m, ranks, stages
         # per stage, once: the cut's dynamic program asks for every stage at every pair of boundaries
-        self.in_flight, self._across = {}, {}
+        self.in_flight, self._across, self._made_again = {}, {}, {}
         for rank in range(ranks):
             self.in_flight.update(stage_micro_batches_held(schedule, m, ranks, rank, stages // ranks))
 
@@ -544,7 +549,9 @@ class _Held:
     def made_again(self, i: int, j: int) -> int:
         """The largest recomputed region of segments i to j: a rank runs one micro-batch's backward at a
         time, so it makes one region's activations again at once, whatever it holds in flight."""
-        return int(self.rows * max(self.memory.region[i:j]))
+        if (i, j) not in self._made_again:
+            self._made_again[i, j] = int(self.rows * max(self.memory.region[i:j]))
+        return self._made_again[i, j]
 
 
 def _priced(times, weights, sends, held: _Held | None, cut: list[int], ranks: int, per_rank: int,
