@@ -47,6 +47,26 @@ def test_flops_are_torchs_count_at_global_shapes_and_each_rank_does_its_share():
     assert math.isclose(fc1.backward_s, 2 * fc1.forward_s)
 
 
+def test_op_costs_kept_on_the_plan_are_those_of_the_machine_and_plan_asked_for():
+    """A plan keeps its ops' prices (a pipeline search asks once per stage program): another machine's
+    figures, another slowdown or another bound model are priced afresh, never read from the kept ones."""
+    import copy
+    import dataclasses
+
+    from pardsl.planning.cost import op_costs
+
+    typed = compile_file("examples/mlp.par").typed
+    slower = dataclasses.replace(MACHINE, flops_per_s=MACHINE.flops_per_s / 10)
+    first = [op.forward_s for op in op_costs(typed, MACHINE)]
+    assert [op.forward_s for op in op_costs(typed, slower)] != first
+    assert [op.forward_s for op in op_costs(typed, MACHINE, slow=2.0)] == [2 * s for s in first]
+    assert [op.forward_s for op in op_costs(typed, MACHINE)] == first
+    other = copy.copy(typed.bound)  # another trace of the same model, counted with no FLOPs
+    other.__dict__["flops"] = {name: 0 for name in typed.bound.flops}
+    typed.bound = other
+    assert [op.flops for op in op_costs(typed, MACHINE)] == [0] * len(first)
+
+
 def test_a_collective_costs_alpha_plus_beta_bytes_and_the_step_adds_up():
     compiled = compile_file("examples/mlp.par")
     result = estimate(compiled, MACHINE)
