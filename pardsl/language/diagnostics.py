@@ -86,6 +86,7 @@ NOTE_CODES: dict[str, str] = {
     "N008": "a searched mesh's plan splits weights over `dp` and synchronises gradients over `tp`",
     "N009": "the search's plan beside the best known recipe (Megatron, FSDP, data parallelism) for the model",
     "N010": "a searched pipeline was chosen on a recipe's layouts that its compile could not take",
+    "N011": "the searched pipeline priced fastest held more than the bound once compiled: the next is compiled",
 }
 
 
