@@ -234,7 +234,7 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
         return compiled_as(typed, lowered)
 
     best = planned(1.0)
-    deadline = time.monotonic() + descent.SEARCH_BUDGET_S  # the steps together: one search's budget more
+    deadline = descent.search_clock() + descent.SEARCH_BUDGET_S  # the steps together: one search's budget more
     counted = memory_per_rank(best.lowered)["activations"]
     if written:
         least = memory_per_rank(best.passed)["activations"]
@@ -244,7 +244,7 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
         weights = [1.0 - step / RECOMPUTATION_STEPS * (1.0 - least / counted)
                    for step in range(1, RECOMPUTATION_STEPS + 1)] if counted and least < counted else []
     for step, weight in enumerate(weights):
-        if time.monotonic() > deadline:
+        if descent.search_clock() > deadline:
             best.program.notes.append(descent.out_of_time_note(
                 bound, f"weighing recomputation at {step} of {len(weights)} shares"))
             break

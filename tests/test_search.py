@@ -874,3 +874,19 @@ def test_the_search_splits_reductions_where_it_pays_and_a_file_can_forbid_it(poo
     [note] = [n.message for n in forbidden.program.notes if n.code == "N009"]
     assert note.startswith("the best known recipe for this model and mesh, Megatron TP on tp,")
     assert "substitutions: reductions split off, as the file says" in explained(forbidden)
+
+
+def test_the_search_budget_counts_the_compiling_threads_work_not_the_wall():
+    """A compile that waits for a core (a loaded machine) spends none of its budget waiting: the search stops
+    where an idle machine's stops, at the same plan."""
+    import time
+
+    from pardsl.planning import descent
+
+    started = descent.search_clock()
+    time.sleep(0.3)
+    assert descent.search_clock() - started < 0.05
+    started, give_up = descent.search_clock(), time.perf_counter() + 30
+    while descent.search_clock() - started < 0.05 and time.perf_counter() < give_up:
+        pass  # work: the clock moves with it, however long the wait for a core
+    assert descent.search_clock() - started >= 0.05
