@@ -467,10 +467,9 @@ def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredP
 
 
 def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = None,
-                       priced_on: str = "", priced_plan: TypedGraph | None = None) -> Compiled:
+                       priced_on: str = "") -> Compiled:
     """The same stages for one micro-batch, with the pipeline pass between lowering and codegen. `priced_on`:
-    the recipe whose layouts a searched pipeline was chosen on (PipelineOption.priced_on), if any;
-    `priced_plan`, the plan it was priced on."""
+    the recipe whose layouts a searched pipeline was chosen on (PipelineOption.priced_on), if any."""
     if par.pipeline.searched:
         return _compile_searched_pipeline(par, bucket_mb, machine)
     decl = pp.check_pipeline(par)
@@ -523,12 +522,6 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         return _PipelinedPlan((over, held_total if over else step), typed, program, stages, plan, step, held_total)
 
     chosen = pipelined(typed)
-    if searched and not priced_on and (priced := _on_this_trace(priced_plan, typed)) is not None:
-        # the layouts the pipeline was chosen on, searched on another trace (the whole batch) and for
-        # another schedule's micro-batches in flight: the search here can land elsewhere, over the bound
-        # where the option was priced within it
-        with contextlib.suppress(Exception):  # a plan the compile can do without, as a recipe is
-            chosen = min(chosen, pipelined(priced), key=lambda plan: plan.rating)
     if searched:
         chosen = _weighed_against_pipelined_recipes(bound, chosen, pipelined, pipeline_axis,
                                                     machine or default_machine(), limit, seconds, priced_on)
@@ -540,17 +533,6 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
     source = timed(seconds, "codegen", lambda: render_pipeline(stages, plan))
     memory_bound = _check_memory_bound(bound, program, pipelined_memory_per_rank(stages, plan), limit)
     return Compiled(par, bound, chosen.typed, program, source, seconds, memory_bound, plan, tuple(stages))
-
-
-def _on_this_trace(plan: TypedGraph | None, traced: TypedGraph) -> TypedGraph | None:
-    """`plan`'s layouts on the trace `traced`: the plan itself where it was made on it, or on a trace of the
-    same ops at the same shapes; None otherwise (at another micro-batch size a layout may not divide a
-    value's dims)."""
-    if plan is None or plan.bound is traced.bound:
-        return plan
-    same = list(plan.nodes) == list(traced.nodes) and plan.bound.tensors.keys() == traced.bound.tensors.keys() \
-        and all(info.shape == traced.bound.tensors[name].shape for name, info in plan.bound.tensors.items())
-    return replace(plan, bound=traced.bound, candidates={}) if same else None
 
 
 class _PipelinedPlan(NamedTuple):
@@ -638,10 +620,9 @@ def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compi
     pp.check_unsplit(typed, decl)
     machine = machine or default_machine()
     program = timed(seconds, "lower", lambda: lower(typed, bucket_mb))
-    priced_plans: dict[str, TypedGraph] = {}
     _, options = timed(seconds, "pipeline search", lambda: choose_pipeline(
         typed, program, decl, machine, memory_limit(bound, microbatches=decl.microbatches), decl.microbatches,
-        lowering=stage_lowering(bucket_mb, machine), priced_plans=priced_plans))
+        lowering=stage_lowering(bucket_mb, machine)))
 
     def compiled_as(option) -> Compiled:
         written = pipeline_written_as(decl, option)
@@ -649,7 +630,7 @@ def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compi
         same_trace = written.microbatches == decl.microbatches
         compiled = _compile_pipelined(concrete, bucket_mb, machine,
                                       replace(bound, par=pp.micro_batched(concrete)) if same_trace else None,
-                                      priced_on=option.priced_on, priced_plan=priced_plans.get(option.priced_on))
+                                      priced_on=option.priced_on)
         for stage, spent in seconds.items():
             if same_trace and stage in bound.seconds:
                 continue  # the one trace: the compile's own seconds count it already

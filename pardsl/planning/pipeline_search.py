@@ -135,17 +135,14 @@ class StageLowering(NamedTuple):
 
 def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit: int | None,
                     traced_microbatches: int, optimizer: str = "adamw", price_memory: bool = True,
-                    lowering: StageLowering | None = None,
-                    priced_plans: dict | None = None) -> tuple[PipelineDecl, tuple[PipelineOption, ...]]:
+                    lowering: StageLowering | None = None) -> tuple[PipelineDecl, tuple[PipelineOption, ...]]:
     """The pipeline the file leaves to the compiler (see the module's docstring): the statement with its
     `?` options decided, and every option priced, the chosen one first. `typed`: the plan traced at
     `traced_microbatches` micro-batches, `program` its lowered program (uncut), whose collectives along
     the other axes count in their stage's time, and its gradient buckets once a step. Each option's memory
     is the most a rank holds by cost.pipeline_rank_memory's count, on the plan's own stage programs
     (segment_memory): the model `explain` and the compile's check against the bound use. `price_memory`
-    off: the step alone (pipelined_step_seconds); on, it needs the compile's `lowering`. `priced_plans`, where
-    given, is filled with the plans the options were priced on, by PipelineOption.priced_on: the compile
-    weighs the one it chooses as compiled (the search's own layouts, on another trace, can differ)."""
+    off: the step alone (pipelined_step_seconds); on, it needs the compile's `lowering`."""
     assert lowering is not None or not price_memory, "pricing memory needs the compile's lowering"
     bound = typed.bound
     axis = bound.mesh.axis_index(decl.axis)
@@ -154,8 +151,6 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
             any(size > 1 for other, size in enumerate(bound.mesh.axis_sizes) if other != axis):
         candidates = [("", *_searched_layouts(typed, decl, machine, limit, traced_microbatches, lowering)),
                       *_recipe_layouts(bound, axis, machine, lowering, limit)]
-    if priced_plans is not None:
-        priced_plans.update((recipe, typed) for recipe, typed, _ in candidates)
     options: dict[tuple, PipelineOption] = {}
     for index, (recipe, typed, program) in enumerate(candidates):
         try:
