@@ -37,6 +37,7 @@ from pardsl.passes.recompute import (
     recomputed_stages_within,
     recomputed_within,
 )
+from pardsl.passes.regather import regather_split_inputs
 from pardsl.passes.reshard import reshard_after_forward
 from pardsl.passes.shared_constants import share_constants_between_micro_batches
 from pardsl.planning.cost import (
@@ -443,6 +444,8 @@ PASSES_AFTER_LOWERING = (
     ("release each value after its last use", lambda program, typed, machine: release_dead_values(program)),
     ("make the submodules the file recomputes again in backward",
      lambda program, typed, machine: recompute_layers(program, typed)),
+    ("keep a sequence-parallel linear's input split for backward, gather it again there",
+     lambda program, typed, machine: regather_split_inputs(program, typed)),
     ("cut a gather before a matrix product, or a reduce-scatter after one, into chunks that overlap it",
      lambda program, typed, machine: chunked_collective_matmuls(program, typed, machine)),
 )

@@ -190,6 +190,8 @@ class OffloadDecl:
 SUBSTITUTIONS = {
     "collective_matmul": "a gather before a matrix product, or a reduce-scatter after one, cut into chunks "
                          "that move while the product of the chunk before is computed",
+    "regather_inputs": "a sequence-parallel linear's input kept split for backward and gathered again "
+                       "there, as Megatron-LM does, rather than kept whole",
     "regroup_heads": "key/value heads split over more ranks than there are heads repeated before their "
                      "projection, so that each rank computes the head its query heads read",
     "split_reductions": "a partial sum reduce-scattered where an all-reduce would make it whole, the ops after "

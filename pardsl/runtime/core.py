@@ -245,7 +245,7 @@ class Runtime:
 
     def column_parallel_linears(self, x: torch.Tensor, axes: tuple[str, ...], *linears, gather_dim: int | None = None,
                                 blocks: int = 1, mirrored: bool = False, op: str = "linear",
-                                chunks: int = 1) -> tuple[torch.Tensor, ...]:
+                                chunks: int = 1, regather: bool = False) -> tuple[torch.Tensor, ...]:
         """Megatron's f and the linears that read its value, as one step: `linears` are (weight, bias or
         None) pairs, the results are each linear of x. Backward computes x's gradient first, issues its
         all-reduce over `axes` and computes the weights' gradients while it moves (Megatron's overlap).
@@ -259,8 +259,13 @@ class Runtime:
         `chunks` > 1, with `gather_dim` (a collective matmul): x is gathered in that many pieces, cut along
         a dim that is neither `gather_dim` nor the last, and the linears of each piece are computed while
         the next piece's gather moves, so that the gather's time hides behind the products'. The result,
-        backward and what is counted are the unchunked step's."""
-        return ColumnParallelLinears.apply(x, self, axes, (gather_dim, (blocks, mirrored), PROJECTIONS[op], chunks),
+        backward and what is counted are the unchunked step's.
+
+        `regather`, with `gather_dim` (Megatron-SP's own form): x is kept for backward as this rank's split,
+        not gathered, and gathered again in backward, while the input's gradient is computed, for the
+        weights' gradients: a rank holds 1/n of x until backward, for one all-gather more."""
+        return ColumnParallelLinears.apply(x, self, axes, (gather_dim, (blocks, mirrored), PROJECTIONS[op], chunks,
+                                                           regather and gather_dim is not None),
                                             *(t for pair in linears for t in pair))
 
     def all_gather_linear(self, x: torch.Tensor, weight: torch.Tensor, axis: str, dim: int, blocks: int = 1,
@@ -643,6 +648,18 @@ class Runtime:
         moved = rank_major(x.movedim(dim, 0), n, blocks, mirrored).contiguous()
         work, summed = self.reduce_scatter_started(moved, axis)
         return work, lambda: summed().movedim(0, dim).contiguous()
+
+    def _all_gather_started(self, x: torch.Tensor, axis: str, dim: int, phase: str, blocks: int = 1,
+                            mirrored: bool = False):
+        """All-gather x along `dim` asynchronously: (work or None, a function giving the result once waited on)."""
+        n = self.size[axis]
+        if n == 1:
+            return None, lambda: x
+
+        def issue(phase: str):
+            self.counter.record(phase, "all_gather", collective_bytes("all_gather", nbytes(x), n), axis)
+            return self._all_gather_uncounted(x, axis, dim, blocks, mirrored)
+        return self._started(phase, issue)
 
     def _all_gather_uncounted(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1, mirrored: bool = False):
         """All-gather x asynchronously, not counted: (work, a function giving the result, a view whose `dim`

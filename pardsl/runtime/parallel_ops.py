@@ -56,22 +56,25 @@ class ColumnParallelLinears(torch.autograd.Function):
     """f (or SP's g), then linears of its value. Backward: the input's gradient (summed over the linears)
     first, its all-reduce (or reduce-scatter) issued asynchronously, the weights' and biases' gradients
     computed meanwhile, then waited on. With `chunks` > 1, SP's gather is made in pieces, each piece's
-    linears computed while the next moves (a collective matmul); backward reads the whole gathered x."""
+    linears computed while the next moves (a collective matmul); backward reads the whole gathered x. With
+    `regather` (Megatron-SP's form), backward gathers x again from the split it kept, beside the input's
+    gradient."""
 
     @staticmethod
     def forward(ctx, x, rt, axes, how, *weights_and_biases):
         weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
         ctx.rt, ctx.axes, ctx.how, ctx.has_bias = rt, axes, how, [b is not None for b in biases]
-        gather_dim, arrangement, projection, chunks = how
+        gather_dim, arrangement, projection, chunks, regather = how
+        split = x
         if gather_dim is not None:
             along = _pieces_dim(rt, x, axes[0], chunks, gather_dim, "forward")
             if along is not None:
                 x, results = _linears_of_gathered_pieces(x, rt, axes[0], gather_dim, arrangement, projection,
                                                          weights, biases, along, chunks)
-                ctx.save_for_backward(x, *weights)
+                ctx.save_for_backward(split if regather else x, *weights)
                 return results
             x = rt._all_gather(x, axes[0], gather_dim, "forward", *arrangement)
-        ctx.save_for_backward(x, *weights)
+        ctx.save_for_backward(split if regather else x, *weights)
         # in a selective recomputed region, kept from the first run and given back in the second
         # (pardsl/runtime/recompute.py); x is saved for backward in both runs
         return kept_by_itself(rt, ColumnParallelLinears,
@@ -81,18 +84,27 @@ class ColumnParallelLinears(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         rt = ctx.rt
-        gather_dim, arrangement, projection, _ = ctx.how
+        gather_dim, arrangement, projection, _, regather = ctx.how
         grad_x, work, result = None, None, None
         products = [(grad.reshape(-1, grad.shape[-1]), projection.input_factor(weight))
                     for grad, weight in zip(grads, weights) if grad is not None]
+        gathering, shape = None, list(x.shape)
+        if regather:  # x's split gathered again, moving while the input's gradient is computed
+            gathering = rt._all_gather_started(x.contiguous(), ctx.axes[0], gather_dim, "backward", *arrangement)
+            shape[gather_dim] *= rt.size[ctx.axes[0]]
         if ctx.needs_input_grad[0] and products:
             # summed by the products themselves (addmm's beta = 1), straight into memory the collective's
             # peers read: no separate adds, and no copy when the collective starts
-            grad_x = rt.collective_input(ctx.axes[0], x.shape, like=x)
-            rows_of_grad_x = grad_x.view(-1, x.shape[-1])
+            grad_x = rt.collective_input(ctx.axes[0], tuple(shape), like=x)
+            rows_of_grad_x = grad_x.view(-1, shape[-1])
             torch.mm(*products[0], out=rows_of_grad_x)
             for grad_rows, factor in products[1:]:
                 rows_of_grad_x.addmm_(grad_rows, factor)
+        if gathering is not None:  # one collective in flight at a time: a transport's buffers are bounded
+            if gathering[0] is not None:
+                gathering[0].wait()
+            x = gathering[1]()
+        if grad_x is not None:
             if gather_dim is not None:
                 work, result = rt._reduce_scatter_started(grad_x, ctx.axes[0], gather_dim, "backward", *arrangement)
             else:

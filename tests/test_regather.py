@@ -1,0 +1,71 @@
+"""A sequence-parallel linear's input kept split for backward and gathered again there
+(pardsl/passes/regather.py): equal to serial with one all-gather more in backward per gathered input,
+the gathered copies no longer counted in memory, applied where the file asks or where a memory bound
+needs it, and never inside a recomputed layer."""
+
+import re
+
+from pardsl.planning.cost import memory_per_rank
+
+from .test_distributed import _nonzero, check
+
+SP_TP2 = open("examples/hf_llama_sp_tp2.par").read()
+# per layer: the attention's input gathered for q, k and v, the MLP's for gate and up; and the final
+# norm's output for the head
+GATHERED_INPUTS = 2 * 2 + 1
+
+
+def substituted(text: str, *choices: str) -> str:
+    lines = "".join(f"substitute {choice}\n" for choice in choices)
+    return text.replace("layout {", f"{lines}\nlayout {{", 1)
+
+
+def test_sequence_parallel_llama_regathered_on_2_ranks(pools, compile_par):
+    kept = compile_par(substituted(SP_TP2, "regather_inputs : off", "collective_matmul : off"))
+    regathered = compile_par(substituted(SP_TP2, "regather_inputs : on", "collective_matmul : off"), "on.par")
+    assert regathered.source.count("regather=True)") == GATHERED_INPUTS
+    assert "regather=" not in kept.source
+    counts = _nonzero(kept.program.collective_counts())
+    counts["backward"]["all_gather"] += GATHERED_INPUTS
+    assert _nonzero(regathered.program.collective_counts()) == counts
+    # a gathered copy no longer held per input: the whole [2, 16, 64] float32 minus nothing else
+    saved = memory_per_rank(kept.program)["activations"] - memory_per_rank(regathered.program)["activations"]
+    assert saved == GATHERED_INPUTS * 2 * 16 * 64 * 4
+    report = check(pools, regathered)  # equal to serial, outputs and gradients, counted as planned
+    assert _nonzero(report["collectives"]) == _nonzero(regathered.program.collective_counts())
+
+
+def test_regathered_in_pieces_beside_the_products(pools, compile_par):
+    """With collective matmuls the forward gathers in pieces; backward still gathers the split it kept."""
+    both = compile_par(substituted(SP_TP2, "regather_inputs : on", "collective_matmul : on"))
+    assert len(re.findall(r"gather_dim=1, chunks=2, regather=True\)|gather_dim=1, regather=True, chunks=2\)",
+                          both.source)) == GATHERED_INPUTS
+    report = check(pools, both)
+    assert _nonzero(report["collectives"]) == _nonzero(both.program.collective_counts())
+
+
+def test_not_written_it_is_applied_where_a_memory_bound_needs_it(compile_par, monkeypatch):
+    """Not written, it is a memory technique: applied where the plan holds more than the file's bound
+    (before the compiler chooses layers to recompute), not where it holds to it or there is none."""
+    from pardsl.passes import regather
+
+    compiled = compile_par(SP_TP2)
+    assert "regather=" not in compiled.source  # no bound
+    program = compiled.program
+    passes = compiled.typed
+    held = memory_per_rank(program)["total"]
+    monkeypatch.setattr(regather, "memory_limit", lambda bound: held)
+    assert regather.regather_split_inputs(program, passes) is program
+    monkeypatch.setattr(regather, "memory_limit", lambda bound: held - 1)
+    kept_split = regather.regather_split_inputs(program, passes)
+    assert sum(s.instruction.kwargs[-1:] == (("regather", regather.Text("True")),)
+               for s in kept_split.statements) == GATHERED_INPUTS
+    assert memory_per_rank(kept_split)["total"] == held - GATHERED_INPUTS * 2 * 16 * 64 * 4
+
+
+def test_not_inside_a_recomputed_layer(compile_par):
+    """A recomputed layer's step runs again in backward and gathers its input there anyway: only the
+    head's input, outside the layers, is kept split."""
+    text = substituted(SP_TP2, "regather_inputs : on").replace("layout {", "recompute model.model.layers.*\n\nlayout {", 1)
+    compiled = compile_par(text)
+    assert compiled.source.count("regather=True)") == 1
