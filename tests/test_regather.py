@@ -69,3 +69,55 @@ def test_not_inside_a_recomputed_layer(compile_par):
     text = substituted(SP_TP2, "regather_inputs : on").replace("layout {", "recompute model.model.layers.*\n\nlayout {", 1)
     compiled = compile_par(text)
     assert compiled.source.count("regather=True)") == 1
+
+
+FSDP_SP = ("mesh dp = 2, tp = 2\nmodel examples.hf_models:HFLlama(layers=2)\n"
+           "input input_ids : int64[4, 16] in [0, 256)\n\nlayout {\n    input_ids : S(0) @ dp\n" +
+           "".join(f"    model.model.layers.*.{w}.weight : {p}\n" for w, p in {
+               "self_attn.q_proj": "S(0) @ tp, S(1) @ dp", "self_attn.k_proj": "S(0) @ tp, S(1) @ dp",
+               "self_attn.v_proj": "S(0) @ tp, S(1) @ dp", "self_attn.o_proj": "S(1) @ tp, S(0) @ dp",
+               "mlp.gate_proj": "S(0) @ tp, S(1) @ dp", "mlp.up_proj": "S(0) @ tp, S(1) @ dp",
+               "mlp.down_proj": "S(1) @ tp, S(0) @ dp"}.items()) +
+           "    model.model.layers.*.self_attn() : S(0) @ dp, S(1) @ tp\n"
+           "    model.model.layers.*.mlp() : S(0) @ dp, S(1) @ tp\n"
+           "    model.model.embed_tokens() : S(0) @ dp, S(1) @ tp\n}\n")
+
+
+def test_fsdp_and_sequence_parallel_regathered_on_4_ranks(pools, compile_par):
+    """The 70B recipe's form at small size: FSDP over dp, Megatron's layers on tp, the activations between
+    blocks split by tokens. The weights are gathered over dp before use, so each layer's input gather is a
+    conversion of its own, read by the linears: the split is kept for them (`rt.kept_split`), each linear
+    keeps it rather than the whole, and the first backward that needs the whole gathers it again."""
+    kept = compile_par(substituted(FSDP_SP, "regather_inputs : off", "collective_matmul : off"))
+    regathered = compile_par(substituted(FSDP_SP, "regather_inputs : on", "collective_matmul : off"), "on.par")
+    inputs = 2 * 2  # the attention's and the MLP's a layer
+    assert regathered.source.count("= rt.kept_split(") == inputs
+    assert regathered.source.count("= rt.linear_of_gathered(") == 2 * (3 + 2)
+    counts = _nonzero(kept.program.collective_counts_by_axis())
+    counts["backward"]["tp:all_gather"] = counts["backward"].get("tp:all_gather", 0) + inputs
+    assert _nonzero(regathered.program.collective_counts_by_axis()) == counts
+    # a [4, 16, 64] float32 input a rank held whole, dp's half of the batch: [2, 16, 64]
+    saved = memory_per_rank(kept.program)["activations"] - memory_per_rank(regathered.program)["activations"]
+    assert saved == inputs * 2 * 16 * 64 * 4
+    report = check(pools, regathered)  # equal to serial, outputs and gradients, counted as planned
+    assert _nonzero(report["collectives_by_axis"]) == counts
+
+
+def test_layers_the_compiler_recomputes_keep_their_inputs_whole(compile_par):
+    """Under a bound the inputs are kept split before the compiler chooses layers to recompute
+    (recompute.recomputed_within); a layer it recomputes gathers its input again when its forward runs
+    again, so its inputs are kept whole again inside it: the same collectives as recomputing the plan
+    without them."""
+    from pardsl.language.syntax import RecomputeDecl
+    from pardsl.passes.recompute import recompute_layers
+
+    kept = compile_par(substituted(FSDP_SP, "regather_inputs : off", "collective_matmul : off"))
+    regathered = compile_par(substituted(FSDP_SP, "regather_inputs : on", "collective_matmul : off"), "on.par")
+    span = regathered.par.substitutes[0].span
+    decls = tuple(RecomputeDecl(f"model.model.layers.{i}", "full", span, span) for i in range(2))
+    both = recompute_layers(regathered.program, regathered.typed, decls)
+    alone = recompute_layers(kept.program, kept.typed, decls)
+    assert both.collective_counts_by_axis() == alone.collective_counts_by_axis()
+    assert not any(s.instruction.callee in ("rt.kept_split", "rt.linear_of_gathered")
+                   for region in both.statements for s in region.body)
+    assert memory_per_rank(both)["activations"] == memory_per_rank(alone)["activations"]

@@ -46,6 +46,7 @@ from typing import Callable
 
 from pardsl.language.diagnostics import Diagnostic, DiagnosticSink
 from pardsl.language.syntax import RecomputeDecl
+from pardsl.passes.regather import kept_whole
 from pardsl.planning.cost import estimate, memory_per_rank, pipeline_rank_memory, repeated_layer
 from pardsl.planning.descent import CompletedPlan
 from pardsl.planning.inference import TypedGraph
@@ -80,7 +81,11 @@ def recompute_layers(program: LoweredProgram, typed: TypedGraph,
             statements.extend(program.statements[start:end])
             continue
         stop = _region_end(program.statements, start, end, typed.bound.kept)
-        region, after = _region(program.statements[start:stop], lambda name: last_read.get(name, -1) >= stop,
+        # its forward runs again in backward, gathering its inputs there: none is kept split (regather.py)
+        body, whole_again = kept_whole(program.statements[start:stop])
+        for name in whole_again & set(values):
+            values[name] = {k: v for k, v in values[name].items() if k != "kept_here"}
+        region, after = _region(body, lambda name: last_read.get(name, -1) >= stop,
                                 outputs, unit, decl, names) if stop > start else (None, [])
         if region is None:
             statements.extend(program.statements[start:end])

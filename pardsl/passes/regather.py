@@ -2,12 +2,16 @@
 again there (Megatron-SP's own form).
 
 Sequence parallelism gathers a layer's normalised input, split by tokens, before its column-parallel
-linears (`rt.column_parallel_linears(..., gather_dim=d)`); the linears keep the gathered input for their
-weights' gradients, so each rank holds the whole of it, twice a transformer layer, from forward to backward.
-Megatron-LM keeps the split instead and gathers it again in backward. Here the step keeps its split
-(`regather=True`) and backward starts the all-gather before computing the input's gradient, which it moves
-beside, then computes the weights' gradients from the gathered input: a rank holds 1/n of that input
-until backward, for one all-gather more in backward.
+linears; the linears keep the gathered input for their weights' gradients, so each rank holds the whole
+of it, twice a transformer layer, from forward to backward. Megatron-LM keeps the split instead and
+gathers it again in backward. Here, in either form lowering gives:
+- one step with the linears (`rt.column_parallel_linears(..., gather_dim=d)`, weights used as stored):
+  the step keeps its split (`regather=True`); backward starts the all-gather before computing the
+  input's gradient, which it moves beside, then computes the weights' gradients from it;
+- a gather (`rt.all_gather`) read only by linears (weights gathered first, as under FSDP): the split is
+  kept (`rt.kept_split`), each linear keeps it rather than the whole (`rt.linear_of_gathered`), and the
+  first backward that needs the whole gathers it again, for all of them.
+A rank holds 1/n of that input until backward, for one all-gather more in backward.
 
 Where: a file's `substitute regather_inputs : on` everywhere the form appears, `: off` nowhere; not
 written, where the file bounds memory and the plan holds more than the bound without it (before the
@@ -15,7 +19,7 @@ compiler chooses layers to recompute, which costs more: a layer's forward and it
 with a pipeline, only where the file asks for it.
 Only the program's own statements: a recomputed region's step runs again in backward, which gathers its
 input anyway. The split is a value the program holds already (autograd keeps the norm's output, which
-memory counts at its own layout); what the rank no longer holds is the gathered copy.
+memory counts at its own layout); what the rank no longer holds is the gathered copy (`kept_here`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import dataclasses
 from pardsl.planning.cost import memory_per_rank
 from pardsl.planning.inference import TypedGraph
 from pardsl.planning.search import memory_limit
-from pardsl.program.ir import Collective, LoweredProgram, Statement, Text
+from pardsl.program.ir import Collective, Instruction, LoweredProgram, Statement, Text, Var
 
 
 def regather_split_inputs(program: LoweredProgram, typed: TypedGraph) -> LoweredProgram:
@@ -39,17 +43,73 @@ def regather_split_inputs(program: LoweredProgram, typed: TypedGraph) -> Lowered
         if limit is None or memory_per_rank(program)["total"] <= limit:
             return program
     values = dict(program.values)
-    statements = []
-    for statement in program.statements:
+    changed = False
+    readers: dict[str, list[int]] = {}
+    for index, statement in enumerate(program.statements):
+        if statement.instruction.kind != "release":
+            for name in statement.instruction.reads():
+                readers.setdefault(name, []).append(index)
+    statements = list(program.statements)
+    after: dict[int, Statement] = {}  # per gather's index, the statement that keeps its split
+    for index, statement in enumerate(program.statements):
         gather = _held_gather(statement, values)
-        if gather is None:
-            statements.append(statement)
+        if gather is not None:
+            values[gather.value] = {**values[gather.value], "kept_here": False}  # not held until backward
+            statements[index] = _regathered(statement, gather)
+            changed = True
             continue
-        del values[gather.value]  # the whole input is no longer held until backward
-        statements.append(_regathered(statement, gather))
-    if len(values) == len(program.values):
+        linears = _linears_of_a_gather(statement, values, readers.get(statement.target, []), program.statements)
+        if linears is None:
+            continue
+        gather = statement.collectives[0]
+        values[gather.value] = {**values[gather.value], "kept_here": False}
+        changed = True
+        kept = f"{statement.target}{_KEPT}"
+        split = statement.instruction.args[0]
+        again = dataclasses.replace(gather, phase="backward", reason=f"{gather.reason}: {_AGAIN}")
+        after[index] = Statement(
+            kept, Instruction("form", "rt.kept_split", (split, statement.instruction.args[1]),
+                              tuple((k, v) for k, v in statement.instruction.kwargs if k != "backward")
+                              + (("readers", Text(str(len(linears)))),)),
+            f"{split.name} kept for the backward of the {len(linears)} linear(s) of its gather, in place of the "
+            "whole: gathered again there", (again,), (), statement.node)
+        for reader in linears:
+            linear = statements[reader]
+            args = linear.instruction.args + ((Text("None"),) if len(linear.instruction.args) == 2 else ())
+            statements[reader] = dataclasses.replace(linear, instruction=Instruction(
+                "compute", "rt.linear_of_gathered", (*args, Var(kept))))
+    if not changed:
         return program
+    statements = [s for index, statement in enumerate(statements)
+                  for s in ((statement, after[index]) if index in after else (statement,))]
     return dataclasses.replace(program, statements=statements, values=values)
+
+
+_AGAIN = "kept split until backward, gathered again there for the weights' gradients"
+_KEPT = "__kept"  # the name of a gathered value's kept split
+
+
+def _held(values: dict[str, dict], name: str) -> bool:
+    """Whether the program holds the converted copy `name` for backward."""
+    value = values.get(name, {})
+    return value.get("kind") == "copy" and value.get("kept_here", True)
+
+
+def _linears_of_a_gather(statement: Statement, values: dict[str, dict], readers: list[int],
+                         statements: list[Statement]) -> list[int] | None:
+    """Where `statement` all-gathers a split value forward (a conversion) and every statement that reads the
+    gathered copy, which the program holds for backward, is `aten.linear` of it: those statements."""
+    instruction = statement.instruction
+    if instruction.kind != "convert" or instruction.callee != "rt.all_gather" or len(statement.collectives) < 1 \
+            or statement.collectives[0].kind != "all_gather" or statement.collectives[0].phase != "forward" \
+            or not _held(values, statement.target) or not readers:
+        return None
+    for reader in readers:
+        read = statements[reader].instruction
+        if read.callee != "aten.linear.default" or read.kwargs or len(read.args) not in (2, 3) or \
+                read.args[0] != Var(statement.target) or Var(statement.target) in read.args[1:]:
+            return None
+    return readers
 
 
 def _held_gather(statement: Statement, values: dict[str, dict]) -> Collective | None:
@@ -59,18 +119,45 @@ def _held_gather(statement: Statement, values: dict[str, dict]) -> Collective | 
             any(k == "regather" for k, _ in instruction.kwargs) or not statement.collectives:
         return None
     gather = statement.collectives[0]
-    if gather.kind != "all_gather" or gather.phase != "forward" or values.get(gather.value, {}).get("kind") != "copy":
+    if gather.kind != "all_gather" or gather.phase != "forward" or not _held(values, gather.value):
         return None
     return gather
 
 
 def _regathered(statement: Statement, gather: Collective) -> Statement:
     again = dataclasses.replace(gather, phase="backward", chunks=1, beside=(),
-                                reason=f"{gather.reason}: kept split until backward, gathered again there for "
-                                       "the weights' gradients")
+                                reason=f"{gather.reason}: {_AGAIN}")
     instruction = statement.instruction
     return dataclasses.replace(
         statement,
         instruction=dataclasses.replace(instruction, kwargs=instruction.kwargs + (("regather", Text("True")),)),
         comment=f"{statement.comment}; kept split for backward and gathered again there",
         collectives=statement.collectives + (again,))
+
+
+def kept_whole(statements: list[Statement]) -> tuple[list[Statement], set[str]]:
+    """The statements with their inputs kept whole again, and the gathered values they hold whole again: for
+    a recomputed region (pardsl/passes/recompute.py), which keeps only its own inputs and runs its forward
+    again in backward, gathering there anyway."""
+    result, whole = [], set()
+    for statement in statements:
+        instruction = statement.instruction
+        if instruction.callee == "rt.kept_split":
+            whole.add(statement.target.removesuffix(_KEPT))
+            continue
+        if instruction.callee == "rt.linear_of_gathered":
+            *args, _ = instruction.args
+            if args[-1] == Text("None"):
+                args.pop()
+            statement = dataclasses.replace(statement, instruction=Instruction("compute", "aten.linear.default",
+                                                                                tuple(args)))
+        elif any(k == "regather" for k, _ in instruction.kwargs):
+            whole.update(c.value for c in statement.collectives if c.reason.endswith(_AGAIN))
+            statement = dataclasses.replace(
+                statement,
+                instruction=dataclasses.replace(instruction, kwargs=tuple(
+                    (k, v) for k, v in instruction.kwargs if k != "regather")),
+                comment=statement.comment.removesuffix("; kept split for backward and gathered again there"),
+                collectives=tuple(c for c in statement.collectives if not c.reason.endswith(_AGAIN)))
+        result.append(statement)
+    return result, whole

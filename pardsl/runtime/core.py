@@ -45,6 +45,8 @@ from pardsl.runtime.parallel_ops import (
     PROJECTIONS,
     ClassSplitCrossEntropy,
     ColumnParallelLinears,
+    KeptSplit,
+    LinearOfGathered,
     RMSNorm,
     Rotary,
     SplitLayerNorm,
@@ -267,6 +269,18 @@ class Runtime:
         return ColumnParallelLinears.apply(x, self, axes, (gather_dim, (blocks, mirrored), PROJECTIONS[op], chunks,
                                                            regather and gather_dim is not None),
                                             *(t for pair in linears for t in pair))
+
+    def kept_split(self, split: torch.Tensor, axis: str, dim: int, readers: int, blocks: int = 1,
+                   mirrored: bool = False) -> KeptSplit:
+        """The split of a value all-gathered along `dim` over `axis`, kept for the backward of its gathered
+        copy's `readers` (linear_of_gathered) in place of the copy: the first to need it gathers it again."""
+        return KeptSplit(split, self, axis, dim, (blocks, mirrored), readers)
+
+    def linear_of_gathered(self, whole: torch.Tensor, weight: torch.Tensor, bias, kept: KeptSplit) -> torch.Tensor:
+        """`aten.linear(whole, weight, bias)` where `whole` is an all-gather whose split `kept` holds: backward
+        computes the weight's gradient from the whole gathered again, so the rank does not hold the whole
+        from forward to backward (Megatron-SP's saved input)."""
+        return LinearOfGathered.apply(whole, weight, bias, kept)
 
     def all_gather_linear(self, x: torch.Tensor, weight: torch.Tensor, axis: str, dim: int, blocks: int = 1,
                           mirrored: bool = False, op: str = "linear", chunks: int = 1):

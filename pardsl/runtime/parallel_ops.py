@@ -218,6 +218,50 @@ class LinearReduceScatter(torch.autograd.Function):
         return grad_x, grad_weight, None, None, None, None, None, None
 
 
+class KeptSplit:
+    """A split value kept for backward in place of its all-gather (Runtime.kept_split): the first of its
+    `readers` whose backward asks for the whole gathers it again, and the last lets it go."""
+
+    def __init__(self, split: torch.Tensor, rt, axis: str, dim: int, arrangement: tuple, readers: int):
+        self.split, self.rt, self.axis, self.dim, self.arrangement = split, rt, axis, dim, arrangement
+        self.readers, self._whole = readers, None
+
+    def whole(self) -> torch.Tensor:
+        if self._whole is None:
+            self._whole = self.rt._all_gather(self.split, self.axis, self.dim, "backward", *self.arrangement)
+        whole = self._whole
+        self.readers -= 1
+        if self.readers <= 0:
+            self._whole = None
+        return whole
+
+
+class LinearOfGathered(torch.autograd.Function):
+    """`aten.linear(whole, weight, bias)` of an all-gathered value that keeps its split for backward, not
+    the whole (Runtime.linear_of_gathered): backward gathers it again (once for all such readers, `kept`)
+    for the weight's gradient; the whole's gradient flows back through the gather's own backward."""
+
+    @staticmethod
+    def forward(ctx, whole, weight, bias, kept):
+        ctx.kept, ctx.has_bias = kept, bias is not None
+        ctx.save_for_backward(weight)
+        return torch.ops.aten.linear.default(whole, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, = ctx.saved_tensors
+        grad_whole = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            whole = ctx.kept.whole()
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(whole.reshape(-1, whole.shape[-1]))
+        elif ctx.needs_input_grad[0]:
+            ctx.kept.readers -= 1
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_whole, grad_weight, grad_bias, None
+
+
 class AllGatherLinear(torch.autograd.Function):
     """A split value all-gathered along `dim` and the first linear that reads it, as one step
     (Runtime.all_gather_linear): the gathered value and the linear's result. `chunks` > 1 gathers it in
