@@ -55,6 +55,11 @@ PLANS = {
     "Megatron TP + SP": ("tp = 2", MEGATRON + ["model.model.embed_tokens() : S(1)", f"{LAYER}self_attn() : S(1)",
                                                f"{LAYER}mlp() : S(1)", "model.model.norm() : S(1)",
                                                "model.lm_head.weight : S(0)", "output : S(2)"]),
+    # the same with each layer's gathered inputs kept split for backward and gathered again there (Megatron-LM's)
+    "Megatron TP + SP, regathered": ("tp = 2", MEGATRON + ["model.model.embed_tokens() : S(1)", f"{LAYER}self_attn() : S(1)",
+                                                           f"{LAYER}mlp() : S(1)", "model.model.norm() : S(1)",
+                                                           "model.lm_head.weight : S(0)", "output : S(2)"],
+                                     "substitute regather_inputs : on"),
     # the sequence split and the rest left to the search under a bound: ring attention with `--attention
     # sdpa` (eager attention's softmax needs every key, so there the sequence is gathered for it)
     "context parallel": ("cp = 2", ["input_ids : S(1)"], "memory <= 60 %"),
