@@ -5,7 +5,8 @@ needs it, and never inside a recomputed layer."""
 
 import re
 
-from pardsl.planning.cost import memory_per_rank
+from pardsl.planning.cost import default_machine, estimate, memory_per_rank
+from pardsl.tools.explain import report as explain_report
 
 from .test_distributed import _nonzero, check
 
@@ -33,6 +34,13 @@ def test_sequence_parallel_llama_regathered_on_2_ranks(pools, compile_par):
     assert saved == GATHERED_INPUTS * 2 * 16 * 64 * 4
     report = check(pools, regathered)  # equal to serial, outputs and gradients, counted as planned
     assert _nonzero(report["collectives"]) == _nonzero(regathered.program.collective_counts())
+    # explain names it, with what it gathers more (5 inputs of [2, 16, 64] float32: a 4 KiB split each)
+    explained = explain_report(regathered, estimate(regathered, default_machine()))
+    assert "substitutions: 5 sequence-parallel inputs kept split for backward and gathered again there, as " \
+           "Megatron-LM does (20.0 KiB more gathered in backward, each whole input no longer held until then), " \
+           "as the file asks" in explained
+    assert explained.count("kept split until backward, gathered again there for the weights' gradients") == \
+        GATHERED_INPUTS - 2  # each layer's once, the repeated layer's listed as the first's
 
 
 def test_regathered_in_pieces_beside_the_products(pools, compile_par):

@@ -291,16 +291,17 @@ def _substitution_lines(compiled, estimate: Estimate) -> list[str]:
 def _regathered_lines(compiled) -> list[str]:
     """The sequence-parallel linears' inputs kept split for backward and gathered again there
     (pardsl/passes/regather.py), with the bytes a rank holds less and gathers more."""
-    again = [c for c in compiled.program.collectives if c.phase == "backward" and c.kind == "all_gather"
-             and "gathered again there" in c.reason]
+    again = [c for program in compiled.programs for c in program.collectives
+             if c.phase == "backward" and c.kind == "all_gather" and "gathered again there" in c.reason]
     if not again:
         return []
     choice = compiled.typed.bound.par.substitution("regather_inputs")
     why = "as the file asks" if choice == "on" else "to hold to the memory bound; `substitute regather_inputs : off` " \
         "in the file turns it off"
+    where = " (over the pipeline's stages, per micro-batch)" if compiled.pipeline is not None else ""
     return [f"substitutions: {plural(len(again), 'sequence-parallel input')} kept split for backward and gathered "
-            f"again there, as Megatron-LM does ({format_bytes(sum(c.bytes for c in again))} more gathered per rank "
-            f"in backward, each whole input no longer held until then), {why}"]
+            f"again there, as Megatron-LM does ({format_bytes(sum(c.bytes for c in again))} more gathered in "
+            f"backward{where}, each whole input no longer held until then), {why}"]
 
 
 def _split_reduction_lines(compiled) -> list[str]:
