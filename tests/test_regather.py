@@ -129,3 +129,25 @@ def test_layers_the_compiler_recomputes_keep_their_inputs_whole(compile_par):
     assert not any(s.instruction.callee in ("rt.kept_split", "rt.linear_of_gathered")
                    for region in both.statements for s in region.body)
     assert memory_per_rank(both)["activations"] == memory_per_rank(alone)["activations"]
+
+
+def test_asked_for_the_search_counts_the_inputs_as_kept_split(compile_par):
+    """With `substitute regather_inputs : on` the layout search's integer program counts what the compiled
+    plan holds: a linear's input gathered on one axis is counted at its split layout, not as a whole copy.
+    The Megatron-SP plan, priced by the program deciding its axis again, holds the copies' bytes less."""
+    from pardsl.planning import search
+    from pardsl.planning.cost import default_machine
+
+    held = {}
+    for choice in ("off", "on"):
+        compiled = compile_par(substituted(SP_TP2, f"regather_inputs : {choice}"), f"{choice}.par")
+        bound, typed = compiled.bound, compiled.typed
+        facts = search.graph_facts(bound)
+        decided = search._Decided.of(facts, typed)
+        decided.forget((0,))
+        program = search._GroupProgram(bound, default_machine(), facts, decided, (0,), 1, None, typed,
+                                       search.OPTIMIZER_STATES["adamw"], 1.0)
+        hint = search._hint(typed, (0,), program.choice, program.legal, program.domain)
+        solution = program.program._completed(program.program.rows, hint)
+        held[choice] = program.fixed_memory + sum(v * solution[c] for c, v in program.memory.items())
+    assert held["off"] - held["on"] == GATHERED_INPUTS * 2 * 16 * 64 * 4

@@ -436,6 +436,7 @@ class _GroupProgram:
         self._local_sizes: dict[tuple[str, Joint], int] = {}  # the axes outside the group stay as they are
         self._fitted: dict[tuple, bool] = {}  # the same question comes back for every combination of a group
         self.unsplit_reductions = bound.par.substitution("split_reductions") == "off"
+        self.regathered_inputs = bound.par.substitution("regather_inputs") == "on"
         self._offer_choices()
         self._write_program()
 
@@ -937,11 +938,17 @@ class _GroupProgram:
         moved_before = any(need.get(a, B) != own.get(a, B) for a in set(need) | set(own))
         count = len(members)  # each member a value of its own, converted on its own
         parameter = bound.kept.owner.get(name, name) in bound.parameters
+        # a linear's input gathered on one axis, kept split and gathered again in backward where the file
+        # asks (passes/regather.py): no copy, the value counted at its own layout
+        regathered = self.regathered_inputs and not parameter and not moved_before and slot == 0 and \
+            self._op(reader) == "aten.linear.default"
         for (p, q), terms in pairs.items():
             if not (moved_before or p != q):
                 continue  # taken as it is: held at its own layout, counted with the values
             if parameter and self._in_group(name, self.layout(own, p), self.layout(need, q)):
                 continue  # gathered in a group, counted a group at a time
+            if regathered and _gathered_on_one_axis(p, q):
+                continue
             copy = (key, _items(need), q)
             if copy not in self.held_copies:
                 column = program.column(HELD_S)  # at its least where nothing needs it held
@@ -953,8 +960,9 @@ class _GroupProgram:
                 self.copy_rows.add((copy, reader_rep, slot))
                 row = _subtract({self.held_copies[copy]: 1.0}, self.slots[reader_rep][slot].get(q, {}))
                 if not moved_before:
-                    for column, v in self.placements[name].get(q, {}).items():
-                        row[column] = row.get(column, 0.0) + v
+                    for source in [q] + [p for p in self.placements[name] if regathered and _gathered_on_one_axis(p, q)]:
+                        for column, v in self.placements[name].get(source, {}).items():
+                            row[column] = row.get(column, 0.0) + v
                 program.row(row, 0.0, math.inf)
 
     def _count_gathered_parameters(self) -> None:
@@ -1040,6 +1048,12 @@ class _GroupProgram:
                                for i, a in enumerate(group)]
             for i, a in enumerate(group):
                 decided.candidates[name][a] = list(priced[key][i])
+
+
+def _gathered_on_one_axis(source: Joint, target: Joint) -> bool:
+    """Whether a value taken from `source` to `target` is all-gathered on one axis, as it is on the others."""
+    moved = [(s, t) for s, t in zip(source, target) if s != t]
+    return len(moved) == 1 and moved[0][0].is_split and moved[0][1] == B
 
 
 def _add(terms: dict[int, float], column: int, value: float) -> None:
