@@ -135,10 +135,13 @@ def test_asked_for_the_search_counts_the_inputs_as_kept_split(compile_par):
     """With `substitute regather_inputs : on` the layout search's integer program counts what the compiled
     plan holds: a linear's input gathered on one axis is counted at its split layout, not as a whole copy.
     The Megatron-SP plan, priced by the program deciding its axis again, holds the copies' bytes less."""
+    import pytest
+
+    from pardsl.layouts.algebra import B, S
     from pardsl.planning import search
     from pardsl.planning.cost import default_machine
 
-    held = {}
+    held, seconds = {}, {}
     for choice in ("off", "on"):
         compiled = compile_par(substituted(SP_TP2, f"regather_inputs : {choice}"), f"{choice}.par")
         bound, typed = compiled.bound, compiled.typed
@@ -150,4 +153,9 @@ def test_asked_for_the_search_counts_the_inputs_as_kept_split(compile_par):
         hint = search._hint(typed, (0,), program.choice, program.legal, program.domain)
         solution = program.program._completed(program.program.rows, hint)
         held[choice] = program.fixed_memory + sum(v * solution[c] for c, v in program.memory.items())
+        seconds[choice] = program.program.objective(solution)
     assert held["off"] - held["on"] == GATHERED_INPUTS * 2 * 16 * 64 * 4
+    # and priced with the gathers backward issues again: each a [2, 8, 64] float32 split over 2 ranks
+    machine, split = default_machine(), 2 * 8 * 64 * 4
+    again = machine.steps_seconds(search.one_axis_collectives(S(1), B, split, 2, False), 2, 1)
+    assert seconds["on"] - seconds["off"] == pytest.approx(GATHERED_INPUTS * again, rel=1e-9)

@@ -822,6 +822,7 @@ class _GroupProgram:
         shared, program, consumers = self.shared, self.program, facts.consumers
         self.held_copies: dict[tuple, int] = {}  # (class, the copy's layout on other axes, on these) → its column
         self.copy_rows: set[tuple] = set()
+        self.regathered: set[tuple] = set()  # conversions whose gather backward issues again (passes/regather.py)
         self.converted: dict[tuple, int] = {}  # once per value (class), from and to
         self.gathered: dict[str, dict[int, float]] = {}  # per gather group: its conversions' columns → bytes whole
         self.copies: dict[str, int] = {}  # per gather group: how many layers it stands for
@@ -948,6 +949,10 @@ class _GroupProgram:
             if parameter and self._in_group(name, self.layout(own, p), self.layout(need, q)):
                 continue  # gathered in a group, counted a group at a time
             if regathered and _gathered_on_one_axis(p, q):
+                if (key, p, q) in self.converted and (key, p, q) not in self.regathered:
+                    # its gather issued again in backward, where the conversion is made
+                    self.regathered.add((key, p, q))
+                    program.cost[self.converted[key, p, q]] += count * self._gathered_again_seconds(name, p, q)
                 continue
             copy = (key, _items(need), q)
             if copy not in self.held_copies:
@@ -964,6 +969,12 @@ class _GroupProgram:
                         for column, v in self.placements[name].get(source, {}).items():
                             row[column] = row.get(column, 0.0) + v
                 program.row(row, 0.0, math.inf)
+
+    def _gathered_again_seconds(self, name: str, source: Joint, target: Joint) -> float:
+        """A value's all-gather on the one axis of the group that moves it, from `source` to `target`."""
+        i = next(i for i, (s, t) in enumerate(zip(source, target)) if s != t)
+        steps = one_axis_collectives(source[i], target[i], self.local_bytes(name, source), self.sizes[i], False)
+        return self.machine.steps_seconds(steps, self.sizes[i], self.strides[i])
 
     def _count_gathered_parameters(self) -> None:
         """Gathered parameters are held one group at a time, the next one prefetched (cost.memory_per_rank
