@@ -83,13 +83,13 @@ def recompute_layers(program: LoweredProgram, typed: TypedGraph,
         stop = _region_end(program.statements, start, end, typed.bound.kept)
         # its forward runs again in backward, gathering its inputs there: none is kept split (regather.py)
         body, whole_again = kept_whole(program.statements[start:stop])
-        for name in whole_again & set(values):
-            values[name] = {k: v for k, v in values[name].items() if k != "kept_here"}
         region, after = _region(body, lambda name: last_read.get(name, -1) >= stop,
                                 outputs, unit, decl, names) if stop > start else (None, [])
         if region is None:
             statements.extend(program.statements[start:end])
             continue
+        for name in whole_again & set(values):
+            values[name] = {k: v for k, v in values[name].items() if k != "kept_here"}
         region = _gathered_again(region, program, unit)
         region = _marked(region, typed.bound.kept, decl.policy, _small_products(region, typed))
         statements.extend([region, *after, *program.statements[stop:end]])

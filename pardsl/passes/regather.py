@@ -18,8 +18,13 @@ written, where the file bounds memory and the plan holds more than the bound wit
 compiler chooses layers to recompute, which costs more: a layer's forward and its collectives again);
 with a pipeline, only where the file asks for it.
 Only the program's own statements: a recomputed region's step runs again in backward, which gathers its
-input anyway. The split is a value the program holds already (autograd keeps the norm's output, which
-memory counts at its own layout); what the rank no longer holds is the gathered copy (`kept_here`).
+input anyway. What the rank no longer holds is the gathered copy (`kept_here`); it holds the split
+instead, which as traced was freed once gathered. The program counts that split in both cases (as the
+search counts a value its readers take converted), so the estimate gives the whole copy as the saving,
+where a rank saves the copy less its split (docs/memory.md has both measured).
+
+In the second form the gather is made in the first linear's backward, not beside its input's gradient,
+and the collective-matmul pass no longer cuts that gather into chunks beside the first linear.
 """
 
 from __future__ import annotations
@@ -50,16 +55,22 @@ def regather_split_inputs(program: LoweredProgram, typed: TypedGraph) -> Lowered
             for name in statement.instruction.reads():
                 readers.setdefault(name, []).append(index)
     statements = list(program.statements)
-    after: dict[int, Statement] = {}  # per gather's index, the statement that keeps its split
+    after: dict[int, list[Statement]] = {}  # per statement's index, what follows it: a kept split, its release
+    def trains_a_weight(linears: list[str]) -> bool:
+        """Whether backward computes one of these linears' (graph ops') weight gradient: the only reader of
+        the whole gathered again. Where none does (frozen weights), nothing is kept split."""
+        return any(node.operands[1] in typed.requires_grad for node in map(typed.nodes.get, linears)
+                   if node is not None and len(node.operands) > 1)
+
     for index, statement in enumerate(program.statements):
         gather = _held_gather(statement, values)
-        if gather is not None:
+        if gather is not None and trains_a_weight(list(statement.targets)):
             values[gather.value] = {**values[gather.value], "kept_here": False}  # not held until backward
             statements[index] = _regathered(statement, gather)
             changed = True
             continue
         linears = _linears_of_a_gather(statement, values, readers.get(statement.target, []), program.statements)
-        if linears is None:
+        if linears is None or not trains_a_weight([program.statements[reader].node for reader in linears]):
             continue
         gather = statement.collectives[0]
         values[gather.value] = {**values[gather.value], "kept_here": False}
@@ -67,12 +78,14 @@ def regather_split_inputs(program: LoweredProgram, typed: TypedGraph) -> Lowered
         kept = f"{statement.target}{_KEPT}"
         split = statement.instruction.args[0]
         again = dataclasses.replace(gather, phase="backward", reason=f"{gather.reason}: {_AGAIN}")
-        after[index] = Statement(
+        after.setdefault(index, []).append(Statement(
             kept, Instruction("form", "rt.kept_split", (split, statement.instruction.args[1]),
                               tuple((k, v) for k, v in statement.instruction.kwargs if k != "backward")
                               + (("readers", Text(str(len(linears)))),)),
             f"{split.name} kept for the backward of the {len(linears)} linear(s) of its gather, in place of the "
-            "whole: gathered again there", (again,), (), statement.node)
+            "whole: gathered again there", (again,), (), statement.node))
+        # the holder is the linears' backward's from here: forward lets it go after the last of them
+        after.setdefault(linears[-1], []).append(Statement("", Instruction("release", "del", (Var(kept),)), ""))
         for reader in linears:
             linear = statements[reader]
             args = linear.instruction.args + ((Text("None"),) if len(linear.instruction.args) == 2 else ())
@@ -80,13 +93,13 @@ def regather_split_inputs(program: LoweredProgram, typed: TypedGraph) -> Lowered
                 "compute", "rt.linear_of_gathered", (*args, Var(kept))))
     if not changed:
         return program
-    statements = [s for index, statement in enumerate(statements)
-                  for s in ((statement, after[index]) if index in after else (statement,))]
+    statements = [s for index, statement in enumerate(statements) for s in (statement, *after.get(index, ()))]
     return dataclasses.replace(program, statements=statements, values=values)
 
 
 _AGAIN = "kept split until backward, gathered again there for the weights' gradients"
 _KEPT = "__kept"  # the name of a gathered value's kept split
+_SPLIT_COMMENT = "; kept split for backward and gathered again there"
 
 
 def _held(values: dict[str, dict], name: str) -> bool:
@@ -131,7 +144,7 @@ def _regathered(statement: Statement, gather: Collective) -> Statement:
     return dataclasses.replace(
         statement,
         instruction=dataclasses.replace(instruction, kwargs=instruction.kwargs + (("regather", Text("True")),)),
-        comment=f"{statement.comment}; kept split for backward and gathered again there",
+        comment=f"{statement.comment}{_SPLIT_COMMENT}",
         collectives=statement.collectives + (again,))
 
 
@@ -145,6 +158,12 @@ def kept_whole(statements: list[Statement]) -> tuple[list[Statement], set[str]]:
         if instruction.callee == "rt.kept_split":
             whole.add(statement.target.removesuffix(_KEPT))
             continue
+        if instruction.kind == "release" and any(name.endswith(_KEPT) for name in instruction.reads()):
+            names = [name for name in instruction.reads() if not name.endswith(_KEPT)]
+            if names:
+                result.append(dataclasses.replace(statement, instruction=Instruction(
+                    "release", "del", tuple(Var(name) for name in names))))
+            continue
         if instruction.callee == "rt.linear_of_gathered":
             *args, _ = instruction.args
             if args[-1] == Text("None"):
@@ -157,7 +176,7 @@ def kept_whole(statements: list[Statement]) -> tuple[list[Statement], set[str]]:
                 statement,
                 instruction=dataclasses.replace(instruction, kwargs=tuple(
                     (k, v) for k, v in instruction.kwargs if k != "regather")),
-                comment=statement.comment.removesuffix("; kept split for backward and gathered again there"),
+                comment=statement.comment.replace(_SPLIT_COMMENT, ""),
                 collectives=tuple(c for c in statement.collectives if not c.reason.endswith(_AGAIN)))
         result.append(statement)
     return result, whole

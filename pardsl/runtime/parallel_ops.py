@@ -89,7 +89,9 @@ class ColumnParallelLinears(torch.autograd.Function):
         products = [(grad.reshape(-1, grad.shape[-1]), projection.input_factor(weight))
                     for grad, weight in zip(grads, weights) if grad is not None]
         gathering, shape = None, list(x.shape)
-        if regather:  # x's split gathered again, moving while the input's gradient is computed
+        # x's split gathered again, moving while the input's gradient is computed; not where no weight
+        # takes a gradient (frozen), as x is read for nothing else
+        if regather and any(ctx.needs_input_grad[4::2]):
             gathering = rt._all_gather_started(x.contiguous(), ctx.axes[0], gather_dim, "backward", *arrangement)
             shape[gather_dim] *= rt.size[ctx.axes[0]]
         if ctx.needs_input_grad[0] and products:
@@ -103,7 +105,7 @@ class ColumnParallelLinears(torch.autograd.Function):
         if gathering is not None:  # one collective in flight at a time: a transport's buffers are bounded
             if gathering[0] is not None:
                 gathering[0].wait()
-            x = gathering[1]()
+            x = gathering[1]().contiguous()  # as forward's gather gives it: each weight's gradient reads it whole
         if grad_x is not None:
             if gather_dim is not None:
                 work, result = rt._reduce_scatter_started(grad_x, ctx.axes[0], gather_dim, "backward", *arrangement)
@@ -219,21 +221,28 @@ class LinearReduceScatter(torch.autograd.Function):
 
 
 class KeptSplit:
-    """A split value kept for backward in place of its all-gather (Runtime.kept_split): the first of its
-    `readers` whose backward asks for the whole gathers it again, and the last lets it go."""
+    """How a split value kept for backward in place of its all-gather (Runtime.kept_split) is gathered
+    again: by the first of its `readers` whose backward asks for the whole, which the others reuse; the
+    last one's backward lets it go. Each reader saves the split itself (autograd's checks apply to it)."""
 
     def __init__(self, split: torch.Tensor, rt, axis: str, dim: int, arrangement: tuple, readers: int):
         self.split, self.rt, self.axis, self.dim, self.arrangement = split, rt, axis, dim, arrangement
         self.readers, self._whole = readers, None
 
-    def whole(self) -> torch.Tensor:
+    def whole(self, split: torch.Tensor) -> torch.Tensor:
+        """The whole gathered again from `split` (a reader's saved copy of it); counts the reader done."""
         if self._whole is None:
-            self._whole = self.rt._all_gather(self.split, self.axis, self.dim, "backward", *self.arrangement)
+            self._whole = self.rt._all_gather(split.contiguous(), self.axis, self.dim, "backward",
+                                              *self.arrangement).contiguous()
         whole = self._whole
+        self.done()
+        return whole
+
+    def done(self) -> None:
+        """A reader's backward no longer needs the whole: after the last, it is let go."""
         self.readers -= 1
         if self.readers <= 0:
             self._whole = None
-        return whole
 
 
 class LinearOfGathered(torch.autograd.Function):
@@ -244,19 +253,19 @@ class LinearOfGathered(torch.autograd.Function):
     @staticmethod
     def forward(ctx, whole, weight, bias, kept):
         ctx.kept, ctx.has_bias = kept, bias is not None
-        ctx.save_for_backward(weight)
+        ctx.save_for_backward(weight, kept.split)
         return torch.ops.aten.linear.default(whole, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        weight, = ctx.saved_tensors
+        weight, split = ctx.saved_tensors
         grad_whole = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[1]:
-            whole = ctx.kept.whole()
+            whole = ctx.kept.whole(split)
             grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(whole.reshape(-1, whole.shape[-1]))
-        elif ctx.needs_input_grad[0]:
-            ctx.kept.readers -= 1
+        else:
+            ctx.kept.done()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
         return grad_whole, grad_weight, grad_bias, None
