@@ -1,5 +1,5 @@
 # make demo: install, compile the Megatron MLP example, run it on 2 CPU ranks and check it against serial.
-# make test: install, run the test suite (its eighteen longest integration runs: make test-slow).
+# make test: install, run the test suite (its thirty longest integration runs: make test-slow).
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 # torch of the 2.13 series, as pyproject.toml asks, installed only where this Python has none of it: a torch
@@ -32,7 +32,8 @@ test: install
 # The tests marked slow: inductor's kernels against serial, training through the API with collectives in
 # the compiled graphs, a rank killed mid-step and resumed under two torchrun agents, a checkpoint resumed
 # under a pipeline, DeepSeek-V3's experts and FSDP with tensor parallelism searched under a bound and run,
-# and the mesh's shape searched with a pipeline over three axes.
+# the mesh's shape searched with a pipeline over three axes, and the longest runs of the CLI, rendezvous,
+# robustness and training checks (docs/testing.md lists them).
 test-slow: install
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile -m slow
 

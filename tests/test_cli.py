@@ -167,6 +167,7 @@ def _on_a_terminal(*argv: str):
     return result, b"".join(chunks)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_on_a_terminal_run_dryrun_and_explain_say_what_they_are_doing_and_for_how_long():
     result, shown = _on_a_terminal("run", "examples/mlp.par", "--steps", "300")

@@ -90,6 +90,7 @@ def test_the_stages_of_a_pipeline_share_the_pieces_of_their_layers():
     assert len(re.findall(r"^def (_piece_\d+)\(", source, re.M)) == len(set(calls[0]) | set(calls[1]))
 
 
+@pytest.mark.slow
 def test_a_compiled_pipeline_runs_equal_to_serial_with_no_recompilation():
     """`hf_llama_pp2` (1F1B over two stages, four micro-batches) with compiled layers: equal to serial, the
     sends between stages as planned, and no graph compiled after the first step (by aot_eager: the same

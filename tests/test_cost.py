@@ -335,6 +335,7 @@ def test_an_8b_plan_is_summed_up_against_the_card_with_its_layers_folded():
     assert "; 50 TFLOP/s in float32, 700 TFLOP/s in 16-bit, memory 2,800 GB/s" in text
 
 
+@pytest.mark.slow
 def test_plans_you_could_write_instead_are_the_files_they_say_compiled():
     """Each alternative explain offers is the plan's file with the lines it shows changed: compiled from
     that text on its own, it has the alternative's step and memory exactly."""

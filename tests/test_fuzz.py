@@ -182,6 +182,7 @@ def test_random_bytes_end_in_located_diagnostics(tmp_path_factory, data):
     check(tmp_path_factory.mktemp("fuzz"), data)
 
 
+@pytest.mark.slow
 def test_a_model_too_deep_to_trace_in_time_says_how_far_it_got(tmp_path):
     """A 1,000-layer LLaMA: `check --time-limit 12` ends in E090 at the model line within seconds of the
     limit (more where the suite's other worker is busy beside it), with the trace's progress, not after

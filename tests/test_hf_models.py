@@ -138,6 +138,7 @@ def _gathered_bytes_held(path: str) -> tuple[int, int]:
         ParameterSync._unpack = unpack
 
 
+@pytest.mark.slow
 def test_zero3_releases_gathered_weights_after_forward_unless_the_bound_allows_keeping_them(pools, tmp_path):
     """Resharded after forward, a rank holds between forward and backward the last group's weights whole and
     no other gathered weight (autograd keeps where the others lie in their group); under a memory bound

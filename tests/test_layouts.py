@@ -67,6 +67,7 @@ def test_render_and_keys():
     assert Layout.from_key(("S(1)", "P")) == Layout((S(1), P))
 
 
+@pytest.mark.slow
 def test_a_conversion_over_many_axes_moves_only_the_axes_whose_placements_differ_or_interact():
     """On seven axes a matrix has more layouts than the whole search takes (_WHOLE_SEARCH_LAYOUTS): the
     conversion then moves only the axes whose placements differ and those splitting the same dims, and

@@ -70,6 +70,7 @@ def test_explain_lists_every_shape_with_its_estimate():
     assert text.splitlines()[2].startswith("mesh shape searched: dp = 2, tp = 2 kept, the fastest of 3 within the bound")
 
 
+@pytest.mark.slow
 def test_a_kept_shape_whose_plan_swaps_the_roles_of_dp_and_tp_says_so():
     """The search prices either role on either axis: where the plan it keeps splits the weights over the
     axis the file calls dp and synchronises gradients over tp, note N008 names the mapping (the plan is

@@ -50,6 +50,7 @@ def per_layer(result, layer: str = "model.layers.0") -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow
 def test_tensor_parallel_written_leaves_the_data_parallel_axis_to_the_search():
     """torchtitan's Llama 3.1 70B recipe (FSDP 32 × TP 8) at two layers, and the same file with Megatron's
     layers written on tp alone and the data-parallel axis left to the search, under 4/7 of the memory

@@ -83,6 +83,7 @@ def _ports_while_ranks_meet(root: int, ranks: int, deadline_s: float = 120) -> s
     return seen
 
 
+@pytest.mark.slow
 def test_no_port_of_a_run_answers_as_a_store(tmp_path):
     # a run whose ranks meet and then wait (rank 1 sleeps in its model, rank 0 in a collective): kept up
     # while the ports are probed without taking the cores a training loop would
@@ -103,6 +104,7 @@ def test_no_port_of_a_run_answers_as_a_store(tmp_path):
         process.wait()
 
 
+@pytest.mark.slow
 def test_no_port_of_the_worker_pool_answers_as_a_store():
     from pardsl.tools.pool import WorkerPool
 

@@ -295,6 +295,7 @@ def test_dryrun_says_when_one_ranks_inputs_do_not_fit_this_machine_before_alloca
     assert "error[E029]: this rank's shard of input `x` takes 64.0 GiB on each of 1 rank" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_rank_that_stops_making_progress_is_named_soon_after(tmp_path):
     # 15 s: on a busy machine, building the serial model could outlast a 5 s stall timeout
     result, seconds = _run_faulty(tmp_path, "sleep", "--stall-timeout", "15")

@@ -203,6 +203,7 @@ def test_training_example_checkpoints_and_resumes_under_a_pipeline_bit_for_bit(t
     assert torch.equal(hf.lm_head.weight, saved.full("lm_head.weight"))
 
 
+@pytest.mark.slow
 def test_the_documented_training_script_runs_as_written(tmp_path):
     """The training page's script, on 2 ranks as it says; the README shows the same script, word for word."""
     def script(page: str, section: str) -> str:
