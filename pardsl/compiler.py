@@ -245,7 +245,7 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
         weights = [1.0 - step / RECOMPUTATION_STEPS * (1.0 - least / counted)
                    for step in range(1, RECOMPUTATION_STEPS + 1)] if counted and least < counted else []
     for step, weight in enumerate(weights):
-        if descent.search_clock() > deadline:
+        if descent.search_clock() >= deadline:
             best.program.notes.append(descent.out_of_time_note(
                 bound, f"weighing recomputation at {step} of {len(weights)} shares"))
             break

@@ -173,15 +173,17 @@ def test_the_plan_nearest_the_bound_starts_from_the_least_excess_found(monkeypat
 def test_branch_and_bound_stops_without_a_plan_at_first_plan_s_and_once_its_plan_has_stood_stall_s(monkeypatch):
     """The solver's interrupt rule, as HiGHS calls it during one solve: no plan by FIRST_PLAN_S stops it
     (the bound taken as unmet); a plan found goes on in the same tree until no plan better by STALL_GAIN
-    has come for STALL_S; nothing goes past TIME_LIMIT_S. Each counted in the solving thread's CPU seconds:
-    the wall's, here ten times as many (a loaded machine), stop nothing."""
+    has come for STALL_S; nothing goes past TIME_LIMIT_S. Each counted in seconds of work, by the calls
+    back (work.branching): the wall's seconds, here ten times as many (a loaded machine), stop nothing."""
     from types import SimpleNamespace
 
-    cpu = [0.0]
-    monkeypatch.setattr(solver.time, "thread_time", lambda: cpu[0])
+    from pardsl.planning import work
+
+    done = [0.0]
+    monkeypatch.setattr(work, "branching", lambda calls, nonzeros: done[0])
 
     def asked(rule, elapsed: float, found: float) -> bool:
-        cpu[0] = elapsed
+        done[0] = elapsed
         event = SimpleNamespace(data_out=SimpleNamespace(running_time=10 * elapsed, mip_primal_bound=found),
                                 stopped=False)
         event.interrupt = lambda: setattr(event, "stopped", True)
@@ -189,8 +191,8 @@ def test_branch_and_bound_stops_without_a_plan_at_first_plan_s_and_once_its_plan
         return event.stopped
 
     def started(cutoff: float = math.inf):
-        cpu[0] = 0.0
-        return solver._stopping_rule(cutoff)
+        done[0] = 0.0
+        return solver._StoppingRule(10_000, cutoff)
 
     rule = started()
     assert not asked(rule, solver.FIRST_PLAN_S - 0.1, math.inf)
@@ -876,17 +878,55 @@ def test_the_search_splits_reductions_where_it_pays_and_a_file_can_forbid_it(poo
     assert "substitutions: reductions split off, as the file says" in explained(forbidden)
 
 
-def test_the_search_budget_counts_the_compiling_threads_work_not_the_wall():
-    """A compile that waits for a core (a loaded machine) spends none of its budget waiting: the search stops
-    where an idle machine's stops, at the same plan."""
+SEARCHED_LLAMA = """mesh   dp = 2, tp = 4
+model  examples.hf_models:HFLlama(layers=2, hidden=256, heads=8, kv_heads=4, ffn=512, vocab=1024)
+input  input_ids : int64[8, 64] in [0, 1024)
+memory <= 25 %
+layout {
+    input_ids : ?
+}
+"""
+
+
+def test_the_search_counts_its_work_so_a_busy_machine_and_a_replaying_rank_stop_where_an_idle_one_does(
+        monkeypatch):
+    """The search's budget and its programs' limits count the work done (simplex iterations, HiGHS's calls
+    back, programs written, plans lowered), not seconds: waiting or spinning moves nothing; a search the
+    budget stops midway compiles to the same module, at the same count, with a process spinning beside
+    it; and a rank replaying rank 0's answers, which skips HiGHS, stops where rank 0 did instead of asking
+    for programs rank 0 never solved (a LogMismatch on a clock of seconds)."""
+    import subprocess
+    import sys
     import time
 
     from pardsl.planning import descent
 
     started = descent.search_clock()
-    time.sleep(0.3)
-    assert descent.search_clock() - started < 0.05
-    started, give_up = descent.search_clock(), time.perf_counter() + 30
-    while descent.search_clock() - started < 0.05 and time.perf_counter() < give_up:
-        pass  # work: the clock moves with it, however long the wait for a core
-    assert descent.search_clock() - started >= 0.05
+    time.sleep(0.2)
+    give_up = time.perf_counter() + 0.2
+    while time.perf_counter() < give_up:
+        pass
+    assert descent.search_clock() == started
+
+    monkeypatch.setattr(descent, "SEARCH_BUDGET_S", 2.0)
+
+    def compiled(log=None):
+        solver._ANSWERS.clear()  # solved again, not taken from the answers kept
+        before = descent.search_clock()
+        with log or solver.SolutionLog() as recorded:
+            result = compile_text(SEARCHED_LLAMA, "model.par")
+        return result, descent.search_clock() - before, recorded
+
+    idle, idle_work, log = compiled()
+    assert any(n.code == "N006" for n in idle.program.notes)  # the budget stopped it midway
+    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"])]
+    try:
+        busy, busy_work, _ = compiled()
+    finally:
+        for process in spinning:
+            process.kill()
+            process.wait()
+    assert busy.source == idle.source and busy_work == pytest.approx(idle_work, rel=1e-12)
+    assert [n.message for n in busy.program.notes] == [n.message for n in idle.program.notes]
+    replayed, replayed_work, _ = compiled(solver.SolutionLog(log.entries))
+    assert replayed.source == idle.source and replayed_work == pytest.approx(idle_work, rel=1e-12)

@@ -21,6 +21,7 @@ from typing import Any, Callable, NamedTuple
 from pardsl.language.diagnostics import Diagnostic
 from pardsl.language.progress import timed
 from pardsl.model.binding import BoundPlan
+from pardsl.planning import work
 from pardsl.planning.cost import Machine, estimate, format_bytes
 from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning.recipes import completed_recipes
@@ -125,6 +126,7 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
         if key not in plans_lowered:
             clock = time.perf_counter()
             program = lowered(typed, limit)
+            work.charge(work.lowering(len(program.statements)))
             plans_lowered[key] = (rated(typed, program), typed, program), set()
             seconds["lower"] += time.perf_counter() - clock
         plan, settled = plans_lowered[key]
@@ -143,7 +145,7 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
     orders = _axis_orders(sized)
     plans = []
     for i, order in enumerate(orders):
-        out_of_time = search_clock() > deadline
+        out_of_time = search_clock() >= deadline
         if out_of_time and plans:
             stopped.append(out_of_time_note(bound, f"{i} of {len(orders)} orders of the mesh axes"))
             break
@@ -220,11 +222,10 @@ SEARCH_BUDGET_S = _search_budget()
 
 
 def search_clock() -> float:
-    """The clock the budget is counted on: CPU seconds of the thread that compiles. On wall-clock seconds a
-    loaded machine (a test suite's other worker, a training run beside the compile) stopped the search
-    earlier than an idle one, at another plan; the integer programs' own limits count the same way
-    (solver.py)."""
-    return time.thread_time()
+    """The clock the budget is counted on: the work the searches have done (work.py), in a reference
+    machine's seconds. On a clock of seconds, of the wall or the thread's CPU, a loaded or slower machine
+    stopped the search earlier than an idle or faster one, at another plan."""
+    return work.spent()
 
 
 def _axis_orders(sized: list[int]) -> list[tuple[int, ...]]:
@@ -272,7 +273,7 @@ def descended(plan, axes: list[int], searched, deadline: float = math.inf, out_o
         for moves in neighbourhoods:  # the pair programs, larger, only where no axis alone improves
             found = []
             for move in moves:
-                if search_clock() > deadline:  # the moves found so far are weighed, and no more are tried
+                if search_clock() >= deadline:  # the moves found so far are weighed, and no more are tried
                     out_of_time()
                     return min([plan, *found], key=lambda moved: moved[0])
                 with contextlib.suppress(NoPlanFound):  # a move whose program gives no plan is not made

@@ -13,11 +13,12 @@ import hashlib
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+
+from pardsl.planning import work
 
 # A program still proving its optimum after this long gives the best plan found by then: most programs
 # prove theirs in a few seconds, and one that has not in 10 s closes the last of its gap slowly. On T5
@@ -40,16 +41,16 @@ FIRST_PLAN_S = 5.0
 # the next 9.5 s bettered by 0.05 %. The cost model rates what the programs find again.
 STALL_S = 2.0
 STALL_GAIN = 0.01
-# The limits above are seconds of the solving thread's CPU, not of the wall: on a loaded machine (a test
-# suite's other worker, a compile beside a training run) wall-clock limits stopped branch and bound
-# earlier, at another plan, so the same file compiled to different modules on the same machine. HiGHS's
-# own wall-clock limit stays, this many times longer, for a solve whose thread hardly gets a core.
-WALL_LIMIT_FACTOR = 4.0
+# The limits above are seconds of work (work.py: branch and bound's calls back, at the reference machine's
+# rate), not of a clock: on a loaded or slower machine clock limits stopped branch and bound earlier, at
+# another plan, so the same file compiled to different modules. HiGHS's own wall-clock limit stays, this
+# many times longer, for a solve that works long between calls on a machine far slower than the reference.
+WALL_LIMIT_FACTOR = 10.0
 
 # Answers of the programs solved last, by everything they depend on: on a mesh whose axes are alike (dp 2 ×
 # tp 2 with nothing written) both orders' first programs are the same one, and on T5 it runs to its limit
 ANSWERS_KEPT = 32
-_ANSWERS: dict[str, tuple[str, list[float]]] = {}
+_ANSWERS: dict[str, tuple[str, list[float], float]] = {}  # (status, values, seconds of work it took)
 
 @dataclass
 class IntegerProgram:
@@ -70,19 +71,24 @@ class IntegerProgram:
         self.rows.append((terms, lower, upper))
 
     def solve(self, skip_rows: frozenset[int] = frozenset(), hint: dict[int, float] | None = None) -> tuple[str, list[float]]:
-        """The program's solution, from HiGHS, or the next one of a log being replayed (SolutionLog)."""
+        """The program's solution, from HiGHS, or the next one of a log being replayed (SolutionLog). The
+        work it took is charged to the search's clock (work.py), however the answer came: solved, kept from
+        an earlier ask or replayed, so that every rank's search stops where rank 0's did."""
+        work.charge(work.writing(len(self.cost) + sum(len(terms) for terms, _, _ in self.rows)))
         log = SolutionLog.active
         if log is not None and log.replaying:
-            return log.next(self, skip_rows)
-        key = self._key(skip_rows, hint)
-        answer = _ANSWERS.pop(key, None) or self._solve(skip_rows, hint)
-        _ANSWERS[key] = answer
-        answer = answer[0], list(answer[1])  # the caller's own copy
-        while len(_ANSWERS) > ANSWERS_KEPT:
-            del _ANSWERS[next(iter(_ANSWERS))]  # the least recently asked
-        if log is not None:
-            log.record(self, skip_rows, answer)
-        return answer
+            status, values, seconds = log.next(self, skip_rows)
+        else:
+            key = self._key(skip_rows, hint)
+            answer = _ANSWERS.pop(key, None) or self._solve(skip_rows, hint)
+            _ANSWERS[key] = answer
+            status, values, seconds = answer[0], list(answer[1]), answer[2]  # the caller's own copy
+            while len(_ANSWERS) > ANSWERS_KEPT:
+                del _ANSWERS[next(iter(_ANSWERS))]  # the least recently asked
+            if log is not None:
+                log.record(self, skip_rows, (status, values, seconds))
+        work.charge(seconds)
+        return status, values
 
     def _key(self, skip_rows: frozenset[int], hint: dict[int, float] | None) -> str:
         """Everything an answer depends on: the program, its hint and the solver's limits."""
@@ -91,14 +97,15 @@ class IntegerProgram:
         text = repr((self.cost, self.integer, rows, sorted((hint or {}).items()), limits, self.cutoff))
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def _solve(self, skip_rows: frozenset[int], hint: dict[int, float] | None) -> tuple[str, list[float]]:
+    def _solve(self, skip_rows: frozenset[int], hint: dict[int, float] | None) -> tuple[str, list[float], float]:
         """`hint`: values of integer columns, a plan known to be among the program's choices. Where it sets
         every integer column and the plan is feasible, it is completed into a whole solution (an LP over the
         continuous columns) that branch and bound starts from (an incumbent prunes from the first node), and
         the program's answer is never worse than it: HiGHS 1.16, given the integer columns alone, did not
         keep that plan as its incumbent on the 2-D layer's pair move and stopped within the gap at a plan
         0.08 % worse. A partial hint (the start plan has a placement the program does not offer) is
-        passed as it is, for HiGHS to complete."""
+        passed as it is, for HiGHS to complete. Returns the status, the columns' values and the seconds of
+        work the solve took (work.solving)."""
         import highspy
 
         highs = _quiet_highs()
@@ -110,7 +117,7 @@ class IntegerProgram:
         columns = len(self.cost)
         rows = [r for i, r in enumerate(self.rows) if i not in skip_rows]
         highs.passModel(self._lp(rows))
-        start = self._completed(rows, hint) if hint else None
+        start, iterations = self._completed_counting(rows, hint) if hint else (None, 0)
         if start is not None:
             highs.setSolution(columns, np.arange(columns, dtype=np.int32), np.array(start, dtype=float))
         elif hint:
@@ -118,23 +125,25 @@ class IntegerProgram:
             highs.setSolution(len(indices), np.array(indices, dtype=np.int32),
                               np.array([hint[i] for i in indices], dtype=float))
         highs.setOptionValue("time_limit", TIME_LIMIT_S * WALL_LIMIT_FACTOR)
-        highs.cbMipInterrupt.subscribe(_stopping_rule(self.cutoff))
+        rule = _StoppingRule(sum(len(terms) for terms, _, _ in rows), self.cutoff)
+        highs.cbMipInterrupt.subscribe(rule)
         highs.run()
+        seconds = work.solving(iterations + highs.getInfo().simplex_iteration_count, rule.calls, rule.nonzeros)
         status = highs.getModelStatus()
         if status in (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kInterrupt) and \
                 (highs.getInfo().primal_solution_status != 2 or
                  highs.getInfo().objective_function_value >= self.cutoff):  # no plan within the bounds found
-            return "infeasible", []
+            return "infeasible", [], seconds
         status = highspy.HighsModelStatus.kTimeLimit if status == highspy.HighsModelStatus.kInterrupt else status
         if status == highspy.HighsModelStatus.kInfeasible:
-            return "infeasible", []
+            return "infeasible", [], seconds
         solution = list(highs.getSolution().col_value)
         if len(solution) != columns or status not in (highspy.HighsModelStatus.kOptimal,
                                                        highspy.HighsModelStatus.kTimeLimit):
-            return str(status), []
+            return str(status), [], seconds
         if start is not None and self.objective(start) < self.objective(solution):
             solution = start
-        return "optimal" if status == highspy.HighsModelStatus.kOptimal else "time limit", solution
+        return "optimal" if status == highspy.HighsModelStatus.kOptimal else "time limit", solution, seconds
 
     def objective(self, values: list[float]) -> float:
         return float(np.dot(self.cost, values))
@@ -143,20 +152,25 @@ class IntegerProgram:
         """The hint's plan as a whole solution: its integer columns fixed, the continuous ones at their
         least cost; None where the hint leaves an integer column unset or the plan is infeasible (over
         the memory bound)."""
+        return self._completed_counting(rows, hint)[0]
+
+    def _completed_counting(self, rows, hint: dict[int, float]) -> tuple[list[float] | None, int]:
+        """`_completed`'s answer, and the simplex iterations it took."""
         import highspy
 
         if not all(column in hint for column, is_integer in enumerate(self.integer) if is_integer):
-            return None
+            return None, 0
         highs = _quiet_highs()
         highs.setOptionValue("output_flag", False)
         highs.passModel(self._lp(rows, fixed=hint))
         highs.run()
+        iterations = highs.getInfo().simplex_iteration_count
         if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-            return None
+            return None, iterations
         values = list(highs.getSolution().col_value)
         for column, value in hint.items():
             values[column] = value  # exact, where the LP's values carry its tolerances
-        return values
+        return values, iterations
 
     def _lp(self, rows, fixed: dict[int, float] | None = None):
         """The program in HiGHS's terms; with `fixed`, those columns fixed at their values and every
@@ -190,30 +204,32 @@ class IntegerProgram:
         return lp
 
 
-def _stopping_rule(cutoff: float = math.inf) -> Callable:
+class _StoppingRule:
     """HiGHS's interrupt callback for one solve: branch and bound stops at TIME_LIMIT_S, at FIRST_PLAN_S
-    where it has found no plan yet, and where it has, once STALL_S pass without a plan better by STALL_GAIN,
-    each counted in CPU seconds of the thread that solves (the one HiGHS calls back on). Both in
-    one tree: stopping at FIRST_PLAN_S and starting again from the plan, as this did before, threw away
-    the tree and its cuts. Under a `cutoff` (IntegerProgram.cutoff), HiGHS reports the cutoff as its
-    primal bound until a plan beats it: no plan yet."""
-    best, since = math.inf, 0.0
-    started = time.thread_time()
+    where it has found no plan yet, and where it has, once STALL_S pass without a plan better by STALL_GAIN.
+    Each is counted in seconds of work (work.branching): HiGHS reports no simplex iterations while it runs,
+    but calls this back between its steps of work, at the same points on every machine, so where it stops
+    depends on the program alone. Both in one tree: stopping at FIRST_PLAN_S and starting again from the
+    plan, as this did before, threw away the tree and its cuts. Under a `cutoff` (IntegerProgram.cutoff),
+    HiGHS reports the cutoff as its primal bound until a plan beats it: no plan yet."""
 
-    def interrupt(event) -> None:
-        nonlocal best, since
-        elapsed, found = time.thread_time() - started, event.data_out.mip_primal_bound
+    def __init__(self, nonzeros: int, cutoff: float = math.inf):
+        self.nonzeros, self.cutoff = nonzeros, cutoff  # the program's
+        self.calls = 0
+        self.best, self.since = math.inf, 0.0
+
+    def __call__(self, event) -> None:
+        self.calls += 1
+        elapsed, found = work.branching(self.calls, self.nonzeros), event.data_out.mip_primal_bound
         if elapsed > TIME_LIMIT_S:
             event.interrupt()
-        elif not math.isfinite(found) or found >= cutoff:
+        elif not math.isfinite(found) or found >= self.cutoff:
             if elapsed > FIRST_PLAN_S:
                 event.interrupt()
-        elif not math.isfinite(best) or found < best - abs(best) * STALL_GAIN:
-            best, since = found, elapsed
-        elif elapsed - since > STALL_S:
+        elif not math.isfinite(self.best) or found < self.best - abs(self.best) * STALL_GAIN:
+            self.best, self.since = found, elapsed
+        elif elapsed - self.since > STALL_S:
             event.interrupt()
-
-    return interrupt
 
 
 class SolutionLog:
@@ -221,7 +237,8 @@ class SolutionLog:
     same plan. A program that hits its time limit returns the best plan found by then, so ranks of
     different speed compiling the same file could choose different plans; replaying one rank's log, the
     others skip HiGHS and build the same programs with the same answers (compile is deterministic given
-    them). Each entry keeps the program's size, so a rank whose file or model differs is told so."""
+    them). Each entry keeps the program's size, so a rank whose file or model differs is told so, and the
+    work its solve took, which the replaying search charges as rank 0's did (work.py)."""
 
     active: "SolutionLog | None" = None
 
@@ -241,10 +258,10 @@ class SolutionLog:
     def _shape(program: IntegerProgram, skip_rows: frozenset[int]) -> tuple[int, int]:
         return len(program.cost), len(program.rows) - len(skip_rows)
 
-    def record(self, program: IntegerProgram, skip_rows: frozenset[int], answer: tuple[str, list[float]]) -> None:
+    def record(self, program: IntegerProgram, skip_rows: frozenset[int], answer: tuple[str, list[float], float]) -> None:
         self.entries.append((self._shape(program, skip_rows), answer))
 
-    def next(self, program: IntegerProgram, skip_rows: frozenset[int]) -> tuple[str, list[float]]:
+    def next(self, program: IntegerProgram, skip_rows: frozenset[int]) -> tuple[str, list[float], float]:
         shape = self._shape(program, skip_rows)
         if self._next >= len(self.entries) or self.entries[self._next][0] != shape:
             raise LogMismatch(f"integer program {self._next + 1} has {shape[0]} columns and {shape[1]} rows "
