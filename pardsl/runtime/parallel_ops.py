@@ -227,13 +227,23 @@ class KeptSplit:
 
     def __init__(self, split: torch.Tensor, rt, axis: str, dim: int, arrangement: tuple, readers: int):
         self.split, self.rt, self.axis, self.dim, self.arrangement = split, rt, axis, dim, arrangement
-        self.readers, self._whole = readers, None
+        self.readers, self._whole, self._gathering = readers, None, None
+
+    def start(self, split: torch.Tensor) -> None:
+        """Start gathering the whole from `split` (a reader's saved copy of it), unless it is gathered or on
+        its way: it moves while the reader computes what needs no whole."""
+        if self._whole is None and self._gathering is None:
+            self._gathering = self.rt._all_gather_started(split.contiguous(), self.axis, self.dim, "backward",
+                                                          *self.arrangement)
 
     def whole(self, split: torch.Tensor) -> torch.Tensor:
-        """The whole gathered again from `split` (a reader's saved copy of it); counts the reader done."""
+        """The whole gathered again from `split`, waited on; counts the reader done."""
+        self.start(split)
         if self._whole is None:
-            self._whole = self.rt._all_gather(split.contiguous(), self.axis, self.dim, "backward",
-                                              *self.arrangement).contiguous()
+            work, gathered = self._gathering
+            if work is not None:
+                work.wait()
+            self._whole, self._gathering = gathered().contiguous(), None
         whole = self._whole
         self.done()
         return whole
@@ -248,7 +258,8 @@ class KeptSplit:
 class LinearOfGathered(torch.autograd.Function):
     """`aten.linear(whole, weight, bias)` of an all-gathered value that keeps its split for backward, not
     the whole (Runtime.linear_of_gathered): backward gathers it again (once for all such readers, `kept`)
-    for the weight's gradient; the whole's gradient flows back through the gather's own backward."""
+    for the weight's gradient, the gather moving while the whole's gradient is computed; the whole's
+    gradient flows back through the gather's own backward."""
 
     @staticmethod
     def forward(ctx, whole, weight, bias, kept):
@@ -259,6 +270,8 @@ class LinearOfGathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weight, split = ctx.saved_tensors
+        if ctx.needs_input_grad[1]:
+            ctx.kept.start(split)
         grad_whole = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[1]:
