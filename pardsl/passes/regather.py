@@ -102,6 +102,11 @@ _KEPT = "__kept"  # the name of a gathered value's kept split
 _SPLIT_COMMENT = "; kept split for backward and gathered again there"
 
 
+def gathered_again(collective: Collective) -> bool:
+    """Whether a collective is one this pass added: a kept split's all-gather, issued again in backward."""
+    return collective.phase == "backward" and collective.reason.endswith(_AGAIN)
+
+
 def _held(values: dict[str, dict], name: str) -> bool:
     """Whether the program holds the converted copy `name` for backward."""
     value = values.get(name, {})
@@ -171,12 +176,12 @@ def kept_whole(statements: list[Statement]) -> tuple[list[Statement], set[str]]:
             statement = dataclasses.replace(statement, instruction=Instruction("compute", "aten.linear.default",
                                                                                 tuple(args)))
         elif any(k == "regather" for k, _ in instruction.kwargs):
-            whole.update(c.value for c in statement.collectives if c.reason.endswith(_AGAIN))
+            whole.update(c.value for c in statement.collectives if gathered_again(c))
             statement = dataclasses.replace(
                 statement,
                 instruction=dataclasses.replace(instruction, kwargs=tuple(
                     (k, v) for k, v in instruction.kwargs if k != "regather")),
                 comment=statement.comment.replace(_SPLIT_COMMENT, ""),
-                collectives=tuple(c for c in statement.collectives if not c.reason.endswith(_AGAIN)))
+                collectives=tuple(c for c in statement.collectives if not gathered_again(c)))
         result.append(statement)
     return result, whole

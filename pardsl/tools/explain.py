@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 from pardsl.layouts.oprules import Signature
+from pardsl.passes.regather import gathered_again
 from pardsl.planning.cost import Estimate, layer_of, plural
 from pardsl.planning.pipeline_search import pipelined_step_seconds
 from pardsl.program.ir import format_bytes, named_layout
@@ -291,8 +292,7 @@ def _substitution_lines(compiled, estimate: Estimate) -> list[str]:
 def _regathered_lines(compiled) -> list[str]:
     """The sequence-parallel linears' inputs kept split for backward and gathered again there
     (pardsl/passes/regather.py), with the bytes a rank holds less and gathers more."""
-    again = [c for program in compiled.programs for c in program.collectives
-             if c.phase == "backward" and c.kind == "all_gather" and "gathered again there" in c.reason]
+    again = [c for program in compiled.programs for c in program.collectives if gathered_again(c)]
     if not again:
         return []
     choice = compiled.typed.bound.par.substitution("regather_inputs")
