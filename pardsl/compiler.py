@@ -470,9 +470,11 @@ def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredP
 
 
 def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = None,
-                       priced_on: str = "") -> Compiled:
+                       priced_on: str = "", cut_searched: bool = False) -> Compiled:
     """The same stages for one micro-batch, with the pipeline pass between lowering and codegen. `priced_on`:
-    the recipe whose layouts a searched pipeline was chosen on (PipelineOption.priced_on), if any."""
+    the recipe whose layouts a searched pipeline was chosen on (PipelineOption.priced_on), if any.
+    `cut_searched`: the file's `cut ?`, written with the cuts its pipeline was priced with, is chosen
+    again for each plan weighed, as the pipeline search chooses it."""
     if par.pipeline.searched:
         return _compile_searched_pipeline(par, bucket_mb, machine)
     decl = pp.check_pipeline(par)
@@ -505,7 +507,7 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         bound and the file names none to recompute; rated as the pipeline runs it (within the bound before
         over it; over it, the nearer first)."""
         def lower_pipelined():
-            stage_of, cut_before = pp.stage_of_nodes(typed, decl, machine)
+            stage_of, cut_before = pp.stage_of_nodes(typed, cut_for(typed) if cut_searched else decl, machine)
             program, stages = lower_in_stages(
                 typed, bucket_mb, lambda *whole: pp.split_program(typed, stage_of, len(cut_before) + 1, *whole))
             outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
@@ -523,6 +525,17 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         rated = Compiled(par, bound, typed, program, "", seconds, None, plan, tuple(stages))
         step = pipelined_step_seconds(rated, machine or default_machine()) if searched else 0.0
         return _PipelinedPlan((over, held_total if over else step), typed, program, stages, plan, step, held_total)
+
+    def cut_for(typed: TypedGraph):
+        """The pipeline with the cut the pipeline search finds fastest for these layouts, traced as compiled.
+        The option's cut was chosen on the layouts it was priced with, on the trace of the batch the file
+        writes, where the greedy completion can differ from the one compiled (the long-context recipe's
+        loss): one layer too many on a stage of the busiest rank cost it 9 % of its step."""
+        asked = replace(decl, searched=frozenset({"cut"}))
+        chosen, _ = choose_pipeline(typed, lower(typed, bucket_mb), asked, machine or default_machine(), limit,
+                                    decl.microbatches, lowering=stage_lowering(bucket_mb, machine),
+                                    other_layouts=False)
+        return chosen
 
     chosen = pipelined(typed)
     if searched:
@@ -633,7 +646,7 @@ def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compi
         same_trace = written.microbatches == decl.microbatches
         compiled = _compile_pipelined(concrete, bucket_mb, machine,
                                       replace(bound, par=pp.micro_batched(concrete)) if same_trace else None,
-                                      priced_on=option.priced_on)
+                                      priced_on=option.priced_on, cut_searched="cut" in decl.searched)
         for stage, spent in seconds.items():
             if same_trace and stage in bound.seconds:
                 continue  # the one trace: the compile's own seconds count it already
@@ -656,7 +669,19 @@ def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compi
                 "N011", f"the pipeline priced fastest within the bound ({_option_text(chosen_option)}) held more "
                 f"than the bound once compiled; the next within it is compiled: {_option_text(option)}",
                 par.pipeline.span, ("`pardsl explain` lists the pipelines priced",), severity="note"))
-    return replace(compiled, pipeline_options=(kept, *(o for o in options if o is not kept)))
+    return replace(compiled, pipeline_options=(_option_as_compiled(kept, compiled, machine),
+                                               *(o for o in options if o is not kept)))
+
+
+def _option_as_compiled(option, compiled: Compiled, machine):
+    """The option kept, with the cut its plan was compiled with (chosen again for the layouts compiled) and
+    that plan's step and memory, where the cut differs from the one priced."""
+    if compiled.pipeline.cut_before == option.cut_before:
+        return option
+    held = pipelined_memory_per_rank(compiled.stages, compiled.pipeline)["total"]
+    return replace(option, cut_before=compiled.pipeline.cut_before,
+                   step_s=pipelined_step_seconds(compiled, machine or default_machine()), memory=held,
+                   within_bound=compiled.memory_bound is None or held <= compiled.memory_bound)
 
 
 # How many options after the chosen one a searched pipeline compiles where the chosen one, compiled, holds

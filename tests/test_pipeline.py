@@ -381,7 +381,10 @@ def test_a_searched_pipeline_priced_within_the_bound_but_over_it_once_compiled_g
 
     def priced_within(*args, **kwargs):
         chosen, options = real(*args, **kwargs)
-        mistaken = next(o for o in options if (o.schedule, o.microbatches) == (fastest.schedule, fastest.microbatches))
+        mistaken = next((o for o in options if (o.schedule, o.microbatches) == (fastest.schedule, fastest.microbatches)),
+                        None)
+        if mistaken is None:  # the cut chosen again for a plan compiled: its one schedule priced
+            return chosen, options
         return chosen, (dataclasses.replace(mistaken, within_bound=True),
                         *(o for o in options if o is not mistaken))
 
@@ -394,6 +397,41 @@ def test_a_searched_pipeline_priced_within_the_bound_but_over_it_once_compiled_g
     [note] = [n for n in compiled.program.notes if n.code == "N011"]
     assert note.message.startswith(f"the pipeline priced fastest within the bound ({fastest.schedule} over "
                                    f"{fastest.microbatches} micro-batches")
+
+
+def test_a_searched_cut_is_chosen_again_for_the_layouts_compiled(monkeypatch):
+    """The options are priced on the trace of the batch the file writes, whose completion can differ from
+    the plan compiled on the chosen micro-batch's trace (the long-context recipe's loss), so the cut priced
+    fastest there can be slow here. Here the pricing is made to keep a lopsided cut (three layers, then
+    one): the plan compiled is cut where the pipeline search finds it fastest for its own layouts, and
+    the option explain lists first is that plan's, with its step."""
+    import dataclasses
+
+    from pardsl import compiler
+    from pardsl.planning.cost import default_machine
+    from pardsl.planning.pipeline_search import pipelined_step_seconds
+
+    real = compiler.choose_pipeline
+    lopsided = ("model.model.layers.3",)
+
+    def priced_lopsided(*args, **kwargs):
+        chosen, options = real(*args, **kwargs)
+        if kwargs.get("other_layouts") is False:  # the cut chosen again for a plan compiled
+            return chosen, options
+        first = dataclasses.replace(options[0], schedule="1F1B", stages_per_rank=1, cut_before=lopsided)
+        return chosen, (first, *options[1:])
+
+    monkeypatch.setattr(compiler, "choose_pipeline", priced_lopsided)
+    compiled = compile_text(SEARCHED, "plan.par")
+    machine = default_machine()
+    assert compiled.pipeline.schedule == "1F1B" and compiled.pipeline.cut_before == ("model.model.layers.2",)
+    kept = compiled.pipeline_options[0]
+    assert kept.cut_before == compiled.pipeline.cut_before
+    assert kept.step_s == pipelined_step_seconds(compiled, machine)
+    monkeypatch.undo()
+    written = compile_text(llama(f"pp : schedule 1F1B, microbatches {compiled.pipeline.microbatches}, "
+                                 f"cut before {lopsided[0]}", layers=4), "plan.par")
+    assert pipelined_step_seconds(written, machine) > kept.step_s
 
 
 def test_a_searched_pipeline_counts_recomputed_layers_as_the_compiled_plan_does():
@@ -599,6 +637,27 @@ def test_a_permuted_view_crossing_a_cut_is_sent_both_ways(pools):
     compiled = compile_text("mesh pp = 2\nmodel tests.zoo:SendsAPermutedView()\ninput x : float32[4, 8]\n"
                             "pipeline pp : schedule 1F1B, microbatches 2, cut before second\n", "plan.par")
     assert run_on(pools, compiled, steps=2)["ok"]
+
+
+def test_with_two_stages_a_rank_the_cut_evens_the_ranks_not_only_the_stages():
+    """Interleaved 1F1B runs a rank's two stages one after the other for each micro-batch, so its step
+    follows the busiest rank. Here the slowest stage (the 3) ties every stage-by-stage cut, and the first
+    one found puts two long stages on rank 1 (6 a micro-batch, against 5 evened); the cut kept is the
+    fastest of every cut there is."""
+    from pardsl.planning.pipeline_search import _cut, _fastest_cut, _priced
+
+    times, n = [1.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0], 7
+    sends, weights = [0.0] * n, [0.0] * n
+
+    def step(cut):
+        return _priced(times, weights, sends, None, cut, 2, 2, "Interleaved1F1B", 8)[0]
+
+    every = [[0, *inner, n] for inner in itertools.combinations(range(1, n), 3)]
+    stage_by_stage = _cut(times, sends, None, 4, 2, None, "Interleaved1F1B")
+    cut, seconds, _ = _fastest_cut(times, weights, sends, None, 4, 2, 2, "Interleaved1F1B", 8, None)
+    assert step(stage_by_stage) == 8 * 6.0 + 1 * 6.0 / 2  # m · w + (p - 1) · w / v, rank 1 at 6
+    assert seconds == step(cut) == min(step(each) for each in every) == 8 * 5.0 + 5.0 / 2
+    assert cut == [0, 1, 2, 5, 7]
 
 
 def test_the_cut_of_several_stages_a_rank_holds_each_rank_within_the_bound():

@@ -135,19 +135,21 @@ class StageLowering(NamedTuple):
 
 def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit: int | None,
                     traced_microbatches: int, optimizer: str = "adamw", price_memory: bool = True,
-                    lowering: StageLowering | None = None) -> tuple[PipelineDecl, tuple[PipelineOption, ...]]:
+                    lowering: StageLowering | None = None,
+                    other_layouts: bool = True) -> tuple[PipelineDecl, tuple[PipelineOption, ...]]:
     """The pipeline the file leaves to the compiler (see the module's docstring): the statement with its
     `?` options decided, and every option priced, the chosen one first. `typed`: the plan traced at
     `traced_microbatches` micro-batches, `program` its lowered program (uncut), whose collectives along
     the other axes count in their stage's time, and its gradient buckets once a step. Each option's memory
     is the most a rank holds by cost.pipeline_rank_memory's count, on the plan's own stage programs
     (segment_memory): the model `explain` and the compile's check against the bound use. `price_memory`
-    off: the step alone (pipelined_step_seconds); on, it needs the compile's `lowering`."""
+    off: the step alone (pipelined_step_seconds); on, it needs the compile's `lowering`. `other_layouts`
+    off: priced on `typed` alone, where the file would have layouts searched and recipes weighed too."""
     assert lowering is not None or not price_memory, "pricing memory needs the compile's lowering"
     bound = typed.bound
     axis = bound.mesh.axis_index(decl.axis)
     candidates = [("", typed, program)]
-    if price_memory and wants_search(bound) and \
+    if price_memory and other_layouts and wants_search(bound) and \
             any(size > 1 for other, size in enumerate(bound.mesh.axis_sizes) if other != axis):
         candidates = [("", *_searched_layouts(typed, decl, machine, limit, traced_microbatches, lowering)),
                       *_recipe_layouts(bound, axis, machine, lowering, limit)]
@@ -231,11 +233,14 @@ def _options(typed, program, decl: PipelineDecl, machine: Machine, limit: int | 
             # a stage's activations to the next, one point-to-point send (its gradient back alike)
             sends = [machine.collective_seconds("send", int(b * rows), 2) if b else 0.0 for b in segments.sent_bytes]
             held = _Held(held_bytes, rows, schedule, m, ranks, stages) if held_bytes is not None else None
-            cut = written if written is not None else \
-                _cut(times, sends, held, stages, ranks, limit, schedule)
-            if cut is None or len(cut) - 1 != stages:
+            if written is not None:
+                found = (written, *_priced(times, weights, sends, held, written, ranks, per_rank, schedule, m)) \
+                    if len(written) - 1 == stages else None
+            else:
+                found = _fastest_cut(times, weights, sends, held, stages, ranks, per_rank, schedule, m, limit)
+            if found is None:
                 continue
-            step, memory = _priced(times, weights, sends, held, cut, ranks, per_rank, schedule, m)
+            cut, step, memory = found
             options.append(PipelineOption(schedule, per_rank, m, tuple(segments.names[i - 1] for i in cut[1:-1]),
                                           step + synchronised, memory, limit is None or memory <= limit))
     if not options:
@@ -425,42 +430,63 @@ def _written_cut(segments: _Segments, decl: PipelineDecl) -> list[int] | None:
 
 
 def _cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int | None,
-         schedule: str = "1F1B") -> list[int] | None:
-    """Stage boundaries (segment indices, 0 and the end included) whose largest stage time is least, each
-    rank within the memory bound: a dynamic program over the segments, stage k on the rank its schedule
-    places it on. With several stages a rank, a stage is checked with the rank's stages before it on the
-    path that reaches it (the program keeps one path a boundary, so a cut it passes over may have fit).
+         schedule: str = "1F1B", by_rank: bool = False) -> list[int] | None:
+    """Stage boundaries (segment indices, 0 and the end included) whose largest stage time is least (`by_rank`:
+    whose busiest rank, its stages' times together, is least), each rank within the memory bound: a
+    dynamic program over the segments, stage k on the rank its schedule places it on. With several stages
+    a rank, a stage is checked with the rank's stages before it on the path that reaches it (the program
+    keeps one path a boundary, so a cut it passes over may have fit or been faster).
     Where no cut fits, the one whose fullest rank holds least (then the fastest), which the caller prices
     over the bound: the pipeline is still one to weigh (on other layouts it may fit), not one the model
     cannot be cut into, and an option over the bound is ranked by what it holds (_rank)."""
     if limit is None or held is None:
-        return _best_cut(times, sends, stages, ranks, schedule, None, fastest=True)
-    return _best_cut(times, sends, stages, ranks, schedule, held, fastest=True, limit=limit) or \
-        _best_cut(times, sends, stages, ranks, schedule, held, fastest=False)
+        return _best_cut(times, sends, stages, ranks, schedule, None, fastest=True, by_rank=by_rank)
+    return _best_cut(times, sends, stages, ranks, schedule, held, fastest=True, limit=limit, by_rank=by_rank) or \
+        _best_cut(times, sends, stages, ranks, schedule, held, fastest=False, by_rank=by_rank)
+
+
+def _fastest_cut(times, weights, sends, held: "_Held | None", stages: int, ranks: int, per_rank: int,
+                 schedule: str, m: int, limit: int | None) -> tuple[list[int], float, int] | None:
+    """The cut, its step and what its fullest rank holds: of _cut's cuts, the one priced fastest within the
+    bound (none within it: the one holding least). With several stages a rank the step follows the busiest
+    rank's stages together, which the stage-by-stage cut can leave uneven (two long stages on one rank
+    where only the slowest stage counts): the cut evening the ranks is priced beside it."""
+    cuts = [_cut(times, sends, held, stages, ranks, limit, schedule, by_rank)
+            for by_rank in ((False, True) if stages > ranks else (False,))]
+    priced = [(cut, *_priced(times, weights, sends, held, cut, ranks, per_rank, schedule, m))
+              for cut in cuts if cut is not None and len(cut) - 1 == stages]
+    if not priced:
+        return None
+    return min(priced, key=lambda each: (limit is not None and each[2] > limit,
+                                         each[1] if limit is None or each[2] <= limit else each[2]))
 
 
 def _best_cut(times, sends, stages: int, ranks: int, schedule: str, held: "_Held | None", fastest: bool,
-              limit: int | None = None) -> list[int] | None:
-    """_cut's dynamic program. `fastest`: the cut whose largest stage time is least (then the least total),
-    None where no cut keeps every rank within `limit`; else the cut whose fullest rank holds least, then
-    the fastest. `held` None: memory not weighed."""
+              limit: int | None = None, by_rank: bool = False) -> list[int] | None:
+    """_cut's dynamic program. `fastest`: the cut whose largest stage time is least (`by_rank`: whose
+    busiest rank's stages together take least), then the least total, None where no cut keeps every rank
+    within `limit`; else the cut whose fullest rank holds least, then the fastest. `held` None: memory
+    not weighed."""
     prefix = [0.0, *itertools.accumulate(times)]
     rank_of = [rank_of_stage(k, ranks, schedule) for k in range(stages)]
     together = held is not None and stages > ranks  # a rank's stages held together, checked on the path
     # best[k][j], for the first k stages ending at segment j: (score, where stage k - 1 starts, and per rank
-    # what the path's stages hold across micro-batches and the largest region they make again). A score:
-    # (largest stage time, total time), led by the fullest rank so far where the cut is the least-memory
-    # one. The path is read back from the end, so no step copies it.
+    # what the path's stages hold across micro-batches and the largest region they make again, and their
+    # times). A score: (largest stage time, or busiest rank's, total time), led by the fullest rank so far
+    # where the cut is the least-memory one. The path is read back from the end, so no step copies it.
     nothing = (0,) * ranks
-    best: list[dict[int, tuple]] = [{0: ((0.0, 0.0) if fastest else (0, 0.0, 0.0), 0, nothing, nothing)}]
+    best: list[dict[int, tuple]] = [{0: ((0.0, 0.0) if fastest else (0, 0.0, 0.0), 0, nothing, nothing,
+                                         (0.0,) * ranks)}]
     for k in range(stages):
         rank, row = rank_of[k], {}
         for j in range(k + 1, len(times) - (stages - k - 1) + 1):
             chosen = None
-            for i, (score, _, memory, again) in best[k].items():
+            for i, (score, _, memory, again, work) in best[k].items():
                 if i >= j:
                     continue
                 seconds = _stage_seconds(prefix, sends, i, j)
+                work = (*work[:rank], work[rank] + seconds, *work[rank + 1:])
+                slowest = work[rank] if by_rank else seconds
                 holds = 0
                 if together:
                     memory = (*memory[:rank], memory[rank] + held.across(k, i, j), *memory[rank + 1:])
@@ -471,11 +497,11 @@ def _best_cut(times, sends, stages: int, ranks: int, schedule: str, held: "_Held
                 if fastest:
                     if limit is not None and holds > limit:
                         continue
-                    candidate = (max(score[0], seconds), score[1] + seconds)
+                    candidate = (max(score[0], slowest), score[1] + seconds)
                 else:
-                    candidate = (max(score[0], holds), max(score[1], seconds), score[2] + seconds)
+                    candidate = (max(score[0], holds), max(score[1], slowest), score[2] + seconds)
                 if chosen is None or candidate < chosen[0]:
-                    chosen = (candidate, i, memory, again)
+                    chosen = (candidate, i, memory, again, work)
             if chosen is not None:
                 row[j] = chosen
         best.append(row)
