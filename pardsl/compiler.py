@@ -28,6 +28,7 @@ from pardsl.passes.collective_matmul import chunked_collective_matmuls
 from pardsl.passes.early_count import start_counts_early
 from pardsl.passes.fused_norms import fuse_rms_norms
 from pardsl.passes.fused_rotary import fuse_rotary_embeddings
+from pardsl.passes.fused_swiglu import fuse_swiglus
 from pardsl.passes.liveness import release_dead_values
 from pardsl.passes.offload import offload_to_host
 from pardsl.passes.precision import apply_precision
@@ -421,7 +422,7 @@ def _check_searched_mesh(par: ParFile) -> None:
 
 
 # The passes over every lowered program (or pipeline stage), in order, each program -> program (with the
-# typed graph to read): norms and rotary embeddings fused, a partial loss's count started early, parameters
+# typed graph to read): norms, rotary embeddings and SwiGLUs fused, a partial loss's count started early, parameters
 # held in float32 under a mixed-precision policy, and in host memory where offloaded (which turns the
 # precision's casts into fetches, so it comes after), in a pipeline stage what it builds from constants
 # alone made once for all its micro-batches, then each value released after its last use, which
@@ -433,6 +434,8 @@ def _check_searched_mesh(par: ParFile) -> None:
 PASSES_AFTER_LOWERING = (
     ("fuse each local RMSNorm", lambda program, typed, machine: fuse_rms_norms(program, typed.bound.kept)),
     ("fuse each local rotary embedding", lambda program, typed, machine: fuse_rotary_embeddings(program)),
+    ("fuse each local SwiGLU, silu made again in backward",
+     lambda program, typed, machine: fuse_swiglus(program, typed.bound.kept)),
     ("count a partial loss's targets early", lambda program, typed, machine: start_counts_early(program)),
     ("hold parameters in float32, compute them in the precision's dtype",
      lambda program, typed, machine: apply_precision(program, typed.bound.par.precision, typed.bound.par.inputs)),

@@ -103,7 +103,8 @@ def test_recomputed_layers_give_bit_equal_outputs_and_gradients_and_the_planned_
 
 def test_what_a_recomputed_layer_keeps_is_counted(compile_par):
     """Under `full`, sixteen layers keep their inputs alone, and backward makes one layer's activations
-    again at a time: under 0.3 of the activations kept without (the head's are kept as before). Under
+    again at a time: under a third of the activations kept without (the head's are kept as before; each
+    MLP's silu is made again in backward either way, pardsl/passes/fused_swiglu.py). Under
     `selective` the matrix products', attention's and collectives' results are kept too: on this narrow
     model (MLP twice the width) more than autograd keeps without recomputation."""
     text = LLAMA_TP2.replace("n_layer=2", "n_layer=16")
@@ -114,7 +115,7 @@ def test_what_a_recomputed_layer_keeps_is_counted(compile_par):
     head = 2 * 16 * 64 * 4 * 2 + 2 * 16 * 4 + 2 * 16 * 128 * 4  # the final norm's, and the logits' shard
     one_layer = (plain - head) // 16  # what a layer keeps without recomputation, made again in backward
     assert full == 16 * 2 * per_layer_input + head + one_layer
-    assert full < 0.3 * plain
+    assert full < plain / 3
     assert full < selective
 
 
@@ -381,37 +382,36 @@ def test_recomputation_lowers_the_measured_peak(pools, compile_par):
 
 def test_under_a_bound_the_fewest_layers_are_recomputed_and_the_plan_runs_equal_to_serial(pools, compile_par):
     """One rank, eight layers, a long sequence: a bound of half the serial model's memory is met by
-    recomputing six layers (N007), not all eight; five do not meet it."""
+    recomputing five layers (N007), not all eight; four do not meet it."""
     from pardsl.planning.cost import memory_per_rank
     from pardsl.planning.search import memory_limit
 
     text = LLAMA_TP2.replace("n_layer=2", "n_layer=8").replace("int64[2, 16]", "int64[8, 256]").replace("tp = 2", "tp = 1")
     compiled = compile_par(text + "memory <= 50 %\n")
     (note,) = [n for n in compiled.program.notes if n.code == "N007"]
-    assert note.message.startswith("recomputes layers.0 to layers.5 (6 of 8 layers, full) in backward")
+    assert note.message.startswith("recomputes layers.0 to layers.4 (5 of 8 layers, full) in backward")
     assert not [n for n in compiled.program.notes if n.code == "N003"]
     limit = memory_limit(compiled.bound)
     assert memory_per_rank(compiled.program)["total"] <= limit
-    fewer = compile_par(recomputed(text, *(f"recompute layers.{i}" for i in range(5))) + "memory <= 50 %\n")
+    fewer = compile_par(recomputed(text, *(f"recompute layers.{i}" for i in range(4))) + "memory <= 50 %\n")
     assert memory_per_rank(fewer.program)["total"] > limit
     report = run_on(pools, compiled, steps=2)
     assert report["ok"], report
 
 
 def test_under_a_bound_recomputation_is_weighed_against_the_layouts(pools, compile_par, monkeypatch):
-    """Data parallelism over 2 ranks, a bound the replicated model does not meet. The search alone shards
-    the weights (gathered for use: collectives in every layer) and, over the bound all the same, has layers
-    recomputed on top. Weighed together, plain data parallelism with two of the four layers recomputed is
-    kept: rated faster, within the bound, its only collectives the gradient buckets' all-reduces. It runs
-    equal to serial."""
+    """Data parallelism over 2 ranks, a bound the replicated model does not meet. The search alone, its
+    plan then recomputed to fit, shards the weights (gathered for use: collectives in every layer) and has
+    two layers recomputed on top. Weighed together, a plan within the bound that recomputes nothing is
+    kept, rated more than 5 % faster. It runs equal to serial."""
     from pardsl import compiler
     from pardsl.planning.cost import default_machine, estimate
     from pardsl.planning.search import memory_limit
 
     text = ("mesh dp = 2\nmodel examples.language_models:Llama(vocab_size=256, n_layer=4, n_head=8, n_kv_head=4, "
-            "d_model=256, d_ff=512)\ninput input_ids : int64[8, 256] in [0, 256)\nmemory <= 50 %\n")
+            "d_model=256, d_ff=512)\ninput input_ids : int64[8, 256] in [0, 256)\nmemory <= 47 %\n")
     # the known recipes left out: plain data parallelism is one of them, recomputed within the bound as
-    # compiled, and would be kept without the search weighing recomputation at all
+    # compiled, and would be weighed without the search weighing recomputation at all
     from pardsl.planning import descent
     monkeypatch.setattr(descent, "recipe_plans", lambda *args, **kwargs: [])
     compiled = compile_par(text)
@@ -423,10 +423,9 @@ def test_under_a_bound_recomputation_is_weighed_against_the_layouts(pools, compi
     assert weighed.memory["total"] <= limit and alone.memory["total"] <= limit
     assert weighed.step_s < 0.95 * alone.step_s, (weighed.step_s, alone.step_s)
     assert after.program.collective_counts_by_axis()["forward"]["dp:all_gather"] > 0
-    assert compiled.program.collective_counts_by_axis() == {"forward": {}, "backward": {"dp:all_reduce": 2}}
-    for plan in (compiled, after):
-        (note,) = [n for n in plan.program.notes if n.code == "N007"]
-        assert note.message.startswith("recomputes layers.0 to layers.1 (2 of 4 layers, full) in backward")
+    (note,) = [n for n in after.program.notes if n.code == "N007"]
+    assert note.message.startswith("recomputes layers.0 to layers.1 (2 of 4 layers")
+    assert not [n for n in compiled.program.notes if n.code == "N007"]
     report = run_on(pools, compiled, steps=2)
     assert report["ok"], report
 

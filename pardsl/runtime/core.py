@@ -49,6 +49,7 @@ from pardsl.runtime.parallel_ops import (
     LinearOfGathered,
     RMSNorm,
     Rotary,
+    SwiGLU,
     SplitLayerNorm,
     HaloExchange,
     AllGatherLinear,
@@ -312,6 +313,11 @@ class Runtime:
         `dtype`: what the normalised x is cast to before the weight (a half-precision model's, its norm
         computed in float32); None: x's."""
         return RMSNorm.apply(x, weight, eps, dtype or x.dtype)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up, keeping gate and up alone for backward, silu(gate) made again there: a gated
+        MLP's activation, with the ops' bits forward and backward (pardsl/passes/fused_swiglu.py)."""
+        return SwiGLU.apply(gate, up)
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x·cos + rotate_half(x)·sin, rotate_half(x) = cat(−x₂, x₁) of x's halves along the last dim: a

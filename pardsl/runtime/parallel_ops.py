@@ -367,6 +367,23 @@ class RMSNorm(torch.autograd.Function):
         return grad_x, grad_weight, None, None
 
 
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) · up, keeping gate and up: backward makes silu(gate) again for up's gradient and gives
+    gate's by silu_backward of g · up, the ops autograd runs through silu and the product, so the same bits."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        grad_up = grad * torch.nn.functional.silu(gate) if ctx.needs_input_grad[1] else None
+        return grad_gate, grad_up
+
+
 class Rotary(torch.autograd.Function):
     """Forward x·cos, then, of its halves along the last dim, x₂·sin₁ taken from the first and x₁·sin₂ added
     to the second: the chain's products and two-term sums (a − b is a + (−b) exactly), so its bits, with no
