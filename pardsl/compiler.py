@@ -534,7 +534,7 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         The option's cut was chosen on the layouts it was priced with, on the trace of the batch the file
         writes, where the greedy completion can differ from the one compiled (the long-context recipe's
         loss): one layer too many on a stage of the busiest rank cost it 9 % of its step."""
-        asked = replace(decl, searched=frozenset({"cut"}))
+        asked = replace(decl, searched=frozenset({"cut"}))  # the option's own cut priced beside
         chosen, _ = choose_pipeline(typed, lower(typed, bucket_mb), asked, machine or default_machine(), limit,
                                     decl.microbatches, lowering=stage_lowering(bucket_mb, machine),
                                     other_layouts=False)

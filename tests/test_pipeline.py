@@ -658,6 +658,14 @@ def test_with_two_stages_a_rank_the_cut_evens_the_ranks_not_only_the_stages():
     assert step(stage_by_stage) == 8 * 6.0 + 1 * 6.0 / 2  # m · w + (p - 1) · w / v, rank 1 at 6
     assert seconds == step(cut) == min(step(each) for each in every) == 8 * 5.0 + 5.0 / 2
     assert cut == [0, 1, 2, 5, 7]
+    # ZB-V (stages 0 and 3 on rank 0): both programs keep one path a boundary and miss the evened cut here;
+    # a cut named beside them (the option a compile was written with) is kept where it is priced faster
+    times, n = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 1.0], 8
+    sends, weights = [0.0] * n, [0.0] * n
+    missed, missed_step, _ = _fastest_cut(times, weights, sends, None, 4, 2, 2, "ZBVZeroBubble", 8, None)
+    kept, kept_step, _ = _fastest_cut(times, weights, sends, None, 4, 2, 2, "ZBVZeroBubble", 8, None,
+                                      [0, 1, 2, 6, 8])
+    assert (missed_step, kept, kept_step) == (51.0, [0, 1, 2, 6, 8], 42.5)
 
 
 def test_the_cut_of_several_stages_a_rank_holds_each_rank_within_the_bound():

@@ -213,6 +213,9 @@ def _options(typed, program, decl: PipelineDecl, machine: Machine, limit: int | 
     batch = bound.par.inputs[0].shape[0] * traced_microbatches if bound.par.inputs else traced_microbatches
     counts = _microbatch_counts(typed, batch) if "microbatches" in decl.searched else [decl.microbatches]
     written = None if "cut" in decl.searched or decl.balanced else _written_cut(segments, decl)
+    # a cut searched where the statement names cuts too (the option a compile was written with): those are
+    # priced beside the program's, so the cut chosen again is never rated slower than the one it replaces
+    also = _written_cut(segments, decl) if "cut" in decl.searched and decl.cuts else None
     if written is None and decl.cuts and "cut" not in decl.searched:
         module, span = next((module, span) for module, span in decl.cuts if module not in segments.names)
         raise CompileError([Diagnostic(
@@ -237,7 +240,8 @@ def _options(typed, program, decl: PipelineDecl, machine: Machine, limit: int | 
                 found = (written, *_priced(times, weights, sends, held, written, ranks, per_rank, schedule, m)) \
                     if len(written) - 1 == stages else None
             else:
-                found = _fastest_cut(times, weights, sends, held, stages, ranks, per_rank, schedule, m, limit)
+                found = _fastest_cut(times, weights, sends, held, stages, ranks, per_rank, schedule, m, limit,
+                                     also)
             if found is None:
                 continue
             cut, step, memory = found
@@ -446,13 +450,14 @@ def _cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int
 
 
 def _fastest_cut(times, weights, sends, held: "_Held | None", stages: int, ranks: int, per_rank: int,
-                 schedule: str, m: int, limit: int | None) -> tuple[list[int], float, int] | None:
-    """The cut, its step and what its fullest rank holds: of _cut's cuts, the one priced fastest within the
-    bound (none within it: the one holding least). With several stages a rank the step follows the busiest
-    rank's stages together, which the stage-by-stage cut can leave uneven (two long stages on one rank
-    where only the slowest stage counts): the cut evening the ranks is priced beside it."""
+                 schedule: str, m: int, limit: int | None,
+                 also: list[int] | None = None) -> tuple[list[int], float, int] | None:
+    """The cut, its step and what its fullest rank holds: of _cut's cuts (and `also`), the one priced
+    fastest within the bound (none within it: the one holding least). With several stages a rank the step
+    follows the busiest rank's stages together, which the stage-by-stage cut can leave uneven (two long
+    stages on one rank where only the slowest stage counts): the cut evening the ranks is priced beside it."""
     cuts = [_cut(times, sends, held, stages, ranks, limit, schedule, by_rank)
-            for by_rank in ((False, True) if stages > ranks else (False,))]
+            for by_rank in ((False, True) if stages > ranks else (False,))] + [also]
     priced = [(cut, *_priced(times, weights, sends, held, cut, ranks, per_rank, schedule, m))
               for cut in cuts if cut is not None and len(cut) - 1 == stages]
     if not priced:
