@@ -535,9 +535,10 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         writes, where the greedy completion can differ from the one compiled (the long-context recipe's
         loss): one layer too many on a stage of the busiest rank cost it 9 % of its step."""
         asked = replace(decl, searched=frozenset({"cut"}))  # the option's own cut priced beside
+        # with no bound, what a rank holds does not choose the cut: the stage programs are not lowered for it
         chosen, _ = choose_pipeline(typed, lower(typed, bucket_mb), asked, machine or default_machine(), limit,
-                                    decl.microbatches, lowering=stage_lowering(bucket_mb, machine),
-                                    other_layouts=False)
+                                    decl.microbatches, price_memory=limit is not None,
+                                    lowering=stage_lowering(bucket_mb, machine), other_layouts=False)
         return chosen
 
     chosen = pipelined(typed)

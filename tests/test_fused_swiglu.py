@@ -55,6 +55,7 @@ def test_hugging_face_llamas_swiglus_are_fused_and_hold_silus_result_no_longer(p
     assert held["activations_total"] == unfused_held["activations_total"]  # the serial model's, unchanged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", ["hf_llama_sp_tp2", "llama_bf16_tp2"])
 def test_swiglus_under_sequence_parallelism_and_half_precision_equal_serial(pools, example):
     compiled = compile_file(f"examples/{example}.par")
@@ -62,6 +63,7 @@ def test_swiglus_under_sequence_parallelism_and_half_precision_equal_serial(pool
     check(pools, compiled)
 
 
+@pytest.mark.slow
 def test_swiglus_in_pipeline_stages_equal_serial(pools):
     compiled = compile_file("examples/hf_llama_pp2_dp2.par")
     assert "rt.swiglu(" in compiled.source and "aten.silu.default(" not in compiled.source

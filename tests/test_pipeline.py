@@ -362,6 +362,7 @@ def test_a_searched_pipeline_keeps_within_the_memory_bound():
     assert all(not option.within_bound for option in serial.pipeline_options if option.step_s < kept.step_s)
 
 
+@pytest.mark.slow
 def test_a_searched_pipeline_priced_within_the_bound_but_over_it_once_compiled_gives_way_to_the_next(monkeypatch):
     """The options are priced on one trace with layouts searched for it; the pipeline chosen is compiled on
     its own micro-batch's, its layouts searched again, and can hold more than its option said (the

@@ -399,6 +399,7 @@ def test_under_a_bound_the_fewest_layers_are_recomputed_and_the_plan_runs_equal_
     assert report["ok"], report
 
 
+@pytest.mark.slow
 def test_under_a_bound_recomputation_is_weighed_against_the_layouts(pools, compile_par, monkeypatch):
     """Data parallelism over 2 ranks, a bound the replicated model does not meet. The search alone, its
     plan then recomputed to fit, shards the weights (gathered for use: collectives in every layer) and has

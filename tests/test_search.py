@@ -888,6 +888,7 @@ layout {
 """
 
 
+@pytest.mark.slow
 def test_the_search_counts_its_work_so_a_busy_machine_and_a_replaying_rank_stop_where_an_idle_one_does(
         monkeypatch):
     """The search's budget and its programs' limits count the work done (simplex iterations, HiGHS's calls
