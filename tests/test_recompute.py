@@ -377,7 +377,7 @@ def test_recomputation_lowers_the_measured_peak(pools, compile_par):
     assert peaks["full"] < peaks["selective"] < peaks["plain"], peaks
     # two layers: the embedding's output and the head's logits, which no region holds, weigh more than with
     # eight (benchmarks/memory.py measures the targets)
-    assert kept["full"] < 0.4 * kept["plain"] and kept["full"] < kept["selective"] < 0.8 * kept["plain"], kept
+    assert kept["full"] < 0.4 * kept["plain"] and kept["full"] < kept["selective"] < 0.85 * kept["plain"], kept
 
 
 def test_under_a_bound_the_fewest_layers_are_recomputed_and_the_plan_runs_equal_to_serial(pools, compile_par):
