@@ -1,6 +1,6 @@
 """Reading chains of ops in a lowered program, for the passes that run a chain as one op of the runtime
-(pardsl/passes/fused_norms.py, pardsl/passes/fused_rotary.py): who reads a value, whether a statement is a given ATen
-op, and a value's dtype."""
+(pardsl/passes/fused_norms.py, fused_rotary.py, fused_swiglu.py): who reads a value, whether a statement is
+a given ATen op, a value's dtype, and what the fused op no longer keeps."""
 
 from __future__ import annotations
 
@@ -59,3 +59,12 @@ def _described(program: LoweredProgram, name: str):
         if statement.targets == (name,) and statement.instruction.kind in ("param_grad_sync", "grad_sync"):
             return _described(program, statement.instruction.reads()[0])
     return None
+
+
+def kept_no_longer(values: dict[str, dict], name: str, replaced: set[str], kept) -> None:
+    """Marks `name`'s storage as no longer held for backward by this program (`kept_here`), where nothing
+    but the `replaced` ops (graph node names) kept it; the serial model still keeps it. `kept`:
+    saved_for_backward.Kept."""
+    storage = kept.owner.get(name, name)
+    if values.get(storage, {}).get("kept_for_backward") and not kept.kept_by_others(name, replaced):
+        values[storage] = {**values[storage], "kept_here": False}

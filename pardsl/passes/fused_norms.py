@@ -38,7 +38,7 @@ import dataclasses
 from collections import Counter
 
 from pardsl.model.saved_for_backward import Kept
-from pardsl.passes.chains import calls, dtype_of, readers_and_makers, sole_reader, var_name
+from pardsl.passes.chains import calls, dtype_of, kept_no_longer, readers_and_makers, sole_reader, var_name
 from pardsl.program.ir import Instruction, LoweredProgram, Statement, Text, Var
 
 _CHAIN = ("aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.add.Tensor", "aten.rsqrt.default", "aten.mul.Tensor")
@@ -84,9 +84,7 @@ def _kept_no_longer(program: LoweredProgram, statements: list[Statement], unkept
             if not any(s.node in keeping for s in statements if name in s.instruction.reads()):
                 del values[name]
             name = value["of"]  # and the value it is a copy of, which the chain's ops kept as well
-        storage = kept.owner.get(name, name)
-        if values.get(storage, {}).get("kept_for_backward") and not kept.kept_by_others(name, replaced):
-            values[storage] = {**values[storage], "kept_here": False}  # the serial model still keeps it
+        kept_no_longer(values, name, replaced, kept)
     return values
 
 

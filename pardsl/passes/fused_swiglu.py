@@ -25,7 +25,7 @@ import dataclasses
 from collections import Counter
 
 from pardsl.model.saved_for_backward import Kept
-from pardsl.passes.chains import calls, dtype_of, readers_and_makers, shape_of, sole_reader, var_name
+from pardsl.passes.chains import calls, dtype_of, kept_no_longer, readers_and_makers, shape_of, sole_reader, var_name
 from pardsl.program.ir import Instruction, LoweredProgram, Statement, Var
 
 
@@ -50,9 +50,7 @@ def fuse_swiglus(program: LoweredProgram, kept: Kept) -> LoweredProgram:
     statements = [fused.get(i, statement) for i, statement in enumerate(program.statements) if i not in dropped]
     values = dict(program.values)
     for name, replaced in unkept:
-        storage = kept.owner.get(name, name)
-        if values.get(storage, {}).get("kept_for_backward") and not kept.kept_by_others(name, replaced):
-            values[storage] = {**values[storage], "kept_here": False}  # the serial model still keeps it
+        kept_no_longer(values, name, replaced, kept)
     return dataclasses.replace(program, statements=statements, values=values)
 
 

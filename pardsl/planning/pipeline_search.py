@@ -180,7 +180,11 @@ def pipeline_written_as(decl: PipelineDecl, option: PipelineOption) -> PipelineD
 
 def _rank(option: PipelineOption) -> tuple:
     """Within the bound before over it; within it the fastest, over it the one that holds least."""
-    return (not option.within_bound, option.step_s if option.within_bound else option.memory)
+    return _ranking(option.step_s, option.memory, option.within_bound)
+
+
+def _ranking(step_s: float, memory: int, within_bound: bool) -> tuple:
+    return (not within_bound, step_s if within_bound else memory)
 
 
 def _recipe_layouts(bound, axis: int, machine: Machine, lowering: "StageLowering", limit: int | None) -> list[tuple]:
@@ -462,8 +466,7 @@ def _fastest_cut(times, weights, sends, held: "_Held | None", stages: int, ranks
               for cut in cuts if cut is not None and len(cut) - 1 == stages]
     if not priced:
         return None
-    return min(priced, key=lambda each: (limit is not None and each[2] > limit,
-                                         each[1] if limit is None or each[2] <= limit else each[2]))
+    return min(priced, key=lambda each: _ranking(each[1], each[2], limit is None or each[2] <= limit))
 
 
 def _best_cut(times, sends, stages: int, ranks: int, schedule: str, held: "_Held | None", fastest: bool,
