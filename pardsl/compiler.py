@@ -27,6 +27,7 @@ from pardsl.passes import pipeline as pp
 from pardsl.passes.collective_matmul import chunked_collective_matmuls
 from pardsl.passes.early_count import start_counts_early
 from pardsl.passes.fused_norms import fuse_rms_norms
+from pardsl.passes.narrow_conversions import convert_before_widening_casts
 from pardsl.passes.fused_rotary import fuse_rotary_embeddings
 from pardsl.passes.fused_swiglu import fuse_swiglus
 from pardsl.passes.liveness import release_dead_values
@@ -432,6 +433,8 @@ def _check_searched_mesh(par: ParFile) -> None:
 # Before them, where a plan needs them: FSDP's reshard after forward (_lowered) and the cut into pipeline
 # stages (_compile_pipelined).
 PASSES_AFTER_LOWERING = (
+    ("convert a value before its cast to a wider dtype, not after",
+     lambda program, typed, machine: convert_before_widening_casts(program)),
     ("fuse each local RMSNorm", lambda program, typed, machine: fuse_rms_norms(program, typed.bound.kept)),
     ("fuse each local rotary embedding", lambda program, typed, machine: fuse_rotary_embeddings(program)),
     ("fuse each local SwiGLU, silu made again in backward",

@@ -126,12 +126,61 @@ def test_a_norm_of_a_batch_split_activation_is_fused_with_its_weights_gradient_b
     check(pools, compiled)
 
 
-def test_a_half_precision_norm_computed_in_float32_is_fused_with_its_cast_back(pools, compile_par):
-    # bfloat16: the chain computes in float32 and casts back to bf16 before the weight; the fused op too
+def test_a_half_precision_norm_computed_in_float32_is_fused_with_its_casts(pools, compile_par):
+    # bfloat16: the model casts x to float32, the chain computes there and casts back to bf16 before the
+    # weight; the fused op makes both casts, and keeps x in bf16
     compiled = compile_par(NORMED.format(dtype=', dtype="bfloat16"', input_dtype="bfloat16", layouts="    x : S(0)\n"))
     fused = lines_calling(compiled, "rt.rms_norm")
-    assert len(fused) == 1 and ", 1e-06, torch.bfloat16)" in fused[0], fused
+    assert len(fused) == 1 and ", 1e-06, torch.bfloat16, compute=torch.float32)" in fused[0], fused
+    assert "aten.to.dtype" not in compiled.source
     check(pools, compiled)
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), width=st.integers(2, 64),
+       seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_a_norm_that_casts_its_input_has_the_chains_bits_keeping_the_input_narrow(shape, width, seed, dtype):
+    # LLaMA's in bf16 with its first cast made by the op: forward and both gradients are the chain's bits
+    # (the float32 gradient cast back, as autograd casts it through `to`); what backward keeps is the
+    # input in its own dtype and the float32 rsqrt, no float32 copy of the input
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, width, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(width, generator=generator).to(dtype).requires_grad_()
+    grad = torch.randn(*shape, width, generator=generator).to(dtype)
+
+    def chain(h, w):
+        a = h.to(torch.float32)
+        return w * (a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fused = RMSNorm.apply(x, weight, 1e-6, dtype, torch.float32)
+    assert fused.dtype == dtype and torch.equal(fused, chain(x, weight))
+    assert sorted((str(t.dtype), tuple(t.shape)) for t in saved if t is not weight) == \
+        sorted([(str(dtype), tuple(x.shape)), ("torch.float32", (*shape, 1))])
+    got = torch.autograd.grad(fused, (x, weight), grad)
+    expected = torch.autograd.grad(chain(x, weight), (x, weight), grad)
+    assert got[0].dtype == dtype and torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[0], expected[0])  # float32 summed in another order, then rounded to dtype
+
+
+def test_a_bfloat16_llamas_norms_keep_their_inputs_in_bf16(compile_par):
+    # tensor parallel, the residual a partial sum: each norm's input is all-reduced in bf16 and kept so;
+    # against the program with the first cast left to the model, each of the five norms holds its input's
+    # bf16 bytes in place of its float32 copy and of the partial sum's (4 × 16 × 64 values a norm)
+    from pardsl import compiler
+
+    compiled = compile_file("examples/llama_bf16_tp2.par")
+    fused = lines_calling(compiled, "rt.rms_norm")
+    assert len(fused) == 5 and all("compute=torch.float32" in line for line in fused), fused
+    with mock.patch.object(compiler, "PASSES_AFTER_LOWERING", tuple(
+            (what, run) for what, run in compiler.PASSES_AFTER_LOWERING if "wider dtype" not in what)):
+        cast_by_the_model = compile_file("examples/llama_bf16_tp2.par")
+    assert all(", torch.bfloat16)" in line for line in lines_calling(cast_by_the_model, "rt.rms_norm"))
+    values = 4 * 16 * 64
+    held, before = compiled.program.memory(), cast_by_the_model.program.memory()
+    assert before["activations_per_rank"] - held["activations_per_rank"] == 5 * values * (4 + 4 - 2)
+    assert held["activations_total"] == before["activations_total"]  # the serial model's: unchanged
 
 
 def test_a_norm_over_a_split_last_dim_is_left_as_its_ops_and_equals_serial(pools, compile_par):

@@ -38,7 +38,7 @@ def sole_reader(statements: list[Statement], name: str, reads: Counter, made_at:
 
 def dtype_of(program: LoweredProgram, name: str) -> str | None:
     """A value's dtype ("float32"): a graph value's, a parameter's, buffer's or input's, or, for a
-    gradient-sync wrapper (an identity), what it wraps."""
+    gradient-sync wrapper (an identity) or a conversion, what it reads."""
     described = _described(program, name)
     return described[1].removeprefix("torch.") if described else None
 
@@ -56,7 +56,8 @@ def _described(program: LoweredProgram, name: str):
         if name in (slot.var, f"self.{slot.var}"):
             return slot.shape, slot.dtype
     for statement in program.statements:
-        if statement.targets == (name,) and statement.instruction.kind in ("param_grad_sync", "grad_sync"):
+        # an identity wrapper, or a conversion: what it reads has its dtype and global shape
+        if statement.targets == (name,) and statement.instruction.kind in ("param_grad_sync", "grad_sync", "convert"):
             return _described(program, statement.instruction.reads()[0])
     return None
 

@@ -375,7 +375,8 @@ def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw")
         received.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in into))
         returned.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in back))
         # of what it receives, what the segment keeps: an argument of a recomputed region, or what one of
-        # its ops keeps; held where a stage that starts before it runs it too (a stage's input is a buffer).
+        # its ops keeps (or a fused op, in place of a copy autograd would keep); held where a stage that
+        # starts before it runs it too (a stage's input is a buffer).
         # Not a copy the segment before makes locally of another value it sends (the embedding's output as
         # partial sums): in a stage that runs both, the region reading it makes it again from that value
         regions_read = {name for statement in program.statements if statement.instruction.kind == "recompute"
@@ -383,7 +384,8 @@ def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw")
         remade = _local_copies(programs[k - 1], {slot.var for slot in into}) if k > 0 else set()
         inputs_kept.append(sum(slot_bytes(slot.local_shape, slot.dtype) for slot in into
                                if slot.var in regions_read and slot.var not in remade
-                               or k in keeping.get(saved.owner.get(slot.var, slot.var), ())))
+                               or k in keeping.get(saved.owner.get(slot.var, slot.var), ())
+                               or slot.var in program.inputs_kept))
     return SegmentMemory(tuple(states), tuple(groups), tuple(copies), tuple(kept), tuple(region), tuple(received),
                          tuple(returned), tuple(inputs_kept), tuple(constants), tuple(sent_only), tuple(shared))
 

@@ -272,6 +272,10 @@ class LoweredProgram:
     precision: tuple[str, str] | None = None
     # what lives in host memory (pardsl/passes/offload.py): None, "optimizer" or "parameters"
     offload: str | None = None
+    # of the values the program takes as inputs (a pipeline stage's, from the stage before), those a fused
+    # op keeps for backward where autograd would keep a copy of them (pardsl/passes/fused_norms.py): counted
+    # where the program's inputs are, not among its values
+    inputs_kept: frozenset[str] = frozenset()
 
     @property
     def collectives(self) -> list[Collective]:

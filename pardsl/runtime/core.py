@@ -307,12 +307,13 @@ class Runtime:
         return LinearReduceScatter.apply(x, weight, self, axis, dim, (blocks, mirrored), PROJECTIONS[op], chunks)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 dtype: torch.dtype | None = None) -> torch.Tensor:
+                 dtype: torch.dtype | None = None, compute: torch.dtype | None = None) -> torch.Tensor:
         """weight · (x · rsqrt(mean(x², -1) + eps)).to(dtype): a model's RMSNorm, its seven ATen ops as one,
         with a backward in closed form (pardsl/passes/fused_norms.py). Local: x's last dim is whole on this rank.
         `dtype`: what the normalised x is cast to before the weight (a half-precision model's, its norm
-        computed in float32); None: x's."""
-        return RMSNorm.apply(x, weight, eps, dtype or x.dtype)
+        computed in float32); None: x's. `compute`: the dtype x is cast to first (the model's own cast,
+        made here so that backward keeps x in its own dtype); None: x's."""
+        return RMSNorm.apply(x, weight, eps, dtype or x.dtype, compute)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) · up, keeping gate and up alone for backward, silu(gate) made again there: a gated

@@ -332,21 +332,25 @@ class AllGatherLinear(torch.autograd.Function):
 class RMSNorm(torch.autograd.Function):
     """On a CPU, in float32 or float64 with no cast: numba's fused kernels (pardsl/runtime/kernels.py), one pass per
     row each way; they keep x and r. Otherwise the ops the model's chain runs forward (pow, mean, add,
-    rsqrt, mul, to, mul), so the same bits, keeping n = x·r and r; backward, the weight's gradient
+    rsqrt, mul, to, mul), so the same bits, keeping n = x·r and r; where `compute` is given, x is the model's
+    input before its cast to that dtype, cast here, and kept in its own dtype in place of n, which backward
+    makes again (half the bytes for a bf16 model); backward, the weight's gradient
     Σ g·n.to(dtype) over every dim but the last, and, with m = (g·w) in x's dtype, x's r·(m − n·mean(m·n)):
     what autograd's ops through the chain add up to (the weight's the same ops, so the same bits)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, dtype):
+    def forward(ctx, x, weight, eps, dtype, compute=None):
         ctx.dtype = dtype
-        ctx.fused = kernels.rms_norm_fits(x, weight, dtype)
+        ctx.narrow = compute is not None and compute != x.dtype  # x cast here first, kept in its own dtype
+        ctx.fused = not ctx.narrow and kernels.rms_norm_fits(x, weight, dtype)
         if ctx.fused:
             out, rows, r = kernels.rms_norm_forward(x, weight, eps)
             ctx.save_for_backward(rows, r, weight)
             return out
-        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
-        normed = x * r
-        ctx.save_for_backward(normed, r, weight)
+        wide = x.to(compute) if ctx.narrow else x
+        r = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True).add_(eps))
+        normed = wide * r
+        ctx.save_for_backward(x if ctx.narrow else normed, r, weight)
         return weight * normed.to(dtype)
 
     @staticmethod
@@ -354,8 +358,11 @@ class RMSNorm(torch.autograd.Function):
         if ctx.fused:
             rows, r, weight = ctx.saved_tensors
             grad_x, grad_weight = kernels.rms_norm_backward(grad, rows, r, weight, ctx.needs_input_grad[1])
-            return grad_x, grad_weight, None, None
+            return grad_x, grad_weight, None, None, None
         normed, r, weight = ctx.saved_tensors
+        if ctx.narrow:  # x·r made again from the input kept narrow: the forward's ops, so its bits
+            narrow_dtype = normed.dtype
+            normed = normed.to(r.dtype) * r
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = (grad * normed.to(ctx.dtype)).sum(tuple(range(grad.dim() - 1)))
@@ -364,7 +371,9 @@ class RMSNorm(torch.autograd.Function):
             grad_normed = (grad * weight).to(normed.dtype)
             # addcmul_ takes n·mean(m·n) from m in the one pass, where sub_ would need the product made first
             grad_x = grad_normed.addcmul_(normed, (grad_normed * normed).mean(-1, keepdim=True), value=-1).mul_(r)
-        return grad_x, grad_weight, None, None
+            if ctx.narrow:  # back through the cast, as autograd's backward of `to` casts the gradient
+                grad_x = grad_x.to(narrow_dtype)
+        return grad_x, grad_weight, None, None, None
 
 
 class SwiGLU(torch.autograd.Function):
