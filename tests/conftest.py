@@ -39,7 +39,7 @@ _POOLS = {}
 # `make test` hands each of its two workers whole files, in the order collected: the longest files first
 # (as measured with --durations on the 2-core development machine), so that the workers end together
 # instead of one running a long file alone at the end (collected alphabetically, the longest came late)
-LONGEST_FILES_FIRST = ["test_search.py", "test_training.py", "test_pipeline.py", "test_robustness.py",
+LONGEST_FILES_FIRST = ["test_search.py", "test_training.py", "test_init.py", "test_pipeline.py", "test_robustness.py",
                        "test_compiled_layers.py", "test_docs.py", "test_recompute.py", "test_memory.py",
                        "test_cli.py", "test_hf_models.py", "test_shared_memory.py", "test_mesh_search.py",
                        "test_multi_axis.py", "test_cost.py", "test_rendezvous.py", "test_experts.py"]

@@ -339,6 +339,7 @@ def test_version_prints_the_package_version_and_exits_0(capsys):
     assert capsys.readouterr().out == f"pardsl {pardsl.__version__}\n"
 
 
+@pytest.mark.slow  # two ranks started and run: in make test-slow, beside `run --json` on two ranks
 @pytest.mark.timeout(240)
 def test_run_without_nproc_runs_as_many_ranks_as_the_mesh_has():
     result = subprocess.run([sys.executable, "-m", "pardsl.cli", "run", "examples/mlp.par", "--json",

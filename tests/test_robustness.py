@@ -71,6 +71,7 @@ def test_model_mistakes_are_located(compile_par, factory, code):
     assert _codes(caught.value) == [(code, 2, 1)]
 
 
+@pytest.mark.slow  # a rank's run to the end: in make test-slow beside the other runs' output checks
 def test_json_output_stays_json_when_the_model_prints(tmp_path):
     path = tmp_path / "chatty.par"
     path.write_text("mesh tp = 1\nmodel tests.zoo:Chatty()\ninput x : float32[2, 4]\n")
@@ -253,7 +254,9 @@ def test_a_rank_that_exits_or_raises_is_named_with_its_code_or_error(tmp_path, k
     assert result.stderr.splitlines()[0] == first_line
 
 
-@pytest.mark.parametrize("kind, code", [("exit", "run-failed"), ("sleep", "run-failed"), ("bad-model", "E021")])
+# a stalled rank's case waits out its timeout: in make test-slow, beside the other run that stops making progress
+@pytest.mark.parametrize("kind, code", [("exit", "run-failed"), pytest.param("sleep", "run-failed", marks=pytest.mark.slow),
+                                        ("bad-model", "E021")])
 def test_run_json_prints_one_object_when_a_rank_crashes_stalls_or_the_file_is_wrong(tmp_path, kind, code):
     result, _ = _run_faulty(tmp_path, kind, "--json", "--stall-timeout", "15")
     assert result.returncode == 1

@@ -608,8 +608,9 @@ layout {
 """
 
 
-@pytest.mark.parametrize("scheme", ["layer_2d", "layer_2p5d", "layer_3d", "zero over two axes",
-                                    "sequence parallel"])
+# the 2-D layer in make test-slow: the 2.5-D and 3-D layers are counted on the same axes and more
+@pytest.mark.parametrize("scheme", [pytest.param("layer_2d", marks=pytest.mark.slow), "layer_2p5d", "layer_3d",
+                                    "zero over two axes", "sequence parallel"])
 @pytest.mark.usefixtures("search_once")
 def test_the_search_counts_a_plans_memory_as_the_cost_model_does(compile_par, monkeypatch, scheme):
     """A move from the compiled plan (pair moves start from a plan, so the bound is not scaled for axes
