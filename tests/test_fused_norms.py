@@ -3,6 +3,7 @@ runtime where its chain is local, with a backward that is autograd's through the
 chain stays as it was."""
 
 import contextlib
+import math
 from unittest import mock
 
 import pytest
@@ -209,3 +210,22 @@ def test_the_kernels_compile_where_numba_has_nowhere_to_cache_them():
             torch.testing.assert_close(kernels.rms_norm_forward(x, weight, 1e-6)[0], _chain(x, weight, 1e-6))
     finally:
         kernels._compiled.cache_clear()
+
+
+def test_a_norm_input_kept_narrow_is_counted_whatever_makes_it(compile_par):
+    # under sequence parallelism in bf16 each norm reads the residual as the graph made it (split by
+    # tokens, no conversion): a value autograd never keeps, which the fused op keeps. Every such input is
+    # counted among what the rank holds, at its bf16 bytes
+    text = open("examples/llama_bf16_tp2.par").read().replace("layout {", "layout {\n" + "".join(
+        f"    {module} : S(1)\n" for module in ("model.embed_tokens()", "model.layers.*.self_attn()",
+                                              "model.layers.*.mlp()")))
+    compiled = compile_par(text)
+    assert "all-gather" in compiled.source and "reduce-scatter" in compiled.source  # sequence parallel
+    fused = [s for s in compiled.program.statements if s.instruction.callee == "rt.rms_norm"]
+    narrow = [s.instruction.args[0].name for s in fused if s.instruction.kwargs]
+    assert len(narrow) == 5, [s.instruction for s in fused]
+    held = {name: size for name, size, _, _ in compiled.program.held_for_backward()}
+    values = compiled.program.values
+    for name in narrow:
+        assert name in compiled.program.inputs_kept or held.get(name) == \
+            math.prod(values[name]["local_shape"]) * 2 and values[name]["dtype"] == "bfloat16", name

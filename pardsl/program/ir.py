@@ -312,8 +312,8 @@ class LoweredProgram:
         """Bytes per rank: parameters (and their full size, for the ratio); activations: what a rank holds
         for backward or returns, at the layout it holds it (converted copies an op keeps included), and the
         serial model's, for the ratio (saved_for_backward.py), which keeps what a pass made this program
-        keep no longer (`kept_here`: pardsl/passes/fused_norms.py, and a gathered copy kept split:
-        pardsl/passes/regather.py), keeps beyond it (`held_here`: a
+        keep no longer or keeps in its place (`kept_here`: pardsl/passes/fused_norms.py, and a gathered copy
+        kept split: pardsl/passes/regather.py), keeps beyond it (`held_here`: a
         recomputed region's inputs) or makes again in backward (`recomputed`: pardsl/passes/recompute.py);
         the converted copies of parameters an op keeps for backward outside gather groups."""
         def nbytes(shape, dtype):
@@ -357,7 +357,9 @@ class LoweredProgram:
         held = []
         for name, v in self.values.items():
             size, layer = math.prod(v["local_shape"]) * torch_dtype(v["dtype"]).itemsize, v.get("layer", "")
-            kept = (v.get("kept_for_backward") or v["kind"] == "copy" and not v["parameter"]) and v.get("kept_here", True)
+            # what autograd keeps (the serial model's flag, or a converted copy an op keeps), unless a pass
+            # said otherwise: kept no longer, or kept where autograd would not (a fused op's own choice)
+            kept = v.get("kept_here", bool(v.get("kept_for_backward") or v["kind"] == "copy" and not v["parameter"]))
             if v.get("held_here") or kept and not v.get("recomputed"):
                 held.append((name, size, layer, ""))
             if kept and v.get("recomputed"):  # made again by its region, beside a region's input it may be too
