@@ -192,6 +192,25 @@ def test_the_pipelined_recipes_compile_with_their_schedule_and_each_layers_colle
     assert per_layer(result, layer) == expected
 
 
+@pytest.mark.slow  # a pipeline search beside the compile (10 s), left to make test-slow: the long-context case stays
+def test_the_pipeline_search_counts_the_8k_stages_as_the_compiled_plan_holds_them():
+    """The 8K recipe (Megatron with sequence parallelism over tp, no recomputation, bf16) at six layers on
+    two interleaved pipeline ranks. Each layer's norms keep their bf16 inputs, which autograd alone would
+    not keep: the first one received from the segment before. The search counted them and the compiled
+    stages did not (192 MiB apart here); both counts now agree."""
+    from pardsl.compiler import stage_lowering
+    from pardsl.planning.cost import pipelined_memory_per_rank
+    from pardsl.planning.pipeline_search import choose_pipeline
+
+    text = recipe("llama3_405b_dp128_pp16_tp8.par", layers=6, batch=512).replace("pp = 16", "pp = 2").replace(
+        "microbatches 16, cut balanced", "microbatches 4, cut before model.layers.1, model.layers.3, model.layers.5")
+    plan, _ = compiled(text)
+    assert "compute=torch.float32" in plan.source
+    _, (option,) = choose_pipeline(plan.typed, plan.program, plan.par.pipeline, H100, None, 4,
+                                   lowering=stage_lowering(25, H100))
+    assert option.memory == pipelined_memory_per_rank(plan.stages, plan.pipeline)["total"]
+
+
 def test_the_pipeline_search_counts_the_long_context_stages_as_the_compiled_plan_holds_them():
     """The long-context recipe (context parallelism over cp, Megatron over tp, every layer recomputed) at
     six layers on two interleaved pipeline ranks. Layer 0 adds its attention's partial sums to the
