@@ -192,23 +192,30 @@ def test_the_pipelined_recipes_compile_with_their_schedule_and_each_layers_colle
     assert per_layer(result, layer) == expected
 
 
+def _six_layers_on_two_interleaved_ranks(name: str, batch: int):
+    """A 16-stage recipe at six layers on two interleaved ranks, four micro-batches, cut after each odd
+    layer: (the plan, the pipeline search's memory for that option, what the compiled stages hold)."""
+    from pardsl.compiler import stage_lowering
+    from pardsl.planning.cost import pipelined_memory_per_rank
+    from pardsl.planning.pipeline_search import choose_pipeline
+
+    text = recipe(name, layers=6, batch=batch).replace("pp = 16", "pp = 2").replace(
+        "microbatches 16, cut balanced", "microbatches 4, cut before model.layers.1, model.layers.3, model.layers.5")
+    plan, _ = compiled(text)
+    _, (option,) = choose_pipeline(plan.typed, plan.program, plan.par.pipeline, H100, None, 4,
+                                   lowering=stage_lowering(25, H100))
+    return plan, option.memory, pipelined_memory_per_rank(plan.stages, plan.pipeline)["total"]
+
+
 @pytest.mark.slow  # a pipeline search beside the compile (10 s), left to make test-slow: the long-context case stays
 def test_the_pipeline_search_counts_the_8k_stages_as_the_compiled_plan_holds_them():
     """The 8K recipe (Megatron with sequence parallelism over tp, no recomputation, bf16) at six layers on
     two interleaved pipeline ranks. Each layer's norms keep their bf16 inputs, which autograd alone would
     not keep: the first one received from the segment before. The search counted them and the compiled
     stages did not (192 MiB apart here); both counts now agree."""
-    from pardsl.compiler import stage_lowering
-    from pardsl.planning.cost import pipelined_memory_per_rank
-    from pardsl.planning.pipeline_search import choose_pipeline
-
-    text = recipe("llama3_405b_dp128_pp16_tp8.par", layers=6, batch=512).replace("pp = 16", "pp = 2").replace(
-        "microbatches 16, cut balanced", "microbatches 4, cut before model.layers.1, model.layers.3, model.layers.5")
-    plan, _ = compiled(text)
+    plan, priced, held = _six_layers_on_two_interleaved_ranks("llama3_405b_dp128_pp16_tp8.par", batch=512)
     assert "compute=torch.float32" in plan.source
-    _, (option,) = choose_pipeline(plan.typed, plan.program, plan.par.pipeline, H100, None, 4,
-                                   lowering=stage_lowering(25, H100))
-    assert option.memory == pipelined_memory_per_rank(plan.stages, plan.pipeline)["total"]
+    assert priced == held
 
 
 def test_the_pipeline_search_counts_the_long_context_stages_as_the_compiled_plan_holds_them():
@@ -218,14 +225,6 @@ def test_the_pipeline_search_counts_the_long_context_stages_as_the_compiled_plan
     alone, so that copy crosses from the embedding's segment, and it had been counted as kept beside the
     value it is made from; the compiled stage makes it inside layer 0's recomputed region. Both counts now
     agree (the search had 1 GiB more here, 4 GiB at the recipe's full depth)."""
-    from pardsl.compiler import stage_lowering
-    from pardsl.planning.cost import pipelined_memory_per_rank
-    from pardsl.planning.pipeline_search import choose_pipeline
-
-    text = recipe("llama3_405b_dp8_pp16_cp16_tp8.par", layers=6, batch=32).replace("pp = 16", "pp = 2").replace(
-        "microbatches 16, cut balanced", "microbatches 4, cut before model.layers.1, model.layers.3, model.layers.5")
-    plan, _ = compiled(text)
+    plan, priced, held = _six_layers_on_two_interleaved_ranks("llama3_405b_dp8_pp16_cp16_tp8.par", batch=32)
     assert "embedding__S0_B_S1zigzag_P = " in plan.source
-    _, (option,) = choose_pipeline(plan.typed, plan.program, plan.par.pipeline, H100, None, 4,
-                                   lowering=stage_lowering(25, H100))
-    assert option.memory == pipelined_memory_per_rank(plan.stages, plan.pipeline)["total"]
+    assert priced == held
