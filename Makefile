@@ -1,5 +1,5 @@
 # make demo: install, compile the Megatron MLP example, run it on 2 CPU ranks and check it against serial.
-# make test: install, run the test suite (its thirty-six longest integration runs: make test-slow).
+# make test: install, run the test suite (its forty-six longest integration runs: make test-slow).
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 # torch of the 2.13 series, as pyproject.toml asks, installed only where this Python has none of it: a torch

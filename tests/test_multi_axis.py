@@ -473,8 +473,9 @@ def test_the_search_prices_a_weight_gathered_on_the_batch_axis_as_compile_lowers
     assert fsdp_groups == []  # no group is gathered again: none leaves its weights whole
 
 
-# the 2.5-D MLP in make test-slow: the 2.5-D layer runs the same scheme
-@pytest.mark.parametrize("scheme", ["mlp_1d", "mlp_2d", pytest.param("mlp_2p5d", marks=pytest.mark.slow), "mlp_3d",
+# the 2.5-D and 3-D MLPs in make test-slow: the 2.5-D and 3-D layers run the same schemes
+@pytest.mark.parametrize("scheme", ["mlp_1d", "mlp_2d", pytest.param("mlp_2p5d", marks=pytest.mark.slow),
+                                    pytest.param("mlp_3d", marks=pytest.mark.slow),
                                     "layer_1d", "layer_2d", "layer_2p5d", "layer_3d"])
 def test_tensor_parallel_schemes_of_the_literature_equal_serial(pools, round_figures, scheme):
     compiled = compile_file(f"examples/tp_schemes/{scheme}.par")
