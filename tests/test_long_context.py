@@ -105,6 +105,26 @@ def test_a_zigzag_ring_composes_with_tensor_parallel_heads(pools):
     check(pools, compiled)
 
 
+def test_a_ring_passes_the_key_value_heads_not_their_repeats_where_the_mesh_outnumbers_them(pools):
+    """`mesh tp = 2, cp = 2` on two key/value heads: four ranks, but only tp's two split heads (cp splits
+    the sequence). Traced, the model repeats each key/value head for its four query heads; the ring passes
+    the heads themselves (a quarter of the bytes) and attends with `enable_gqa`. Equal to serial."""
+    megatron = "".join(f"    model.model.layers.*.{name}.weight : {split} @ tp\n" for name, split in (
+        ("self_attn.q_proj", "S(0)"), ("self_attn.k_proj", "S(0)"), ("self_attn.v_proj", "S(0)"),
+        ("self_attn.o_proj", "S(1)"), ("mlp.gate_proj", "S(0)"), ("mlp.up_proj", "S(0)"), ("mlp.down_proj", "S(1)")))
+    text = ("mesh tp = 2, cp = 2\nmodel examples.hf_models:HFLlama(layers=2, kv_heads=2, attention=\"sdpa\")\n"
+            "input input_ids : int64[1, 512] in [0, 256)\n"
+            f"layout {{\n    input_ids : S(1, zigzag) @ cp\n{megatron}}}\n")
+    compiled = compile_text(text, "examples/long.par")
+    attention = [line for line in compiled.source.splitlines() if "rt.attention(" in line]
+    assert len(attention) == 2 and all("enable_gqa=True" in line and "ring_zigzag=('cp',)" in line
+                                       for line in attention)
+    # keys and values of one head a tp rank (of 8 features, float32) for its 256 of the 512 tokens
+    sends = [c for c in compiled.program.collectives if c.kind == "send" and c.phase == "forward"]
+    assert len(sends) == 2 and all(c.bytes == 256 * 1 * 8 * 2 * 4 for c in sends)
+    check(pools, compiled)
+
+
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_a_zigzag_split_evens_the_ranks_causal_work(ranks):
     """Under a causal mask, ring attention's blocks per rank and step (in the area of the queries by keys

@@ -718,7 +718,9 @@ def bind(par: ParFile, regroup_heads: bool = True) -> BoundPlan:
     regrouped = regroup_key_value_heads(exported.graph_module, _features_split_over(par, mesh, exported)) \
         if mesh is not None and regroup_heads and par.substitution("regroup_heads") != "off" else []
     if mesh is not None:
-        fold_grouped_query_repeats(exported.graph_module, mesh.size)
+        # a searched mesh's shapes share this trace (bound_on_mesh): there any axis may split the heads
+        fold_grouped_query_repeats(exported.graph_module,
+                                   _ranks_that_may_split_heads(par, mesh) if regroup_heads else mesh.size)
     clock = time.perf_counter()
     graph_signature = exported.graph_signature
     parameters = dict(graph_signature.inputs_to_parameters)
@@ -864,6 +866,21 @@ def _data_axes(par: ParFile, mesh: Mesh) -> frozenset[int]:
             elif placement.is_split and placement.dim == 1:
                 split_by_columns.add(axis)
     return frozenset(split_inputs | (set(range(mesh.ndim)) - split_by_columns))
+
+
+def _ranks_that_may_split_heads(par: ParFile, mesh: Mesh) -> int:
+    """The most ranks a plan of the file may split attention heads over: the product of every axis but the
+    pipeline's (which splits no tensor) and those the file splits an input on (the batch's, a sequence's:
+    tokens there stay apart through the layers, and attention runs on a split sequence as a ring)."""
+    quiet = DiagnosticSink(par.source)
+    inputs = {decl.name for decl in par.inputs}
+    not_heads = {mesh.axis_index(par.pipeline.axis)} if par.pipeline and par.pipeline.axis in mesh.axis_names else set()
+    for entry in par.layouts:
+        if entry.target in inputs and entry.layout.form != "searched":
+            layout = layout_from_syntax(entry.layout, mesh, quiet)
+            not_heads |= {axis for axis, placement in enumerate(layout.placements if layout else ())
+                          if placement.is_split}
+    return math.prod(size for axis, size in enumerate(mesh.axis_sizes) if axis not in not_heads)
 
 
 def _features_split_over(par: ParFile, mesh: Mesh, exported):
