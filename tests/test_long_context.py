@@ -87,16 +87,19 @@ def test_a_zigzag_sequence_stays_zigzag_and_trains_equal_to_serial(pools):
     check(pools, compiled)
 
 
+# Megatron's layers over `tp`: each rank its heads and its part of the MLP
+MEGATRON_OVER_TP = "".join(f"    model.model.layers.*.{name}.weight : {split} @ tp\n" for name, split in (
+    ("self_attn.q_proj", "S(0)"), ("self_attn.k_proj", "S(0)"), ("self_attn.v_proj", "S(0)"),
+    ("self_attn.o_proj", "S(1)"), ("mlp.gate_proj", "S(0)"), ("mlp.up_proj", "S(0)"), ("mlp.down_proj", "S(1)")))
+
+
 def test_a_zigzag_ring_composes_with_tensor_parallel_heads(pools):
     """`mesh tp = 2, cp = 2`: Megatron's layers written over tp (each rank its heads), the sequence
     zig-zag over cp: ring attention over cp for each tp rank's heads, an all-reduce over tp per half
     layer. Equal to serial on 4 ranks."""
-    megatron = "".join(f"    model.model.layers.*.{name}.weight : {split} @ tp\n" for name, split in (
-        ("self_attn.q_proj", "S(0)"), ("self_attn.k_proj", "S(0)"), ("self_attn.v_proj", "S(0)"),
-        ("self_attn.o_proj", "S(1)"), ("mlp.gate_proj", "S(0)"), ("mlp.up_proj", "S(0)"), ("mlp.down_proj", "S(1)")))
     text = ("mesh tp = 2, cp = 2\nmodel examples.hf_models:HFLlama(layers=2, attention=\"sdpa\")\n"
             "input input_ids : int64[1, 512] in [0, 256)\nmemory <= 60 %\n"
-            f"layout {{\n    input_ids : S(1, zigzag) @ cp\n{megatron}}}\n")
+            f"layout {{\n    input_ids : S(1, zigzag) @ cp\n{MEGATRON_OVER_TP}}}\n")
     compiled = compile_text(text, "examples/long.par")
     attention = [line for line in compiled.source.splitlines() if "rt.attention(" in line]
     assert len(attention) == 2 and all("ring_zigzag=('cp',)" in line and "S(1)@tp, S(2, zigzag)@cp" in line
@@ -109,12 +112,9 @@ def test_a_ring_passes_the_key_value_heads_not_their_repeats_where_the_mesh_outn
     """`mesh tp = 2, cp = 2` on two key/value heads: four ranks, but only tp's two split heads (cp splits
     the sequence). Traced, the model repeats each key/value head for its four query heads; the ring passes
     the heads themselves (a quarter of the bytes) and attends with `enable_gqa`. Equal to serial."""
-    megatron = "".join(f"    model.model.layers.*.{name}.weight : {split} @ tp\n" for name, split in (
-        ("self_attn.q_proj", "S(0)"), ("self_attn.k_proj", "S(0)"), ("self_attn.v_proj", "S(0)"),
-        ("self_attn.o_proj", "S(1)"), ("mlp.gate_proj", "S(0)"), ("mlp.up_proj", "S(0)"), ("mlp.down_proj", "S(1)")))
     text = ("mesh tp = 2, cp = 2\nmodel examples.hf_models:HFLlama(layers=2, kv_heads=2, attention=\"sdpa\")\n"
             "input input_ids : int64[1, 512] in [0, 256)\n"
-            f"layout {{\n    input_ids : S(1, zigzag) @ cp\n{megatron}}}\n")
+            f"layout {{\n    input_ids : S(1, zigzag) @ cp\n{MEGATRON_OVER_TP}}}\n")
     compiled = compile_text(text, "examples/long.par")
     attention = [line for line in compiled.source.splitlines() if "rt.attention(" in line]
     assert len(attention) == 2 and all("enable_gqa=True" in line and "ring_zigzag=('cp',)" in line
