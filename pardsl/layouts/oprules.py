@@ -563,8 +563,9 @@ class InnerCollective:
     # or send: one message of these values to a neighbour; or all_to_all
     routed: bool = False  # the values sent follow the data (a mixture's routing): these are a balanced one's
     around_the_ring: bool = False  # one send per step around the ring of the axis's ranks: n - 1 of them
-    # it travels while the form computes a step from what it carries (ring attention's forward): hidden
-    # behind that step's share of the op's compute, as far as the machine overlaps the two
+    # it travels while the form computes a step (ring attention's keys and values, and backward the sums of
+    # their gradients while the next step computes): hidden behind a step's share of the op's forward
+    # compute, as far as the machine overlaps the two (a backward step computes more than a forward one)
     beside_its_step: bool = False
     # and this many values per value of operand 0's local shape (other tensors, sized in proportion to it
     # where another axis splits them alike: ring attention's keys and values, by the queries' local shape)
@@ -1035,14 +1036,18 @@ def _letters_attention(node: torch.fx.Node, rule: Rule, shapes: list, out_shape:
         mask = [S(draft.operand_letters[3].index("S")) if "S" in draft.operand_letters[3] else B] \
             if len(shapes) > 3 else []
         # a message: the rank's keys and values, sized by its queries' local shape (as many rows, batch
-        # and heads split alike, grouped-query heads in proportion); backward in float32, with their
-        # gradients as they travel
+        # and heads split alike, grouped-query heads in proportion). Backward passes them around again,
+        # and their gradients' sums (float32) after them, each on its way while the next step computes;
+        # the last, the sums home, waited for
         per_query = shapes[1][-3] * (shapes[1][-1] + shapes[2][-1]) / (shapes[0][-3] * shapes[0][-1])
         sends = (
             InnerCollective(0, per_value=per_query, what="keys and values to the next rank", kind="send",
                             around_the_ring=True, beside_its_step=True),
-            InnerCollective(0, per_value=2 * per_query, what="keys, values and their gradients to the next rank",
-                            kind="send", phase="backward", itemsize=4, around_the_ring=True),
+            InnerCollective(0, per_value=per_query, what="keys and values to the next rank", kind="send",
+                            phase="backward", around_the_ring=True, beside_its_step=True),
+            InnerCollective(0, per_value=per_query, what="the keys' and values' gradients summed so far, to the "
+                            "next rank", kind="send", phase="backward", itemsize=4, around_the_ring=True,
+                            beside_its_step=True),
             InnerCollective(0, per_value=per_query, what="the keys' and values' gradients home", kind="send",
                             phase="backward", itemsize=4))
         # the same, the sequence split zig-zag (rank r of n holding pieces r and 2n - 1 - r): under

@@ -14,16 +14,18 @@ step half of the pairs at most. Blocks run piece by piece: a pair is skipped whe
 mask tensor that hides it whole, lets no query see a key of it (the mask is read once per call for that).
 
 Backward goes around the ring again: with the forward's output and row log-sum-exps it recomputes each
-block's probabilities, adds its share to the queries' gradient locally, and adds the keys' and values'
-shares to gradients that travel with their chunk; one last send brings each chunk's gradients home.
+block's probabilities and adds its share to the queries' gradient locally. The keys' and values' shares
+a rank computes for the chunk it holds are added to that chunk's sum from the ranks before it, which
+travels on to the next rank while the next step computes; one last send brings each chunk's sum home.
 
 On CPU each block is torch's fused flash attention kernel (forward with its log-sum-exps, and its
 backward given the whole output and log-sum-exps, which is exactly the block's share): no block's scores
 are held. Elsewhere the blocks are computed in their reference form (the scores materialised).
-Forward sends n - 1 messages (keys and values), backward n (keys, values and their gradients; then the
-gradients alone), counted as `send`s over the ring's innermost axis. Forward's message travels while the
-step's blocks are computed from the chunk it carries (NCCL runs it on its own stream; gloo on its own
-threads); backward's carries the gradients those blocks add to, so it leaves once they are computed.
+Forward sends n - 1 messages (keys and values), backward 2n - 1 (the keys and values again, n - 1; the
+sums of their gradients, n - 1, then home), counted as `send`s over the ring's innermost axis. Each
+travels while a step computes (NCCL runs it on its own stream; gloo on its own threads): the keys and
+values beside the step that reads them, a sum beside the step after the one that made it (as
+ring-flash-attention passes them). Only the last send waits.
 """
 
 from __future__ import annotations
@@ -219,25 +221,33 @@ class RingAttention(torch.autograd.Function):
         grad = grad.contiguous()
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         d, e = k.shape[-1], v.shape[-1]
-        # the chunk held, and the gradients of its keys and values that travel with it (float32)
-        held = torch.cat([k.float(), v.float(), torch.zeros_like(k, dtype=torch.float32),
-                          torch.zeros_like(v, dtype=torch.float32)], dim=-1)
+        held = torch.cat([k, v], dim=-1)  # the chunk held, as forward passed it
         fused = q.device.type == "cpu"
+        travelling = None  # the gradients of the chunk held, as the ranks before this one have added them up
         for step in range(ranks):
             source = (chunk - step) % ranks
             keys = pieces(source, ranks, zigzag)
+            # as forward: the chunk travels on while this step's blocks are computed from it
+            coming = rt.ring_shift_started(held, axes, "backward") if step < ranks - 1 else None
+            # this rank's share of the held chunk's gradients (float32), added to the travelling sum once
+            # computed: the sum comes from the rank before while these blocks are computed
+            share = torch.zeros((*k.shape[:-1], d + e), dtype=torch.float32, device=k.device)
             for i, j, diagonal in block_plan(own, keys, causal, ctx.hidden):
-                kh, vh, grad_k, grad_v = _rows(held, j, count).split([d, e, d, e], dim=-1)
+                kh, vh = _rows(held, j, count).split([d, e], dim=-1)
                 block_q, block_k, block_v = _block_gradients(
-                    _rows(grad, i, count), _rows(q, i, count), _expanded(kh.to(k.dtype), groups),
-                    _expanded(vh.to(v.dtype), groups), _rows(out, i, count), _row_values(lse, i, count),
-                    scale, diagonal, _part(mask, i, count, keys[j], width), fused)
+                    _rows(grad, i, count), _rows(q, i, count), _expanded(kh, groups), _expanded(vh, groups),
+                    _rows(out, i, count), _row_values(lse, i, count), scale, diagonal,
+                    _part(mask, i, count, keys[j], width), fused)
                 _rows(grad_q, i, count).add_(block_q)
+                grad_k, grad_v = _rows(share, j, count).split([d, e], dim=-1)
                 grad_k.add_(_grouped(block_k, groups))
                 grad_v.add_(_grouped(block_v, groups))
-            if step < ranks - 1:
-                held = rt.ring_shift(held, axes, "backward")
-        # the gradients have been with every rank; one more step brings them to their chunk's own
-        grads = rt.ring_shift(held[..., d + e:].contiguous(), axes, "backward")
+            summed = share if travelling is None else travelling() + share
+            # the sum goes on to the rank that holds this chunk next (at the last step: the chunk's own
+            # rank) while the next step's blocks are computed
+            travelling = rt.ring_shift_started(summed, axes, "backward")
+            if coming is not None:
+                held = coming()
+        grads = travelling()
         grad_k, grad_v = grads.split([d, e], dim=-1)
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None, None
