@@ -67,7 +67,7 @@ def test_tensor_parallel_written_leaves_the_data_parallel_axis_to_the_search():
     tp = [f"model.layers.*.{w}.weight : {p} @ tp" for w, p in MEGATRON.items()] + ["lm_head.weight : S(0) @ tp"]
     batch = ["input_ids : S(0) @ dp", "labels : S(0) @ dp"]
     searched, result = compiled(with_layouts(text, batch + tp, f"{bound / GIB:.3f} GiB"))
-    assert result.memory["total"] <= bound
+    assert result.memory["total"] <= searched.memory_bound  # the bound as written, to a thousandth of a GiB
     assert not [note for note in searched.program.notes if note.code == "N003"]
     layouts = {p.name: p.layout.render(searched.program.mesh) for p in searched.program.parameters}
     for weight, written_tp in (("mlp.up_proj", "S(0)@tp"), ("mlp.down_proj", "S(1)@tp")):
