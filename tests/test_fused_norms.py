@@ -16,6 +16,7 @@ from pardsl.compiler import compile_file
 from pardsl.runtime.parallel_ops import RMSNorm
 
 from .test_distributed import check, lines_calling
+from .test_narrow_conversions import compiled_without_narrowing
 
 NORMED = """\
 mesh tp = 2
@@ -169,14 +170,10 @@ def test_a_bfloat16_llamas_norms_keep_their_inputs_in_bf16(compile_par):
     # tensor parallel, the residual a partial sum: each norm's input is all-reduced in bf16 and kept so;
     # against the program with the first cast left to the model, each of the five norms holds its input's
     # bf16 bytes in place of its float32 copy and of the partial sum's (4 × 16 × 64 values a norm)
-    from pardsl import compiler
-
     compiled = compile_file("examples/llama_bf16_tp2.par")
     fused = lines_calling(compiled, "rt.rms_norm")
     assert len(fused) == 5 and all("compute=torch.float32" in line for line in fused), fused
-    with mock.patch.object(compiler, "PASSES_AFTER_LOWERING", tuple(
-            (what, run) for what, run in compiler.PASSES_AFTER_LOWERING if "wider dtype" not in what)):
-        cast_by_the_model = compile_file("examples/llama_bf16_tp2.par")
+    cast_by_the_model = compiled_without_narrowing("examples/llama_bf16_tp2.par")
     assert all(", torch.bfloat16)" in line for line in lines_calling(cast_by_the_model, "rt.rms_norm"))
     values = 4 * 16 * 64
     held, before = compiled.program.memory(), cast_by_the_model.program.memory()

@@ -9,7 +9,8 @@ from pardsl.compiler import compile_file
 from .test_distributed import check, lines_calling
 
 
-def _without_the_pass(path: str):
+def compiled_without_narrowing(path: str):
+    """The file compiled with every pass but this one: the model's own cast to the wider dtype first."""
     with mock.patch.object(compiler, "PASSES_AFTER_LOWERING", tuple(
             (what, run) for what, run in compiler.PASSES_AFTER_LOWERING if "wider dtype" not in what)):
         return compile_file(path)
@@ -20,7 +21,7 @@ def test_a_bfloat16_llamas_partial_sums_are_all_reduced_in_bfloat16(pools):
     # (two a layer, the final one) needs whole. Each all-reduce moves the bf16 value, 4 × 16 × 64 × 2
     # bytes, where it moved its float32 cast; the same collectives, and the run measures the bytes planned
     compiled = compile_file("examples/llama_bf16_tp2.par")
-    before = _without_the_pass("examples/llama_bf16_tp2.par")
+    before = compiled_without_narrowing("examples/llama_bf16_tp2.par")
     assert compiled.program.collective_counts() == before.program.collective_counts()
     reduced = [c for c in compiled.program.collectives if c.kind == "all_reduce" and c.phase == "forward"]
     assert [c.bytes for c in reduced] == [4 * 16 * 64 * 2] * 5
@@ -37,4 +38,4 @@ def test_a_bfloat16_llamas_partial_sums_are_all_reduced_in_bfloat16(pools):
 def test_a_float32_model_is_left_as_it_was():
     compiled = compile_file("examples/hf_llama_tp2.par")
     assert "before its cast" not in compiled.source
-    assert compiled.source == _without_the_pass("examples/hf_llama_tp2.par").source
+    assert compiled.source == compiled_without_narrowing("examples/hf_llama_tp2.par").source
