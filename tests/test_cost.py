@@ -374,6 +374,21 @@ def test_zero3_over_the_data_axis_is_offered_beside_tensor_parallelism_and_the_s
                         r"model\.model\.layers\.\*\.\S+\.weight : S\(\d\)@dp", zero3.edit[0]), zero3.edit
 
 
+def test_the_swapped_mesh_is_priced_as_its_own_file_compiles():
+    """`dp = 4, tp = 2` on two key/value heads: tp's two ranks divide them, and the traced model's repeat
+    of them for the query heads is folded away. On the swapped mesh, `dp = 2, tp = 4`, four ranks split
+    two heads: the trace is made again for it, and the alternative is priced as that file compiles alone."""
+    from .test_long_context import MEGATRON_OVER_TP
+
+    text = ("mesh   {mesh}\nmodel  examples.hf_models:HFLlama(layers=2, kv_heads=2)\n"
+            "input  input_ids : int64[8, 16] in [0, 256)\n"
+            "layout {{\n    input_ids : S(0) @ dp\n" + MEGATRON_OVER_TP + "}}\n")
+    compiled = compile_text(text.format(mesh="dp = 4, tp = 2"), "examples/swapped.par")
+    [swapped] = [a for a in plan_alternatives(compiled, MACHINE) if a.title.startswith("dp = 2, tp = 4")]
+    alone = estimate(compile_text(text.format(mesh="dp = 2, tp = 4"), "examples/swapped.par"), MACHINE)
+    assert (swapped.step_s, swapped.memory) == (alone.step_s, alone.memory["total"])
+
+
 def test_a_searched_plan_offers_no_written_alternatives():
     # no layout written: the search chose them, and a changed line would be searched again
     compiled = compile_text("mesh tp = 2\nmodel examples.models:ResidualMLP(d_model=128, d_ff=512, n_classes=16)\n"

@@ -909,8 +909,8 @@ def _features_split_over(par: ParFile, mesh: Mesh, exported):
 
 def bound_on_mesh(bound: BoundPlan, par: ParFile) -> BoundPlan:
     """`bound`'s traced model with `par`'s layouts bound on `par`'s mesh: the same file with another mesh
-    shape (a searched mesh's), which is one trace for all its shapes (their rank counts are the same, and
-    only the count reaches the trace)."""
+    shape. A searched mesh's shapes are one trace (bound with `regroup_heads=False`, only their rank count,
+    the same for all, reaches it); elsewhere bound_for says whether the trace serves."""
     sink = DiagnosticSink(par.source)
     mesh = _check_mesh(par, sink)
     written = [(entry, layout_from_syntax(entry.layout, mesh, sink) if mesh else None) for entry in par.layouts]
@@ -920,6 +920,17 @@ def bound_on_mesh(bound: BoundPlan, par: ParFile) -> BoundPlan:
         pins = _regrouped_pins(pins, bound.regrouped, bound.tensors, mesh, _data_axes(par, mesh))
     return replace(bound, par=par, mesh=mesh, pins=pins, output_pins=output_pins,
                    searched=frozenset(searched - set(pins)), seconds={"bind": 0.0})
+
+
+def bound_for(bound: BoundPlan, par: ParFile) -> BoundPlan:
+    """`par`, the same model and inputs as `bound`'s file on another mesh shape, bound on `bound`'s trace
+    where that trace is the one binding `par` would make, else traced again: folding grouped-query repeats
+    reads which axes may split heads, and regrouping key/value heads reads the axes' sizes."""
+    mesh = _check_mesh(par, DiagnosticSink(par.source))
+    if mesh is not None and bound.mesh is not None and not bound.regrouped and \
+            _ranks_that_may_split_heads(par, mesh) == _ranks_that_may_split_heads(bound.par, bound.mesh):
+        return bound_on_mesh(bound, par)
+    return bind(par)
 
 
 def _bound_layouts(written: list, index: "_NameIndex", tensors: dict[str, TensorInfo], mesh: Mesh | None,

@@ -17,7 +17,7 @@ from pardsl.language.diagnostics import CompileError
 from pardsl.language.progress import tell
 from pardsl.language.syntax import parse
 from pardsl.layouts.algebra import B, Layout, Placement
-from pardsl.model.binding import bound_on_mesh, name_pattern
+from pardsl.model.binding import bound_for, name_pattern
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, estimate, repeated_layer
 from pardsl.planning.search import wants_search
 
@@ -58,7 +58,7 @@ def _priced(compiled, machine, bucket_mb: float, optimizer: str, title: str, tex
             shown: list[str]) -> Alternative:
     try:
         variant = parse(text, compiled.par.source.path)
-        other = compile_bound(variant, bound_on_mesh(compiled.bound, variant), bucket_mb, machine)
+        other = compile_bound(variant, bound_for(compiled.bound, variant), bucket_mb, machine)
     except CompileError as error:
         first = error.diagnostics[0]
         return Alternative(title, shown, why_not=f"error[{first.code}]: {first.message}")
