@@ -111,7 +111,11 @@ def test_a_zigzag_ring_composes_with_tensor_parallel_heads(pools):
 def test_a_ring_passes_the_key_value_heads_not_their_repeats_where_the_mesh_outnumbers_them(pools):
     """`mesh tp = 2, cp = 2` on two key/value heads: four ranks, but only tp's two split heads (cp splits
     the sequence). Traced, the model repeats each key/value head for its four query heads; the ring passes
-    the heads themselves (a quarter of the bytes) and attends with `enable_gqa`. Equal to serial."""
+    the heads themselves (a quarter of the bytes) and attends with `enable_gqa`, which explain says. Equal
+    to serial."""
+    from pardsl.planning.cost import DEFAULTS, estimate
+    from pardsl.tools.explain import report
+
     text = ("mesh tp = 2, cp = 2\nmodel examples.hf_models:HFLlama(layers=2, kv_heads=2, attention=\"sdpa\")\n"
             "input input_ids : int64[1, 512] in [0, 256)\n"
             f"layout {{\n    input_ids : S(1, zigzag) @ cp\n{MEGATRON_OVER_TP}}}\n")
@@ -122,6 +126,8 @@ def test_a_ring_passes_the_key_value_heads_not_their_repeats_where_the_mesh_outn
     # keys and values of one head a tp rank (of 8 features, float32) for its 256 of the 512 tokens
     sends = [c for c in compiled.program.collectives if c.kind == "send" and c.phase == "forward"]
     assert len(sends) == 2 and all(c.bytes == 256 * 1 * 8 * 2 * 4 for c in sends)
+    explained = report(compiled, estimate(compiled, DEFAULTS["gloo"]))
+    assert "\nsubstitutions: 2 attentions read the grouped-query key/value heads themselves (`enable_gqa`)" in explained
     check(pools, compiled)
 
 

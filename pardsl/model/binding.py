@@ -116,6 +116,8 @@ class BoundPlan:
     # a bound remade for another mesh or a recipe (dataclasses.replace) shares it with its graph
     derived: dict = field(default_factory=dict, repr=False, compare=False)
     parameter_writes: tuple[ParameterWrite, ...] = ()
+    # attentions rewritten to read grouped-query key/value heads unrepeated (grouped_query.py)
+    unrepeated_attentions: int = 0
 
     @property
     def trained_parameters(self) -> list[str]:
@@ -717,10 +719,11 @@ def bind(par: ParFile, regroup_heads: bool = True) -> BoundPlan:
         exported.graph_module.recompile()
     regrouped = regroup_key_value_heads(exported.graph_module, _features_split_over(par, mesh, exported)) \
         if mesh is not None and regroup_heads and par.substitution("regroup_heads") != "off" else []
+    unrepeated = 0
     if mesh is not None:
         # a searched mesh's shapes share this trace (bound_on_mesh): there any axis may split the heads
-        fold_grouped_query_repeats(exported.graph_module,
-                                   _ranks_that_may_split_heads(par, mesh) if regroup_heads else mesh.size)
+        unrepeated = fold_grouped_query_repeats(
+            exported.graph_module, _ranks_that_may_split_heads(par, mesh) if regroup_heads else mesh.size)
     clock = time.perf_counter()
     graph_signature = exported.graph_signature
     parameters = dict(graph_signature.inputs_to_parameters)
@@ -823,7 +826,7 @@ def bind(par: ParFile, regroup_heads: bool = True) -> BoundPlan:
                      module_paths, seconds, buffer_values, persistent,
                      {name: tuple(names) for names in tied.values() for name in names}, signature, dims, scalars,
                      frozenset(searched - set(pins)), frozen, tuple(table), tuple(regrouped),
-                     parameter_writes=tuple(parameter_writes))
+                     parameter_writes=tuple(parameter_writes), unrepeated_attentions=unrepeated)
 
 
 def _regrouped_pins(pins: dict[str, Pin], regrouped, tensors: dict[str, TensorInfo], mesh: Mesh,

@@ -273,10 +273,15 @@ def _step_line(seconds: dict, pipelined: bool = False) -> str:
 
 
 def _substitution_lines(compiled, estimate: Estimate) -> list[str]:
-    """The rewrites the compile made: key/value heads regrouped (pardsl/model/grouped_query.py), and the
-    collective matmuls (pardsl/passes/collective_matmul.py) with what they save, or why none was made
-    where the plan has the collectives one could cut."""
+    """The rewrites the compile made: grouped-query key/value heads read unrepeated, or regrouped
+    (pardsl/model/grouped_query.py), and the collective matmuls (pardsl/passes/collective_matmul.py) with
+    what they save, or why none was made where the plan has the collectives one could cut."""
     lines = []
+    unrepeated = compiled.typed.bound.unrepeated_attentions
+    if unrepeated:
+        lines.append(f"substitutions: {plural(unrepeated, 'attention')} read the grouped-query key/value heads "
+                     f"themselves (`enable_gqa`), not the traced model's copies of them for each query head: "
+                     f"no copies made or kept, and a ring over a split sequence passes the heads alone")
     regrouped = compiled.typed.bound.regrouped
     if regrouped:
         heads, ranks = regrouped[0].heads, regrouped[0].ranks
