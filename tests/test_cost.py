@@ -12,7 +12,7 @@ from pardsl.tools.calibrate import fit
 from pardsl.compiler import compile_file, compile_text
 from pardsl.program.ir import format_bytes
 from pardsl.model.binding import global_flops
-from pardsl.planning.pipeline_search import pipelined_step_seconds
+from pardsl.planning.pipeline_search import pipelined_step, pipelined_step_seconds
 from pardsl.planning.cost import DEFAULTS, PRESETS, CalibrationError, LinkCost, Machine, estimate, load_machine
 from pardsl.tools.explain import alternatives, layers, report, runner_ups, seconds_text
 from pardsl.tools.alternatives import plan_alternatives
@@ -412,6 +412,13 @@ def test_a_pipeline_cut_before_a_module_that_is_no_repeated_layer_is_priced():
     step = pipelined_step_seconds(compiled, MACHINE)
     assert step > 0 and f"estimated step {seconds_text(step)} per rank, pipelined: 4 micro-batches through 2 stages " \
         "under 1F1B" in text
+    # its parts: 1F1B over two stages waits one stage's time (Σ t − max t), at most a micro-batch's on the
+    # busiest rank, which runs all four
+    priced = pipelined_step(compiled, MACHINE)
+    assert priced.busiest_s + priced.bubble_s + priced.synchronised_s == pytest.approx(step)
+    assert 0 < priced.bubble_s <= priced.busiest_s / 4
+    assert f"under 1F1B: the busiest rank's stages {seconds_text(priced.busiest_s)} (every micro-batch's compute " \
+        f"and sends), the schedule's bubble {seconds_text(priced.bubble_s)}" in text
     assert f"\none micro-batch through the whole model, without the pipeline: {seconds_text(result.step_s)} per rank" in text
 
 

@@ -656,7 +656,7 @@ def test_with_two_stages_a_rank_the_cut_evens_the_ranks_not_only_the_stages():
 
     every = [[0, *inner, n] for inner in itertools.combinations(range(1, n), 3)]
     stage_by_stage = _cut(times, sends, None, 4, 2, None, "Interleaved1F1B")
-    cut, seconds, _ = _fastest_cut(times, weights, sends, None, 4, 2, 2, "Interleaved1F1B", 8, None)
+    cut, seconds, _, _, _ = _fastest_cut(times, weights, sends, None, 4, 2, 2, "Interleaved1F1B", 8, None)
     assert step(stage_by_stage) == 8 * 6.0 + 1 * 6.0 / 2  # m · w + (p - 1) · w / v, rank 1 at 6
     assert seconds == step(cut) == min(step(each) for each in every) == 8 * 5.0 + 5.0 / 2
     assert cut == [0, 1, 2, 5, 7]
@@ -664,9 +664,9 @@ def test_with_two_stages_a_rank_the_cut_evens_the_ranks_not_only_the_stages():
     # a cut named beside them (the option a compile was written with) is kept where it is priced faster
     times, n = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 1.0], 8
     sends, weights = [0.0] * n, [0.0] * n
-    missed, missed_step, _ = _fastest_cut(times, weights, sends, None, 4, 2, 2, "ZBVZeroBubble", 8, None)
-    kept, kept_step, _ = _fastest_cut(times, weights, sends, None, 4, 2, 2, "ZBVZeroBubble", 8, None,
-                                      [0, 1, 2, 6, 8])
+    missed, missed_step, _, _, _ = _fastest_cut(times, weights, sends, None, 4, 2, 2, "ZBVZeroBubble", 8, None)
+    kept, kept_step, _, _, _ = _fastest_cut(times, weights, sends, None, 4, 2, 2, "ZBVZeroBubble", 8, None,
+                                            [0, 1, 2, 6, 8])
     assert (missed_step, kept, kept_step) == (51.0, [0, 1, 2, 6, 8], 42.5)
 
 
@@ -706,3 +706,29 @@ def test_the_cut_of_several_stages_a_rank_holds_each_rank_within_the_bound():
     least = min(_rank_memory(held, each, 2, "Interleaved1F1B") for each in every)
     nearest = _cut(times, sends, held, 4, 2, 5, "Interleaved1F1B")
     assert _rank_memory(held, nearest, 2, "Interleaved1F1B") == least == 12
+
+
+def test_a_pipeline_rank_synchronises_its_own_stages_gradients_not_the_whole_models():
+    """pp 2 × dp 2: each rank all-reduces over dp the gradients of its own stage's parameters, both ranks
+    at once. The step waits for the larger share of the whole model's buckets (by elements: what each
+    stage's own program buckets), where it waited for all of them."""
+    import math
+
+    from pardsl.compiler import compile_file
+    from pardsl.planning.cost import DEFAULTS, collective_seconds
+    from pardsl.planning.pipeline_search import pipelined_step
+
+    compiled = compile_file("examples/hf_llama_pp2_dp2.par")
+    machine = DEFAULTS["gloo"]
+    whole = sum(collective_seconds(machine, compiled.program.mesh, c) for bucket in compiled.program.buckets
+                for c in bucket.collectives)
+
+    def elements(program) -> int:
+        slots = {slot.var: slot for slot in program.parameters}
+        return sum(math.prod(slots[var].local_shape) for bucket in program.buckets for var, _, _ in bucket.members)
+
+    shares = [elements(stage) / elements(compiled.program) for stage in compiled.stages]
+    assert sum(shares) == pytest.approx(1.0) and all(0.4 < share < 0.6 for share in shares)
+    priced = pipelined_step(compiled, machine)
+    assert priced.synchronised_s == pytest.approx(whole * max(shares), rel=1e-9)
+    assert priced.step_s == pytest.approx(priced.busiest_s + priced.bubble_s + priced.synchronised_s)

@@ -26,8 +26,10 @@ v stages a rank:
 W: an op's backward is shared evenly among its differentiable operands, and the shares of its trained
 parameters are weight gradient (a linear layer's backward: half input gradient, half weight gradient).
 Collectives along the other axes (tensor parallelism's all-reduces) count in their stage's time, and the
-gradient buckets once a step, exposed. Op and collective times at another micro-batch size scale with
-the rows they compute, the per-op overhead does not; layouts along the other axes are the file's
+gradient buckets once a step, exposed: each rank its own stages' (their segments' share of the uncut
+program's buckets), all ranks at once, the step waiting for the longest. Op and collective times at
+another micro-batch size scale with the rows they compute, the per-op overhead does not; layouts along
+the other axes are the file's
 completion, searched where the file asks (as the compile searches them for the pipeline chosen), and
 parameter gathers (ZeRO-3 within a stage) are not priced.
 """
@@ -81,6 +83,15 @@ class PipelineOption:
     # the layouts on the other axes it was priced with: the file's own (completed or searched), or a known
     # recipe's (its name), whichever served this pipeline best
     priced_on: str = ""
+    # of step_s: what its busiest rank computes and sends, every micro-batch through its stages (the rest
+    # is the schedule's bubble), and the gradient buckets' synchronisation once a step
+    busiest_s: float = 0.0
+    synchronised_s: float = 0.0
+
+    @property
+    def bubble_s(self) -> float:
+        """Of step_s, the time the busiest rank waits on the schedule's fill and drain."""
+        return max(0.0, self.step_s - self.busiest_s - self.synchronised_s)
 
 
 @dataclass(frozen=True)
@@ -211,8 +222,7 @@ def _options(typed, program, decl: PipelineDecl, machine: Machine, limit: int | 
     written_cuts = () if "cut" in decl.searched or decl.balanced else tuple(module for module, _ in decl.cuts)
     segments = _segments(typed, program, machine, written_cuts)
     held_bytes = segment_memory(typed, segments, lowering.staged(typed), optimizer) if price_memory else None
-    synchronised = sum(collective_seconds(machine, typed.mesh, c) for bucket in program.buckets
-                       for c in bucket.collectives)
+    synchronised = _synchronised_seconds(typed, program, machine, segments)
     schedules = SEARCHED_SCHEDULES if "schedule" in decl.searched else ((decl.schedule, decl.stages_per_rank),)
     batch = bound.par.inputs[0].shape[0] * traced_microbatches if bound.par.inputs else traced_microbatches
     counts = _microbatch_counts(typed, batch) if "microbatches" in decl.searched else [decl.microbatches]
@@ -241,16 +251,17 @@ def _options(typed, program, decl: PipelineDecl, machine: Machine, limit: int | 
             sends = [machine.collective_seconds("send", int(b * rows), 2) if b else 0.0 for b in segments.sent_bytes]
             held = _Held(held_bytes, rows, schedule, m, ranks, stages) if held_bytes is not None else None
             if written is not None:
-                found = (written, *_priced(times, weights, sends, held, written, ranks, per_rank, schedule, m)) \
-                    if len(written) - 1 == stages else None
+                found = (written, *_priced(times, weights, sends, held, written, ranks, per_rank, schedule, m,
+                                           synchronised)) if len(written) - 1 == stages else None
             else:
                 found = _fastest_cut(times, weights, sends, held, stages, ranks, per_rank, schedule, m, limit,
-                                     also)
+                                     also, synchronised)
             if found is None:
                 continue
-            cut, step, memory = found
+            cut, step, memory, busiest, synchronising = found
             options.append(PipelineOption(schedule, per_rank, m, tuple(segments.names[i - 1] for i in cut[1:-1]),
-                                          step + synchronised, memory, limit is None or memory <= limit))
+                                          step, memory, limit is None or memory <= limit,
+                                          busiest_s=busiest, synchronised_s=synchronising))
     if not options:
         raise CompileError([Diagnostic(
             "E075", f"no pipeline of {ranks} ranks fits the model: cut where its repeated layers start, it makes "
@@ -307,6 +318,31 @@ def _segments(typed, program, machine: Machine, written_cuts: tuple[str, ...] = 
         last = order[end - 1]
         sent[k] = local_bytes(last, typed.nodes[last].op_layout)
     return _Segments(tuple(names), tuple(scaled), tuple(fixed), tuple(weight), tuple(sent), segment_of)
+
+
+def _synchronised_seconds(typed, program, machine: Machine, segments: _Segments) -> list[float]:
+    """Per segment, the seconds of the gradient buckets' collectives for its parameters (a bucket's shared
+    among its members by their elements), a parameter in the segment of the first op that reads it. The
+    uncut program's buckets hold every parameter; a pipeline rank synchronises its own stages' alone."""
+    bound, mesh = typed.bound, typed.mesh
+    placeholder_of = {name: placeholder for placeholder, name in bound.parameters.items()}
+    slots = {slot.var: slot for slot in program.parameters}
+    nodes = {node.name: node for node in bound.graph.nodes}
+
+    def segment(var: str) -> int:
+        node = nodes.get(placeholder_of.get(slots[var].name, "")) if var in slots else None
+        readers = [user.name for user in node.users if user.name in segments.segment_of] if node else []
+        return segments.segment_of[readers[0]] if readers else 0
+
+    seconds = [0.0] * len(segments.scaled_s)
+    for bucket in program.buckets:
+        total = sum(collective_seconds(machine, mesh, c) for c in bucket.collectives)
+        members = [(segment(var), math.prod(slots[var].local_shape) if var in slots else 1)
+                   for var, _, _ in bucket.members]
+        elements = sum(count for _, count in members) or 1
+        for k, count in members:
+            seconds[k] += total * count / elements
+    return seconds
 
 
 def _searched_layouts(typed, decl: PipelineDecl, machine: Machine, limit: int | None, traced_microbatches: int,
@@ -457,14 +493,16 @@ def _cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int
 
 def _fastest_cut(times, weights, sends, held: "_Held | None", stages: int, ranks: int, per_rank: int,
                  schedule: str, m: int, limit: int | None,
-                 also: list[int] | None = None) -> tuple[list[int], float, int] | None:
-    """The cut, its step and what its fullest rank holds: of _cut's cuts (and `also`), the one priced
+                 also: list[int] | None = None,
+                 synchronised: list[float] | None = None) -> tuple[list[int], float, int, float, float] | None:
+    """The cut, its step, what its fullest rank holds, its busiest rank's work and its gradients'
+    synchronisation (_priced): of _cut's cuts (and `also`), the one priced
     fastest within the bound (none within it: the one holding least). With several stages a rank the step
     follows the busiest rank's stages together, which the stage-by-stage cut can leave uneven (two long
     stages on one rank where only the slowest stage counts): the cut evening the ranks is priced beside it."""
     cuts = [_cut(times, sends, held, stages, ranks, limit, schedule, by_rank)
             for by_rank in ((False, True) if stages > ranks else (False,))] + [also]
-    priced = [(cut, *_priced(times, weights, sends, held, cut, ranks, per_rank, schedule, m))
+    priced = [(cut, *_priced(times, weights, sends, held, cut, ranks, per_rank, schedule, m, synchronised))
               for cut in cuts if cut is not None and len(cut) - 1 == stages]
     if not priced:
         return None
@@ -593,9 +631,11 @@ class _Held:
 
 
 def _priced(times, weights, sends, held: _Held | None, cut: list[int], ranks: int, per_rank: int,
-            schedule: str, m: int) -> tuple[float, int]:
-    """The step's estimate and the most memory a rank holds, for stages cut at `cut` (the module's
-    docstring gives the model)."""
+            schedule: str, m: int, synchronised: list[float] | None = None) -> tuple[float, int, float, float]:
+    """The step's estimate, the most memory a rank holds, the busiest rank's work (m · w: the step without
+    the bubble), and the gradients' synchronisation once a step, for stages cut at `cut` (the module's
+    docstring gives the model). `synchronised`: each segment's gradient buckets' seconds; a rank
+    synchronises its own stages' gradients, all ranks at once, and the step waits for the longest."""
     prefix = [0.0, *itertools.accumulate(times)]
     stage_times = [_stage_seconds(prefix, sends, i, j) for i, j in zip(cut, cut[1:])]
     stage_weights = [sum(weights[i:j]) for i, j in zip(cut, cut[1:])]
@@ -614,16 +654,25 @@ def _priced(times, weights, sends, held: _Held | None, cut: list[int], ranks: in
         step = m * w + (ranks - 1) * max(0.0, w - 3 * w_weight) / per_rank
     else:
         step = m * w + (ranks - 1) * w / per_rank
-    return step, _rank_memory(held, cut, ranks, schedule) if held is not None else 0
+    synchronising = [0.0] * ranks
+    for k, (i, j) in enumerate(zip(cut, cut[1:])):
+        synchronising[rank_of_stage(k, ranks, schedule)] += sum(synchronised[i:j]) if synchronised else 0.0
+    return step + max(synchronising), _rank_memory(held, cut, ranks, schedule) if held is not None else 0, m * w, \
+        max(synchronising)
 
 
 def pipelined_step_seconds(compiled, machine: Machine) -> float:
     """A compiled pipelined plan's step as this model prices it (its stages' times per micro-batch and the
     schedule's bubble), with the layouts the plan has on its other axes."""
+    return pipelined_step(compiled, machine).step_s
+
+
+def pipelined_step(compiled, machine: Machine) -> PipelineOption:
+    """A compiled pipelined plan priced as pipelined_step_seconds prices it, with its step's parts."""
     plan, written = compiled.pipeline, compiled.par.pipeline
     decl = dataclasses.replace(written, schedule=plan.schedule, microbatches=plan.microbatches,
                                stages_per_rank=plan.stages_per_rank, searched=frozenset(),
                                cuts=tuple((name, written.cut_span) for name in plan.cut_before))
     _, (option,) = choose_pipeline(compiled.typed, compiled.program, decl, machine, None, plan.microbatches,
                                    price_memory=False)
-    return option.step_s
+    return option

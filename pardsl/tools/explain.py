@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pardsl.layouts.oprules import Signature
 from pardsl.passes.regather import gathered_again
 from pardsl.planning.cost import Estimate, layer_of, plural
-from pardsl.planning.pipeline_search import pipelined_step_seconds
+from pardsl.planning.pipeline_search import pipelined_step
 from pardsl.program.ir import format_bytes, named_layout
 
 
@@ -137,7 +137,8 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None, altern
     mesh = program.mesh
     seconds, memory, machine = estimate.seconds, estimate.memory, estimate.machine
     ar = machine.collectives["all_reduce"]
-    pipelined = pipelined_step_seconds(compiled, machine) if compiled.pipeline is not None else None
+    priced_pipeline = pipelined_step(compiled, machine) if compiled.pipeline is not None else None
+    pipelined = priced_pipeline.step_s if priced_pipeline is not None else None
     lines = [f"{program.source_path}: mesh {mesh} ({mesh.size} ranks), model {program.model}",
              f"machine: {machine.backend}, {machine.source}; all-reduce α {seconds_text(ar.alpha_s)} per ring step, "
              f"β {ar.beta_s_per_byte * 1e9:.3g} ns/B (α: each step's latency, β: time per byte); "
@@ -149,7 +150,7 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None, altern
              *_mesh_shapes(compiled, mesh),
              *_pipeline_options(compiled),
              "",
-             *_pipelined_step(compiled, pipelined),
+             *_pipelined_step(compiled, priced_pipeline),
              _step_line(seconds, pipelined is not None),
              *_substitution_lines(compiled, estimate),
              _throughput_line(estimate, pipelined or seconds["step"]),
@@ -458,14 +459,18 @@ def _mesh_shapes(compiled, mesh) -> list[str]:
     return lines
 
 
-def _pipelined_step(compiled, step: float | None) -> list[str]:
-    """A pipelined plan's step; the line after it gives one micro-batch through the whole model."""
+def _pipelined_step(compiled, priced) -> list[str]:
+    """A pipelined plan's step and its parts (`priced`: pipeline_search.pipelined_step); the line after it
+    gives one micro-batch through the whole model."""
     plan = compiled.pipeline
     if plan is None:
         return []
-    return [f"estimated step {seconds_text(step)} per rank, pipelined: {plan.microbatches} micro-batch"
-            f"{'es' if plan.microbatches > 1 else ''} through {len(compiled.stages)} stages under {plan.schedule} "
-            "(the pipeline search's model: the stages' times per micro-batch, the schedule's bubble, the sends)"]
+    synchronised = f", the gradients' synchronisation {seconds_text(priced.synchronised_s)}" \
+        if priced.synchronised_s else ""
+    return [f"estimated step {seconds_text(priced.step_s)} per rank, pipelined: {plan.microbatches} micro-batch"
+            f"{'es' if plan.microbatches > 1 else ''} through {len(compiled.stages)} stages under {plan.schedule}: "
+            f"the busiest rank's stages {seconds_text(priced.busiest_s)} (every micro-batch's compute and sends), "
+            f"the schedule's bubble {seconds_text(priced.bubble_s)}{synchronised} (the pipeline search's model)"]
 
 
 def _pipeline_options(compiled) -> list[str]:
