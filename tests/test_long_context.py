@@ -93,15 +93,21 @@ MEGATRON_OVER_TP = "".join(f"    model.model.layers.*.{name}.weight : {split} @ 
     ("self_attn.o_proj", "S(1)"), ("mlp.gate_proj", "S(0)"), ("mlp.up_proj", "S(0)"), ("mlp.down_proj", "S(1)")))
 
 
+def _tp_cp_llama(model_arguments: str, bound: str = ""):
+    """HF LLaMA on `mesh tp = 2, cp = 2`, Megatron's layers over tp and the tokens zig-zag over cp,
+    compiled: (the plan, its attention lines)."""
+    text = (f"mesh tp = 2, cp = 2\nmodel examples.hf_models:HFLlama({model_arguments})\n"
+            f"input input_ids : int64[1, 512] in [0, 256)\n{bound}"
+            f"layout {{\n    input_ids : S(1, zigzag) @ cp\n{MEGATRON_OVER_TP}}}\n")
+    compiled = compile_text(text, "examples/long.par")
+    return compiled, [line for line in compiled.source.splitlines() if "rt.attention(" in line]
+
+
 def test_a_zigzag_ring_composes_with_tensor_parallel_heads(pools):
     """`mesh tp = 2, cp = 2`: Megatron's layers written over tp (each rank its heads), the sequence
     zig-zag over cp: ring attention over cp for each tp rank's heads, an all-reduce over tp per half
     layer. Equal to serial on 4 ranks."""
-    text = ("mesh tp = 2, cp = 2\nmodel examples.hf_models:HFLlama(layers=2, attention=\"sdpa\")\n"
-            "input input_ids : int64[1, 512] in [0, 256)\nmemory <= 60 %\n"
-            f"layout {{\n    input_ids : S(1, zigzag) @ cp\n{MEGATRON_OVER_TP}}}\n")
-    compiled = compile_text(text, "examples/long.par")
-    attention = [line for line in compiled.source.splitlines() if "rt.attention(" in line]
+    compiled, attention = _tp_cp_llama('layers=2, attention="sdpa"', "memory <= 60 %\n")
     assert len(attention) == 2 and all("ring_zigzag=('cp',)" in line and "S(1)@tp, S(2, zigzag)@cp" in line
                                        for line in attention)
     assert compiled.program.collective_counts_by_axis()["forward"] == {"cp:send": 2, "tp:all_reduce": 4}
@@ -116,11 +122,7 @@ def test_a_ring_passes_the_key_value_heads_not_their_repeats_where_the_mesh_outn
     from pardsl.planning.cost import DEFAULTS, estimate
     from pardsl.tools.explain import report
 
-    text = ("mesh tp = 2, cp = 2\nmodel examples.hf_models:HFLlama(layers=2, kv_heads=2, attention=\"sdpa\")\n"
-            "input input_ids : int64[1, 512] in [0, 256)\n"
-            f"layout {{\n    input_ids : S(1, zigzag) @ cp\n{MEGATRON_OVER_TP}}}\n")
-    compiled = compile_text(text, "examples/long.par")
-    attention = [line for line in compiled.source.splitlines() if "rt.attention(" in line]
+    compiled, attention = _tp_cp_llama('layers=2, kv_heads=2, attention="sdpa"')
     assert len(attention) == 2 and all("enable_gqa=True" in line and "ring_zigzag=('cp',)" in line
                                        for line in attention)
     # keys and values of one head a tp rank (of 8 features, float32) for its 256 of the 512 tokens
