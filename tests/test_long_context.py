@@ -83,6 +83,13 @@ def test_a_zigzag_sequence_stays_zigzag_and_trains_equal_to_serial(pools):
     assert masks and all("S(2, zigzag)@cp  [1, 1, 512, 512] local [1, 1, 256, 512]" in line for line in masks)
     assert all("rt.all_gather(" not in line for line in lines)
     assert any("rt.cross_entropy(" in line and "mean=('cp',)" in line for line in lines)
+    # priced for the blocks the causal mask the model traced leaves to compute: each rank 5 of its 8
+    # (query piece, key piece) pairs, where it would be all 8 under a mask not known
+    from pardsl.planning.cost import DEFAULTS, estimate
+
+    priced = [o for o in estimate(compiled, DEFAULTS["gloo"]).ops if o.op == "scaled_dot_product_attention.default"]
+    assert len(priced) == 2
+    assert all(o.flops == int(compiled.bound.flops[o.node] * 5 / 8) // 2 for o in priced)
     assert compiled.program.collective_counts_by_axis()["forward"]["cp:send"] == 2
     check(pools, compiled)
 

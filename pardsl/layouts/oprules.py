@@ -34,6 +34,7 @@ import torch
 
 import pardsl.runtime.experts  # noqa: F401  (registers pardsl::experts and pardsl::grouped_mm, which RULES names)
 from pardsl.layouts.algebra import B, P, Placement, S, collective_bytes, halo_rows, per_dim, transposed_halo_rows, zigzag
+from pardsl.layouts.masks import busiest_zigzag_share, hidden_blocks
 
 Letters = tuple  # one letter (str) or None (a broadcast dim of size 1) per dim
 
@@ -608,9 +609,16 @@ class Signature:
     # the share of its split of the op's work a rank does in this form (the busiest rank's), where the
     # form leaves some undone: ring attention split zig-zag skips the blocks a causal mask hides
     compute_share: float = 1.0
+    # or, under a mask tensor, per query block and key block whether it hides the block whole (the share
+    # then depends on the ranks the sequence is split over; one op's, so left out of comparisons)
+    hidden_blocks: tuple[tuple[bool, ...], ...] | None = field(default=None, compare=False)
     # whether the search should offer its operands' block arrangements to the ops that make them, all the
     # way up (the form is why a zig-zag split is worth making; a loss merely takes one)
     asked_upstream: bool = False
+
+    def share_on(self, ranks: int) -> float:
+        """The busiest rank's share of its split of the op's work, the form taken over `ranks` ranks."""
+        return self.compute_share if self.hidden_blocks is None else busiest_zigzag_share(self.hidden_blocks, ranks)
 
 
 def forms_taken(spec: DimSpec, operand_layouts, op_layout) -> dict[int, Signature]:
@@ -624,10 +632,11 @@ def forms_taken(spec: DimSpec, operand_layouts, op_layout) -> dict[int, Signatur
     return taken
 
 
-def compute_share(spec: DimSpec, operand_layouts, op_layout) -> float:
+def compute_share(spec: DimSpec, operand_layouts, op_layout, axis_sizes) -> float:
     """The share of its split of the op's work a rank does: the product, over the axes where the op takes
-    a parallel form, of that form's `compute_share`."""
-    return math.prod(form.compute_share for form in forms_taken(spec, operand_layouts, op_layout).values())
+    a parallel form, of that form's share on that axis's ranks."""
+    return math.prod(form.share_on(axis_sizes[axis])
+                     for axis, form in forms_taken(spec, operand_layouts, op_layout).items())
 
 
 def is_tensor_list(node: torch.fx.Node) -> bool:
@@ -1052,12 +1061,14 @@ def _letters_attention(node: torch.fx.Node, rule: Rule, shapes: list, out_shape:
                             phase="backward", itemsize=4))
         # the same, the sequence split zig-zag (rank r of n holding pieces r and 2n - 1 - r): under
         # `is_causal` every rank computes half its blocks, where a plain split leaves the last rank all of
-        # its own (a mask tensor's blocks are skipped where it hides them whole: priced as all computed)
+        # its own; a mask tensor's blocks are skipped where it hides them whole, which its ops tell
         zigzag_mask = [zigzag(m.dim) if m.is_split else m for m in mask]
         causal = len(shapes) == 3 and bool(call_arg(node, 5, "is_causal", False))
+        hidden = hidden_blocks(call_arg(node, 3, "attn_mask"), shapes[0][-2]) if len(shapes) > 3 else None
         draft.extra = (Signature((S(sequence),) * 3 + tuple(mask), S(sequence), "S", name="ring", inner_collectives=sends),
                        Signature((zigzag(sequence),) * 3 + tuple(zigzag_mask), zigzag(sequence), "S",
                                  name="ring_zigzag", inner_collectives=sends, compute_share=0.5 if causal else 1.0,
+                                 hidden_blocks=hidden,
                                  asked_upstream=True))
 
 

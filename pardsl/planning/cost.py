@@ -388,7 +388,8 @@ def _op_costs(typed, machine: Machine, slow: float) -> list[OpCost]:
         moved = _nbytes(node.op_layout.local_shape(info.shape, mesh), info.dtype) + sum(
             _nbytes(layout.local_shape(typed.info(operand).shape, mesh), typed.info(operand).dtype)
             for operand, layout in zip(node.operands, node.operand_layouts))
-        local_flops = int(flops.get(name, 0) * compute_share(node.spec, node.operand_layouts, node.op_layout)) // share
+        local_flops = int(flops.get(name, 0) * compute_share(node.spec, node.operand_layouts, node.op_layout,
+                                                                 mesh.axis_sizes)) // share
         forward = slow * (machine.compute_seconds(local_flops, moved, info.dtype.itemsize <= 2) + machine.op_overhead_s)
         backward = 2 * forward if name in typed.requires_grad else 0.0
         ops.append(OpCost(name, node.op.removeprefix("aten."), layer_of(bound.module_paths.get(name)),

@@ -764,7 +764,7 @@ class _GroupProgram:
             split = math.prod(n for n, p in zip(sizes, output) if p != B)
             moved = self.local_bytes(name, output) + sum(
                 self.local_bytes(o, _operand(signature, slot)) for slot, o in enumerate(operands))
-            work = math.prod(one.compute_share for one in signature)
+            work = math.prod(one.share_on(n) for one, n in zip(signature, sizes))
             forward = machine.compute_seconds(self.facts.flops.get(name, 0) * work / share / split, moved)
             terms = [backward * forward]
             for i, one in enumerate(signature):

@@ -1,0 +1,107 @@
+"""The blocks of a traced attention mask that hide every query from every key, found by running the mask's
+ops on bounds (pardsl/layouts/masks.py), against the mask itself built for real: Hugging Face's causal
+mask, the same with a padding mask given as an input, and Mistral's sliding window. A mask the bounds
+cannot follow gives no answer, and ring attention under it is priced as computing every block."""
+
+import pytest
+import torch
+import transformers
+
+from pardsl.layouts.masks import blocks_of, busiest_zigzag_share, hidden_blocks
+from pardsl.layouts.oprules import Signature
+from pardsl.layouts.algebra import S
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, attn_implementation="sdpa", use_cache=False)
+
+
+def _traced_mask(model: torch.nn.Module, args: tuple) -> tuple[torch.fx.Node, torch.Tensor]:
+    """The mask node of the model's first attention, and the mask it makes for `args`, built for real."""
+    program = torch.export.export(model, args)
+    attention = next(n for n in program.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default)
+    mask = attention.args[3]
+
+    class Kept(torch.fx.Interpreter):
+        def run_node(self, node):
+            value = super().run_node(node)
+            if node.name == mask.name:
+                self.kept = value
+            return value
+
+    runner = Kept(program.module())
+    runner.run(*args)
+    return mask, runner.kept
+
+
+def _hidden_for_real(mask: torch.Tensor, blocks: int) -> tuple[tuple[bool, ...], ...]:
+    seen = mask if mask.dtype == torch.bool else torch.isfinite(mask)
+    rows, columns = seen.shape[-2:]
+    seen = seen.reshape(-1, blocks, rows // blocks, blocks, columns // blocks)
+    return tuple(map(tuple, (~seen.any(dim=4).any(dim=2).any(dim=0)).tolist()))
+
+
+def _models():
+    ids = torch.randint(0, 64, (2, 256))
+    padded = torch.ones(2, 256, dtype=torch.long)
+    padded[1, :40] = 0  # the second sequence padded on the left
+    return {
+        "causal": (transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)), (ids,)),
+        "causal and padding": (transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)), (ids, padded)),
+        "sliding window": (transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=48)),
+                           (ids,)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["causal", "causal and padding", "sliding window"])
+def test_the_blocks_a_traced_mask_hides_are_found_without_building_it(kind):
+    """256 tokens in 64 blocks of 4: the blocks found hidden are exactly those the mask built for real
+    hides whole (a padding mask is an input, any value, so only the causal order hides blocks there)."""
+    model, args = _models()[kind]
+    node, mask = _traced_mask(model, args)
+    assert blocks_of(256) == 64
+    found = hidden_blocks(node, 256)
+    if kind == "causal and padding":  # the padding is not known when the plan is made: the causal blocks
+        _, causal = _traced_mask(model, args[:1])
+        assert found == _hidden_for_real(causal, 64)
+    else:
+        assert found == _hidden_for_real(mask, 64)
+    above = sum(k > q for q in range(64) for k in range(64))
+    hidden = sum(map(sum, found))
+    if kind == "sliding window":  # beyond the window too: key blocks more than 12 behind the query block
+        assert hidden == above + sum(k < q - 12 for q in range(64) for k in range(64))
+    else:
+        assert hidden == above
+
+
+def test_a_mask_made_from_activations_gives_no_answer():
+    """A mask the bounds cannot follow (made by a product of the activations): no blocks known hidden, and
+    the ring priced as computing every one."""
+
+    class ScoredMask(torch.nn.Module):
+        def forward(self, x):
+            mask = (x @ x.transpose(-1, -2)) > 0
+            q = x.unsqueeze(1)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask.unsqueeze(1))
+
+    node, _ = _traced_mask(ScoredMask(), (torch.randn(1, 16, 8),))
+    assert hidden_blocks(node, 16) is None
+    ring = Signature((S(2),) * 4, S(2), "S", name="ring_zigzag", hidden_blocks=None)
+    assert ring.share_on(4) == 1.0
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8, 16, 32])
+def test_a_causal_masks_zigzag_share_is_the_pairs_the_busiest_rank_computes(ranks):
+    """Under a causal mask split zig-zag over n ranks, every rank computes 2n + 1 of its 4n (query piece,
+    key piece) pairs: the pairs ring attention's block plan computes, which skips a pair the mask hides
+    whole."""
+    from pardsl.runtime.ring_attention import block_plan, pieces
+
+    causal = tuple(tuple(k > q for k in range(64)) for q in range(64))
+    share = busiest_zigzag_share(causal, ranks)
+    assert share == (2 * ranks + 1) / (4 * ranks)
+    # the runtime's plan, its mask hiding the same pieces
+    hidden = [[b > a for b in range(2 * ranks)] for a in range(2 * ranks)]
+    computed = max(sum(len(block_plan(pieces(r, ranks, True), pieces((r - step) % ranks, ranks, True), False,
+                                      [hidden[a] for a in pieces(r, ranks, True)]))
+                       for step in range(ranks)) for r in range(ranks))
+    assert computed / (2 * 2 * ranks) == share
