@@ -85,7 +85,10 @@ def searched_text(text: str, memory_gib: float) -> str:
             axis = stripped.split()[1]
             line = f"pipeline  {axis} : schedule ?, microbatches ?, cut ?"
         lines.append(line)
-    lines.insert(next(i for i, l in enumerate(lines) if l.startswith("layout")), f"memory    <= {memory_gib:.1f} GiB")
+    # rounded up: the recipe itself within its bound (55.44 GiB written 55.4 put the recipe's own balanced
+    # cut over it, and the search's pipeline was cut for memory instead of time)
+    bound_gib = math.ceil(memory_gib * 10) / 10
+    lines.insert(next(i for i, l in enumerate(lines) if l.startswith("layout")), f"memory    <= {bound_gib:.1f} GiB")
     return "\n".join(lines) + "\n"
 
 
