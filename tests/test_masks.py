@@ -105,3 +105,20 @@ def test_a_causal_masks_zigzag_share_is_the_pairs_the_busiest_rank_computes(rank
                                       [hidden[a] for a in pieces(r, ranks, True)]))
                        for step in range(ranks)) for r in range(ranks))
     assert computed / (2 * 2 * ranks) == share
+
+
+def test_an_additive_mask_hides_the_blocks_where_it_is_minus_infinity():
+    """A mask added to the scores (0 where a key is seen, -inf where not), made from positions by
+    `torch.where`: the blocks where it is -inf throughout are hidden, the causal ones."""
+
+    class AdditiveCausal(torch.nn.Module):
+        def forward(self, x):
+            positions = torch.arange(x.shape[1])
+            mask = torch.where(positions[None, :] <= positions[:, None], 0.0, float("-inf"))
+            q = x.unsqueeze(1)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    node, mask = _traced_mask(AdditiveCausal(), (torch.randn(1, 128, 8),))
+    found = hidden_blocks(node, 128)
+    assert found == _hidden_for_real(mask, 64)
+    assert sum(map(sum, found)) == sum(k > q for q in range(64) for k in range(64))

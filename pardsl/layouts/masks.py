@@ -76,7 +76,7 @@ def _hidden_blocks(mask: torch.fx.Node, sequence: int) -> tuple[tuple[bool, ...]
         return None
     try:
         bounds = _Evaluation(sequence, blocks).run(mask)
-    except _Unfollowed:
+    except Exception:  # noqa: BLE001 - an op or shape not followed (or followed wrong) only leaves the blocks unknown
         return None
     hidden = bounds.hi == (0 if value.dtype == torch.bool else -math.inf)
     return tuple(map(tuple, hidden.reshape(-1, blocks, blocks).all(dim=0).tolist()))
