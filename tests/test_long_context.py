@@ -86,10 +86,14 @@ def test_a_zigzag_sequence_stays_zigzag_and_trains_equal_to_serial(pools):
     # priced for the blocks the causal mask the model traced leaves to compute: each rank 5 of its 8
     # (query piece, key piece) pairs, where it would be all 8 under a mask not known
     from pardsl.planning.cost import DEFAULTS, estimate
+    from pardsl.tools.explain import report
 
-    priced = [o for o in estimate(compiled, DEFAULTS["gloo"]).ops if o.op == "scaled_dot_product_attention.default"]
+    estimated = estimate(compiled, DEFAULTS["gloo"])
+    priced = [o for o in estimated.ops if o.op == "scaled_dot_product_attention.default"]
     assert len(priced) == 2
     assert all(o.flops == int(compiled.bound.flops[o.node] * 5 / 8) // 2 for o in priced)
+    assert "\nring attention: 2 attentions over `cp` compute 5 of each rank's 8 (query piece, key piece) pairs: " \
+           "the mask the model builds hides the others whole" in report(compiled, estimated)
     assert compiled.program.collective_counts_by_axis()["forward"]["cp:send"] == 2
     check(pools, compiled)
 

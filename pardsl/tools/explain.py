@@ -16,7 +16,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from pardsl.layouts.oprules import Signature
+from pardsl.layouts.oprules import Signature, forms_taken
 from pardsl.passes.regather import gathered_again
 from pardsl.planning.cost import Estimate, layer_of, plural
 from pardsl.planning.pipeline_search import pipelined_step
@@ -152,6 +152,7 @@ def report(compiled, estimate: Estimate, memory_bound: int | None = None, altern
              "",
              *_pipelined_step(compiled, priced_pipeline),
              _step_line(seconds, pipelined is not None),
+             *_masked_ring_lines(compiled),
              *_substitution_lines(compiled, estimate),
              _throughput_line(estimate, pipelined or seconds["step"]),
              _memory_line(memory, memory_bound, machine.device_memory_bytes), ""]
@@ -271,6 +272,24 @@ def _step_line(seconds: dict, pipelined: bool = False) -> str:
         return f"one micro-batch through the whole model, without the pipeline: {seconds_text(seconds['step'])} " \
                f"per rank: {compute}; {communication}"
     return f"estimated step {seconds_text(seconds['step'])} per rank: {compute}; {communication}"
+
+
+def _masked_ring_lines(compiled) -> list[str]:
+    """Ring attentions under a mask the model builds (pardsl/layouts/masks.py): the pieces a rank computes,
+    which the estimate counts, the mask hiding the others whole."""
+    typed, sizes = compiled.typed, compiled.typed.mesh.axis_sizes
+    found: dict[tuple[str, int, int], int] = {}
+    for node in typed.nodes.values():
+        if node.op != "aten.scaled_dot_product_attention.default":
+            continue
+        for axis, form in forms_taken(node.spec, node.operand_layouts, node.op_layout).items():
+            if form.hidden_blocks is not None:
+                pairs = 4 * sizes[axis]  # each rank's two pieces by every key piece
+                key = (typed.mesh.axis_names[axis], round(form.share_on(sizes[axis]) * pairs), pairs)
+                found[key] = found.get(key, 0) + 1
+    return [f"ring attention: {plural(count, 'attention')} over `{axis}` compute {computed} of each rank's {pairs} "
+            f"(query piece, key piece) pairs: the mask the model builds hides the others whole (found from its "
+            f"ops), and the estimate counts those computed" for (axis, computed, pairs), count in sorted(found.items())]
 
 
 def _substitution_lines(compiled, estimate: Estimate) -> list[str]:
