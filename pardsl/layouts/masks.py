@@ -160,6 +160,9 @@ class _Evaluation:
     # -- ops
 
     def _evaluate(self, node: torch.fx.Node) -> _Bounds:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            self.shape_of(value.shape)  # its bounds within the size allowed, before they are made
         if node.op == "placeholder":  # an input, parameter or buffer: any value
             return self._full(node)
         if node.op != "call_function" or not hasattr(node.target, "overloadpacket"):
