@@ -141,3 +141,74 @@ def test_a_mask_over_more_elements_than_allowed_gives_no_answer_before_its_bound
     monkeypatch.setattr(masks, "_MOST_ELEMENTS", 4096)
     assert masks._hidden_blocks(node, 256) is None
     assert made and max(made) <= 4096
+
+
+def _attended(x, mask):
+    q = x.unsqueeze(1)
+    return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+class _BoolDiff(torch.nn.Module):  # a diff of booleans is their xor: true at the one position it flips
+    def forward(self, x):
+        flag = torch.arange(x.shape[1]) < 8
+        return _attended(x, torch.diff(flag, prepend=flag[:1])[None, :].expand(x.shape[1], x.shape[1]))
+
+
+class _BoolSum(torch.nn.Module):  # booleans added are or'ed: True + True == 1 holds
+    def forward(self, x):
+        seen = torch.arange(x.shape[1]) >= 0
+        return _attended(x, (seen[None, :] + seen[:, None]) == 1)
+
+
+class _FilledBool(torch.nn.Module):  # -1 filled into a boolean is True
+    def forward(self, x):
+        keep = torch.full((x.shape[1], x.shape[1]), -1, dtype=torch.bool)
+        return _attended(x, torch.where(keep, 0.0, float("-inf")))
+
+
+class _Bf16Positions(torch.nn.Module):  # positions rounded in bfloat16: neighbours compare equal
+    def forward(self, x):
+        positions = torch.arange(x.shape[1] * 4)[: x.shape[1]].to(torch.bfloat16) * 4
+        return _attended(x, positions[None, :] <= positions[:, None])
+
+
+class _BitsAsInteger(torch.nn.Module):  # view(dtype) reads -inf's bits as an integer
+    def forward(self, x):
+        positions = torch.arange(x.shape[1])
+        additive = torch.where(positions[None, :] <= positions[:, None], 0.0, float("-inf"))
+        return _attended(x, additive.view(torch.int32) > -10**9)
+
+
+class _NanInput(torch.nn.Module):  # NaN compares false: x <= inf is not always true
+    def forward(self, x):
+        positions = torch.arange(x.shape[1])
+        return _attended(x, (positions[None, :] <= positions[:, None]) | ~(x[0, :, :1] <= float("inf")))
+
+
+@pytest.mark.parametrize("model", [_BoolDiff, _BoolSum, _FilledBool, _Bf16Positions, _BitsAsInteger, _NanInput],
+                         ids=lambda model: model.__name__.strip("_"))
+def test_no_block_the_mask_shows_is_found_hidden(model):
+    """Masks whose values a dtype holds otherwise than exactly (booleans added or diffed, a fill cast,
+    bfloat16 rounding, bits reinterpreted, NaN): no block found hidden that the mask built for real shows."""
+    x = torch.randn(1, 256, 8)
+    x[0, 5, 0] = float("nan")
+    node, mask = _traced_mask(model(), (x,))
+    found = hidden_blocks(node, 256)
+    real = _hidden_for_real(mask, 64)
+    assert found is None or all(real[q][k] for q in range(64) for k in range(64) if found[q][k])
+
+
+def test_attentions_under_different_masks_are_priced_each_for_its_own():
+    """A sliding-window layer and a full one (Qwen2's `layer_types`): their ops' rules differ in the blocks
+    each mask hides, so the search, which shares what it prices among equal rules, prices each for its
+    own (4 ranks: 0.375 and 0.5625 of the pairs)."""
+    from pardsl.layouts.oprules import dim_spec, rule_for
+
+    config = transformers.Qwen2Config(**SMALL | dict(num_hidden_layers=2), use_sliding_window=True, sliding_window=48,
+                                      max_window_layers=0, layer_types=["sliding_attention", "full_attention"])
+    program = torch.export.export(transformers.Qwen2ForCausalLM(config), (torch.randint(0, 64, (1, 256)),))
+    attentions = [n for n in program.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    specs = [dim_spec(n, rule_for(n)) for n in attentions]
+    assert specs[0] != specs[1]
+    shares = [next(form for form in spec.extra if form.name == "ring_zigzag").share_on(4) for spec in specs]
+    assert shares == [0.375, 0.5625]

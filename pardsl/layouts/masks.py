@@ -57,7 +57,7 @@ class _Bounds:
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def hidden_blocks(mask: torch.fx.Node, sequence: int) -> tuple[tuple[bool, ...], ...] | None:
+def hidden_blocks(mask: torch.fx.Node, sequence: int) -> "HiddenBlocks | None":
     """Per query block and key block (the sequence cut into `blocks_of(sequence)` equal blocks), whether
     `mask`, an attention's mask of [..., sequence, sequence], hides every query of the block from every key
     of it; None where its ops cannot be followed, or it is not one row per query and column per key."""
@@ -69,17 +69,27 @@ def hidden_blocks(mask: torch.fx.Node, sequence: int) -> tuple[tuple[bool, ...],
     return found[sequence]
 
 
-def _hidden_blocks(mask: torch.fx.Node, sequence: int) -> tuple[tuple[bool, ...], ...] | None:
+def _hidden_blocks(mask: torch.fx.Node, sequence: int) -> "HiddenBlocks | None":
     blocks = blocks_of(sequence)
     value = mask.meta.get("val")
     if blocks is None or not isinstance(value, torch.Tensor) or tuple(value.shape[-2:]) != (sequence, sequence):
         return None
     try:
         bounds = _Evaluation(sequence, blocks).run(mask)
+        hidden = bounds.hi == (0 if value.dtype == torch.bool else -math.inf)
+        return HiddenBlocks(map(tuple, hidden.reshape(-1, blocks, blocks).all(dim=0).tolist()))
     except Exception:  # noqa: BLE001 - an op or shape not followed (or followed wrong) only leaves the blocks unknown
         return None
-    hidden = bounds.hi == (0 if value.dtype == torch.bool else -math.inf)
-    return tuple(map(tuple, hidden.reshape(-1, blocks, blocks).all(dim=0).tolist()))
+
+
+class HiddenBlocks(tuple):
+    """Per query block, per key block, whether a mask hides it whole: a tuple whose hash is kept (the
+    search hashes the signatures that carry it, 64 x 64 of them)."""
+
+    def __hash__(self) -> int:
+        if "_hash" not in self.__dict__:
+            self.__dict__["_hash"] = tuple.__hash__(self)
+        return self.__dict__["_hash"]
 
 
 def blocks_of(sequence: int) -> int | None:
@@ -169,9 +179,15 @@ class _Evaluation:
             raise _Unfollowed
         name = node.target.overloadpacket.__name__
         handler = _OPS.get(name)
-        if handler is None:
+        if handler is None or not isinstance(value, torch.Tensor):
             raise _Unfollowed
-        return handler(self, node, *node.args, **node.kwargs)
+        bounds = handler(self, node, *node.args, **node.kwargs)
+        shape = self.shape_of(value.shape)
+        try:
+            lo, hi = bounds.lo.broadcast_to(shape), bounds.hi.broadcast_to(shape)
+        except RuntimeError:
+            raise _Unfollowed from None
+        return _held_as(value.dtype, lo, hi)
 
     def arange(self, node, *args, **kwargs) -> _Bounds:
         start, end, step = (0, args[0], 1) if len(args) == 1 else (args + (1,))[:3]
@@ -230,6 +246,12 @@ class _Evaluation:
         return _Bounds(-x.hi, -x.lo)
 
     def compare(self, node, a, b) -> _Bounds:
+        # a float whose bounds are every value may be NaN, which compares false (and `ne` true)
+        nan = torch.zeros((), dtype=torch.bool)
+        for operand in (a, b):
+            if isinstance(operand, torch.fx.Node) and self._output(operand).dtype.is_floating_point:
+                bounds = self.values[operand]
+                nan = nan | ((bounds.lo == -math.inf) & (bounds.hi == math.inf))
         a, b = self._arg(a), self._arg(b)
         name = node.target.overloadpacket.__name__
         if name in ("ge", "gt"):  # a >= b is b <= a
@@ -243,6 +265,10 @@ class _Evaluation:
             never = (a.hi < b.lo) | (b.hi < a.lo)
             if name == "ne":
                 always, never = never, always
+        if name == "ne":
+            never = never & ~nan
+        else:
+            always = always & ~nan
         return _Bounds(always.double(), (~never).double())
 
     def both(self, node, a, b) -> _Bounds:
@@ -272,6 +298,8 @@ class _Evaluation:
 
     def reshaped(self, node, x, *args, **kwargs) -> _Bounds:
         """unsqueeze, squeeze, view, reshape: only where they add or take away dims of one element."""
+        if getattr(node.target, "_overloadname", "") == "dtype":  # view(dtype): the bits read as another dtype
+            raise _Unfollowed
         before, after = self._output(x).shape, self._output(node).shape
         if [s for s in before if s != 1] != [s for s in after if s != 1]:
             raise _Unfollowed
@@ -339,10 +367,10 @@ class _Evaluation:
     def diff(self, node, x, n=1, dim=-1, prepend=None, append=None) -> _Bounds:
         """x[i] - x[i - 1] along dim, x preceded by `prepend`: in a block, an element's predecessor is in
         the block or the one before it."""
-        if n != 1 or append is not None or prepend is None:
-            raise _Unfollowed
         full = self._output(x).shape
         dim %= len(full)
+        if n != 1 or append is not None or prepend is None or self._output(prepend).shape[dim] != 1:
+            raise _Unfollowed
         x, before = self.values[x], self.values[prepend]
         if full[dim] == self.sequence:  # a block's predecessors: the block before it and itself
             previous_lo = torch.cat([before.lo.expand_as(x.lo.narrow(dim, 0, 1)), x.lo.narrow(dim, 0, self.blocks - 1)], dim)
@@ -365,6 +393,25 @@ class _Evaluation:
         before_lo = whole_lo.cumsum(dim) - whole_lo
         before_hi = whole_hi.cumsum(dim) - whole_hi
         return _Bounds(before_lo + torch.minimum(x.lo, whole_lo), before_hi + torch.maximum(x.hi, whole_hi))
+
+
+def _held_as(dtype: torch.dtype, lo: torch.Tensor, hi: torch.Tensor) -> _Bounds:
+    """Bounds as a value of `dtype` holds them: a boolean true where it cannot be 0 (bool addition is
+    `or`, a diff of booleans `xor`); an integer rounded outward, refused where it may overflow; a float
+    widened by its rounding, beyond its largest value infinite."""
+    if dtype == torch.bool:
+        return _Bounds(((lo > 0) | (hi < 0)).double(), ((lo != 0) | (hi != 0)).double())
+    if not dtype.is_floating_point:
+        lo, hi = torch.floor(lo), torch.ceil(hi)
+        info = torch.iinfo(dtype)
+        finite = torch.cat([lo[torch.isfinite(lo)], hi[torch.isfinite(hi)]])
+        if not dtype.is_signed or (finite.numel() and (finite.min() < info.min or finite.max() > info.max)):
+            raise _Unfollowed  # a value that wraps around
+        return _Bounds(lo, hi)
+    info = torch.finfo(dtype)
+    lo = torch.where(torch.isfinite(lo), lo - lo.abs() * info.eps, lo)
+    hi = torch.where(torch.isfinite(hi), hi + hi.abs() * info.eps, hi)
+    return _Bounds(torch.where(lo < -info.max, -math.inf, lo), torch.where(hi > info.max, math.inf, hi))
 
 
 def _scaled(bounds: _Bounds, factor: float) -> _Bounds:

@@ -610,8 +610,8 @@ class Signature:
     # form leaves some undone: ring attention split zig-zag skips the blocks a causal mask hides
     compute_share: float = 1.0
     # or, under a mask tensor, per query block and key block whether it hides the block whole (the share
-    # then depends on the ranks the sequence is split over; one op's, so left out of comparisons)
-    hidden_blocks: tuple[tuple[bool, ...], ...] | None = field(default=None, compare=False)
+    # then depends on the ranks the sequence is split over; attentions under different masks differ)
+    hidden_blocks: tuple[tuple[bool, ...], ...] | None = None
     # whether the search should offer its operands' block arrangements to the ops that make them, all the
     # way up (the form is why a zig-zag split is worth making; a loss merely takes one)
     asked_upstream: bool = False
