@@ -16,6 +16,7 @@ follow, gives no answer, and the attention is then priced as computing every blo
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -98,6 +99,7 @@ def blocks_of(sequence: int) -> int | None:
     return next((b for b in range(min(sequence, MOST_BLOCKS), 1, -1) if b % 2 == 0 and sequence % b == 0), None)
 
 
+@functools.lru_cache(maxsize=256)  # asked for each attention priced, of one mask and a few rank counts
 def busiest_zigzag_share(hidden, ranks: int) -> float:
     """The busiest rank's share of its (query piece, key piece) pairs that `hidden` (per query block and
     key block) leaves to compute, the sequence split zig-zag over `ranks`: 2 x ranks pieces, rank r
@@ -170,24 +172,18 @@ class _Evaluation:
     # -- ops
 
     def _evaluate(self, node: torch.fx.Node) -> _Bounds:
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            self.shape_of(value.shape)  # its bounds within the size allowed, before they are made
+        value = self._output(node)
+        shape = self.shape_of(value.shape)  # within the size allowed, before any bounds are made
         if node.op == "placeholder":  # an input, parameter or buffer: any value
             return self._full(node)
-        if node.op != "call_function" or not hasattr(node.target, "overloadpacket"):
-            raise _Unfollowed
-        name = node.target.overloadpacket.__name__
-        handler = _OPS.get(name)
-        if handler is None or not isinstance(value, torch.Tensor):
+        handler = _OPS.get(node.target.overloadpacket.__name__) \
+            if node.op == "call_function" and hasattr(node.target, "overloadpacket") else None
+        if handler is None:
             raise _Unfollowed
         bounds = handler(self, node, *node.args, **node.kwargs)
-        shape = self.shape_of(value.shape)
-        try:
-            lo, hi = bounds.lo.broadcast_to(shape), bounds.hi.broadcast_to(shape)
-        except RuntimeError:
-            raise _Unfollowed from None
-        return _held_as(value.dtype, lo, hi)
+        if tuple(bounds.lo.shape) != shape or tuple(bounds.hi.shape) != shape:
+            raise _Unfollowed  # followed wrong: its bounds are not the value's blocks
+        return _held_as(value.dtype, bounds.lo, bounds.hi)
 
     def arange(self, node, *args, **kwargs) -> _Bounds:
         start, end, step = (0, args[0], 1) if len(args) == 1 else (args + (1,))[:3]
@@ -209,17 +205,8 @@ class _Evaluation:
         return self._full(node, float(fill))
 
     def same(self, node, x, *args, **kwargs) -> _Bounds:
-        """A copy or a change of dtype: to a boolean, true where the value cannot be 0; to an integer,
-        rounded toward 0."""
-        x, dtype = self.values[x], self._output(node).dtype
-        if dtype == torch.bool:
-            never_zero = ((x.lo > 0) | (x.hi < 0)).double()
-            may_be_nonzero = ((x.lo != 0) | (x.hi != 0)).double()
-            return _Bounds(never_zero, may_be_nonzero)
-        if not dtype.is_floating_point:
-            return _Bounds(torch.where(x.lo < 0, torch.floor(x.lo), torch.trunc(x.lo)),
-                           torch.where(x.hi > 0, torch.ceil(x.hi), torch.trunc(x.hi)))
-        return x
+        """A copy or a change of dtype: the bounds as the new dtype holds them (_held_as, after every op)."""
+        return self.values[x]
 
     def add(self, node, a, b, *, alpha=1) -> _Bounds:
         a, b = self._arg(a), self._arg(b)
@@ -358,11 +345,8 @@ class _Evaluation:
             if not torch.equal(lo, hi):
                 raise _Unfollowed
             positions.append(lo)
-        positions = torch.broadcast_tensors(*positions)
-        result = _Bounds(bounds.lo[tuple(positions)], bounds.hi[tuple(positions)])
-        if tuple(result.lo.shape) != self.shape_of(self._output(node).shape):
-            raise _Unfollowed
-        return result
+        positions = tuple(torch.broadcast_tensors(*positions))
+        return _Bounds(bounds.lo[positions], bounds.hi[positions])
 
     def diff(self, node, x, n=1, dim=-1, prepend=None, append=None) -> _Bounds:
         """x[i] - x[i - 1] along dim, x preceded by `prepend`: in a block, an element's predecessor is in
