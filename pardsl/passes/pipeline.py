@@ -25,7 +25,6 @@ stage times are as even as they can be.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,7 +34,8 @@ from pardsl.language.diagnostics import CompileError, Diagnostic, DiagnosticSink
 from pardsl.language.syntax import ParFile, PipelineDecl
 from pardsl.layouts.algebra import B
 from pardsl.layouts.oprules import drawn_ops, is_drawn_whole, op_name
-from pardsl.planning.cost import default_machine, op_costs, repeated_layer
+from pardsl.planning.cost import repeated_layer
+from pardsl.planning.pipeline_search import balanced_cuts
 from pardsl.program.ir import OutputSlot, Statement, TensorSlot, made_from_constants
 from pardsl.runtime.schedules import SCHEDULES, micro_batches_held, schedule_class, stages_of_rank
 
@@ -162,7 +162,7 @@ def stage_of_nodes(typed, pipeline: PipelineDecl, machine=None) -> tuple[dict[st
     paths = bound.module_paths
     stages = bound.mesh.axis_sizes[bound.mesh.axis_index(pipeline.axis)] * pipeline.stages_per_rank
     if pipeline.balanced:
-        starts, names = _balanced_cuts(typed, stages, machine)
+        starts, names = balanced_cuts(typed, stages, machine)
     else:
         sink = DiagnosticSink(bound.par.source)
         starts, names = [], []
@@ -189,43 +189,6 @@ def stage_of_nodes(typed, pipeline: PipelineDecl, machine=None) -> tuple[dict[st
             stage += 1
         stage_of[name] = stage
     return stage_of, names
-
-
-def _balanced_cuts(typed, stages: int, machine) -> tuple[list[int], list[str]]:
-    """Cuts at layer starts that minimise the largest stage's estimated compute (the cost model's per op;
-    forward and backward scale alike): a small dynamic program over the layer boundaries."""
-    bound = typed.bound
-    order = list(typed.nodes)
-    seconds = [op.forward_s for op in op_costs(typed, machine or default_machine())]
-    candidates, seen = [], set()
-    for index, name in enumerate(order):
-        unit = repeated_layer(bound.module_paths.get(name))
-        if unit and unit not in seen:
-            seen.add(unit)
-            if index > 0:
-                candidates.append((index, unit))
-    if len(candidates) < stages - 1:
-        pipeline = bound.par.pipeline
-        raise CompileError([Diagnostic(
-            "E075", f"`cut balanced` finds {len(candidates)} layer boundaries for {stages} stages",
-            pipeline.cut_span, (f"the model has {len(seen)} repeated layers; use fewer stages or name the cuts",))],
-            bound.par.source)
-    prefix = [0.0, *itertools.accumulate(seconds)]
-    points = [0] + [index for index, _ in candidates] + [len(order)]
-
-    def span_seconds(i: int, j: int) -> float:  # from point i up to point j
-        return prefix[points[j]] - prefix[points[i]]
-
-    last = len(points) - 1
-    best = {(0, i): (span_seconds(0, i), []) for i in range(1, last + 1)}  # (stages used - 1, end point)
-    for k in range(1, stages):
-        for j in range(k + 1, last + 1):
-            options = [(max(best[(k - 1, i)][0], span_seconds(i, j)), best[(k - 1, i)][1] + [i])
-                       for i in range(k, j) if (k - 1, i) in best]
-            if options:
-                best[(k, j)] = min(options, key=lambda option: option[0])
-    _, chosen = best[(stages - 1, last)]
-    return [points[i] for i in chosen], [candidates[i - 1][1] for i in chosen]
 
 
 # -- the cut --------------------------------------------------------------------------------------

@@ -368,14 +368,15 @@ def op_costs(typed, machine: Machine, slow: float = 1.0) -> list[OpCost]:
     """Each op's compute, in graph order, at the share of it its layouts leave a rank: the roofline of its
     FLOPs and the bytes it reads and writes, plus the machine's overhead per op; backward twice forward.
     `slow`: the machine's slowdown with this many ranks sharing it. Kept on the plan for the figures it
-    was priced with: a pipeline search prices one plan's ops for each stage program it lowers."""
+    was priced with: a pipeline search prices one plan's ops for each stage program it lowers, and its
+    cuts `cut balanced`'s way, on the machine's figures alone (`slow` 1)."""
     figures = (machine.flops_per_s, machine.half_flops_per_s, machine.bytes_per_s, machine.op_overhead_s, slow)
     kept = typed.__dict__.get("_op_costs")
-    if kept is not None and kept[0] is typed.bound and kept[1] == figures:
-        return list(kept[2])
-    ops = _op_costs(typed, machine, slow)
-    typed.__dict__["_op_costs"] = (typed.bound, figures, tuple(ops))
-    return ops
+    if kept is None or kept[0] is not typed.bound:
+        kept = typed.__dict__["_op_costs"] = (typed.bound, {})
+    if figures not in kept[1]:
+        kept[1][figures] = tuple(_op_costs(typed, machine, slow))
+    return list(kept[1][figures])
 
 
 def _op_costs(typed, machine: Machine, slow: float) -> list[OpCost]:

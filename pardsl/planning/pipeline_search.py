@@ -48,6 +48,7 @@ from pardsl.planning.cost import (
     Machine,
     collective_hiding,
     collective_seconds,
+    default_machine,
     gather_groups,
     gathered_in_passing,
     memory_per_rank,
@@ -189,6 +190,44 @@ def pipeline_written_as(decl: PipelineDecl, option: PipelineOption) -> PipelineD
         cuts=tuple((name, decl.cut_span) for name in option.cut_before), searched=frozenset())
 
 
+def balanced_cuts(typed, stages: int, machine) -> tuple[list[int], list[str]]:
+    """`cut balanced`: cuts at layer starts that minimise the largest stage's estimated compute (the cost
+    model's per op; forward and backward scale alike), a small dynamic program over the layer boundaries.
+    The op indices of the cuts (into the typed graph's nodes) and the layers they start."""
+    bound = typed.bound
+    order = list(typed.nodes)
+    seconds = [op.forward_s for op in op_costs(typed, machine or default_machine())]
+    candidates, seen = [], set()
+    for index, name in enumerate(order):
+        unit = repeated_layer(bound.module_paths.get(name))
+        if unit and unit not in seen:
+            seen.add(unit)
+            if index > 0:
+                candidates.append((index, unit))
+    if len(candidates) < stages - 1:
+        pipeline = bound.par.pipeline
+        raise CompileError([Diagnostic(
+            "E075", f"`cut balanced` finds {len(candidates)} layer boundaries for {stages} stages",
+            pipeline.cut_span, (f"the model has {len(seen)} repeated layers; use fewer stages or name the cuts",))],
+            bound.par.source)
+    prefix = [0.0, *itertools.accumulate(seconds)]
+    points = [0] + [index for index, _ in candidates] + [len(order)]
+
+    def span_seconds(i: int, j: int) -> float:  # from point i up to point j
+        return prefix[points[j]] - prefix[points[i]]
+
+    last = len(points) - 1
+    best = {(0, i): (span_seconds(0, i), []) for i in range(1, last + 1)}  # (stages used - 1, end point)
+    for k in range(1, stages):
+        for j in range(k + 1, last + 1):
+            options = [(max(best[(k - 1, i)][0], span_seconds(i, j)), best[(k - 1, i)][1] + [i])
+                       for i in range(k, j) if (k - 1, i) in best]
+            if options:
+                best[(k, j)] = min(options, key=lambda option: option[0])
+    _, chosen = best[(stages - 1, last)]
+    return [points[i] for i in chosen], [candidates[i - 1][1] for i in chosen]
+
+
 def _rank(option: PipelineOption) -> tuple:
     """Within the bound before over it; within it the fastest, over it the one that holds least."""
     return _ranking(option.step_s, option.memory, option.within_bound)
@@ -228,8 +267,11 @@ def _options(typed, program, decl: PipelineDecl, machine: Machine, limit: int | 
     counts = _microbatch_counts(typed, batch) if "microbatches" in decl.searched else [decl.microbatches]
     written = None if "cut" in decl.searched or decl.balanced else _written_cut(segments, decl)
     # a cut searched where the statement names cuts too (the option a compile was written with): those are
-    # priced beside the program's, so the cut chosen again is never rated slower than the one it replaces
+    # priced beside the program's, so the cut chosen again is never rated slower than the one it replaces;
+    # and `cut balanced`'s, which a recipe writes: the stage-by-stage program can pass it over where a rank
+    # has several stages
     also = _written_cut(segments, decl) if "cut" in decl.searched and decl.cuts else None
+    balanced: dict[int, list[int] | None] = {}  # per stage count
     if written is None and decl.cuts and "cut" not in decl.searched:
         module, span = next((module, span) for module, span in decl.cuts if module not in segments.names)
         raise CompileError([Diagnostic(
@@ -254,8 +296,10 @@ def _options(typed, program, decl: PipelineDecl, machine: Machine, limit: int | 
                 found = (written, *_priced(times, weights, sends, held, written, ranks, per_rank, schedule, m,
                                            synchronised)) if len(written) - 1 == stages else None
             else:
+                if stages not in balanced:
+                    balanced[stages] = _balanced_cut(typed, segments, stages, machine)
                 found = _fastest_cut(times, weights, sends, held, stages, ranks, per_rank, schedule, m, limit,
-                                     also, synchronised)
+                                     [also, balanced[stages]], synchronised)
             if found is None:
                 continue
             cut, step, memory, busiest, synchronising = found
@@ -475,6 +519,17 @@ def _written_cut(segments: _Segments, decl: PipelineDecl) -> list[int] | None:
     return points + [len(segments.scaled_s)]
 
 
+def _balanced_cut(typed, segments: _Segments, stages: int, machine: Machine) -> list[int] | None:
+    """`cut balanced`'s cut (balanced_cuts) as segment boundaries, where its cuts are segments' starts."""
+    try:
+        _, names = balanced_cuts(typed, stages, machine)
+    except CompileError:
+        return None
+    if any(name not in segments.names for name in names):
+        return None
+    return [0, *(segments.names.index(name) + 1 for name in names), len(segments.scaled_s)]
+
+
 def _cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int | None,
          schedule: str = "1F1B", by_rank: bool = False) -> list[int] | None:
     """Stage boundaries (segment indices, 0 and the end included) whose largest stage time is least (`by_rank`:
@@ -493,15 +548,15 @@ def _cut(times, sends, held: "_Held | None", stages: int, ranks: int, limit: int
 
 def _fastest_cut(times, weights, sends, held: "_Held | None", stages: int, ranks: int, per_rank: int,
                  schedule: str, m: int, limit: int | None,
-                 also: list[int] | None = None,
+                 also: list[list[int] | None] = (),
                  synchronised: list[float] | None = None) -> tuple[list[int], float, int, float, float] | None:
     """The cut, its step, what its fullest rank holds, its busiest rank's work and its gradients'
-    synchronisation (_priced): of _cut's cuts (and `also`), the one priced
+    synchronisation (_priced): of _cut's cuts (and those `also` has), the one priced
     fastest within the bound (none within it: the one holding least). With several stages a rank the step
     follows the busiest rank's stages together, which the stage-by-stage cut can leave uneven (two long
     stages on one rank where only the slowest stage counts): the cut evening the ranks is priced beside it."""
     cuts = [_cut(times, sends, held, stages, ranks, limit, schedule, by_rank)
-            for by_rank in ((False, True) if stages > ranks else (False,))] + [also]
+            for by_rank in ((False, True) if stages > ranks else (False,))] + list(also)
     priced = [(cut, *_priced(times, weights, sends, held, cut, ranks, per_rank, schedule, m, synchronised))
               for cut in cuts if cut is not None and len(cut) - 1 == stages]
     if not priced:
