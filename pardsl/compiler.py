@@ -52,7 +52,8 @@ from pardsl.planning.cost import (
 from pardsl.planning.inference import TypedGraph, infer
 from pardsl.planning import descent
 from pardsl.planning.descent import CompletedPlan, layouts_of, searched_or_greedy
-from pardsl.planning.pipeline_search import StageLowering, choose_pipeline, pipeline_written_as, pipelined_step_seconds
+from pardsl.planning.pipeline_search import (StageLowering, choose_pipeline, pipeline_written_as, pipelined_step,
+                                             pipelined_step_seconds)
 from pardsl.planning.recipes import completed_recipes
 from pardsl.planning.search import memory_limit, splits_the_sequence, wants_search
 from pardsl.program.codegen import render, render_pipeline
@@ -476,11 +477,12 @@ def _lowered(typed: TypedGraph, bucket_mb: float, limit: int | None) -> LoweredP
 
 
 def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan | None = None,
-                       priced_on: str = "", cut_searched: bool = False) -> Compiled:
+                       priced_on: str = "", chosen_again: frozenset[str] = frozenset()) -> Compiled:
     """The same stages for one micro-batch, with the pipeline pass between lowering and codegen. `priced_on`:
     the recipe whose layouts a searched pipeline was chosen on (PipelineOption.priced_on), if any.
-    `cut_searched`: the file's `cut ?`, written with the cuts its pipeline was priced with, is chosen
-    again for each plan weighed, as the pipeline search chooses it."""
+    `chosen_again`: of the file's `schedule ?` and `cut ?`, those written with what its pipeline was priced
+    with and chosen again for each plan weighed, on its layouts as compiled, as the pipeline search
+    chooses them (the micro-batch count stays: it is the trace's)."""
     if par.pipeline.searched:
         return _compile_searched_pipeline(par, bucket_mb, machine)
     decl = pp.check_pipeline(par)
@@ -500,6 +502,7 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         # 1/ranks of the parameters and, for the first rank, `held` micro-batches of its stage's
         # activations: so the whole model's memory, its activations counted `held` times, is held to
         # `ranks` times the bound. Lowered in stages, the plan is checked rank by rank (N003).
+        # (a schedule chosen again for the plan found can hold more: the bound is checked on its stages)
         held = pp.micro_batches_held(decl.schedule, decl.microbatches, ranks, 0, decl.stages_per_rank)
         typed, searched_program = searched_or_greedy(bound, machine or default_machine(),
                                                      lambda typed, limit: _lowered(typed, bucket_mb, limit), seconds,
@@ -513,11 +516,12 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         bound and the file names none to recompute; rated as the pipeline runs it (within the bound before
         over it; over it, the nearer first)."""
         def lower_pipelined():
-            stage_of, cut_before = pp.stage_of_nodes(typed, cut_for(typed) if cut_searched else decl, machine)
+            written = pipeline_for(typed) if chosen_again else decl
+            stage_of, cut_before = pp.stage_of_nodes(typed, written, machine)
             program, stages = lower_in_stages(
                 typed, bucket_mb, lambda *whole: pp.split_program(typed, stage_of, len(cut_before) + 1, *whole))
             outputs = tuple((str(typed.info(node).dtype), node in typed.requires_grad) for _, node in bound.outputs)
-            plan = pp.PipelinePlan(decl.axis, decl.schedule, decl.microbatches, decl.stages_per_rank,
+            plan = pp.PipelinePlan(written.axis, written.schedule, written.microbatches, written.stages_per_rank,
                                    tuple(cut_before), pp.shared_parameters(stages), outputs)
             return program, [_passes_after_lowering(stage, typed, machine) for stage in stages], plan
 
@@ -532,12 +536,15 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         step = pipelined_step_seconds(rated, machine or default_machine()) if searched else 0.0
         return _PipelinedPlan((over, held_total if over else step), typed, program, stages, plan, step, held_total)
 
-    def cut_for(typed: TypedGraph):
-        """The pipeline with the cut the pipeline search finds fastest for these layouts, traced as compiled.
-        The option's cut was chosen on the layouts it was priced with, on the trace of the batch the file
-        writes, where the greedy completion can differ from the one compiled (the long-context recipe's
-        loss): one layer too many on a stage of the busiest rank cost it 9 % of its step."""
-        asked = replace(decl, searched=frozenset({"cut"}))  # the option's own cut priced beside
+    def pipeline_for(typed: TypedGraph):
+        """The pipeline with the cut (and where the file leaves it open, the schedule) the pipeline search
+        finds fastest for these layouts, traced as compiled. The option was chosen on the layouts it was
+        priced with, on the trace of the batch the file writes, where the greedy completion can differ from
+        the one compiled. The long-context recipe's loss: on the whole batch's trace its labels' rows were
+        split over `cp` and the logits' gradient exchanged back, which a micro-batch of one sequence a rank
+        cannot do. Priced there, its interleaved schedules lost to 1F1B; chosen again on the layouts
+        compiled, one of them was the fastest by a fifth."""
+        asked = replace(decl, searched=chosen_again)  # the option's own schedule and cut priced beside
         # with no bound, what a rank holds does not choose the cut: the stage programs are not lowered for it
         chosen, _ = choose_pipeline(typed, lower(typed, bucket_mb), asked, machine or default_machine(), limit,
                                     decl.microbatches, price_memory=limit is not None,
@@ -647,13 +654,13 @@ def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compi
         typed, program, decl, machine, memory_limit(bound, microbatches=decl.microbatches), decl.microbatches,
         lowering=stage_lowering(bucket_mb, machine)))
 
-    def compiled_as(option) -> Compiled:
+    def compiled_as(option, again: frozenset[str]) -> Compiled:
         written = pipeline_written_as(decl, option)
         concrete = replace(par, pipelines=(written,))
         same_trace = written.microbatches == decl.microbatches
         compiled = _compile_pipelined(concrete, bucket_mb, machine,
                                       replace(bound, par=pp.micro_batched(concrete)) if same_trace else None,
-                                      priced_on=option.priced_on, cut_searched="cut" in decl.searched)
+                                      priced_on=option.priced_on, chosen_again=again)
         for stage, spent in seconds.items():
             if same_trace and stage in bound.seconds:
                 continue  # the one trace: the compile's own seconds count it already
@@ -664,31 +671,41 @@ def _compile_searched_pipeline(par: ParFile, bucket_mb: float, machine) -> Compi
     # pipeline chosen is compiled on its own micro-batch's trace, its layouts searched again for it, and
     # can hold more than its option said (the long-context recipe at 32 layers, its layouts searched:
     # 52.3 GiB against an option of 24.8 and a bound of 31.8). Then the next options within the bound are
-    # compiled, and the first the compile finds within it is kept.
-    compiled, kept = compiled_as(chosen_option := options[0]), options[0]
+    # compiled, and the first the compile finds within it is kept: each with its own schedule (chosen
+    # again, the schedule would be the first's again at the same micro-batch count), its cut chosen again.
+    compiled = compiled_as(options[0], decl.searched & {"cut", "schedule"})
+    kept, first = options[0], _option_as_compiled(options[0], compiled, machine)
     for option in options[1:1 + RECOMPILED_OPTIONS]:
         if not _over_its_bound(compiled) or not option.within_bound:
             break
-        other = compiled_as(option)
+        other = compiled_as(option, decl.searched & {"cut"})
         if not _over_its_bound(other):
             compiled, kept = other, option
             compiled.program.notes.append(Diagnostic(
-                "N011", f"the pipeline priced fastest within the bound ({_option_text(chosen_option)}) held more "
+                "N011", f"the pipeline priced fastest within the bound ({_option_text(first)}) held more "
                 f"than the bound once compiled; the next within it is compiled: {_option_text(option)}",
                 par.pipeline.span, ("`pardsl explain` lists the pipelines priced",), severity="note"))
-    return replace(compiled, pipeline_options=(_option_as_compiled(kept, compiled, machine),
-                                               *(o for o in options if o is not kept)))
+    # the option kept, as compiled, in place of the one priced with its schedule and micro-batches
+    kept = _option_as_compiled(kept, compiled, machine)
+    return replace(compiled, pipeline_options=(kept, *(o for o in options if _pipeline_key(o) != _pipeline_key(kept))))
+
+
+def _pipeline_key(option) -> tuple:
+    return option.schedule, option.stages_per_rank, option.microbatches
 
 
 def _option_as_compiled(option, compiled: Compiled, machine):
-    """The option kept, with the cut its plan was compiled with (chosen again for the layouts compiled) and
-    that plan's step and memory, where the cut differs from the one priced."""
-    if compiled.pipeline.cut_before == option.cut_before:
+    """The option kept, with the schedule and cut its plan was compiled with (chosen again for the layouts
+    compiled) and that plan's step and memory, where they differ from the ones priced."""
+    plan = compiled.pipeline
+    if (plan.schedule, plan.stages_per_rank, plan.cut_before) == \
+            (option.schedule, option.stages_per_rank, option.cut_before):
         return option
     held = pipelined_memory_per_rank(compiled.stages, compiled.pipeline)["total"]
-    return replace(option, cut_before=compiled.pipeline.cut_before,
-                   step_s=pipelined_step_seconds(compiled, machine or default_machine()), memory=held,
-                   within_bound=compiled.memory_bound is None or held <= compiled.memory_bound)
+    priced = pipelined_step(compiled, machine or default_machine())
+    return replace(option, schedule=plan.schedule, stages_per_rank=plan.stages_per_rank, cut_before=plan.cut_before,
+                   step_s=priced.step_s, busiest_s=priced.busiest_s, synchronised_s=priced.synchronised_s,
+                   memory=held, within_bound=compiled.memory_bound is None or held <= compiled.memory_bound)
 
 
 # How many options after the chosen one a searched pipeline compiles where the chosen one, compiled, holds
