@@ -472,6 +472,40 @@ def test_a_searched_cut_is_chosen_again_for_the_layouts_compiled(monkeypatch):
         assert pipelined_step_seconds(written, machine) >= kept.step_s, cut
 
 
+def test_a_searched_schedule_is_chosen_again_for_the_layouts_compiled(monkeypatch):
+    """Likewise the schedule, where the file leaves it open: here the pricing is made to rank first the
+    slowest other schedule with as many stages at the micro-batch count the search keeps. The plan compiled
+    takes the schedule that count is fastest under for its own layouts, the one compiled without the
+    pricing's mistake, at the same step."""
+    import dataclasses
+
+    from pardsl import compiler
+    from pardsl.planning.cost import default_machine
+    from pardsl.planning.pipeline_search import pipelined_step_seconds
+
+    free = compile_text(SEARCHED, "plan.par")
+    real = compiler.choose_pipeline
+    mistaken = []
+
+    def slowest_first(*args, **kwargs):
+        chosen, options = real(*args, **kwargs)
+        if kwargs.get("other_layouts") is False:  # a plan compiled: its pipeline chosen again
+            return chosen, options
+        best = options[0]
+        mistaken.append(max((o for o in options if (o.microbatches, o.stages_per_rank) ==
+                             (best.microbatches, best.stages_per_rank) and o.schedule != best.schedule),
+                            key=lambda o: o.step_s))
+        return chosen, (mistaken[-1], *(o for o in options if o is not mistaken[-1]))
+
+    monkeypatch.setattr(compiler, "choose_pipeline", slowest_first)
+    compiled = compile_text(SEARCHED, "plan.par")
+    assert (compiled.pipeline.schedule, compiled.pipeline.microbatches, compiled.pipeline.cut_before) == \
+        (free.pipeline.schedule, free.pipeline.microbatches, free.pipeline.cut_before)
+    machine = default_machine()
+    assert pipelined_step_seconds(compiled, machine) == pipelined_step_seconds(free, machine)
+    assert compiled.pipeline_options[0].schedule == free.pipeline.schedule != mistaken[0].schedule
+
+
 def test_a_searched_pipeline_counts_recomputed_layers_as_the_compiled_plan_does():
     """Every layer recomputed, schedule, micro-batches and cuts searched: the option kept is priced at
     the memory its compiled plan holds (one memory model for the search, the plan and explain), each
