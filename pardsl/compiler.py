@@ -77,6 +77,7 @@ class Compiled:
     stages: tuple = ()  # then each stage's LoweredProgram; `program` is the uncut one (one micro-batch)
     mesh_shapes: tuple["MeshShape", ...] = ()  # a searched mesh: every shape priced, the chosen one first
     pipeline_options: tuple = ()  # a searched pipeline: every option priced (PipelineOption), the chosen first
+    recipe: str = ""  # a pipelined plan whose layouts are a known recipe's, weighed against the search's: its name
 
     @property
     def programs(self) -> tuple[LoweredProgram, ...]:
@@ -562,7 +563,8 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
     program, stages, plan = chosen.program, chosen.stages, chosen.plan
     source = timed(seconds, "codegen", lambda: render_pipeline(stages, plan))
     memory_bound = _check_memory_bound(bound, program, pipelined_memory_per_rank(stages, plan), limit)
-    return Compiled(par, bound, chosen.typed, program, source, seconds, memory_bound, plan, tuple(stages))
+    return Compiled(par, bound, chosen.typed, program, source, seconds, memory_bound, plan, tuple(stages),
+                    recipe=chosen.recipe)
 
 
 class _PipelinedPlan(NamedTuple):
@@ -576,6 +578,7 @@ class _PipelinedPlan(NamedTuple):
     plan: object  # pp.PipelinePlan
     step_s: float
     held: int  # bytes on the rank that holds the most
+    recipe: str = ""  # the known recipe whose layouts it has, if one
 
 
 def _weighed_against_pipelined_recipes(bound: BoundPlan, best: _PipelinedPlan, pipelined, pipeline_axis: int,
@@ -590,7 +593,7 @@ def _weighed_against_pipelined_recipes(bound: BoundPlan, best: _PipelinedPlan, p
     for name, typed in timed(seconds, "recipes", lambda: completed_recipes(
             bound, machine, (pipeline_axis,), limit, bound.mesh.axis_sizes[pipeline_axis])):
         try:  # a candidate the compile can do without: one the passes cannot take is left out
-            weighed.append((name, pipelined(typed)))
+            weighed.append((name, pipelined(typed)._replace(recipe=name)))
         except Exception as error:  # noqa: BLE001 - see above
             failed[name] = error
             continue
@@ -622,7 +625,7 @@ def _recipe_weighed_in(bound: BoundPlan, best: _PipelinedPlan, weighed: list[tup
         return best
     name, theirs = min(weighed, key=lambda candidate: candidate[1].rating)
     compiled_it = theirs.rating < best.rating or layouts_of(theirs.typed) == layouts_of(best.typed)
-    kept = theirs if theirs.rating < best.rating else best
+    kept = theirs if theirs.rating < best.rating else best._replace(recipe=name) if compiled_it else best
 
     def said(plan: _PipelinedPlan):
         return _Said(plan.step_s, {"total": plan.held})
@@ -696,14 +699,16 @@ def _pipeline_key(option) -> tuple:
 
 def _option_as_compiled(option, compiled: Compiled, machine):
     """The option kept, with the schedule and cut its plan was compiled with (chosen again for the layouts
-    compiled) and that plan's step and memory, where they differ from the ones priced."""
+    compiled), the recipe whose layouts it has (if one), and that plan's step and memory, where they differ
+    from the ones priced."""
     plan = compiled.pipeline
-    if (plan.schedule, plan.stages_per_rank, plan.cut_before) == \
-            (option.schedule, option.stages_per_rank, option.cut_before):
+    if (plan.schedule, plan.stages_per_rank, plan.cut_before, compiled.recipe) == \
+            (option.schedule, option.stages_per_rank, option.cut_before, option.priced_on):
         return option
     held = pipelined_memory_per_rank(compiled.stages, compiled.pipeline)["total"]
     priced = pipelined_step(compiled, machine or default_machine())
     return replace(option, schedule=plan.schedule, stages_per_rank=plan.stages_per_rank, cut_before=plan.cut_before,
+                   priced_on=compiled.recipe,
                    step_s=priced.step_s, busiest_s=priced.busiest_s, synchronised_s=priced.synchronised_s,
                    memory=held, within_bound=compiled.memory_bound is None or held <= compiled.memory_bound)
 

@@ -175,6 +175,9 @@ def test_the_long_context_file_left_to_the_compiler_is_no_slower_than_the_recipe
     kept = searched.pipeline_options[0]
     assert (kept.schedule, kept.microbatches, kept.cut_before) == \
         (searched.pipeline.schedule, searched.pipeline.microbatches, searched.pipeline.cut_before)
+    # the option listed first names a recipe's layouts only where the plan compiled has them (note N009)
+    [note] = [n.message for n in searched.program.notes if n.code == "N009"]
+    assert kept.priced_on == searched.recipe and ("is compiled" in note) == bool(searched.recipe), (kept, note)
 
 
 def test_a_searched_pipeline_prices_memory_as_the_plan_holds_it():
