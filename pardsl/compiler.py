@@ -625,7 +625,10 @@ def _recipe_weighed_in(bound: BoundPlan, best: _PipelinedPlan, weighed: list[tup
         return best
     name, theirs = min(weighed, key=lambda candidate: candidate[1].rating)
     compiled_it = theirs.rating < best.rating or layouts_of(theirs.typed) == layouts_of(best.typed)
-    kept = theirs if theirs.rating < best.rating else best._replace(recipe=name) if compiled_it else best
+    if theirs.rating < best.rating:
+        kept = theirs
+    else:  # the search's plan, named for the recipe where it has the recipe's layouts
+        kept = best._replace(recipe=name) if compiled_it else best
 
     def said(plan: _PipelinedPlan):
         return _Said(plan.step_s, {"total": plan.held})

@@ -280,7 +280,7 @@ def _masked_ring_lines(compiled) -> list[str]:
     typed, sizes = compiled.typed, compiled.typed.mesh.axis_sizes
     found: dict[tuple[str, int, int], int] = {}
     for node in typed.nodes.values():
-        if node.op != "aten.scaled_dot_product_attention.default":
+        if all(form.hidden_blocks is None for form in node.spec.extra):
             continue
         for axis, form in forms_taken(node.spec, node.operand_layouts, node.op_layout).items():
             if form.hidden_blocks is not None:
