@@ -168,8 +168,7 @@ def _searched(bound: BoundPlan, machine, bucket_mb: float,
 
     def compiled_as(typed: TypedGraph, program: LoweredProgram) -> _SearchedPlan:
         program = _passes_after_lowering(program, typed, machine)
-        return _SearchedPlan((False, estimate(CompletedPlan(typed, program), machine).step_s), typed, program,
-                             program, program)
+        return _SearchedPlan((False, estimate(CompletedPlan(typed, program), machine).step_s), typed, program)
 
     recipes_lowered = descent.recipe_plans(bound, machine, lowered, None, seconds=seconds)
     typed, program = searched_or_greedy(bound, machine, lowered, seconds, recipes_lowered=recipes_lowered)
@@ -189,27 +188,28 @@ class _SearchedPlan(NamedTuple):
     rating: tuple[bool, float]  # over the bound, then what it holds where over, else its estimated step
     typed: TypedGraph
     program: LoweredProgram  # through the passes, with the layers chosen to recompute
-    lowered: LoweredProgram  # as lowering made it: activations as the search counted them
-    passed: LoweredProgram  # through the passes, before any layer is chosen to recompute
 
 
 def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, limit: int,
                                  seconds: dict[str, float]) -> tuple[TypedGraph, LoweredProgram]:
     """The layouts searched under the bound `limit` with what recomputation saves weighed in.
 
-    The search's integer programs count a plan's activations as lowering holds them; recomputation is a
-    pass after lowering. Where the file names what to recompute, the search runs again with each byte of
-    activations counted as the share the passes leave of it. Where it names nothing, recomputation is the
-    compiler's choice (recompute.recomputed_within: the fewest layers that bring a plan under the bound),
-    and it saves memory in another coin than the layouts: a layer made again costs its forward's compute
-    once more, a layout that shards more costs collectives. So the search runs again with activations
-    counted at shares from 1 (nothing recomputed) down to what a rank keeps with every layer recomputed,
-    in RECOMPUTATION_STEPS steps, each plan found given the recomputation it needs. Of the plans found,
-    the one the cost model rates fastest within the bound is kept. The steps stop at the first whose plan
-    is not rated faster than the best so far (where the bound does not bind, the second search finds the
-    first's plan again: one search more is what weighing costs there); the search at 1 keeps its own time
-    budget (descent.SEARCH_BUDGET_S), and the steps share one more, passed down to their searches, so
-    weighing about doubles the search's time at most (note N006 where the steps spend it)."""
+    The search's integer programs count a plan's activations; lowering holds every one autograd keeps,
+    and the passes after it keep less (fused norms and SwiGLUs keep one input where the ops kept several;
+    recomputed layers keep their inputs). What they leave is measured once, on the file's greedy
+    completion (_activation_shares), and the search counts each byte of activations at that share: counted
+    as lowering holds them, a plan the passes bring within the bound was searched as over it. Where the
+    file names nothing to recompute, recomputation is the compiler's choice (recompute.recomputed_within:
+    the fewest layers that bring a plan under the bound), and it saves memory in another coin than the
+    layouts: a layer made again costs its forward's compute once more, a layout that shards more costs
+    collectives. So the search runs again with activations counted at shares down to what a rank keeps
+    with every repeated layer recomputed, in RECOMPUTATION_STEPS steps, each plan found given the
+    recomputation it needs. Of the plans found, the one the cost model rates fastest within the bound is
+    kept. The steps stop at the first whose plan is not rated faster than the best so far (where the
+    bound does not bind, the second search finds the first's plan again: one search more is what weighing
+    costs there); the first search keeps its own time budget (descent.SEARCH_BUDGET_S), and the steps
+    share one more, passed down to their searches, so weighing about doubles the search's time at most
+    (note N006 where the steps spend it)."""
     written = bound.par.recomputes_written
     # the known recipes are written, completed and lowered once: each search below weighs them anew
     recipes_lowered = descent.recipe_plans(bound, machine, lambda typed, limit: _lowered(typed, bucket_mb, limit),
@@ -226,7 +226,7 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
             program = timed(seconds, stage, lambda: recomputed_within(passed, typed, limit, machine))
         plan = estimate(CompletedPlan(typed, program), machine)
         over = plan.memory["total"] > limit
-        return _SearchedPlan((over, plan.memory["total"] if over else plan.step_s), typed, program, lowered, passed)
+        return _SearchedPlan((over, plan.memory["total"] if over else plan.step_s), typed, program)
 
     def planned(weight: float, deadline: float = math.inf):
         """The search's plan with activations counted `weight` times, as compiled."""
@@ -238,16 +238,11 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
             seconds[stage] = seconds.get(stage, 0.0) + elapsed
         return compiled_as(typed, lowered)
 
-    best = planned(1.0)
+    kept, least = timed(seconds, "recompute", lambda: _activation_shares(bound, machine, bucket_mb, limit))
+    best = planned(kept)
     deadline = descent.search_clock() + descent.SEARCH_BUDGET_S  # the steps together: one search's budget more
-    counted = memory_per_rank(best.lowered)["activations"]
-    if written:
-        least = memory_per_rank(best.passed)["activations"]
-        weights = [least / counted] if counted and least < counted else []
-    else:
-        least = activations_recomputing_all(best.passed, best.typed, bound.par.memory_bound.span)
-        weights = [1.0 - step / RECOMPUTATION_STEPS * (1.0 - least / counted)
-                   for step in range(1, RECOMPUTATION_STEPS + 1)] if counted and least < counted else []
+    weights = [kept - step / RECOMPUTATION_STEPS * (kept - least)
+               for step in range(1, RECOMPUTATION_STEPS + 1)] if least < kept else []
     for step, weight in enumerate(weights):
         if descent.search_clock() >= deadline:
             best.program.notes.append(descent.out_of_time_note(
@@ -265,6 +260,22 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
     weighed = [(r.name, compiled_as(r.typed, r.program, "recipes")) for r in fitting]
     best = _weighed_against_recipes(bound, best, weighed, machine, limit)
     return best.typed, best.program
+
+
+def _activation_shares(bound: BoundPlan, machine, bucket_mb: float, limit: int) -> tuple[float, float]:
+    """What the passes leave of a rank's activations as lowering holds them, on the file's greedy completion:
+    (through the passes, the layers the file names recomputed; with every repeated layer recomputed as
+    well, where the file names none), each a share of lowering's count, at most 1."""
+    typed = infer(bound)
+    lowered = _lowered(typed, bucket_mb, limit)
+    counted = memory_per_rank(lowered)["activations"]
+    if not counted:
+        return 1.0, 1.0
+    passed = _passes_after_lowering(replace(lowered, notes=list(lowered.notes)), typed, machine)
+    kept = min(1.0, memory_per_rank(passed)["activations"] / counted)
+    if bound.par.recomputes_written:
+        return kept, kept
+    return kept, min(kept, activations_recomputing_all(passed, typed, bound.par.memory_bound.span) / counted)
 
 
 def _states_bytes(program: LoweredProgram) -> int:
