@@ -233,12 +233,14 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
         spent: dict[str, float] = {}
         typed, lowered = searched_or_greedy(bound, machine, lambda typed, limit: _lowered(typed, bucket_mb, limit),
                                             spent, activation_weight=weight, deadline=deadline,
-                                            recipes_lowered=recipes_lowered)
+                                            recipes_lowered=recipes_lowered, greedy_lowered=(greedy, greedy_lowered))
         for stage, elapsed in spent.items():
             seconds[stage] = seconds.get(stage, 0.0) + elapsed
         return compiled_as(typed, lowered)
 
-    kept, least = timed(seconds, "recompute", lambda: _activation_shares(bound, machine, bucket_mb, limit))
+    greedy = timed(seconds, "greedy", lambda: infer(bound))
+    greedy_lowered = timed(seconds, "lower", lambda: _lowered(greedy, bucket_mb, limit))
+    kept, least = timed(seconds, "activations", lambda: _activation_shares(greedy, greedy_lowered, machine))
     best = planned(kept)
     deadline = descent.search_clock() + descent.SEARCH_BUDGET_S  # the steps together: one search's budget more
     weights = [kept - step / RECOMPUTATION_STEPS * (kept - least)
@@ -262,20 +264,20 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
     return best.typed, best.program
 
 
-def _activation_shares(bound: BoundPlan, machine, bucket_mb: float, limit: int) -> tuple[float, float]:
-    """What the passes leave of a rank's activations as lowering holds them, on the file's greedy completion:
-    (through the passes, the layers the file names recomputed; with every repeated layer recomputed as
-    well, where the file names none), each a share of lowering's count, at most 1."""
-    typed = infer(bound)
-    lowered = _lowered(typed, bucket_mb, limit)
+def _activation_shares(typed: TypedGraph, lowered: LoweredProgram, machine) -> tuple[float, float]:
+    """What the passes leave of a rank's activations as lowering holds them, on a plan of the file (its
+    greedy completion) and its lowered program: (through the passes, the layers the file names
+    recomputed; with every repeated layer recomputed as well, where the file names none), each a share
+    of lowering's count, at most 1."""
     counted = memory_per_rank(lowered)["activations"]
     if not counted:
         return 1.0, 1.0
     passed = _passes_after_lowering(replace(lowered, notes=list(lowered.notes)), typed, machine)
     kept = min(1.0, memory_per_rank(passed)["activations"] / counted)
-    if bound.par.recomputes_written:
+    par = typed.bound.par
+    if par.recomputes_written:
         return kept, kept
-    return kept, min(kept, activations_recomputing_all(passed, typed, bound.par.memory_bound.span) / counted)
+    return kept, min(kept, activations_recomputing_all(passed, typed, par.memory_bound.span) / counted)
 
 
 def _states_bytes(program: LoweredProgram) -> int:

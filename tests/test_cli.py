@@ -102,7 +102,8 @@ def test_a_compile_reports_its_stages_and_each_integer_program_to_a_listener(com
               if not m.startswith(("searching the layouts:", "exporting the model (torch.export):"))]
     assert stages == ["building the model on the meta device", "exporting the model (torch.export)",
                       "writing the known plans (Megatron, FSDP) for the model, to compare",
-                      "searching the layouts", "completing the layouts greedily, to compare", "writing the module"]
+                      "completing the layouts greedily, to compare", "lowering to collectives",
+                      "counting the activations the passes keep", "searching the layouts", "writing the module"]
     programs = [m for m in heard if m.startswith("searching the layouts: deciding tp")]
     limit = f"(up to {solver.TIME_LIMIT_S:.0f} s)"
     assert programs and all(" columns and " in m and limit in m for m in programs)

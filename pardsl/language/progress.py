@@ -69,6 +69,7 @@ def past_time_limit() -> bool:
 STAGE_WORDS = {"infer": "completing the layouts",
                "search": "searching the layouts", "greedy": "completing the layouts greedily, to compare",
                "lower": "lowering to collectives", "recompute": "choosing the layers to recompute",
+               "activations": "counting the activations the passes keep",
                "recipes": "writing the known plans (Megatron, FSDP) for the model, to compare",
                "codegen": "writing the module"}
 

@@ -72,7 +72,8 @@ def recipe_plans(bound: BoundPlan, machine: Machine, lowered: Callable[[TypedGra
 def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[TypedGraph, int | None], Any],
                        seconds: dict[str, float], kept: tuple[int, ...] = (), limit: int | None = None,
                        activation_weight: float = 1.0, deadline: float = math.inf,
-                       recipes_lowered: list[RecipePlan] | None = None) -> tuple[TypedGraph, Any]:
+                       recipes_lowered: list[RecipePlan] | None = None,
+                       greedy_lowered: tuple[TypedGraph, Any] | None = None) -> tuple[TypedGraph, Any]:
     """The search decides one mesh axis at a time, so what it finds depends on the order the axes are
     decided in, and on some meshes the greedy completion of the same file is estimated faster still. It
     runs in every order of the axes that have more than one rank; of those plans and the greedy completion
@@ -87,7 +88,8 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
     is spent, no order or move is started after it. The known recipes written for the model compete too
     (`recipes_lowered`, recipe_plans' where the caller has them already): those within the bound, as the
     greedy completion, and the plan kept is never rated behind one of them by the search's own rating (the
-    compiler weighs them again as compiled: note N009). Returns the plan kept and its lowered program."""
+    compiler weighs them again as compiled: note N009). `greedy_lowered`: the greedy completion and its
+    lowered program, where the caller has them already. Returns the plan kept and its lowered program."""
     limit = memory_limit(bound) if limit is None else limit
     seconds["search"] = seconds["lower"] = 0.0
     facts = timed(seconds, "search", lambda: graph_facts(bound))
@@ -135,7 +137,7 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
 
     sized = [a for a in range(bound.mesh.ndim) if bound.mesh.axis_sizes[a] > 1 and a not in kept]
     unsized = tuple(a for a in range(bound.mesh.ndim) if a not in sized and a not in kept)
-    greedy = timed(seconds, "greedy", lambda: infer(bound))
+    greedy = greedy_lowered[0] if greedy_lowered is not None else timed(seconds, "greedy", lambda: infer(bound))
     start = greedy if kept else None
     deadline = min(deadline, search_clock() + SEARCH_BUDGET_S)
     stopped: list[Diagnostic] = []  # note N006, where the search ran out of time
@@ -157,9 +159,11 @@ def searched_or_greedy(bound: BoundPlan, machine: Machine, lowered: Callable[[Ty
             break
     best = best_searched = min(plans, key=lambda plan: plan[0])  # the mesh's own order on a tie
     clock = time.perf_counter()
-    greedy_program = lowered(greedy, limit)
+    # the caller's program is shared by every search that weighs it: the notes added below are this one's
+    greedy_program = lowered(greedy, limit) if greedy_lowered is None else \
+        dataclasses.replace(greedy_lowered[1], notes=list(greedy_lowered[1].notes))
     theirs = rated(greedy, greedy_program)
-    seconds["greedy"] += time.perf_counter() - clock
+    seconds["greedy"] = seconds.get("greedy", 0.0) + time.perf_counter() - clock
     from_greedy = not theirs[0] and theirs < best[0]
     if from_greedy:
         best = (theirs, greedy, greedy_program)
