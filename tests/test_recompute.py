@@ -436,6 +436,33 @@ def test_under_a_bound_recomputation_is_weighed_against_the_layouts(pools, compi
     assert report["ok"], report
 
 
+def test_the_search_counts_activations_as_the_passes_keep_them(compile_par, monkeypatch):
+    """The search run once (no weighing), on data parallelism over 2 ranks under a bound the replicated
+    model does not meet as lowering counts its activations: it counts them as the passes keep them (fused
+    norms and SwiGLUs keep less), finds a plan within the bound with nothing recomputed, and rates it more
+    than 5 % faster than the plan it finds counting them as lowering holds them, which needs two layers
+    recomputed to fit."""
+    from pardsl import compiler
+    from pardsl.planning import descent
+    from pardsl.planning.cost import default_machine, estimate
+    from pardsl.planning.search import memory_limit
+
+    monkeypatch.setattr(compiler, "RECOMPUTATION_STEPS", 0)
+    monkeypatch.setattr(descent, "recipe_plans", lambda *args, **kwargs: [])  # the search's own plans alone
+    text = ("mesh dp = 2\nmodel examples.language_models:Llama(vocab_size=256, n_layer=4, n_head=8, n_kv_head=4, "
+            "d_model=256, d_ff=512)\ninput input_ids : int64[8, 256] in [0, 256)\nmemory <= 47 %\n")
+    counted_as_kept = compile_par(text)
+    shares = compiler._activation_shares
+    monkeypatch.setattr(compiler, "_activation_shares", lambda *args: (1.0, shares(*args)[1]))
+    counted_as_lowered = compile_par(text, "lowered.par")
+    machine, limit = default_machine(), memory_limit(counted_as_kept.bound)
+    kept, lowered = estimate(counted_as_kept, machine), estimate(counted_as_lowered, machine)
+    assert kept.memory["total"] <= limit and lowered.memory["total"] <= limit
+    assert not [n for n in counted_as_kept.program.notes if n.code == "N007"]
+    assert [n for n in counted_as_lowered.program.notes if n.code == "N007"]
+    assert kept.step_s < 0.95 * lowered.step_s, (kept.step_s, lowered.step_s)
+
+
 def test_a_bound_that_does_not_bind_costs_one_search_more(compile_par, monkeypatch):
     """The first search counts activations at the share the passes keep of what lowering holds (fused
     norms and SwiGLUs keep less: below 1 on LLaMA). Under a loose bound the next share below it finds the
@@ -443,6 +470,7 @@ def test_a_bound_that_does_not_bind_costs_one_search_more(compile_par, monkeypat
     while plans get faster."""
     from pardsl import compiler
     from pardsl.planning.cost import DEFAULT_BUCKET_MB, default_machine
+    from pardsl.planning.inference import infer
     from pardsl.planning.search import memory_limit
 
     weights = []
@@ -456,8 +484,9 @@ def test_a_bound_that_does_not_bind_costs_one_search_more(compile_par, monkeypat
     text = ("mesh dp = 2\nmodel examples.language_models:Llama(vocab_size=256, n_layer=4, n_head=8, n_kv_head=4, "
             "d_model=256, d_ff=512)\ninput input_ids : int64[8, 256] in [0, 256)\nmemory <= {} %\n")
     loose = compile_par(text.format(90))
-    kept, least = compiler._activation_shares(loose.bound, default_machine(), DEFAULT_BUCKET_MB,
-                                              memory_limit(loose.bound))
+    greedy = infer(loose.bound)
+    kept, least = compiler._activation_shares(
+        greedy, compiler._lowered(greedy, DEFAULT_BUCKET_MB, memory_limit(loose.bound)), default_machine())
     assert least < kept < 1.0
     assert len(weights) == 2 and weights[0] == kept and least < weights[1] < kept
     assert loose.program.collective_counts_by_axis() == {"forward": {}, "backward": {"dp:all_reduce": 2}}
