@@ -341,7 +341,7 @@ class Plan:
             if dim_name is None and size != expected:
                 raise ValueError(f"input `{name}` has size {size} in dim {dim}, which the .par file fixes at "
                                  f"{expected}; name the dim (`{name} : ...[n={declared}, ...]`) to let it vary")
-            ways = math.prod(self.mesh.axis_sizes[a] for a in axes) * (layout.blocks_of(dim) if axes else 1)
+            ways = math.prod(self.mesh.axis_sizes[a] for a in axes) * (layout.units_of(dim) if axes else 1)
             if size % ways:
                 over = " × ".join(f"{self.mesh.axis_names[a]} = {self.mesh.axis_sizes[a]}" for a in axes)
                 raise ValueError(f"input `{name}`: dim {dim}" + (f" (`{dim_name}`)" if dim_name else "") +

@@ -21,8 +21,10 @@ def reference_shard(full: torch.Tensor, layout: Layout, mesh: Mesh, coordinate) 
             local = torch.cat([pieces[r], pieces[2 * n - 1 - r]], dim=d)
         elif placement.is_split:
             n, d = mesh.axis_sizes[axis], placement.dim
+            unit = local.shape[d] // placement.units  # unequal blocks: that many units each
+            lengths = [unit * size for size in placement.sizes] or [local.shape[d] // placement.blocks] * placement.blocks
             local = torch.cat([block.chunk(n, dim=d)[coordinate[axis]]
-                               for block in local.chunk(placement.blocks, dim=d)], dim=d)
+                               for block in local.split(lengths, dim=d)], dim=d)
     return local
 
 
@@ -38,13 +40,15 @@ def meshes_and_layouts(draw):
         if dim < 0 or dim in blocked:  # a dim split in blocks is split by one axis (E056 otherwise)
             placements.append(B)
             continue
-        blocks = draw(st.sampled_from([1, 1, 2, 3])) if dim not in split else 1
+        # equal blocks, or unequal ones (q, k and v under grouped-query attention)
+        blocks = draw(st.sampled_from([1, 1, 2, 3, (2, 1, 1), (1, 3)])) if dim not in split else 1
         mirrored = blocks == 2 and draw(st.booleans())  # S(d, zigzag)
-        if blocks > 1:
+        if blocks != 1:
             blocked.add(dim)
         split.add(dim)
-        placements.append(S(dim, blocks, mirrored))
-        factors[dim] *= sizes[axis] * blocks
+        placement = S(dim, blocks, mirrored)
+        placements.append(placement)
+        factors[dim] *= sizes[axis] * placement.units
     shape = tuple(f * draw(st.integers(1, 2)) for f in factors)
     return mesh, Layout(tuple(placements)), shape
 
@@ -72,3 +76,11 @@ def test_blocked_split_holds_its_chunk_of_every_block():
     regions = local_regions(Layout((S(0, 3),)), (12, 4), mesh, (1,))
     assert [(r.offsets, r.sizes, r.local_offsets) for r in regions] == [
         ((2, 0), (2, 4), (0, 0)), ((6, 0), (2, 4), (2, 0)), ((10, 0), (2, 4), (4, 0))]
+
+
+def test_unequal_blocks_hold_their_chunk_of_every_block():
+    # q of 8 rows, k and v of 2 each: rank 1 of 2 holds q's rows 4-7, k's row 9 and v's row 11
+    mesh = Mesh(("tp",), (2,))
+    regions = local_regions(Layout((S(0, (4, 1, 1)),)), (12, 4), mesh, (1,))
+    assert [(r.offsets, r.sizes, r.local_offsets) for r in regions] == [
+        ((4, 0), (4, 4), (0, 0)), ((9, 0), (1, 4), (4, 0)), ((11, 0), (1, 4), (5, 0))]

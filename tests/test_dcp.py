@@ -134,6 +134,24 @@ def test_blocked_split_saved_as_chunks_torch_and_other_plans_read(pools, tmp_pat
         assert result == {"torch_whole": [], "pardsl": [], "dtensor": blocked}
 
 
+PHI3_GQA = ('mesh tp = 2\nmodel examples.hf_models:HFCausalLM(family="Phi3", hidden=64, heads=4, kv_heads=2, '
+            'ffn=128, vocab=32064)\ninput input_ids : int64[2, 16] in [0, 32064)\nlayout {{\n'
+            '    model.model.layers.*.self_attn.qkv_proj.weight : {}\n}}\n')
+
+
+@pytest.mark.timeout(180)
+def test_unequal_blocks_saved_as_chunks_torch_and_other_plans_read(pools, tmp_path):
+    # Phi-3's fused q, k and v under grouped-query attention, split in blocks of their sizes over tp: one
+    # chunk per block, read back whole by torch's own planner and by pardsl into a plan that splits the
+    # projection plainly
+    saved, loaded = tmp_path / "blocks.par", tmp_path / "plain.par"
+    saved.write_text(PHI3_GQA.format("S(0, blocks=[2, 1, 1])"))
+    loaded.write_text(PHI3_GQA.format("S(0)"))
+    for result in pools(2).run_on_every_rank(functools.partial(_save_then_load, str(saved), str(loaded),
+                                                               str(tmp_path / "phi3"))):
+        assert result == {"torch_whole": [], "pardsl": [], "dtensor": []}
+
+
 @pytest.mark.timeout(180)
 def test_pipeline_with_tied_weights_saved_as_dcp(pools, tmp_path):
     # GPT-2 on a 2-stage pipeline, its embedding and head tied across the stages; loaded under tp 2 with

@@ -115,3 +115,11 @@ def test_zigzag_split_is_refused():
 
     with pytest.raises(ValueError, match="rotary.cache.*zig-zag"):
         dtensor_placements("rotary.cache", Layout((B, zigzag(0))))
+
+
+def test_unequal_blocks_are_refused():
+    from pardsl.layouts.algebra import Layout, S
+    from pardsl.runtime.dtensor_state import dtensor_placements
+
+    with pytest.raises(ValueError, match="qkv_proj.weight.*unequal sizes"):
+        dtensor_placements("qkv_proj.weight", Layout((S(0, (2, 1, 1)),)))

@@ -115,3 +115,26 @@ def test_a_zigzag_split_reads_and_converts():
     assert (gather.kind, gather.src_blocks, gather.src_mirrored) == ("all_gather", 2, True)
     to_plain = plan_conversion(Layout((zigzag(0),)), Layout((S(0),)), (16, 3), 4, mesh)
     assert [step.kind for step in to_plain] == ["all_gather", "split"]
+
+
+def test_unequal_blocks_are_written_read_and_reordered_as_the_runtime_moves_them():
+    """S(0, blocks=[4, 1, 1]): q, k and v of a fused projection under grouped-query attention, each split
+    over the axis. It reads back from its key, sizes in lowest terms; equal sizes are equal blocks; a
+    dim divides by its split times the sizes' sum. Each rank holds its chunk of every block, which an
+    all-gather's result (rank by rank) reorders into the tensor, and a reduce-scatter's input comes from."""
+    import torch
+
+    from pardsl.layouts.algebra import Placement, block_major, rank_major
+
+    q_k_v = S(0, (3072, 1024, 1024))
+    assert q_k_v == S(0, (3, 1, 1)) and str(q_k_v) == "S(0, blocks=[3, 1, 1])"
+    assert Placement.parse(str(q_k_v)) == q_k_v and S(0, (2, 2, 2)) == S(0, 3)
+    assert Layout.from_key(Layout((q_k_v, B)).key()) == Layout((q_k_v, B))
+    mesh = Mesh(("tp",), (2,))
+    assert Layout((q_k_v,)).fits((10, 3), mesh) and not Layout((q_k_v,)).fits((12, 3), mesh)
+    full = torch.arange(20)
+    shards = [torch.cat([full[0:12].chunk(2)[r], full[12:16].chunk(2)[r], full[16:20].chunk(2)[r]]) for r in range(2)]
+    assert torch.equal(block_major(torch.cat(shards), 2, (3, 1, 1)), full)
+    assert all(torch.equal(chunk, shard) for chunk, shard in zip(rank_major(full, 2, (3, 1, 1)).chunk(2), shards))
+    [gather] = plan_conversion(Layout((q_k_v,)), Layout((B,)), (20, 3), 4, mesh)
+    assert (gather.kind, gather.src_blocks) == ("all_gather", (3, 1, 1))

@@ -485,6 +485,21 @@ def test_the_search_splits_a_fused_qkv_projection_in_blocks(compile_par):
     assert not any(c.kind == "all_to_all" and ".attn" in c.reason for c in compiled.program.collectives)
 
 
+def test_the_search_splits_a_fused_qkv_projection_of_unequal_parts_in_blocks_of_their_sizes(compile_par):
+    """Phi-3 under grouped-query attention (8 query heads, 4 key/value heads) computes q, k and v with one
+    projection and takes them apart by slices, q twice as long as k and v. The search offers the
+    projection a split in blocks of those sizes, and keeps it: each rank its share of q, of k and of v,
+    no all-to-all in attention."""
+    compiled = compile_par("mesh tp = 2\n"
+                           'model examples.hf_models:HFCausalLM(family="Phi3", layers=2, hidden=512, heads=8, '
+                           'kv_heads=4, ffn=1024, vocab=32064)\ninput input_ids : int64[2, 64] in [0, 32064)\n'
+                           "memory <= 60 %\n")
+    layouts = layouts_of(compiled, "model.model.layers.")
+    for layer in (0, 1):
+        assert layouts[f"model.model.layers.{layer}.self_attn.qkv_proj.weight"] == (S(0, (2, 1, 1)),)
+    assert not any(c.kind == "all_to_all" and "self_attn" in c.reason for c in compiled.program.collectives)
+
+
 def test_the_search_groups_gathered_parameters_as_lowering_does():
     """Memory of parameters gathered for use counts two groups at a time; the groups are lowering's: a
     layer's parameters, or those outside the layers before them and after them (the embedding alone; the

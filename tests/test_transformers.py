@@ -49,6 +49,23 @@ def test_blocked_split_needs_divisible_blocks(compile_par):
     assert error.notes[-1].endswith("h.1.attn.c_attn.weight`")
 
 
+def test_unequal_blocks_need_a_dim_their_sizes_divide_and_no_empty_block(compile_par):
+    original = open("examples/gpt_tp2.par").read()
+    text = original.replace("c_attn.weight : S(0, blocks=3)", "c_attn.weight : S(0, blocks=[5, 1, 1])")
+    with pytest.raises(CompileError) as caught:
+        compile_par(text)
+    [error] = caught.value.diagnostics
+    assert error.code == "E054" and "not divisible by tp = 2 × 7 (blocks sized [5, 1, 1])" in error.message
+    text = original.replace("c_attn.weight : S(0, blocks=3)", "c_attn.weight : S(0, blocks=[2, 0, 1])")
+    with pytest.raises(CompileError) as caught:
+        compile_par(text)
+    [error] = caught.value.diagnostics
+    line = next(i for i, written in enumerate(text.splitlines(), 1) if "blocks=[2, 0, 1]" in written)
+    assert error.code == "E057" and error.message == ("S(0, blocks=[2, 0, 1]): blocks must be at least 1, and "
+                                                      "each block's size")
+    assert (error.span.line, error.span.column) == (line, text.splitlines()[line - 1].index("S(0") + 1)
+
+
 def test_vocabulary_parallel_embedding_is_a_masked_lookup():
     source = compile_file("examples/llama_tp2.par").source
     assert 'rt.masked_embedding(self.embed_tokens_weight, input_ids, "tp")' in source

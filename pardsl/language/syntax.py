@@ -90,6 +90,7 @@ class PlacementSyntax:
     span: Span
     blocks: int = 1
     zigzag: bool = False
+    sizes: tuple[int, ...] = ()  # S(d, blocks=[4, 1, 1]): the blocks' sizes, as written
 
 
 @dataclass(frozen=True)
@@ -400,8 +401,13 @@ class _ToSyntaxTree(Transformer):
         )
 
     def split(self, meta, children):
-        blocks = int(children[1]) if len(children) > 1 and children[1] is not None else 1
-        return PlacementSyntax("S", int(children[0]), _span(meta), blocks)
+        written = children[1] if len(children) > 1 else None
+        if isinstance(written, tuple):
+            return PlacementSyntax("S", int(children[0]), _span(meta), len(written), sizes=written)
+        return PlacementSyntax("S", int(children[0]), _span(meta), int(written) if written is not None else 1)
+
+    def block_sizes(self, meta, children):
+        return tuple(int(size) for size in children)
 
     def zigzag_split(self, meta, children):
         return PlacementSyntax("S", int(children[0]), _span(meta), 2, zigzag=True)

@@ -27,16 +27,27 @@ class Placement:
     # S(d, zigzag): two blocks, the second chunked in reverse rank order, so rank r of n holds chunks r and
     # 2n - 1 - r of the dim: under a causal mask every rank's queries see as many keys (ring attention)
     mirrored: bool = False
+    # S(d, blocks=[4, 1, 1]): the blocks' sizes in proportion, where they differ (a fused q, k and v
+    # projection under grouped-query attention); () where the blocks are equal
+    sizes: tuple[int, ...] = ()
 
     def __post_init__(self):
         assert self.kind in ("S", "B", "P") and (self.kind == "S") == (self.dim is not None), self
         assert self.blocks >= 1 and (self.blocks == 1 or self.kind == "S"), self
         assert not self.mirrored or self.blocks == 2, self
+        assert not self.sizes or (len(self.sizes) == self.blocks and not self.mirrored and
+                                  len(set(self.sizes)) > 1 and math.gcd(*self.sizes) == 1), self
 
     @property
-    def arrangement(self) -> tuple[int, bool]:
-        """How the split dim is cut into blocks: (blocks, mirrored); (1, False) for a plain split."""
-        return self.blocks, self.mirrored
+    def arrangement(self) -> tuple[int | tuple[int, ...], bool]:
+        """How the split dim is cut into blocks: (blocks, mirrored), blocks the count of equal blocks or
+        the sizes of unequal ones (`block_spec`); (1, False) for a plain split."""
+        return (self.sizes or self.blocks), self.mirrored
+
+    @property
+    def units(self) -> int:
+        """How many equal units the dim is cut into before each is split: the blocks, or their sizes' sum."""
+        return sum(self.sizes) if self.sizes else self.blocks
 
     @property
     def is_split(self) -> bool:
@@ -47,6 +58,8 @@ class Placement:
             return self.kind
         if self.mirrored:
             return f"S({self.dim}, zigzag)"
+        if self.sizes:
+            return f"S({self.dim}, blocks=[{', '.join(map(str, self.sizes))}])"
         return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim}, blocks={self.blocks})"
 
     @staticmethod
@@ -58,7 +71,12 @@ class Placement:
             dim, _, blocks = text[2:-1].partition(",")
             if blocks.strip() == "zigzag":
                 return zigzag(int(dim))
-            return Placement("S", int(dim), int(blocks.split("=")[1]) if blocks else 1)
+            if not blocks:
+                return S(int(dim))
+            count = blocks.split("=", 1)[1].strip()
+            if count.startswith("[") and count.endswith("]"):
+                return S(int(dim), tuple(int(size) for size in count[1:-1].split(",")))
+            return S(int(dim), int(count))
         raise ValueError(f"not a placement: {text!r}")
 
 
@@ -66,8 +84,34 @@ B = Placement("B")
 P = Placement("P")
 
 
-def S(dim: int, blocks: int = 1, mirrored: bool = False) -> Placement:
+def S(dim: int, blocks: int | tuple[int, ...] = 1, mirrored: bool = False) -> Placement:
+    """A split of `dim`; `blocks` a count of equal blocks, or the sizes of blocks (any scale: sizes that are
+    all equal are that many equal blocks)."""
+    if isinstance(blocks, tuple):
+        sizes = block_sizes(blocks)
+        return Placement("S", dim, len(blocks), mirrored, () if len(set(sizes)) == 1 else sizes)
     return Placement("S", dim, blocks, mirrored)
+
+
+def block_sizes(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Block sizes in lowest terms: (3072, 1024, 1024) → (3, 1, 1)."""
+    divisor = math.gcd(*sizes)
+    return tuple(size // divisor for size in sizes)
+
+
+def block_spec_units(blocks: int | tuple[int, ...]) -> int:
+    """A block spec's (an arrangement's first element's) units: its count, or its sizes' sum."""
+    return sum(blocks) if isinstance(blocks, tuple) else blocks
+
+
+def is_blocked(blocks: int | tuple[int, ...]) -> bool:
+    return isinstance(blocks, tuple) or blocks > 1
+
+
+def arrangement_order(arrangement: tuple) -> tuple:
+    """A sort key for arrangements, plain first, then equal blocks by count, then unequal ones."""
+    blocks, mirrored = arrangement
+    return (isinstance(blocks, tuple), blocks if isinstance(blocks, int) else len(blocks), str(blocks), mirrored)
 
 
 def zigzag(dim: int) -> Placement:
@@ -118,7 +162,7 @@ def _fits(placements: tuple[Placement, ...], shape: tuple[int, ...], axis_sizes:
         if placement.dim >= len(shape):
             return False
         factor[placement.dim] = factor.get(placement.dim, 1) * size
-        blocks[placement.dim] = max(blocks.get(placement.dim, 1), placement.blocks)
+        blocks[placement.dim] = max(blocks.get(placement.dim, 1), placement.units)
         splitters[placement.dim] = splitters.get(placement.dim, 0) + 1
     return all(shape[d] % (f * blocks[d]) == 0 and (blocks[d] == 1 or splitters[d] == 1) for d, f in factor.items())
 
@@ -156,6 +200,14 @@ class Layout:
     def blocks_of(self, dim: int) -> int:
         return max((p.blocks for p in self.placements if p.kind == "S" and p.dim == dim), default=1)
 
+    def block_spec_of(self, dim: int) -> int | tuple[int, ...]:
+        """The dim's blocks as the runtime takes them: a count of equal blocks, or unequal blocks' sizes."""
+        return next((p.arrangement[0] for p in self.placements if p.kind == "S" and p.dim == dim and p.blocks > 1), 1)
+
+    def units_of(self, dim: int) -> int:
+        """What the dim's size must divide by beyond its split: its blocks, or unequal blocks' sizes' sum."""
+        return max((p.units for p in self.placements if p.kind == "S" and p.dim == dim), default=1)
+
     def mirrored_dims(self) -> list[int]:
         return [p.dim for p in self.placements if p.kind == "S" and p.mirrored]
 
@@ -163,7 +215,7 @@ class Layout:
         return _local_shape(self.placements, tuple(shape), mesh.axis_sizes)
 
     def indivisible_dims(self, shape: tuple[int, ...], mesh: Mesh) -> list[int]:
-        return [d for d, size in enumerate(shape) if size % (self.split_factor(d, mesh) * self.blocks_of(d))]
+        return [d for d, size in enumerate(shape) if size % (self.split_factor(d, mesh) * self.units_of(d))]
 
     def blocks_on_shared_dims(self) -> list[int]:
         """Dims split in blocks by more than one axis (not supported: one axis splits a blocked dim)."""
@@ -214,8 +266,8 @@ class ConversionStep:
     dst_dim: int | None  # the dim the target is split on (reduce_scatter, all_to_all, split)
     forward_bytes: int
     backward_bytes: int
-    src_blocks: int = 1
-    dst_blocks: int = 1
+    src_blocks: int | tuple[int, ...] = 1  # a count of equal blocks, or unequal blocks' sizes
+    dst_blocks: int | tuple[int, ...] = 1
     src_mirrored: bool = False
     dst_mirrored: bool = False
 
@@ -299,8 +351,8 @@ def _one_axis_step(
         placement.dim if placement.is_split else None,
         forward,
         backward,
-        current.blocks,
-        placement.blocks,
+        current.arrangement[0],
+        placement.arrangement[0],
         current.mirrored,
         placement.mirrored,
     )
@@ -336,7 +388,7 @@ def _planned_conversion(source: Layout, target: Layout, shape: tuple[int, ...], 
     value's placements, and many values share a shape."""
     arrangements = {p.arrangement for p in (*source.placements, *target.placements) if p.is_split}
     candidates = (B, P) + tuple(S(d, k, mirrored) for d in range(len(shape))
-                                for k, mirrored in sorted(arrangements | {(1, False)}))
+                                for k, mirrored in sorted(arrangements | {(1, False)}, key=arrangement_order))
     axes = tuple(a for a in range(mesh.ndim) if a not in still)
     movable = len(axes)
     if len(candidates) ** mesh.ndim > _WHOLE_SEARCH_LAYOUTS:
@@ -441,22 +493,41 @@ def collective_matmul_cut(shape: tuple[int, ...], whole_dim: int, ranks: int) ->
     return None if dim is None else (dim, min(ranks, shape[dim]))
 
 
-def rank_major(moved: "torch.Tensor", n: int, blocks: int, mirrored: bool = False) -> "torch.Tensor":
+def rank_major(moved: "torch.Tensor", n: int, blocks: int | tuple[int, ...], mirrored: bool = False) -> "torch.Tensor":
     """A dim (moved first) split over n ranks in `blocks` blocks, reordered so each rank's chunks of every
     block are adjacent: block-major [blocks, n, chunk] → rank-major [n, blocks, chunk]. `mirrored`: the odd
-    blocks are chunked in reverse rank order (a zig-zag split)."""
+    blocks are chunked in reverse rank order (a zig-zag split). `blocks` may be unequal blocks' sizes."""
+    if isinstance(blocks, tuple):
+        import torch
+
+        chunked = [block.reshape(n, -1, *moved.shape[1:]) for block in moved.split(block_lengths(moved.shape[0], blocks))]
+        return torch.cat([torch.cat([block[r] for block in chunked]) for r in range(n)])
     if blocks == 1:
         return moved
     return _mirror_odd_blocks(moved.reshape(blocks, n, -1, *moved.shape[1:]), mirrored) \
         .transpose(0, 1).reshape(moved.shape)
 
 
-def block_major(gathered: "torch.Tensor", n: int, blocks: int, mirrored: bool = False) -> "torch.Tensor":
+def block_major(gathered: "torch.Tensor", n: int, blocks: int | tuple[int, ...], mirrored: bool = False) -> "torch.Tensor":
     """The inverse of `rank_major`: what an all-gather returns, rank by rank, back in block order."""
+    if isinstance(blocks, tuple):
+        import torch
+
+        lengths = [length // n for length in block_lengths(gathered.shape[0], blocks)]
+        by_rank = [held.split(lengths) for held in gathered.chunk(n)]
+        return torch.cat([by_rank[r][b] for b in range(len(blocks)) for r in range(n)])
     if blocks == 1:
         return gathered
     by_block = gathered.reshape(n, blocks, -1, *gathered.shape[1:]).transpose(0, 1)
     return _mirror_odd_blocks(by_block, mirrored).reshape(gathered.shape)
+
+
+def block_lengths(size: int, blocks: int | tuple[int, ...]) -> list[int]:
+    """The lengths of a dim of `size` cut into `blocks`: equal ones, or in proportion to unequal sizes."""
+    if isinstance(blocks, int):
+        return [size // blocks] * blocks
+    unit = size // sum(blocks)
+    return [unit * b for b in blocks]
 
 
 def _mirror_odd_blocks(chunks: "torch.Tensor", mirrored: bool) -> "torch.Tensor":

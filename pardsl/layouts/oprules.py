@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 import pardsl.runtime.experts  # noqa: F401  (registers pardsl::experts and pardsl::grouped_mm, which RULES names)
-from pardsl.layouts.algebra import B, P, Placement, S, collective_bytes, halo_rows, per_dim, transposed_halo_rows, zigzag
+from pardsl.layouts.algebra import (B, P, Placement, S, arrangement_order, block_sizes, collective_bytes, halo_rows, per_dim,
+                                    transposed_halo_rows, zigzag)
 from pardsl.layouts.masks import busiest_zigzag_share, hidden_blocks
 
 Letters = tuple  # one letter (str) or None (a broadcast dim of size 1) per dim
@@ -1481,9 +1482,9 @@ def _equal_parts(node: torch.fx.Node, dim: int, size: int) -> int | None:
     return len(parts) if len(sizes) == 1 and size == len(parts) * sizes.pop() else None
 
 
-def slice_block(node: torch.fx.Node, dim: int, size: int) -> tuple[int, int] | None:
-    """(k, i) where a slice takes exactly the i-th of k equal blocks of `dim` (a fused projection's q, k or
-    v part, `qkv[..., 0:h]`), with k at least 2; else None."""
+def slice_bounds(node: torch.fx.Node, dim: int, size: int) -> tuple[int, int] | None:
+    """(start, end) of a slice of `dim`, of `size`, taking a run of it in steps of 1 (`qkv[..., 0:h]`);
+    None where a bound is computed, or the slice steps or takes nothing."""
     start, end, step = (call_arg(node, 2, "start"), call_arg(node, 3, "end"), call_arg(node, 4, "step", 1))
     source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     traced = source.shape[dim] if source is not None and dim < source.dim() else size
@@ -1494,44 +1495,51 @@ def slice_block(node: torch.fx.Node, dim: int, size: int) -> tuple[int, int] | N
         end = min(concrete_size(end), size) if end is not None else size
     except (TypeError, ValueError):
         return None
-    length = end - start
-    if step != 1 or length <= 0 or start < 0 or size % length or start % length or size // length < 2:
+    if start < 0:
+        start += size
+    if step != 1 or end <= start or start < 0:
         return None
-    return size // length, start // length
+    return start, end
 
 
-# what a fused projection computes: a slice of its output that takes one of k equal blocks is its q, k or
-# v (Phi-3's qkv_proj), taken from a split in k blocks with nothing moved
+# what a fused projection computes: slices of its output that take it apart, each part once, are its q, k
+# and v (Phi-3's qkv_proj), taken from a split in those blocks with nothing moved
 _PROJECTIONS = (aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default)
 
 
-def sliced_in_blocks(source: torch.fx.Node, dim: int) -> int | None:
-    """k where the slices that read `source` along `dim` take each of its k equal blocks once (Phi-3's q,
-    k and v out of one projection), else None."""
+def sliced_in_blocks(source: torch.fx.Node, dim: int) -> int | tuple[int, ...] | None:
+    """The blocks the slices that read `source` along `dim` take it apart in, each block once: k where
+    they are k equal blocks (Phi-3's q, k and v under multi-head attention), the blocks' sizes in lowest
+    terms where they differ (its q, k and v under grouped-query attention: [4, 1, 1]); else None."""
     rank = len(source.meta["val"].shape) if "val" in source.meta else None
     if rank is None:
         return None
     size = source.meta["val"].shape[dim]
-    blocks = [slice_block(user, dim, size) for user in source.users
+    bounds = [slice_bounds(user, dim, size) for user in source.users
               if user.target is aten.slice.Tensor and call_arg(user, 1, "dim", 0) % rank == dim % rank]
-    if not blocks or None in blocks or sorted(blocks) != [(blocks[0][0], i) for i in range(blocks[0][0])]:
+    if len(bounds) < 2 or None in bounds:
         return None
-    return blocks[0][0]
+    bounds.sort()
+    if bounds[0][0] != 0 or bounds[-1][1] != concrete_size(size) or \
+            any(end != start for (_, end), (start, _) in zip(bounds, bounds[1:])):
+        return None  # they overlap, leave a gap, or take less than the whole
+    lengths = tuple(end - start for start, end in bounds)
+    return len(lengths) if len(set(lengths)) == 1 else block_sizes(lengths)
 
 
-def _block_sliced(node: torch.fx.Node, dim: int, size: int) -> int | None:
-    """How many equal blocks a slice's one block is of, as a cut's parts: where the slice reads a
-    projection's output features and it and its sibling slices take every block once (sliced_in_blocks).
-    Other slices (a rotary table's first positions, a mask's corner) are no part of a fused weight:
-    offering their producers splits in blocks would only widen the search."""
+def _block_sliced(node: torch.fx.Node, dim: int, size: int) -> int | tuple[int, ...] | None:
+    """The blocks a slice's part is one of, as a cut's parts: where the slice reads a projection's output
+    features and it and its sibling slices take every block once (sliced_in_blocks). Other slices (a
+    rotary table's first positions, a mask's corner) are no part of a fused weight: offering their
+    producers splits in blocks would only widen the search."""
     source = node.args[0]
     if not isinstance(source, torch.fx.Node) or source.target not in _PROJECTIONS or \
-            dim != len(source.meta["val"].shape) - 1 or slice_block(node, dim, size) is None:
+            dim != len(source.meta["val"].shape) - 1 or slice_bounds(node, dim, size) is None:
         return None
     return sliced_in_blocks(source, dim)
 
 
-def _placement_for(letters: Letters, letter: str, arrangement: tuple[int, bool] = (1, False)) -> Placement:
+def _placement_for(letters: Letters, letter: str, arrangement: tuple = (1, False)) -> Placement:
     return S(letters.index(letter), *arrangement) if letter in letters else B
 
 
@@ -1552,7 +1560,7 @@ def signatures(spec: DimSpec, blocks: dict[str, set[tuple[int, bool]]] | None = 
     for letter in splittable:
         if letter in spec.output:
             carried = blocks.get(letter, set()) if spec.fixed_size is None or letter in spec.fixed_size else set()
-            for arrangement in [plain, *sorted(carried - {plain})]:
+            for arrangement in [plain, *sorted(carried - {plain}, key=arrangement_order)]:
                 operands = tuple(_placement_for(letters, letter, arrangement) for letters in spec.operands)
                 result.append(Signature(operands, S(spec.output.index(letter), *arrangement), letter))
     if spec.cut is not None:
@@ -1563,7 +1571,7 @@ def signatures(spec: DimSpec, blocks: dict[str, set[tuple[int, bool]]] | None = 
     for letter in splittable:
         if letter not in spec.output and spec.contractible and sums:
             # every operand split alike, in blocks too: each rank sums over the same indices
-            for arrangement in [plain, *sorted(blocks.get(letter, set()) - {plain})]:
+            for arrangement in [plain, *sorted(blocks.get(letter, set()) - {plain}, key=arrangement_order)]:
                 operands = tuple(
                     P if i in spec.addends else _placement_for(letters, letter, arrangement)
                     for i, letters in enumerate(spec.operands)

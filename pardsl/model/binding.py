@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from pardsl.language.diagnostics import MAX_PER_CODE, DiagnosticSink, Span
 from pardsl.language.progress import modules_reported, report
 from pardsl.language.syntax import LayoutEntry, LayoutSyntax, ParFile
-from pardsl.layouts.algebra import B, Layout, Mesh, Placement
+from pardsl.layouts.algebra import B, Layout, Mesh, Placement, S
 from pardsl.layouts.oprules import carries_gradient, concrete_size, op_name, rule_for
 from pardsl.model.export import (called_at, constant_values, data_dependent_failure, python_random_seeded, source_line,
                                  trace)
@@ -291,14 +291,18 @@ def _check_inputs_read(par: ParFile, model: torch.nn.Module, exported: torch.exp
 
 
 def layout_from_syntax(syntax: LayoutSyntax, mesh: Mesh, sink: DiagnosticSink) -> Layout | None:
-    bad_blocks = [p for p in syntax.placements if p.kind == "S" and p.blocks < 1]
+    bad_blocks = [p for p in syntax.placements if p.kind == "S" and (p.blocks < 1 or p.sizes and min(p.sizes) < 1)]
     for p in bad_blocks:
-        sink.error("E057", f"S({p.dim}, blocks={p.blocks}): blocks must be at least 1", p.span)
+        written = f"[{', '.join(map(str, p.sizes))}]" if p.sizes else p.blocks
+        sink.error("E057", f"S({p.dim}, blocks={written}): blocks must be at least 1"
+                   + (", and each block's size" if p.sizes else ""), p.span)
     if bad_blocks:
         return None
 
     def placement(p) -> Placement:
-        return Placement("S", p.dim, max(1, p.blocks), p.zigzag) if p.kind == "S" else Placement(p.kind)
+        if p.kind != "S":
+            return Placement(p.kind)
+        return S(p.dim, p.sizes) if p.sizes else Placement("S", p.dim, max(1, p.blocks), p.zigzag)
 
     if syntax.form == "searched":
         return None  # no layout: binding records the name as searched
@@ -348,7 +352,7 @@ def check_layout_fits(layout: Layout, entry: LayoutEntry, name: str, info: Tenso
                 ok = False
                 normalized.append(p)
                 continue
-            normalized.append(Placement("S", dim, p.blocks, p.mirrored))
+            normalized.append(replace(p, dim=dim))
         else:
             normalized.append(p)
     if not ok:
@@ -362,11 +366,14 @@ def check_layout_fits(layout: Layout, entry: LayoutEntry, name: str, info: Tenso
     for dim in result.indivisible_dims(info.shape, mesh):
         axes = result.axes_splitting(dim)
         by = " × ".join(f"{mesh.axis_names[a]} = {mesh.axis_sizes[a]}" for a in axes)
-        blocks = result.blocks_of(dim)
-        by += f" × {blocks} blocks" if blocks > 1 else ""
+        blocks, units = result.block_spec_of(dim), result.units_of(dim)
+        if isinstance(blocks, tuple):
+            by += f" × {units} (blocks sized {list(blocks)})"
+        elif blocks > 1:
+            by += f" × {blocks} blocks"
         sink.error("E054", f"dim {dim} of `{name}` has size {info.shape[dim]}, not divisible by {by}",
                    placement_spans[axes[-1]], f"shape {list(info.shape)}",
-                   *_divisible_notes(info.shape[dim], [mesh.axis_sizes[a] for a in axes], blocks,
+                   *_divisible_notes(info.shape[dim], [mesh.axis_sizes[a] for a in axes], units,
                                      mesh.axis_names[axes[-1]] if len(axes) == 1 else None))
         ok = False
     return result if ok else None

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pardsl.layouts.algebra import B, Layout, Placement, S
+from pardsl.layouts.algebra import B, Layout, Placement, S, block_spec_units, is_blocked
 from pardsl.layouts.oprules import call_arg, sliced_in_blocks
 from pardsl.language.syntax import LayoutEntry, LayoutSyntax
 from pardsl.model.binding import BoundPlan, Pin
@@ -61,7 +61,9 @@ class _Linear:
     out_dim: int  # the weight's dim of output features
     bias: str | None
     layer: str  # the repeated block it is in, else ""
-    blocks: int = 1  # a fused projection's parts (GPT-2's q, k and v), cut apart after it: S(d, blocks=k)
+    # a fused projection's parts (GPT-2's q, k and v), cut apart after it: S(d, blocks=k), or their sizes
+    # where they differ (Phi-3's q, k and v under grouped-query attention)
+    blocks: int | tuple[int, ...] = 1
 
 
 def recipes(bound: BoundPlan, machine: Machine, kept: tuple[int, ...] = ()) -> list[Recipe]:
@@ -205,13 +207,13 @@ def _linears(bound: BoundPlan) -> list[_Linear]:
     return found
 
 
-def fused_parameters(bound: BoundPlan) -> dict[str, tuple[int, int]]:
+def fused_parameters(bound: BoundPlan) -> dict[str, tuple[int | tuple[int, ...], int]]:
     """Per state-dict path of a fused projection's weight or bias (GPT-2's q, k and v; Phi-3's q, k and v,
     or gate and up): (the parts its output features are cut into, the dim they lie on). Split in that many
     blocks there, each rank holds its share of every part and the cut takes none from another rank."""
     found = {}
     for linear in _linears(bound):
-        if linear.blocks > 1:
+        if is_blocked(linear.blocks):
             found[bound.parameters[linear.weight]] = (linear.blocks, linear.out_dim)
             if linear.bias is not None:
                 found[bound.parameters[linear.bias]] = (linear.blocks, 0)
@@ -221,9 +223,10 @@ def fused_parameters(bound: BoundPlan) -> dict[str, tuple[int, int]]:
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
-def _parts(node) -> int:
+def _parts(node) -> int | tuple[int, ...]:
     """Into how many equal parts the output features of a linear are cut by what reads it (a fused q/k/v
-    projection's split, chunk or slices, through its reshapes), else 1."""
+    projection's split, chunk or slices, through its reshapes), or the sizes of unequal parts its slices
+    take (Phi-3's q, k and v under grouped-query attention), else 1."""
     features = node.meta["val"].shape[-1] if "val" in node.meta else None
     last = len(node.meta["val"].shape) - 1 if "val" in node.meta else None
     if features is not None and (sliced := sliced_in_blocks(node, last)):
@@ -232,7 +235,7 @@ def _parts(node) -> int:
         if user.op == "call_function" and user.target in _RESHAPES and "val" in user.meta and \
                 user.meta["val"].shape[-1] == features:  # rows regrouped, the features as they were
             parts = _parts(user)
-            if parts > 1:
+            if is_blocked(parts):
                 return parts
             continue
         if user.op == "call_function" and user.target is aten.chunk.default and features is not None and \
@@ -325,7 +328,7 @@ def _tensor_parallel(bound: BoundPlan, tp: int, columns, rows, heads) -> dict[st
     n = bound.mesh.axis_sizes[tp]
     split: dict[str, dict[int, Placement]] = {}
     for linear in (*columns, *heads):
-        if bound.tensors[linear.weight].shape[linear.out_dim] % (n * linear.blocks) == 0:
+        if bound.tensors[linear.weight].shape[linear.out_dim] % (n * block_spec_units(linear.blocks)) == 0:
             split[linear.weight] = {tp: S(linear.out_dim, linear.blocks)}
             if linear.bias is not None:
                 split[linear.bias] = {tp: S(0, linear.blocks)}

@@ -27,6 +27,7 @@ import torch
 from pardsl.language.diagnostics import Diagnostic
 from pardsl.layouts.algebra import (
     CONVERSION_OF_KIND,
+    is_blocked,
     B,
     ConversionStep,
     Layout,
@@ -36,7 +37,7 @@ from pardsl.layouts.algebra import (
     plan_conversion,
     step_collectives,
 )
-from pardsl.layouts.oprules import WHOLE, Signature, forms_taken, is_drawn_whole, op_name, rule_for, slice_block
+from pardsl.layouts.oprules import WHOLE, Signature, forms_taken, is_drawn_whole, op_name, rule_for, slice_bounds
 from pardsl.model.export import called_at, source_line
 from pardsl.planning.cost import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, parameter_unit, repeated_layer
 from pardsl.planning.inference import TypedGraph
@@ -142,7 +143,8 @@ def _shape_text(info, layout: Layout | None = None, mesh: Mesh | None = None) ->
 def _tag(layout: Layout) -> str:
     """A layout as part of a Python name: `S0_B`, `S2blocks2` for `S(2, blocks=2)`, `S1zigzag`."""
     return "_".join(p.kind + (f"{p.dim}" if p.is_split else "") +
-                    ("zigzag" if p.mirrored else f"blocks{p.blocks}" if p.blocks > 1 else "")
+                    ("zigzag" if p.mirrored else "blocks" + "_".join(map(str, p.sizes)) if p.sizes else
+                     f"blocks{p.blocks}" if p.blocks > 1 else "")
                     for p in layout.placements)
 
 
@@ -166,7 +168,7 @@ def step_call(step: ConversionStep, rs_backward: bool = False) -> tuple[str, dic
     its row of the catalogue; block counts only where there are blocks."""
     conversion = CONVERSION_OF_KIND[step.kind]
     kwargs = {keyword: getattr(step, field) for keyword, field in conversion.arguments
-              if (keyword != "blocks" or getattr(step, field) > 1) and (keyword != "mirrored" or getattr(step, field))}
+              if (keyword != "blocks" or is_blocked(getattr(step, field))) and (keyword != "mirrored" or getattr(step, field))}
     if step.kind == "all_gather":  # its adjoint: a slice, or a reduce-scatter (Megatron-SP's g)
         kwargs = {"dim": kwargs["dim"], "backward": "reduce_scatter" if rs_backward else "slice",
                   **{k: v for k, v in kwargs.items() if k != "dim"}}
@@ -357,7 +359,7 @@ class _Lowerer:
             self.emitted.add(var)
             collectives = (Collective("all_gather", axis_names[0], "forward", gather.forward_bytes, var, reason),
                            Collective("reduce_scatter", axis_names[0], "backward", gather.forward_bytes, var, reason))
-            blocks = (("blocks", Text(str(gather.src_blocks))),) if gather.src_blocks > 1 else ()
+            blocks = (("blocks", Text(repr(gather.src_blocks))),) if is_blocked(gather.src_blocks) else ()
             blocks += (("mirrored", Text("True")),) if gather.src_mirrored else ()
             extra, what = (("gather_dim", Text(str(gather.src_dim))),) + blocks + op, \
                 "gathered first; its gradient reduce-scattered"
@@ -656,11 +658,13 @@ class _Lowerer:
             sizes = fx_node.args[rule.size_arg]
             args[rule.size_arg] = Text(_render([part] * len(sizes) if isinstance(sizes, (list, tuple)) else part))
         if fx_node.target is torch.ops.aten.slice.Tensor and typed_node.spec.cut is not None:
-            # the i-th of k equal blocks: where S(d, blocks=k) holds a share of every block, the local i-th
+            # one of the blocks: where S(d, blocks=...) holds a share of every block, in order, the local
+            # block starts and ends at the global bounds over the split
             dim = typed_node.spec.output.index(typed_node.spec.cut[0])
-            _, block = slice_block(fx_node, dim, self.typed.info(typed_node.operands[0]).shape[dim])
-            part = local_code[dim]
-            args[2:4] = [Text(_render(block * part)), Text(_render((block + 1) * part))]
+            shape = self.typed.info(typed_node.operands[0]).shape
+            start, end = slice_bounds(fx_node, dim, shape[dim])
+            split = shape[dim] // typed_node.operand_layouts[0].local_shape(shape, self.mesh)[dim]
+            args[2:4] = [Text(_render(start // split)), Text(_render(end // split))]
         if rule.training_arg is not None and rule.training_arg < len(args) and fx_node.args[rule.training_arg] is True:
             # traced in training: the op follows the module's mode, so `.eval()` works as it does on serial's
             args[rule.training_arg] = Text("self.training")
@@ -683,7 +687,7 @@ class _Lowerer:
                                                                         *(Text(python_literal(a)) for a in vocab_axes)))
         elif rule.drawn_as:
             # random: every rank draws serial's whole tensor and keeps its part of it, so the values are serial's
-            splits = tuple((self.mesh.axis_names[a], p.dim, p.blocks) + ((True,) if p.mirrored else ())
+            splits = tuple((self.mesh.axis_names[a], p.dim, p.arrangement[0]) + ((True,) if p.mirrored else ())
                            for a, p in enumerate(typed_node.op_layout.placements) if p.is_split)
             expr = Instruction("form", f"rt.{rule.drawn_as}", tuple(args), tuple(kwargs + [("splits", Text(repr(splits)))]))
         elif parallel_forms or rule.every_signature:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pardsl.layouts.algebra import Layout, Mesh, chunk_of_block
+from pardsl.layouts.algebra import Layout, Mesh, block_lengths, chunk_of_block, is_blocked
 
 
 INDEX_FILE = "pardsl.index.json"
@@ -58,20 +58,22 @@ def local_regions(layout: Layout, shape: tuple[int, ...], mesh: Mesh, coordinate
     """The boxes of a tensor of global `shape` that the rank at `coordinate` holds under `layout`.
 
     Per dim, one segment where the dim is whole or split (torch.chunk order over the splitting axes,
-    outermost first); `blocks` segments where it is split in blocks (the rank's chunk of every block).
+    outermost first); a segment per block where it is split in blocks (the rank's chunk of every block,
+    equal or not).
     """
     per_dim = []
     for dim, size in enumerate(shape):
         axes = layout.axes_splitting(dim)
-        blocks = layout.blocks_of(dim)
+        blocks = layout.block_spec_of(dim)
         if not axes:
             per_dim.append([(0, size, 0)])
-        elif blocks > 1:
+        elif is_blocked(blocks):
             (axis,) = axes
-            block, n = size // blocks, mesh.axis_sizes[axis]
-            chunk, mirrored = block // n, dim in layout.mirrored_dims()
-            per_dim.append([(j * block + chunk_of_block(j, coordinate[axis], n, mirrored) * chunk, chunk, j * chunk)
-                            for j in range(blocks)])
+            lengths, n = block_lengths(size, blocks), mesh.axis_sizes[axis]
+            mirrored = dim in layout.mirrored_dims()
+            per_dim.append([(sum(lengths[:j]) + chunk_of_block(j, coordinate[axis], n, mirrored) * (block // n),
+                             block // n, sum(lengths[:j]) // n)
+                            for j, block in enumerate(lengths)])
         else:
             index, ways = 0, 1
             for axis in axes:

@@ -23,6 +23,7 @@ from pardsl.layouts.algebra import (
     COLLECTIVE_KINDS,
     Layout,
     Mesh,
+    block_lengths,
     block_major,
     chunk_of_block,
     collective_bytes,
@@ -787,10 +788,11 @@ class Runtime:
             return torch.cat(received.unbind(0), dim=concat_dim)
         return self._issued(phase, issue)
 
-    def _slice(self, x: torch.Tensor, axis: str, dim: int, blocks: int = 1, mirrored: bool = False) -> torch.Tensor:
+    def _slice(self, x: torch.Tensor, axis: str, dim: int, blocks: int | tuple[int, ...] = 1,
+               mirrored: bool = False) -> torch.Tensor:
         n, coordinate = self.size[axis], self.coordinate[axis]
         return torch.cat([block.chunk(n, dim=dim)[chunk_of_block(b, coordinate, n, mirrored)]
-                          for b, block in enumerate(x.chunk(blocks, dim=dim))], dim=dim)
+                          for b, block in enumerate(x.split(block_lengths(x.shape[dim], blocks), dim=dim))], dim=dim)
 
     # -- host side: shards of full tensors, and full tensors from shards -----------------------------
 
@@ -827,6 +829,7 @@ class Runtime:
                 parts = [torch.empty_like(full) for _ in range(self.size[axis])]
                 dist.all_gather(parts, full.contiguous(), group=self.groups[axis])
                 k, d, n = placement.blocks, placement.dim, len(parts)
-                full = torch.cat([torch.cat([parts[chunk_of_block(j, r, n, placement.mirrored)].chunk(k, dim=d)[j]
+                lengths = block_lengths(full.shape[d], placement.arrangement[0])
+                full = torch.cat([torch.cat([parts[chunk_of_block(j, r, n, placement.mirrored)].split(lengths, dim=d)[j]
                                              for r in range(n)], dim=d) for j in range(k)], dim=d)
         return full

@@ -10,7 +10,8 @@ split_factor=k) is that arrangement: its full_tensor() is right, but torch.distr
 (torch 2.13) takes its local chunk for a contiguous one: it refuses the save (overlapping chunks) and
 loads such a tensor into the wrong rows, without an error; a warning says so. pardsl's own DCP path
 (pardsl/runtime/dcp.py) writes and reads the same pieces as chunks of their own, one per block, which
-DCP places right. A zig-zag split has no DTensor placement and is refused.
+DCP places right. A zig-zag split, and a split in blocks of unequal sizes, have no DTensor placement
+and are refused.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def dtensor_state_dict(model) -> dict[str, DTensor]:
     into the DTensors (`torch.distributed.checkpoint.load`) writes into the model. Every rank calls it (the
     first call builds the DeviceMesh, which is collective). Raises NotImplementedError for a pipelined
     model (a stage's tensors are not on every rank of the mesh) and ValueError for a tensor split in a
-    zig-zag, which DTensor cannot describe."""
+    zig-zag or in blocks of unequal sizes, which DTensor cannot describe."""
     if getattr(model, "pipeline", None) is not None:
         raise NotImplementedError("dtensor_state_dict: a pipelined model's stages hold different tensors, "
                                   "which a DTensor over the whole mesh cannot describe; use pardsl.save")
@@ -69,6 +70,9 @@ def dtensor_placements(name: str, layout: Layout) -> list:
         elif placement.mirrored:
             raise ValueError(f"{name} is split in a zig-zag ({layout.key()}): DTensor has no placement for it; "
                              "gather it with pardsl.save/export_checkpoint instead")
+        elif placement.sizes:
+            raise ValueError(f"{name} is split in blocks of unequal sizes ({layout.key()}): DTensor has no "
+                             "placement for it; gather it with pardsl.save/export_checkpoint instead")
         elif placement.blocks > 1:
             placements.append(_StridedShard(placement.dim, split_factor=placement.blocks))
         else:

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
-from pardsl.layouts.algebra import chunk_of_block
+from pardsl.layouts.algebra import block_lengths, chunk_of_block
 from pardsl.runtime.collectives import all_gather_json
 
 # a datagram's kind: that a buffer has been read, or that one holds the sender's input to one of these
@@ -234,12 +234,14 @@ class SharedMemoryGroup:
         """(work, a function giving this rank's chunk of dim 0 of the sum of `moved` once waited on)."""
         return self.reduce_scatter_along(moved, 0)
 
-    def all_gather_along(self, x: torch.Tensor, dim: int, blocks: int = 1, mirrored: bool = False) -> torch.Tensor:
+    def all_gather_along(self, x: torch.Tensor, dim: int, blocks: int | tuple[int, ...] = 1,
+                         mirrored: bool = False) -> torch.Tensor:
         """x gathered along `dim` (blocks-major: block b of the result holds block b of every rank's x, in
         rank order), written from each rank's buffer straight into its place: the tensor is never moved
-        to put `dim` first and back, as a gather of dim 0 needs."""
+        to put `dim` first and back, as a gather of dim 0 needs. `blocks`: a count, or unequal sizes."""
         x = x.contiguous()
-        chunk = x.shape[dim] // blocks
+        chunks = block_lengths(x.shape[dim], blocks)  # this rank's chunk of each block
+        starts = [sum(chunks[:b]) for b in range(len(chunks))]
         shape = list(x.shape)
         shape[dim] *= self.size
         out = x.new_empty(shape)
@@ -247,30 +249,32 @@ class SharedMemoryGroup:
         def gathered(inputs):
             for r, flat in enumerate(inputs):
                 theirs = flat.view(x.shape)
-                for b in range(blocks):
-                    where = (b * self.size + chunk_of_block(b, r, self.size, mirrored)) * chunk
-                    out.narrow(dim, where, chunk).copy_(theirs.narrow(dim, b * chunk, chunk))
+                for b, chunk in enumerate(chunks):
+                    where = (starts[b] * self.size + chunk_of_block(b, r, self.size, mirrored) * chunk)
+                    out.narrow(dim, where, chunk).copy_(theirs.narrow(dim, starts[b], chunk))
             return out
 
         work, result = self._started_work(x, gathered, "all_gather")
         return result()
 
-    def reduce_scatter_along(self, x: torch.Tensor, dim: int, blocks: int = 1, mirrored: bool = False):
+    def reduce_scatter_along(self, x: torch.Tensor, dim: int, blocks: int | tuple[int, ...] = 1,
+                             mirrored: bool = False):
         """(work, a function giving this rank's part of the sum of x over the group along `dim` once
         waited on: of each of the `blocks` blocks of dim, chunk `rank`), summed from the ranks' buffers
-        straight into its place, without moving `dim` first and back."""
+        straight into its place, without moving `dim` first and back. `blocks`: a count, or unequal sizes."""
         x = x.contiguous()
-        chunk = x.shape[dim] // (blocks * self.size)
+        whole = block_lengths(x.shape[dim], blocks)
+        chunks = [length // self.size for length in whole]
         shape = list(x.shape)
-        shape[dim] = blocks * chunk
+        shape[dim] = sum(chunks)
 
         def scattered(inputs):
             out = x.new_empty(shape)
             parts = [flat.view(x.shape) for flat in inputs]
-            for b in range(blocks):
-                where = (b * self.size + chunk_of_block(b, self.rank, self.size, mirrored)) * chunk
+            for b, chunk in enumerate(chunks):
+                where = sum(whole[:b]) + chunk_of_block(b, self.rank, self.size, mirrored) * chunk
                 _sum_in_rank_order([part.narrow(dim, where, chunk) for part in parts],
-                                   out=out.narrow(dim, b * chunk, chunk))
+                                   out=out.narrow(dim, sum(chunks[:b]), chunk))
             return out
 
         return self._started_work(x, scattered, "reduce_scatter")

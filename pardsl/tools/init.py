@@ -349,7 +349,7 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
     blocked = _in_blocks(compiled.bound, entries)
     if not blocked:
         return generated
-    comments.append("split in blocks where the model cuts a projection's output into equal parts (fused q, k and "
+    comments.append("split in blocks where the model cuts a projection's output into parts (fused q, k and "
                     "v; gate and up), so that each rank holds its share of every part: "
                     + ", ".join(name.rsplit(".", 1)[0].rsplit(".", 1)[-1] for name in dict.fromkeys(
                         name for name in blocked if not name.endswith("bias"))))
@@ -361,9 +361,10 @@ def generate(model: str, path: str, mesh: str = "tp = 2", seq: int = 16, batch: 
         return generated
 
 
-def _in_blocks(bound, entries: dict[str, str]) -> dict[str, int]:
+def _in_blocks(bound, entries: dict[str, str]) -> dict[str, int | tuple[int, ...]]:
     """The entries written plainly split along the output features of a fused projection (a column-parallel
-    weight or bias whose output the model cuts into equal parts: q, k and v; gate and up), with the parts:
+    weight or bias whose output the model cuts into parts: q, k and v; gate and up), with the parts (a
+    count of equal ones, or the sizes of unequal ones: q, k and v under grouped-query attention):
     split plainly, each rank held parts of other ranks' q, k or v, and the cut exchanged them (all-to-all)."""
     fused = fused_parameters(bound)
     found = {}
@@ -375,8 +376,8 @@ def _in_blocks(bound, entries: dict[str, str]) -> dict[str, int]:
     return found
 
 
-def _blocked_layout(layout: str, parts: int) -> str:
-    return layout[:-1] + f", blocks={parts})"
+def _blocked_layout(layout: str, parts: int | tuple[int, ...]) -> str:
+    return layout[:-1] + (f", blocks=[{', '.join(map(str, parts))}])" if isinstance(parts, tuple) else f", blocks={parts})")
 
 
 def _check_arguments(module: torch.nn.Module, arguments: dict, inputs: set[str]) -> None:
