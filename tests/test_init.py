@@ -70,33 +70,23 @@ def test_qwen3_and_mixtral_plans_are_megatron_and_run_equal_to_serial(pools, ini
     assert _nonzero(report["collectives"]) == planned
 
 
-def test_fused_projections_are_split_in_blocks_and_run_equal_to_serial(pools, init):
+@pytest.mark.parametrize("settings, qkv", [
+    ((), "S(0, blocks=3)"),
+    # under grouped-query attention (Phi-3-medium, Phi-4): 4 query heads and 2 key/value heads, q twice as
+    # long as k and as v; in 3 equal blocks a rank's query heads would not be those that read its
+    # key/value heads
+    (("--set", "num_key_value_heads=2"), "S(0, blocks=[2, 1, 1])"),
+], ids=["equal parts", "grouped-query attention"])
+def test_fused_projections_are_split_in_blocks_and_run_equal_to_serial(pools, init, settings, qkv):
     """Phi-3 computes q, k and v in one projection and takes them apart by slices, gate and up in another
     cut by `chunk`; its plan says colwise for both. Split plainly, each rank held parts of other ranks' q, k
-    or v, and every layer exchanged them by all-to-all (4 each way); in blocks, each rank holds its share of
-    every part, and the layer has Megatron's two all-reduces each way."""
-    path = init("Phi3Config")
+    or v, and every layer exchanged them by all-to-all (4 each way); in blocks of the parts' sizes, each
+    rank holds its share of every part, and the layer has Megatron's two all-reduces each way."""
+    path = init("Phi3Config", *settings)
     text = " ".join(" ".join(line.split()) for line in Path(path).read_text().splitlines())
-    assert "model.layers.*.self_attn.qkv_proj.weight : S(0, blocks=3)" in text
+    assert f"model.layers.*.self_attn.qkv_proj.weight : {qkv}" in text
     assert "model.layers.*.mlp.gate_up_proj.weight : S(0, blocks=2)" in text
     assert "# split in blocks where the model cuts a projection's output into parts" in text
-    compiled = compile_file(path)
-    planned = _nonzero(compiled.program.collective_counts())
-    assert planned == PER_LAYER  # one layer
-    report = check(pools, compiled)  # equal to serial, and measured exactly as planned
-    assert _nonzero(report["collectives"]) == planned
-
-
-def test_fused_projections_of_unequal_parts_are_split_in_blocks_of_their_sizes(pools, init):
-    """Phi-3 under grouped-query attention (Phi-3-medium, Phi-4): 4 query heads and 2 key/value heads in
-    one projection, q twice as long as k and as v. Split in 3 equal blocks or plainly, a rank's query heads
-    would not be those that read its key/value heads, and every layer exchanged them by all-to-all; in
-    blocks of their sizes, each rank holds its share of q, of k and of v, and the layer has Megatron's two
-    all-reduces each way."""
-    path = init("Phi3Config", "--set", "num_key_value_heads=2")
-    text = " ".join(" ".join(line.split()) for line in Path(path).read_text().splitlines())
-    assert "model.layers.*.self_attn.qkv_proj.weight : S(0, blocks=[2, 1, 1])" in text
-    assert "model.layers.*.mlp.gate_up_proj.weight : S(0, blocks=2)" in text
     compiled = compile_file(path)
     planned = _nonzero(compiled.program.collective_counts())
     assert planned == PER_LAYER  # one layer

@@ -401,66 +401,54 @@ def test_under_a_bound_the_fewest_layers_are_recomputed_and_the_plan_runs_equal_
     assert report["ok"], report
 
 
-@pytest.mark.slow
-def test_under_a_bound_recomputation_is_weighed_against_the_layouts(pools, compile_par, monkeypatch):
-    """Data parallelism over 2 ranks, a bound the replicated model does not meet. The search alone,
-    counting activations as lowering holds them and its plan then recomputed to fit, shards the weights
-    (gathered for use: collectives in every layer) and has two layers recomputed on top. Counting them as
-    the passes keep them, and weighing recomputation, a plan within the bound that recomputes nothing is
-    kept, rated more than 5 % faster. It runs equal to serial."""
-    from pardsl import compiler
-    from pardsl.planning.cost import default_machine, estimate
-    from pardsl.planning.search import memory_limit
-
-    text = ("mesh dp = 2\nmodel examples.language_models:Llama(vocab_size=256, n_layer=4, n_head=8, n_kv_head=4, "
-            "d_model=256, d_ff=512)\ninput input_ids : int64[8, 256] in [0, 256)\nmemory <= 47 %\n")
-    # the known recipes left out: plain data parallelism is one of them, recomputed within the bound as
-    # compiled, and would be weighed without the search weighing recomputation at all
-    from pardsl.planning import descent
-    monkeypatch.setattr(descent, "recipe_plans", lambda *args, **kwargs: [])
-    compiled = compile_par(text)
-    with monkeypatch.context() as patched:
-        patched.setattr(compiler, "RECOMPUTATION_STEPS", 0)  # the search once, recomputation chosen after it
-        shares = compiler._activation_shares
-        patched.setattr(compiler, "_activation_shares", lambda *args: (1.0, shares(*args)[1]))
-        after = compile_par(text, "after.par")
-    machine, limit = default_machine(), memory_limit(compiled.bound)
-    weighed, alone = estimate(compiled, machine), estimate(after, machine)
-    assert weighed.memory["total"] <= limit and alone.memory["total"] <= limit
-    assert weighed.step_s < 0.95 * alone.step_s, (weighed.step_s, alone.step_s)
-    assert after.program.collective_counts_by_axis()["forward"]["dp:all_gather"] > 0
-    (note,) = [n for n in after.program.notes if n.code == "N007"]
-    assert note.message.startswith("recomputes layers.0 to layers.1 (2 of 4 layers")
-    assert not [n for n in compiled.program.notes if n.code == "N007"]
-    report = run_on(pools, compiled, steps=2)
-    assert report["ok"], report
+# data parallelism over 2 ranks, under a bound the replicated model does not meet as lowering counts its
+# activations
+DP_LLAMA_47 = ("mesh dp = 2\nmodel examples.language_models:Llama(vocab_size=256, n_layer=4, n_head=8, n_kv_head=4, "
+               "d_model=256, d_ff=512)\ninput input_ids : int64[8, 256] in [0, 256)\nmemory <= 47 %\n")
 
 
 def test_the_search_counts_activations_as_the_passes_keep_them(compile_par, monkeypatch):
-    """The search run once (no weighing), on data parallelism over 2 ranks under a bound the replicated
-    model does not meet as lowering counts its activations: it counts them as the passes keep them (fused
-    norms and SwiGLUs keep less), finds a plan within the bound with nothing recomputed, and rates it more
-    than 5 % faster than the plan it finds counting them as lowering holds them, which needs two layers
-    recomputed to fit."""
+    """The search run once (no weighing) on DP_LLAMA_47 counts activations as the passes keep them (fused
+    norms and SwiGLUs keep less), and finds a plan within the bound with nothing recomputed, rated more than
+    5 % faster than the plan it finds counting them as lowering holds them: that one shards the weights
+    (gathered for use: collectives in every layer) and recomputes two layers on top to fit."""
     from pardsl import compiler
     from pardsl.planning import descent
     from pardsl.planning.cost import default_machine, estimate
     from pardsl.planning.search import memory_limit
 
     monkeypatch.setattr(compiler, "RECOMPUTATION_STEPS", 0)
-    monkeypatch.setattr(descent, "recipe_plans", lambda *args, **kwargs: [])  # the search's own plans alone
-    text = ("mesh dp = 2\nmodel examples.language_models:Llama(vocab_size=256, n_layer=4, n_head=8, n_kv_head=4, "
-            "d_model=256, d_ff=512)\ninput input_ids : int64[8, 256] in [0, 256)\nmemory <= 47 %\n")
-    counted_as_kept = compile_par(text)
+    # the known recipes left out: plain data parallelism is one of them, recomputed within the bound as
+    # compiled, and would be weighed whatever the search counted
+    monkeypatch.setattr(descent, "recipe_plans", lambda *args, **kwargs: [])
+    counted_as_kept = compile_par(DP_LLAMA_47)
     shares = compiler._activation_shares
     monkeypatch.setattr(compiler, "_activation_shares", lambda *args: (1.0, shares(*args)[1]))
-    counted_as_lowered = compile_par(text, "lowered.par")
+    counted_as_lowered = compile_par(DP_LLAMA_47, "lowered.par")
     machine, limit = default_machine(), memory_limit(counted_as_kept.bound)
     kept, lowered = estimate(counted_as_kept, machine), estimate(counted_as_lowered, machine)
     assert kept.memory["total"] <= limit and lowered.memory["total"] <= limit
-    assert not [n for n in counted_as_kept.program.notes if n.code == "N007"]
-    assert [n for n in counted_as_lowered.program.notes if n.code == "N007"]
     assert kept.step_s < 0.95 * lowered.step_s, (kept.step_s, lowered.step_s)
+    assert counted_as_lowered.program.collective_counts_by_axis()["forward"]["dp:all_gather"] > 0
+    (note,) = [n for n in counted_as_lowered.program.notes if n.code == "N007"]
+    assert note.message.startswith("recomputes layers.0 to layers.1 (2 of 4 layers")
+    assert not [n for n in counted_as_kept.program.notes if n.code == "N007"]
+
+
+@pytest.mark.slow
+def test_under_a_bound_the_plan_weighed_recomputes_nothing_and_runs_equal_to_serial(pools, compile_par, monkeypatch):
+    """DP_LLAMA_47 compiled as a user would, recomputation weighed against the layouts: within the bound,
+    nothing recomputed, equal to serial."""
+    from pardsl.planning import descent
+    from pardsl.planning.cost import memory_per_rank
+    from pardsl.planning.search import memory_limit
+
+    monkeypatch.setattr(descent, "recipe_plans", lambda *args, **kwargs: [])
+    compiled = compile_par(DP_LLAMA_47)
+    assert memory_per_rank(compiled.program)["total"] <= memory_limit(compiled.bound)
+    assert not [n for n in compiled.program.notes if n.code == "N007"]
+    report = run_on(pools, compiled, steps=2)
+    assert report["ok"], report
 
 
 def test_a_bound_that_does_not_bind_costs_one_search_more(compile_par, monkeypatch):
