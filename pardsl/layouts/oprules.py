@@ -404,7 +404,8 @@ _SPLIT_WORDS = {
     "index": "the indexed dims stay whole; the index tensors' dims may be split → S of where they land",
     "project": "takes one result of an op with several: the layout that result has",
     "cut": "the dim it cuts or joins along stays whole (unless it takes all of it); other dims split alike → S of them; "
-           "a dim cut into m equal parts may be split in m blocks, S(d, blocks=m), each part → S(d)",
+           "a dim cut into m equal parts may be split in m blocks, S(d, blocks=m), each part → S(d); a projection's "
+           "output taken apart by slices into parts of other sizes, in blocks of those sizes, S(d, blocks=[4, 1, 1])",
     "stack": "the inputs' dims split alike → S of them; the new dim stays whole",
     "select": "the selected dim stays whole; other dims split alike → S of them",
     "pad": "the padded dims stay whole; other dims → S of them",
