@@ -267,15 +267,15 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
 def _activation_shares(typed: TypedGraph, lowered: LoweredProgram, machine) -> tuple[float, float]:
     """What the passes leave of a rank's activations as lowering holds them, on a plan of the file (its
     greedy completion) and its lowered program: (through the passes, the layers the file names
-    recomputed; with every repeated layer recomputed as well, where the file names none and bounds
-    memory), each a share of lowering's count, at most 1."""
+    recomputed; with every repeated layer recomputed as well, where the file names none), each a share
+    of lowering's count, at most 1."""
     counted = memory_per_rank(lowered)["activations"]
     if not counted:
         return 1.0, 1.0
     passed = _passes_after_lowering(replace(lowered, notes=list(lowered.notes)), typed, machine)
     kept = min(1.0, memory_per_rank(passed)["activations"] / counted)
     par = typed.bound.par
-    if par.recomputes_written or par.memory_bound is None:
+    if par.recomputes_written:
         return kept, kept
     return kept, min(kept, activations_recomputing_all(passed, typed, par.memory_bound.span) / counted)
 
@@ -517,20 +517,12 @@ def _compile_pipelined(par: ParFile, bucket_mb: float, machine, bound: BoundPlan
         # activations: so the whole model's memory, its activations counted `held` times, is held to
         # `ranks` times the bound. Lowered in stages, the plan is checked rank by rank (N003).
         # (a schedule chosen again for the plan found can hold more: the bound is checked on its stages)
-        # (its activations counted as the passes keep them: _activation_shares)
         held = pp.micro_batches_held(decl.schedule, decl.microbatches, ranks, 0, decl.stages_per_rank)
-        whole_limit = None if limit is None else limit * ranks
-
-        def greedy_and_share():
-            lowered = _lowered(typed, bucket_mb, whole_limit)
-            return lowered, _activation_shares(typed, lowered, machine or default_machine())[0]
-
-        greedy_lowered, kept = timed(seconds, "activations", greedy_and_share)
         typed, searched_program = searched_or_greedy(bound, machine or default_machine(),
                                                      lambda typed, limit: _lowered(typed, bucket_mb, limit), seconds,
-                                                     kept=(pipeline_axis,), limit=whole_limit,
-                                                     activation_weight=held * kept,
-                                                     greedy_lowered=(typed, greedy_lowered))
+                                                     kept=(pipeline_axis,),
+                                                     limit=None if limit is None else limit * ranks,
+                                                     activation_weight=held)
         pp.check_unsplit(typed, decl)
 
     def pipelined(typed: TypedGraph) -> _PipelinedPlan:
@@ -764,8 +756,7 @@ def stage_lowering(bucket_mb: float = DEFAULT_BUCKET_MB, machine=None) -> StageL
             return parts
         return parts_of
 
-    return StageLowering(lambda typed: lower(typed, bucket_mb), staged,
-                         lambda typed, program: _activation_shares(typed, program, machine or default_machine())[0])
+    return StageLowering(lambda typed: lower(typed, bucket_mb), staged)
 
 
 def _check_memory_bound(bound: BoundPlan, program: LoweredProgram, memory: dict[str, int] | None = None,

@@ -139,12 +139,10 @@ class StageLowering(NamedTuple):
     """How the compile lowers a plan, handed to the pipeline search by the compiler (planning comes before
     the program, so it does not reach for lowering itself): `whole(typed)` the uncut program; `staged(typed)`
     a function of (stage_of, count) giving the stage programs through the passes after lowering, as the
-    pipeline compiled from them has them; `activations_kept(typed, program)` the share of the program's
-    activations the passes keep, which the layout search counts."""
+    pipeline compiled from them has them."""
 
     whole: Callable
     staged: Callable
-    activations_kept: Callable
 
 
 def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit: int | None,
@@ -165,7 +163,7 @@ def choose_pipeline(typed, program, decl: PipelineDecl, machine: Machine, limit:
     candidates = [("", typed, program)]
     if price_memory and other_layouts and wants_search(bound) and \
             any(size > 1 for other, size in enumerate(bound.mesh.axis_sizes) if other != axis):
-        candidates = [("", *_searched_layouts(typed, program, decl, machine, limit, traced_microbatches, lowering)),
+        candidates = [("", *_searched_layouts(typed, decl, machine, limit, traced_microbatches, lowering)),
                       *_recipe_layouts(bound, axis, machine, lowering, limit)]
     options: dict[tuple, PipelineOption] = {}
     for index, (recipe, typed, program) in enumerate(candidates):
@@ -391,14 +389,13 @@ def _synchronised_seconds(typed, program, machine: Machine, segments: _Segments)
     return seconds
 
 
-def _searched_layouts(typed, program, decl: PipelineDecl, machine: Machine, limit: int | None,
-                      traced_microbatches: int, lowering: "StageLowering"):
+def _searched_layouts(typed, decl: PipelineDecl, machine: Machine, limit: int | None, traced_microbatches: int,
+                      lowering: "StageLowering"):
     """The plan whose pipeline is priced, where the file leaves layouts of the other axes to the search:
     searched as the compile searches them for the pipeline chosen (compiler._compile_pipelined), one
     micro-batch's step with the pipeline axis kept B and the whole model held to `ranks` times the bound,
-    its activations counted as the passes keep them, as many times as the first rank holds them (under the
-    written schedule, 1F1B where the schedule is the search's). `typed` is the file's greedy completion,
-    `program` its lowered program. Priced on the greedy completion instead, a file with no layouts
+    its activations counted as many times as the first rank holds them (under the written schedule, 1F1B
+    where the schedule is the search's). Priced on the greedy completion instead, a file with no layouts
     had its options timed without tensor parallelism, and the compile then searched layouts for a
     pipeline chosen for others (GPT-3 175B's searched file: 192 micro-batches written, 16 chosen, 2.8
     times the recipe's step)."""
@@ -409,10 +406,8 @@ def _searched_layouts(typed, program, decl: PipelineDecl, machine: Machine, limi
     microbatches = traced_microbatches if "microbatches" in decl.searched else decl.microbatches
     per_rank = 1 if "schedule" in decl.searched else decl.stages_per_rank
     held = micro_batches_held(schedule, microbatches, ranks, 0, per_rank)
-    kept = lowering.activations_kept(typed, program)
     return searched_or_greedy(typed.bound, machine, lambda plan, _: lowering.whole(plan), {},
-                              kept=(axis,), limit=None if limit is None else limit * ranks,
-                              activation_weight=held * kept, greedy_lowered=(typed, program))
+                              kept=(axis,), limit=None if limit is None else limit * ranks, activation_weight=held)
 
 
 def segment_memory(typed, segments: _Segments, staged, optimizer: str = "adamw") -> SegmentMemory:
