@@ -138,3 +138,10 @@ def test_unequal_blocks_are_written_read_and_reordered_as_the_runtime_moves_them
     assert all(torch.equal(chunk, shard) for chunk, shard in zip(rank_major(full, 2, (3, 1, 1)).chunk(2), shards))
     [gather] = plan_conversion(Layout((q_k_v,)), Layout((B,)), (20, 3), 4, mesh)
     assert (gather.kind, gather.src_blocks) == ("all_gather", (3, 1, 1))
+    # the search's offers of several arrangements for one dim sort (a count and sizes do not compare)
+    from pardsl.layouts.algebra import arrangement_order
+    from pardsl.planning.search import _frozen
+
+    offered = {(3, False), ((2, 1, 1), False), (2, True), (1, False)}
+    assert sorted(offered, key=arrangement_order) == [(1, False), (2, True), (3, False), ((2, 1, 1), False)]
+    assert _frozen({"n": offered}) == (("n", ((1, False), (2, True), (3, False), ((2, 1, 1), False))),)

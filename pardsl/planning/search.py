@@ -60,6 +60,7 @@ from pardsl.layouts.algebra import (
     Layout,
     P,
     Placement,
+    arrangement_order,
     collective_bytes,
     collective_matmul_cut,
     one_group_gather,
@@ -1081,8 +1082,9 @@ def _items(decided: dict) -> tuple:
     return tuple(sorted(decided.items()))
 
 
-def _frozen(offered: dict[str, set[int]]) -> tuple:
-    return tuple(sorted((letter, tuple(sorted(counts))) for letter, counts in offered.items()))
+def _frozen(offered: dict[str, set[tuple]]) -> tuple:
+    return tuple(sorted((letter, tuple(sorted(arrangements, key=arrangement_order)))
+                        for letter, arrangements in offered.items()))
 
 
 def _signature_on(node, group: tuple[int, ...]) -> tuple:

@@ -213,7 +213,7 @@ class ParameterGather:
     attr: str
     axis: str
     dim: int
-    blocks: int
+    blocks: int | tuple[int, ...]  # a count of equal blocks, or unequal blocks' sizes
     unit: str  # the repeated block it belongs to (`model.layers.3`), or "" outside any
     dtype: str
     nbytes: int  # whole, on one rank
@@ -241,7 +241,7 @@ class GradientBucket:
 
     kind: str  # all_reduce | reduce_scatter
     axes: tuple[str, ...]
-    members: tuple[tuple[str, int, int], ...]  # (parameter attribute, dim, blocks), in arrival order
+    members: tuple[tuple[str, int, int | tuple[int, ...]], ...]  # (parameter attribute, dim, blocks), in arrival order
     nbytes: int  # the gradients' bytes on one rank (whole, for a reduce-scatter)
     collectives: tuple[Collective, ...]
 

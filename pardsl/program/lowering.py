@@ -72,7 +72,7 @@ class _GradientSync:
     axes: tuple[str, ...]
     attr: str
     dim: int
-    blocks: int
+    blocks: int | tuple[int, ...]  # a count of equal blocks, or unequal blocks' sizes
     nbytes: int
     dtype: str
 
@@ -436,7 +436,8 @@ class _Lowerer:
     def _is_parameter(self, name: str) -> bool:
         return name in self.bound.parameters and self.var[name].startswith("self.")
 
-    def _sync(self, kind: str, axes: tuple[str, ...], name: str, dim: int, blocks: int, nbytes: int) -> int:
+    def _sync(self, kind: str, axes: tuple[str, ...], name: str, dim: int, blocks: int | tuple[int, ...],
+              nbytes: int) -> int:
         """Bind a parameter's gradient for a bucket; the bucket is chosen once all are known (`_buckets`)."""
         info = self.typed.info(name)
         self.syncs.append(_GradientSync(kind, axes, self.var[name].removeprefix("self."), dim, blocks, nbytes,
