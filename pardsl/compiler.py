@@ -242,6 +242,11 @@ def _searched_with_recomputation(bound: BoundPlan, machine, bucket_mb: float, li
     greedy_lowered = timed(seconds, "lower", lambda: _lowered(greedy, bucket_mb, limit))
     kept, least = timed(seconds, "activations", lambda: _activation_shares(greedy, greedy_lowered, machine))
     best = planned(kept)
+    if best.rating[0] and kept < 1.0:
+        # the share is the greedy completion's: a plan the passes leave more of can compile over the bound
+        # (where the file names what to recompute, nothing after brings it within): searched again counting
+        # activations as lowering holds them, at most what the passes keep
+        best = min(best, planned(1.0), key=lambda plan: plan.rating)
     deadline = descent.search_clock() + descent.SEARCH_BUDGET_S  # the steps together: one search's budget more
     weights = [kept - step / RECOMPUTATION_STEPS * (kept - least)
                for step in range(1, RECOMPUTATION_STEPS + 1)] if least < kept else []

@@ -1496,8 +1496,7 @@ def slice_bounds(node: torch.fx.Node, dim: int, size: int) -> tuple[int, int] | 
         end = min(concrete_size(end), size) if end is not None else size
     except (TypeError, ValueError):
         return None
-    if start < 0:
-        start += size
+    start, end = (start + size if start < 0 else start), (end + size if end < 0 else end)
     if step != 1 or end <= start or start < 0:
         return None
     return start, end
